@@ -1,0 +1,38 @@
+# make run   create .venv, install, run the supervised tiny training with one fault
+# make test  create .venv, install what the tests need (mosquitto, Slurm and munge
+#            from Debian's packages when root), then lint, type-check and run the suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The CPU wheel: an unpinned torch would pull a multi-GB CUDA build.
+TORCH := torch==2.13.0
+
+.PHONY: run test lint typecheck unit chaos system-deps clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[trainer,test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/training-supervisor run examples/tiny-llama.toml --state-dir .state/tiny --chaos kill-rank@50
+
+system-deps:
+	scripts/install-system-deps
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/pytest tests/unit
+
+test: $(STAMP) system-deps lint typecheck
+	$(BIN)/pytest
+
+clean:
+	rm -rf $(VENV) .state .pytest_cache .mypy_cache .ruff_cache

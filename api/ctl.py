@@ -1,0 +1,174 @@
+"""`supervisorctl`: the command-line client of a running training-supervisor.
+
+    supervisorctl [--url URL] [--json] runs
+    supervisorctl status RUN            a run's state, attempts, faults, goodput
+    supervisorctl events RUN [--follow] its event log
+    supervisorctl submit SPEC.toml
+    supervisorctl resume RUN | pause RUN | cancel RUN
+    supervisorctl nodes
+
+The daemon's address comes from --url, else $TSUP_URL, else http://127.0.0.1:8470.
+Exit codes: 0 ok; 1 error (daemon unreachable, request rejected); 2 usage or invalid
+input; 3 not found; 4 unauthorized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from api.client import DEFAULT_URL, ApiError, Client
+from supervisor import report
+from supervisor.domain import TERMINAL_RUN_STATES
+from supervisor.views import EventView, NodeView, RunDetail, RunSummary
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNAUTHORIZED = 0, 1, 2, 3, 4
+_STATUS_EXIT = {404: EXIT_NOT_FOUND, 401: EXIT_UNAUTHORIZED, 403: EXIT_UNAUTHORIZED, 422: EXIT_USAGE}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    args.json = getattr(args, "json", False)
+    client = Client(getattr(args, "url", None) or os.environ.get("TSUP_URL") or DEFAULT_URL)
+    try:
+        return int(args.handler(client, args))
+    except ApiError as e:
+        print(f"supervisorctl: {e.detail}", file=sys.stderr)
+        return _STATUS_EXIT.get(e.status, EXIT_ERROR)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        client.close()
+
+
+def _parser() -> argparse.ArgumentParser:
+    # Accepted before and after the subcommand; SUPPRESS keeps a subcommand's default
+    # from overwriting a value given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default=argparse.SUPPRESS,
+                        help=f"the daemon's API (default $TSUP_URL or {DEFAULT_URL})")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="machine-readable output")
+    parser = argparse.ArgumentParser(prog="supervisorctl", description=__doc__.split("\n\n")[0],
+                                     parents=[common])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("runs", help="list runs", parents=[common]).set_defaults(handler=_runs)
+    p = sub.add_parser("status", help="show one run", parents=[common])
+    p.add_argument("run")
+    p.set_defaults(handler=_status)
+    p = sub.add_parser("events", help="a run's event log", parents=[common])
+    p.add_argument("run")
+    p.add_argument("--after", type=int, default=0, help="only events after this id")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing until the run ends")
+    p.set_defaults(handler=_events)
+    p = sub.add_parser("submit", help="submit a run spec (TOML)", parents=[common])
+    p.add_argument("spec", type=Path)
+    p.set_defaults(handler=_submit)
+    for kind, text in (("resume", "resume a paused or failed run"), ("pause", "pause a run"),
+                       ("cancel", "cancel a run")):
+        p = sub.add_parser(kind, help=text, parents=[common])
+        p.add_argument("run")
+        p.add_argument("--wait", type=float, default=10.0,
+                       help="seconds to wait for the daemon to act on it (default 10)")
+        p.set_defaults(handler=_command, kind=kind)
+    sub.add_parser("nodes", help="list nodes", parents=[common]).set_defaults(handler=_nodes)
+    return parser
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2))
+
+
+def _runs(c: Client, args: argparse.Namespace) -> int:
+    runs = c.runs()
+    if args.json:
+        _print_json(runs)
+    else:
+        print(report.runs_table([RunSummary.model_validate(r) for r in runs]))
+    return EXIT_OK
+
+
+def _status(c: Client, args: argparse.Namespace) -> int:
+    run = c.run(args.run)
+    if args.json:
+        _print_json(run)
+    else:
+        print(report.run_detail(RunDetail.model_validate(run)))
+    return EXIT_OK
+
+
+def _events(c: Client, args: argparse.Namespace) -> int:
+    """--json prints one array; with --follow, one JSON object per line as they come."""
+    after = args.after
+    if args.json and not args.follow:
+        _print_json(c.events(args.run, after))
+        return EXIT_OK
+    terminal = {s.value for s in TERMINAL_RUN_STATES}
+    while True:
+        events = c.events(args.run, after)
+        for e in events:
+            after = e["id"]
+            if args.json:
+                print(json.dumps(e), flush=True)
+            else:
+                print(report.event_line(EventView.model_validate(e)), flush=True)
+        if not args.follow:
+            return EXIT_OK
+        if not events and c.run(args.run)["state"] in terminal:
+            return EXIT_OK
+        time.sleep(1.0)
+
+
+def _submit(c: Client, args: argparse.Namespace) -> int:
+    try:
+        spec = tomllib.loads(args.spec.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"supervisorctl: {args.spec}: cannot read: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except tomllib.TOMLDecodeError as e:
+        print(f"supervisorctl: {args.spec}: not valid TOML: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    run = c.submit(spec)
+    if args.json:
+        _print_json(run)
+    else:
+        print(f"{run['run_id']} submitted ({run['name']})")
+    return EXIT_OK
+
+
+def _command(c: Client, args: argparse.Namespace) -> int:
+    accepted = c.command(args.run, args.kind)
+    deadline = time.monotonic() + args.wait
+    result = None
+    while time.monotonic() < deadline:
+        result = c.command_result(accepted["command_id"])["result"]
+        if result is not None:
+            break
+        time.sleep(0.2)
+    outcome = {"run_id": args.run, "command": args.kind, "command_id": accepted["command_id"],
+               "result": result or "queued"}
+    if args.json:
+        _print_json(outcome)
+    else:
+        print(f"{args.run}: {args.kind} {outcome['result']}")
+    return EXIT_ERROR if result is not None and result.startswith("rejected") else EXIT_OK
+
+
+def _nodes(c: Client, args: argparse.Namespace) -> int:
+    nodes = c.nodes()
+    if args.json:
+        _print_json(nodes)
+    else:
+        print(report.nodes_table([NodeView.model_validate(n) for n in nodes]))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

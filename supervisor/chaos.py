@@ -1,0 +1,101 @@
+"""Fault injection for demos and tests: ``--chaos KIND@STEP[:TARGET]``.
+
+    kill-rank@50      SIGKILL one rank (the highest rank, or rank TARGET) when the run
+                      reaches step 50
+    kill-node@90      SIGKILL every process of one simulated node (the last node of the
+                      attempt, or the node at index TARGET) at step 90
+
+Each action fires once per run, through the launcher, as real signals to real
+processes. The injector tells the reconciler nothing: the supervisor must detect the
+fault on its own. It records a ``chaos.injected`` event so that a reader (and the
+tests) can compare detection times with the moment of injection.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from supervisor.domain import AttemptState, run_id_of
+from supervisor.errors import LaunchError, SpecError
+from supervisor.launchers.base import Launcher
+from supervisor.reconciler import Reconciler
+from supervisor.store import SqlStore
+from supervisor.telemetry import TelemetryView
+
+log = logging.getLogger(__name__)
+
+_SYNTAX = re.compile(r"^(kill-rank|kill-node)@([0-9]+)(?::([0-9]+))?$")
+ChaosKind = Literal["kill-rank", "kill-node"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChaosAction:
+    kind: ChaosKind
+    step: int
+    target: int | None = None
+
+    def __str__(self) -> str:
+        suffix = f":{self.target}" if self.target is not None else ""
+        return f"{self.kind}@{self.step}{suffix}"
+
+
+def parse_chaos(text: str) -> ChaosAction:
+    m = _SYNTAX.match(text.strip())
+    if m is None:
+        raise SpecError(
+            f"--chaos {text!r}: expected KIND@STEP[:TARGET] with KIND kill-rank or kill-node, "
+            "for example kill-rank@50"
+        )
+    kind: ChaosKind = "kill-rank" if m.group(1) == "kill-rank" else "kill-node"
+    step = int(m.group(2))
+    if step <= 0:
+        raise SpecError(f"--chaos {text!r}: STEP must be positive")
+    return ChaosAction(kind=kind, step=step, target=int(m.group(3)) if m.group(3) else None)
+
+
+class ChaosMonkey:
+    def __init__(
+        self, actions: list[ChaosAction], run_number: int, store: SqlStore, launcher: Launcher,
+        telemetry: TelemetryView, reconciler: Reconciler,
+    ) -> None:
+        self.pending = sorted(actions, key=lambda a: a.step)
+        self.run_number = run_number
+        self.store = store
+        self.launcher = launcher
+        self.telemetry = telemetry
+        self.reconciler = reconciler
+
+    def poll(self) -> None:
+        if not self.pending:
+            return
+        with self.store.tx() as tx:
+            attempts = tx.list_attempts(self.run_number)
+        live = attempts[-1] if attempts else None
+        if live is None or live.state is not AttemptState.RUNNING or live.launch_info is None:
+            return
+        step = self.telemetry.max_step(run_id_of(self.run_number), live.number)
+        while self.pending and self.pending[0].step <= step:
+            action = self.pending.pop(0)
+            try:
+                if action.kind == "kill-rank":
+                    world = len(live.nodes) * _ranks_per_node(self.store, self.run_number)
+                    rank = action.target if action.target is not None else world - 1
+                    what = self.launcher.kill_rank(live.launch_info, rank)
+                else:
+                    index = action.target if action.target is not None else len(live.nodes) - 1
+                    what = self.launcher.kill_node(live.launch_info, live.nodes[index])
+            except (LaunchError, IndexError) as e:
+                log.warning("chaos %s not injected: %s", action, e)
+                continue
+            self.reconciler.post_event(
+                self.run_number, "chaos.injected", f"chaos {action} at step {step}: {what}",
+                {"action": str(action), "step": step, "attempt": live.number},
+            )
+
+
+def _ranks_per_node(store: SqlStore, run_number: int) -> int:
+    with store.tx() as tx:
+        return tx.get_run(run_number).ranks_per_node

@@ -1,0 +1,227 @@
+"""`training-supervisor`: the daemon (`serve`) and the foreground runner (`run`).
+
+    training-supervisor run SPEC.toml [--state-dir DIR] [--chaos KIND@STEP ...] [--json]
+    training-supervisor serve [--state-dir DIR] [--api-bind HOST:PORT] [--mqtt-url URL]
+
+Exit codes: 0 the run succeeded (run) or a clean shutdown (serve); 1 the run failed or
+was cancelled, or the daemon stopped on an error; 2 bad input (usage, spec, state
+directory in use); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from supervisor import report, trainer_cmd
+from supervisor.chaos import ChaosAction, ChaosMonkey, parse_chaos
+from supervisor.daemon import Daemon, DaemonSettings
+from supervisor.domain import TERMINAL_RUN_STATES, CommandKind
+from supervisor.errors import SpecError, StateDirLocked, SupervisorError
+from supervisor.spec import load_spec, parse_mqtt_url
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+log = logging.getLogger("training_supervisor")
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "training-supervisor"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "run":
+            return asyncio.run(_run(args))
+        return asyncio.run(_serve(args))
+    except (SpecError, StateDirLocked) as e:
+        print(f"training-supervisor: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except SupervisorError as e:
+        print(f"training-supervisor: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="training-supervisor", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="supervise one run in the foreground, then exit")
+    run.add_argument("spec", type=Path, help="the run spec (TOML)")
+    run.add_argument("--state-dir", type=Path, default=None,
+                     help=f"SQLite, checkpoints and logs (default {default_state_dir()})")
+    run.add_argument("--chaos", action="append", default=[], metavar="KIND@STEP[:TARGET]",
+                     help="inject a fault: kill-rank@STEP or kill-node@STEP (repeatable)")
+    run.add_argument("--json", action="store_true", help="print one JSON summary object on stdout")
+    run.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    run.add_argument("--api-port", type=int, default=0,
+                     help="serve the API on 127.0.0.1:PORT while running (0: any free port, -1: none)")
+
+    serve = sub.add_parser("serve", help="run the daemon until SIGTERM")
+    serve.add_argument("--state-dir", type=Path, default=None,
+                       help=f"SQLite, checkpoints and logs (default {default_state_dir()})")
+    serve.add_argument("--api-bind", default="127.0.0.1:8470", metavar="HOST:PORT",
+                       help="where the API listens (default 127.0.0.1:8470)")
+    serve.add_argument("--mqtt-url", default=None,
+                       help="an external MQTT broker, mqtt://HOST:PORT (default: an embedded one)")
+    serve.add_argument("--no-api", action="store_true", help="do not serve the API")
+    return parser
+
+
+def _parse_bind(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise SpecError(f"--api-bind {text!r}: expected HOST:PORT, for example 127.0.0.1:8470")
+    return host.strip("[]"), int(port)
+
+
+# --- serve --------------------------------------------------------------------------
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    if args.mqtt_url is not None:
+        try:
+            parse_mqtt_url(args.mqtt_url)
+        except ValueError as e:
+            raise SpecError(f"--mqtt-url: {e}") from e
+    host, port = _parse_bind(args.api_bind)
+    settings = DaemonSettings(
+        state_dir=args.state_dir or default_state_dir(), mqtt_url=args.mqtt_url, api_host=host,
+        api_port=None if args.no_api else port,
+    )
+    stop = asyncio.Event()
+    _on_signals(stop.set, stop.set)
+    async with Daemon(settings) as daemon:
+        print(f"training-supervisor: serving {settings.state_dir}"
+              + (f", API on {daemon.api_url}" if daemon.api_url else "")
+              + f", MQTT {daemon.mqtt_url}", file=sys.stderr, flush=True)
+        await daemon.run(stop)
+    return EXIT_OK
+
+
+# --- run ----------------------------------------------------------------------------
+
+
+async def _run(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec)
+    chaos = [parse_chaos(c) for c in args.chaos]
+    state_dir: Path = args.state_dir or default_state_dir()
+    trainer_cmd.check_trainer_config(spec, state_dir / "runs" / "run-check")
+    settings = DaemonSettings(
+        state_dir=state_dir, mqtt_url=spec.telemetry.mqtt_url,
+        api_port=None if args.api_port < 0 else args.api_port, check_trainer_config=False,
+    )
+    async with Daemon(settings) as daemon:
+        assert daemon.service is not None and daemon.reconciler is not None
+        summary = daemon.service.submit(spec)
+        run_id = summary.run_id
+        number = int(run_id.removeprefix("run-"))
+        out = _Progress(daemon, run_id, quiet=args.quiet)
+        out.say(f"{run_id} submitted; state in {state_dir}"
+                + (f"; API on {daemon.api_url}" if daemon.api_url else ""))
+        monkey = ChaosMonkey(chaos, number, daemon.store, daemon.launcher, daemon.telemetry,
+                             daemon.reconciler)
+        stop = asyncio.Event()
+        interrupted = asyncio.Event()
+
+        def cancel() -> None:
+            if interrupted.is_set():
+                stop.set()  # a second signal: stop now, leave the trainers to a later daemon
+                return
+            interrupted.set()
+            assert daemon.service is not None
+            daemon.service.request(run_id, CommandKind.CANCEL)
+            out.say("interrupted: cancelling the run (again to quit at once)")
+
+        _on_signals(cancel, cancel)
+        task = asyncio.create_task(daemon.run(stop), name="daemon")
+        try:
+            while not task.done():
+                monkey.poll()
+                if out.poll():
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            stop.set()
+            await task
+        detail = daemon.service.get_run(run_id)
+    if args.json:
+        print(json.dumps(_summary_json(detail.model_dump(), chaos), indent=2))
+    elif not args.quiet:
+        print(report.run_detail(detail), file=sys.stderr)
+    if interrupted.is_set() and detail.state != "SUCCEEDED":
+        return EXIT_INTERRUPTED
+    return EXIT_OK if detail.state == "SUCCEEDED" else EXIT_FAILED
+
+
+class _Progress:
+    """Streams a run's events and a line of progress every few steps to stderr."""
+
+    def __init__(self, daemon: Daemon, run_id: str, *, quiet: bool) -> None:
+        assert daemon.service is not None
+        self.service = daemon.service
+        self.run_id = run_id
+        self.quiet = quiet
+        self.t0 = time.time()
+        self.last_event = 0
+        self.last_step_shown = 0
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            print(f"[+{time.time() - self.t0:6.1f}s] {text}", file=sys.stderr, flush=True)
+
+    def poll(self) -> bool:
+        """Print what is new; True once the run is over and its attempt torn down."""
+        for e in self.service.events(self.run_id, self.last_event):
+            self.last_event = e.id
+            if not self.quiet:
+                print(report.event_line(e, self.t0), file=sys.stderr, flush=True)
+        detail = self.service.get_run(self.run_id)
+        every = max(1, detail.total_steps // 12)
+        if detail.step and detail.step >= self.last_step_shown + every and detail.state == "RUNNING":
+            self.last_step_shown = detail.step - detail.step % every
+            loss = f"{detail.loss:.4f}" if detail.loss is not None else "-"
+            self.say(f"{self.run_id} step {detail.step}/{detail.total_steps} loss {loss}")
+        last = detail.attempt_history[-1] if detail.attempt_history else None
+        settled = last is None or last.state == "ENDED"
+        return detail.state in {s.value for s in TERMINAL_RUN_STATES} and settled
+
+
+def _summary_json(d: dict[str, object], chaos: list[ChaosAction]) -> dict[str, object]:
+    out = {
+        "run_id": d["run_id"], "name": d["name"], "state": d["state"], "reason": d["reason"],
+        "final_step": d["final_step"], "model_digest": d["model_digest"],
+        "attempts": d["attempts"], "faults": d["faults"], "ettr": d["ettr"],
+        "goodput": d["goodput"], "drained_nodes": d["drained_nodes"],
+        "attempt_history": d["attempt_history"], "chaos": [str(c) for c in chaos],
+    }
+    return out
+
+
+def _on_signals(on_int: Callable[[], None], on_term: Callable[[], None]) -> None:
+    """Signal handlers only set flags; the loops notice and act."""
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, on_int)
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

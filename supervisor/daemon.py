@@ -1,0 +1,253 @@
+"""The daemon: the composition root and the lifecycle of its root tasks.
+
+``Daemon(settings)`` builds every adapter from the settings and does no I/O;
+``async with daemon:`` takes the state-directory lock, opens the store and starts the
+broker and the API socket; ``await daemon.run(stop)`` runs the root tasks until
+``stop`` is set or one of them dies, in which case every task stops and ``run``
+raises, so that the process exits non-zero (and systemd restarts it).
+
+Root tasks, created here and nowhere else:
+    reconciler   observe/decide/persist/act, every ``tick_s``
+    telemetry    the MQTT link (trainer telemetry in, supervisor events out)
+    outbox       publishes recorded events on MQTT
+    api          the HTTP API (uvicorn), when a port is configured
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TextIO
+
+import uvicorn
+from sqlalchemy.exc import SQLAlchemyError
+
+from supervisor.broker import EmbeddedBroker
+from supervisor.domain import LIVE_ATTEMPT_STATES
+from supervisor.errors import StateDirLocked, StoreError, SupervisorError
+from supervisor.launchers.local import LocalLauncher
+from supervisor.reconciler import Reconciler, ReconcilerConfig
+from supervisor.service import SupervisorService
+from supervisor.spec import parse_mqtt_url
+from supervisor.store import SqlStore
+from supervisor.telemetry import MqttLink, TelemetryView
+
+log = logging.getLogger(__name__)
+
+EVENTS_TOPIC_ROOT = "tsup/v1/events"
+# A tick that keeps failing this many times in a row (database gone, disk full) ends
+# the daemon instead of spinning: systemd restarts it and the operator sees why.
+_MAX_FAILED_TICKS = 100
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DaemonSettings:
+    state_dir: Path
+    mqtt_url: str | None = None  # None: start the embedded broker
+    api_host: str = "127.0.0.1"
+    api_port: int | None = 8470  # None: no API; 0: any free port
+    tick_s: float = 0.25
+    max_local_nodes: int = 64
+    check_trainer_config: bool = True
+
+
+class Daemon:
+    def __init__(self, settings: DaemonSettings, clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.store = SqlStore(settings.state_dir / "supervisor.db")
+        self.launcher = LocalLauncher(max_nodes=settings.max_local_nodes)
+        self.telemetry = TelemetryView()
+        self.broker = EmbeddedBroker(settings.state_dir) if settings.mqtt_url is None else None
+        self.api_url: str | None = None
+        self._lock: StateDirLock | None = None
+        self._api_socket: socket.socket | None = None
+        # Built in __aenter__, once the broker's address is known:
+        self.mqtt_url: str = settings.mqtt_url or ""
+        self.link: MqttLink | None = None
+        self.reconciler: Reconciler | None = None
+        self.service: SupervisorService | None = None
+
+    async def __aenter__(self) -> Daemon:
+        self.settings.state_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = StateDirLock(self.settings.state_dir)
+        self._lock.acquire()
+        try:
+            self.store.open()
+            self._record_start()
+            if self.broker is not None:
+                await self.broker.start()
+                self.mqtt_url = self.broker.url
+            host, port = parse_mqtt_url(self.mqtt_url)
+            self.link = MqttLink(host, port, self.telemetry, self.clock,
+                                 client_id=f"training-supervisor-{os.getpid()}")
+            self.reconciler = Reconciler(self.store, self.launcher, self.telemetry,
+                                         ReconcilerConfig(mqtt_url=self.mqtt_url), self.clock)
+            self.service = SupervisorService(
+                self.store, self.settings.state_dir / "runs", mqtt_url=self.mqtt_url,
+                check_trainer=self.settings.check_trainer_config, clock=self.clock,
+            )
+            if self.settings.api_port is not None:
+                self._api_socket = _listen(self.settings.api_host, self.settings.api_port)
+                bound = self._api_socket.getsockname()
+                self.api_url = f"http://{bound[0]}:{bound[1]}"
+        except BaseException:
+            await self._close()
+            raise
+        return self
+
+    def _record_start(self) -> None:
+        """An audit line per start: which live attempts this daemon takes over."""
+        with self.store.tx() as tx:
+            live = [f"run-{r.number}#{a.number}" for r in tx.list_runs()
+                    for a in tx.list_attempts(r.number)[-1:] if a.state in LIVE_ATTEMPT_STATES]
+            message = f"training-supervisor started (pid {os.getpid()})"
+            if live:
+                message += f"; taking over live attempts {', '.join(live)}"
+            tx.add_event(None, "daemon.started", message, {"pid": os.getpid(), "live_attempts": live},
+                         self.clock())
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self._close()
+
+    async def _close(self) -> None:
+        if self._api_socket is not None:
+            self._api_socket.close()
+        if self.broker is not None:
+            await self.broker.stop()
+        self.store.close()
+        if self._lock is not None:
+            self._lock.release()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        assert self.link is not None
+        roots: dict[str, Coroutine[Any, Any, None]] = {
+            "reconciler": self._reconcile_forever(),
+            "telemetry": self.link.run(),
+            "outbox": self._publish_outbox_forever(),
+        }
+        if self._api_socket is not None:
+            roots["api"] = self._serve_api(self._api_socket)
+        tasks = [asyncio.create_task(coro, name=name) for name, coro in roots.items()]
+        stopper = asyncio.create_task(stop.wait(), name="stop")
+        done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+        died = [t for t in tasks if t in done]
+        for t in [*tasks, stopper]:
+            t.cancel()
+        await asyncio.gather(*tasks, stopper, return_exceptions=True)
+        for t in died:
+            err = t.exception() if not t.cancelled() else None
+            raise SupervisorError(f"root task {t.get_name()!r} stopped: {err!r}") from err
+
+    async def _reconcile_forever(self) -> None:
+        assert self.reconciler is not None
+        failures = 0
+        while True:
+            began = time.monotonic()
+            try:
+                self.reconciler.tick()
+                failures = 0
+            except (SQLAlchemyError, StoreError, OSError) as e:
+                failures += 1
+                log.error("reconciler tick failed (%d in a row): %s", failures, e)
+                if failures >= _MAX_FAILED_TICKS:
+                    raise
+            await asyncio.sleep(max(0.0, self.settings.tick_s - (time.monotonic() - began)))
+
+    async def _publish_outbox_forever(self) -> None:
+        assert self.link is not None
+        while True:
+            await asyncio.sleep(0.5)
+            if not self.link.connected:
+                continue
+            try:
+                with self.store.tx() as tx:
+                    events = tx.unpublished_events()
+                published = []
+                for e in events:
+                    topic = f"{EVENTS_TOPIC_ROOT}/{f'run-{e.run_number}' if e.run_number else 'daemon'}"
+                    body = {"id": e.id, "ts": e.ts, "kind": e.kind, "message": e.message, "data": e.data}
+                    if not await self.link.publish(topic, json.dumps(body).encode()):
+                        break
+                    published.append(e.id)
+                with self.store.tx() as tx:
+                    tx.mark_published(published, self.clock())
+            except (SQLAlchemyError, StoreError) as e:
+                log.warning("outbox: %s", e)
+
+    async def _serve_api(self, sock: socket.socket) -> None:
+        from api.app import create_app  # the API layer sits above this module
+
+        assert self.service is not None
+        config = uvicorn.Config(create_app(self.service), log_level="warning", lifespan="off",
+                                access_log=False)
+        server = _EmbeddedServer(config)
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            server.should_exit = True
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside a host program: the host keeps the signal handlers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SupervisorError(f"cannot listen on {host}:{port} for the API: {e.strerror}") from e
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+class StateDirLock:
+    """An exclusive lock on the state directory: one daemon per database."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = state_dir / "supervisor.lock"
+        self._file: TextIO | None = None
+
+    def acquire(self) -> None:
+        f = open(self.path, "a+")  # noqa: SIM115 - held open for the daemon's life
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise StateDirLocked(
+                f"another training-supervisor (pid {holder}) is using {self.path.parent}; "
+                "stop it first or choose another --state-dir"
+            ) from e
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        if self._file is not None:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None

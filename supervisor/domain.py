@@ -1,0 +1,347 @@
+"""The supervisor's vocabulary: states, records, observations and effects.
+
+Pure data, no I/O. Records are what the store persists; observations are what the
+reconciler gathers each tick from the launcher and the trainer's telemetry; effects
+are what the policy (supervisor/policy.py) asks the reconciler to do. Times are unix
+seconds (float) from the supervisor's clock, never the trainer's.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class RunState(StrEnum):
+    PENDING = "PENDING"  # submitted, waiting for nodes or a first launch
+    STARTING = "STARTING"  # an attempt is launching or restoring, no step yet
+    RUNNING = "RUNNING"  # an attempt is making steps
+    RECOVERING = "RECOVERING"  # a fault was detected; tearing down and relaunching
+    PAUSED = "PAUSED"  # stopped by an operator; `resume` continues it
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+TERMINAL_RUN_STATES = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED})
+
+
+class AttemptState(StrEnum):
+    LAUNCHING = "LAUNCHING"  # intent recorded; processes may or may not exist yet
+    RUNNING = "RUNNING"  # the launcher started the processes
+    STOPPING = "STOPPING"  # teardown requested, processes may still be alive
+    ENDED = "ENDED"
+
+
+LIVE_ATTEMPT_STATES = frozenset({AttemptState.LAUNCHING, AttemptState.RUNNING, AttemptState.STOPPING})
+
+
+class AttemptOutcome(StrEnum):
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"  # a fault ended it; counts against the restart budget
+    STOPPED = "STOPPED"  # an operator paused or cancelled the run
+    ABORTED = "ABORTED"  # never started (supervisor restarted before launch); not a fault
+
+
+class NodeState(StrEnum):
+    IDLE = "IDLE"
+    ALLOCATED = "ALLOCATED"  # held by a run (training or as a hot spare)
+    DRAINED = "DRAINED"  # taken out of service, with a reason
+
+
+class CommandKind(StrEnum):
+    CANCEL = "cancel"
+    PAUSE = "pause"
+    RESUME = "resume"
+
+
+class FaultKind(StrEnum):
+    RANK_EXIT = "rank-exit"  # a rank process exited or was killed
+    NODE_LOST = "node-lost"  # every rank of a node vanished at once
+    HANG = "hang"  # no step progress within the allowed time
+    NO_RESULT = "no-result"  # every rank exited 0 but the trainer wrote no result
+    LAUNCH = "launch"  # the launcher could not start the attempt
+
+
+_RUN_ID = re.compile(r"^run-([1-9][0-9]{0,17})$")
+
+
+def run_id_of(number: int) -> str:
+    return f"run-{number}"
+
+
+def parse_run_id(text: str) -> int | None:
+    """'run-42' -> 42; None for anything that is not a run id."""
+    m = _RUN_ID.match(text)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Policy:
+    """Per-run knobs of the decision rules (from the spec's [policy] table)."""
+
+    max_restarts: int = 10  # attempts that end FAILED before the run is FAILED
+    hang_timeout_s: float = 300.0  # no step progress for this long while training
+    startup_timeout_s: float = 900.0  # no first step for this long after launch
+    stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this long
+    # After the first rank death is seen, wait this long (unless every rank is gone)
+    # before attributing the fault, so that ranks dying together are judged together.
+    fault_settle_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Run:
+    number: int
+    name: str
+    state: RunState
+    reason: str
+    nodes: int  # nodes one attempt trains on
+    ranks_per_node: int
+    spares: int  # hot spares held beside them
+    total_steps: int
+    policy: Policy
+    created_at: float
+    started_at: float | None = None
+    ended_at: float | None = None
+    final_step: int | None = None
+    model_digest: str | None = None
+    # Failed attempts numbered at or below this do not count against the restart
+    # budget: an operator's `resume` starts the budget afresh.
+    budget_from_attempt: int = 0
+
+    @property
+    def run_id(self) -> str:
+        return run_id_of(self.number)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Attempt:
+    run_number: int
+    number: int  # 1, 2, ... within the run
+    state: AttemptState
+    nodes: tuple[str, ...]
+    resume_from: str | None  # checkpoint path, None for a fresh start
+    resume_step: int  # 0 for a fresh start
+    created_at: float
+    started_at: float | None = None  # processes started
+    first_step_at: float | None = None  # first training step observed
+    stop_requested_at: float | None = None
+    ended_at: float | None = None
+    outcome: AttemptOutcome | None = None
+    reason: str = ""
+    final_step: int | None = None
+    launch_info: str | None = None  # launcher-specific handle (JSON), for re-adoption
+    launch_error: str | None = None  # the launcher refused to start it
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Node:
+    name: str
+    state: NodeState
+    reason: str = ""
+    run_number: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointRef:
+    step: int
+    path: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Command:
+    id: int
+    run_number: int
+    kind: CommandKind
+    created_at: float
+
+
+# --- observations -------------------------------------------------------------------
+
+
+class ProcState(StrEnum):
+    RUNNING = "RUNNING"
+    EXITED = "EXITED"  # exited and we know the code (our own child)
+    VANISHED = "VANISHED"  # no longer exists; exit code unknown (adopted after a restart)
+    UNKNOWN = "UNKNOWN"  # could not be observed this tick: never treated as dead
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankObs:
+    rank: int
+    node: str
+    proc: ProcState
+    exit_code: int | None = None  # negative: killed by that signal (subprocess convention)
+    # From telemetry (None / False when no telemetry arrived):
+    reported_exit_code: int | None = None  # the rank's own Exit message
+    reported_reason: str = ""
+    reported_exit_at: float | None = None
+    lost: bool = False  # its MQTT last will arrived
+    dead_since: float | None = None  # when the supervisor first saw it dead
+    last_step: int = 0
+    progress_at: float | None = None  # when last_step last increased
+    phase: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerResult:
+    final_step: int
+    model_digest: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptObs:
+    """What the reconciler saw of the live attempt this tick."""
+
+    ranks: tuple[RankObs, ...]
+    result: TrainerResult | None = None
+    never_started: bool = False  # LAUNCHING, and no process of it exists
+    launch_error: str | None = None  # why it never started, when the launcher said so
+    telemetry_up_since: float | None = None  # None while the broker link is down
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunView:
+    """Everything decide() may look at for one run."""
+
+    run: Run
+    attempts: tuple[Attempt, ...]
+    allocation: tuple[Node, ...]  # nodes this run holds, drained ones included
+    newest_checkpoint: CheckpointRef | None
+    commands: tuple[Command, ...] = ()
+    open_faults: int = 0  # faults not yet marked recovered
+
+    @property
+    def current(self) -> Attempt | None:
+        return self.attempts[-1] if self.attempts else None
+
+
+# --- effects ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Emit:
+    """Append an event to the run's audit log (and the outbox)."""
+
+    kind: str
+    message: str
+    data: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SetRunState:
+    state: RunState
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResumeRun:
+    """Back to PENDING after an operator's resume; the restart budget starts afresh."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllocateNodes:
+    count: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartAttempt:
+    number: int
+    nodes: tuple[str, ...]
+    resume_from: str | None
+    resume_step: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MarkAttemptRunning:
+    """The first training step of the attempt was seen."""
+
+    number: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopAttempt:
+    number: int
+    outcome: AttemptOutcome
+    reason: str
+    force: bool  # SIGKILL at once (a broken attempt) instead of SIGTERM first
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EnsureStopped:
+    """Re-send the stop (escalating to SIGKILL after the grace) while processes live."""
+
+    number: int
+    force: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EndAttempt:
+    number: int
+    outcome: AttemptOutcome
+    reason: str
+    final_step: int | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecordFault:
+    kind: FaultKind
+    attempt: int
+    ranks: tuple[int, ...]
+    nodes: tuple[str, ...]
+    summary: str
+    step: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MarkFaultsRecovered:
+    pass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DrainNode:
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReleaseNodes:
+    """Give back every healthy node the run holds (drained ones stay drained)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FinishRun:
+    """Enter a terminal state (the only effect that does)."""
+
+    state: RunState
+    reason: str
+    final_step: int | None = None
+    model_digest: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommandHandled:
+    command_id: int
+    result: str
+
+
+Effect = (
+    Emit
+    | SetRunState
+    | ResumeRun
+    | AllocateNodes
+    | StartAttempt
+    | MarkAttemptRunning
+    | StopAttempt
+    | EnsureStopped
+    | EndAttempt
+    | RecordFault
+    | MarkFaultsRecovered
+    | DrainNode
+    | ReleaseNodes
+    | FinishRun
+    | CommandHandled
+)

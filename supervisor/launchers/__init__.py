@@ -1,0 +1,1 @@
+"""Launchers: local process groups today; Slurm steps next."""

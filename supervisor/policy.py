@@ -1,0 +1,437 @@
+"""Every rule that decides what happens to a run lives in this file.
+
+``decide(view, obs, now)`` takes one run's recorded state (``RunView``), what the
+reconciler observed of its live attempt this tick (``AttemptObs``), and the time, and
+returns the effects to persist and carry out. It does no I/O and reads no clock, so
+every rule is unit-tested with plain values (tests/unit/test_policy.py).
+
+Run transitions (state, condition -> next state: effects):
+
+    any active      cancel command           -> CANCELLED:   StopAttempt
+    any active      pause command            -> PAUSED:      StopAttempt
+    PAUSED, FAILED  resume command           -> PENDING     (restart budget starts afresh)
+    PENDING, STARTING, RECOVERING with no live attempt:
+                    restart budget exhausted -> FAILED
+                    fewer healthy nodes than needed -> (same):  AllocateNodes
+                    otherwise                -> STARTING:    StartAttempt (newest complete checkpoint)
+    STARTING        first step seen          -> RUNNING:     MarkAttemptRunning, MarkFaultsRecovered
+    STARTING, RUNNING
+                    result written, ranks gone -> SUCCEEDED: EndAttempt, FinishRun
+                    a fault                  -> RECOVERING:  RecordFault, StopAttempt, DrainNode*
+                    a fault, exit code 2     -> FAILED:      RecordFault, StopAttempt (do not retry)
+
+Attempts: LAUNCHING -> RUNNING (the reconciler, once processes exist) -> STOPPING
+(StopAttempt) -> ENDED (EndAttempt, once no process of it is left). A terminal run with
+no live attempt gives its nodes back (ReleaseNodes).
+
+Attribution rules (what a fault blames):
+- a fault is attributed once every rank is gone, or ``fault_settle_s`` after the
+  first death was seen, whichever comes first: processes of one node killed together
+  are not reaped together, and judging the first one alone would blame a rank;
+- a node is blamed, and drained, only when EVERY rank on it vanished abruptly in the
+  same observation: killed by SIGKILL, or gone with no exit report of its own. One
+  rank's crash never drains a node;
+- otherwise the fault blames the ranks that died first: those killed by a signal or
+  gone without a report; failing that, the earliest self-reported exit.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterable
+from dataclasses import replace
+
+from supervisor.domain import (
+    TERMINAL_RUN_STATES,
+    AllocateNodes,
+    Attempt,
+    AttemptObs,
+    AttemptOutcome,
+    AttemptState,
+    Command,
+    CommandHandled,
+    CommandKind,
+    DrainNode,
+    Effect,
+    Emit,
+    EndAttempt,
+    EnsureStopped,
+    FaultKind,
+    FinishRun,
+    MarkAttemptRunning,
+    MarkFaultsRecovered,
+    NodeState,
+    ProcState,
+    RankObs,
+    RecordFault,
+    ReleaseNodes,
+    ResumeRun,
+    RunState,
+    RunView,
+    SetRunState,
+    StartAttempt,
+    StopAttempt,
+)
+
+# Trainer exit codes with a meaning (trainer/README.md): 2 = configuration or usage
+# error, which a restart cannot fix.
+EXIT_DO_NOT_RETRY = frozenset({2})
+
+_ACTIVE = frozenset({RunState.PENDING, RunState.STARTING, RunState.RUNNING, RunState.RECOVERING})
+_LAUNCHABLE = frozenset({RunState.PENDING, RunState.STARTING, RunState.RECOVERING})
+
+
+def decide(view: RunView, obs: AttemptObs | None, now: float) -> list[Effect]:
+    out: list[Effect] = []
+    state = view.run.state
+    live = view.current if view.current and view.current.state is not AttemptState.ENDED else None
+
+    for cmd in view.commands:
+        state, live = _apply_command(view, cmd, state, live, out)
+
+    stopped_now = any(isinstance(e, StopAttempt) for e in out)
+    if stopped_now:
+        pass  # an operator's command stopped it this tick: nothing more to judge
+    elif live is not None and live.state is AttemptState.STOPPING:
+        if _all_gone(obs):
+            out.append(_end(live, live.outcome or AttemptOutcome.FAILED, live.reason, obs))
+            live = None
+        else:
+            assert live.stop_requested_at is not None
+            force = now - live.stop_requested_at >= view.run.policy.stop_grace_s
+            out.append(EnsureStopped(number=live.number, force=force))
+    elif live is not None and live.state is not AttemptState.STOPPING:
+        state, live = _judge_live_attempt(view, live, obs, state, now, out)
+
+    if live is None and state in _LAUNCHABLE:
+        state = _launch(view, state, out)
+
+    holds_nodes = any(n.state is NodeState.ALLOCATED for n in view.allocation)
+    if live is None and state in TERMINAL_RUN_STATES and holds_nodes:
+        out.append(ReleaseNodes())
+    return out
+
+
+# --- operator commands --------------------------------------------------------------
+
+
+def _apply_command(
+    view: RunView, cmd: Command, state: RunState, live: Attempt | None, out: list[Effect]
+) -> tuple[RunState, Attempt | None]:
+    def reject(why: str) -> tuple[RunState, Attempt | None]:
+        out.append(CommandHandled(command_id=cmd.id, result=f"rejected: {why}"))
+        out.append(Emit(kind="command.rejected", message=f"{cmd.kind} rejected: {why}"))
+        return state, live
+
+    def accept() -> None:
+        out.append(CommandHandled(command_id=cmd.id, result="accepted"))
+        out.append(Emit(kind="command.accepted", message=f"{cmd.kind} accepted"))
+
+    if cmd.kind in (CommandKind.CANCEL, CommandKind.PAUSE):
+        if state not in _ACTIVE and not (cmd.kind is CommandKind.CANCEL and state is RunState.PAUSED):
+            return reject(f"run is {state}")
+        accept()
+        if cmd.kind is CommandKind.CANCEL:
+            new_state, verb = RunState.CANCELLED, "cancelled"
+            out.append(FinishRun(state=new_state, reason="cancelled by operator"))
+        else:
+            new_state, verb = RunState.PAUSED, "paused"
+            out.append(SetRunState(state=new_state, reason="paused by operator"))
+        if live is not None and live.state is not AttemptState.STOPPING:
+            out.append(_stop(live, AttemptOutcome.STOPPED, f"run {verb} by operator", force=False))
+            live = _stopping(live)
+        return new_state, live
+
+    # RESUME
+    if state not in (RunState.PAUSED, RunState.FAILED):
+        if state in TERMINAL_RUN_STATES:
+            return reject(f"run is {state}; submit it again as a new run")
+        return reject(f"run is already {state}")
+    accept()
+    out.append(ResumeRun(reason="resumed by operator"))
+    return RunState.PENDING, live
+
+
+# --- the live attempt ---------------------------------------------------------------
+
+
+def _judge_live_attempt(
+    view: RunView,
+    live: Attempt,
+    obs: AttemptObs | None,
+    state: RunState,
+    now: float,
+    out: list[Effect],
+) -> tuple[RunState, Attempt | None]:
+    if obs is None:  # launched this very tick, or not observable yet
+        return state, live
+    if obs.never_started:
+        if obs.launch_error is None:
+            reason = "launch interrupted: no process of this attempt exists (supervisor restarted)"
+            out.append(_end(live, AttemptOutcome.ABORTED, reason, obs))
+            out.append(Emit(kind="attempt.aborted", message=f"attempt {live.number}: {reason}"))
+            return state, None
+        record = RecordFault(
+            kind=FaultKind.LAUNCH, attempt=live.number, ranks=(), nodes=(),
+            summary=obs.launch_error, step=live.resume_step,
+        )
+        out.append(record)
+        out.append(Emit(kind="fault.detected", message=f"launch: {obs.launch_error}",
+                        data={"attempt": live.number}))
+        out.append(_end(live, AttemptOutcome.FAILED, f"launch failed: {obs.launch_error}", obs))
+        if state is not RunState.RECOVERING:
+            out.append(SetRunState(state=RunState.RECOVERING, reason=f"launch failed: {obs.launch_error}"))
+        return RunState.RECOVERING, None
+
+    if obs.result is not None and _all_gone(obs):
+        res = obs.result
+        out.append(_end(live, AttemptOutcome.SUCCEEDED, "trainer finished", obs))
+        out.append(
+            FinishRun(
+                state=RunState.SUCCEEDED,
+                reason=f"trainer finished at step {res.final_step}",
+                final_step=res.final_step,
+                model_digest=res.model_digest,
+            )
+        )
+        return RunState.SUCCEEDED, None
+
+    fault = _find_fault(view, live, obs, now)
+    if fault is not None:
+        record, drains, do_not_retry = fault
+        out.append(record)
+        out.append(
+            Emit(
+                kind="fault.detected",
+                message=f"{record.kind}: {record.summary}",
+                data={"attempt": live.number, "step": record.step, "ranks": list(record.ranks),
+                      "nodes": list(record.nodes)},
+            )
+        )
+        for node, reason in drains:
+            out.append(DrainNode(node=node, reason=reason))
+        out.append(_stop(live, AttemptOutcome.FAILED, f"{record.kind}: {record.summary}", force=True))
+        if do_not_retry:
+            reason = f"not retrying: {record.summary}"
+            out.append(FinishRun(state=RunState.FAILED, reason=reason, final_step=record.step))
+            return RunState.FAILED, _stopping(live)
+        if state is not RunState.RECOVERING and state in _ACTIVE:
+            out.append(SetRunState(state=RunState.RECOVERING, reason=f"{record.kind}: {record.summary}"))
+            state = RunState.RECOVERING
+        return state, _stopping(live)
+
+    if live.first_step_at is None and any(r.last_step > live.resume_step for r in obs.ranks):
+        out.append(MarkAttemptRunning(number=live.number))
+        if view.open_faults:
+            out.append(MarkFaultsRecovered())
+        if state in (RunState.STARTING, RunState.RECOVERING):
+            step = max(r.last_step for r in obs.ranks)
+            out.append(SetRunState(state=RunState.RUNNING, reason=f"training at step {step}"))
+            state = RunState.RUNNING
+    return state, live
+
+
+FaultFinding = tuple[RecordFault, list[tuple[str, str]], bool]
+
+
+def _find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> FaultFinding | None:
+    step = max((r.last_step for r in obs.ranks), default=live.resume_step)
+    dead = [r for r in obs.ranks if _is_dead(r)]
+    if dead:
+        first_seen = min(r.dead_since if r.dead_since is not None else now for r in dead)
+        if now - first_seen < view.run.policy.fault_settle_s and not _all_gone(obs):
+            return None  # let ranks that die together (a node) show themselves first
+        return _attribute(view, live, obs.ranks, dead, step)
+    if obs.ranks and all(r.proc in (ProcState.EXITED, ProcState.VANISHED) for r in obs.ranks):
+        record = RecordFault(
+            kind=FaultKind.NO_RESULT, attempt=live.number, ranks=(), nodes=(), step=step,
+            summary="every rank exited 0 but the trainer wrote no result",
+        )
+        return record, [], False
+    return _find_hang(view, live, obs, now, step)
+
+
+def _find_hang(
+    view: RunView, live: Attempt, obs: AttemptObs, now: float, step: int
+) -> FaultFinding | None:
+    """No progress for too long, judged only while telemetry flows.
+
+    While the broker link is down no verdict is given, and after it comes back the
+    clock starts again from the moment it did: a broker outage is never a hang.
+    """
+    if obs.telemetry_up_since is None or live.started_at is None:
+        return None
+    policy = view.run.policy
+    slow_phase = any(r.phase in ("init", "restore", "checkpoint") for r in obs.ranks)
+    if live.first_step_at is None or slow_phase:
+        limit_s, what = policy.startup_timeout_s, "startup/checkpoint timeout"
+    else:
+        limit_s, what = policy.hang_timeout_s, "hang timeout"
+    progress = [r.progress_at for r in obs.ranks if r.progress_at is not None]
+    since = max([live.started_at, obs.telemetry_up_since, *progress])
+    if live.first_step_at is not None:
+        since = max(since, live.first_step_at)
+    idle_s = now - since
+    if idle_s <= limit_s:
+        return None
+    record = RecordFault(
+        kind=FaultKind.HANG, attempt=live.number, ranks=(), nodes=(), step=step,
+        summary=f"no step progress for {idle_s:.0f} s ({what} {limit_s:.0f} s), last step {step}",
+    )
+    return record, [], False
+
+
+def _attribute(
+    view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list[RankObs], step: int
+) -> FaultFinding:
+    by_node: dict[str, list[RankObs]] = {}
+    for r in ranks:
+        by_node.setdefault(r.node, []).append(r)
+    lost_nodes = sorted(n for n, rs in by_node.items() if all(_vanished_abruptly(r) for r in rs))
+    do_not_retry = any(_exit_code(r) in EXIT_DO_NOT_RETRY for r in dead)
+    where = f"{view.run.run_id}, attempt {live.number}, step {step}"
+
+    if lost_nodes:
+        blamed = [r for r in dead if r.node in lost_nodes]
+        summary = (
+            f"every rank of node {', '.join(lost_nodes)} vanished at once "
+            f"(ranks {_ranks(blamed)}): node lost"
+        )
+        drains = [(n, f"training-supervisor: node lost, all its ranks vanished at once ({where})")
+                  for n in lost_nodes]
+        record = RecordFault(
+            kind=FaultKind.NODE_LOST, attempt=live.number, ranks=tuple(r.rank for r in blamed),
+            nodes=tuple(lost_nodes), summary=summary, step=step,
+        )
+        return record, drains, do_not_retry
+
+    first = [r for r in dead if _vanished_abruptly(r) or (_exit_code(r) or 0) < 0]
+    if not first:
+        reported = [r for r in dead if r.reported_exit_at is not None]
+        if reported:
+            t0 = min(r.reported_exit_at for r in reported if r.reported_exit_at is not None)
+            first = [r for r in reported if r.reported_exit_at == t0]
+        else:
+            first = dead
+    summary = "; ".join(_describe_exit(r) for r in first)
+    if len(dead) > len(first):
+        summary += f" (then {len(dead) - len(first)} more rank(s) exited)"
+    if do_not_retry:
+        summary = f"trainer reported a configuration error (exit code 2): {summary}"
+    record = RecordFault(
+        kind=FaultKind.RANK_EXIT, attempt=live.number, ranks=tuple(r.rank for r in first),
+        nodes=tuple(sorted({r.node for r in first})), summary=summary, step=step,
+    )
+    return record, [], do_not_retry
+
+
+def _exit_code(r: RankObs) -> int | None:
+    return r.exit_code if r.exit_code is not None else r.reported_exit_code
+
+
+def _is_dead(r: RankObs) -> bool:
+    """Died unsuccessfully. A clean exit 0 is not a death; UNKNOWN is never a death
+    unless the rank's last will says its connection broke."""
+    if r.proc is ProcState.EXITED:
+        return r.exit_code != 0
+    if r.proc is ProcState.VANISHED:
+        return r.reported_exit_code != 0
+    if r.proc is ProcState.UNKNOWN:
+        return r.lost
+    return False
+
+
+def _vanished_abruptly(r: RankObs) -> bool:
+    if r.proc is ProcState.EXITED:
+        return r.exit_code == -signal.SIGKILL
+    if r.proc is ProcState.VANISHED:
+        return r.reported_exit_code is None
+    return r.proc is ProcState.UNKNOWN and r.lost
+
+
+def _describe_exit(r: RankObs) -> str:
+    who = f"rank {r.rank} (node {r.node})"
+    code = _exit_code(r)
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"{who} killed by {name}"
+    if code is not None:
+        text = f"{who} exited with code {code}"
+        return f"{text}: {r.reported_reason}" if r.reported_reason else text
+    return f"{who} vanished without an exit report"
+
+
+def _ranks(rs: Iterable[RankObs]) -> str:
+    return ", ".join(str(r.rank) for r in sorted(rs, key=lambda r: r.rank))
+
+
+# --- launching ----------------------------------------------------------------------
+
+
+def _launch(view: RunView, state: RunState, out: list[Effect]) -> RunState:
+    run = view.run
+    failures = sum(
+        1 for a in view.attempts
+        if a.outcome is AttemptOutcome.FAILED and a.number > run.budget_from_attempt
+    )
+    if failures > run.policy.max_restarts:
+        limit = run.policy.max_restarts
+        reason = f"restart budget exhausted: {failures} failed attempts (max_restarts={limit})"
+        out.append(FinishRun(state=RunState.FAILED, reason=reason))
+        return RunState.FAILED
+
+    healthy = [n.name for n in view.allocation if n.state is NodeState.ALLOCATED]
+    if len(healthy) < run.nodes:
+        # Level 2 of recovery: not enough healthy nodes in hand, ask for more.
+        out.append(AllocateNodes(count=run.nodes + run.spares - len(healthy)))
+        return state
+
+    # Keep the previous attempt's healthy nodes in their places, fill up with spares.
+    previous = view.current.nodes if view.current else ()
+    order = [n for n in previous if n in healthy] + [n for n in healthy if n not in previous]
+    nodes = tuple(order[: run.nodes])
+    ck = view.newest_checkpoint
+    number = len(view.attempts) + 1
+    out.append(
+        StartAttempt(
+            number=number, nodes=nodes,
+            resume_from=ck.path if ck else None, resume_step=ck.step if ck else 0,
+        )
+    )
+    origin = f"checkpoint at step {ck.step}" if ck else "scratch"
+    out.append(Emit(kind="attempt.launching",
+                    message=f"attempt {number} on {', '.join(nodes)} from {origin}",
+                    data={"attempt": number, "nodes": list(nodes),
+                          "resume_step": ck.step if ck else 0}))
+    if state is not RunState.STARTING and state is not RunState.RECOVERING:
+        out.append(SetRunState(state=RunState.STARTING, reason=f"attempt {number} launching"))
+        return RunState.STARTING
+    return state
+
+
+# --- helpers ------------------------------------------------------------------------
+
+
+def _all_gone(obs: AttemptObs | None) -> bool:
+    if obs is None:
+        return False
+    return obs.never_started or all(
+        r.proc in (ProcState.EXITED, ProcState.VANISHED) for r in obs.ranks
+    )
+
+
+def _stop(live: Attempt, outcome: AttemptOutcome, reason: str, *, force: bool) -> StopAttempt:
+    return StopAttempt(number=live.number, outcome=outcome, reason=reason, force=force)
+
+
+def _stopping(live: Attempt) -> Attempt:
+    return replace(live, state=AttemptState.STOPPING)
+
+
+def _end(live: Attempt, outcome: AttemptOutcome, reason: str, obs: AttemptObs | None) -> EndAttempt:
+    steps = [r.last_step for r in obs.ranks] if obs else []
+    final = max(steps) if steps else live.final_step
+    return EndAttempt(number=live.number, outcome=outcome, reason=reason, final_step=final)

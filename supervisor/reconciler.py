@@ -1,0 +1,353 @@
+"""The reconciler: observe, decide, persist, act; once per tick, for every run.
+
+1. Observe: the launcher's view of the live attempt's processes, the telemetry view,
+   the checkpoint directory, the trainer's result file, queued operator commands.
+2. Decide: ``policy.decide`` (pure).
+3. Persist: the effects' records and events, in one SQLite transaction.
+4. Act: start, stop and drain through the launcher.
+
+Level-triggered and idempotent: everything it needs is in SQLite or observable, so a
+restarted daemon carries on where a killed one stopped. An attempt is recorded before
+it is launched (LAUNCHING); if the daemon dies between the two, the next tick finds
+the attempt's processes by their marker, or learns that none exist, and never starts
+a second copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor import checkpoint_scan, trainer_cmd
+from supervisor.domain import (
+    LIVE_ATTEMPT_STATES,
+    TERMINAL_RUN_STATES,
+    AllocateNodes,
+    Attempt,
+    AttemptObs,
+    AttemptState,
+    CheckpointRef,
+    Command,
+    CommandHandled,
+    DrainNode,
+    Effect,
+    Emit,
+    EndAttempt,
+    EnsureStopped,
+    FinishRun,
+    MarkAttemptRunning,
+    MarkFaultsRecovered,
+    Node,
+    NodeState,
+    ProcState,
+    RankObs,
+    RecordFault,
+    ReleaseNodes,
+    ResumeRun,
+    Run,
+    RunState,
+    RunView,
+    SetRunState,
+    StartAttempt,
+    StopAttempt,
+)
+from supervisor.errors import LaunchError
+from supervisor.launchers.base import Launcher, LaunchSpec
+from supervisor.policy import decide
+from supervisor.spec import RunSpec, spec_from_json
+from supervisor.store import SqlStore, Tx
+from supervisor.telemetry import TelemetryView
+from trainer import protocol as p
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReconcilerConfig:
+    mqtt_url: str | None  # what the trainers publish to; None: no telemetry
+
+
+class Reconciler:
+    def __init__(
+        self, store: SqlStore, launcher: Launcher, telemetry: TelemetryView,
+        config: ReconcilerConfig, clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.launcher = launcher
+        self.telemetry = telemetry
+        self.config = config
+        self.clock = clock
+        self._specs: dict[int, tuple[RunSpec, Path]] = {}
+        # (run, attempt, rank) -> when this daemon first saw the rank dead
+        self._dead_since: dict[tuple[int, int, int], float] = {}
+
+    def tick(self) -> None:
+        now = self.clock()
+        self._persist_telemetry(now)
+        with self.store.tx() as tx:
+            commands = tx.pending_commands()
+            runs = [r for r in tx.list_runs() if r.state not in TERMINAL_RUN_STATES]
+            busy = {r.number for r in runs}
+            for number in {c.run_number for c in commands} | tx.finished_runs_holding_resources():
+                if number not in busy:
+                    runs.append(tx.get_run(number))
+        for run in runs:
+            try:
+                self._reconcile(run, [c for c in commands if c.run_number == run.number], now)
+            except LaunchError as e:
+                log.error("%s: %s", run.run_id, e)
+
+    def post_event(self, run_number: int | None, kind: str, message: str, data: dict[str, object]) -> None:
+        """Record an event from outside the loop (chaos injection, operator notes)."""
+        with self.store.tx() as tx:
+            tx.add_event(run_number, kind, message, dict(data), self.clock())
+
+    # --- observe --------------------------------------------------------------------
+
+    def _spec(self, tx: Tx, number: int) -> tuple[RunSpec, Path]:
+        if number not in self._specs:
+            text, run_dir = tx.run_spec_and_dir(number)
+            self._specs[number] = (spec_from_json(text), run_dir)
+        return self._specs[number]
+
+    def _reconcile(self, run: Run, commands: list[Command], now: float) -> None:
+        with self.store.tx() as tx:
+            attempts = tuple(tx.list_attempts(run.number))
+            spec, run_dir = self._spec(tx, run.number)
+            allocation = tuple(tx.allocation(run.number))
+            open_faults = tx.count_open_faults(run.number)
+        live = attempts[-1] if attempts and attempts[-1].state in LIVE_ATTEMPT_STATES else None
+        newest = None
+        if live is None or live.state is AttemptState.STOPPING:
+            newest = self._newest_checkpoint(run, spec, run_dir, now)
+        view = RunView(run=run, attempts=attempts, allocation=allocation, newest_checkpoint=newest,
+                       commands=tuple(commands), open_faults=open_faults)
+        obs = self._observe(run, spec, run_dir, live, now) if live else None
+        effects = decide(view, obs, now)
+        if effects:
+            self._apply(run, spec, run_dir, view, effects, now)
+
+    def _newest_checkpoint(self, run: Run, spec: RunSpec, run_dir: Path, now: float) -> CheckpointRef | None:
+        directory = trainer_cmd.checkpoint_dir(spec, run_dir)
+        newest = None
+        rejected = []
+        for v in checkpoint_scan.scan(directory):
+            if v.ok:
+                newest = v
+                break
+            rejected.append(v)
+        with self.store.tx() as tx:
+            for v in rejected:
+                if tx.record_checkpoint(run.number, step=v.step, path=str(v.path), complete=False,
+                                        duration_s=None, attempt=None, now=now):
+                    tx.add_event(run.number, "checkpoint.rejected",
+                                 f"checkpoint at step {v.step} fails verification: {v.why}",
+                                 {"step": v.step, "path": str(v.path)}, now)
+            if newest is not None:
+                tx.record_checkpoint(run.number, step=newest.step, path=str(newest.path), complete=True,
+                                     duration_s=None, attempt=None, now=now)
+        return None if newest is None else CheckpointRef(step=newest.step, path=str(newest.path))
+
+    def _observe(
+        self, run: Run, spec: RunSpec, run_dir: Path, live: Attempt, now: float
+    ) -> AttemptObs | None:
+        launch_info = live.launch_info
+        if launch_info is None:
+            if live.launch_error is not None:
+                return AttemptObs(ranks=(), never_started=True, launch_error=live.launch_error)
+            found = self.launcher.find(self._launch_spec(run, spec, run_dir, live))
+            if found is None:
+                return AttemptObs(ranks=(), never_started=True)
+            with self.store.tx() as tx:  # re-adopt what a killed daemon launched
+                adopted = AttemptState.RUNNING if live.state is AttemptState.LAUNCHING else live.state
+                tx.update_attempt(run.number, live.number, launch_info=found, state=adopted,
+                                  started_at=live.started_at or now)
+                tx.add_event(run.number, "attempt.adopted",
+                             f"attempt {live.number}: found its processes running, adopted them",
+                             {"attempt": live.number}, now)
+            launch_info = found
+        procs = self.launcher.observe(launch_info)
+        tele = self.telemetry.ranks(run.run_id, live.number)
+        ranks = []
+        for proc in procs:
+            t = tele.get(proc.rank)
+            dead_since = None
+            if proc.proc in (ProcState.EXITED, ProcState.VANISHED) or (t is not None and t.lost):
+                dead_since = self._dead_since.setdefault((run.number, live.number, proc.rank), now)
+            ranks.append(RankObs(
+                rank=proc.rank, node=proc.node, proc=proc.proc, exit_code=proc.exit_code,
+                reported_exit_code=t.exit_code if t else None,
+                reported_reason=t.exit_reason if t else "",
+                reported_exit_at=t.exit_at if t else None,
+                lost=t.lost if t else False,
+                dead_since=dead_since,
+                last_step=max(t.last_step, live.resume_step) if t else live.resume_step,
+                progress_at=t.progress_at if t else None,
+                phase=t.phase if t else None,
+            ))
+        gone = all(r.proc in (ProcState.EXITED, ProcState.VANISHED) for r in ranks)
+        result = trainer_cmd.read_result(trainer_cmd.result_path(spec, run_dir)) if gone else None
+        return AttemptObs(ranks=tuple(ranks), result=result, telemetry_up_since=self.telemetry.up_since)
+
+    def _persist_telemetry(self, now: float) -> None:
+        items = self.telemetry.take_durable()
+        if not items:
+            return
+        with self.store.tx() as tx:
+            numbers = {r.run_id: r.number for r in tx.list_runs()}
+            for item in items:
+                msg = item.msg
+                number = numbers.get(msg.run)
+                if number is None:
+                    continue  # telemetry of a run this daemon does not know
+                if isinstance(msg, p.StepMetrics):
+                    tx.add_metric(number, attempt=msg.attempt, step=msg.step, loss=msg.loss,
+                                  grad_norm=msg.grad_norm, lr=msg.lr, step_time_s=msg.step_time_s,
+                                  tokens_per_s=msg.tokens_per_s, now=item.at)
+                elif tx.record_checkpoint(number, step=msg.step, path=msg.path, complete=True,
+                                          duration_s=msg.duration_s, attempt=msg.attempt, now=item.at):
+                    tx.add_event(number, "checkpoint.committed",
+                                 f"checkpoint at step {msg.step} committed in {msg.duration_s:.2f} s",
+                                 {"step": msg.step, "path": msg.path, "attempt": msg.attempt}, item.at)
+
+    # --- persist and act ------------------------------------------------------------
+
+    def _apply(self, run: Run, spec: RunSpec, run_dir: Path, view: RunView,
+               effects: list[Effect], now: float) -> None:
+        with self.store.tx() as tx:
+            state = run.state
+            for e in effects:
+                state = self._record(tx, run.number, state, view, e, now)
+        for e in effects:
+            self._act(run, spec, run_dir, view, e, now)
+
+    def _record(self, tx: Tx, n: int, state: RunState, view: RunView, e: Effect, now: float) -> RunState:
+        """Persist one effect; returns the run's state after it."""
+        match e:
+            case Emit():
+                tx.add_event(n, e.kind, e.message, e.data, now)
+            case SetRunState():
+                tx.update_run(n, state=e.state, reason=e.reason)
+                tx.add_event(n, "run.state", f"{state} -> {e.state}: {e.reason}",
+                             {"from": state.value, "to": e.state.value}, now)
+                return e.state
+            case ResumeRun():
+                tx.update_run(n, state=RunState.PENDING, reason=e.reason, ended_at=None,
+                              budget_from_attempt=len(view.attempts))
+                tx.add_event(n, "run.state", f"{state} -> PENDING: {e.reason}",
+                             {"from": state.value, "to": "PENDING"}, now)
+                return RunState.PENDING
+            case FinishRun():
+                tx.update_run(n, state=e.state, reason=e.reason, ended_at=now,
+                              final_step=e.final_step, model_digest=e.model_digest)
+                tx.add_event(n, "run.state", f"{state} -> {e.state}: {e.reason}",
+                             {"from": state.value, "to": e.state.value, "final_step": e.final_step,
+                              "model_digest": e.model_digest}, now)
+                return e.state
+            case StartAttempt():
+                tx.add_attempt(Attempt(
+                    run_number=n, number=e.number, state=AttemptState.LAUNCHING, nodes=e.nodes,
+                    resume_from=e.resume_from, resume_step=e.resume_step, created_at=now))
+            case MarkAttemptRunning():
+                tx.update_attempt(n, e.number, first_step_at=now)
+            case StopAttempt():
+                tx.update_attempt(n, e.number, state=AttemptState.STOPPING, stop_requested_at=now,
+                                  outcome=e.outcome, reason=e.reason)
+                tx.add_event(n, "attempt.stopping", f"attempt {e.number}: stopping ({e.reason})",
+                             {"attempt": e.number}, now)
+            case EndAttempt():
+                tx.update_attempt(n, e.number, state=AttemptState.ENDED, ended_at=now,
+                                  outcome=e.outcome, reason=e.reason, final_step=e.final_step)
+                tx.add_event(n, "attempt.ended",
+                             f"attempt {e.number} ended {e.outcome} at step {e.final_step}: {e.reason}",
+                             {"attempt": e.number, "outcome": e.outcome.value, "final_step": e.final_step},
+                             now)
+            case RecordFault():
+                tx.add_fault(n, attempt=e.attempt, kind=e.kind, ranks=e.ranks, nodes=e.nodes,
+                             step=e.step, summary=e.summary, now=now)
+            case MarkFaultsRecovered():
+                if tx.mark_faults_recovered(n, now):
+                    tx.add_event(n, "run.recovered", "training again after the fault", {}, now)
+            case DrainNode():
+                tx.put_node(Node(name=e.node, state=NodeState.DRAINED, reason=e.reason, run_number=n), now)
+                tx.add_event(n, "node.drained", f"node {e.node} drained: {e.reason}", {"node": e.node}, now)
+            case ReleaseNodes():
+                for node in view.allocation:
+                    if node.state is NodeState.ALLOCATED:
+                        tx.put_node(Node(name=node.name, state=NodeState.IDLE), now)
+            case CommandHandled():
+                tx.finish_command(e.command_id, e.result, now)
+            case AllocateNodes() | EnsureStopped():
+                pass  # nothing to record before acting
+        return state
+
+    def _act(self, run: Run, spec: RunSpec, run_dir: Path, view: RunView, e: Effect, now: float) -> None:
+        match e:
+            case AllocateNodes():
+                self._allocate(run.number, e.count, now)
+            case StartAttempt():
+                self._start(run, spec, run_dir, e, now)
+            case StopAttempt() | EnsureStopped():
+                attempt = next((a for a in view.attempts if a.number == e.number), None)
+                if attempt is not None and attempt.launch_info:
+                    self.launcher.stop(attempt.launch_info, force=e.force)
+            case DrainNode():
+                self.launcher.drain(e.node, e.reason)
+            case EndAttempt():
+                attempt = next((a for a in view.attempts if a.number == e.number), None)
+                if attempt is not None and attempt.launch_info:
+                    self.launcher.forget(attempt.launch_info)
+                self.telemetry.forget(run.run_id, e.number)
+                for key in [k for k in self._dead_since if k[:2] == (run.number, e.number)]:
+                    del self._dead_since[key]
+            case _:
+                pass
+
+    def _allocate(self, n: int, count: int, now: float) -> None:
+        with self.store.tx() as tx:
+            nodes = tx.list_nodes()
+            idle = [x.name for x in nodes if x.state is NodeState.IDLE]
+            names = self.launcher.allocate(count, idle, {x.name for x in nodes})
+            for name in names:
+                tx.put_node(Node(name=name, state=NodeState.ALLOCATED, run_number=n), now)
+            if names:
+                tx.add_event(n, "nodes.allocated", f"allocated {', '.join(names)}", {"nodes": names}, now)
+            if len(names) < count:
+                tx.add_event(n, "nodes.short", f"asked for {count} nodes, got {len(names)}",
+                             {"asked": count, "got": len(names)}, now)
+
+    def _launch_spec(self, run: Run, spec: RunSpec, run_dir: Path, a: Attempt) -> LaunchSpec:
+        config_path = trainer_cmd.attempt_dir(run_dir, a.number) / "trainer.json"
+        env = {"TSUP_RUN_ID": run.run_id, "TSUP_ATTEMPT": str(a.number)}
+        if self.config.mqtt_url:
+            env["TSUP_MQTT_URL"] = self.config.mqtt_url
+        return LaunchSpec(
+            run_id=run.run_id, attempt=a.number, nodes=a.nodes, ranks_per_node=run.ranks_per_node,
+            argv=trainer_cmd.trainer_argv(config_path, a.resume_from), env=env,
+            log_dir=trainer_cmd.attempt_dir(run_dir, a.number), marker=str(config_path),
+        )
+
+    def _start(self, run: Run, spec: RunSpec, run_dir: Path, e: StartAttempt, now: float) -> None:
+        trainer_cmd.write_attempt_config(spec, run_dir, e.number)
+        attempt = Attempt(run_number=run.number, number=e.number, state=AttemptState.LAUNCHING,
+                          nodes=e.nodes, resume_from=e.resume_from, resume_step=e.resume_step,
+                          created_at=now)
+        launch = self._launch_spec(run, spec, run_dir, attempt)
+        try:
+            info = self.launcher.start(launch)
+        except LaunchError as err:
+            with self.store.tx() as tx:
+                tx.update_attempt(run.number, e.number, launch_error=str(err))
+            return
+        started = self.clock()
+        with self.store.tx() as tx:
+            tx.update_attempt(run.number, e.number, state=AttemptState.RUNNING, launch_info=info,
+                              started_at=started)
+            if run.started_at is None:
+                tx.update_run(run.number, started_at=started)
+            tx.add_event(run.number, "attempt.started",
+                         f"attempt {e.number} started: {len(e.nodes) * run.ranks_per_node} ranks on "
+                         f"{', '.join(e.nodes)}", {"attempt": e.number, "nodes": list(e.nodes)}, started)

@@ -1,0 +1,80 @@
+"""Human-readable text for runs, events and nodes: shared by both CLIs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from supervisor.views import EventView, NodeView, RunDetail, RunSummary
+
+
+def _t(ts: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.1f} s"
+
+
+def run_detail(d: RunDetail) -> str:
+    step = d.final_step if d.final_step is not None else d.step
+    lines = [
+        f"{d.run_id} {d.name}: {d.state} at step {step if step is not None else '-'}/{d.total_steps}"
+        f"  ({d.reason})",
+        f"  layout:   {d.nodes} node(s) x {d.ranks_per_node} rank(s) + {d.spares} spare(s)",
+        f"  attempts: {d.attempts}",
+    ]
+    for a in d.attempt_history:
+        origin = f"step {a.resume_step}" if a.resume_step else "scratch"
+        lines.append(
+            f"    #{a.number} {a.outcome or a.state:<9} from {origin:<10} on {', '.join(a.nodes)}"
+            f"  -> step {a.final_step if a.final_step is not None else '-'}"
+            + (f"  ({a.reason})" if a.reason and a.outcome != "SUCCEEDED" else "")
+        )
+    lines.append(f"  faults:   {len(d.faults)} ({sum(1 for f in d.faults if f.recovered_at)} recovered)")
+    for f in d.faults:
+        rec = (f"training again {f.recovered_at - f.detected_at:.1f} s after detection"
+               if f.recovered_at else "not recovered")
+        lines.append(f"    {_t(f.detected_at)} {f.kind} in attempt {f.attempt} near step {f.step}: "
+                     f"{f.summary}; {rec}")
+    if d.drained_nodes:
+        lines.append(f"  drained:  {', '.join(d.drained_nodes)}")
+    complete = [c for c in d.checkpoints if c.complete]
+    if complete:
+        lines.append(f"  checkpoints: {len(complete)} complete, newest at step {complete[-1].step}")
+    g = d.goodput
+    if g.ettr is not None:
+        lines.append(
+            f"  goodput:  ETTR {g.ettr:.2f} = kept {_s(g.productive_s)} of {_s(g.wall_s)} wall; "
+            f"lost work {_s(g.lost_s)} ({g.lost_steps} steps), startup/restore {_s(g.startup_s)}, "
+            f"checkpoints {_s(g.checkpoint_s)}, detection {_s(g.detection_s)}, "
+            f"recovery {_s(g.recovery_s)}, other {_s(g.other_s)}"
+        )
+    if d.model_digest:
+        lines.append(f"  model digest: {d.model_digest}")
+    return "\n".join(lines)
+
+
+def runs_table(runs: Sequence[RunSummary]) -> str:
+    rows = [("RUN", "NAME", "STATE", "STEP", "LOSS", "ATTEMPTS", "REASON")]
+    for r in runs:
+        rows.append((r.run_id, r.name, r.state, f"{r.step if r.step is not None else '-'}/{r.total_steps}",
+                     f"{r.loss:.4f}" if r.loss is not None else "-", str(r.attempts), r.reason))
+    return table(rows)
+
+
+def nodes_table(nodes: Sequence[NodeView]) -> str:
+    return table([("NODE", "STATE", "RUN", "REASON")]
+                 + [(n.name, n.state, n.run_id or "-", n.reason) for n in nodes])
+
+
+def event_line(e: EventView, t0: float | None = None) -> str:
+    when = f"+{e.ts - t0:6.1f}s" if t0 is not None else _t(e.ts)
+    return f"[{when}] {e.run_id or '-'} {e.kind}: {e.message}"
+
+
+def table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )

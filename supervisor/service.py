@@ -1,0 +1,122 @@
+"""Use cases behind the API and the CLIs: submit, inspect, and queue operator commands.
+
+Reads go straight to the store (SQLite in WAL mode lets them run beside the
+reconciler). Writes are limited to creating a run and queueing a command; the
+reconciler alone acts on them, on its next tick.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from supervisor import goodput, trainer_cmd
+from supervisor.domain import CommandKind, NodeState, parse_run_id
+from supervisor.errors import NotFound, SpecError
+from supervisor.spec import RunSpec
+from supervisor.store import SqlStore
+from supervisor.views import (
+    CommandAccepted,
+    EventView,
+    NodeView,
+    RunDetail,
+    RunSummary,
+    attempt_view,
+    checkpoint_view,
+    event_view,
+    fault_view,
+    goodput_view,
+    node_view,
+    run_summary,
+)
+
+
+class SupervisorService:
+    def __init__(
+        self, store: SqlStore, runs_dir: Path, *, mqtt_url: str | None,
+        check_trainer: bool = True, clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.runs_dir = runs_dir
+        self.mqtt_url = mqtt_url
+        self.check_trainer = check_trainer
+        self.clock = clock
+
+    def submit(self, spec: RunSpec) -> RunSummary:
+        if spec.telemetry.mqtt_url and spec.telemetry.mqtt_url != self.mqtt_url:
+            raise SpecError(
+                f"telemetry.mqtt_url: this daemon's trainers publish to {self.mqtt_url or 'nothing'}, "
+                f"not {spec.telemetry.mqtt_url}; leave the key out to use the daemon's broker"
+            )
+        if self.check_trainer:
+            trainer_cmd.check_trainer_config(spec, self.runs_dir / "run-check")
+        now = self.clock()
+        with self.store.tx() as tx:
+            run = tx.create_run(
+                name=spec.name, spec_json=spec.to_json(), run_dir_root=self.runs_dir,
+                nodes=spec.resources.nodes, ranks_per_node=spec.resources.ranks_per_node,
+                spares=spec.resources.spares, total_steps=spec.total_steps,
+                policy=spec.policy.to_policy(), now=now,
+            )
+            tx.add_event(run.number, "run.submitted",
+                         f"{run.run_id} ({spec.name}) submitted: {spec.resources.nodes} nodes x "
+                         f"{spec.resources.ranks_per_node} ranks + {spec.resources.spares} spare(s), "
+                         f"{spec.total_steps} steps", {"name": spec.name}, now)
+        return run_summary(run, 0, None)
+
+    def list_runs(self) -> list[RunSummary]:
+        with self.store.tx() as tx:
+            return [
+                run_summary(r, len(tx.list_attempts(r.number)), tx.latest_metric(r.number))
+                for r in tx.list_runs()
+            ]
+
+    def get_run(self, run_id: str) -> RunDetail:
+        number = _number(run_id)
+        now = self.clock()
+        with self.store.tx() as tx:
+            run = tx.get_run(number)
+            attempts = tx.list_attempts(number)
+            metrics = tx.list_metrics(number)
+            faults = tx.list_faults(number)
+            checkpoints = tx.list_checkpoints(number)
+            drained = [n.name for n in tx.allocation(number) if n.state is NodeState.DRAINED]
+            latest = tx.latest_metric(number)
+        g = goodput.account(run, attempts, metrics, faults, checkpoints, now)
+        summary = run_summary(run, len(attempts), latest)
+        return RunDetail(
+            **summary.model_dump(), model_digest=run.model_digest, final_step=run.final_step,
+            started_at=run.started_at, nodes=run.nodes, ranks_per_node=run.ranks_per_node,
+            spares=run.spares, attempt_history=[attempt_view(a) for a in attempts],
+            faults=[fault_view(f) for f in faults], checkpoints=[checkpoint_view(c) for c in checkpoints],
+            goodput=goodput_view(g), drained_nodes=drained, ettr=g.ettr,
+        )
+
+    def events(self, run_id: str | None, after_id: int = 0, limit: int = 1000) -> list[EventView]:
+        number = _number(run_id) if run_id is not None else None
+        with self.store.tx() as tx:
+            if number is not None:
+                tx.get_run(number)
+            return [event_view(e) for e in tx.list_events(number, after_id, limit)]
+
+    def nodes(self) -> list[NodeView]:
+        with self.store.tx() as tx:
+            return [node_view(n) for n in tx.list_nodes()]
+
+    def request(self, run_id: str, kind: CommandKind) -> CommandAccepted:
+        number = _number(run_id)
+        with self.store.tx() as tx:
+            command_id = tx.add_command(number, kind, self.clock())
+        return CommandAccepted(command_id=command_id, run_id=run_id, kind=kind.value)
+
+    def command_result(self, command_id: int) -> str | None:
+        with self.store.tx() as tx:
+            return tx.get_command_result(command_id)
+
+
+def _number(run_id: str) -> int:
+    number = parse_run_id(run_id)
+    if number is None:
+        raise NotFound(f"no such run: {run_id!r} (run ids look like run-42)")
+    return number

@@ -1,0 +1,145 @@
+"""Run specs: the TOML file a user submits, validated with errors that name the key.
+
+    name = "tiny-llama"
+
+    [resources]            # what one attempt trains on, plus hot spares
+    launcher = "local"
+    nodes = 2
+    ranks_per_node = 2
+    spares = 1
+
+    [trainer]              # the reference trainer's own config (trainer/README.md);
+    steps = 120            # the supervisor reads `steps` and `checkpoint`, and fills in
+    [trainer.checkpoint]   # checkpoint.dir and output_dir when the spec leaves them out
+    every_steps = 20
+
+    [policy]               # decision rules (supervisor/policy.py)
+    max_restarts = 10
+
+    [telemetry]
+    mqtt_url = "mqtt://127.0.0.1:1883"   # absent: the daemon's broker (embedded by default)
+
+The trainer table itself is checked by the trainer (``python -m trainer --check-config``,
+see supervisor/trainer_cmd.py), so that the daemon never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from supervisor.domain import Policy
+from supervisor.errors import SpecError
+
+_Model = ConfigDict(extra="forbid", frozen=True)
+
+
+class ResourcesSpec(BaseModel):
+    model_config = _Model
+    launcher: Literal["local"] = "local"
+    nodes: Annotated[int, Field(gt=0, le=4096)] = 1
+    ranks_per_node: Annotated[int, Field(gt=0, le=64)] = 1
+    spares: Annotated[int, Field(ge=0, le=1024)] = 0
+
+
+class PolicySpec(BaseModel):
+    model_config = _Model
+    max_restarts: Annotated[int, Field(ge=0, le=10_000)] = 10
+    hang_timeout_s: Annotated[float, Field(gt=0)] = 300.0
+    startup_timeout_s: Annotated[float, Field(gt=0)] = 900.0
+    stop_grace_s: Annotated[float, Field(ge=0)] = 10.0
+    fault_settle_s: Annotated[float, Field(ge=0, le=60)] = 1.0
+
+    def to_policy(self) -> Policy:
+        return Policy(**self.model_dump())
+
+
+class TelemetrySpec(BaseModel):
+    model_config = _Model
+    mqtt_url: str | None = None
+
+    @field_validator("mqtt_url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_mqtt_url(v)
+        return v
+
+
+class RunSpec(BaseModel):
+    model_config = _Model
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+    resources: ResourcesSpec = ResourcesSpec()
+    trainer: dict[str, Any]
+    policy: PolicySpec = PolicySpec()
+    telemetry: TelemetrySpec = TelemetrySpec()
+
+    @model_validator(mode="after")
+    def _steps(self) -> RunSpec:
+        steps = self.trainer.get("steps")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+            raise ValueError("trainer.steps: expected a positive integer")
+        ck = self.trainer.get("checkpoint", {})
+        if not isinstance(ck, dict):
+            raise ValueError("trainer.checkpoint: expected a table")
+        return self
+
+    @property
+    def total_steps(self) -> int:
+        return int(self.trainer["steps"])
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+
+
+def parse_mqtt_url(url: str) -> tuple[str, int]:
+    """'mqtt://host:port' -> (host, port); raises ValueError with the reason."""
+    parts = urlsplit(url)
+    if parts.scheme != "mqtt" or not parts.hostname:
+        raise ValueError(f"expected mqtt://HOST:PORT, got {url!r}")
+    try:
+        port = parts.port or 1883
+    except ValueError as e:
+        raise ValueError(f"bad port in {url!r}") from e
+    return parts.hostname, port
+
+
+def parse_spec(data: dict[str, Any], source: str = "spec") -> RunSpec:
+    try:
+        return RunSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(f"{source}: " + "; ".join(_describe(err) for err in e.errors())) from e
+
+
+def load_spec(path: str | Path) -> RunSpec:
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError as e:
+        raise SpecError(f"{p}: no such file") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"{p}: cannot read: {e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{p}: not valid TOML: {e}") from e
+    return parse_spec(data, str(p))
+
+
+def spec_from_json(text: str) -> RunSpec:
+    return RunSpec.model_validate_json(text)
+
+
+def _describe(err: Any) -> str:
+    loc = ".".join(str(x) for x in err["loc"])
+    kind, msg = err["type"], err["msg"]
+    if kind == "extra_forbidden":
+        return f"unknown key {loc!r}"
+    if kind == "missing":
+        return f"missing required key {loc!r}"
+    if msg.startswith("Value error, "):
+        msg = msg.removeprefix("Value error, ")
+    return f"{loc}: {msg}" if loc else msg

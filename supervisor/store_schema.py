@@ -1,0 +1,165 @@
+"""The SQLite schema and its migrations.
+
+The database records the supervisor's whole memory: a restarted daemon re-derives
+everything from these tables plus the launcher. ``SCHEMA_VERSION`` is stored in the
+``schema_version`` table; ``MIGRATIONS[i]`` takes a database from version i to i + 1.
+Add a migration, never edit an old one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy import (
+    Boolean,
+    Column,
+    Connection,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+)
+
+metadata = MetaData()
+
+schema_version = Table("schema_version", metadata, Column("version", Integer, nullable=False))
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("number", Integer, primary_key=True, autoincrement=True),
+    Column("name", String(64), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("reason", Text, nullable=False, default=""),
+    Column("spec", Text, nullable=False),  # the validated spec, JSON
+    Column("run_dir", Text, nullable=False),  # checkpoints, attempt logs, result
+    Column("nodes", Integer, nullable=False),
+    Column("ranks_per_node", Integer, nullable=False),
+    Column("spares", Integer, nullable=False),
+    Column("total_steps", Integer, nullable=False),
+    Column("policy", Text, nullable=False),  # JSON of domain.Policy
+    Column("created_at", Float, nullable=False),
+    Column("started_at", Float),
+    Column("ended_at", Float),
+    Column("final_step", Integer),
+    Column("model_digest", String(128)),
+    Column("budget_from_attempt", Integer, nullable=False, default=0),
+)
+
+attempts = Table(
+    "attempts",
+    metadata,
+    Column("run_number", Integer, ForeignKey("runs.number"), primary_key=True),
+    Column("number", Integer, primary_key=True),
+    Column("state", String(16), nullable=False),
+    Column("nodes", Text, nullable=False),  # JSON list
+    Column("resume_from", Text),
+    Column("resume_step", Integer, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("started_at", Float),
+    Column("first_step_at", Float),
+    Column("stop_requested_at", Float),
+    Column("ended_at", Float),
+    Column("outcome", String(16)),
+    Column("reason", Text, nullable=False, default=""),
+    Column("final_step", Integer),
+    Column("launch_info", Text),
+    Column("launch_error", Text),
+)
+
+nodes = Table(
+    "nodes",
+    metadata,
+    Column("name", String(128), primary_key=True),
+    Column("state", String(16), nullable=False),
+    Column("reason", Text, nullable=False, default=""),
+    Column("run_number", Integer, ForeignKey("runs.number")),
+    Column("updated_at", Float, nullable=False),
+)
+
+checkpoints = Table(
+    "checkpoints",
+    metadata,
+    Column("run_number", Integer, ForeignKey("runs.number"), primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("path", Text, nullable=False),
+    Column("complete", Boolean, nullable=False),
+    Column("duration_s", Float),
+    Column("attempt", Integer),
+    Column("created_at", Float, nullable=False),
+)
+
+faults = Table(
+    "faults",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_number", Integer, ForeignKey("runs.number"), nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("kind", String(32), nullable=False),
+    Column("ranks", Text, nullable=False),  # JSON list
+    Column("nodes", Text, nullable=False),  # JSON list
+    Column("step", Integer, nullable=False),
+    Column("summary", Text, nullable=False),
+    Column("detected_at", Float, nullable=False),
+    Column("recovered_at", Float),
+    Index("faults_by_run", "run_number"),
+)
+
+# Rank 0's step metrics, one row per (attempt, step): the loss curve and the goodput
+# accounting (which steps survived into the final trajectory) come from here.
+metrics = Table(
+    "metrics",
+    metadata,
+    Column("run_number", Integer, ForeignKey("runs.number"), primary_key=True),
+    Column("attempt", Integer, primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("loss", Float),  # NULL when not finite
+    Column("grad_norm", Float),
+    Column("lr", Float),
+    Column("step_time_s", Float, nullable=False),
+    Column("tokens_per_s", Float),
+    Column("received_at", Float, nullable=False),
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_number", Integer, ForeignKey("runs.number")),
+    Column("ts", Float, nullable=False),
+    Column("kind", String(64), nullable=False),
+    Column("message", Text, nullable=False),
+    Column("data", Text, nullable=False, default="{}"),
+    Index("events_by_run", "run_number", "id"),
+)
+
+# Events waiting to be published on MQTT; written in the same transaction as the event.
+outbox = Table(
+    "outbox",
+    metadata,
+    Column("event_id", Integer, ForeignKey("events.id"), primary_key=True),
+    Column("published_at", Float),
+)
+
+commands = Table(
+    "commands",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_number", Integer, ForeignKey("runs.number"), nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("handled_at", Float),
+    Column("result", Text),
+)
+
+
+def _v1(conn: Connection) -> None:
+    metadata.create_all(conn)
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1]
+SCHEMA_VERSION = len(MIGRATIONS)

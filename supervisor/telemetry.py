@@ -1,0 +1,188 @@
+"""Trainer telemetry: MQTT ingestion (aiomqtt) into an in-memory view.
+
+``MqttLink`` subscribes to every rank's topic (trainer/protocol.py) and feeds each
+message to ``TelemetryView``, which keeps the latest state per (run, attempt, rank)
+for the reconciler to read. Times in the view are the supervisor's receipt times,
+never the trainer's clock. Malformed messages are counted and dropped.
+
+Rank 0's step metrics and checkpoint commits are also queued for the reconciler to
+persist, so the loss curve and the goodput accounting survive a restart.
+
+The view knows whether the broker link is up (``up_since``). While it is down no
+telemetry arrives, and the policy must not read silence as a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiomqtt
+
+from trainer import protocol as p
+
+log = logging.getLogger(__name__)
+
+# Step metrics and checkpoint commits waiting to be persisted; beyond this many (a
+# reconciler stalled for minutes) the oldest are dropped and counted.
+_DURABLE_QUEUE_MAX = 100_000
+
+
+@dataclass(slots=True)
+class RankTelemetry:
+    node: str | None = None
+    pid: int | None = None
+    last_seen_at: float | None = None
+    last_step: int = 0
+    progress_at: float | None = None  # when last_step last increased
+    phase: str | None = None
+    exit_code: int | None = None
+    exit_reason: str = ""
+    exit_at: float | None = None
+    lost: bool = False
+    lost_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A message to persist, with its receipt time."""
+
+    msg: p.StepMetrics | p.CheckpointCommitted
+    at: float
+
+
+@dataclass(slots=True)
+class TelemetryView:
+    up_since: float | None = None
+    counts: Counter[str] = field(default_factory=Counter)
+    _ranks: dict[tuple[str, int], dict[int, RankTelemetry]] = field(default_factory=dict)
+    _durable: deque[Received] = field(default_factory=deque)
+
+    def link_up(self, now: float) -> None:
+        self.up_since = now
+
+    def link_down(self) -> None:
+        self.up_since = None
+
+    def ingest(self, topic: str, payload: bytes | str, now: float) -> None:
+        try:
+            msg = p.decode(payload, topic)
+        except p.ProtocolError as e:
+            self.counts["malformed"] += 1
+            log.debug("dropped a malformed message on %s: %s", topic, e)
+            return
+        self.counts["received"] += 1
+        self.counts[msg.kind] += 1
+        self.apply(msg, now)
+
+    def apply(self, msg: p.Message, now: float) -> None:
+        rank = self._ranks.setdefault((msg.run, msg.attempt), {}).setdefault(msg.rank, RankTelemetry())
+        if not isinstance(msg, p.Lost):
+            rank.last_seen_at = now
+        match msg:
+            case p.Register():
+                rank.node, rank.pid = msg.node, msg.pid
+            case p.Heartbeat():
+                rank.phase = msg.phase.value
+                self._progress(rank, msg.step, now)
+            case p.PhaseChange():
+                rank.phase = msg.phase.value
+                self._progress(rank, msg.step, now)
+            case p.StepMetrics():
+                self._progress(rank, msg.step, now)
+                if msg.rank == 0:
+                    self._queue(Received(msg, now))
+            case p.CheckpointCommitted():
+                self._queue(Received(msg, now))
+            case p.Exit():
+                rank.exit_code, rank.exit_reason, rank.exit_at = msg.exit_code, msg.reason, now
+                self._progress(rank, msg.final_step, now)
+            case p.Lost():
+                rank.lost, rank.lost_at = True, now
+
+    @staticmethod
+    def _progress(rank: RankTelemetry, step: int, now: float) -> None:
+        if step > rank.last_step or rank.progress_at is None:
+            rank.progress_at = now
+        rank.last_step = max(rank.last_step, step)
+
+    def _queue(self, item: Received) -> None:
+        if len(self._durable) >= _DURABLE_QUEUE_MAX:
+            self._durable.popleft()
+            self.counts["durable_dropped"] += 1
+        self._durable.append(item)
+
+    def take_durable(self) -> list[Received]:
+        items = list(self._durable)
+        self._durable.clear()
+        return items
+
+    def ranks(self, run_id: str, attempt: int) -> dict[int, RankTelemetry]:
+        return self._ranks.get((run_id, attempt), {})
+
+    def max_step(self, run_id: str, attempt: int) -> int:
+        return max((r.last_step for r in self.ranks(run_id, attempt).values()), default=0)
+
+    def forget(self, run_id: str, attempt: int) -> None:
+        self._ranks.pop((run_id, attempt), None)
+
+
+class MqttLink:
+    """One aiomqtt connection: subscribes to all telemetry, publishes supervisor events.
+
+    Reconnects with capped backoff for as long as it runs; stop it by cancelling its task.
+    """
+
+    def __init__(
+        self, host: str, port: int, view: TelemetryView, clock: Callable[[], float],
+        *, client_id: str = "training-supervisor",
+    ) -> None:
+        self.host, self.port = host, port
+        self.view = view
+        self.clock = clock
+        self.client_id = client_id
+        self._client: aiomqtt.Client | None = None
+
+    async def run(self) -> None:
+        backoff_s = 0.1
+        while True:
+            try:
+                async with aiomqtt.Client(
+                    self.host, self.port, identifier=self.client_id, keepalive=10, timeout=5,
+                ) as client:
+                    await client.subscribe(p.TOPIC_FILTER_ALL)
+                    self._client = client
+                    self.view.link_up(self.clock())
+                    log.info("telemetry link up (mqtt://%s:%d)", self.host, self.port)
+                    backoff_s = 0.1
+                    async for message in client.messages:
+                        payload = message.payload
+                        if isinstance(payload, (bytes, str)):
+                            self.view.ingest(message.topic.value, payload, self.clock())
+                        else:
+                            self.view.counts["malformed"] += 1
+            except aiomqtt.MqttError as e:
+                if self.view.up_since is not None:
+                    log.warning("telemetry link down: %s", e)
+            finally:
+                self._client = None
+                self.view.link_down()
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, 5.0)
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    async def publish(self, topic: str, payload: bytes) -> bool:
+        client = self._client
+        if client is None:
+            return False
+        try:
+            await client.publish(topic, payload, qos=1)
+        except aiomqtt.MqttError:
+            return False
+        return True

@@ -1,0 +1,157 @@
+"""Read models: what the API, the CLI and `training-supervisor run` show of a run.
+
+Pydantic models, so that the API's OpenAPI schema and the JSON the CLIs print are one
+and the same thing.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from supervisor.domain import Attempt, Node, Run
+from supervisor.goodput import Goodput
+from supervisor.store import CheckpointRecord, EventRecord, FaultRecord, MetricRecord
+
+
+class RunSummary(BaseModel):
+    run_id: str
+    name: str
+    state: str
+    reason: str
+    step: int | None
+    total_steps: int
+    loss: float | None
+    attempts: int
+    created_at: float
+    ended_at: float | None
+
+
+class AttemptView(BaseModel):
+    number: int
+    state: str
+    nodes: list[str]
+    resume_step: int
+    resume_from: str | None
+    started_at: float | None
+    first_step_at: float | None
+    ended_at: float | None
+    outcome: str | None
+    reason: str
+    final_step: int | None
+
+
+class FaultView(BaseModel):
+    kind: str
+    attempt: int
+    step: int
+    ranks: list[int]
+    nodes: list[str]
+    summary: str
+    detected_at: float
+    recovered_at: float | None
+
+
+class CheckpointView(BaseModel):
+    step: int
+    path: str
+    complete: bool
+    duration_s: float | None
+    attempt: int | None
+
+
+class GoodputView(BaseModel):
+    ettr: float | None
+    wall_s: float
+    productive_s: float
+    lost_s: float
+    checkpoint_s: float
+    startup_s: float
+    detection_s: float
+    recovery_s: float
+    other_s: float
+    kept_steps: int
+    lost_steps: int
+
+
+class RunDetail(RunSummary):
+    model_digest: str | None
+    final_step: int | None
+    started_at: float | None
+    nodes: int
+    ranks_per_node: int
+    spares: int
+    attempt_history: list[AttemptView]
+    faults: list[FaultView]
+    checkpoints: list[CheckpointView]
+    goodput: GoodputView
+    drained_nodes: list[str]
+    ettr: float | None
+
+
+class EventView(BaseModel):
+    id: int
+    run_id: str | None
+    ts: float
+    kind: str
+    message: str
+    data: dict[str, object]
+
+
+class NodeView(BaseModel):
+    name: str
+    state: str
+    reason: str
+    run_id: str | None
+
+
+class CommandAccepted(BaseModel):
+    command_id: int
+    run_id: str
+    kind: str
+
+
+def run_summary(run: Run, attempts: int, latest: MetricRecord | None) -> RunSummary:
+    return RunSummary(
+        run_id=run.run_id, name=run.name, state=run.state.value, reason=run.reason,
+        step=run.final_step if run.final_step is not None else (latest.step if latest else None),
+        total_steps=run.total_steps, loss=latest.loss if latest else None, attempts=attempts,
+        created_at=run.created_at, ended_at=run.ended_at,
+    )
+
+
+def attempt_view(a: Attempt) -> AttemptView:
+    return AttemptView(
+        number=a.number, state=a.state.value, nodes=list(a.nodes), resume_step=a.resume_step,
+        resume_from=a.resume_from, started_at=a.started_at, first_step_at=a.first_step_at,
+        ended_at=a.ended_at, outcome=a.outcome.value if a.outcome else None, reason=a.reason,
+        final_step=a.final_step,
+    )
+
+
+def fault_view(f: FaultRecord) -> FaultView:
+    return FaultView(kind=f.kind.value, attempt=f.attempt, step=f.step, ranks=list(f.ranks),
+                     nodes=list(f.nodes), summary=f.summary, detected_at=f.detected_at,
+                     recovered_at=f.recovered_at)
+
+
+def checkpoint_view(c: CheckpointRecord) -> CheckpointView:
+    return CheckpointView(step=c.step, path=c.path, complete=c.complete, duration_s=c.duration_s,
+                          attempt=c.attempt)
+
+
+def goodput_view(g: Goodput) -> GoodputView:
+    return GoodputView(
+        ettr=g.ettr, wall_s=g.wall_s, productive_s=g.productive_s, lost_s=g.lost_s,
+        checkpoint_s=g.checkpoint_s, startup_s=g.startup_s, detection_s=g.detection_s,
+        recovery_s=g.recovery_s, other_s=g.other_s, kept_steps=g.kept_steps, lost_steps=g.lost_steps,
+    )
+
+
+def event_view(e: EventRecord) -> EventView:
+    return EventView(id=e.id, run_id=f"run-{e.run_number}" if e.run_number is not None else None,
+                     ts=e.ts, kind=e.kind, message=e.message, data=e.data)
+
+
+def node_view(n: Node) -> NodeView:
+    return NodeView(name=n.name, state=n.state.value, reason=n.reason,
+                    run_id=f"run-{n.run_number}" if n.run_number is not None else None)

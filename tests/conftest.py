@@ -1,0 +1,114 @@
+"""Shared fixtures: free ports, a real mosquitto broker, and the rule for missing parts.
+
+A test that needs a real component (mosquitto, Slurm) starts it here and stops it by
+pid. When the component is not installed the test is skipped on a developer machine
+but FAILS under CI (CI=true), where `make test` has installed it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def require(what: str, available: bool) -> None:
+    if available:
+        return
+    message = f"{what} is not installed (make test installs it as root)"
+    if IN_CI:
+        pytest.fail(f"CI: {message}")
+    pytest.skip(message)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):  # type: ignore[no-untyped-def]
+    """Poll until predicate() is truthy; return its value, or fail naming what was awaited."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@dataclass(frozen=True)
+class Broker:
+    host: str
+    port: int
+    pid: int
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://{self.host}:{self.port}"
+
+
+def _mosquitto_binary() -> str | None:
+    return shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if os.path.exists("/usr/sbin/mosquitto")
+                                          else None)
+
+
+def start_mosquitto(workdir: Path, port: int | None = None) -> tuple[Broker, subprocess.Popen[bytes]]:
+    binary = _mosquitto_binary()
+    require("mosquitto", binary is not None)
+    assert binary is not None
+    port = port or free_port()
+    conf = workdir / f"mosquitto-{port}.conf"
+    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+    log = open(workdir / f"mosquitto-{port}.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
+    wait_for(lambda: port_open(port) or proc.poll() is not None, 10, "mosquitto to listen")
+    assert proc.poll() is None, (workdir / f"mosquitto-{port}.log").read_text()
+    return Broker("127.0.0.1", port, proc.pid), proc
+
+
+def stop_by_pid(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture
+def mosquitto(tmp_path: Path) -> Iterator[Broker]:
+    broker, proc = start_mosquitto(tmp_path)
+    try:
+        yield broker
+    finally:
+        stop_by_pid(proc)
+
+
+@pytest.fixture(scope="session")
+def mosquitto_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    broker, proc = start_mosquitto(tmp_path_factory.mktemp("mosquitto"))
+    try:
+        yield broker
+    finally:
+        stop_by_pid(proc)

@@ -1,0 +1,124 @@
+"""`training-supervisor run`: real tiny training, killed by real signals, recovered."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from tests.conftest import Broker
+from tests.e2e.conftest import EXAMPLE, db_rows, summary_of, trainer_processes, tsup
+
+pytestmark = pytest.mark.e2e
+
+
+def test_fault_free_run_succeeds_with_a_digest(fault_free: dict[str, Any]) -> None:
+    s = fault_free
+    assert (s["state"], s["final_step"], s["attempts"], s["faults"]) == ("SUCCEEDED", 120, 1, [])
+    assert re.fullmatch(r"[0-9a-f]{64}", s["model_digest"])
+    assert 0 < s["ettr"] <= 1
+    assert s["goodput"]["kept_steps"] == 120 and s["goodput"]["lost_steps"] == 0
+
+
+def test_kill_rank_then_kill_node_recover_to_the_same_model(fault_free: dict[str, Any], tmp_path: Path) -> None:
+    proc = tsup("run", EXAMPLE, "--state-dir", tmp_path, "--json", "--chaos", "kill-rank@50",
+                "--chaos", "kill-node@90")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["final_step"] == 120
+    assert s["model_digest"] == fault_free["model_digest"], "the faults changed the math"
+
+    kinds = [(f["kind"], f["nodes"]) for f in s["faults"]]
+    assert kinds == [("rank-exit", ["local-2"]), ("node-lost", ["local-2"])]
+    assert all(f["recovered_at"] and f["recovered_at"] > f["detected_at"] for f in s["faults"])
+    assert s["faults"][0]["ranks"] == [3], "the killed rank is blamed, not the ranks that died after it"
+    assert s["drained_nodes"] == ["local-2"], "only the lost node is drained"
+    assert s["attempts"] == 3
+    history = s["attempt_history"]
+    assert [a["resume_step"] for a in history] == [0, 40, 80]
+    assert history[1]["nodes"] == ["local-1", "local-2"]  # a rank's death keeps the nodes
+    assert history[2]["nodes"] == ["local-1", "local-3"]  # the spare replaces the lost node
+    assert s["goodput"]["lost_steps"] > 0 and s["ettr"] < fault_free["ettr"]
+
+    # Everything is in SQLite, and nothing is left running.
+    assert db_rows(tmp_path, "SELECT number, outcome FROM attempts ORDER BY number") == [
+        (1, "FAILED"), (2, "FAILED"), (3, "SUCCEEDED")]
+    events = [k for (k,) in db_rows(tmp_path, "SELECT kind FROM events ORDER BY id")]
+    assert events.count("chaos.injected") == 2 and events.count("fault.detected") == 2
+    assert events.count("node.drained") == 1 and events.count("run.recovered") == 2
+    assert db_rows(tmp_path, "SELECT reason FROM nodes WHERE state = 'DRAINED'")[0][0].startswith(
+        "training-supervisor: node lost")
+    assert trainer_processes(tmp_path) == []
+    # the human progress stream told the story
+    assert "fault.detected" in proc.stderr and "run.recovered" in proc.stderr
+
+
+def test_an_external_mosquitto_carries_telemetry_and_supervisor_events(mosquitto: Broker, tmp_path: Path) -> None:
+    spec = tmp_path / "small.toml"
+    spec.write_text(EXAMPLE.read_text().replace("steps = 120", "steps = 30").replace("nodes = 2", "nodes = 1")
+                    + f'\n[telemetry]\nmqtt_url = "{mosquitto.url}"\n')
+    seen: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def on_message(_c: mqtt.Client, _u: object, msg: mqtt.MQTTMessage) -> None:
+        with lock:
+            seen.append(json.loads(msg.payload))
+
+    sub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="dashboard")
+    sub.on_message = on_message
+    sub.connect(mosquitto.host, mosquitto.port)
+    sub.subscribe("tsup/v1/events/#", qos=1)
+    sub.loop_start()
+    try:
+        proc = tsup("run", spec, "--state-dir", tmp_path / "state", "--json")
+        s = summary_of(proc)
+        assert proc.returncode == 0 and s["state"] == "SUCCEEDED" and s["final_step"] == 30
+        metrics = db_rows(tmp_path / "state", "SELECT count(*) FROM metrics")[0][0]
+        assert metrics == 30, "every step's metrics came through mosquitto"
+    finally:
+        sub.loop_stop()
+        sub.disconnect()
+    with lock:
+        kinds = [e["kind"] for e in seen]
+    assert "run.submitted" in kinds and "attempt.started" in kinds
+
+
+@pytest.mark.parametrize(
+    ("edit", "complaint"),
+    [
+        (lambda t: t.replace('name = "tiny-llama"\n', ""), "missing required key 'name'"),
+        (lambda t: t.replace("spares = 1", "spraes = 1"), "unknown key 'resources.spraes'"),
+        (lambda t: t.replace("nodes = 2", 'nodes = "two"'), "resources.nodes"),
+        (lambda t: t.replace('model = "tiny"', 'model = "gpt-5"'), "[trainer]"),
+        (lambda t: t.replace("seed = 1234", "sede = 1234"), "[trainer]"),
+        (lambda t: t + "\n[[oops", "not valid TOML"),
+    ],
+)
+def test_bad_specs_get_a_clear_message_and_exit_2(tmp_path: Path, edit, complaint: str) -> None:  # type: ignore[no-untyped-def]
+    spec = tmp_path / "bad.toml"
+    spec.write_text(edit(EXAMPLE.read_text()))
+    proc = tsup("run", spec, "--state-dir", tmp_path / "state", timeout_s=60)
+    assert proc.returncode == 2
+    assert complaint in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "complaint"),
+    [
+        (("run", "/nonexistent/spec.toml"), "no such file"),
+        (("run", str(EXAMPLE), "--chaos", "explode@5"), "--chaos 'explode@5'"),
+        (("serve", "--api-bind", "nowhere"), "--api-bind 'nowhere'"),
+        (("serve", "--mqtt-url", "http://x"), "--mqtt-url"),
+    ],
+)
+def test_bad_arguments_get_a_clear_message_and_exit_2(tmp_path: Path, args: tuple[str, ...], complaint: str) -> None:
+    proc = tsup(*args, "--state-dir", tmp_path, timeout_s=60)
+    assert proc.returncode == 2, proc.stderr
+    assert complaint in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,140 @@
+"""The local launcher with real processes and real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from supervisor.domain import ProcState
+from supervisor.errors import LaunchError
+from supervisor.launchers.base import LaunchSpec
+from supervisor.launchers.local import LocalLauncher
+from tests.conftest import wait_for
+
+# Each rank writes its torchrun environment to a file, then sleeps (or exits with $CODE).
+RANK_SCRIPT = """
+import json, os, sys, time
+out = sys.argv[1]
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT", "TSUP_NODE", "X"]
+with open(os.path.join(out, "env-" + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump({k: os.environ.get(k) for k in keys}, f)
+time.sleep(float(os.environ.get("SLEEP", "60")))
+sys.exit(int(os.environ.get("CODE", "0")))
+"""
+
+
+def spec(tmp_path: Path, **env: str) -> LaunchSpec:
+    marker = str(tmp_path / "marker-config.json")
+    return LaunchSpec(run_id="run-1", attempt=1, nodes=("local-1", "local-2"), ranks_per_node=2,
+                      argv=(sys.executable, "-c", RANK_SCRIPT, str(tmp_path), marker),
+                      env={"X": "y", **env}, log_dir=tmp_path / "logs", marker=marker)
+
+
+@pytest.fixture
+def launcher() -> LocalLauncher:
+    return LocalLauncher()
+
+
+def started(launcher: LocalLauncher, tmp_path: Path, **env: str) -> str:
+    info = launcher.start(spec(tmp_path, **env))
+    wait_for(lambda: len(list(tmp_path.glob("env-*.json"))) == 4, 20, "every rank to start")
+    return info
+
+
+def states(launcher: LocalLauncher, info: str) -> dict[int, tuple[ProcState, int | None]]:
+    return {r.rank: (r.proc, r.exit_code) for r in launcher.observe(info)}
+
+
+def test_ranks_get_the_torchrun_environment_and_a_process_group_per_node(
+        launcher: LocalLauncher, tmp_path: Path) -> None:
+    info = started(launcher, tmp_path)
+    try:
+        envs = [json.loads((tmp_path / f"env-{r}.json").read_text()) for r in range(4)]
+        assert [(e["RANK"], e["LOCAL_RANK"], e["GROUP_RANK"], e["TSUP_NODE"]) for e in envs] == [
+            ("0", "0", "0", "local-1"), ("1", "1", "0", "local-1"),
+            ("2", "0", "1", "local-2"), ("3", "1", "1", "local-2")]
+        assert {e["WORLD_SIZE"] for e in envs} == {"4"} and {e["X"] for e in envs} == {"y"}
+        assert len({e["MASTER_PORT"] for e in envs}) == 1
+        ranks = json.loads(info)["ranks"]
+        groups = {r["node"]: {x["pgid"] for x in ranks if x["node"] == r["node"]} for r in ranks}
+        assert all(len(g) == 1 for g in groups.values()) and groups["local-1"] != groups["local-2"]
+        assert all(os.getpgid(r["pid"]) == r["pgid"] for r in ranks)
+        assert all(s == (ProcState.RUNNING, None) for s in states(launcher, info).values())
+    finally:
+        launcher.stop(info, force=True)
+
+
+def test_kill_rank_kills_exactly_one_process(launcher: LocalLauncher, tmp_path: Path) -> None:
+    info = started(launcher, tmp_path)
+    try:
+        assert "rank 2" in launcher.kill_rank(info, 2)
+        wait_for(lambda: states(launcher, info)[2][0] is ProcState.EXITED, 10, "rank 2 to die")
+        s = states(launcher, info)
+        assert s[2] == (ProcState.EXITED, -signal.SIGKILL)
+        assert s[0][0] is s[1][0] is s[3][0] is ProcState.RUNNING
+        with pytest.raises(LaunchError, match="not running"):
+            launcher.kill_rank(info, 2)
+    finally:
+        launcher.stop(info, force=True)
+
+
+def test_kill_node_kills_every_process_of_that_node_only(launcher: LocalLauncher, tmp_path: Path) -> None:
+    info = started(launcher, tmp_path)
+    try:
+        launcher.kill_node(info, "local-2")
+        wait_for(lambda: all(states(launcher, info)[r][0] is ProcState.EXITED for r in (2, 3)), 10, "node death")
+        s = states(launcher, info)
+        assert s[2] == s[3] == (ProcState.EXITED, -signal.SIGKILL)
+        assert s[0][0] is s[1][0] is ProcState.RUNNING
+    finally:
+        launcher.stop(info, force=True)
+
+
+def test_stop_terminates_every_rank_and_is_idempotent(launcher: LocalLauncher, tmp_path: Path) -> None:
+    info = started(launcher, tmp_path)
+    launcher.stop(info, force=False)
+    wait_for(lambda: all(p == ProcState.EXITED for p, _ in states(launcher, info).values()), 10, "stop")
+    assert {c for _, c in states(launcher, info).values()} == {-signal.SIGTERM}
+    launcher.stop(info, force=True)  # nothing left: no error, no stray signal
+
+
+def test_exit_codes_are_collected(launcher: LocalLauncher, tmp_path: Path) -> None:
+    info = started(launcher, tmp_path, SLEEP="0", CODE="3")
+    wait_for(lambda: all(p == ProcState.EXITED for p, _ in states(launcher, info).values()), 10, "exits")
+    assert {c for _, c in states(launcher, info).values()} == {3}
+
+
+def test_a_new_launcher_finds_and_adopts_processes_by_marker(launcher: LocalLauncher, tmp_path: Path) -> None:
+    info = started(launcher, tmp_path)
+    try:
+        fresh = LocalLauncher()  # a restarted daemon: no children of its own
+        found = fresh.find(spec(tmp_path))
+        assert found is not None
+        assert sorted((r["rank"], r["pid"], r["node"]) for r in json.loads(found)["ranks"]) == sorted(
+            (r["rank"], r["pid"], r["node"]) for r in json.loads(info)["ranks"])
+        assert all(p is ProcState.RUNNING for p, _ in states(fresh, found).values())
+        fresh.kill_node(found, "local-1")
+        wait_for(lambda: states(fresh, found)[0][0] is ProcState.VANISHED, 10, "adopted ranks to vanish")
+        assert states(fresh, found)[1] == (ProcState.VANISHED, None)  # not our child: no exit code
+        assert fresh.find(replace(spec(tmp_path), marker=str(tmp_path / "nobody"))) is None
+    finally:
+        launcher.stop(info, force=True)
+
+
+def test_a_missing_program_is_a_launch_error(launcher: LocalLauncher, tmp_path: Path) -> None:
+    bad = LaunchSpec(run_id="run-1", attempt=1, nodes=("local-1",), ranks_per_node=2,
+                     argv=(str(tmp_path / "no-such-trainer"),), env={}, log_dir=tmp_path, marker="m")
+    with pytest.raises(LaunchError, match="cannot start"):
+        launcher.start(bad)
+
+
+def test_allocation_reuses_idle_nodes_then_names_new_ones_up_to_the_cap() -> None:
+    launcher = LocalLauncher(max_nodes=4)
+    assert launcher.allocate(3, ["local-2"], {"local-1", "local-2"}) == ["local-2", "local-3", "local-4"]
+    assert launcher.allocate(3, [], {"local-1", "local-2", "local-3"}) == ["local-4"]

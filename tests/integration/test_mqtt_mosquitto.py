@@ -1,0 +1,117 @@
+"""Telemetry through a real mosquitto: trainer publisher -> broker -> supervisor's MqttLink."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from supervisor.telemetry import MqttLink, TelemetryView
+from tests.conftest import Broker, start_mosquitto, stop_by_pid
+
+# One rank's publisher: registers, completes steps 1..3, then waits to be killed.
+PUBLISHER = """
+import os, sys, time
+from trainer.telemetry import Telemetry
+t = Telemetry.from_env(os.environ, rank=1, local_rank=1, world_size=2, heartbeat_interval_s=0.2)
+t.start()
+for step in (1, 2, 3):
+    t.step_completed(step=step, loss=3.0 - step, grad_norm=1.0, lr=0.1, step_time_s=0.05, tokens_per_s=1.0)
+print("published", flush=True)
+time.sleep(120)
+"""
+
+
+async def until(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def publisher_env(broker: Broker) -> dict[str, str]:
+    return {**os.environ, "TSUP_MQTT_URL": broker.url, "TSUP_RUN_ID": "run-3", "TSUP_ATTEMPT": "2",
+            "TSUP_NODE": "local-9", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+
+
+def test_rank_telemetry_malformed_messages_and_last_will(mosquitto: Broker) -> None:
+    async def scenario() -> None:
+        view = TelemetryView()
+        link = MqttLink(mosquitto.host, mosquitto.port, view, clock=lambda: asyncio.get_running_loop().time())
+        task = asyncio.create_task(link.run())
+        proc = None
+        try:
+            await until(lambda: link.connected, 10, "the supervisor to subscribe")
+            proc = subprocess.Popen([sys.executable, "-c", PUBLISHER], env=publisher_env(mosquitto))
+            await until(lambda: view.max_step("run-3", 2) == 3, 20, "steps 1..3 from rank 1")
+            rank = view.ranks("run-3", 2)[1]
+            assert (rank.node, rank.pid) == ("local-9", proc.pid)
+            await until(lambda: view.counts["heartbeat"] >= 2, 10, "heartbeats")
+
+            raw = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="vandal")
+            raw.connect(mosquitto.host, mosquitto.port)
+            raw.loop_start()
+            raw.publish("tsup/v1/telemetry/run-3/2/1/step", b"{not json").wait_for_publish(5)
+            raw.publish("tsup/v1/telemetry/run-3/2/1/step", b'{"v": 7}').wait_for_publish(5)
+            raw.loop_stop()
+            raw.disconnect()
+            await until(lambda: view.counts["malformed"] == 2, 10, "two malformed messages counted")
+            assert view.max_step("run-3", 2) == 3  # and ignored
+
+            os.kill(proc.pid, signal.SIGKILL)
+            await until(lambda: rank.lost, 20, "the rank's last will")
+            assert [i.msg.rank for i in view.take_durable()] == []  # rank 1's steps are not persisted
+        finally:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+            if proc is not None:
+                proc.wait()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_the_link_notices_a_broker_outage_and_reconnects(tmp_path: Path) -> None:
+    broker, proc = start_mosquitto(tmp_path)
+
+    async def scenario() -> None:
+        nonlocal proc
+        view = TelemetryView()
+        link = MqttLink(broker.host, broker.port, view, clock=lambda: asyncio.get_running_loop().time())
+        task = asyncio.create_task(link.run())
+        try:
+            await until(lambda: view.up_since is not None, 10, "link up")
+            stop_by_pid(proc)
+            await until(lambda: view.up_since is None, 20, "link down after the broker stopped")
+            _, proc = start_mosquitto(tmp_path, port=broker.port)
+            await until(lambda: view.up_since is not None, 20, "link up again")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        stop_by_pid(proc)
+
+
+def test_an_unreachable_broker_never_marks_the_link_up() -> None:
+    async def scenario() -> None:
+        view = TelemetryView()
+        link = MqttLink("127.0.0.1", 1, view, clock=lambda: 0.0)
+        task = asyncio.create_task(link.run())
+        await asyncio.sleep(1.0)
+        assert view.up_since is None and not link.connected
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())

@@ -1,0 +1,238 @@
+"""The reconciler's wiring: a real SQLite store, a scripted launcher, a fake clock.
+
+The policy's rules are tested in tests/unit/test_policy.py; these tests check that
+the loop persists and acts on them, and that a restarted daemon neither loses an
+attempt nor launches a second copy of one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from supervisor.domain import AttemptOutcome, AttemptState, CommandKind, NodeState, ProcState, RunState
+from supervisor.launchers.base import LaunchSpec, RankProc
+from supervisor.reconciler import Reconciler, ReconcilerConfig
+from supervisor.service import SupervisorService
+from supervisor.spec import parse_spec
+from supervisor.store import SqlStore
+from supervisor.telemetry import TelemetryView
+from trainer import protocol as p
+
+
+class ScriptedLauncher:
+    """Processes that exist only as far as the test says."""
+
+    def __init__(self) -> None:
+        self.started: list[LaunchSpec] = []
+        self.procs: dict[str, dict[int, tuple[ProcState, int | None]]] = {}
+        self.stops: list[tuple[str, bool]] = []
+        self.findable: dict[str, str] = {}  # marker -> launch_info
+
+    def allocate(self, count: int, idle: Sequence[str], known: set[str]) -> list[str]:
+        names = list(idle[:count])
+        k = len(known)
+        while len(names) < count:
+            k += 1
+            names.append(f"node-{k}")
+        return names
+
+    def start(self, spec: LaunchSpec) -> str:
+        self.started.append(spec)
+        info = json.dumps({"attempt": spec.attempt, "nodes": list(spec.nodes), "rpn": spec.ranks_per_node})
+        world = len(spec.nodes) * spec.ranks_per_node
+        self.procs[info] = {r: (ProcState.RUNNING, None) for r in range(world)}
+        return info
+
+    def find(self, spec: LaunchSpec) -> str | None:
+        return self.findable.get(spec.marker)
+
+    def observe(self, launch_info: str) -> list[RankProc]:
+        d = json.loads(launch_info)
+        return [RankProc(rank=r, node=d["nodes"][r // d["rpn"]], proc=s, exit_code=c)
+                for r, (s, c) in sorted(self.procs[launch_info].items())]
+
+    def stop(self, launch_info: str, *, force: bool) -> None:
+        self.stops.append((launch_info, force))
+        code = -9 if force else -15
+        self.procs[launch_info] = {r: (ProcState.EXITED, s[1] if s[0] is ProcState.EXITED else code)
+                                   for r, s in self.procs[launch_info].items()}
+
+    def forget(self, launch_info: str) -> None:
+        pass
+
+    def drain(self, node: str, reason: str) -> None:
+        pass
+
+    def kill_rank(self, launch_info: str, rank: int) -> str:
+        self.procs[launch_info][rank] = (ProcState.EXITED, -9)
+        return f"rank {rank}"
+
+    def kill_node(self, launch_info: str, node: str) -> str:
+        raise NotImplementedError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+SPEC = {"name": "wiring", "resources": {"nodes": 2, "ranks_per_node": 1, "spares": 1},
+        "trainer": {"steps": 10}, "policy": {"fault_settle_s": 0.5}}
+
+
+@pytest.fixture
+def world(tmp_path: Path):  # type: ignore[no-untyped-def]
+    store = SqlStore(tmp_path / "supervisor.db")
+    store.open()
+    clock = Clock()
+    launcher = ScriptedLauncher()
+    telemetry = TelemetryView()
+    telemetry.link_up(clock())
+    rec = Reconciler(store, launcher, telemetry, ReconcilerConfig(mqtt_url="mqtt://127.0.0.1:1"), clock)
+    service = SupervisorService(store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1", check_trainer=False,
+                                clock=clock)
+    yield store, clock, launcher, telemetry, rec, service
+    store.close()
+
+
+def attempts(store: SqlStore, number: int = 1):  # type: ignore[no-untyped-def]
+    with store.tx() as tx:
+        return tx.list_attempts(number)
+
+
+def kinds(store: SqlStore, number: int = 1) -> list[str]:
+    with store.tx() as tx:
+        return [e.kind for e in tx.list_events(number)]
+
+
+def step(telemetry: TelemetryView, attempt: int, rank: int, n: int, now: float) -> None:
+    msg = p.StepMetrics(run="run-1", attempt=attempt, rank=rank, ts=now, step=n, loss=1.0, grad_norm=1.0,
+                        lr=0.1, step_time_s=0.1, tokens_per_s=1.0)
+    telemetry.ingest(*p.encode(msg), now)
+
+
+def make_checkpoint(root: Path, step_n: int) -> None:
+    d = root / "runs" / "run-1" / "checkpoints" / f"step_{step_n:08d}"
+    d.mkdir(parents=True)
+    (d / ".metadata").write_bytes(b"m")
+    (d / "trainer_meta.json").write_text(json.dumps({"step": step_n}))
+
+
+def test_a_run_from_submit_through_a_fault_to_success(world, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    store, clock, launcher, telemetry, rec, service = world
+    service.submit(parse_spec(SPEC))
+    rec.tick()  # allocates 3 nodes
+    rec.tick()  # launches on the first 2
+    [a1] = attempts(store)
+    assert a1.state is AttemptState.RUNNING and a1.nodes == ("node-1", "node-2") and a1.resume_from is None
+    [spec1] = launcher.started
+    assert spec1.env["TSUP_RUN_ID"] == "run-1" and spec1.env["TSUP_ATTEMPT"] == "1"
+    assert json.loads(Path(spec1.marker).read_text())["checkpoint"]["dir"].endswith("run-1/checkpoints")
+
+    for r in (0, 1):
+        step(telemetry, 1, r, 5, clock())
+    clock.t += 1
+    rec.tick()
+    with store.tx() as tx:
+        assert tx.get_run(1).state is RunState.RUNNING
+        assert [m.step for m in tx.list_metrics(1)] == [5]  # rank 0's metrics are persisted
+
+    make_checkpoint(tmp_path, 4)
+    assert a1.launch_info is not None
+    launcher.kill_rank(a1.launch_info, 1)
+    rec.tick()  # the death is seen; attribution waits for the settle window
+    assert attempts(store)[0].state is AttemptState.RUNNING
+    clock.t += 1
+    rec.tick()  # fault recorded, attempt stopped with SIGKILL
+    assert attempts(store)[0].state is AttemptState.STOPPING and launcher.stops[-1][1] is True
+    clock.t += 1
+    rec.tick()  # every process gone: ended, and attempt 2 launched from the checkpoint on the spare
+    a1, a2 = attempts(store)
+    assert a1.outcome is AttemptOutcome.FAILED and a2.resume_step == 4 and a2.nodes == ("node-1", "node-3")
+    with store.tx() as tx:
+        [fault] = tx.list_faults(1)  # one rank per node: the node's only process vanished
+        assert (fault.kind.value, fault.ranks, fault.nodes) == ("node-lost", (1,), ("node-2",))
+        assert fault.recovered_at is None
+        assert tx.get_node("node-2").state is NodeState.DRAINED
+        assert tx.get_run(1).state is RunState.RECOVERING
+
+    step(telemetry, 2, 0, 5, clock())
+    clock.t += 1
+    rec.tick()
+    with store.tx() as tx:
+        assert tx.list_faults(1)[0].recovered_at == clock()
+        assert tx.get_run(1).state is RunState.RUNNING
+
+    out = tmp_path / "runs" / "run-1" / "output"
+    out.mkdir(parents=True)
+    (out / "result.json").write_text(json.dumps({"final_step": 10, "model_digest": "abc"}))
+    info2 = json.dumps({"attempt": 2, "nodes": ["node-1", "node-3"], "rpn": 1})
+    launcher.procs[info2] = {0: (ProcState.EXITED, 0), 1: (ProcState.EXITED, 0)}
+    clock.t += 1
+    rec.tick()
+    with store.tx() as tx:
+        run = tx.get_run(1)
+        assert (run.state, run.final_step, run.model_digest) == (RunState.SUCCEEDED, 10, "abc")
+        assert {n.name: n.state for n in tx.list_nodes()} == {
+            "node-1": NodeState.IDLE, "node-2": NodeState.DRAINED, "node-3": NodeState.IDLE}
+    assert kinds(store)[:3] == ["run.submitted", "nodes.allocated", "attempt.launching"]
+    assert {"attempt.started", "fault.detected", "attempt.stopping", "attempt.ended",
+            "run.recovered"} <= set(kinds(store))
+
+
+def test_restart_with_an_unrecorded_launch_adopts_instead_of_launching_again(world) -> None:  # type: ignore[no-untyped-def]
+    store, clock, launcher, telemetry, rec, service = world
+    service.submit(parse_spec(SPEC))
+    rec.tick()
+    rec.tick()
+    [a1] = attempts(store)
+    # Pretend the daemon died after launching but before recording the launch.
+    with store.tx() as tx:
+        tx.update_attempt(1, 1, state=AttemptState.LAUNCHING, launch_info=None)
+    launcher.findable[launcher.started[0].marker] = a1.launch_info
+    fresh = Reconciler(store, launcher, telemetry, rec.config, clock)
+    fresh.tick()
+    [a1] = attempts(store)
+    assert a1.state is AttemptState.RUNNING and a1.launch_info is not None
+    assert len(launcher.started) == 1, "no duplicate launch"
+    assert "attempt.adopted" in kinds(store)
+
+
+def test_restart_with_a_launch_that_never_happened_aborts_it_and_launches_once(world) -> None:  # type: ignore[no-untyped-def]
+    store, clock, launcher, telemetry, rec, service = world
+    service.submit(parse_spec(SPEC))
+    rec.tick()
+    rec.tick()
+    with store.tx() as tx:
+        tx.update_attempt(1, 1, state=AttemptState.LAUNCHING, launch_info=None)
+    fresh = Reconciler(store, launcher, telemetry, rec.config, clock)
+    fresh.tick()
+    a1, a2 = attempts(store)
+    assert a1.outcome is AttemptOutcome.ABORTED and a2.state is AttemptState.RUNNING
+    assert len(launcher.started) == 2
+
+
+def test_cancel_through_the_service_stops_gracefully(world) -> None:  # type: ignore[no-untyped-def]
+    store, clock, launcher, telemetry, rec, service = world
+    service.submit(parse_spec(SPEC))
+    rec.tick()
+    rec.tick()
+    accepted = service.request("run-1", CommandKind.CANCEL)
+    rec.tick()
+    assert service.command_result(accepted.command_id) == "accepted"
+    assert launcher.stops[-1][1] is False  # SIGTERM first
+    clock.t += 1
+    rec.tick()
+    with store.tx() as tx:
+        assert tx.get_run(1).state is RunState.CANCELLED
+    assert attempts(store)[0].outcome is AttemptOutcome.STOPPED
+    assert service.request("run-1", CommandKind.RESUME).command_id
+    rec.tick()
+    assert len(launcher.started) == 1, "a cancelled run is never restarted"

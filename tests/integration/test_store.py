@@ -1,0 +1,156 @@
+"""The SQLite store on a real database file."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from sqlalchemy import update
+
+from supervisor import store_schema
+from supervisor.domain import (
+    Attempt,
+    AttemptState,
+    CommandKind,
+    FaultKind,
+    Node,
+    NodeState,
+    Policy,
+    RunState,
+)
+from supervisor.errors import NotFound, StoreError
+from supervisor.store import SqlStore
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> SqlStore:
+    s = SqlStore(tmp_path / "db" / "supervisor.db")
+    s.open()
+    yield s
+    s.close()
+
+
+def new_run(store: SqlStore, tmp_path: Path, name: str = "t") -> int:
+    with store.tx() as tx:
+        run = tx.create_run(name=name, spec_json="{}", run_dir_root=tmp_path / "runs", nodes=2, ranks_per_node=2,
+                            spares=1, total_steps=10, policy=Policy(max_restarts=2), now=1.0)
+    return run.number
+
+
+def test_runs_get_sequential_ids_and_their_own_directories(store: SqlStore, tmp_path: Path) -> None:
+    assert [new_run(store, tmp_path), new_run(store, tmp_path)] == [1, 2]
+    with store.tx() as tx:
+        run = tx.get_run(2)
+        assert run.run_id == "run-2" and run.state is RunState.PENDING and run.policy.max_restarts == 2
+        assert tx.run_spec_and_dir(2)[1] == tmp_path / "runs" / "run-2"
+        with pytest.raises(NotFound, match="run-9"):
+            tx.get_run(9)
+
+
+def test_database_is_wal_with_full_sync(store: SqlStore) -> None:
+    conn = sqlite3.connect(store.path)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == store_schema.SCHEMA_VERSION
+    conn.close()
+
+
+def test_a_newer_schema_is_refused_with_a_clear_message(store: SqlStore) -> None:
+    with store.tx() as tx:
+        tx.c.execute(update(store_schema.schema_version).values(version=store_schema.SCHEMA_VERSION + 1))
+    store.close()
+    again = SqlStore(store.path)
+    with pytest.raises(StoreError, match="newer than this supervisor"):
+        again.open()
+
+
+def test_reopening_keeps_everything(store: SqlStore, tmp_path: Path) -> None:
+    number = new_run(store, tmp_path)
+    with store.tx() as tx:
+        tx.add_attempt(Attempt(run_number=number, number=1, state=AttemptState.LAUNCHING, nodes=("a", "b"),
+                               resume_from=None, resume_step=0, created_at=2.0))
+        tx.add_event(number, "x.y", "hello", {"k": 1}, 3.0)
+    store.close()
+    again = SqlStore(store.path)
+    again.open()
+    with again.tx() as tx:
+        [a] = tx.list_attempts(number)
+        assert a.nodes == ("a", "b") and a.state is AttemptState.LAUNCHING
+        [e] = tx.list_events(number)
+        assert (e.kind, e.message, e.data) == ("x.y", "hello", {"k": 1})
+    again.close()
+
+
+def test_events_enter_the_outbox_in_the_same_transaction(store: SqlStore, tmp_path: Path) -> None:
+    number = new_run(store, tmp_path)
+    with store.tx() as tx:
+        ids = [tx.add_event(number, "k", f"m{i}", {}, float(i)) for i in range(3)]
+    with store.tx() as tx:
+        assert [e.id for e in tx.unpublished_events()] == ids
+        tx.mark_published(ids[:2], 9.0)
+    with store.tx() as tx:
+        assert [e.id for e in tx.unpublished_events()] == ids[2:]
+        assert [e.id for e in tx.list_events(number, after_id=ids[0])] == ids[1:]
+
+
+def test_a_failed_transaction_leaves_nothing_behind(store: SqlStore, tmp_path: Path) -> None:
+    number = new_run(store, tmp_path)
+    with pytest.raises(RuntimeError), store.tx() as tx:
+        tx.add_event(number, "k", "lost", {}, 1.0)
+        raise RuntimeError("crash mid-tick")
+    with store.tx() as tx:
+        assert tx.list_events(number) == []
+
+
+def test_commands_queue_and_finish(store: SqlStore, tmp_path: Path) -> None:
+    number = new_run(store, tmp_path)
+    with store.tx() as tx:
+        cid = tx.add_command(number, CommandKind.CANCEL, 1.0)
+        with pytest.raises(NotFound):
+            tx.add_command(99, CommandKind.CANCEL, 1.0)
+    with store.tx() as tx:
+        [c] = tx.pending_commands()
+        assert (c.id, c.kind) == (cid, CommandKind.CANCEL)
+        assert tx.get_command_result(cid) is None
+        tx.finish_command(cid, "accepted", 2.0)
+    with store.tx() as tx:
+        assert tx.pending_commands() == [] and tx.get_command_result(cid) == "accepted"
+
+
+def test_checkpoint_rows_report_new_and_changed(store: SqlStore, tmp_path: Path) -> None:
+    number = new_run(store, tmp_path)
+    with store.tx() as tx:
+        kw = {"path": "/c", "duration_s": None, "attempt": None, "now": 1.0}
+        assert tx.record_checkpoint(number, step=20, complete=True, **kw) is True
+        assert tx.record_checkpoint(number, step=20, complete=True, **kw) is False
+        assert tx.newest_recorded_checkpoint(number).step == 20  # type: ignore[union-attr]
+        assert tx.record_checkpoint(number, step=20, complete=False, **kw) is True  # corrupted since
+        assert tx.newest_recorded_checkpoint(number) is None
+
+
+def test_metrics_ignore_duplicates_and_store_nan_as_null(store: SqlStore, tmp_path: Path) -> None:
+    number = new_run(store, tmp_path)
+    with store.tx() as tx:
+        for loss in (float("nan"), 5.0):
+            tx.add_metric(number, attempt=1, step=1, loss=loss, grad_norm=1.0, lr=0.1, step_time_s=0.2,
+                          tokens_per_s=10.0, now=1.0)
+        [m] = tx.list_metrics(number)
+        assert m.loss is None and m.step_time_s == 0.2
+
+
+def test_faults_and_nodes(store: SqlStore, tmp_path: Path) -> None:
+    number = new_run(store, tmp_path)
+    with store.tx() as tx:
+        tx.add_fault(number, attempt=1, kind=FaultKind.NODE_LOST, ranks=(2, 3), nodes=("b",), step=9,
+                     summary="gone", now=5.0)
+        assert tx.count_open_faults(number) == 1
+        assert tx.mark_faults_recovered(number, 8.0) == 1
+        [f] = tx.list_faults(number)
+        assert (f.kind, f.ranks, f.nodes, f.recovered_at) == (FaultKind.NODE_LOST, (2, 3), ("b",), 8.0)
+        tx.put_node(Node(name="b", state=NodeState.ALLOCATED, run_number=number), 1.0)
+        tx.put_node(Node(name="b", state=NodeState.DRAINED, reason="why", run_number=number), 2.0)
+        assert tx.get_node("b").reason == "why"
+        tx.update_run(number, state=RunState.FAILED)
+        assert tx.finished_runs_holding_resources() == set()  # the drained node is not held
+        tx.put_node(Node(name="c", state=NodeState.ALLOCATED, run_number=number), 2.0)
+        assert tx.finished_runs_holding_resources() == {number}

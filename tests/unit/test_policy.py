@@ -1,0 +1,406 @@
+"""The decision rules (supervisor/policy.py), one behaviour per test, with plain values."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import replace
+
+import pytest
+
+from supervisor.domain import (
+    AllocateNodes,
+    Attempt,
+    AttemptObs,
+    AttemptOutcome,
+    AttemptState,
+    CheckpointRef,
+    Command,
+    CommandHandled,
+    CommandKind,
+    DrainNode,
+    EndAttempt,
+    EnsureStopped,
+    FaultKind,
+    FinishRun,
+    MarkAttemptRunning,
+    MarkFaultsRecovered,
+    Node,
+    NodeState,
+    Policy,
+    ProcState,
+    RankObs,
+    RecordFault,
+    ReleaseNodes,
+    ResumeRun,
+    Run,
+    RunState,
+    RunView,
+    SetRunState,
+    StartAttempt,
+    StopAttempt,
+    TrainerResult,
+)
+from supervisor.policy import decide
+
+NOW = 1_000.0
+SIGKILL = -int(signal.SIGKILL)
+
+
+def run(state: RunState = RunState.RUNNING, **kw: object) -> Run:
+    base = Run(number=7, name="t", state=state, reason="", nodes=2, ranks_per_node=2, spares=1,
+               total_steps=100, policy=Policy(max_restarts=3, hang_timeout_s=60, startup_timeout_s=300,
+                                              stop_grace_s=10),
+               created_at=0.0)
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def attempt(number: int = 1, state: AttemptState = AttemptState.RUNNING, **kw: object) -> Attempt:
+    base = Attempt(run_number=7, number=number, state=state, nodes=("n1", "n2"), resume_from=None,
+                   resume_step=0, created_at=10.0, started_at=10.0, first_step_at=20.0,
+                   launch_info="{}")
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def nodes(*states: NodeState) -> tuple[Node, ...]:
+    return tuple(Node(name=f"n{i + 1}", state=s, run_number=7) for i, s in enumerate(states))
+
+
+HEALTHY3 = nodes(NodeState.ALLOCATED, NodeState.ALLOCATED, NodeState.ALLOCATED)
+
+
+def view(r: Run, attempts: tuple[Attempt, ...] = (), alloc: tuple[Node, ...] = HEALTHY3,
+         ck: CheckpointRef | None = None, commands: tuple[Command, ...] = (), open_faults: int = 0) -> RunView:
+    return RunView(run=r, attempts=attempts, allocation=alloc, newest_checkpoint=ck, commands=commands,
+                   open_faults=open_faults)
+
+
+def rank(r: int, proc: ProcState = ProcState.RUNNING, **kw: object) -> RankObs:
+    base = RankObs(rank=r, node="n1" if r < 2 else "n2", proc=proc, last_step=50, progress_at=NOW - 1)
+    if proc in (ProcState.EXITED, ProcState.VANISHED) or kw.get("lost"):
+        base = replace(base, dead_since=NOW - 5)  # seen dead long enough to be judged
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def obs(*ranks: RankObs, **kw: object) -> AttemptObs:
+    return AttemptObs(ranks=ranks or tuple(rank(i) for i in range(4)), telemetry_up_since=0.0, **kw)  # type: ignore[arg-type]
+
+
+def of(effects: list[object], cls: type) -> list:  # type: ignore[type-arg]
+    return [e for e in effects if isinstance(e, cls)]
+
+
+# --- launching ----------------------------------------------------------------------
+
+
+def test_pending_run_without_nodes_asks_for_nodes_and_spares() -> None:
+    effects = decide(view(run(RunState.PENDING), alloc=()), None, NOW)
+    assert of(effects, AllocateNodes) == [AllocateNodes(count=3)]
+    assert not of(effects, StartAttempt)
+
+
+def test_pending_run_with_nodes_starts_first_attempt_from_scratch() -> None:
+    effects = decide(view(run(RunState.PENDING)), None, NOW)
+    [start] = of(effects, StartAttempt)
+    assert start == StartAttempt(number=1, nodes=("n1", "n2"), resume_from=None, resume_step=0)
+    assert of(effects, SetRunState)[0].state is RunState.STARTING
+
+
+def test_relaunch_resumes_from_newest_checkpoint_keeping_healthy_nodes_in_place() -> None:
+    prev = attempt(state=AttemptState.ENDED, outcome=AttemptOutcome.FAILED, nodes=("n2", "n3"))
+    alloc = nodes(NodeState.ALLOCATED, NodeState.ALLOCATED, NodeState.DRAINED)
+    ck = CheckpointRef(step=40, path="/ck/step_00000040")
+    [start] = of(decide(view(run(RunState.RECOVERING), (prev,), alloc, ck), None, NOW), StartAttempt)
+    assert start.nodes == ("n2", "n1")  # n2 keeps its place, the spare n1 replaces drained n3
+    assert (start.number, start.resume_from, start.resume_step) == (2, "/ck/step_00000040", 40)
+
+
+def test_too_few_healthy_nodes_asks_for_more_instead_of_launching() -> None:
+    alloc = nodes(NodeState.ALLOCATED, NodeState.DRAINED, NodeState.DRAINED)
+    prev = attempt(state=AttemptState.ENDED, outcome=AttemptOutcome.FAILED)
+    effects = decide(view(run(RunState.RECOVERING), (prev,), alloc), None, NOW)
+    assert of(effects, AllocateNodes) == [AllocateNodes(count=2)]
+    assert not of(effects, StartAttempt)
+
+
+def test_restart_budget_exhausted_fails_the_run() -> None:
+    failed = tuple(attempt(i, AttemptState.ENDED, outcome=AttemptOutcome.FAILED) for i in range(1, 5))
+    effects = decide(view(run(RunState.RECOVERING), failed), None, NOW)
+    [finish] = of(effects, FinishRun)
+    assert finish.state is RunState.FAILED and "restart budget exhausted" in finish.reason
+    assert not of(effects, StartAttempt)
+
+
+def test_aborted_and_stopped_attempts_do_not_count_against_the_budget() -> None:
+    history = (
+        attempt(1, AttemptState.ENDED, outcome=AttemptOutcome.FAILED),
+        attempt(2, AttemptState.ENDED, outcome=AttemptOutcome.ABORTED),
+        attempt(3, AttemptState.ENDED, outcome=AttemptOutcome.STOPPED),
+        attempt(4, AttemptState.ENDED, outcome=AttemptOutcome.ABORTED),
+        attempt(5, AttemptState.ENDED, outcome=AttemptOutcome.FAILED),
+    )
+    assert of(decide(view(run(RunState.RECOVERING), history), None, NOW), StartAttempt)
+
+
+def test_budget_counts_only_failures_after_the_last_resume() -> None:
+    failed = tuple(attempt(i, AttemptState.ENDED, outcome=AttemptOutcome.FAILED) for i in range(1, 5))
+    r = run(RunState.PENDING, budget_from_attempt=4)
+    assert of(decide(view(r, failed), None, NOW), StartAttempt)
+
+
+# --- progress and success -----------------------------------------------------------
+
+
+def test_first_step_after_launch_marks_running_and_recovers_faults() -> None:
+    live = attempt(first_step_at=None, resume_step=40)
+    effects = decide(view(run(RunState.RECOVERING), (live,), open_faults=1),
+                     obs(*(rank(i, last_step=41) for i in range(4))), NOW)
+    assert MarkAttemptRunning(number=1) in effects
+    assert MarkFaultsRecovered() in effects
+    assert of(effects, SetRunState)[0].state is RunState.RUNNING
+
+
+def test_no_step_beyond_the_resume_point_is_not_progress() -> None:
+    live = attempt(first_step_at=None, resume_step=40)
+    effects = decide(view(run(RunState.STARTING), (live,)),
+                     obs(*(rank(i, last_step=40) for i in range(4))), NOW)
+    assert effects == []
+
+
+def test_result_and_all_ranks_exited_is_success() -> None:
+    o = obs(*(rank(i, ProcState.EXITED, exit_code=0) for i in range(4)),
+            result=TrainerResult(final_step=100, model_digest="sha256:ab"))
+    effects = decide(view(run(), (attempt(),)), o, NOW)
+    [finish] = of(effects, FinishRun)
+    assert (finish.state, finish.final_step, finish.model_digest) == (RunState.SUCCEEDED, 100, "sha256:ab")
+    assert of(effects, EndAttempt)[0].outcome is AttemptOutcome.SUCCEEDED
+    assert ReleaseNodes() in effects
+
+
+def test_result_while_a_rank_still_runs_waits() -> None:
+    ranks = [rank(i, ProcState.EXITED, exit_code=0) for i in range(3)] + [rank(3)]
+    o = obs(*ranks, result=TrainerResult(final_step=100, model_digest="x"))
+    assert decide(view(run(), (attempt(),)), o, NOW) == []
+
+
+def test_all_ranks_exit_zero_without_result_is_a_fault() -> None:
+    o = obs(*(rank(i, ProcState.EXITED, exit_code=0) for i in range(4)))
+    [fault] = of(decide(view(run(), (attempt(),)), o, NOW), RecordFault)
+    assert fault.kind is FaultKind.NO_RESULT
+
+
+# --- faults and attribution ---------------------------------------------------------
+
+
+def test_sigkilled_rank_is_blamed_not_the_ranks_that_died_after_it() -> None:
+    ranks = [rank(0), rank(1, ProcState.EXITED, exit_code=1, reported_exit_code=1, reported_exit_at=NOW),
+             rank(2, ProcState.EXITED, exit_code=1), rank(3, ProcState.EXITED, exit_code=SIGKILL)]
+    effects = decide(view(run(), (attempt(),)), obs(*ranks), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.RANK_EXIT
+    assert fault.ranks == (3,) and fault.nodes == ("n2",)
+    assert "rank 3 (node n2) killed by SIGKILL" in fault.summary
+    assert not of(effects, DrainNode), "one rank's death never drains its node"
+    [stop] = of(effects, StopAttempt)
+    assert stop.force and stop.outcome is AttemptOutcome.FAILED
+    assert of(effects, SetRunState)[0].state is RunState.RECOVERING
+    assert not of(effects, StartAttempt), "no relaunch until the old attempt is gone"
+
+
+def test_every_rank_of_a_node_sigkilled_is_node_lost_and_drains_only_that_node() -> None:
+    ranks = [rank(0, ProcState.EXITED, exit_code=1), rank(1),
+             rank(2, ProcState.EXITED, exit_code=SIGKILL), rank(3, ProcState.EXITED, exit_code=SIGKILL)]
+    effects = decide(view(run(), (attempt(),)), obs(*ranks), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n2",) and fault.ranks == (2, 3)
+    [drain] = of(effects, DrainNode)
+    assert drain.node == "n2"
+    assert drain.reason.startswith("training-supervisor: node lost") and "run-7" in drain.reason
+
+
+def test_a_fresh_death_waits_for_the_settle_window_so_a_dying_node_is_seen_whole() -> None:
+    # rank 3 was reaped first; rank 2 of the same node is still being torn down
+    ranks = [rank(0), rank(1), rank(2), rank(3, ProcState.EXITED, exit_code=SIGKILL, dead_since=NOW - 0.5)]
+    assert decide(view(run(), (attempt(),)), obs(*ranks), NOW) == []
+    later = [rank(0), rank(1), rank(2, ProcState.EXITED, exit_code=SIGKILL, dead_since=NOW + 0.2),
+             rank(3, ProcState.EXITED, exit_code=SIGKILL, dead_since=NOW - 0.5)]
+    [fault] = of(decide(view(run(), (attempt(),)), obs(*later), NOW + 0.6), RecordFault)
+    assert fault.kind is FaultKind.NODE_LOST
+
+
+def test_when_every_rank_is_gone_the_fault_is_judged_at_once() -> None:
+    ranks = [rank(0, ProcState.EXITED, exit_code=1, dead_since=NOW), rank(1, ProcState.EXITED, exit_code=1,
+             dead_since=NOW), rank(2, ProcState.EXITED, exit_code=1, dead_since=NOW),
+             rank(3, ProcState.EXITED, exit_code=SIGKILL, dead_since=NOW)]
+    [fault] = of(decide(view(run(), (attempt(),)), obs(*ranks), NOW), RecordFault)
+    assert fault.ranks == (3,)
+
+
+def test_sigabrt_of_a_whole_node_is_not_node_loss() -> None:
+    ranks = [rank(0), rank(1), rank(2, ProcState.EXITED, exit_code=-6), rank(3, ProcState.EXITED, exit_code=-6)]
+    effects = decide(view(run(), (attempt(),)), obs(*ranks), NOW)
+    assert of(effects, RecordFault)[0].kind is FaultKind.RANK_EXIT
+    assert not of(effects, DrainNode)
+
+
+def test_adopted_ranks_vanishing_without_report_is_node_lost() -> None:
+    ranks = [rank(0), rank(1), rank(2, ProcState.VANISHED, lost=True), rank(3, ProcState.VANISHED)]
+    effects = decide(view(run(), (attempt(),)), obs(*ranks), NOW)
+    assert of(effects, RecordFault)[0].kind is FaultKind.NODE_LOST
+
+
+def test_adopted_rank_that_reported_a_clean_exit_is_not_dead() -> None:
+    ranks = [rank(0, ProcState.VANISHED, reported_exit_code=0), rank(1), rank(2), rank(3)]
+    assert decide(view(run(), (attempt(),)), obs(*ranks), NOW) == []
+
+
+def test_earliest_self_reported_exit_is_blamed_when_nothing_was_killed() -> None:
+    ranks = [rank(0, ProcState.EXITED, exit_code=1, reported_exit_code=1, reported_exit_at=NOW - 1,
+                  reported_reason="RuntimeError: Connection closed by peer"),
+             rank(1, ProcState.EXITED, exit_code=1, reported_exit_code=1, reported_exit_at=NOW - 3,
+                  reported_reason="ValueError: bad batch"),
+             rank(2), rank(3)]
+    [fault] = of(decide(view(run(), (attempt(),)), obs(*ranks), NOW), RecordFault)
+    assert fault.ranks == (1,) and "ValueError: bad batch" in fault.summary
+
+
+def test_unknown_process_state_is_never_a_death() -> None:
+    ranks = [rank(0, ProcState.UNKNOWN), rank(1), rank(2), rank(3)]
+    assert decide(view(run(), (attempt(),)), obs(*ranks), NOW) == []
+
+
+def test_exit_code_2_fails_the_run_without_retry() -> None:
+    ranks = [rank(0, ProcState.EXITED, exit_code=2, reported_reason="ConfigError: bad"), rank(1), rank(2), rank(3)]
+    effects = decide(view(run(), (attempt(),)), obs(*ranks), NOW)
+    [finish] = of(effects, FinishRun)
+    assert finish.state is RunState.FAILED and "configuration error" in finish.reason
+    assert of(effects, StopAttempt)
+    assert not of(effects, SetRunState)
+
+
+def test_launch_error_is_a_fault_and_relaunches_in_the_same_tick() -> None:
+    live = attempt(state=AttemptState.LAUNCHING, launch_info=None, launch_error="no such file: python")
+    effects = decide(view(run(RunState.STARTING), (live,)), AttemptObs(ranks=(), never_started=True,
+                                                                       launch_error="no such file: python"), NOW)
+    assert of(effects, RecordFault)[0].kind is FaultKind.LAUNCH
+    assert of(effects, EndAttempt)[0].outcome is AttemptOutcome.FAILED
+    assert of(effects, StartAttempt)[0].number == 2
+
+
+def test_attempt_that_never_started_is_aborted_not_failed() -> None:
+    live = attempt(state=AttemptState.LAUNCHING, launch_info=None)
+    effects = decide(view(run(RunState.STARTING), (live,)), AttemptObs(ranks=(), never_started=True), NOW)
+    assert of(effects, EndAttempt)[0].outcome is AttemptOutcome.ABORTED
+    assert not of(effects, RecordFault)
+    assert of(effects, StartAttempt)[0].number == 2
+
+
+# --- hangs --------------------------------------------------------------------------
+
+
+def test_no_progress_beyond_the_hang_timeout_is_a_hang() -> None:
+    o = obs(*(rank(i, progress_at=NOW - 61, phase="train") for i in range(4)))
+    [fault] = of(decide(view(run(), (attempt(),)), o, NOW), RecordFault)
+    assert fault.kind is FaultKind.HANG and "61 s" in fault.summary
+
+
+def test_progress_within_the_timeout_is_not_a_hang() -> None:
+    o = obs(*(rank(i, progress_at=NOW - 59, phase="train") for i in range(4)))
+    assert decide(view(run(), (attempt(),)), o, NOW) == []
+
+
+def test_broker_outage_is_never_a_hang() -> None:
+    o = replace(obs(*(rank(i, progress_at=NOW - 600) for i in range(4))), telemetry_up_since=None)
+    assert decide(view(run(), (attempt(),)), o, NOW) == []
+
+
+def test_hang_clock_restarts_when_the_telemetry_link_comes_back() -> None:
+    o = replace(obs(*(rank(i, progress_at=NOW - 600) for i in range(4))), telemetry_up_since=NOW - 30)
+    assert decide(view(run(), (attempt(),)), o, NOW) == []
+
+
+def test_checkpoint_phase_gets_the_longer_allowance() -> None:
+    o = obs(*(rank(i, progress_at=NOW - 120, phase="checkpoint") for i in range(4)))
+    assert decide(view(run(), (attempt(),)), o, NOW) == []
+
+
+def test_startup_without_a_first_step_uses_the_startup_timeout() -> None:
+    live = attempt(first_step_at=None, started_at=NOW - 301)
+    o = obs(*(rank(i, last_step=0, progress_at=None, phase="init") for i in range(4)))
+    [fault] = of(decide(view(run(RunState.STARTING), (live,)), o, NOW), RecordFault)
+    assert fault.kind is FaultKind.HANG and "startup" in fault.summary
+
+
+# --- stopping -----------------------------------------------------------------------
+
+
+def test_stopping_attempt_is_ended_once_every_process_is_gone_then_relaunched() -> None:
+    live = attempt(state=AttemptState.STOPPING, stop_requested_at=NOW - 1, outcome=AttemptOutcome.FAILED)
+    o = obs(*(rank(i, ProcState.EXITED, exit_code=-9) for i in range(4)))
+    effects = decide(view(run(RunState.RECOVERING), (live,), ck=CheckpointRef(step=40, path="/c")), o, NOW)
+    [end] = of(effects, EndAttempt)
+    assert end.outcome is AttemptOutcome.FAILED
+    assert of(effects, StartAttempt)[0].resume_step == 40
+
+
+def test_stopping_attempt_with_live_processes_escalates_to_sigkill_after_the_grace() -> None:
+    live = attempt(state=AttemptState.STOPPING, stop_requested_at=NOW - 5)
+    assert decide(view(run(RunState.PAUSED), (live,)), obs(), NOW) == [EnsureStopped(number=1, force=False)]
+    live = replace(live, stop_requested_at=NOW - 11)
+    assert decide(view(run(RunState.PAUSED), (live,)), obs(), NOW) == [EnsureStopped(number=1, force=True)]
+
+
+# --- operator commands --------------------------------------------------------------
+
+
+def cmd(kind: CommandKind) -> Command:
+    return Command(id=3, run_number=7, kind=kind, created_at=NOW)
+
+
+def test_cancel_stops_the_attempt_gracefully_and_ends_the_run() -> None:
+    effects = decide(view(run(), (attempt(),), commands=(cmd(CommandKind.CANCEL),)), obs(), NOW)
+    assert CommandHandled(command_id=3, result="accepted") in effects
+    assert of(effects, FinishRun)[0].state is RunState.CANCELLED
+    [stop] = of(effects, StopAttempt)
+    assert not stop.force and stop.outcome is AttemptOutcome.STOPPED
+    assert not of(effects, RecordFault), "a cancelled attempt is not judged"
+
+
+def test_cancelled_run_is_never_restarted() -> None:
+    prev = attempt(state=AttemptState.ENDED, outcome=AttemptOutcome.STOPPED)
+    effects = decide(view(run(RunState.CANCELLED), (prev,)), None, NOW)
+    assert not of(effects, StartAttempt)
+
+
+def test_resume_of_a_running_run_is_rejected() -> None:
+    effects = decide(view(run(), (attempt(),), commands=(cmd(CommandKind.RESUME),)), obs(), NOW)
+    [handled] = of(effects, CommandHandled)
+    assert handled.result.startswith("rejected: run is already RUNNING")
+
+
+@pytest.mark.parametrize("state", [RunState.PAUSED, RunState.FAILED])
+def test_resume_of_a_paused_or_failed_run_relaunches_from_the_checkpoint(state: RunState) -> None:
+    prev = attempt(state=AttemptState.ENDED, outcome=AttemptOutcome.STOPPED)
+    effects = decide(view(run(state), (prev,), ck=CheckpointRef(step=60, path="/c60"),
+                          commands=(cmd(CommandKind.RESUME),)), None, NOW)
+    assert ResumeRun(reason="resumed by operator") in effects
+    assert of(effects, StartAttempt)[0].resume_step == 60
+
+
+def test_resume_of_a_cancelled_run_is_rejected() -> None:
+    effects = decide(view(run(RunState.CANCELLED), commands=(cmd(CommandKind.RESUME),)), None, NOW)
+    assert of(effects, CommandHandled)[0].result.startswith("rejected: run is CANCELLED")
+    assert not of(effects, StartAttempt)
+
+
+def test_pause_stops_the_attempt_and_does_not_relaunch() -> None:
+    effects = decide(view(run(), (attempt(),), commands=(cmd(CommandKind.PAUSE),)), obs(), NOW)
+    assert of(effects, SetRunState)[0].state is RunState.PAUSED
+    assert of(effects, StopAttempt)
+    assert not of(effects, StartAttempt)
+
+
+def test_terminal_run_gives_its_healthy_nodes_back() -> None:
+    prev = attempt(state=AttemptState.ENDED, outcome=AttemptOutcome.SUCCEEDED)
+    assert decide(view(run(RunState.SUCCEEDED), (prev,)), None, NOW) == [ReleaseNodes()]
+    released = nodes(NodeState.IDLE, NodeState.DRAINED)
+    assert decide(view(run(RunState.SUCCEEDED), (prev,), released), None, NOW) == []

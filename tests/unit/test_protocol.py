@@ -1,0 +1,82 @@
+"""The telemetry wire protocol (trainer/protocol.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from trainer import protocol as p
+
+H = {"run": "run-4", "attempt": 2, "rank": 3, "ts": 1700000000.5}
+
+SAMPLES: list[p.Message] = [
+    p.Register(**H, local_rank=1, world_size=4, node="local-2", pid=1234, hostname="box"),
+    p.Heartbeat(**H, step=17, phase=p.Phase.TRAIN),
+    p.StepMetrics(**H, step=17, loss=2.5, grad_norm=0.75, lr=3e-4, step_time_s=0.1, tokens_per_s=8000.0),
+    p.PhaseChange(**H, phase=p.Phase.CHECKPOINT, step=20),
+    p.CheckpointCommitted(**H, step=20, path="/ck/step_00000020", duration_s=0.12),
+    p.Exit(**H, exit_code=1, final_step=17, reason="RuntimeError: boom"),
+    p.Lost(**H),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: m.kind)
+def test_every_kind_round_trips_on_its_own_topic(msg: p.Message) -> None:
+    topic, payload = p.encode(msg)
+    assert topic == f"tsup/v1/telemetry/run-4/2/3/{msg.kind}"
+    assert p.decode(payload, topic) == msg
+    body = json.loads(payload)
+    assert body["v"] == p.VERSION and body["kind"] == msg.kind
+
+
+def test_non_finite_floats_travel_as_strings_and_come_back() -> None:
+    msg = p.StepMetrics(**H, step=1, loss=math.nan, grad_norm=math.inf, lr=0.1, step_time_s=0.1,
+                        tokens_per_s=-math.inf)
+    topic, payload = p.encode(msg)
+    body = json.loads(payload)  # strict JSON: no NaN literal
+    assert (body["loss"], body["grad_norm"], body["tokens_per_s"]) == ("nan", "inf", "-inf")
+    back = p.decode(payload, topic)
+    assert isinstance(back, p.StepMetrics)
+    assert math.isnan(back.loss) and back.grad_norm == math.inf and back.tokens_per_s == -math.inf
+
+
+def _payload(**changes: object) -> bytes:
+    body = json.loads(p.encode(SAMPLES[1])[1])
+    body.update(changes)
+    for k, v in list(body.items()):
+        if v is None:
+            del body[k]
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    ("payload", "complaint"),
+    [
+        (b"not json", "not JSON"),
+        (b"\xff\xfe", "not JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (_payload(v=99), "unsupported protocol version 99"),
+        (_payload(v=None), "unsupported protocol version None"),
+        (_payload(kind="gossip"), "unknown message kind 'gossip'"),
+        (_payload(step=None), "missing field 'step'"),
+        (_payload(step="7"), "heartbeat.step: expected an integer"),
+        (_payload(step=True), "heartbeat.step: expected an integer"),
+        (_payload(step=-1), "must not be negative"),
+        (_payload(phase="nap"), "unknown phase 'nap'"),
+        (_payload(extra=1), "unknown field(s) ['extra']"),
+        (_payload(run="run/4/#"), "not a valid run id"),
+        (_payload(run="x" * 65), "longer than 64"),
+    ],
+)
+def test_malformed_messages_are_rejected_with_a_reason(payload: bytes, complaint: str) -> None:
+    with pytest.raises(p.ProtocolError, match=None) as e:
+        p.decode(payload)
+    assert complaint in str(e.value)
+
+
+def test_a_message_on_another_ranks_topic_is_rejected() -> None:
+    topic, payload = p.encode(SAMPLES[1])
+    with pytest.raises(p.ProtocolError, match="does not match"):
+        p.decode(payload, topic.replace("/3/", "/0/"))

@@ -1,0 +1,60 @@
+"""Run specs: the example loads, and every kind of mistake is named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from supervisor.errors import SpecError
+from supervisor.spec import load_spec, parse_mqtt_url, parse_spec
+from tests.conftest import REPO
+
+GOOD = {"name": "t", "trainer": {"steps": 10}}
+
+
+def test_the_example_spec_loads() -> None:
+    spec = load_spec(REPO / "examples" / "tiny-llama.toml")
+    assert (spec.resources.nodes, spec.resources.ranks_per_node, spec.resources.spares) == (2, 2, 1)
+    assert spec.total_steps == 120
+    assert spec.trainer["checkpoint"]["every_steps"] == 20
+    assert spec.policy.to_policy().max_restarts == 5
+
+
+@pytest.mark.parametrize(
+    ("data", "complaint"),
+    [
+        ({"trainer": {"steps": 1}}, "missing required key 'name'"),
+        ({**GOOD, "resources": {"nodse": 2}}, "unknown key 'resources.nodse'"),
+        ({**GOOD, "resources": {"nodes": 0}}, "resources.nodes: Input should be greater than 0"),
+        ({**GOOD, "resources": {"nodes": "two"}}, "resources.nodes: Input should be a valid integer"),
+        ({**GOOD, "resources": {"launcher": "k8s"}}, "resources.launcher"),
+        ({**GOOD, "policy": {"max_restarts": -1}}, "policy.max_restarts"),
+        ({"name": "t", "trainer": {}}, "trainer.steps: expected a positive integer"),
+        ({"name": "t", "trainer": {"steps": 0}}, "trainer.steps: expected a positive integer"),
+        ({"name": "has space", "trainer": {"steps": 1}}, "name: String should match pattern"),
+        ({**GOOD, "telemetry": {"mqtt_url": "http://x"}}, "expected mqtt://HOST:PORT"),
+        ({**GOOD, "surprise": 1}, "unknown key 'surprise'"),
+    ],
+)
+def test_spec_errors_name_the_key(data: dict[str, object], complaint: str) -> None:
+    with pytest.raises(SpecError) as e:
+        parse_spec(data, "my.toml")
+    assert str(e.value).startswith("my.toml: ")
+    assert complaint in str(e.value)
+
+
+def test_unreadable_and_invalid_files_are_spec_errors(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="no such file"):
+        load_spec(tmp_path / "absent.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = \n")
+    with pytest.raises(SpecError, match="not valid TOML"):
+        load_spec(bad)
+
+
+def test_mqtt_urls() -> None:
+    assert parse_mqtt_url("mqtt://127.0.0.1:1884") == ("127.0.0.1", 1884)
+    assert parse_mqtt_url("mqtt://broker") == ("broker", 1883)
+    with pytest.raises(ValueError, match="bad port"):
+        parse_mqtt_url("mqtt://h:99999")
