@@ -1,6 +1,6 @@
 """Find the newest complete checkpoint in a run's checkpoint directory.
 
-The reference trainer's layout (trainer/checkpoint.py):
+The reference trainer's layout (trainer/checkpoint_layout.py):
 
     <dir>/step_00000040/           complete: committed by an atomic rename
         .metadata                  written by torch.distributed.checkpoint last

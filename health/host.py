@@ -1,0 +1,114 @@
+"""Host probes: checkpoint filesystem space and write latency, memory, load, leftovers.
+
+Each probe returns a ``Finding``; ``verdict`` folds findings into the node's verdict.
+Thresholds are parameters with documented defaults, so an operator can tighten them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+import psutil
+
+
+class Status(StrEnum):
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+    UNHEALTHY = "unhealthy"
+    UNKNOWN = "unknown"  # the probe itself failed: never read as healthy
+
+
+EXIT_CODES = {Status.HEALTHY: 0, Status.DEGRADED: 1, Status.UNHEALTHY: 2, Status.UNKNOWN: 2}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Finding:
+    probe: str
+    status: Status
+    evidence: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Verdict:
+    status: Status
+    findings: list[Finding] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        return {"status": self.status.value, "findings": [asdict(f) for f in self.findings]}
+
+
+def disk(path: Path, *, min_free_gib: float = 10.0, degraded_free_gib: float = 50.0) -> Finding:
+    try:
+        usage = psutil.disk_usage(str(path))
+    except OSError as e:
+        return Finding(probe="disk", status=Status.UNKNOWN, evidence=f"probe failed: {path}: {e.strerror}")
+    free_gib = usage.free / 2**30
+    status = (Status.UNHEALTHY if free_gib < min_free_gib
+              else Status.DEGRADED if free_gib < degraded_free_gib else Status.HEALTHY)
+    return Finding(probe="disk", status=status,
+                   evidence=f"{path}: {free_gib:.1f} GiB free of {usage.total / 2**30:.1f} GiB")
+
+
+def write_latency(path: Path, *, max_ms: float = 500.0, size_bytes: int = 1 << 20) -> Finding:
+    """Write and fsync 1 MiB where checkpoints go: a slow or hung filesystem shows here."""
+    probe_file = path / f".tsup-health-{os.getpid()}"
+    try:
+        began = time.perf_counter()
+        with open(probe_file, "wb") as f:
+            f.write(os.urandom(size_bytes))
+            f.flush()
+            os.fsync(f.fileno())
+        elapsed_ms = (time.perf_counter() - began) * 1000
+    except OSError as e:
+        return Finding(probe="write_latency", status=Status.UNHEALTHY,
+                       evidence=f"{path}: cannot write: {e.strerror}")
+    finally:
+        probe_file.unlink(missing_ok=True)
+    status = Status.DEGRADED if elapsed_ms > max_ms else Status.HEALTHY
+    return Finding(probe="write_latency", status=status,
+                   evidence=f"{path}: 1 MiB written and synced in {elapsed_ms:.1f} ms "
+                            f"(limit {max_ms:.0f} ms)")
+
+
+def memory(*, min_available_frac: float = 0.05) -> Finding:
+    vm = psutil.virtual_memory()
+    frac = vm.available / vm.total
+    status = Status.DEGRADED if frac < min_available_frac else Status.HEALTHY
+    return Finding(probe="memory", status=status,
+                   evidence=f"{vm.available / 2**30:.1f} GiB available of {vm.total / 2**30:.1f} GiB")
+
+
+def load(*, max_per_cpu: float = 4.0) -> Finding:
+    one, _, _ = os.getloadavg()
+    cpus = os.cpu_count() or 1
+    status = Status.DEGRADED if one / cpus > max_per_cpu else Status.HEALTHY
+    return Finding(probe="load", status=status, evidence=f"load {one:.2f} on {cpus} CPUs")
+
+
+def leftover_trainers() -> Finding:
+    """Trainer processes still alive on a node that should be idle hold memory and devices."""
+    left = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = p.info["cmdline"] or []
+        if cmdline[1:3] == ["-m", "trainer"] and p.info["pid"] != os.getpid():
+            left.append(p.info["pid"])
+    if not left:
+        return Finding(probe="leftover_trainers", status=Status.HEALTHY,
+                       evidence="no trainer process running")
+    return Finding(probe="leftover_trainers", status=Status.DEGRADED,
+                   evidence=f"{len(left)} trainer process(es) running: pids {', '.join(map(str, left[:10]))}")
+
+
+def verdict(findings: list[Finding]) -> Verdict:
+    """The worst finding wins; a probe that failed (UNKNOWN) counts as unhealthy."""
+    order = [Status.HEALTHY, Status.DEGRADED, Status.UNHEALTHY]
+    worst = Status.HEALTHY
+    for f in findings:
+        s = Status.UNHEALTHY if f.status is Status.UNKNOWN else f.status
+        if order.index(s) > order.index(worst):
+            worst = s
+    return Verdict(status=worst, findings=findings)

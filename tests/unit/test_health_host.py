@@ -1,0 +1,43 @@
+"""The host probes and the verdict rule."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from health import host
+from health.host import Finding, Status
+from tests.conftest import REPO
+
+
+def test_worst_finding_wins_and_a_failed_probe_is_never_healthy() -> None:
+    ok = Finding(probe="a", status=Status.HEALTHY, evidence="")
+    slow = Finding(probe="b", status=Status.DEGRADED, evidence="")
+    broken = Finding(probe="c", status=Status.UNKNOWN, evidence="probe failed")
+    assert host.verdict([ok]).status is Status.HEALTHY
+    assert host.verdict([ok, slow]).status is Status.DEGRADED
+    assert host.verdict([ok, slow, broken]).status is Status.UNHEALTHY
+
+
+def test_disk_thresholds(tmp_path: Path) -> None:
+    assert host.disk(tmp_path, min_free_gib=0.0, degraded_free_gib=0.0).status is Status.HEALTHY
+    assert host.disk(tmp_path, min_free_gib=1e9).status is Status.UNHEALTHY
+    missing = host.disk(tmp_path / "absent")
+    assert missing.status is Status.UNKNOWN and "probe failed" in missing.evidence
+
+
+def test_write_latency_on_a_real_directory_and_an_unwritable_one(tmp_path: Path) -> None:
+    f = host.write_latency(tmp_path)
+    assert f.status in (Status.HEALTHY, Status.DEGRADED) and "written and synced" in f.evidence
+    assert list(tmp_path.iterdir()) == []
+    assert host.write_latency(tmp_path / "absent").status is Status.UNHEALTHY
+
+
+def test_cli_prints_json_and_exits_by_status(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "health", "--checkpoint-dir", str(tmp_path), "--json",
+                           "--min-free-gib", "1e9"], capture_output=True, text=True, cwd=REPO, check=False)
+    v = json.loads(proc.stdout)
+    assert v["status"] == "unhealthy" and proc.returncode == 2
+    assert {f["probe"] for f in v["findings"]} == {"disk", "write_latency", "memory", "load", "leftover_trainers"}

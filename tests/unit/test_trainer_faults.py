@@ -1,0 +1,25 @@
+"""trainer.faults: parsing TSUP_FAULT and acting on it."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.errors import UsageError
+from trainer.faults import Fault, FaultPlan, InjectedFault
+
+
+def test_parse() -> None:
+    assert FaultPlan.from_env({}) == FaultPlan()
+    assert FaultPlan.parse("hang@25, crash@3:1").faults == (
+        Fault("hang", 25, None), Fault("crash", 3, 1))
+    for bad in ("explode@3", "crash", "crash@x", "crash@3:y", "hang@-1"):
+        with pytest.raises(UsageError, match="TSUP_FAULT"):
+            FaultPlan.parse(bad)
+
+
+def test_crash_fires_on_its_step_and_rank_only() -> None:
+    plan = FaultPlan.parse("crash@3:1")
+    plan.after_step(2, rank=1)
+    plan.after_step(3, rank=0)
+    with pytest.raises(InjectedFault, match="after step 3 on rank 1"):
+        plan.after_step(3, rank=1)

@@ -1,0 +1,66 @@
+"""Saving and restoring the training state with PyTorch distributed checkpointing (DCP).
+
+The on-disk layout, the completeness rule the supervisor relies on, and retention are
+in trainer/checkpoint_layout.py; this module moves the tensors. Every rank calls
+``save`` and ``load`` (they are collectives); only rank 0 touches directory names.
+
+What a checkpoint holds: the model and AdamW state (sharded, one DCP entry each) plus
+trainer_meta.json (step and data position). The learning rate is a function of the step
+and the data order a function of (seed, consumed samples), so nothing else is needed
+for a resumed run to continue bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from trainer import checkpoint_layout as layout
+from trainer import distributed
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    path: Path  # the committed step_N directory
+    duration_s: float  # wall time of the whole save, first barrier to commit
+    deleted: list[Path]  # checkpoints and leftovers pruned after the commit (rank 0 only)
+
+
+def save(root: Path, meta: layout.TrainerMeta, model: nn.Module,
+         optimizer: torch.optim.Optimizer, *, keep: int, is_main: bool) -> SaveResult:
+    """Write the state after step ``meta.step`` and commit it as ``root/step_N``."""
+    started = time.monotonic()
+    tmp = layout.tmp_dir_for(root, meta.step)
+    if is_main:
+        layout.clear_tmp(root, meta.step)
+    distributed.barrier()  # nobody writes into a directory rank 0 is still clearing
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp_save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
+    if is_main:
+        meta.write(tmp)
+    distributed.barrier()  # every rank's shards and the meta file are on storage
+    deleted: list[Path] = []
+    final = tmp.parent / layout.checkpoint_name(meta.step)
+    if is_main:
+        final = layout.commit(tmp, meta.step)
+        deleted = layout.prune(root, keep=keep, committed_step=meta.step)
+    return SaveResult(path=final, duration_s=time.monotonic() - started, deleted=deleted)
+
+
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Restore model and optimizer state in place from a complete checkpoint."""
+    # get_state_dict gives the sharded tensors to load into (and creates the optimizer
+    # state entries that a fresh AdamW does not have yet, by a zero-lr step).
+    model_state, optim_state = get_state_dict(model, optimizer)
+    # DCP loads in place into the tensors of this dict (and may replace the entries of
+    # non-tensor values), so read them back out of it before handing them over.
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp_load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)

@@ -1,0 +1,191 @@
+"""Checkpoint directory layout, completeness rule and retention (stdlib only).
+
+The supervisor relies on this layout exactly::
+
+    <checkpoint.dir>/
+        step_00000020/              a COMPLETE checkpoint of the state after step 20
+            .metadata               written by torch.distributed.checkpoint (DCP) last
+            __0_0.distcp ...        one or more DCP data files per rank
+            trainer_meta.json       step, consumed_samples, world_size, model, ...
+        step_00000030/
+        .tmp-step_00000040/         a save in progress (or abandoned by a crash)
+
+Completeness rule: a checkpoint is COMPLETE if and only if it is a directory whose name
+is ``step_`` followed by exactly 8 digits (no ``.tmp-`` prefix) and that contains both
+``.metadata`` and ``trainer_meta.json``. Anything else is not a checkpoint.
+
+How a save makes that true atomically:
+
+1. rank 0 removes a leftover ``.tmp-step_N/`` from an earlier crash; barrier;
+2. every rank writes its shards with DCP into ``.tmp-step_N/`` (DCP's coordinator writes
+   ``.metadata`` after all ranks' data, and fsyncs the files);
+3. rank 0 writes ``trainer_meta.json`` (tmp file, fsync, rename); barrier;
+4. rank 0 renames ``.tmp-step_N/`` to ``step_N/`` and fsyncs ``<checkpoint.dir>``.
+   The rename is the commit point: before it the checkpoint does not exist by name.
+
+After each commit rank 0 prunes (``prune``): complete checkpoints with a step greater
+than the one just committed (left by an abandoned trajectory, e.g. after a rollback)
+and all but the newest ``keep`` complete checkpoints are deleted, and so is every
+``.tmp-*`` entry. A deleted checkpoint is first renamed to ``.tmp-delete-step_N`` so
+that it stops being complete in one atomic step, then removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer import atomic
+from trainer.errors import CheckpointMismatch, UsageError
+
+META_FILE = "trainer_meta.json"
+DCP_METADATA_FILE = ".metadata"
+TMP_PREFIX = ".tmp-"
+META_FORMAT = 1  # bump when trainer_meta.json changes incompatibly
+
+_NAME = re.compile(r"step_(\d{8})")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a directory name stands for, or None if it is not a checkpoint name."""
+    match = _NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def is_complete(path: Path) -> bool:
+    return (step_of(path.name) is not None and path.is_dir()
+            and (path / DCP_METADATA_FILE).is_file() and (path / META_FILE).is_file())
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        step = step_of(entry.name)
+        if step is not None and is_complete(entry):
+            found.append((step, entry))
+    return sorted(found)
+
+
+def newest_complete(root: Path) -> Path | None:
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def resolve_resume(request: str, root: Path) -> Path | None:
+    """The checkpoint ``--resume`` asks for: ``auto`` (newest complete, or none), ``none``,
+    or a path that must be a complete checkpoint (else UsageError: retrying won't help).
+    """
+    if request == "none":
+        return None
+    if request == "auto":
+        return newest_complete(root)
+    path = Path(request)
+    if not is_complete(path):
+        raise UsageError(f"--resume {request}: not a complete checkpoint (expected a "
+                         f"step_NNNNNNNN directory with {DCP_METADATA_FILE} and {META_FILE})")
+    return path
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerMeta:
+    """What the trainer needs beyond the tensors to continue exactly where it stopped."""
+
+    step: int  # optimizer steps completed; the next step is step + 1
+    consumed_samples: int  # data stream position (see trainer.data)
+    world_size: int
+    model: str  # shape name, e.g. "llama2-7b"
+    model_shape: dict[str, Any]  # the resolved shape, overrides included
+    config_digest: str  # trainer.config.config_digest of the writing run
+    last_loss: float | None  # loss of step ``step``, reported again by a run that resumes
+    saved_at: float = field(default_factory=time.time)  # unix seconds
+    format: int = META_FORMAT
+
+    def write(self, directory: Path) -> None:
+        atomic.write_json(directory / META_FILE, asdict(self))
+
+    @classmethod
+    def read(cls, directory: Path) -> TrainerMeta:
+        path = directory / META_FILE
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("format") != META_FORMAT:
+                raise CheckpointMismatch(f"{path}: format {data.get('format')!r}, this "
+                                         f"trainer reads {META_FORMAT}")
+            return cls(**data)
+        except (OSError, ValueError, TypeError) as e:
+            raise CheckpointMismatch(f"{path}: unreadable: {e}") from e
+
+    def check_compatible(self, *, world_size: int, model: str,
+                         model_shape: dict[str, Any]) -> None:
+        """Raise CheckpointMismatch unless this run can resume bit-exactly from here."""
+        if self.world_size != world_size:
+            raise CheckpointMismatch(
+                f"checkpoint at step {self.step} was written by {self.world_size} ranks, "
+                f"this run has {world_size}; resume with the same world size")
+        if self.model != model or self.model_shape != model_shape:
+            raise CheckpointMismatch(
+                f"checkpoint at step {self.step} holds model {self.model!r} "
+                f"{self.model_shape}, this run builds {model!r} {model_shape}")
+
+
+def tmp_dir_for(root: Path, step: int) -> Path:
+    return root / f"{TMP_PREFIX}{checkpoint_name(step)}"
+
+
+def clear_tmp(root: Path, step: int) -> Path:
+    """Rank 0, before a save: make sure ``.tmp-step_N`` is absent; return its path."""
+    tmp = tmp_dir_for(root, step)
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def commit(tmp: Path, step: int) -> Path:
+    """Rank 0: rename a fully written ``.tmp-step_N`` to ``step_N``; the commit point."""
+    final = tmp.parent / checkpoint_name(step)
+    if final.exists():
+        # A checkpoint of the same step from an abandoned trajectory (the run rolled back
+        # past it): retire it first, since rename cannot replace a non-empty directory.
+        _retire(final)
+    atomic.rename_dir(tmp, final)
+    return final
+
+
+def prune(root: Path, *, keep: int, committed_step: int) -> list[Path]:
+    """Rank 0, after a commit: apply the retention rule above; returns what was deleted."""
+    complete = complete_checkpoints(root)
+    doomed = [path for step, path in complete if step > committed_step]
+    kept = [path for step, path in complete if step <= committed_step]
+    doomed += kept[:-keep]
+    for path in doomed:
+        _retire(path)
+    deleted = list(doomed)
+    for entry in root.iterdir():
+        if entry.name.startswith(TMP_PREFIX):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    entry.unlink()
+    return deleted
+
+
+def _retire(path: Path) -> None:
+    """Delete a checkpoint so that it is never seen half-deleted under its real name."""
+    graveyard = path.with_name(f"{TMP_PREFIX}delete-{path.name}-{os.getpid()}")
+    os.rename(path, graveyard)
+    shutil.rmtree(graveyard, ignore_errors=True)

@@ -1,0 +1,379 @@
+"""The trainer's configuration: nested dataclasses validated on construction (stdlib only).
+
+``python -m trainer --check-config FILE`` goes through this module without importing
+torch, so it must stay stdlib only (plus trainer.errors and trainer.shapes).
+
+A config file is TOML (``.toml``) or JSON (``.json``) whose tables mirror the
+dataclasses below; every key is optional. Loading collects every problem it finds, one
+line each, prefixed with the dotted key path::
+
+    optimizer.lr: expected a positive number, got -1
+    unknown key 'optimizr' (did you mean 'optimizer'?)
+
+Relative paths (``checkpoint.dir``, ``output_dir``, ``data.path``) are relative to the
+trainer process's working directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import tomllib
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union, cast, get_args, get_origin, get_type_hints
+
+from trainer.errors import ConfigError
+from trainer.shapes import SHAPES, ModelShape
+
+# ---- value checks shared by the __post_init__ methods -------------------------------------
+# Each appends "key: problem" to ``problems`` and never raises, so that one load reports
+# every bad value at once.
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _show(value: object) -> str:
+    """repr for error messages; 1e-3 stays 0.001 and -1.0 (an int converted to float) shows -1."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return repr(int(value))
+    return repr(value)
+
+
+def _need_int(problems: list[str], key: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        problems.append(f"{key}: expected an integer, got {value!r}")
+    elif value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        problems.append(f"{key}: expected {what}, got {value}")
+
+
+def _need_number(
+    problems: list[str], key: str, value: object, *, positive: bool = False,
+    minimum: float | None = None, below: float | None = None,
+) -> None:
+    if not _is_number(value) or not math.isfinite(float(value)):  # type: ignore[arg-type]
+        problems.append(f"{key}: expected a finite number, got {_show(value)}")
+        return
+    number = float(value)  # type: ignore[arg-type]
+    if positive and number <= 0:
+        problems.append(f"{key}: expected a positive number, got {_show(value)}")
+    elif minimum is not None and number < minimum:
+        problems.append(f"{key}: expected a number >= {minimum}, got {_show(value)}")
+    elif below is not None and number >= below:
+        problems.append(f"{key}: expected a number < {below}, got {_show(value)}")
+
+
+def _need_choice(problems: list[str], key: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        listed = ", ".join(repr(c) for c in choices)
+        problems.append(f"{key}: expected one of {listed}, got {value!r}")
+
+
+def _raise_if(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(problems)
+
+
+# ---- the config tree ----------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """AdamW with linear warm-up then cosine decay to ``min_lr`` at the last step.
+
+    The Llama 2 recipe (DESIGN.md) is lr 3e-4 -> 3e-5, 2000 warm-up steps, weight decay
+    0.1, betas (0.9, 0.95), eps 1e-5, grad clip 1.0; the defaults keep its shape but use a
+    10x larger lr and a short warm-up, which suits the ``tiny`` model and short runs.
+    """
+
+    lr: float = 3e-3  # peak learning rate, reached at the end of warm-up
+    min_lr: float = 3e-4  # learning rate at the last step
+    warmup_steps: int = 10
+    weight_decay: float = 0.1  # applied to matrices and embeddings, not to norm weights
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-5
+    grad_clip: float = 1.0  # max global L2 norm of the gradients; 0 disables clipping
+
+    def __post_init__(self) -> None:
+        p: list[str] = []
+        _need_number(p, "lr", self.lr, positive=True)
+        _need_number(p, "min_lr", self.min_lr, minimum=0.0)
+        if not p and self.min_lr > self.lr:
+            p.append(f"min_lr: must not exceed lr {self.lr}, got {self.min_lr}")
+        _need_int(p, "warmup_steps", self.warmup_steps, 0)
+        _need_number(p, "weight_decay", self.weight_decay, minimum=0.0)
+        if not isinstance(self.betas, tuple) or len(self.betas) != 2:
+            p.append(f"betas: expected two numbers, got {self.betas!r}")
+        else:
+            for i, beta in enumerate(self.betas):
+                _need_number(p, f"betas[{i}]", beta, minimum=0.0, below=1.0)
+        _need_number(p, "eps", self.eps, positive=True)
+        _need_number(p, "grad_clip", self.grad_clip, minimum=0.0)
+        _raise_if(p)
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where training samples come from.
+
+    ``synthetic``: ``num_samples`` sequences drawn from a Markov chain seeded by the run's
+    ``seed``: nothing is downloaded, and the loss falls because the chain is learnable.
+    ``tokens``: a flat binary file of token ids (``dtype``, native byte order), cut into
+    windows of ``seq_len + 1`` tokens that overlap by one token.
+    """
+
+    kind: str = "synthetic"
+    path: str | None = None  # the token file, for kind = "tokens"
+    dtype: str = "uint16"  # element type of the token file: "uint16" or "uint32"
+    num_samples: int = 4096  # size of the synthetic data set, in sequences
+
+    def __post_init__(self) -> None:
+        p: list[str] = []
+        _need_choice(p, "kind", self.kind, ("synthetic", "tokens"))
+        _need_choice(p, "dtype", self.dtype, ("uint16", "uint32"))
+        _need_int(p, "num_samples", self.num_samples, 1)
+        if self.path is not None and (not isinstance(self.path, str) or not self.path):
+            p.append(f"path: expected a file path, got {self.path!r}")
+        elif self.kind == "tokens" and self.path is None:
+            p.append("path: required when kind = 'tokens'")
+        elif self.kind == "synthetic" and self.path is not None:
+            p.append("path: only used when kind = 'tokens'")
+        _raise_if(p)
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """When and where to save; see trainer/checkpoint_layout.py for the on-disk layout."""
+
+    dir: str = "checkpoints"
+    every_steps: int = 50  # save after every N-th step; 0 = only after the last step
+    keep: int = 3  # complete checkpoints kept; older ones are deleted after each save
+
+    def __post_init__(self) -> None:
+        p: list[str] = []
+        if not isinstance(self.dir, str) or not self.dir:
+            p.append(f"dir: expected a directory path, got {self.dir!r}")
+        _need_int(p, "every_steps", self.every_steps, 0)
+        _need_int(p, "keep", self.keep, 1)
+        _raise_if(p)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLayout:
+    """How one optimizer step's global batch splits over ranks and micro-batches."""
+
+    per_rank: int  # samples each rank processes per optimizer step
+    micro: int  # samples per forward/backward pass
+    accumulation: int  # forward/backward passes per optimizer step
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    # The seam for other training stacks: "torch" (FSDP2) is the only one today. A Neuron
+    # (NxD) backend would add "neuron" here and its own train loop behind trainer.train.
+    backend: str = "torch"
+    model: str = "tiny"  # a name from trainer.shapes.SHAPES
+    # Individual ModelShape fields to override, e.g. {n_layers = 4}.
+    model_overrides: dict[str, int | float] = field(default_factory=dict)
+    seed: int = 1234  # seeds the weights, the synthetic data and the sample order
+    steps: int = 100  # total optimizer steps of the run (not of one attempt)
+    global_batch_size: int = 16  # samples per optimizer step over all ranks
+    micro_batch_size: int | None = None  # samples per pass per rank; None = no accumulation
+    seq_len: int = 64  # tokens per sample fed to the model
+    dtype: str = "float32"  # compute dtype; "bfloat16" keeps float32 master weights
+    device: str = "auto"  # "auto" = cuda if available, else cpu
+    output_dir: str = "output"  # where result.json goes
+    heartbeat_interval_s: float = 1.0
+    log_every_steps: int = 1  # rank 0 prints a progress line every N steps
+    dist_timeout_s: float = 600.0  # collective timeout: a dead peer fails the run after this
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # Derived from model + model_overrides; not a config key.
+    shape: ModelShape = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        p: list[str] = []
+        _need_choice(p, "backend", self.backend, ("torch",))
+        _need_int(p, "seed", self.seed, 0)
+        _need_int(p, "steps", self.steps, 1)
+        _need_int(p, "global_batch_size", self.global_batch_size, 1)
+        if self.micro_batch_size is not None:
+            _need_int(p, "micro_batch_size", self.micro_batch_size, 1)
+        _need_int(p, "seq_len", self.seq_len, 1)
+        _need_choice(p, "dtype", self.dtype, ("float32", "bfloat16"))
+        _need_choice(p, "device", self.device, ("auto", "cpu", "cuda"))
+        if not isinstance(self.output_dir, str) or not self.output_dir:
+            p.append(f"output_dir: expected a directory path, got {self.output_dir!r}")
+        _need_number(p, "heartbeat_interval_s", self.heartbeat_interval_s, positive=True)
+        _need_int(p, "log_every_steps", self.log_every_steps, 1)
+        _need_number(p, "dist_timeout_s", self.dist_timeout_s, positive=True)
+        self.shape = SHAPES["tiny"]  # placeholder so the object is whole even when invalid
+        if self.model not in SHAPES:
+            p.append(f"model: unknown shape {self.model!r}; known: {', '.join(SHAPES)}")
+        else:
+            p.extend(self._resolve_shape())
+        if not p and self.seq_len > self.shape.max_seq_len:
+            p.append(f"seq_len: {self.seq_len} exceeds the model's context "
+                     f"{self.shape.max_seq_len}")
+        if (not p and self.micro_batch_size is not None
+                and self.micro_batch_size > self.global_batch_size):
+            p.append(f"micro_batch_size: {self.micro_batch_size} exceeds global_batch_size "
+                     f"{self.global_batch_size}")
+        _raise_if(p)
+
+    def _resolve_shape(self) -> list[str]:
+        base = SHAPES[self.model]
+        if not isinstance(self.model_overrides, dict):
+            return [f"model_overrides: expected a table, got {self.model_overrides!r}"]
+        names = [f.name for f in dataclasses.fields(ModelShape)]
+        unknown = [k for k in self.model_overrides if k not in names]
+        if unknown:
+            return [_unknown_key(k, names, "model_overrides") for k in unknown]
+        overrides: dict[str, Any] = dict(self.model_overrides)
+        for name in ("rope_theta", "norm_eps"):  # TOML writes 10000 for 10000.0
+            if _is_number(overrides.get(name)):
+                overrides[name] = float(overrides[name])
+        try:
+            self.shape = dataclasses.replace(base, **overrides)
+        except ConfigError as e:
+            return e.prefixed("model_overrides").errors
+        return []
+
+    def batch_layout(self, world_size: int) -> BatchLayout:
+        """Split the global batch over ``world_size`` ranks; ConfigError if it cannot."""
+        if self.global_batch_size % world_size:
+            raise ConfigError(f"global_batch_size: {self.global_batch_size} is not divisible "
+                              f"by the world size {world_size}")
+        per_rank = self.global_batch_size // world_size
+        micro = per_rank if self.micro_batch_size is None else self.micro_batch_size
+        if per_rank % micro:
+            raise ConfigError(f"micro_batch_size: {micro} does not divide the per-rank batch "
+                              f"{per_rank} (global_batch_size / world size {world_size})")
+        return BatchLayout(per_rank=per_rank, micro=micro, accumulation=per_rank // micro)
+
+
+# ---- loading ------------------------------------------------------------------------------
+
+# Fields that only change how a run is operated, not the numbers it computes; they are
+# left out of config_digest so that, for example, moving the checkpoint dir is harmless.
+_OPERATIONAL_FIELDS = frozenset({"checkpoint", "output_dir", "heartbeat_interval_s",
+                                 "log_every_steps", "dist_timeout_s", "device"})
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """Read and validate a ``.toml`` or ``.json`` config file."""
+    path = Path(path)
+    try:
+        text = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from e
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text.decode())
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"{path}: expected a .toml or .json file")
+    except (ValueError, UnicodeDecodeError) as e:  # TOMLDecodeError and JSONDecodeError
+        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a table at the top level")
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    """Build a TrainConfig from plain data (parsed TOML/JSON); ConfigError lists all problems."""
+    config: TrainConfig = _build(TrainConfig, data, "")
+    return config
+
+
+def config_to_dict(config: TrainConfig) -> dict[str, Any]:
+    """Plain data that config_from_dict turns back into an equal config."""
+    out = _to_plain(config)
+    assert isinstance(out, dict)
+    return out
+
+
+def config_digest(config: TrainConfig) -> str:
+    """sha256 of the settings that shape the training trajectory (hex, 16 chars)."""
+    plain = {k: v for k, v in config_to_dict(config).items() if k not in _OPERATIONAL_FIELDS}
+    canonical = json.dumps(plain, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_plain(getattr(value, f.name))
+                for f in dataclasses.fields(value) if f.init}
+    if isinstance(value, tuple):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return value
+
+
+def _unknown_key(key: str, known: list[str], where: str) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{where + ': ' if where else ''}unknown key {key!r}{hint}"
+
+
+def _build(cls: type[Any], data: dict[str, Any], where: str) -> Any:
+    """Construct dataclass ``cls`` from ``data``; ``where`` is the dotted path for errors."""
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    problems: list[str] = []
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            problems.append(_unknown_key(key, list(fields), where))
+            continue
+        path = f"{where}.{key}" if where else key
+        try:
+            kwargs[key] = _convert(value, hints[key], path)
+        except ConfigError as e:
+            problems.extend(e.errors)
+    try:
+        # Build even when a child failed (with that child at its default), so that the
+        # parent's own checks run and report their problems in the same pass.
+        return_value = cls(**kwargs)
+    except ConfigError as e:
+        problems.extend(e.prefixed(where).errors if where else e.errors)
+        return_value = None
+    _raise_if(problems)
+    return return_value
+
+
+def _convert(value: Any, annotation: Any, path: str) -> Any:
+    """Turn parsed TOML/JSON into the annotated type where the two differ.
+
+    Only shapes the dataclass checks cannot see are handled here: nested tables,
+    ints where floats are expected, arrays for tuples. Value ranges are the
+    dataclasses' business.
+    """
+    origin = get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        options = [a for a in get_args(annotation) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(value, options[0], path) if len(options) == 1 else value
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a table, got {value!r}")
+        return _build(cast(type[Any], annotation), value, path)
+    if annotation is float and _is_number(value):
+        return float(value)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected an array, got {value!r}")
+        items = get_args(annotation)
+        return tuple(_convert(v, items[0], path) for v in value) if items else tuple(value)
+    return value

@@ -1,0 +1,333 @@
+"""Publishes this rank's telemetry (trainer/protocol.py) to the supervisor over MQTT.
+
+Rule one: telemetry never blocks or slows a training step, whatever the broker does.
+The training thread only builds a small message and puts it into a bounded queue
+without waiting; when the queue is full the message is dropped and counted. A daemon
+thread (the *sender*) owns the paho client: it connects and reconnects with backoff
+(paho's network thread does the socket work), publishes what the queue holds, and sends
+a ``Heartbeat`` every ``heartbeat_interval_s`` carrying the last completed step and the
+current phase, so heartbeats keep flowing while the training thread is busy or stuck.
+While the broker is unreachable, messages wait in the queue (QUEUE_SIZE of them) and go
+out in order after the reconnect; heartbeats are made fresh, never queued.
+
+Per connection: the ``Lost`` message is the MQTT last will on this rank's topic, and a
+fresh ``Register`` goes out on every (re)connect so the supervisor can rebuild its
+rank-to-node map after a broker restart. ``close`` publishes ``Exit`` and disconnects
+cleanly, which tells the broker to discard the will.
+
+Configuration comes from the environment the supervisor sets:
+
+    TSUP_MQTT_URL   mqtt://host:port (port defaults to 1883); unset or empty: no telemetry
+    TSUP_RUN_ID     run id in topics and messages (default "run-local")
+    TSUP_ATTEMPT    attempt number, >= 1 (default 1)
+    TSUP_NODE       node name for the rank-to-node map (default: this host's name)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from trainer import protocol
+from trainer.errors import UsageError
+from trainer.protocol import Phase
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE_S = 10  # the broker declares a silent connection dead after 1.5x this
+RECONNECT_MIN_DELAY_S = 1
+RECONNECT_MAX_DELAY_S = 8
+QUEUE_SIZE = 1024  # messages; at one StepMetrics per step this is minutes of outage
+_DEFAULT_PORT = 1883
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who this rank is, in every message header and in Register."""
+
+    run: str
+    attempt: int
+    rank: int
+    local_rank: int
+    world_size: int
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class Broker:
+    host: str
+    port: int
+
+
+def parse_mqtt_url(url: str) -> Broker:
+    """``mqtt://host:port`` (or ``tcp://``) to a Broker; UsageError when malformed."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("mqtt", "tcp") or not parts.hostname:
+        raise UsageError(f"TSUP_MQTT_URL: expected mqtt://host:port, got {url!r}")
+    try:
+        port = parts.port or _DEFAULT_PORT
+    except ValueError:
+        raise UsageError(f"TSUP_MQTT_URL: bad port in {url!r}") from None
+    return Broker(parts.hostname, port)
+
+
+def settings_from_env(environ: Mapping[str, str], *, rank: int, local_rank: int,
+                      world_size: int) -> tuple[Identity, Broker | None]:
+    """Read the TSUP_* variables; UsageError on values the protocol would reject."""
+    run = environ.get("TSUP_RUN_ID", "run-local")
+    if not run or len(run) > 64 or not all(c.isalnum() or c in "-_." for c in run):
+        raise UsageError(f"TSUP_RUN_ID: expected up to 64 of [A-Za-z0-9._-], got {run!r}")
+    raw_attempt = environ.get("TSUP_ATTEMPT", "1")
+    try:
+        attempt = int(raw_attempt)
+    except ValueError:
+        attempt = 0
+    if attempt < 1:
+        raise UsageError(f"TSUP_ATTEMPT: expected an integer >= 1, got {raw_attempt!r}")
+    node = environ.get("TSUP_NODE") or socket.gethostname()
+    url = environ.get("TSUP_MQTT_URL", "")
+    broker = parse_mqtt_url(url) if url else None
+    identity = Identity(run=run, attempt=attempt, rank=rank, local_rank=local_rank,
+                        world_size=world_size, node=node[:64])
+    return identity, broker
+
+
+class Telemetry:
+    """This rank's publisher. With ``broker=None`` every method is a cheap no-op."""
+
+    def __init__(self, identity: Identity, broker: Broker | None, *,
+                 heartbeat_interval_s: float, queue_size: int = QUEUE_SIZE) -> None:
+        self._id = identity
+        self._broker = broker
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._queue: queue.Queue[protocol.Message | None] = queue.Queue(maxsize=queue_size)
+        # Written by the training thread, read by the sender for heartbeats. Plain
+        # attribute assignment is atomic under the GIL, so no lock is needed.
+        self._phase = Phase.INIT
+        self._step = 0
+        self._final: protocol.Exit | None = None
+        self._stopping = threading.Event()
+        self._close_deadline = 0.0  # time.monotonic() by which the sender must give up
+        self._connected = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client: mqtt.Client | None = None
+        # Counters, read by anyone. The training thread alone writes dropped_queue_full;
+        # the other two are written by the sender and paho's thread, hence the lock.
+        self.dropped_queue_full = 0  # the queue was full (a long outage or a slow broker)
+        self.dropped_not_connected = 0  # still unsent at close (no connection by then)
+        self.sent = 0
+        self._count_lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], *, rank: int, local_rank: int,
+                 world_size: int, heartbeat_interval_s: float) -> Telemetry:
+        identity, broker = settings_from_env(environ, rank=rank, local_rank=local_rank,
+                                             world_size=world_size)
+        return cls(identity, broker, heartbeat_interval_s=heartbeat_interval_s)
+
+    @property
+    def identity(self) -> Identity:
+        return self._id
+
+    @property
+    def enabled(self) -> bool:
+        return self._broker is not None
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def stats(self) -> dict[str, int]:
+        return {"sent": self.sent, "dropped_queue_full": self.dropped_queue_full,
+                "dropped_not_connected": self.dropped_not_connected}
+
+    # ---- called from the training thread; none of these may block --------------------
+
+    def start(self) -> None:
+        """Start the sender thread (it connects in the background)."""
+        if self._broker is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run_sender, name="telemetry-sender",
+                                        daemon=True)
+        self._thread.start()
+        self._put(protocol.PhaseChange(**self._header(), phase=self._phase, step=self._step))
+
+    def set_phase(self, phase: Phase, step: int) -> None:
+        if phase != self._phase:
+            self._phase = phase
+            if self._broker is not None:
+                self._put(protocol.PhaseChange(**self._header(), phase=phase, step=step))
+
+    def step_completed(self, *, step: int, loss: float, grad_norm: float, lr: float,
+                       step_time_s: float, tokens_per_s: float) -> None:
+        self._step = step
+        if self._broker is None:
+            return
+        self._put(protocol.StepMetrics(**self._header(), step=step, loss=loss,
+                                       grad_norm=grad_norm, lr=lr, step_time_s=step_time_s,
+                                       tokens_per_s=tokens_per_s))
+
+    def restored(self, step: int) -> None:
+        """The run continues after ``step`` (from a checkpoint): heartbeats say so."""
+        self._step = step
+
+    def checkpoint_committed(self, *, step: int, path: str, duration_s: float) -> None:
+        if self._broker is None:
+            return
+        self._put(protocol.CheckpointCommitted(**self._header(), step=step, path=path,
+                                               duration_s=duration_s))
+
+    def close(self, *, exit_code: int, final_step: int, reason: str,
+              timeout_s: float = 3.0) -> None:
+        """Publish ``Exit``, disconnect cleanly, stop the sender; waits at most timeout_s."""
+        if self._thread is None:
+            return
+        self._final = protocol.Exit(**self._header(), exit_code=exit_code,
+                                    final_step=final_step, reason=reason[:2000])
+        self._close_deadline = time.monotonic() + timeout_s
+        self._stopping.set()
+        self._put(None, count_drop=False)  # wake the sender if it is waiting
+        self._thread.join(timeout_s)
+        self._thread = None
+
+    def _header(self) -> dict[str, Any]:
+        return {"run": self._id.run, "attempt": self._id.attempt, "rank": self._id.rank,
+                "ts": time.time()}
+
+    def _put(self, msg: protocol.Message | None, *, count_drop: bool = True) -> None:
+        if self._broker is None:
+            return
+        try:
+            self._queue.put_nowait(msg)
+        except queue.Full:
+            if count_drop:
+                self.dropped_queue_full += 1
+
+    # ---- the sender thread --------------------------------------------------------------
+
+    def _run_sender(self) -> None:
+        assert self._broker is not None
+        client = self._make_client()
+        self._client = client
+        client.connect_async(self._broker.host, self._broker.port, keepalive=KEEPALIVE_S)
+        client.loop_start()  # paho's network thread: connects, retries with backoff
+        try:
+            held = self._send_until_stopped()
+            self._finish(held)
+        except Exception:  # a telemetry bug must not take the training process down
+            log.exception("telemetry sender failed; telemetry is off for this rank")
+        finally:
+            client.disconnect()
+            client.loop_stop()
+
+    def _make_client(self) -> mqtt.Client:
+        ident = self._id
+        client_id = f"tsup-{ident.run}-{ident.attempt}-{ident.rank}-{os.getpid()}"
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id)
+        lost_topic, lost_payload = protocol.encode(protocol.Lost(**self._header()))
+        client.will_set(lost_topic, lost_payload, qos=0, retain=False)
+        client.reconnect_delay_set(RECONNECT_MIN_DELAY_S, RECONNECT_MAX_DELAY_S)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        return client
+
+    def _on_connect(self, client: mqtt.Client, _userdata: Any, _flags: Any,
+                    reason_code: Any, _properties: Any) -> None:
+        if getattr(reason_code, "is_failure", False):
+            log.warning("telemetry: broker refused the connection: %s", reason_code)
+            return
+        ident = self._id
+        register = protocol.Register(
+            **self._header(), local_rank=ident.local_rank, world_size=ident.world_size,
+            node=ident.node, pid=os.getpid(), hostname=socket.gethostname()[:64])
+        self._publish(client, register)
+        self._connected.set()  # after Register, so that it is this connection's first message
+
+    def _on_disconnect(self, _client: mqtt.Client, _userdata: Any, _flags: Any,
+                       reason_code: Any, _properties: Any) -> None:
+        self._connected.clear()
+        if not self._stopping.is_set():
+            log.warning("telemetry: lost the broker connection (%s); reconnecting",
+                        reason_code)
+
+    def _send_until_stopped(self) -> protocol.Message | None:
+        """Publish until close(); returns a message taken but not yet published."""
+        next_heartbeat = time.monotonic()
+        held: protocol.Message | None = None  # dequeued, waiting for a connection
+        while not self._stopping.is_set():
+            if not self._connected.wait(timeout=0.2):
+                # Disconnected: leave messages queued for the next connection (the queue
+                # bound turns a long outage into counted drops). No heartbeats: a stale
+                # one is worthless, and a fresh one goes out once connected.
+                continue
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                self._try_publish(protocol.Heartbeat(**self._header(), step=self._step,
+                                                     phase=self._phase))
+                next_heartbeat = now + self._heartbeat_interval_s
+            if held is None:
+                try:
+                    held = self._queue.get(timeout=max(0.0, next_heartbeat - time.monotonic()))
+                except queue.Empty:
+                    continue
+            if held is None:  # close()'s wake-up call
+                continue
+            if self._try_publish(held) is not None:
+                held = None
+            else:
+                # The connection dropped while we waited for the message; keep it for
+                # the next connection, and do not spin until paho notices the drop.
+                self._stopping.wait(0.05)
+        return held
+
+    def _finish(self, held: protocol.Message | None) -> None:
+        """Flush what is queued, publish Exit, and wait (bounded) until it is written."""
+        pending = [] if held is None else [held]
+        while True:
+            try:
+                msg = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if msg is not None:
+                pending.append(msg)
+        if self._final is not None:
+            pending.append(self._final)  # last, so that it is the last word of this rank
+        info: mqtt.MQTTMessageInfo | None = None
+        for msg in pending:
+            in_time = time.monotonic() < self._close_deadline
+            info = self._try_publish(msg) if in_time else None
+            if info is None:
+                with self._count_lock:
+                    self.dropped_not_connected += 1
+        if self._final is not None and info is not None:  # wait until Exit is on the wire
+            remaining = self._close_deadline - time.monotonic()
+            # RuntimeError/ValueError: the connection dropped after all, or a bad rc.
+            with contextlib.suppress(RuntimeError, ValueError):
+                info.wait_for_publish(timeout=max(0.0, remaining))
+
+    def _try_publish(self, msg: protocol.Message) -> mqtt.MQTTMessageInfo | None:
+        """Hand ``msg`` to paho if connected; None when it could not be (not counted)."""
+        if self._client is None or not self._connected.is_set():
+            return None
+        return self._publish(self._client, msg)
+
+    def _publish(self, client: mqtt.Client, msg: protocol.Message) -> mqtt.MQTTMessageInfo | None:
+        topic, payload = protocol.encode(msg)
+        info = client.publish(topic, payload, qos=0)
+        if info.rc != mqtt.MQTT_ERR_SUCCESS:
+            return None
+        with self._count_lock:
+            self.sent += 1
+        return info

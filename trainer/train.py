@@ -1,0 +1,272 @@
+"""The training loop: build, restore, train, checkpoint, finish.
+
+``train(config, resume=...)`` is the whole life of one attempt on one rank. Every rank
+runs it; they agree on everything through collectives, and rank 0 alone prints progress,
+commits checkpoints and writes result.json. The order of work:
+
+1. init: process group, telemetry, model (built on ``meta``, sharded with FSDP2, then
+   materialized and initialized), AdamW, data;
+2. restore (optional): the checkpoint ``--resume`` names; rank 0 decides which and tells
+   the others, so they cannot disagree about a directory that is changing;
+3. train: steps ``step + 1 .. config.steps``, a checkpoint every ``every_steps`` and after
+   the last step;
+4. done: the model digest, then rank 0 writes ``<output_dir>/result.json`` atomically.
+   That file appears only after a fully successful finish (a stale one is deleted at
+   start), so its presence is the supervisor's proof of success.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from trainer import atomic, checkpoint, distributed
+from trainer import checkpoint_layout as layout
+from trainer.config import TrainConfig, config_digest
+from trainer.data import BatchReader, open_source
+from trainer.digest import model_digest
+from trainer.errors import EXIT_OK, UsageError, exit_code_for
+from trainer.faults import FaultPlan
+from trainer.model import Transformer
+from trainer.optim import build_optimizer, lr_at, set_lr
+from trainer.protocol import Phase
+from trainer.telemetry import Telemetry
+
+RESULT_FILE = "result.json"
+_COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainResult:
+    """What result.json holds (rank 0's copy has the digest; other ranks get None)."""
+
+    final_step: int
+    model_digest: str | None
+    final_loss: float | None  # the loss of the final step, even if an earlier attempt ran it
+    steps_run_this_attempt: int
+    resumed_from: str | None  # the checkpoint directory this attempt started from
+    consumed_samples: int
+    world_size: int
+    model: str
+    parameters: int
+    config_digest: str
+    run_id: str
+    attempt: int
+    last_checkpoint: str | None
+    wall_time_s: float  # this attempt, from model build to result.json
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    loss: float  # mean over all ranks and micro-batches
+    grad_norm: float  # global L2 norm before clipping
+    lr: float
+    step_time_s: float  # data + forward + backward + optimizer + loss all-reduce
+    tokens_per_s: float  # over all ranks
+
+
+def train(config: TrainConfig, *, resume: str = "auto",
+          environ: Mapping[str, str] | None = None) -> TrainResult:
+    """Run (or continue) training to ``config.steps``; see the module docstring.
+
+    ``resume``: ``auto`` (newest complete checkpoint in ``checkpoint.dir``, if any),
+    ``none`` (start fresh), or the path of a complete checkpoint.
+    Raises trainer.errors.DoNotRetry subclasses for problems a retry cannot fix.
+    """
+    environ = os.environ if environ is None else environ
+    launch = distributed.LaunchEnv.from_environ(environ)
+    faults = FaultPlan.from_env(environ)
+    telemetry = Telemetry.from_env(environ, rank=launch.rank, local_rank=launch.local_rank,
+                                   world_size=launch.world_size,
+                                   heartbeat_interval_s=config.heartbeat_interval_s)
+    telemetry.start()
+    runner: _Runner | None = None
+    exit_code, reason = EXIT_OK, "finished"
+    try:
+        ctx = distributed.init(launch, config.device, config.dist_timeout_s)
+        runner = _Runner(config, ctx, telemetry, faults)
+        return runner.run(resume)
+    except BaseException as exc:
+        exit_code, reason = exit_code_for(exc), f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        try:
+            distributed.shutdown()
+        finally:  # Exit goes out even if tearing down the process group fails
+            telemetry.close(exit_code=exit_code, final_step=runner.step if runner else 0,
+                            reason=reason)
+
+
+class _Runner:
+    """One attempt's state on one rank; ``run`` is the only entry point."""
+
+    def __init__(self, config: TrainConfig, ctx: distributed.DistContext,
+                 telemetry: Telemetry, faults: FaultPlan) -> None:
+        self.config, self.ctx, self.telemetry, self.faults = config, ctx, telemetry, faults
+        self.batch = config.batch_layout(ctx.world_size)
+        self.step = 0  # optimizer steps completed
+        self.consumed = 0  # samples consumed, the data stream position
+        self.last_loss: float | None = None
+        self.last_checkpoint: str | None = None
+        self.started = time.monotonic()
+        torch.manual_seed(config.seed)  # nothing should draw from it; pin it regardless
+
+        if ctx.is_main:  # a result.json from an earlier attempt must not outlive it
+            output = Path(config.output_dir)
+            output.mkdir(parents=True, exist_ok=True)
+            (output / RESULT_FILE).unlink(missing_ok=True)
+
+        with torch.device("meta"):  # shapes only: sharding first keeps memory per rank low
+            self.model = Transformer(config.shape, rope_len=config.seq_len)
+        distributed.shard_model(self.model, ctx.mesh, _COMPUTE_DTYPES[config.dtype])
+        self.model.to_empty(device=ctx.device)
+        self.model.init_weights(config.seed)
+        self.optimizer = build_optimizer(self.model, config.optimizer)
+        source = open_source(config.data, seed=config.seed,
+                             vocab_size=config.shape.vocab_size, seq_len=config.seq_len)
+        self.reader = BatchReader(source, seed=config.seed,
+                                  global_batch=config.global_batch_size,
+                                  rank=ctx.rank, world_size=ctx.world_size)
+
+    def run(self, resume: str) -> TrainResult:
+        config = self.config
+        self._say(f"trainer: model {config.model} ({config.shape.parameter_count() / 1e6:.2f} M "
+                  f"params), {self.ctx.world_size} rank(s) on {self.ctx.device.type}, global "
+                  f"batch {config.global_batch_size} = {self.ctx.world_size} x "
+                  f"{self.batch.accumulation} x {self.batch.micro}, {config.steps} steps")
+        resumed_from = self._restore(resume)
+        first_step = self.step
+        self.telemetry.set_phase(Phase.TRAIN, self.step)
+        while self.step < config.steps:
+            stats = self._train_step(self.step + 1)
+            self._report(stats)
+            if self._checkpoint_due():
+                self._save()
+            self.faults.after_step(self.step, self.ctx.rank)
+        self.telemetry.set_phase(Phase.DONE, self.step)
+        digest = model_digest(self.model, is_main=self.ctx.is_main)
+        result = TrainResult(
+            final_step=self.step, model_digest=digest, final_loss=self.last_loss,
+            steps_run_this_attempt=self.step - first_step,
+            resumed_from=str(resumed_from) if resumed_from else None,
+            consumed_samples=self.consumed, world_size=self.ctx.world_size,
+            model=config.model, parameters=config.shape.parameter_count(),
+            config_digest=config_digest(config), run_id=self.telemetry.identity.run,
+            attempt=self.telemetry.identity.attempt, last_checkpoint=self.last_checkpoint,
+            wall_time_s=round(time.monotonic() - self.started, 3))
+        if self.ctx.is_main:
+            atomic.write_json(Path(config.output_dir) / RESULT_FILE, asdict(result))
+            self._say(f"done: step {self.step}, loss {_fmt(self.last_loss)}, digest {digest}")
+        distributed.barrier()  # no rank reports success before result.json exists
+        return result
+
+    def _restore(self, resume: str) -> Path | None:
+        root = Path(self.config.checkpoint.dir).absolute()
+        choice: tuple[str | None, str | None] = (None, None)  # (path, error message)
+        if self.ctx.is_main:
+            try:
+                path = layout.resolve_resume(resume, root)
+                choice = (str(path) if path else None, None)
+            except UsageError as e:
+                choice = (None, str(e))
+        path_text, error = distributed.broadcast_from_main(choice)
+        if error is not None:
+            raise UsageError(error)
+        if path_text is None:
+            return None
+        path = Path(path_text).absolute()
+        self.telemetry.set_phase(Phase.RESTORE, self.step)
+        meta = layout.TrainerMeta.read(path)
+        meta.check_compatible(world_size=self.ctx.world_size, model=self.config.model,
+                              model_shape=asdict(self.config.shape))
+        if meta.config_digest != config_digest(self.config) and self.ctx.is_main:
+            print(f"trainer: warning: {path} was written with different training settings "
+                  f"(config digest {meta.config_digest}, now {config_digest(self.config)})",
+                  file=sys.stderr, flush=True)
+        started = time.monotonic()
+        checkpoint.load(path, self.model, self.optimizer)
+        self.step, self.consumed, self.last_loss = (
+            meta.step, meta.consumed_samples, meta.last_loss)
+        self.last_checkpoint = str(path)
+        self.telemetry.restored(self.step)
+        self._say(f"resumed from {path} at step {self.step} "
+                  f"in {time.monotonic() - started:.2f} s")
+        return path
+
+    def _train_step(self, step: int) -> StepStats:
+        started = time.perf_counter()
+        model, config = self.model, self.config
+        rows = torch.from_numpy(self.reader.rank_batch(self.consumed)).to(self.ctx.device)
+        lr = lr_at(step, config=config.optimizer, total_steps=config.steps)
+        set_lr(self.optimizer, lr)
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        passes = self.batch.accumulation
+        for i, micro in enumerate(torch.split(rows, self.batch.micro)):
+            # Reduce-scatter gradients only once per step, after the last micro-batch.
+            distributed.set_gradient_sync(model, i == passes - 1)
+            logits = model(micro[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                   micro[:, 1:].reshape(-1))
+            torch.autograd.backward(loss / passes)
+            loss_sum += loss.detach()
+        # max_norm=inf measures the norm without clipping (scales gradients by exactly 1).
+        max_norm = config.optimizer.grad_clip or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_value = distributed.global_mean(loss_sum / passes)  # also syncs the device
+        grad_norm_value = distributed.to_float(grad_norm)
+        self.step, self.consumed = step, self.consumed + config.global_batch_size
+        self.last_loss = loss_value
+        elapsed = time.perf_counter() - started
+        tokens = config.global_batch_size * config.seq_len
+        return StepStats(loss=loss_value, grad_norm=grad_norm_value, lr=lr,
+                         step_time_s=elapsed, tokens_per_s=tokens / elapsed)
+
+    def _report(self, s: StepStats) -> None:
+        self.telemetry.step_completed(step=self.step, loss=s.loss, grad_norm=s.grad_norm,
+                                      lr=s.lr, step_time_s=s.step_time_s,
+                                      tokens_per_s=s.tokens_per_s)
+        if self.step % self.config.log_every_steps == 0 or self.step == self.config.steps:
+            self._say(f"step {self.step}/{self.config.steps} loss {s.loss:.4f} "
+                      f"grad_norm {s.grad_norm:.4f} lr {s.lr:.3e} "
+                      f"step_time_s {s.step_time_s:.3f} tokens_per_s {s.tokens_per_s:.0f}")
+
+    def _checkpoint_due(self) -> bool:
+        every = self.config.checkpoint.every_steps
+        return self.step == self.config.steps or (every > 0 and self.step % every == 0)
+
+    def _save(self) -> None:
+        self.telemetry.set_phase(Phase.CHECKPOINT, self.step)
+        config = self.config
+        meta = layout.TrainerMeta(
+            step=self.step, consumed_samples=self.consumed, world_size=self.ctx.world_size,
+            model=config.model, model_shape=asdict(config.shape),
+            config_digest=config_digest(config), last_loss=self.last_loss)
+        saved = checkpoint.save(Path(config.checkpoint.dir).absolute(), meta, self.model,
+                                self.optimizer, keep=config.checkpoint.keep,
+                                is_main=self.ctx.is_main)
+        self.last_checkpoint = str(saved.path)
+        if self.ctx.is_main:
+            self.telemetry.checkpoint_committed(step=self.step, path=str(saved.path),
+                                                duration_s=saved.duration_s)
+            pruned = f", pruned {len(saved.deleted)}" if saved.deleted else ""
+            self._say(f"checkpoint step {self.step} committed to {saved.path} "
+                      f"in {saved.duration_s:.3f} s{pruned}")
+        self.telemetry.set_phase(Phase.TRAIN, self.step)
+
+    def _say(self, line: str) -> None:
+        if self.ctx.is_main:
+            print(line, flush=True)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
