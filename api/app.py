@@ -19,7 +19,9 @@ from supervisor.service import SupervisorService
 from supervisor.spec import parse_spec
 from supervisor.views import CommandAccepted, EventView, NodeView, RunDetail, RunSummary
 
-RunId = Annotated[str, Path(pattern=r"^run-[1-9][0-9]{0,17}$", description="a run id, e.g. run-42")]
+# Checked by the service, which answers 404 with a readable message for a malformed id.
+RunId = Annotated[str, Path(max_length=64, description="a run id, e.g. run-42")]
+MAX_ID = 2**63 - 1  # SQLite's integers
 
 _ERROR_STATUS: dict[type[SupervisorError], int] = {
     NotFound: 404,
@@ -46,9 +48,10 @@ def create_app(service: SupervisorService) -> FastAPI:
         status = next((s for cls, s in _ERROR_STATUS.items() if isinstance(exc, cls)), 500)
         return JSONResponse({"error": type(exc).__name__, "detail": str(exc)}, status_code=status)
 
-    @app.get("/healthz")
-    def healthz() -> dict[str, bool]:
-        return {"ok": True}
+    @app.get("/healthz", responses={503: {"description": "the reconciler is stalled"}})
+    def healthz() -> JSONResponse:
+        health = service.health()
+        return JSONResponse(health.model_dump(), status_code=200 if health.ok else 503)
 
     @app.get("/v1/runs")
     def list_runs() -> list[RunSummary]:
@@ -65,7 +68,7 @@ def create_app(service: SupervisorService) -> FastAPI:
     @app.get("/v1/runs/{run_id}/events")
     def run_events(
         run_id: RunId,
-        after: Annotated[int, Query(ge=0, description="only events with a larger id")] = 0,
+        after: Annotated[int, Query(ge=0, le=MAX_ID, description="only events with a larger id")] = 0,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     ) -> list[EventView]:
         return service.events(run_id, after, limit)
@@ -82,7 +85,7 @@ def create_app(service: SupervisorService) -> FastAPI:
                  summary=f"{kind.value.capitalize()} a run")(command(kind))
 
     @app.get("/v1/commands/{command_id}")
-    def command_result(command_id: Annotated[int, Path(ge=1)]) -> CommandResult:
+    def command_result(command_id: Annotated[int, Path(ge=1, le=MAX_ID)]) -> CommandResult:
         return CommandResult(command_id=command_id, result=service.command_result(command_id))
 
     @app.get("/v1/nodes")

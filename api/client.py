@@ -43,7 +43,11 @@ class Client:
                     f"{'.'.join(str(x) for x in d.get('loc', []))}: {d.get('msg')}" for d in detail
                 ) if isinstance(detail, list) else str(detail)
             raise ApiError(resp.status_code, detail)
-        return resp.json()
+        try:
+            return resp.json()
+        except ValueError as e:
+            raise ApiError(0, f"{self.url} answered with something other than JSON: is it "
+                              "training-supervisor's API?") from e
 
     def runs(self) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = self._call("GET", "/v1/runs")

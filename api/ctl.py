@@ -9,7 +9,7 @@
 
 The daemon's address comes from --url, else $TSUP_URL, else http://127.0.0.1:8470.
 Exit codes: 0 ok; 1 error (daemon unreachable, request rejected); 2 usage or invalid
-input; 3 not found; 4 unauthorized.
+input; 3 not found; 4 unauthorized (401/403, once the API requires a token).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from supervisor.domain import TERMINAL_RUN_STATES
 from supervisor.views import EventView, NodeView, RunDetail, RunSummary
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNAUTHORIZED = 0, 1, 2, 3, 4
+_PAGE = 1000
 _STATUS_EXIT = {404: EXIT_NOT_FOUND, 401: EXIT_UNAUTHORIZED, 403: EXIT_UNAUTHORIZED, 422: EXIT_USAGE}
 
 
@@ -108,21 +109,29 @@ def _events(c: Client, args: argparse.Namespace) -> int:
     """--json prints one array; with --follow, one JSON object per line as they come."""
     after = args.after
     if args.json and not args.follow:
-        _print_json(c.events(args.run, after))
+        everything: list[dict[str, Any]] = []
+        while page := c.events(args.run, after, limit=_PAGE):
+            everything += page
+            after = page[-1]["id"]
+        _print_json(everything)
         return EXIT_OK
     terminal = {s.value for s in TERMINAL_RUN_STATES}
     while True:
-        events = c.events(args.run, after)
+        events = c.events(args.run, after, limit=_PAGE)
         for e in events:
             after = e["id"]
             if args.json:
                 print(json.dumps(e), flush=True)
             else:
                 print(report.event_line(EventView.model_validate(e)), flush=True)
+        if len(events) == _PAGE:
+            continue  # more are waiting
         if not args.follow:
             return EXIT_OK
-        if not events and c.run(args.run)["state"] in terminal:
-            return EXIT_OK
+        if not events:
+            run = c.run(args.run)
+            if run["state"] in terminal and run["attempt_state"] in (None, "ENDED"):
+                return EXIT_OK  # finished and torn down: no more events will come
         time.sleep(1.0)
 
 

@@ -34,6 +34,8 @@ class EmbeddedBroker:
 
         for logger in ("amqtt", "transitions"):
             logging.getLogger(logger).setLevel(logging.WARNING)
+        # Trainers that outlived a previous daemon reconnect to the port they know, so
+        # a remembered port is reused or the start fails; never silently moved.
         self.port = self._remembered_port() or _free_port(self.host)
         config = {
             "listeners": {"default": {"type": "tcp", "bind": f"{self.host}:{self.port}"}},
@@ -43,7 +45,11 @@ class EmbeddedBroker:
         try:
             await broker.start()
         except Exception as e:  # amqtt raises its own and OSError subclasses
-            raise SupervisorError(f"cannot start the embedded MQTT broker on {self.url}: {e}") from e
+            raise SupervisorError(
+                f"cannot start the embedded MQTT broker on {self.url}: {e} (the port is kept in "
+                f"{self.state_file} for trainers that outlive a daemon; free it, or remove the file "
+                "if no run is live)"
+            ) from e
         self._broker = broker
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"host": self.host, "port": self.port}))
@@ -60,23 +66,12 @@ class EmbeddedBroker:
 
     def _remembered_port(self) -> int | None:
         try:
-            port = int(json.loads(self.state_file.read_text())["port"])
+            return int(json.loads(self.state_file.read_text())["port"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        return port if _port_free(self.host, port) else None
 
 
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True

@@ -21,8 +21,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.domain import CheckpointRef
-
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -35,7 +33,18 @@ class Verdict:
 
 
 def inspect(path: Path) -> Verdict | None:
-    """None when ``path`` is not a checkpoint of this layout at all."""
+    """None when ``path`` is not a checkpoint of this layout at all (or vanished).
+
+    The trainer deletes old checkpoints while we look, so a file that disappears
+    mid-inspection means "not a checkpoint any more", never an error.
+    """
+    try:
+        return _inspect(path)
+    except FileNotFoundError:
+        return None
+
+
+def _inspect(path: Path) -> Verdict | None:
     m = _STEP_DIR.match(path.name)
     if m is None or not path.is_dir():
         return None
@@ -67,8 +76,11 @@ def scan(directory: Path) -> list[Verdict]:
     return sorted(found, key=lambda v: v.step, reverse=True)
 
 
-def newest_complete(directory: Path) -> CheckpointRef | None:
+def pick(directory: Path) -> tuple[Verdict | None, list[Verdict]]:
+    """The newest checkpoint that passes verification, and the newer ones that failed."""
+    rejected: list[Verdict] = []
     for v in scan(directory):
         if v.ok:
-            return CheckpointRef(step=v.step, path=str(v.path))
-    return None
+            return v, rejected
+        rejected.append(v)
+    return None, rejected

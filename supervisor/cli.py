@@ -158,7 +158,7 @@ async def _run(args: argparse.Namespace) -> int:
                 monkey.poll()
                 if out.poll():
                     break
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.2)
         finally:
             stop.set()
             await task
@@ -194,15 +194,14 @@ class _Progress:
             self.last_event = e.id
             if not self.quiet:
                 print(report.event_line(e, self.t0), file=sys.stderr, flush=True)
-        detail = self.service.get_run(self.run_id)
-        every = max(1, detail.total_steps // 12)
-        if detail.step and detail.step >= self.last_step_shown + every and detail.state == "RUNNING":
-            self.last_step_shown = detail.step - detail.step % every
-            loss = f"{detail.loss:.4f}" if detail.loss is not None else "-"
-            self.say(f"{self.run_id} step {detail.step}/{detail.total_steps} loss {loss}")
-        last = detail.attempt_history[-1] if detail.attempt_history else None
-        settled = last is None or last.state == "ENDED"
-        return detail.state in {s.value for s in TERMINAL_RUN_STATES} and settled
+        run = self.service.summary(self.run_id)
+        every = max(1, run.total_steps // 12)
+        if run.step and run.step >= self.last_step_shown + every and run.state == "RUNNING":
+            self.last_step_shown = run.step - run.step % every
+            loss = f"{run.loss:.4f}" if run.loss is not None else "-"
+            self.say(f"{self.run_id} step {run.step}/{run.total_steps} loss {loss}")
+        settled = run.attempt_state in (None, "ENDED")
+        return run.state in {s.value for s in TERMINAL_RUN_STATES} and settled
 
 
 def _summary_json(d: dict[str, object], chaos: list[ChaosAction]) -> dict[str, object]:

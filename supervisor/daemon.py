@@ -41,6 +41,7 @@ from supervisor.service import SupervisorService
 from supervisor.spec import parse_mqtt_url
 from supervisor.store import SqlStore
 from supervisor.telemetry import MqttLink, TelemetryView
+from supervisor.views import DaemonHealth
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ EVENTS_TOPIC_ROOT = "tsup/v1/events"
 # A tick that keeps failing this many times in a row (database gone, disk full) ends
 # the daemon instead of spinning: systemd restarts it and the operator sees why.
 _MAX_FAILED_TICKS = 100
+_STALLED_AFTER_S = 30.0  # /healthz answers 503 when no tick finished for this long
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +73,7 @@ class Daemon:
         self.broker = EmbeddedBroker(settings.state_dir) if settings.mqtt_url is None else None
         self.api_url: str | None = None
         self._lock: StateDirLock | None = None
+        self._last_tick_at: float | None = None  # time.monotonic() of the last good tick
         self._api_socket: socket.socket | None = None
         # Built in __aenter__, once the broker's address is known:
         self.mqtt_url: str = settings.mqtt_url or ""
@@ -95,7 +98,8 @@ class Daemon:
                                          ReconcilerConfig(mqtt_url=self.mqtt_url), self.clock)
             self.service = SupervisorService(
                 self.store, self.settings.state_dir / "runs", mqtt_url=self.mqtt_url,
-                check_trainer=self.settings.check_trainer_config, clock=self.clock,
+                max_nodes=self.settings.max_local_nodes, check_trainer=self.settings.check_trainer_config,
+                clock=self.clock, health=self.health,
             )
             if self.settings.api_port is not None:
                 self._api_socket = _listen(self.settings.api_host, self.settings.api_port)
@@ -158,6 +162,7 @@ class Daemon:
             began = time.monotonic()
             try:
                 self.reconciler.tick()
+                self._last_tick_at = time.monotonic()
                 failures = 0
             except (SQLAlchemyError, StoreError, OSError) as e:
                 failures += 1
@@ -165,6 +170,14 @@ class Daemon:
                 if failures >= _MAX_FAILED_TICKS:
                     raise
             await asyncio.sleep(max(0.0, self.settings.tick_s - (time.monotonic() - began)))
+
+    def health(self) -> DaemonHealth:
+        """Healthy while the reconciler keeps ticking (a stalled loop is the one thing
+        an operator must hear about); the MQTT link is reported, not judged."""
+        age = None if self._last_tick_at is None else time.monotonic() - self._last_tick_at
+        ok = age is not None and age < _STALLED_AFTER_S
+        linked = self.link is not None and self.link.connected
+        return DaemonHealth(ok=ok, last_tick_age_s=age, mqtt_connected=linked)
 
     async def _publish_outbox_forever(self) -> None:
         assert self.link is not None
@@ -183,7 +196,7 @@ class Daemon:
                         break
                     published.append(e.id)
                 with self.store.tx() as tx:
-                    tx.mark_published(published, self.clock())
+                    tx.mark_published(published)
             except (SQLAlchemyError, StoreError) as e:
                 log.warning("outbox: %s", e)
 

@@ -81,13 +81,16 @@ def parse_run_id(text: str) -> int | None:
 class Policy:
     """Per-run knobs of the decision rules (from the spec's [policy] table)."""
 
-    max_restarts: int = 10  # attempts that end FAILED before the run is FAILED
+    max_restarts: int = 10  # relaunches after failed attempts; one more failure fails the run
     hang_timeout_s: float = 300.0  # no step progress for this long while training
     startup_timeout_s: float = 900.0  # no first step for this long after launch
     stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this long
     # After the first rank death is seen, wait this long (unless every rank is gone)
     # before attributing the fault, so that ranks dying together are judged together.
     fault_settle_s: float = 1.0
+    # Processes still alive this long after the SIGKILL are stuck in the kernel: the
+    # attempt is abandoned and their nodes drained.
+    abandon_after_s: float = 120.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

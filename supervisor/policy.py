@@ -14,15 +14,16 @@ Run transitions (state, condition -> next state: effects):
                     restart budget exhausted -> FAILED
                     fewer healthy nodes than needed -> (same):  AllocateNodes
                     otherwise                -> STARTING:    StartAttempt (newest complete checkpoint)
-    STARTING        first step seen          -> RUNNING:     MarkAttemptRunning, MarkFaultsRecovered
+    STARTING, RECOVERING  first step seen    -> RUNNING:     MarkAttemptRunning, MarkFaultsRecovered
     STARTING, RUNNING
                     result written, ranks gone -> SUCCEEDED: EndAttempt, FinishRun
                     a fault                  -> RECOVERING:  RecordFault, StopAttempt, DrainNode*
                     a fault, exit code 2     -> FAILED:      RecordFault, StopAttempt (do not retry)
 
 Attempts: LAUNCHING -> RUNNING (the reconciler, once processes exist) -> STOPPING
-(StopAttempt) -> ENDED (EndAttempt, once no process of it is left). A terminal run with
-no live attempt gives its nodes back (ReleaseNodes).
+(StopAttempt) -> ENDED (EndAttempt, once no process of it is left, or abandoned with its
+nodes drained when processes outlive SIGKILL by ``abandon_after_s``). A terminal run
+with no live attempt gives its nodes back (ReleaseNodes).
 
 Attribution rules (what a fault blames):
 - a fault is attributed once every rank is gone, or ``fault_settle_s`` after the
@@ -37,6 +38,7 @@ Attribution rules (what a fault blames):
 
 from __future__ import annotations
 
+import math
 import signal
 from collections.abc import Iterable
 from dataclasses import replace
@@ -93,23 +95,46 @@ def decide(view: RunView, obs: AttemptObs | None, now: float) -> list[Effect]:
     if stopped_now:
         pass  # an operator's command stopped it this tick: nothing more to judge
     elif live is not None and live.state is AttemptState.STOPPING:
-        if _all_gone(obs):
-            out.append(_end(live, live.outcome or AttemptOutcome.FAILED, live.reason, obs))
-            live = None
-        else:
-            assert live.stop_requested_at is not None
-            force = now - live.stop_requested_at >= view.run.policy.stop_grace_s
-            out.append(EnsureStopped(number=live.number, force=force))
+        live = _finish_stopping(view, live, obs, now, out)
     elif live is not None and live.state is not AttemptState.STOPPING:
         state, live = _judge_live_attempt(view, live, obs, state, now, out)
 
     if live is None and state in _LAUNCHABLE:
-        state = _launch(view, state, out)
+        drained_now = {e.node for e in out if isinstance(e, DrainNode)}
+        state = _launch(view, state, drained_now, out)
 
     holds_nodes = any(n.state is NodeState.ALLOCATED for n in view.allocation)
     if live is None and state in TERMINAL_RUN_STATES and holds_nodes:
         out.append(ReleaseNodes())
     return out
+
+
+def _finish_stopping(
+    view: RunView, live: Attempt, obs: AttemptObs | None, now: float, out: list[Effect]
+) -> Attempt | None:
+    """End a stopping attempt once its processes are gone; escalate, then abandon."""
+    if _all_gone(obs):
+        out.append(_end(live, live.outcome or AttemptOutcome.FAILED, live.reason, obs))
+        return None
+    policy = view.run.policy
+    waited_s = now - (live.stop_requested_at or now)
+    if waited_s >= policy.stop_grace_s + policy.abandon_after_s:
+        # Processes that outlive SIGKILL this long are stuck in the kernel (a hung
+        # filesystem or driver): their nodes cannot train, and the run must go on.
+        alive = (ProcState.RUNNING, ProcState.UNKNOWN)
+        stuck = sorted({r.node for r in obs.ranks if r.proc in alive}) if obs else []
+        why = f"processes survived SIGKILL for {waited_s:.0f} s on {', '.join(stuck) or 'unknown nodes'}"
+        out.append(Emit(kind="attempt.abandoned", message=f"attempt {live.number}: {why}; abandoning it",
+                        data={"attempt": live.number, "nodes": stuck}))
+        for node in stuck:
+            out.append(DrainNode(node=node, reason=f"training-supervisor: {why} ({view.run.run_id})"))
+        out.append(_end(live, live.outcome or AttemptOutcome.FAILED, f"{live.reason}; abandoned: {why}", obs))
+        return None
+    # A fault's stop is SIGKILL from the start; an operator's is SIGTERM, then SIGKILL
+    # after the grace. Re-sent while processes live, so a stop lost in a crash recurs.
+    if live.outcome is AttemptOutcome.FAILED or waited_s >= policy.stop_grace_s:
+        out.append(EnsureStopped(number=live.number, force=True))
+    return live
 
 
 # --- operator commands --------------------------------------------------------------
@@ -306,7 +331,10 @@ def _attribute(
         return record, drains, do_not_retry
 
     first = [r for r in dead if _vanished_abruptly(r) or (_exit_code(r) or 0) < 0]
-    if not first:
+    if first:  # of those killed, the ones seen dead first
+        t0 = min(r.dead_since if r.dead_since is not None else math.inf for r in first)
+        first = [r for r in first if (r.dead_since if r.dead_since is not None else math.inf) == t0]
+    else:
         reported = [r for r in dead if r.reported_exit_at is not None]
         if reported:
             t0 = min(r.reported_exit_at for r in reported if r.reported_exit_at is not None)
@@ -342,11 +370,17 @@ def _is_dead(r: RankObs) -> bool:
 
 
 def _vanished_abruptly(r: RankObs) -> bool:
+    """Killed outright: SIGKILL seen, or its connection died with no exit report.
+
+    A VANISHED rank (adopted after a daemon restart, so no exit code) counts only with
+    its last will as evidence: ranks that ended while the daemon was down left no
+    trace of how, and that is no reason to drain their nodes.
+    """
     if r.proc is ProcState.EXITED:
         return r.exit_code == -signal.SIGKILL
-    if r.proc is ProcState.VANISHED:
-        return r.reported_exit_code is None
-    return r.proc is ProcState.UNKNOWN and r.lost
+    if r.proc in (ProcState.VANISHED, ProcState.UNKNOWN):
+        return r.lost and r.reported_exit_code is None
+    return False
 
 
 def _describe_exit(r: RankObs) -> str:
@@ -371,11 +405,12 @@ def _ranks(rs: Iterable[RankObs]) -> str:
 # --- launching ----------------------------------------------------------------------
 
 
-def _launch(view: RunView, state: RunState, out: list[Effect]) -> RunState:
+def _launch(view: RunView, state: RunState, drained_now: set[str], out: list[Effect]) -> RunState:
     run = view.run
+    ended_now = {e.number: e.outcome for e in out if isinstance(e, EndAttempt)}  # this very tick
     failures = sum(
         1 for a in view.attempts
-        if a.outcome is AttemptOutcome.FAILED and a.number > run.budget_from_attempt
+        if ended_now.get(a.number, a.outcome) is AttemptOutcome.FAILED and a.number > run.budget_from_attempt
     )
     if failures > run.policy.max_restarts:
         limit = run.policy.max_restarts
@@ -383,7 +418,8 @@ def _launch(view: RunView, state: RunState, out: list[Effect]) -> RunState:
         out.append(FinishRun(state=RunState.FAILED, reason=reason))
         return RunState.FAILED
 
-    healthy = [n.name for n in view.allocation if n.state is NodeState.ALLOCATED]
+    healthy = [n.name for n in view.allocation
+               if n.state is NodeState.ALLOCATED and n.name not in drained_now]
     if len(healthy) < run.nodes:
         # Level 2 of recovery: not enough healthy nodes in hand, ask for more.
         out.append(AllocateNodes(count=run.nodes + run.spares - len(healthy)))

@@ -3,8 +3,12 @@
 1. Observe: the launcher's view of the live attempt's processes, the telemetry view,
    the checkpoint directory, the trainer's result file, queued operator commands.
 2. Decide: ``policy.decide`` (pure).
-3. Persist: the effects' records and events, in one SQLite transaction.
-4. Act: start, stop and drain through the launcher.
+3. Persist: all of the decision's records and events in one SQLite transaction.
+4. Act: start, stop and drain through the launcher (recording what came of it, such
+   as a launched attempt's pids, in a transaction of its own).
+
+A run whose reconciliation raises is logged and retried next tick; it never stops the
+other runs.
 
 Level-triggered and idempotent: everything it needs is in SQLite or observable, so a
 restarted daemon carries on where a killed one stopped. An attempt is recorded before
@@ -59,7 +63,7 @@ from supervisor.launchers.base import Launcher, LaunchSpec
 from supervisor.policy import decide
 from supervisor.spec import RunSpec, spec_from_json
 from supervisor.store import SqlStore, Tx
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry import Received, TelemetryView
 from trainer import protocol as p
 
 log = logging.getLogger(__name__)
@@ -83,6 +87,7 @@ class Reconciler:
         self._specs: dict[int, tuple[RunSpec, Path]] = {}
         # (run, attempt, rank) -> when this daemon first saw the rank dead
         self._dead_since: dict[tuple[int, int, int], float] = {}
+        self._short: dict[int, tuple[int, int] | None] = {}  # run -> last (asked, got) shortage said
 
     def tick(self) -> None:
         now = self.clock()
@@ -97,8 +102,13 @@ class Reconciler:
         for run in runs:
             try:
                 self._reconcile(run, [c for c in commands if c.run_number == run.number], now)
-            except LaunchError as e:
-                log.error("%s: %s", run.run_id, e)
+            except Exception:
+                # One run's trouble (a vanished directory, a full disk) must not stall
+                # the others; the next tick tries again from what is recorded.
+                log.exception("%s: reconciliation failed; retrying next tick", run.run_id)
+        active = {r.number for r in runs}
+        for number in [n for n in self._specs if n not in active]:
+            del self._specs[number]
 
     def post_event(self, run_number: int | None, kind: str, message: str, data: dict[str, object]) -> None:
         """Record an event from outside the loop (chaos injection, operator notes)."""
@@ -121,7 +131,10 @@ class Reconciler:
             open_faults = tx.count_open_faults(run.number)
         live = attempts[-1] if attempts and attempts[-1].state in LIVE_ATTEMPT_STATES else None
         newest = None
-        if live is None or live.state is AttemptState.STOPPING:
+        # The checkpoint matters only when this tick may launch: no attempt training,
+        # and a run that wants one (or a command that may make it want one).
+        may_launch = bool(commands) or run.state in (RunState.PENDING, RunState.STARTING, RunState.RECOVERING)
+        if may_launch and (live is None or live.state is not AttemptState.RUNNING):
             newest = self._newest_checkpoint(run, spec, run_dir, now)
         view = RunView(run=run, attempts=attempts, allocation=allocation, newest_checkpoint=newest,
                        commands=tuple(commands), open_faults=open_faults)
@@ -131,14 +144,7 @@ class Reconciler:
             self._apply(run, spec, run_dir, view, effects, now)
 
     def _newest_checkpoint(self, run: Run, spec: RunSpec, run_dir: Path, now: float) -> CheckpointRef | None:
-        directory = trainer_cmd.checkpoint_dir(spec, run_dir)
-        newest = None
-        rejected = []
-        for v in checkpoint_scan.scan(directory):
-            if v.ok:
-                newest = v
-                break
-            rejected.append(v)
+        newest, rejected = checkpoint_scan.pick(trainer_cmd.checkpoint_dir(spec, run_dir))
         with self.store.tx() as tx:
             for v in rejected:
                 if tx.record_checkpoint(run.number, step=v.step, path=str(v.path), complete=False,
@@ -161,6 +167,12 @@ class Reconciler:
             found = self.launcher.find(self._launch_spec(run, spec, run_dir, live))
             if found is None:
                 return AttemptObs(ranks=(), never_started=True)
+            world = len(live.nodes) * run.ranks_per_node
+            if len(self.launcher.observe(found)) < world:
+                # The daemon died part-way through starting the ranks: the ones that
+                # exist wait for peers that never come. Kill them and start afresh.
+                self.launcher.stop(found, force=True)
+                return AttemptObs(ranks=(), never_started=True)
             with self.store.tx() as tx:  # re-adopt what a killed daemon launched
                 adopted = AttemptState.RUNNING if live.state is AttemptState.LAUNCHING else live.state
                 tx.update_attempt(run.number, live.number, launch_info=found, state=adopted,
@@ -175,7 +187,8 @@ class Reconciler:
         for proc in procs:
             t = tele.get(proc.rank)
             dead_since = None
-            if proc.proc in (ProcState.EXITED, ProcState.VANISHED) or (t is not None and t.lost):
+            lost_unseen = proc.proc is ProcState.UNKNOWN and t is not None and t.lost
+            if proc.proc in (ProcState.EXITED, ProcState.VANISHED) or lost_unseen:
                 dead_since = self._dead_since.setdefault((run.number, live.number, proc.rank), now)
             ranks.append(RankObs(
                 rank=proc.rank, node=proc.node, proc=proc.proc, exit_code=proc.exit_code,
@@ -189,29 +202,50 @@ class Reconciler:
                 phase=t.phase if t else None,
             ))
         gone = all(r.proc in (ProcState.EXITED, ProcState.VANISHED) for r in ranks)
-        result = trainer_cmd.read_result(trainer_cmd.result_path(spec, run_dir)) if gone else None
+        result = None
+        if gone:
+            result = trainer_cmd.read_result(trainer_cmd.result_path(spec, run_dir), run.run_id, live.number)
         return AttemptObs(ranks=tuple(ranks), result=result, telemetry_up_since=self.telemetry.up_since)
 
     def _persist_telemetry(self, now: float) -> None:
-        items = self.telemetry.take_durable()
+        items = self.telemetry.peek_durable()
         if not items:
             return
-        with self.store.tx() as tx:
-            numbers = {r.run_id: r.number for r in tx.list_runs()}
+        try:
+            with self.store.tx() as tx:
+                numbers = {r.run_id: r.number for r in tx.list_runs()}
+                for item in items:
+                    self._persist_one(tx, numbers, item)
+        except Exception:
+            # One bad item must not block the rest forever: store them one by one and
+            # drop (and count) only those that fail on their own.
+            log.exception("persisting telemetry failed; retrying item by item")
+            failed = 0
             for item in items:
-                msg = item.msg
-                number = numbers.get(msg.run)
-                if number is None:
-                    continue  # telemetry of a run this daemon does not know
-                if isinstance(msg, p.StepMetrics):
-                    tx.add_metric(number, attempt=msg.attempt, step=msg.step, loss=msg.loss,
-                                  grad_norm=msg.grad_norm, lr=msg.lr, step_time_s=msg.step_time_s,
-                                  tokens_per_s=msg.tokens_per_s, now=item.at)
-                elif tx.record_checkpoint(number, step=msg.step, path=msg.path, complete=True,
-                                          duration_s=msg.duration_s, attempt=msg.attempt, now=item.at):
-                    tx.add_event(number, "checkpoint.committed",
-                                 f"checkpoint at step {msg.step} committed in {msg.duration_s:.2f} s",
-                                 {"step": msg.step, "path": msg.path, "attempt": msg.attempt}, item.at)
+                try:
+                    with self.store.tx() as tx:
+                        self._persist_one(tx, {r.run_id: r.number for r in tx.list_runs()}, item)
+                except Exception:
+                    failed += 1
+            if failed == len(items):
+                raise  # the database, not the items: keep them all for the next tick
+            self.telemetry.counts["durable_dropped"] += failed
+        self.telemetry.drop_durable(len(items))  # only once they are committed (or hopeless)
+
+    def _persist_one(self, tx: Tx, numbers: dict[str, int], item: Received) -> None:
+        msg = item.msg
+        number = numbers.get(msg.run)
+        if number is None:
+            return  # telemetry of a run this daemon does not know
+        if isinstance(msg, p.StepMetrics):
+            tx.add_metric(number, attempt=msg.attempt, step=msg.step, loss=msg.loss,
+                          grad_norm=msg.grad_norm, lr=msg.lr, step_time_s=msg.step_time_s,
+                          tokens_per_s=msg.tokens_per_s, now=item.at)
+        elif tx.record_checkpoint(number, step=msg.step, path=msg.path, complete=True,
+                                  duration_s=msg.duration_s, attempt=msg.attempt, now=item.at):
+            tx.add_event(number, "checkpoint.committed",
+                         f"checkpoint at step {msg.step} committed in {msg.duration_s:.2f} s",
+                         {"step": msg.step, "path": msg.path, "attempt": msg.attempt}, item.at)
 
     # --- persist and act ------------------------------------------------------------
 
@@ -315,9 +349,11 @@ class Reconciler:
                 tx.put_node(Node(name=name, state=NodeState.ALLOCATED, run_number=n), now)
             if names:
                 tx.add_event(n, "nodes.allocated", f"allocated {', '.join(names)}", {"nodes": names}, now)
-            if len(names) < count:
-                tx.add_event(n, "nodes.short", f"asked for {count} nodes, got {len(names)}",
+            short = (count, len(names)) if len(names) < count else None
+            if short is not None and self._short.get(n) != short:  # say it once, not every tick
+                tx.add_event(n, "nodes.short", f"asked for {count} nodes, got {len(names)}; waiting",
                              {"asked": count, "got": len(names)}, now)
+            self._short[n] = short
 
     def _launch_spec(self, run: Run, spec: RunSpec, run_dir: Path, a: Attempt) -> LaunchSpec:
         config_path = trainer_cmd.attempt_dir(run_dir, a.number) / "trainer.json"
@@ -331,14 +367,13 @@ class Reconciler:
         )
 
     def _start(self, run: Run, spec: RunSpec, run_dir: Path, e: StartAttempt, now: float) -> None:
-        trainer_cmd.write_attempt_config(spec, run_dir, e.number)
         attempt = Attempt(run_number=run.number, number=e.number, state=AttemptState.LAUNCHING,
                           nodes=e.nodes, resume_from=e.resume_from, resume_step=e.resume_step,
                           created_at=now)
-        launch = self._launch_spec(run, spec, run_dir, attempt)
         try:
-            info = self.launcher.start(launch)
-        except LaunchError as err:
+            trainer_cmd.write_attempt_config(spec, run_dir, e.number)
+            info = self.launcher.start(self._launch_spec(run, spec, run_dir, attempt))
+        except (LaunchError, OSError) as err:  # a launch error counts against the budget
             with self.store.tx() as tx:
                 tx.update_attempt(run.number, e.number, launch_error=str(err))
             return

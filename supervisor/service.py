@@ -18,6 +18,7 @@ from supervisor.spec import RunSpec
 from supervisor.store import SqlStore
 from supervisor.views import (
     CommandAccepted,
+    DaemonHealth,
     EventView,
     NodeView,
     RunDetail,
@@ -34,16 +35,30 @@ from supervisor.views import (
 
 class SupervisorService:
     def __init__(
-        self, store: SqlStore, runs_dir: Path, *, mqtt_url: str | None,
+        self, store: SqlStore, runs_dir: Path, *, mqtt_url: str | None, max_nodes: int,
         check_trainer: bool = True, clock: Callable[[], float] = time.time,
+        health: Callable[[], DaemonHealth] | None = None,
     ) -> None:
         self.store = store
         self.runs_dir = runs_dir
         self.mqtt_url = mqtt_url
+        self.max_nodes = max_nodes
         self.check_trainer = check_trainer
         self.clock = clock
+        self._health = health
+
+    def health(self) -> DaemonHealth:
+        if self._health is None:
+            return DaemonHealth(ok=True, last_tick_age_s=None, mqtt_connected=False)
+        return self._health()
 
     def submit(self, spec: RunSpec) -> RunSummary:
+        wanted = spec.resources.nodes + spec.resources.spares
+        if wanted > self.max_nodes:
+            raise SpecError(
+                f"resources: {spec.resources.nodes} nodes + {spec.resources.spares} spares exceed the "
+                f"{self.max_nodes} nodes this launcher can provide"
+            )
         if spec.telemetry.mqtt_url and spec.telemetry.mqtt_url != self.mqtt_url:
             raise SpecError(
                 f"telemetry.mqtt_url: this daemon's trainers publish to {self.mqtt_url or 'nothing'}, "
@@ -63,14 +78,20 @@ class SupervisorService:
                          f"{run.run_id} ({spec.name}) submitted: {spec.resources.nodes} nodes x "
                          f"{spec.resources.ranks_per_node} ranks + {spec.resources.spares} spare(s), "
                          f"{spec.total_steps} steps", {"name": spec.name}, now)
-        return run_summary(run, 0, None)
+        return run_summary(run, [], None)
 
     def list_runs(self) -> list[RunSummary]:
         with self.store.tx() as tx:
             return [
-                run_summary(r, len(tx.list_attempts(r.number)), tx.latest_metric(r.number))
+                run_summary(r, tx.list_attempts(r.number), tx.latest_metric(r.number))
                 for r in tx.list_runs()
             ]
+
+    def summary(self, run_id: str) -> RunSummary:
+        """A run's state and progress, without the goodput accounting: cheap to poll."""
+        number = _number(run_id)
+        with self.store.tx() as tx:
+            return run_summary(tx.get_run(number), tx.list_attempts(number), tx.latest_metric(number))
 
     def get_run(self, run_id: str) -> RunDetail:
         number = _number(run_id)
@@ -84,7 +105,7 @@ class SupervisorService:
             drained = [n.name for n in tx.allocation(number) if n.state is NodeState.DRAINED]
             latest = tx.latest_metric(number)
         g = goodput.account(run, attempts, metrics, faults, checkpoints, now)
-        summary = run_summary(run, len(attempts), latest)
+        summary = run_summary(run, attempts, latest)
         return RunDetail(
             **summary.model_dump(), model_digest=run.model_digest, final_step=run.final_step,
             started_at=run.started_at, nodes=run.nodes, ranks_per_node=run.ranks_per_node,

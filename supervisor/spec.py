@@ -47,13 +47,17 @@ class ResourcesSpec(BaseModel):
     spares: Annotated[int, Field(ge=0, le=1024)] = 0
 
 
+_DAY_S = 86_400.0
+
+
 class PolicySpec(BaseModel):
-    model_config = _Model
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     max_restarts: Annotated[int, Field(ge=0, le=10_000)] = 10
-    hang_timeout_s: Annotated[float, Field(gt=0)] = 300.0
-    startup_timeout_s: Annotated[float, Field(gt=0)] = 900.0
-    stop_grace_s: Annotated[float, Field(ge=0)] = 10.0
+    hang_timeout_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 300.0
+    startup_timeout_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 900.0
+    stop_grace_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
     fault_settle_s: Annotated[float, Field(ge=0, le=60)] = 1.0
+    abandon_after_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 120.0
 
     def to_policy(self) -> Policy:
         return Policy(**self.model_dump())
@@ -80,13 +84,17 @@ class RunSpec(BaseModel):
     telemetry: TelemetrySpec = TelemetrySpec()
 
     @model_validator(mode="after")
-    def _steps(self) -> RunSpec:
+    def _trainer_keys_the_supervisor_reads(self) -> RunSpec:
         steps = self.trainer.get("steps")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
-            raise ValueError("trainer.steps: expected a positive integer")
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 < steps <= 10**12:
+            raise ValueError("trainer.steps: expected a positive integer (at most 10**12)")
         ck = self.trainer.get("checkpoint", {})
         if not isinstance(ck, dict):
             raise ValueError("trainer.checkpoint: expected a table")
+        if not isinstance(ck.get("dir", ""), str):
+            raise ValueError("trainer.checkpoint.dir: expected a path (a string)")
+        if not isinstance(self.trainer.get("output_dir", ""), str):
+            raise ValueError("trainer.output_dir: expected a path (a string)")
         return self
 
     @property

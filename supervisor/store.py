@@ -27,6 +27,7 @@ from sqlalchemy import (
     Engine,
     Row,
     create_engine,
+    delete,
     event,
     func,
     insert,
@@ -43,7 +44,6 @@ from supervisor.domain import (
     Attempt,
     AttemptOutcome,
     AttemptState,
-    CheckpointRef,
     Command,
     CommandKind,
     FaultKind,
@@ -277,14 +277,15 @@ class Tx:
     ) -> bool:
         """Insert or refresh one checkpoint row; True if it is new or its completeness changed."""
         key = (t.checkpoints.c.run_number == run_number, t.checkpoints.c.step == step)
-        was = self.c.execute(select(t.checkpoints.c.complete).where(*key)).first()
+        was = self.c.execute(select(t.checkpoints).where(*key)).first()
         if was is not None:
             values: dict[str, Any] = {"path": path, "complete": complete}
             if duration_s is not None:
                 values["duration_s"] = duration_s
             if attempt is not None:
                 values["attempt"] = attempt
-            self.c.execute(update(t.checkpoints).where(*key).values(**values))
+            if any(getattr(was, k) != v for k, v in values.items()):  # no write (and fsync) for nothing
+                self.c.execute(update(t.checkpoints).where(*key).values(**values))
             return bool(was.complete) != complete
         self.c.execute(
             insert(t.checkpoints).values(
@@ -303,16 +304,6 @@ class Tx:
                              attempt=r.attempt, created_at=r.created_at)
             for r in self.c.execute(q)
         ]
-
-    def newest_recorded_checkpoint(self, run_number: int) -> CheckpointRef | None:
-        q = (
-            select(t.checkpoints.c.step, t.checkpoints.c.path)
-            .where(t.checkpoints.c.run_number == run_number, t.checkpoints.c.complete.is_(True))
-            .order_by(t.checkpoints.c.step.desc())
-            .limit(1)
-        )
-        row = self.c.execute(q).first()
-        return CheckpointRef(step=row.step, path=row.path) if row else None
 
     # --- faults ---------------------------------------------------------------------
 
@@ -406,7 +397,7 @@ class Tx:
                                     data=json.dumps(data, sort_keys=True))
         )
         event_id = _new_id(res)
-        self.c.execute(insert(t.outbox).values(event_id=event_id, published_at=None))
+        self.c.execute(insert(t.outbox).values(event_id=event_id))
         return event_id
 
     def list_events(
@@ -421,17 +412,15 @@ class Tx:
         q = (
             select(t.events)
             .join(t.outbox, t.outbox.c.event_id == t.events.c.id)
-            .where(t.outbox.c.published_at.is_(None))
             .order_by(t.events.c.id)
             .limit(limit)
         )
         return [_event(r) for r in self.c.execute(q)]
 
-    def mark_published(self, event_ids: Sequence[int], now: float) -> None:
+    def mark_published(self, event_ids: Sequence[int]) -> None:
+        """Published events leave the outbox (the events table keeps them)."""
         if event_ids:
-            self.c.execute(
-                update(t.outbox).where(t.outbox.c.event_id.in_(list(event_ids))).values(published_at=now)
-            )
+            self.c.execute(delete(t.outbox).where(t.outbox.c.event_id.in_(list(event_ids))))
 
     # --- commands -------------------------------------------------------------------
 

@@ -3,7 +3,8 @@
 The database records the supervisor's whole memory: a restarted daemon re-derives
 everything from these tables plus the launcher. ``SCHEMA_VERSION`` is stored in the
 ``schema_version`` table; ``MIGRATIONS[i]`` takes a database from version i to i + 1.
-Add a migration, never edit an old one.
+Add a migration, never edit an old one (and when adding the second, freeze the first:
+today it creates the tables from the current ``metadata``).
 """
 
 from __future__ import annotations
@@ -137,12 +138,12 @@ events = Table(
     Index("events_by_run", "run_number", "id"),
 )
 
-# Events waiting to be published on MQTT; written in the same transaction as the event.
+# Events waiting to be published on MQTT: written in the same transaction as the event,
+# deleted once published.
 outbox = Table(
     "outbox",
     metadata,
     Column("event_id", Integer, ForeignKey("events.id"), primary_key=True),
-    Column("published_at", Float),
 )
 
 commands = Table(

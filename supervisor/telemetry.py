@@ -82,6 +82,7 @@ class TelemetryView:
         rank = self._ranks.setdefault((msg.run, msg.attempt), {}).setdefault(msg.rank, RankTelemetry())
         if not isinstance(msg, p.Lost):
             rank.last_seen_at = now
+            rank.lost = False  # it is back: the last will was a network blip
         match msg:
             case p.Register():
                 rank.node, rank.pid = msg.node, msg.pid
@@ -115,10 +116,13 @@ class TelemetryView:
             self.counts["durable_dropped"] += 1
         self._durable.append(item)
 
-    def take_durable(self) -> list[Received]:
-        items = list(self._durable)
-        self._durable.clear()
-        return items
+    def peek_durable(self) -> list[Received]:
+        return list(self._durable)
+
+    def drop_durable(self, count: int) -> None:
+        """Forget the oldest ``count`` items, once they are safely stored."""
+        for _ in range(min(count, len(self._durable))):
+            self._durable.popleft()
 
     def ranks(self, run_id: str, attempt: int) -> dict[int, RankTelemetry]:
         return self._ranks.get((run_id, attempt), {})

@@ -82,10 +82,16 @@ def check_trainer_config(spec: RunSpec, run_dir: Path) -> None:
     raise SpecError(f"trainer config check failed (exit {proc.returncode}): {' '.join(lines)[-500:]}")
 
 
-def read_result(path: Path) -> TrainerResult | None:
-    """The trainer's result.json, or None while it is absent or unreadable."""
+def read_result(path: Path, run_id: str, attempt: int) -> TrainerResult | None:
+    """The trainer's result.json for this very attempt, or None.
+
+    A result written by another run or attempt (a shared output_dir, a stale file)
+    is no proof that this attempt succeeded.
+    """
     try:
         data = json.loads(path.read_text())
+        if data.get("run_id") != run_id or data.get("attempt") != attempt:
+            return None
         return TrainerResult(final_step=int(data["final_step"]), model_digest=str(data["model_digest"]))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None

@@ -22,6 +22,7 @@ class RunSummary(BaseModel):
     total_steps: int
     loss: float | None
     attempts: int
+    attempt_state: str | None  # the latest attempt's; ENDED once a finished run is settled
     created_at: float
     ended_at: float | None
 
@@ -110,13 +111,20 @@ class CommandAccepted(BaseModel):
     kind: str
 
 
-def run_summary(run: Run, attempts: int, latest: MetricRecord | None) -> RunSummary:
+def run_summary(run: Run, attempts: list[Attempt], latest: MetricRecord | None) -> RunSummary:
     return RunSummary(
         run_id=run.run_id, name=run.name, state=run.state.value, reason=run.reason,
         step=run.final_step if run.final_step is not None else (latest.step if latest else None),
-        total_steps=run.total_steps, loss=latest.loss if latest else None, attempts=attempts,
+        total_steps=run.total_steps, loss=latest.loss if latest else None, attempts=len(attempts),
+        attempt_state=attempts[-1].state.value if attempts else None,
         created_at=run.created_at, ended_at=run.ended_at,
     )
+
+
+class DaemonHealth(BaseModel):
+    ok: bool
+    last_tick_age_s: float | None  # seconds since the reconciler last finished a tick
+    mqtt_connected: bool
 
 
 def attempt_view(a: Attempt) -> AttemptView:

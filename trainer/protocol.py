@@ -41,6 +41,7 @@ TOPIC_FILTER_ALL = TOPIC_ROOT + "/#"
 
 _MAX_ID_LEN = 64
 _MAX_TEXT_LEN = 2000
+_MAX_INT = 2**63 - 1  # what SQLite and every receiver can store
 
 
 class ProtocolError(ValueError):
@@ -171,7 +172,7 @@ def decode(payload: bytes | str, topic: str | None = None) -> Message:
     """
     try:
         body = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ProtocolError(f"not JSON: {e}") from e
     if not isinstance(body, dict):
         raise ProtocolError("payload is not a JSON object")
@@ -202,6 +203,8 @@ def _check_field(kind: str, name: str, annotation: Any, value: Any) -> Any:
             raise ProtocolError(f"{where}: expected an integer, got {value!r}")
         if value < 0 and name != "exit_code":
             raise ProtocolError(f"{where}: must not be negative, got {value}")
+        if abs(value) > _MAX_INT:
+            raise ProtocolError(f"{where}: out of range")
         return value
     if annotation in ("float", float):
         if isinstance(value, str) and value in _NONFINITE_IN:

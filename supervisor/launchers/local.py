@@ -103,8 +103,9 @@ class LocalLauncher:
                         leader = p.pid
                     ranks.append(_Rank(rank, local_rank, node, p.pid, leader, _create_time(p.pid)))
         except OSError as e:
-            for r in ranks:
+            for r in ranks:  # no half-started world: kill and reap what did start
                 _signal_group(r.pgid, signal.SIGKILL)
+                self._children.pop(r.pid).wait()
             raise LaunchError(f"cannot start {spec.argv[0]}: {e}") from e
         return _dump(ranks, port)
 
@@ -175,11 +176,12 @@ class LocalLauncher:
         return self._state(r)[0] is ProcState.RUNNING
 
     def _live_groups(self, ranks: Sequence[_Rank]) -> list[int]:
-        """Process groups that still hold one of our live ranks: never signal a group
-        whose members are all gone, since its id may since belong to someone else."""
+        """Process groups that may still hold one of our ranks (running, or not
+        observable this time): never signal a group whose members are all known to be
+        gone, since its id may since belong to someone else."""
         groups: list[int] = []
         for r in ranks:
-            if r.pgid not in groups and self._alive(r):
+            if r.pgid not in groups and self._state(r)[0] in (ProcState.RUNNING, ProcState.UNKNOWN):
                 groups.append(r.pgid)
         return groups
 

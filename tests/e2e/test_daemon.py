@@ -93,7 +93,8 @@ def test_sigkill_of_the_daemon_mid_run_loses_nothing_and_starts_no_duplicate(
         assert rejected.returncode == 1 and "rejected: run is SUCCEEDED" in rejected.stdout
         missing = ctl(daemon.url, "status", "run-999")
         assert missing.returncode == 3 and "no such run: run-999" in missing.stderr
-        assert ctl(daemon.url, "cancel", "nonsense").returncode == 2
+        bad = ctl(daemon.url, "cancel", "nonsense")
+        assert bad.returncode == 3 and "run ids look like run-42" in bad.stderr
 
         # a second run, cancelled while it trains
         second = ctl_json(daemon.url, "submit", str(EXAMPLE))["run_id"]

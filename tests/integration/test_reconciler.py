@@ -96,8 +96,8 @@ def world(tmp_path: Path):  # type: ignore[no-untyped-def]
     telemetry = TelemetryView()
     telemetry.link_up(clock())
     rec = Reconciler(store, launcher, telemetry, ReconcilerConfig(mqtt_url="mqtt://127.0.0.1:1"), clock)
-    service = SupervisorService(store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1", check_trainer=False,
-                                clock=clock)
+    service = SupervisorService(store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1", max_nodes=8,
+                                check_trainer=False, clock=clock)
     yield store, clock, launcher, telemetry, rec, service
     store.close()
 
@@ -172,7 +172,8 @@ def test_a_run_from_submit_through_a_fault_to_success(world, tmp_path: Path) -> 
 
     out = tmp_path / "runs" / "run-1" / "output"
     out.mkdir(parents=True)
-    (out / "result.json").write_text(json.dumps({"final_step": 10, "model_digest": "abc"}))
+    (out / "result.json").write_text(json.dumps({"final_step": 10, "model_digest": "abc", "run_id": "run-1",
+                                                 "attempt": 2}))
     info2 = json.dumps({"attempt": 2, "nodes": ["node-1", "node-3"], "rpn": 1})
     launcher.procs[info2] = {0: (ProcState.EXITED, 0), 1: (ProcState.EXITED, 0)}
     clock.t += 1
@@ -205,18 +206,78 @@ def test_restart_with_an_unrecorded_launch_adopts_instead_of_launching_again(wor
     assert "attempt.adopted" in kinds(store)
 
 
-def test_restart_with_a_launch_that_never_happened_aborts_it_and_launches_once(world) -> None:  # type: ignore[no-untyped-def]
+def test_restart_with_a_launch_that_never_happened_aborts_it_and_relaunches_from_the_checkpoint(
+        world, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     store, clock, launcher, telemetry, rec, service = world
     service.submit(parse_spec(SPEC))
     rec.tick()
     rec.tick()
+    make_checkpoint(tmp_path, 8)
     with store.tx() as tx:
         tx.update_attempt(1, 1, state=AttemptState.LAUNCHING, launch_info=None)
     fresh = Reconciler(store, launcher, telemetry, rec.config, clock)
     fresh.tick()
     a1, a2 = attempts(store)
     assert a1.outcome is AttemptOutcome.ABORTED and a2.state is AttemptState.RUNNING
+    assert a2.resume_step == 8, "an aborted launch must not throw the progress away"
     assert len(launcher.started) == 2
+
+
+def test_a_partly_started_world_is_killed_not_adopted(world) -> None:  # type: ignore[no-untyped-def]
+    store, clock, launcher, telemetry, rec, service = world
+    service.submit(parse_spec(SPEC))
+    rec.tick()
+    rec.tick()
+    [a1] = attempts(store)
+    half = json.dumps({"attempt": 1, "nodes": ["node-1"], "rpn": 1})  # 1 of the 2 ranks came up
+    launcher.procs[half] = {0: (ProcState.RUNNING, None)}
+    launcher.findable[launcher.started[0].marker] = half
+    with store.tx() as tx:
+        tx.update_attempt(1, 1, state=AttemptState.LAUNCHING, launch_info=None)
+    Reconciler(store, launcher, telemetry, rec.config, clock).tick()
+    assert (half, True) in launcher.stops
+    a1, a2 = attempts(store)
+    assert a1.outcome is AttemptOutcome.ABORTED and a2.state is AttemptState.RUNNING
+
+
+class FailingLauncher(ScriptedLauncher):
+    def start(self, spec: LaunchSpec) -> str:
+        raise OSError(28, "No space left on device")
+
+
+def test_an_os_error_at_launch_is_a_launch_fault_within_the_budget(tmp_path: Path) -> None:
+    store = SqlStore(tmp_path / "supervisor.db")
+    store.open()
+    clock = Clock()
+    rec = Reconciler(store, FailingLauncher(), TelemetryView(), ReconcilerConfig(mqtt_url=None), clock)
+    service = SupervisorService(store, tmp_path / "runs", mqtt_url=None, max_nodes=8, check_trainer=False,
+                                clock=clock)
+    service.submit(parse_spec({**SPEC, "policy": {"max_restarts": 2}}))
+    for _ in range(12):
+        rec.tick()
+    with store.tx() as tx:
+        run = tx.get_run(1)
+        faults = tx.list_faults(1)
+    assert run.state is RunState.FAILED and "restart budget exhausted" in run.reason
+    assert len(faults) == 3 and all("No space left" in f.summary for f in faults)
+    store.close()
+
+
+def test_a_result_from_another_run_is_no_success(world, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    store, clock, launcher, telemetry, rec, service = world
+    service.submit(parse_spec(SPEC))
+    rec.tick()
+    rec.tick()
+    [a1] = attempts(store)
+    out = tmp_path / "runs" / "run-1" / "output"
+    out.mkdir(parents=True)
+    (out / "result.json").write_text(json.dumps({"final_step": 10, "model_digest": "old", "run_id": "run-7",
+                                                 "attempt": 1}))
+    launcher.procs[a1.launch_info] = {0: (ProcState.EXITED, 0), 1: (ProcState.EXITED, 0)}
+    rec.tick()
+    with store.tx() as tx:
+        assert tx.get_run(1).state is RunState.RECOVERING
+        assert tx.list_faults(1)[0].kind.value == "no-result"
 
 
 def test_cancel_through_the_service_stops_gracefully(world) -> None:  # type: ignore[no-untyped-def]

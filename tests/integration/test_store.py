@@ -87,7 +87,7 @@ def test_events_enter_the_outbox_in_the_same_transaction(store: SqlStore, tmp_pa
         ids = [tx.add_event(number, "k", f"m{i}", {}, float(i)) for i in range(3)]
     with store.tx() as tx:
         assert [e.id for e in tx.unpublished_events()] == ids
-        tx.mark_published(ids[:2], 9.0)
+        tx.mark_published(ids[:2])
     with store.tx() as tx:
         assert [e.id for e in tx.unpublished_events()] == ids[2:]
         assert [e.id for e in tx.list_events(number, after_id=ids[0])] == ids[1:]
@@ -123,9 +123,8 @@ def test_checkpoint_rows_report_new_and_changed(store: SqlStore, tmp_path: Path)
         kw = {"path": "/c", "duration_s": None, "attempt": None, "now": 1.0}
         assert tx.record_checkpoint(number, step=20, complete=True, **kw) is True
         assert tx.record_checkpoint(number, step=20, complete=True, **kw) is False
-        assert tx.newest_recorded_checkpoint(number).step == 20  # type: ignore[union-attr]
         assert tx.record_checkpoint(number, step=20, complete=False, **kw) is True  # corrupted since
-        assert tx.newest_recorded_checkpoint(number) is None
+        assert [c.complete for c in tx.list_checkpoints(number)] == [False]
 
 
 def test_metrics_ignore_duplicates_and_store_nan_as_null(store: SqlStore, tmp_path: Path) -> None:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from supervisor.checkpoint_scan import newest_complete, scan
+from supervisor.checkpoint_scan import Verdict, pick, scan
+
+
+def newest(root: Path) -> Verdict | None:
+    return pick(root)[0]
 
 
 def make(root: Path, step: int, *, name: str | None = None, metadata: bool = True, meta_step: int | None = None,
@@ -23,14 +27,14 @@ def make(root: Path, step: int, *, name: str | None = None, metadata: bool = Tru
 def test_newest_complete_wins(tmp_path: Path) -> None:
     make(tmp_path, 20)
     make(tmp_path, 40)
-    assert newest_complete(tmp_path).step == 40  # type: ignore[union-attr]
+    assert newest(tmp_path).step == 40  # type: ignore[union-attr]
 
 
 def test_save_in_progress_is_never_complete(tmp_path: Path) -> None:
     make(tmp_path, 20)
     make(tmp_path, 40, name=".tmp-step_00000040")
     make(tmp_path, 60, metadata=False)
-    ref = newest_complete(tmp_path)
+    ref = newest(tmp_path)
     assert ref is not None and ref.step == 20
     [v60, v20] = scan(tmp_path)
     assert not v60.ok and "no .metadata" in v60.why and v20.ok
@@ -43,11 +47,12 @@ def test_newest_failing_verification_falls_back_to_the_previous(tmp_path: Path) 
     verdicts = scan(tmp_path)
     assert [(v.step, v.ok) for v in verdicts] == [(60, False), (40, False), (20, True)]
     assert "empty shard" in verdicts[1].why and "names step 59" in verdicts[0].why
-    assert newest_complete(tmp_path).step == 20  # type: ignore[union-attr]
+    best, rejected = pick(tmp_path)
+    assert best is not None and best.step == 20 and [v.step for v in rejected] == [60, 40]
 
 
 def test_missing_directory_and_foreign_files_are_ignored(tmp_path: Path) -> None:
-    assert newest_complete(tmp_path / "absent") is None
+    assert newest(tmp_path / "absent") is None
     (tmp_path / "notes.txt").write_text("hi")
     (tmp_path / "step_12").mkdir()  # not 8 digits: not this layout
     assert scan(tmp_path) == []

@@ -242,10 +242,18 @@ def test_sigabrt_of_a_whole_node_is_not_node_loss() -> None:
     assert not of(effects, DrainNode)
 
 
-def test_adopted_ranks_vanishing_without_report_is_node_lost() -> None:
-    ranks = [rank(0), rank(1), rank(2, ProcState.VANISHED, lost=True), rank(3, ProcState.VANISHED)]
+def test_adopted_ranks_whose_last_wills_arrived_together_are_node_lost() -> None:
+    ranks = [rank(0), rank(1), rank(2, ProcState.VANISHED, lost=True), rank(3, ProcState.VANISHED, lost=True)]
     effects = decide(view(run(), (attempt(),)), obs(*ranks), NOW)
     assert of(effects, RecordFault)[0].kind is FaultKind.NODE_LOST
+
+
+def test_ranks_that_ended_unobserved_while_the_daemon_was_down_drain_nothing() -> None:
+    ranks = [rank(i, ProcState.VANISHED) for i in range(4)]  # no exit report, no last will
+    effects = decide(view(run(), (attempt(),)), obs(*ranks), NOW)
+    assert of(effects, RecordFault)[0].kind is FaultKind.RANK_EXIT
+    assert not of(effects, DrainNode)
+    assert of(effects, SetRunState)[0].state is RunState.RECOVERING
 
 
 def test_adopted_rank_that_reported_a_clean_exit_is_not_dead() -> None:
@@ -342,11 +350,27 @@ def test_stopping_attempt_is_ended_once_every_process_is_gone_then_relaunched() 
     assert of(effects, StartAttempt)[0].resume_step == 40
 
 
-def test_stopping_attempt_with_live_processes_escalates_to_sigkill_after_the_grace() -> None:
-    live = attempt(state=AttemptState.STOPPING, stop_requested_at=NOW - 5)
-    assert decide(view(run(RunState.PAUSED), (live,)), obs(), NOW) == [EnsureStopped(number=1, force=False)]
+def test_an_operator_stop_escalates_from_sigterm_to_sigkill_after_the_grace() -> None:
+    live = attempt(state=AttemptState.STOPPING, stop_requested_at=NOW - 5, outcome=AttemptOutcome.STOPPED)
+    assert decide(view(run(RunState.PAUSED), (live,)), obs(), NOW) == []  # SIGTERM was sent; wait
     live = replace(live, stop_requested_at=NOW - 11)
     assert decide(view(run(RunState.PAUSED), (live,)), obs(), NOW) == [EnsureStopped(number=1, force=True)]
+
+
+def test_a_fault_stop_keeps_sending_sigkill_while_processes_live() -> None:
+    live = attempt(state=AttemptState.STOPPING, stop_requested_at=NOW - 1, outcome=AttemptOutcome.FAILED)
+    assert decide(view(run(RunState.RECOVERING), (live,)), obs(), NOW) == [EnsureStopped(number=1, force=True)]
+
+
+def test_processes_that_outlive_sigkill_are_abandoned_and_their_node_drained() -> None:
+    live = attempt(state=AttemptState.STOPPING, stop_requested_at=NOW - 131, outcome=AttemptOutcome.FAILED)
+    stuck = obs(rank(0, ProcState.EXITED, exit_code=-9), rank(1, ProcState.EXITED, exit_code=-9),
+                rank(2, ProcState.EXITED, exit_code=-9), rank(3, ProcState.UNKNOWN))
+    effects = decide(view(run(RunState.RECOVERING), (live,)), stuck, NOW)
+    assert [d.node for d in of(effects, DrainNode)] == ["n2"]
+    assert "survived SIGKILL" in of(effects, DrainNode)[0].reason
+    assert of(effects, EndAttempt)[0].outcome is AttemptOutcome.FAILED
+    assert of(effects, StartAttempt)[0].nodes == ("n1", "n3"), "the run goes on without the stuck node"
 
 
 # --- operator commands --------------------------------------------------------------

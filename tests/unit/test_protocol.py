@@ -68,6 +68,8 @@ def _payload(**changes: object) -> bytes:
         (_payload(extra=1), "unknown field(s) ['extra']"),
         (_payload(run="run/4/#"), "not a valid run id"),
         (_payload(run="x" * 65), "longer than 64"),
+        (_payload(step=2**63), "heartbeat.step: out of range"),
+        (b"[" * 100_000, "not JSON"),
     ],
 )
 def test_malformed_messages_are_rejected_with_a_reason(payload: bytes, complaint: str) -> None:

@@ -38,10 +38,20 @@ def test_only_rank_zero_metrics_and_checkpoints_are_queued_for_the_store() -> No
         feed(v, p.StepMetrics(**H, rank=rank, step=1, loss=2.0, grad_norm=1.0, lr=0.1, step_time_s=0.1,
                               tokens_per_s=1.0), 1.0)
     feed(v, p.CheckpointCommitted(**H, rank=0, step=20, path="/c", duration_s=0.1), 2.0)
-    items = v.take_durable()
+    items = v.peek_durable()
     assert [(type(i.msg).__name__, i.msg.rank, i.at) for i in items] == [
         ("StepMetrics", 0, 1.0), ("CheckpointCommitted", 0, 2.0)]
-    assert v.take_durable() == []
+    assert v.peek_durable() == items, "kept until the reconciler says they are stored"
+    v.drop_durable(1)
+    assert [type(i.msg).__name__ for i in v.peek_durable()] == ["CheckpointCommitted"]
+
+
+def test_a_message_after_the_last_will_means_the_rank_is_back() -> None:
+    v = TelemetryView()
+    feed(v, p.Lost(**H, rank=0), 1.0)
+    assert v.ranks("run-1", 1)[0].lost
+    feed(v, p.Heartbeat(**H, rank=0, step=1, phase=p.Phase.TRAIN), 2.0)
+    assert not v.ranks("run-1", 1)[0].lost
 
 
 def test_malformed_messages_are_counted_and_ignored() -> None:
