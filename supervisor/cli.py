@@ -26,7 +26,8 @@ from supervisor.chaos import ChaosAction, ChaosMonkey, parse_chaos
 from supervisor.daemon import Daemon, DaemonSettings
 from supervisor.domain import TERMINAL_RUN_STATES, CommandKind
 from supervisor.errors import SpecError, StateDirLocked, SupervisorError
-from supervisor.spec import load_spec, parse_mqtt_url
+from supervisor.spec import load_spec
+from trainer.protocol import parse_mqtt_url
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 

@@ -38,10 +38,10 @@ from supervisor.errors import StateDirLocked, StoreError, SupervisorError
 from supervisor.launchers.local import LocalLauncher
 from supervisor.reconciler import Reconciler, ReconcilerConfig
 from supervisor.service import SupervisorService
-from supervisor.spec import parse_mqtt_url
 from supervisor.store import SqlStore
 from supervisor.telemetry import MqttLink, TelemetryView
 from supervisor.views import DaemonHealth
+from trainer.protocol import parse_mqtt_url
 
 log = logging.getLogger(__name__)
 

@@ -29,12 +29,12 @@ import json
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from supervisor.domain import Policy
 from supervisor.errors import SpecError
+from trainer.protocol import parse_mqtt_url
 
 _Model = ConfigDict(extra="forbid", frozen=True)
 
@@ -103,18 +103,6 @@ class RunSpec(BaseModel):
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True)
-
-
-def parse_mqtt_url(url: str) -> tuple[str, int]:
-    """'mqtt://host:port' -> (host, port); raises ValueError with the reason."""
-    parts = urlsplit(url)
-    if parts.scheme != "mqtt" or not parts.hostname:
-        raise ValueError(f"expected mqtt://HOST:PORT, got {url!r}")
-    try:
-        port = parts.port or 1883
-    except ValueError as e:
-        raise ValueError(f"bad port in {url!r}") from e
-    return parts.hostname, port
 
 
 def parse_spec(data: dict[str, Any], source: str = "spec") -> RunSpec:

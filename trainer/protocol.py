@@ -33,6 +33,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from enum import Enum, StrEnum
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 VERSION = 1
 TOPIC_ROOT = "tsup/v1/telemetry"
@@ -140,6 +141,21 @@ _TYPES: dict[str, type[Any]] = {
     for cls in (Register, Heartbeat, StepMetrics, PhaseChange, CheckpointCommitted, Exit, Lost)
 }
 KINDS = frozenset(_TYPES)
+
+
+DEFAULT_PORT = 1883
+
+
+def parse_mqtt_url(url: str) -> tuple[str, int]:
+    """'mqtt://host:port' (port defaults to 1883) -> (host, port); ValueError naming the problem."""
+    parts = urlsplit(url)
+    if parts.scheme != "mqtt" or not parts.hostname:
+        raise ValueError(f"expected mqtt://HOST:PORT, got {url!r}")
+    try:
+        port = parts.port or DEFAULT_PORT
+    except ValueError:
+        raise ValueError(f"bad port in {url!r}") from None
+    return parts.hostname, port
 
 
 def topic_for(run: str, attempt: int, rank: int, kind: str) -> str:

@@ -35,7 +35,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
@@ -50,7 +49,6 @@ KEEPALIVE_S = 10  # the broker declares a silent connection dead after 1.5x this
 RECONNECT_MIN_DELAY_S = 1
 RECONNECT_MAX_DELAY_S = 8
 QUEUE_SIZE = 1024  # messages; at one StepMetrics per step this is minutes of outage
-_DEFAULT_PORT = 1883
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,15 +70,11 @@ class Broker:
 
 
 def parse_mqtt_url(url: str) -> Broker:
-    """``mqtt://host:port`` (or ``tcp://``) to a Broker; UsageError when malformed."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("mqtt", "tcp") or not parts.hostname:
-        raise UsageError(f"TSUP_MQTT_URL: expected mqtt://host:port, got {url!r}")
+    """``mqtt://host:port`` to a Broker; UsageError when malformed."""
     try:
-        port = parts.port or _DEFAULT_PORT
-    except ValueError:
-        raise UsageError(f"TSUP_MQTT_URL: bad port in {url!r}") from None
-    return Broker(parts.hostname, port)
+        return Broker(*protocol.parse_mqtt_url(url))
+    except ValueError as e:
+        raise UsageError(f"TSUP_MQTT_URL: {e}") from None
 
 
 def settings_from_env(environ: Mapping[str, str], *, rank: int, local_rank: int,

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from supervisor.errors import SpecError
-from supervisor.spec import load_spec, parse_mqtt_url, parse_spec
+from supervisor.spec import load_spec, parse_spec
 from tests.conftest import REPO
+from trainer.protocol import parse_mqtt_url
 
 GOOD = {"name": "t", "trainer": {"steps": 10}}
 
