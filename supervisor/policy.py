@@ -332,8 +332,11 @@ def _attribute(
 
     first = [r for r in dead if _vanished_abruptly(r) or (_exit_code(r) or 0) < 0]
     if first:  # of those killed, the ones seen dead first
-        t0 = min(r.dead_since if r.dead_since is not None else math.inf for r in first)
-        first = [r for r in first if (r.dead_since if r.dead_since is not None else math.inf) == t0]
+        def seen(r: RankObs) -> float:
+            return r.dead_since if r.dead_since is not None else math.inf
+
+        t0 = min(seen(r) for r in first)
+        first = [r for r in first if seen(r) == t0]
     else:
         reported = [r for r in dead if r.reported_exit_at is not None]
         if reported:

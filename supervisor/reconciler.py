@@ -211,9 +211,10 @@ class Reconciler:
         items = self.telemetry.peek_durable()
         if not items:
             return
+        with self.store.tx() as tx:
+            numbers = {r.run_id: r.number for r in tx.list_runs()}
         try:
             with self.store.tx() as tx:
-                numbers = {r.run_id: r.number for r in tx.list_runs()}
                 for item in items:
                     self._persist_one(tx, numbers, item)
         except Exception:
@@ -224,7 +225,7 @@ class Reconciler:
             for item in items:
                 try:
                     with self.store.tx() as tx:
-                        self._persist_one(tx, {r.run_id: r.number for r in tx.list_runs()}, item)
+                        self._persist_one(tx, numbers, item)
                 except Exception:
                     failed += 1
             if failed == len(items):
