@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="inject a fault: kill-rank@STEP or kill-node@STEP (repeatable)")
     run.add_argument("--json", action="store_true", help="print one JSON summary object on stdout")
     run.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    run.add_argument("--launcher", choices=("local", "slurm"), default=None,
+                     help="where the ranks run (default: the spec's resources.launcher); slurm uses the "
+                          "cluster SLURM_CONF names")
     run.add_argument("--api-port", type=int, default=0,
                      help="serve the API on 127.0.0.1:PORT while running (0: any free port, -1: none)")
 
@@ -84,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--mqtt-url", default=None,
                        help="an external MQTT broker, mqtt://HOST:PORT (default: an embedded one)")
     serve.add_argument("--no-api", action="store_true", help="do not serve the API")
+    serve.add_argument("--launcher", choices=("local", "slurm"), default="local",
+                       help="where runs go: simulated local nodes, or the Slurm cluster SLURM_CONF names")
     return parser
 
 
@@ -106,7 +111,7 @@ async def _serve(args: argparse.Namespace) -> int:
     host, port = _parse_bind(args.api_bind)
     settings = DaemonSettings(
         state_dir=args.state_dir or default_state_dir(), mqtt_url=args.mqtt_url, api_host=host,
-        api_port=None if args.no_api else port,
+        api_port=None if args.no_api else port, launcher=args.launcher,
     )
     stop = asyncio.Event()
     _on_signals(stop.set, stop.set)
@@ -123,12 +128,16 @@ async def _serve(args: argparse.Namespace) -> int:
 
 async def _run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
+    if args.launcher is not None and args.launcher != spec.resources.launcher:
+        resources = spec.resources.model_copy(update={"launcher": args.launcher})
+        spec = spec.model_copy(update={"resources": resources})
     chaos = [parse_chaos(c) for c in args.chaos]
     state_dir: Path = args.state_dir or default_state_dir()
     trainer_cmd.check_trainer_config(spec, state_dir / "runs" / "run-check")
     settings = DaemonSettings(
         state_dir=state_dir, mqtt_url=spec.telemetry.mqtt_url,
         api_port=None if args.api_port < 0 else args.api_port, check_trainer_config=False,
+        launcher=spec.resources.launcher,
     )
     async with Daemon(settings) as daemon:
         assert daemon.service is not None and daemon.reconciler is not None

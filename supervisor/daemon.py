@@ -27,7 +27,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 import uvicorn
 from sqlalchemy.exc import SQLAlchemyError
@@ -35,9 +35,12 @@ from sqlalchemy.exc import SQLAlchemyError
 from supervisor.broker import EmbeddedBroker
 from supervisor.domain import LIVE_ATTEMPT_STATES
 from supervisor.errors import StateDirLocked, StoreError, SupervisorError
+from supervisor.launchers.base import Launcher
 from supervisor.launchers.local import LocalLauncher
+from supervisor.launchers.slurm import SlurmLauncher
 from supervisor.reconciler import Reconciler, ReconcilerConfig
 from supervisor.service import SupervisorService
+from supervisor.slurm.commands import SlurmCommands
 from supervisor.store import SqlStore
 from supervisor.telemetry import MqttLink, TelemetryView
 from supervisor.views import DaemonHealth
@@ -61,6 +64,14 @@ class DaemonSettings:
     tick_s: float = 0.25
     max_local_nodes: int = 64
     check_trainer_config: bool = True
+    launcher: Literal["local", "slurm"] = "local"
+    slurm_conf: str | None = None  # None: SLURM_CONF from the environment, or Slurm's default
+
+
+def _make_launcher(settings: DaemonSettings) -> Launcher:
+    if settings.launcher == "slurm":
+        return SlurmLauncher(SlurmCommands(slurm_conf=settings.slurm_conf), state_dir=settings.state_dir)
+    return LocalLauncher(max_nodes=settings.max_local_nodes)
 
 
 class Daemon:
@@ -68,7 +79,7 @@ class Daemon:
         self.settings = settings
         self.clock = clock
         self.store = SqlStore(settings.state_dir / "supervisor.db")
-        self.launcher = LocalLauncher(max_nodes=settings.max_local_nodes)
+        self.launcher = _make_launcher(settings)
         self.telemetry = TelemetryView()
         self.broker = EmbeddedBroker(settings.state_dir) if settings.mqtt_url is None else None
         self.api_url: str | None = None
@@ -98,7 +109,7 @@ class Daemon:
                                          ReconcilerConfig(mqtt_url=self.mqtt_url), self.clock)
             self.service = SupervisorService(
                 self.store, self.settings.state_dir / "runs", mqtt_url=self.mqtt_url,
-                max_nodes=self.settings.max_local_nodes, check_trainer=self.settings.check_trainer_config,
+                launcher=self.launcher, check_trainer=self.settings.check_trainer_config,
                 clock=self.clock, health=self.health,
             )
             if self.settings.api_port is not None:

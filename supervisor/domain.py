@@ -112,6 +112,7 @@ class Run:
     # Failed attempts numbered at or below this do not count against the restart
     # budget: an operator's `resume` starts the budget afresh.
     budget_from_attempt: int = 0
+    allocation_info: str | None = None  # the launcher's handle on the nodes held
 
     @property
     def run_id(self) -> str:

@@ -103,7 +103,8 @@ def decide(view: RunView, obs: AttemptObs | None, now: float) -> list[Effect]:
         drained_now = {e.node for e in out if isinstance(e, DrainNode)}
         state = _launch(view, state, drained_now, out)
 
-    holds_nodes = any(n.state is NodeState.ALLOCATED for n in view.allocation)
+    holds_nodes = (any(n.state is NodeState.ALLOCATED for n in view.allocation)
+                   or view.run.allocation_info is not None)  # a queued allocation holds no node yet
     if live is None and state in TERMINAL_RUN_STATES and holds_nodes:
         out.append(ReleaseNodes())
     return out
@@ -362,13 +363,15 @@ def _exit_code(r: RankObs) -> int | None:
 
 def _is_dead(r: RankObs) -> bool:
     """Died unsuccessfully. A clean exit 0 is not a death; UNKNOWN is never a death
-    unless the rank's last will says its connection broke."""
+    unless the rank's last will says its connection broke or it reported a failed exit."""
     if r.proc is ProcState.EXITED:
         return r.exit_code != 0
     if r.proc is ProcState.VANISHED:
         return r.reported_exit_code != 0
     if r.proc is ProcState.UNKNOWN:
-        return r.lost
+        # The launcher cannot see the process (a Slurm step's ranks): the rank's own
+        # exit report, or its last will, is the evidence.
+        return r.lost or (r.reported_exit_code is not None and r.reported_exit_code != 0)
     return False
 
 
@@ -457,9 +460,16 @@ def _launch(view: RunView, state: RunState, drained_now: set[str], out: list[Eff
 def _all_gone(obs: AttemptObs | None) -> bool:
     if obs is None:
         return False
-    return obs.never_started or all(
-        r.proc in (ProcState.EXITED, ProcState.VANISHED) for r in obs.ranks
-    )
+    return obs.never_started or all(_gone(r) for r in obs.ranks)
+
+
+def _gone(r: RankObs) -> bool:
+    """The rank's process has ended. When the launcher cannot see it (UNKNOWN: a Slurm
+    step's rank, whose step may linger in Slurm until a dead node is declared down,
+    SlurmdTimeout later), its own exit report or its last will says so."""
+    if r.proc in (ProcState.EXITED, ProcState.VANISHED):
+        return True
+    return r.proc is ProcState.UNKNOWN and (r.lost or r.reported_exit_code is not None)
 
 
 def _stop(live: Attempt, outcome: AttemptOutcome, reason: str, *, force: bool) -> StopAttempt:

@@ -59,7 +59,7 @@ from supervisor.domain import (
     StopAttempt,
 )
 from supervisor.errors import LaunchError
-from supervisor.launchers.base import Launcher, LaunchSpec
+from supervisor.launchers.base import AllocationRequest, Grant, Launcher, LaunchSpec
 from supervisor.policy import decide
 from supervisor.spec import RunSpec, spec_from_json
 from supervisor.store import SqlStore, Tx
@@ -124,6 +124,8 @@ class Reconciler:
         return self._specs[number]
 
     def _reconcile(self, run: Run, commands: list[Command], now: float) -> None:
+        if run.allocation_info is not None:
+            self._sync_allocation(run, now)
         with self.store.tx() as tx:
             attempts = tuple(tx.list_attempts(run.number))
             spec, run_dir = self._spec(tx, run.number)
@@ -310,7 +312,7 @@ class Reconciler:
                 tx.put_node(Node(name=e.node, state=NodeState.DRAINED, reason=e.reason, run_number=n), now)
                 tx.add_event(n, "node.drained", f"node {e.node} drained: {e.reason}", {"node": e.node}, now)
             case ReleaseNodes():
-                for node in view.allocation:
+                for node in view.allocation:  # a drained node keeps the run that drained it
                     if node.state is NodeState.ALLOCATED:
                         tx.put_node(Node(name=node.name, state=NodeState.IDLE), now)
             case CommandHandled():
@@ -322,7 +324,11 @@ class Reconciler:
     def _act(self, run: Run, spec: RunSpec, run_dir: Path, view: RunView, e: Effect, now: float) -> None:
         match e:
             case AllocateNodes():
-                self._allocate(run.number, e.count, now)
+                self._allocate(run, spec, e.count, now)
+            case ReleaseNodes():
+                self.launcher.release(run.run_id, run.allocation_info)
+                with self.store.tx() as tx:
+                    tx.update_run(run.number, allocation_info=None)
             case StartAttempt():
                 self._start(run, spec, run_dir, e, now)
             case StopAttempt() | EnsureStopped():
@@ -330,7 +336,11 @@ class Reconciler:
                 if attempt is not None and attempt.launch_info:
                     self.launcher.stop(attempt.launch_info, force=e.force)
             case DrainNode():
-                self.launcher.drain(e.node, e.reason)
+                try:
+                    self.launcher.drain(e.node, e.reason)
+                except LaunchError as err:
+                    log.error("%s: %s", run.run_id, err)
+                    self.post_event(run.number, "node.drain_failed", str(err), {"node": e.node})
             case EndAttempt():
                 attempt = next((a for a in view.attempts if a.number == e.number), None)
                 if attempt is not None and attempt.launch_info:
@@ -341,22 +351,66 @@ class Reconciler:
             case _:
                 pass
 
-    def _allocate(self, n: int, count: int, now: float) -> None:
+    def _allocate(self, run: Run, spec: RunSpec, missing: int, now: float) -> None:
         with self.store.tx() as tx:
             nodes = tx.list_nodes()
-            idle = [x.name for x in nodes if x.state is NodeState.IDLE]
-            names = self.launcher.allocate(count, idle, {x.name for x in nodes})
-            for name in names:
+            current = tx.get_run(run.number)
+        held = tuple(x.name for x in nodes if x.run_number == run.number and x.state is NodeState.ALLOCATED)
+        count = len(held) + missing
+        req = AllocationRequest(
+            run_id=run.run_id, count=count, minimum=run.nodes, held=held,
+            drained=frozenset(x.name for x in nodes if x.state is NodeState.DRAINED),
+            idle=tuple(x.name for x in nodes if x.state is NodeState.IDLE),
+            known=frozenset(x.name for x in nodes), info=current.allocation_info,
+            partition=spec.resources.partition, time_limit_min=spec.resources.time_limit_min,
+        )
+        grant = self.launcher.allocate(req)
+        with self.store.tx() as tx:
+            self._take_grant(tx, run.number, grant, now)
+            got = len([x for x in tx.allocation(run.number) if x.state is NodeState.ALLOCATED])
+            short = (count, got) if got < count else None
+            if short is not None and self._short.get(run.number) != short:  # say it once, not every tick
+                why = f" ({grant.note})" if grant.note else ""
+                tx.add_event(run.number, "nodes.short",
+                             f"asked for {count} nodes, holding {got}; waiting{why}",
+                             {"asked": count, "got": got, "note": grant.note}, now)
+            self._short[run.number] = short
+
+    def _sync_allocation(self, run: Run, now: float) -> None:
+        """Follow what the cluster says the run holds: an allocation can shrink or end."""
+        grant = self.launcher.held(run.run_id, run.allocation_info)
+        if grant is None:
+            return
+        with self.store.tx() as tx:
+            self._take_grant(tx, run.number, grant, now)
+
+    def _take_grant(self, tx: Tx, n: int, grant: Grant, now: float) -> None:
+        """Make the store's node records say what ``grant`` says the run holds."""
+        if grant.info != tx.get_run(n).allocation_info:
+            tx.update_run(n, allocation_info=grant.info)
+        known = {x.name: x for x in tx.list_nodes()}
+        added = []
+        for name in grant.nodes:
+            node = known.get(name)
+            if node is not None and node.state is NodeState.DRAINED:
+                continue  # ours, but out of service: it stays drained
+            if node is None or node.run_number != n or node.state is not NodeState.ALLOCATED:
                 tx.put_node(Node(name=name, state=NodeState.ALLOCATED, run_number=n), now)
-            if names:
-                tx.add_event(n, "nodes.allocated", f"allocated {', '.join(names)}", {"nodes": names}, now)
-            short = (count, len(names)) if len(names) < count else None
-            if short is not None and self._short.get(n) != short:  # say it once, not every tick
-                tx.add_event(n, "nodes.short", f"asked for {count} nodes, got {len(names)}; waiting",
-                             {"asked": count, "got": len(names)}, now)
-            self._short[n] = short
+                added.append(name)
+        if added:
+            tx.add_event(n, "nodes.allocated", f"allocated {', '.join(added)}", {"nodes": added}, now)
+        # Held no more (a drained node keeps the run that drained it, as a record).
+        gone = [x for x in known.values() if x.run_number == n and x.name not in grant.nodes
+                and x.state is NodeState.ALLOCATED]
+        for node in gone:
+            tx.put_node(Node(name=node.name, state=NodeState.IDLE), now)
+        lost = [x.name for x in gone]
+        if lost:
+            tx.add_event(n, "nodes.released", f"no longer held: {', '.join(lost)}", {"nodes": lost}, now)
 
     def _launch_spec(self, run: Run, spec: RunSpec, run_dir: Path, a: Attempt) -> LaunchSpec:
+        with self.store.tx() as tx:  # this tick may have changed it (an allocation granted)
+            allocation_info = tx.get_run(run.number).allocation_info
         config_path = trainer_cmd.attempt_dir(run_dir, a.number) / "trainer.json"
         env = {"TSUP_RUN_ID": run.run_id, "TSUP_ATTEMPT": str(a.number)}
         if self.config.mqtt_url:
@@ -365,6 +419,7 @@ class Reconciler:
             run_id=run.run_id, attempt=a.number, nodes=a.nodes, ranks_per_node=run.ranks_per_node,
             argv=trainer_cmd.trainer_argv(config_path, a.resume_from), env=env,
             log_dir=trainer_cmd.attempt_dir(run_dir, a.number), marker=str(config_path),
+            allocation_info=allocation_info,
         )
 
     def _start(self, run: Run, spec: RunSpec, run_dir: Path, e: StartAttempt, now: float) -> None:

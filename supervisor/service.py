@@ -14,6 +14,7 @@ from pathlib import Path
 from supervisor import goodput, trainer_cmd
 from supervisor.domain import CommandKind, NodeState, parse_run_id
 from supervisor.errors import NotFound, SpecError
+from supervisor.launchers.base import Launcher
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore
 from supervisor.views import (
@@ -35,14 +36,14 @@ from supervisor.views import (
 
 class SupervisorService:
     def __init__(
-        self, store: SqlStore, runs_dir: Path, *, mqtt_url: str | None, max_nodes: int,
+        self, store: SqlStore, runs_dir: Path, *, mqtt_url: str | None, launcher: Launcher,
         check_trainer: bool = True, clock: Callable[[], float] = time.time,
         health: Callable[[], DaemonHealth] | None = None,
     ) -> None:
         self.store = store
         self.runs_dir = runs_dir
         self.mqtt_url = mqtt_url
-        self.max_nodes = max_nodes
+        self.launcher = launcher  # for submit-time checks of what the cluster can give
         self.check_trainer = check_trainer
         self.clock = clock
         self._health = health
@@ -53,12 +54,11 @@ class SupervisorService:
         return self._health()
 
     def submit(self, spec: RunSpec) -> RunSummary:
-        wanted = spec.resources.nodes + spec.resources.spares
-        if wanted > self.max_nodes:
-            raise SpecError(
-                f"resources: {spec.resources.nodes} nodes + {spec.resources.spares} spares exceed the "
-                f"{self.max_nodes} nodes this launcher can provide"
-            )
+        res = spec.resources
+        if res.launcher != self.launcher.kind:
+            raise SpecError(f"resources.launcher: this daemon launches on {self.launcher.kind!r}, "
+                            f"not {res.launcher!r}")
+        self.launcher.check_resources(res.nodes, res.spares, res.partition)
         if spec.telemetry.mqtt_url and spec.telemetry.mqtt_url != self.mqtt_url:
             raise SpecError(
                 f"telemetry.mqtt_url: this daemon's trainers publish to {self.mqtt_url or 'nothing'}, "

@@ -3,7 +3,7 @@
     name = "tiny-llama"
 
     [resources]            # what one attempt trains on, plus hot spares
-    launcher = "local"
+    launcher = "local"     # or "slurm": the cluster SLURM_CONF names (partition, time_limit_min)
     nodes = 2
     ranks_per_node = 2
     spares = 1
@@ -41,10 +41,14 @@ _Model = ConfigDict(extra="forbid", frozen=True)
 
 class ResourcesSpec(BaseModel):
     model_config = _Model
-    launcher: Literal["local"] = "local"
+    launcher: Literal["local", "slurm"] = "local"
     nodes: Annotated[int, Field(gt=0, le=4096)] = 1
     ranks_per_node: Annotated[int, Field(gt=0, le=64)] = 1
     spares: Annotated[int, Field(ge=0, le=1024)] = 0
+    # Slurm only: where the allocation goes, and its time limit (before it, the trainer
+    # gets SIGUSR1 and saves a checkpoint; after it, the run gets a new allocation).
+    partition: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")] | None = None
+    time_limit_min: Annotated[int, Field(gt=0, le=525_600)] | None = None
 
 
 _DAY_S = 86_400.0

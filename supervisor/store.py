@@ -218,7 +218,7 @@ class Tx:
         held = select(t.nodes.c.run_number).where(t.nodes.c.state == NodeState.ALLOCATED.value)
         q = select(t.runs.c.number).where(
             t.runs.c.state.in_([s.value for s in TERMINAL_RUN_STATES]),
-            or_(t.runs.c.number.in_(live), t.runs.c.number.in_(held)),
+            or_(t.runs.c.number.in_(live), t.runs.c.number.in_(held), t.runs.c.allocation_info.is_not(None)),
         )
         return {int(n) for n in self.c.execute(q).scalars()}
 
@@ -459,7 +459,7 @@ def _run(r: Row[Any]) -> Run:
         ranks_per_node=r.ranks_per_node, spares=r.spares, total_steps=r.total_steps,
         policy=Policy(**json.loads(r.policy)), created_at=r.created_at, started_at=r.started_at,
         ended_at=r.ended_at, final_step=r.final_step, model_digest=r.model_digest,
-        budget_from_attempt=r.budget_from_attempt,
+        budget_from_attempt=r.budget_from_attempt, allocation_info=r.allocation_info,
     )
 
 

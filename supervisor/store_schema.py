@@ -49,6 +49,9 @@ runs = Table(
     Column("final_step", Integer),
     Column("model_digest", String(128)),
     Column("budget_from_attempt", Integer, nullable=False, default=0),
+    # The launcher's handle on the nodes the run holds (a Slurm allocation's job id),
+    # opaque here; see supervisor/launchers/base.py.
+    Column("allocation_info", Text),
 )
 
 attempts = Table(
@@ -162,5 +165,13 @@ def _v1(conn: Connection) -> None:
     metadata.create_all(conn)
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1]
+def _v2(conn: Connection) -> None:
+    """runs.allocation_info (the Slurm launcher). ``_v1`` creates tables from the
+    current metadata, so a database made today already has the column."""
+    have = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(runs)")}
+    if "allocation_info" not in have:
+        conn.exec_driver_sql("ALTER TABLE runs ADD COLUMN allocation_info TEXT")
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -12,10 +12,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -112,3 +114,34 @@ def mosquitto_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Brok
         yield broker
     finally:
         stop_by_pid(proc)
+
+
+# --- Slurm ---------------------------------------------------------------------------
+
+
+def slurm_installed() -> bool:
+    return all(os.path.exists(f"/usr/sbin/{b}") for b in ("munged", "slurmctld", "slurmd")) and bool(
+        shutil.which("sinfo") and shutil.which("srun"))
+
+
+@pytest.fixture
+def slurm_box() -> Iterator[Any]:
+    """A real Slurm cluster of three nodes on this host (scripts/slurm-box), stopped by pid.
+
+    A fresh box per test: tests kill nodes and drain them. Its directory is short (unix
+    socket paths are limited to 108 bytes) and removed afterwards.
+    """
+    require("Slurm (slurmctld, slurmd, munge, slurm-client)", slurm_installed())
+    from supervisor.slurm import box as slurm_box_mod
+
+    directory = Path(tempfile.mkdtemp(prefix="tsup-box-"))
+    try:
+        box = slurm_box_mod.up(directory, 3)
+    except BaseException:
+        slurm_box_mod.down(directory)
+        raise
+    try:
+        yield box
+    finally:
+        slurm_box_mod.down(directory)
+        shutil.rmtree(directory, ignore_errors=True)

@@ -6,11 +6,18 @@ failed observation as a dead process (it reports ProcState.UNKNOWN instead).
 
 ``launch_info`` is the launcher's own handle for a started attempt, serialized as a
 string so that the store can keep it and a restarted daemon can re-adopt the attempt.
+``allocation_info`` is the same for the nodes a run holds (a Slurm allocation's job id;
+nothing for local nodes, whose only record is the store's).
+
+Node allocation is level-triggered: ``allocate`` is called on every tick on which the
+run holds too few healthy nodes and must not ask the cluster twice for the same
+nodes; ``held`` tells each tick what the run holds now (an allocation can shrink
+or end under us: a node failure, a time limit, preemption).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -31,6 +38,7 @@ class LaunchSpec:
     # process (the attempt's config path): how a restarted daemon finds processes it
     # launched but had not yet recorded.
     marker: str
+    allocation_info: str | None = None  # the run's, when the launcher keeps one (Slurm)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,9 +49,45 @@ class RankProc:
     exit_code: int | None = None  # negative: killed by that signal
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllocationRequest:
+    run_id: str
+    count: int  # nodes wanted in all: one attempt's plus the spares
+    minimum: int  # one attempt's nodes: fewer cannot train
+    held: tuple[str, ...]  # healthy nodes the run holds now
+    drained: frozenset[str]  # never hand these out
+    idle: tuple[str, ...]  # nodes the store knows as free (the local launcher's pool)
+    known: frozenset[str]  # every node the store knows
+    info: str | None  # the run's allocation_info from last time
+    partition: str | None = None  # from the spec (Slurm)
+    time_limit_min: int | None = None  # from the spec (Slurm): the allocation's time limit
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Grant:
+    nodes: tuple[str, ...]  # every node the run holds after the call (drained ones included)
+    info: str | None  # the new allocation_info
+    note: str = ""  # why fewer nodes than asked, for the event log ("job 12 pending: Resources")
+
+
 class Launcher(Protocol):
-    def allocate(self, count: int, idle: Sequence[str], known: set[str]) -> list[str]:
-        """Nodes for a run: idle ones first, then new ones; may return fewer than asked."""
+    kind: str  # "local", "slurm": what a spec's resources.launcher names
+
+    def check_resources(self, nodes: int, spares: int, partition: str | None) -> None:
+        """At submit time: raise SpecError when the cluster can never give this."""
+        ...
+
+    def allocate(self, req: AllocationRequest) -> Grant:
+        """Get the run up to ``req.count`` healthy nodes; may hold fewer for now."""
+        ...
+
+    def held(self, run_id: str, info: str | None) -> Grant | None:
+        """What the run holds now; None when the launcher cannot tell or keeps no record
+        of its own (the store's record stands)."""
+        ...
+
+    def release(self, run_id: str, info: str | None) -> None:
+        """The run is over: give its nodes back to the cluster. Idempotent."""
         ...
 
     def start(self, spec: LaunchSpec) -> str:

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 import psutil
 
 from supervisor.domain import ProcState
-from supervisor.errors import LaunchError
-from supervisor.launchers.base import LaunchSpec, RankProc
+from supervisor.errors import LaunchError, SpecError
+from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
 
 # psutil's create_time is a float rounded differently across calls on some kernels;
 # two readings of one process agree to well within this.
@@ -45,6 +45,8 @@ class _Rank:
 
 
 class LocalLauncher:
+    kind = "local"
+
     def __init__(self, *, max_nodes: int = 64, node_prefix: str = "local") -> None:
         self.max_nodes = max_nodes
         self.node_prefix = node_prefix
@@ -52,16 +54,33 @@ class LocalLauncher:
 
     # --- nodes ----------------------------------------------------------------------
 
-    def allocate(self, count: int, idle: Sequence[str], known: set[str]) -> list[str]:
-        names = list(idle[:count])
+    def check_resources(self, nodes: int, spares: int, partition: str | None) -> None:
+        if partition is not None:
+            raise SpecError("resources.partition: the local launcher has no partitions")
+        if nodes + spares > self.max_nodes:
+            raise SpecError(f"resources: {nodes} nodes + {spares} spares exceed the {self.max_nodes} nodes "
+                            "this launcher can provide")
+
+    def allocate(self, req: AllocationRequest) -> Grant:
+        """Idle nodes first, then new ones, up to ``max_nodes`` in all."""
+        count = req.count - len(req.held)
+        names = list(req.idle[:count])
         created, k = 0, 0
-        while len(names) < count and len(known) + created < self.max_nodes:
+        while len(names) < count and len(req.known) + created < self.max_nodes:
             k += 1
             name = f"{self.node_prefix}-{k}"
-            if name not in known:
+            if name not in req.known:
                 names.append(name)
                 created += 1
-        return names
+        short = len(names) < count
+        return Grant(nodes=req.held + tuple(names), info=None,
+                     note=f"at most {self.max_nodes} local nodes" if short else "")
+
+    def held(self, run_id: str, info: str | None) -> Grant | None:
+        return None  # the store's record is the whole truth for simulated nodes
+
+    def release(self, run_id: str, info: str | None) -> None:
+        """Nothing to give back: the store marks the nodes idle."""
 
     def drain(self, node: str, reason: str) -> None:
         """Local nodes are simulated: the store's record is the whole drain."""

@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from supervisor.launchers.local import LocalLauncher
 from supervisor.service import SupervisorService
 from supervisor.store import SqlStore
 from supervisor.views import DaemonHealth
@@ -22,7 +23,7 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
     store.open()
     health = {"ok": True}
     service = SupervisorService(
-        store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1", max_nodes=4, check_trainer=False,
+        store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1", launcher=LocalLauncher(max_nodes=4), check_trainer=False,
         health=lambda: DaemonHealth(ok=health["ok"], last_tick_age_s=0.1, mqtt_connected=True))
     with TestClient(create_app(service)) as c:
         c.health = health  # type: ignore[attr-defined]

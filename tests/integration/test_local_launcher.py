@@ -13,7 +13,7 @@ import pytest
 
 from supervisor.domain import ProcState
 from supervisor.errors import LaunchError
-from supervisor.launchers.base import LaunchSpec
+from supervisor.launchers.base import AllocationRequest, LaunchSpec
 from supervisor.launchers.local import LocalLauncher
 from tests.conftest import wait_for
 
@@ -136,5 +136,15 @@ def test_a_missing_program_is_a_launch_error(launcher: LocalLauncher, tmp_path: 
 
 def test_allocation_reuses_idle_nodes_then_names_new_ones_up_to_the_cap() -> None:
     launcher = LocalLauncher(max_nodes=4)
-    assert launcher.allocate(3, ["local-2"], {"local-1", "local-2"}) == ["local-2", "local-3", "local-4"]
-    assert launcher.allocate(3, [], {"local-1", "local-2", "local-3"}) == ["local-4"]
+
+    def ask(count: int, held: tuple[str, ...], idle: tuple[str, ...], known: set[str]) -> tuple[str, ...]:
+        return launcher.allocate(AllocationRequest(run_id="run-1", count=count, minimum=1, held=held,
+                                                   drained=frozenset(), idle=idle, known=frozenset(known),
+                                                   info=None)).nodes
+
+    assert ask(3, (), ("local-2",), {"local-1", "local-2"}) == ("local-2", "local-3", "local-4")
+    assert ask(4, ("local-1", "local-2", "local-3"), (), {"local-1", "local-2", "local-3"}) == (
+        "local-1", "local-2", "local-3", "local-4")
+    short = launcher.allocate(AllocationRequest(run_id="run-1", count=3, minimum=1, held=(), drained=frozenset(),
+                                                idle=(), known=frozenset({"a", "b", "c"}), info=None))
+    assert short.nodes == ("local-1",) and "at most 4 local nodes" in short.note

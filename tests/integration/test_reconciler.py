@@ -8,13 +8,13 @@ attempt nor launches a second copy of one.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from supervisor.domain import AttemptOutcome, AttemptState, CommandKind, NodeState, ProcState, RunState
-from supervisor.launchers.base import LaunchSpec, RankProc
+from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
+from supervisor.launchers.local import LocalLauncher
 from supervisor.reconciler import Reconciler, ReconcilerConfig
 from supervisor.service import SupervisorService
 from supervisor.spec import parse_spec
@@ -32,13 +32,24 @@ class ScriptedLauncher:
         self.stops: list[tuple[str, bool]] = []
         self.findable: dict[str, str] = {}  # marker -> launch_info
 
-    def allocate(self, count: int, idle: Sequence[str], known: set[str]) -> list[str]:
-        names = list(idle[:count])
-        k = len(known)
-        while len(names) < count:
+    kind = "local"
+
+    def check_resources(self, nodes: int, spares: int, partition: str | None) -> None:
+        LocalLauncher(max_nodes=8).check_resources(nodes, spares, partition)
+
+    def allocate(self, req: AllocationRequest) -> Grant:
+        names = list(req.idle[: req.count - len(req.held)])
+        k = len(req.known)
+        while len(req.held) + len(names) < req.count:
             k += 1
             names.append(f"node-{k}")
-        return names
+        return Grant(nodes=req.held + tuple(names), info=None)
+
+    def held(self, run_id: str, info: str | None) -> Grant | None:
+        return None
+
+    def release(self, run_id: str, info: str | None) -> None:
+        pass
 
     def start(self, spec: LaunchSpec) -> str:
         self.started.append(spec)
@@ -96,7 +107,8 @@ def world(tmp_path: Path):  # type: ignore[no-untyped-def]
     telemetry = TelemetryView()
     telemetry.link_up(clock())
     rec = Reconciler(store, launcher, telemetry, ReconcilerConfig(mqtt_url="mqtt://127.0.0.1:1"), clock)
-    service = SupervisorService(store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1", max_nodes=8,
+    service = SupervisorService(store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1",
+                                launcher=LocalLauncher(max_nodes=8),
                                 check_trainer=False, clock=clock)
     yield store, clock, launcher, telemetry, rec, service
     store.close()
@@ -250,7 +262,7 @@ def test_an_os_error_at_launch_is_a_launch_fault_within_the_budget(tmp_path: Pat
     store.open()
     clock = Clock()
     rec = Reconciler(store, FailingLauncher(), TelemetryView(), ReconcilerConfig(mqtt_url=None), clock)
-    service = SupervisorService(store, tmp_path / "runs", mqtt_url=None, max_nodes=8, check_trainer=False,
+    service = SupervisorService(store, tmp_path / "runs", mqtt_url=None, launcher=LocalLauncher(max_nodes=8), check_trainer=False,
                                 clock=clock)
     service.submit(parse_spec({**SPEC, "policy": {"max_restarts": 2}}))
     for _ in range(12):

@@ -1,0 +1,484 @@
+"""The Slurm launcher: one allocation per run, the trainer as a job step inside it.
+
+How a run maps onto Slurm (builders in supervisor/slurm/requests.py):
+
+- ``allocate``: one batch job of N+S whole nodes (``--nodes=N-(N+S)``: it starts as
+  soon as N are free) whose script only sleeps. Its name, ``<prefix>.<run>.<k>``, is
+  derived from what the store already holds, so a daemon killed between ``sbatch`` and
+  recording the job id finds the job by name and never submits a second one.
+- ``start``: ``srun --jobid=<allocation>`` on the attempt's nodes, as a step named
+  ``<prefix>.<run>.a<attempt>``; srun runs on this host in a session of its own.
+- ``observe``: srun's exit status and its per-task lines (``srun: error: node1: task 1:
+  Exited with exit code 3``) when srun is ours; Slurm's step list when it is not
+  (after a daemon restart). A rank whose step still runs is UNKNOWN to Slurm: its
+  liveness comes from telemetry (heartbeats, last will).
+- ``held``: the allocation as squeue sees it, minus nodes Slurm calls unusable. A
+  failed poll means "unknown" (None), never "ended".
+- ``drain``: ``scontrol update NodeName=... State=DRAIN Reason=...``.
+
+Slurm is polled at most once per ``poll_interval_s`` for jobs, steps and nodes, shared
+by every run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+
+from supervisor.domain import ProcState
+from supervisor.errors import LaunchError, SpecError
+from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
+from supervisor.slurm import box as slurm_box
+from supervisor.slurm import parse
+from supervisor.slurm.commands import SlurmCommands
+from supervisor.slurm.requests import SbatchRequest, StepRequest, allocation_script, sbatch_argv, srun_argv
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# "srun: error: node1: task 1: Exited with exit code 3", "...: tasks 0-1: Killed"
+_TASK_LINE = re.compile(r"srun: error: (\S+): tasks? ([0-9,\-]+): (.+)$")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlurmOptions:
+    partition: str | None = None
+    time_limit_min: int | None = None
+    signal_before_s: int = 120
+    sbatch_extra: tuple[str, ...] = ()
+
+
+class SlurmLauncher:
+    kind = "slurm"
+
+    def __init__(self, commands: SlurmCommands, *, state_dir: Path, options: SlurmOptions | None = None,
+                 poll_interval_s: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
+        self.commands = commands
+        self.options = options or SlurmOptions()
+        self.state_dir = state_dir
+        # Job names carry the state directory's fingerprint: two daemons on one
+        # cluster never adopt each other's jobs.
+        self.prefix = "tsup-" + hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:8]
+        self.poll_interval_s = poll_interval_s
+        self.clock = clock
+        self._cache: dict[str, tuple[float, Any]] = {}
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+
+    # --- polls (cached, shared by every run) --------------------------------------
+
+    def _poll(self, key: str, fetch: Callable[[], T]) -> T | None:
+        hit = self._cache.get(key)
+        if hit is not None and self.clock() - hit[0] < self.poll_interval_s:
+            return hit[1]  # type: ignore[no-any-return]
+        try:
+            value = fetch()
+        except parse.SlurmParseError as e:
+            log.warning("Slurm poll %s: %s", key, e)
+            return None
+        self._cache[key] = (self.clock(), value)
+        return value
+
+    def _forget_polls(self) -> None:
+        self._cache.clear()
+
+    def jobs(self) -> dict[str, parse.JobInfo] | None:
+        def fetch() -> dict[str, parse.JobInfo]:
+            reply = self.commands.run(["squeue", "--json"])
+            if reply.ok:
+                return parse.parse_squeue_json(reply.stdout)
+            # Slurm without the openapi plugin (or before 21.08): the text form.
+            reply = self.commands.run(["squeue", "-h", "-o", parse.SQUEUE_FORMAT])
+            if not reply.ok:
+                raise parse.SlurmParseError(reply.describe())
+            return parse.parse_squeue_text(reply.stdout)
+        return self._poll("jobs", fetch)
+
+    def steps(self) -> list[parse.StepInfo] | None:
+        def fetch() -> list[parse.StepInfo]:
+            reply = self.commands.run(["squeue", "--steps", "-h", "-o", parse.STEPS_FORMAT])
+            if not reply.ok:
+                raise parse.SlurmParseError(reply.describe())
+            return parse.parse_steps_text(reply.stdout)
+        return self._poll("steps", fetch)
+
+    def nodes(self) -> dict[str, parse.NodeInfo] | None:
+        def fetch() -> dict[str, parse.NodeInfo]:
+            reply = self.commands.run(["scontrol", "-o", "show", "node"])
+            if not reply.ok:
+                raise parse.SlurmParseError(reply.describe())
+            return parse.parse_nodes(reply.stdout)
+        return self._poll("nodes", fetch)
+
+    def partitions(self) -> dict[str, parse.PartitionInfo] | None:
+        def fetch() -> dict[str, parse.PartitionInfo]:
+            reply = self.commands.run(["scontrol", "-o", "show", "partition"])
+            if not reply.ok:
+                raise parse.SlurmParseError(reply.describe())
+            return parse.parse_partitions(reply.stdout)
+        return self._poll("partitions", fetch)
+
+    # --- submit-time checks ---------------------------------------------------------
+
+    def check_resources(self, nodes: int, spares: int, partition: str | None) -> None:
+        parts = self.partitions()
+        if parts is None:
+            raise SpecError("resources: cannot list Slurm's partitions (is SLURM_CONF right?)")
+        name = partition or self.options.partition
+        if name is None:
+            defaults = [p for p in parts.values() if p.default]
+            if not defaults:
+                raise SpecError("resources.partition: the cluster has no default partition; name one")
+            part = defaults[0]
+        elif name not in parts:
+            raise SpecError(f"resources.partition: no partition {name!r} on this cluster "
+                            f"(it has {', '.join(sorted(parts)) or 'none'})")
+        else:
+            part = parts[name]
+        if nodes > part.total_nodes:
+            raise SpecError(f"resources.nodes: {nodes} nodes asked, partition {part.name!r} has "
+                            f"{part.total_nodes}")
+        if part.max_nodes is not None and nodes > part.max_nodes:
+            raise SpecError(f"resources.nodes: {nodes} nodes asked, partition {part.name!r} allows "
+                            f"{part.max_nodes} per job")
+        if nodes + spares > part.total_nodes:
+            raise SpecError(f"resources.spares: {nodes} nodes + {spares} spare(s) exceed the "
+                            f"{part.total_nodes} nodes of partition {part.name!r}")
+
+    # --- allocations ------------------------------------------------------------------
+
+    def sbatch_request(self, req: AllocationRequest, seq: int) -> SbatchRequest:
+        run_id = req.run_id
+        return SbatchRequest(
+            job_name=f"{self.prefix}.{run_id}.{seq}", nodes=req.count, min_nodes=req.minimum,
+            partition=req.partition or self.options.partition,
+            time_limit_min=req.time_limit_min or self.options.time_limit_min,
+            signal_before_s=self.options.signal_before_s, exclude=tuple(sorted(req.drained)),
+            output=self.state_dir / "slurm" / f"{run_id}.alloc-{seq}.out", extra=self.options.sbatch_extra,
+        )
+
+    def allocate(self, req: AllocationRequest) -> Grant:
+        info = _load_alloc(req.info)
+        jobs = self.jobs()
+        if jobs is None:
+            return Grant(nodes=req.held, info=req.info, note="squeue failed; trying again")
+        job = jobs.get(info["job"]) if info["job"] else None
+        if job is not None and job.phase is parse.JobPhase.WAITING:
+            return Grant(nodes=(), info=req.info, note=f"job {job.job_id} pending: {job.reason}")
+        if job is not None and job.phase is parse.JobPhase.HOLDING:
+            have = self._usable(job.nodes, req.drained)
+            if len(have) >= req.minimum:
+                return Grant(nodes=have, info=req.info)
+            # Too few healthy nodes left in it: give it back and ask for a new one.
+            self.commands.fire(["scancel", job.job_id])
+            log.info("allocation %s holds %d healthy nodes, %d needed: replacing it",
+                     job.job_id, len(have), req.minimum)
+        seq = info["seq"] + 1 if info["job"] else max(info["seq"], 1)
+        name = f"{self.prefix}.{req.run_id}.{seq}"
+        # A job of this name may exist already: submitted by a daemon that died before
+        # recording its id. Adopt it rather than submit a second.
+        found = [j for j in jobs.values() if j.name == name and j.phase is not parse.JobPhase.ENDED]
+        if found:
+            new_info = _dump_alloc(found[0].job_id, seq)
+            log.info("adopted allocation %s (%s)", found[0].job_id, name)
+            return self.held(req.run_id, new_info) or Grant(nodes=(), info=new_info)
+        sreq = self.sbatch_request(req, seq)
+        sreq.output.parent.mkdir(parents=True, exist_ok=True)
+        reply = self.commands.run(sbatch_argv(sreq), stdin=allocation_script(sreq))
+        if not reply.ok:
+            return Grant(nodes=(), info=_dump_alloc(None, seq), note=f"sbatch failed: {reply.why}")
+        try:
+            job_id = parse.parse_sbatch_job_id(reply.stdout)
+        except parse.SlurmParseError as e:
+            return Grant(nodes=(), info=_dump_alloc(None, seq), note=str(e))
+        self._forget_polls()
+        log.info("submitted allocation %s (%s) for %d nodes", job_id, name, req.count)
+        return Grant(nodes=(), info=_dump_alloc(job_id, seq), note=f"job {job_id} submitted")
+
+    def held(self, run_id: str, info: str | None) -> Grant | None:
+        if info is None:
+            return None
+        alloc = _load_alloc(info)
+        if alloc["job"] is None:
+            return None  # nothing submitted yet: allocate() deals with it
+        jobs = self.jobs()
+        if jobs is None:
+            return None
+        job = jobs.get(alloc["job"])
+        if job is None or job.phase is parse.JobPhase.ENDED:
+            why = "no longer in squeue" if job is None else f"{job.state} ({job.reason})"
+            return Grant(nodes=(), info=_dump_alloc(None, alloc["seq"]), note=f"job {alloc['job']} {why}")
+        if job.phase is parse.JobPhase.WAITING:
+            return Grant(nodes=(), info=info, note=f"job {job.job_id} pending: {job.reason}")
+        return Grant(nodes=self._usable(job.nodes, frozenset()), info=info)
+
+    def _usable(self, names: tuple[str, ...], drained: frozenset[str]) -> tuple[str, ...]:
+        nodes = self.nodes() or {}
+        return tuple(n for n in names if n not in drained and (n not in nodes or nodes[n].usable))
+
+    def release(self, run_id: str, info: str | None) -> None:
+        if info is None:
+            return
+        job = _load_alloc(info)["job"]
+        if job is not None:
+            self.commands.fire(["scancel", job])
+            self._forget_polls()
+
+    def drain(self, node: str, reason: str) -> None:
+        reply = self.commands.run(
+            ["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"])
+        if not reply.ok:
+            raise LaunchError(f"cannot drain {node}: {reply.why}")
+        self._forget_polls()
+
+    # --- steps ------------------------------------------------------------------------
+
+    def step_name(self, run_id: str, attempt: int) -> str:
+        return f"{self.prefix}.{run_id}.a{attempt}"
+
+    def start(self, spec: LaunchSpec) -> str:
+        job = _load_alloc(spec.allocation_info)["job"] if spec.allocation_info else None
+        if job is None:
+            raise LaunchError("the run holds no Slurm allocation")
+        nodes_info = self.nodes() or {}
+        order = list(nodes_info)
+        nodes = sorted(spec.nodes, key=lambda n: order.index(n) if n in order else len(order))
+        first = nodes_info.get(nodes[0])
+        master_addr = first.addr if first else nodes[0]
+        local = master_addr in ("127.0.0.1", "localhost")
+        port = _free_port() if local else _port_for(spec.run_id, spec.attempt)
+        name = self.step_name(spec.run_id, spec.attempt)
+        req = StepRequest(job_id=job, step_name=name, nodes=tuple(nodes), ranks_per_node=spec.ranks_per_node,
+                          argv=spec.argv, log_dir=spec.log_dir)
+        env = {**spec.env, "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
+               "LOCAL_WORLD_SIZE": str(spec.ranks_per_node), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               "TSUP_STEP_MARKER": spec.marker}
+        spec.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            p = self.commands.start_step(srun_argv(req), env=env, log_path=spec.log_dir / "srun.log")
+        except OSError as e:
+            raise LaunchError(f"cannot start srun: {e}") from e
+        self._children[p.pid] = p
+        ranks = _rank_map(nodes, spec.ranks_per_node)
+        self._forget_polls()
+        return json.dumps({"job": job, "step": name, "srun_pid": p.pid, "srun_ct": _create_time(p.pid),
+                           "ranks": ranks, "log": str(spec.log_dir / "srun.log")})
+
+    def find(self, spec: LaunchSpec) -> str | None:
+        """A step of this attempt that exists but was never recorded (the daemon died
+        between starting srun and writing it down)."""
+        name = self.step_name(spec.run_id, spec.attempt)
+        srun = _find_srun(name)
+        steps = self.steps()
+        step = next((s for s in steps or [] if s.name == name), None)
+        if srun is None and step is None:
+            return None
+        job = step.job_id if step else _load_alloc(spec.allocation_info)["job"]
+        nodes = list(step.nodes) if step else list(spec.nodes)
+        ranks = _rank_map(nodes, spec.ranks_per_node)
+        return json.dumps({"job": job, "step": name, "srun_pid": srun.pid if srun else 0,
+                           "srun_ct": _create_time(srun.pid) if srun else 0.0, "ranks": ranks,
+                           "log": str(spec.log_dir / "srun.log")})
+
+    def observe(self, launch_info: str) -> list[RankProc]:
+        info = json.loads(launch_info)
+        ranks: list[tuple[int, str]] = [(int(r), str(n)) for r, n in info["ranks"]]
+        exits = _task_exits(Path(info["log"]))
+        srun_code, srun_alive = self._srun_state(info)
+        step_listed: bool | None = None
+        if not srun_alive and srun_code is None:
+            steps = self.steps()
+            step_listed = None if steps is None else any(s.name == info["step"] for s in steps)
+        out = []
+        for rank, node in ranks:
+            if rank in exits:
+                out.append(RankProc(rank=rank, node=node, proc=ProcState.EXITED, exit_code=exits[rank]))
+            elif srun_alive or step_listed:
+                out.append(RankProc(rank=rank, node=node, proc=ProcState.UNKNOWN))
+            elif srun_code is not None and srun_code >= 0:
+                # srun names every task that failed; the rest exited 0.
+                out.append(RankProc(rank=rank, node=node, proc=ProcState.EXITED, exit_code=0))
+            elif step_listed is None and srun_code is None:
+                out.append(RankProc(rank=rank, node=node, proc=ProcState.UNKNOWN))
+            else:
+                out.append(RankProc(rank=rank, node=node, proc=ProcState.VANISHED))
+        return out
+
+    def _srun_state(self, info: dict[str, Any]) -> tuple[int | None, bool]:
+        """(srun's exit code if it was ours and ended, whether it still runs)."""
+        pid = int(info["srun_pid"])
+        child = self._children.get(pid)
+        if child is not None:
+            code = child.poll()
+            return code, code is None
+        if pid <= 0:
+            return None, False
+        try:
+            p = psutil.Process(pid)
+            same = abs(p.create_time() - float(info["srun_ct"])) < 0.05  # not a reused pid
+            return None, same and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return None, False
+        except psutil.Error:
+            return None, True  # cannot tell: assume it lives, never that it died
+
+    def stop(self, launch_info: str, *, force: bool) -> None:
+        info = json.loads(launch_info)
+        step = self._step_id(info)
+        if step is not None:
+            self.commands.fire(["scancel", f"--signal={'KILL' if force else 'TERM'}", step])
+        _, alive = self._srun_state(info)
+        if alive:
+            # srun forwards SIGTERM to every task; two SIGINTs within a second make it
+            # kill the step (when the step id was not known yet).
+            with contextlib.suppress(ProcessLookupError):
+                if force and step is None:
+                    os.kill(int(info["srun_pid"]), signal.SIGINT)
+                    os.kill(int(info["srun_pid"]), signal.SIGINT)
+                elif not force:
+                    os.kill(int(info["srun_pid"]), signal.SIGTERM)
+
+    def _step_id(self, info: dict[str, Any]) -> str | None:
+        steps = self.steps() or []
+        s = next((s for s in steps if s.name == info["step"]), None)
+        return f"{s.job_id}.{s.step_id}" if s else None
+
+    def forget(self, launch_info: str) -> None:
+        pid = int(json.loads(launch_info)["srun_pid"])
+        child = self._children.get(pid)
+        if child is not None and child.poll() is not None:
+            del self._children[pid]
+
+    # --- chaos: only where the nodes' slurmd run on this host (a Slurm box) ------------
+
+    def _box(self) -> slurm_box.Box:
+        conf = self.commands.slurm_conf
+        b = slurm_box.load(Path(conf).parent) if conf else None
+        if b is None:
+            raise LaunchError("kill-node/kill-rank on Slurm need a Slurm box on this host "
+                              "(scripts/slurm-box)")
+        return b
+
+    def kill_node(self, launch_info: str, node: str) -> str:
+        pids = slurm_box.kill_node(self._box(), node)
+        if not pids:
+            raise LaunchError(f"node {node} runs no process")
+        return f"SIGKILL to {node}'s slurmd and every process it started ({len(pids)} processes)"
+
+    def kill_rank(self, launch_info: str, rank: int) -> str:
+        info = json.loads(launch_info)
+        self._box()
+        for p in psutil.process_iter(["pid"]):
+            try:
+                env = p.environ()
+            except psutil.Error:
+                continue
+            if env.get("SLURM_STEP_ID") is None or env.get("SLURM_JOB_NAME") != info["step"]:
+                continue
+            if env.get("SLURM_PROCID") == str(rank) and env.get("TSUP_RUN_ID"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+                return f"SIGKILL to rank {rank} (pid {p.pid}, node {env.get('SLURMD_NODENAME')})"
+        raise LaunchError(f"rank {rank} is not running")
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def _rank_map(nodes: list[str], ranks_per_node: int) -> list[list[int | str]]:
+    """[rank, node] pairs: Slurm's block distribution over the nodes in its own order."""
+    return [[k * ranks_per_node + i, n] for k, n in enumerate(nodes) for i in range(ranks_per_node)]
+
+
+def _load_alloc(info: str | None) -> dict[str, Any]:
+    if not info:
+        return {"job": None, "seq": 0}
+    d = json.loads(info)
+    return {"job": d.get("job"), "seq": int(d.get("seq", 0))}
+
+
+def _dump_alloc(job: str | None, seq: int) -> str:
+    return json.dumps({"job": job, "seq": seq})
+
+
+def _task_exits(log_path: Path) -> dict[int, int]:
+    """Per-task endings srun reported: rank -> exit code (negative: the signal)."""
+    out: dict[int, int] = {}
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        m = _TASK_LINE.search(line)
+        if m is None:
+            continue
+        what = m.group(3)
+        code_m = re.search(r"exit code (\d+)", what)
+        if code_m:
+            code = int(code_m.group(1))
+        elif "Killed" in what:
+            code = -signal.SIGKILL
+        elif "Terminated" in what:
+            code = -signal.SIGTERM
+        elif "Segmentation" in what:
+            code = -signal.SIGSEGV
+        elif "Aborted" in what:
+            code = -signal.SIGABRT
+        else:
+            code = 1
+        for rank in _ranks(m.group(2)):
+            out[rank] = code
+    return out
+
+
+def _ranks(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        if lo.isdigit() and (not hi or hi.isdigit()):
+            out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _find_srun(step_name: str) -> psutil.Process | None:
+    flag = f"--job-name={step_name}"
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmd = p.info["cmdline"] or []
+            if cmd and os.path.basename(cmd[0]) == "srun" and flag in cmd:
+                return p
+        except psutil.Error:
+            continue
+    return None
+
+
+def _create_time(pid: int) -> float:
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return 0.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _port_for(run_id: str, attempt: int) -> int:
+    """A rendezvous port on the first node, spread over 20000-29999 by run and attempt."""
+    return 20000 + int(hashlib.sha256(f"{run_id}.{attempt}".encode()).hexdigest(), 16) % 10000

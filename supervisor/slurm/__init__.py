@@ -1,0 +1,1 @@
+"""Slurm: the production launcher (see supervisor/launchers/slurm.py)."""

@@ -1,0 +1,110 @@
+"""The one module that runs Slurm's commands: argv lists, a timeout each, never a shell.
+
+Every call returns a ``Reply`` instead of raising: a command that cannot be started,
+times out or exits non-zero is a failed reply with the reason, and the caller decides
+what that means (for a poll: "state unknown", never "job failed").
+
+``srun`` for a trainer step is the exception that outlives a call: ``start_step``
+starts it in a session of its own, so that it survives the daemon (a restarted daemon
+re-adopts the step by its name), and returns the ``Popen``.
+
+Commands that need not be awaited (``scancel`` of a step whose node is dead can block
+for Slurm's MessageTimeout) go through ``fire``: started now, reaped by later calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    argv: tuple[str, ...]
+    ok: bool
+    stdout: str
+    stderr: str
+    why: str  # empty when ok: "timed out after 10 s", "exit 1: <stderr>"
+
+    def describe(self) -> str:
+        return f"{' '.join(self.argv[:2])}: {self.why}"
+
+
+class SlurmCommands:
+    def __init__(self, *, slurm_conf: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._env = dict(os.environ)
+        if slurm_conf:
+            self._env["SLURM_CONF"] = slurm_conf
+        self._fired: list[tuple[subprocess.Popen[bytes], float]] = []
+        self._lock = threading.Lock()  # the API's submit checks run in a worker thread
+        self.calls = 0  # for tests and the health view: how many commands ran
+
+    @property
+    def slurm_conf(self) -> str | None:
+        return self._env.get("SLURM_CONF")
+
+    def run(self, argv: Sequence[str], *, timeout_s: float | None = None, stdin: str | None = None) -> Reply:
+        self._reap()
+        self.calls += 1
+        limit = timeout_s or self.timeout_s
+        try:
+            done = subprocess.run(list(argv), env=self._env, capture_output=True, text=True, input=stdin,
+                                  timeout=limit, check=False)
+        except subprocess.TimeoutExpired:
+            return Reply(tuple(argv), False, "", "", f"timed out after {limit:g} s")
+        except OSError as e:
+            return Reply(tuple(argv), False, "", "", f"cannot run: {e}")
+        if done.returncode != 0:
+            err = " ".join(done.stderr.split())[:400] or "(no message)"
+            return Reply(tuple(argv), False, done.stdout, done.stderr, f"exit {done.returncode}: {err}")
+        return Reply(tuple(argv), True, done.stdout, done.stderr, "")
+
+    def fire(self, argv: Sequence[str]) -> None:
+        """Start a command and do not wait for it (its outcome is observed later)."""
+        self._reap()
+        self.calls += 1
+        try:
+            p = subprocess.Popen(list(argv), env=self._env, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError as e:
+            log.warning("cannot run %s: %s", argv[0], e)
+            return
+        with self._lock:
+            self._fired.append((p, time.monotonic()))
+
+    def start_step(
+        self, argv: Sequence[str], *, env: Mapping[str, str], log_path: Path
+    ) -> subprocess.Popen[bytes]:
+        """Start ``srun`` for a step; raises OSError when it cannot be started."""
+        self.calls += 1
+        with open(log_path, "ab") as out:
+            return subprocess.Popen(list(argv), env={**self._env, **env}, stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    close_fds=True)
+
+    def _reap(self) -> None:
+        with self._lock:
+            self._reap_locked()
+
+    def _reap_locked(self) -> None:
+        keep = []
+        for p, started in self._fired:
+            if p.poll() is not None:
+                continue
+            if time.monotonic() - started > 10 * self.timeout_s:
+                p.kill()  # a command stuck this long will not help any more
+                p.wait()
+                continue
+            keep.append((p, started))
+        self._fired = keep

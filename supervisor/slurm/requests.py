@@ -1,0 +1,104 @@
+"""Pure builders: the sbatch request that holds a run's nodes, and the srun of a step.
+
+A run of N nodes with S spares holds one allocation of N+S whole nodes (``--exclusive``)
+whose batch script only sleeps; the trainer runs as a job step (``srun --jobid``) on N
+of them. A failed step is followed by a new step in the same allocation, on the healthy
+nodes plus spares: no queue wait. ``supervisorctl submit --dry-run`` prints both.
+
+Choices, and why:
+
+- ``--nodes=N-(N+S)``: the job starts as soon as N nodes are free and takes up to N+S;
+  after drains on a small cluster, a run can go on without its spares.
+- ``--no-kill``: when a node of the allocation fails, Slurm shrinks the job instead of
+  ending it, so the steps that follow can use the nodes that are left.
+- ``--no-requeue``: the supervisor, not Slurm, decides where the run goes next; a
+  requeued allocation would hold a job id that no longer holds nodes.
+- ``--signal=USR1@S`` (with a time limit): S seconds before the limit every step gets
+  SIGUSR1, and the reference trainer saves a checkpoint at its next step.
+- ``--overlap`` on steps: a step stopped because one of its nodes died stays "running"
+  in Slurm until the node is declared down (up to SlurmdTimeout); the next step must not
+  wait for its CPUs. The supervisor itself keeps one trainer step per allocation.
+- Ranks get the torchrun environment from Slurm's by a fixed ``sh -c`` wrapper on the
+  node; the trainer's argv is passed as arguments, never pasted into shell text.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Sets the torchrun variables from Slurm's, then runs the trainer's argv unchanged.
+RANK_WRAPPER = (
+    'export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" WORLD_SIZE="$SLURM_NTASKS" '
+    'GROUP_RANK="$SLURM_NODEID" TSUP_NODE="$SLURMD_NODENAME"; exec "$@"'
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SbatchRequest:
+    job_name: str  # unique per run and allocation: how a restarted daemon finds the job
+    nodes: int  # attempt nodes plus spares
+    min_nodes: int  # an attempt's nodes: the job may start with only these
+    partition: str | None = None
+    time_limit_min: int | None = None
+    signal_before_s: int = 120
+    exclude: tuple[str, ...] = ()
+    output: Path = Path("/dev/null")
+    workdir: Path | None = None
+    extra: tuple[str, ...] = field(default=())  # site flags from the spec (--account=..., --qos=...)
+
+
+def sbatch_argv(req: SbatchRequest) -> list[str]:
+    nodes = f"{req.min_nodes}-{req.nodes}" if req.min_nodes < req.nodes else str(req.nodes)
+    argv = ["sbatch", "--parsable", f"--job-name={req.job_name}", f"--nodes={nodes}",
+            "--exclusive",
+            "--no-kill", "--no-requeue", f"--output={req.output}"]
+    if req.partition:
+        argv.append(f"--partition={req.partition}")
+    if req.time_limit_min is not None:
+        argv.append(f"--time={req.time_limit_min}")
+        argv.append(f"--signal=USR1@{req.signal_before_s}")
+    if req.exclude:
+        argv.append(f"--exclude={','.join(sorted(req.exclude))}")
+    if req.workdir is not None:
+        argv.append(f"--chdir={req.workdir}")
+    argv.extend(req.extra)
+    return argv
+
+
+def allocation_script(req: SbatchRequest) -> str:
+    """The batch script: it only holds the nodes; the trainer runs as steps."""
+    return (
+        "#!/bin/sh\n"
+        f"# training-supervisor allocation {req.job_name}: {req.nodes} node(s) held for job steps\n"
+        "# (srun --jobid=$SLURM_JOB_ID); cancelled by the supervisor when the run ends.\n"
+        "exec sleep infinity\n"
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepRequest:
+    job_id: str
+    step_name: str  # unique per attempt: how a restarted daemon finds the step
+    nodes: tuple[str, ...]
+    ranks_per_node: int
+    argv: tuple[str, ...]
+    log_dir: Path
+
+
+def srun_argv(req: StepRequest) -> list[str]:
+    return [
+        "srun", f"--jobid={req.job_id}", f"--job-name={req.step_name}", f"--nodes={len(req.nodes)}",
+        f"--nodelist={','.join(req.nodes)}", f"--ntasks={len(req.nodes) * req.ranks_per_node}",
+        f"--ntasks-per-node={req.ranks_per_node}", "--distribution=block", "--overlap",
+        "--kill-on-bad-exit=0", f"--output={req.log_dir}/rank-%t.log",
+        "/bin/sh", "-c", RANK_WRAPPER, "tsup-rank", *req.argv,
+    ]
+
+
+def describe(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str:
+    """A copy-pasteable command line (for --dry-run and logs only, never executed)."""
+    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted((env or {}).items()))
+    return (prefix + " " if prefix else "") + " ".join(shlex.quote(a) for a in argv)

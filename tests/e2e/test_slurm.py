@@ -1,0 +1,161 @@
+"""The supervisor on a real Slurm cluster (three slurmd posing as nodes on this host).
+
+A run of 2 nodes + 1 spare holds one allocation of 3 nodes and trains as a job step on
+two of them. Killing a node (its slurmd and every process it started, as a power loss
+would) must drain exactly that node with a readable reason and resume on the spare in a
+new step of the same allocation, ending with the fault-free model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.slurm import parse
+from supervisor.slurm.box import Box
+from tests.conftest import REPO, free_port, port_open, wait_for
+from tests.e2e.conftest import EXAMPLE, ctl, db_rows, env, summary_of, trainer_processes, tsup
+
+pytestmark = pytest.mark.e2e
+
+
+def slurm(box: Box, *argv: str) -> str:
+    out = subprocess.run(list(argv), env=box.env, capture_output=True, text=True, timeout=30, check=True)
+    return out.stdout
+
+
+def spec_for_slurm(tmp_path: Path, **resources: Any) -> Path:
+    text = EXAMPLE.read_text().replace('launcher = "local"', 'launcher = "slurm"')
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in resources.items())
+    text = text.replace("[resources]\n", "[resources]\n" + extra)
+    path = tmp_path / "spec.toml"
+    path.write_text(text)
+    return path
+
+
+def test_kill_node_drains_it_and_resumes_on_the_spare_in_the_same_allocation(
+        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
+    state = tmp_path / "state"
+    proc = tsup("run", EXAMPLE, "--launcher", "slurm", "--state-dir", state, "--json",
+                "--chaos", "kill-node@50")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["final_step"] == 120
+    assert s["model_digest"] == fault_free["model_digest"], "the node loss changed the math"
+
+    assert [(f["kind"], f["nodes"]) for f in s["faults"]] == [("node-lost", ["node2"])]
+    assert s["drained_nodes"] == ["node2"], "exactly the killed node is drained"
+    history = s["attempt_history"]
+    assert [a["nodes"] for a in history] == [["node1", "node2"], ["node1", "node3"]], "the spare steps in"
+    assert [a["resume_step"] for a in history] == [0, 40]
+
+    # Both attempts were steps of one allocation: no second trip through the queue.
+    infos = [json.loads(i) for (i,) in db_rows(state, "SELECT launch_info FROM attempts ORDER BY number")]
+    assert infos[0]["job"] == infos[1]["job"]
+    submitted = [m for (m,) in db_rows(state, "SELECT message FROM events WHERE kind = 'nodes.short'")]
+    assert len(submitted) == 1 and "submitted" in submitted[0]
+
+    # Slurm itself says why the node is out of service.
+    node2 = parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", "node2"))["node2"]
+    assert "DRAIN" in node2.flags
+    assert node2.reason.startswith("training-supervisor: node lost, all its ranks vanished at once (run-1")
+
+    # The run is over: its allocation is given back and nothing is left running.
+    wait_for(lambda: parse.parse_squeue_text(
+        slurm(slurm_box, "squeue", "-h", "-o", parse.SQUEUE_FORMAT)) == {}, 30, "the allocation to end")
+    assert trainer_processes(state) == []
+
+    # The number for the note: from the kill to the first step of the resumed attempt.
+    times = dict(db_rows(state, "SELECT kind, ts FROM events WHERE kind IN "
+                                "('chaos.injected', 'fault.detected', 'run.recovered') ORDER BY id"))
+    print(json.dumps({"kill_to_detect_s": round(times["fault.detected"] - times["chaos.injected"], 2),
+                      "kill_to_first_resumed_step_s": round(times["run.recovered"] - times["chaos.injected"], 2)}))
+
+
+def test_specs_the_cluster_cannot_serve_are_refused_at_submit(
+        slurm_box: Box, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
+    bad_partition = tsup("run", spec_for_slurm(tmp_path, partition="gpu-h100"), "--state-dir", tmp_path / "s1")
+    assert bad_partition.returncode == 2
+    assert "resources.partition: no partition 'gpu-h100' on this cluster (it has train)" in bad_partition.stderr
+
+    too_big = spec_for_slurm(tmp_path, partition="train")
+    too_big.write_text(too_big.read_text().replace("nodes = 2", "nodes = 4"))
+    refused = tsup("run", too_big, "--state-dir", tmp_path / "s2")
+    assert refused.returncode == 2
+    assert "resources.nodes: 4 nodes asked, partition 'train' has 3" in refused.stderr
+    assert slurm(slurm_box, "squeue", "-h") == "", "nothing was submitted"
+
+
+class SlurmServe:
+    def __init__(self, state: Path, port: int, box: Box) -> None:
+        self.state, self.port = state, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(state.parent / f"serve-{port}.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", "serve", "--state-dir", str(state), "--launcher", "slurm",
+             "--api-bind", f"127.0.0.1:{port}"], stdout=self.log, stderr=subprocess.STDOUT,
+            env={**env(), "SLURM_CONF": str(box.conf)}, cwd=REPO)
+        wait_for(lambda: port_open(port) or self.proc.poll() is not None, 30, "the API to listen")
+        assert self.proc.poll() is None, (state.parent / f"serve-{port}.log").read_text()
+
+    def kill(self, sig: int) -> int:
+        os.kill(self.proc.pid, sig)
+        return self.proc.wait(30)
+
+
+def ctl_json(url: str, *args: str) -> Any:
+    proc = ctl(url, "--json", *args)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_sigkill_of_the_daemon_readopts_the_slurm_job_and_step(
+        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    port = free_port()
+    daemon = SlurmServe(state, port, slurm_box)
+    seen_steps: list[set[str]] = []
+    seen_jobs: list[set[str]] = []
+
+    def look() -> None:
+        steps = parse.parse_steps_text(slurm(slurm_box, "squeue", "--steps", "-h", "-o", parse.STEPS_FORMAT))
+        seen_steps.append({f"{s.job_id}.{s.step_id}" for s in steps if s.step_id.isdigit()})
+        seen_jobs.append(set(parse.parse_squeue_text(
+            slurm(slurm_box, "squeue", "-h", "-o", parse.SQUEUE_FORMAT))))
+
+    try:
+        run_id = ctl_json(daemon.url, "submit", str(spec_for_slurm(tmp_path)))["run_id"]
+        wait_for(lambda: (look(), (ctl_json(daemon.url, "status", run_id)["step"] or 0) >= 30)[1], 180, "step 30")
+        trainers = trainer_processes(state)
+        assert len(trainers) == 4
+        assert daemon.kill(signal.SIGKILL) == -signal.SIGKILL
+        time.sleep(1)
+        assert all(p.is_running() for p in trainers), "the step outlives the daemon"
+        look()
+
+        daemon = SlurmServe(state, port, slurm_box)
+        final = wait_for(
+            lambda: (look(), (d := ctl_json(daemon.url, "status", run_id))["state"] == "SUCCEEDED" and d)[1],
+            240, "the run to succeed under the restarted daemon")
+    finally:
+        daemon.kill(signal.SIGTERM)
+        for p in trainer_processes(state):
+            p.kill()
+    assert final["attempts"] == 1 and final["faults"] == [], "the step was adopted, not relaunched"
+    assert final["model_digest"] == fault_free["model_digest"]
+    assert max(len(s) for s in seen_steps) == 1, f"never two trainer steps at once: {seen_steps}"
+    assert max(len(j) for j in seen_jobs) == 1, f"never a second allocation: {seen_jobs}"
+    assert db_rows(state, "SELECT count(*) FROM attempts")[0][0] == 1
+    starts = db_rows(state, "SELECT message FROM events WHERE kind = 'daemon.started' ORDER BY id")
+    assert len(starts) == 2 and f"{run_id}#1" in starts[1][0]
+    assert db_rows(state, "SELECT count(DISTINCT step) FROM metrics")[0][0] >= 100
