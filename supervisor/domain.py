@@ -191,7 +191,7 @@ class RankObs:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainerResult:
     final_step: int
-    model_digest: str
+    model_digest: str | None  # None: a trainer that reports none (a [command] trainer)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -57,6 +57,7 @@ from supervisor.domain import (
     SetRunState,
     StartAttempt,
     StopAttempt,
+    TrainerResult,
 )
 from supervisor.errors import LaunchError
 from supervisor.launchers.base import AllocationRequest, Grant, Launcher, LaunchSpec
@@ -67,6 +68,13 @@ from supervisor.telemetry import Received, TelemetryView
 from trainer import protocol as p
 
 log = logging.getLogger(__name__)
+
+_QUIET_SCAN_S = 2.0  # how often a [command] trainer's checkpoint directory is scanned for progress
+
+
+def _latest(*times: float | None) -> float | None:
+    known = [t for t in times if t is not None]
+    return max(known) if known else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +96,8 @@ class Reconciler:
         # (run, attempt, rank) -> when this daemon first saw the rank dead
         self._dead_since: dict[tuple[int, int, int], float] = {}
         self._short: dict[int, tuple[int, int] | None] = {}  # run -> last (asked, got) shortage said
+        # (run, attempt) -> (checkpoint step, when first seen, when scanned): [command] trainers
+        self._quiet: dict[tuple[int, int], tuple[int, float | None, float]] = {}
 
     def tick(self) -> None:
         now = self.clock()
@@ -146,7 +156,8 @@ class Reconciler:
             self._apply(run, spec, run_dir, view, effects, now)
 
     def _newest_checkpoint(self, run: Run, spec: RunSpec, run_dir: Path, now: float) -> CheckpointRef | None:
-        newest, rejected = checkpoint_scan.pick(trainer_cmd.checkpoint_dir(spec, run_dir))
+        newest, rejected = checkpoint_scan.pick(trainer_cmd.checkpoint_dir(spec, run_dir),
+                                                trainer_cmd.checkpoint_layout(spec))
         with self.store.tx() as tx:
             for v in rejected:
                 if tx.record_checkpoint(run.number, step=v.step, path=str(v.path), complete=False,
@@ -185,6 +196,8 @@ class Reconciler:
             launch_info = found
         procs = self.launcher.observe(launch_info)
         tele = self.telemetry.ranks(run.run_id, live.number)
+        # A [command] trainer sends no telemetry: its progress is its checkpoints and output.
+        quiet = self._quiet_progress(spec, run_dir, live, now) if spec.command is not None else None
         ranks = []
         for proc in procs:
             t = tele.get(proc.rank)
@@ -199,15 +212,37 @@ class Reconciler:
                 reported_exit_at=t.exit_at if t else None,
                 lost=t.lost if t else False,
                 dead_since=dead_since,
-                last_step=max(t.last_step, live.resume_step) if t else live.resume_step,
-                progress_at=t.progress_at if t else None,
+                last_step=max(t.last_step if t else 0, quiet[0] if quiet else 0, live.resume_step),
+                progress_at=_latest(t.progress_at if t else None, quiet[1] if quiet else None),
                 phase=t.phase if t else None,
             ))
         gone = all(r.proc in (ProcState.EXITED, ProcState.VANISHED) for r in ranks)
         result = None
-        if gone:
+        if gone and spec.command is not None:
+            # A plain command has no result file: every rank exiting 0 is its success.
+            if all(r.proc is ProcState.EXITED and r.exit_code == 0 for r in ranks):
+                final = max([live.resume_step, *(r.last_step for r in ranks)])
+                result = TrainerResult(final_step=max(final, spec.command.steps), model_digest=None)
+        elif gone:
             result = trainer_cmd.read_result(trainer_cmd.result_path(spec, run_dir), run.run_id, live.number)
         return AttemptObs(ranks=tuple(ranks), result=result, telemetry_up_since=self.telemetry.up_since)
+
+    def _quiet_progress(
+        self, spec: RunSpec, run_dir: Path, live: Attempt, now: float
+    ) -> tuple[int, float | None]:
+        """(newest complete checkpoint step, when progress was last seen) for a trainer
+        without telemetry: a new checkpoint is a step; new output is a sign of life."""
+        key = (live.run_number, live.number)
+        step, step_seen_at, scanned_at = self._quiet.get(key, (live.resume_step, None, 0.0))
+        if now - scanned_at >= _QUIET_SCAN_S:
+            newest, _ = checkpoint_scan.pick(trainer_cmd.checkpoint_dir(spec, run_dir),
+                                             trainer_cmd.checkpoint_layout(spec))
+            if newest is not None and newest.step > step:
+                step, step_seen_at = newest.step, now
+            self._quiet[key] = (step, step_seen_at, now)
+        logs = trainer_cmd.attempt_dir(run_dir, live.number).glob("*.log")
+        output_at = max((p.stat().st_mtime for p in logs if p.exists()), default=None)
+        return step, _latest(step_seen_at, output_at)
 
     def _persist_telemetry(self, now: float) -> None:
         items = self.telemetry.peek_durable()
@@ -411,13 +446,14 @@ class Reconciler:
     def _launch_spec(self, run: Run, spec: RunSpec, run_dir: Path, a: Attempt) -> LaunchSpec:
         with self.store.tx() as tx:  # this tick may have changed it (an allocation granted)
             allocation_info = tx.get_run(run.number).allocation_info
-        config_path = trainer_cmd.attempt_dir(run_dir, a.number) / "trainer.json"
-        env = {"TSUP_RUN_ID": run.run_id, "TSUP_ATTEMPT": str(a.number)}
+        config_path = trainer_cmd.config_path(run_dir, a.number)
+        env = {**trainer_cmd.attempt_env(spec, run_dir), "TSUP_RUN_ID": run.run_id,
+               "TSUP_ATTEMPT": str(a.number)}
         if self.config.mqtt_url:
             env["TSUP_MQTT_URL"] = self.config.mqtt_url
         return LaunchSpec(
             run_id=run.run_id, attempt=a.number, nodes=a.nodes, ranks_per_node=run.ranks_per_node,
-            argv=trainer_cmd.trainer_argv(config_path, a.resume_from), env=env,
+            argv=trainer_cmd.attempt_argv(spec, run_dir, a.number, a.resume_from, a.resume_step), env=env,
             log_dir=trainer_cmd.attempt_dir(run_dir, a.number), marker=str(config_path),
             allocation_info=allocation_info,
         )
@@ -427,8 +463,9 @@ class Reconciler:
                           nodes=e.nodes, resume_from=e.resume_from, resume_step=e.resume_step,
                           created_at=now)
         try:
-            trainer_cmd.write_attempt_config(spec, run_dir, e.number)
-            info = self.launcher.start(self._launch_spec(run, spec, run_dir, attempt))
+            launch = self._launch_spec(run, spec, run_dir, attempt)
+            trainer_cmd.write_attempt_config(spec, run_dir, e.number, launch.argv)
+            info = self.launcher.start(launch)
         except (LaunchError, OSError) as err:  # a launch error counts against the budget
             with self.store.tx() as tx:
                 tx.update_attempt(run.number, e.number, launch_error=str(err))

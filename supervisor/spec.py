@@ -79,16 +79,68 @@ class TelemetrySpec(BaseModel):
         return v
 
 
+CHECKPOINT_LAYOUTS = ("tsup", "nxd", "nemo", "hf", "megatron", "dcp")  # supervisor/checkpoint_scan.py
+
+
+class CommandSpec(BaseModel):
+    """A trainer the supervisor did not write: a plain command, run on every rank with the
+    torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR ...).
+
+    Placeholders: ``{run_dir}`` and ``{checkpoint_dir}`` in ``argv``, ``checkpoint_dir``
+    and ``env``; ``{checkpoint}`` (the path of the checkpoint to resume from) and
+    ``{step}`` in ``resume``, whose items are appended to ``argv`` only when resuming.
+    """
+
+    model_config = _Model
+    argv: Annotated[list[str], Field(min_length=1)]
+    resume: list[str] = []
+    checkpoint_dir: str
+    checkpoint_layout: str | None = None  # None: recognise any layout
+    steps: Annotated[int, Field(ge=0, le=10**12)] = 0  # the run's length, for progress (0: unknown)
+    env: dict[str, str] = {}
+
+    @field_validator("checkpoint_layout")
+    @classmethod
+    def _layout(cls, v: str | None) -> str | None:
+        if v is not None and v not in CHECKPOINT_LAYOUTS:
+            raise ValueError(f"expected one of {', '.join(CHECKPOINT_LAYOUTS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _placeholders(self) -> CommandSpec:
+        paths = {"run_dir", "checkpoint_dir"}
+        for where, items, allowed in (("argv", self.argv, paths),
+                                      ("resume", self.resume, paths | {"checkpoint", "step"}),
+                                      ("checkpoint_dir", [self.checkpoint_dir], {"run_dir"}),
+                                      ("env", list(self.env.values()), paths)):
+            for item in items:
+                try:
+                    item.format(**{k: "" for k in allowed})
+                except (KeyError, IndexError, ValueError) as e:
+                    names = ", ".join("{" + a + "}" for a in sorted(allowed))
+                    raise ValueError(f"{where}: {item!r} uses an unknown placeholder or a stray brace "
+                                     f"({e}); allowed: {names}") from e
+        if self.resume and not any("{checkpoint}" in r for r in self.resume):
+            raise ValueError("resume: no item names {checkpoint}, the path to resume from")
+        return self
+
+
 class RunSpec(BaseModel):
     model_config = _Model
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
     resources: ResourcesSpec = ResourcesSpec()
-    trainer: dict[str, Any]
+    trainer: dict[str, Any] | None = None  # the reference trainer's config ...
+    command: CommandSpec | None = None  # ... or a trainer the supervisor did not write
     policy: PolicySpec = PolicySpec()
     telemetry: TelemetrySpec = TelemetrySpec()
 
     @model_validator(mode="after")
     def _trainer_keys_the_supervisor_reads(self) -> RunSpec:
+        if (self.trainer is None) == (self.command is None):
+            raise ValueError("give either a [trainer] table (the reference trainer) or a [command] table "
+                             "(any other trainer), not both or neither")
+        if self.trainer is None:
+            return self
         steps = self.trainer.get("steps")
         if isinstance(steps, bool) or not isinstance(steps, int) or not 0 < steps <= 10**12:
             raise ValueError("trainer.steps: expected a positive integer (at most 10**12)")
@@ -103,6 +155,9 @@ class RunSpec(BaseModel):
 
     @property
     def total_steps(self) -> int:
+        if self.command is not None:
+            return self.command.steps
+        assert self.trainer is not None
         return int(self.trainer["steps"])
 
     def to_json(self) -> str:

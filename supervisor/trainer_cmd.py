@@ -1,4 +1,5 @@
-"""How the supervisor drives the reference trainer (trainer/README.md is the contract).
+"""How the supervisor drives a run's trainer: the reference trainer (trainer/README.md is
+the contract) or a plain command from the spec's [command] table.
 
 Per run:     <run_dir>/checkpoints/           the trainer's checkpoint.dir (unless the spec sets one)
              <run_dir>/output/result.json     written by rank 0 after a successful finish
@@ -28,19 +29,33 @@ CHECK_TIMEOUT_S = 60.0
 
 
 def checkpoint_dir(spec: RunSpec, run_dir: Path) -> Path:
+    if spec.command is not None:
+        return Path(spec.command.checkpoint_dir.format(run_dir=run_dir))
+    assert spec.trainer is not None
     ck = spec.trainer.get("checkpoint", {})
     return Path(ck["dir"]) if "dir" in ck else run_dir / "checkpoints"
 
 
-def result_path(spec: RunSpec, run_dir: Path) -> Path:
+def checkpoint_layout(spec: RunSpec) -> str | None:
+    """The layout to look for (supervisor/checkpoint_scan.py); None: any."""
+    return spec.command.checkpoint_layout if spec.command is not None else "tsup"
+
+
+def result_path(spec: RunSpec, run_dir: Path) -> Path | None:
+    """Where the reference trainer writes its result; None for a [command] trainer."""
+    if spec.trainer is None:
+        return None
     return Path(spec.trainer.get("output_dir", run_dir / "output")) / "result.json"
 
 
 def trainer_config(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     """The spec's [trainer] table with the run's own paths filled in."""
+    assert spec.trainer is not None
+    path = result_path(spec, run_dir)
+    assert path is not None
     config = copy.deepcopy(spec.trainer)
     config.setdefault("checkpoint", {})["dir"] = str(checkpoint_dir(spec, run_dir))
-    config["output_dir"] = str(result_path(spec, run_dir).parent)
+    config["output_dir"] = str(path.parent)
     return config
 
 
@@ -48,22 +63,49 @@ def attempt_dir(run_dir: Path, attempt: int) -> Path:
     return run_dir / "attempts" / str(attempt)
 
 
-def write_attempt_config(spec: RunSpec, run_dir: Path, attempt: int) -> Path:
-    path = attempt_dir(run_dir, attempt) / "trainer.json"
+def config_path(run_dir: Path, attempt: int) -> Path:
+    """The attempt's trainer config (for a [command] trainer: a record of its argv). Its
+    path marks the attempt's processes (command line or TSUP_MARKER)."""
+    return attempt_dir(run_dir, attempt) / "trainer.json"
+
+
+def write_attempt_config(spec: RunSpec, run_dir: Path, attempt: int, argv: tuple[str, ...] = ()) -> Path:
+    path = config_path(run_dir, attempt)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(trainer_config(spec, run_dir), indent=2, sort_keys=True))
+    content = {"command": list(argv)} if spec.command is not None else trainer_config(spec, run_dir)
+    tmp.write_text(json.dumps(content, indent=2, sort_keys=True))
     os.replace(tmp, path)
     return path
 
 
-def trainer_argv(config_path: Path, resume_from: str | None) -> tuple[str, ...]:
-    return (sys.executable, "-m", "trainer", "--config", str(config_path),
-            "--resume", resume_from or "none")
+def trainer_argv(config: Path, resume_from: str | None) -> tuple[str, ...]:
+    return (sys.executable, "-m", "trainer", "--config", str(config), "--resume", resume_from or "none")
+
+
+def attempt_argv(spec: RunSpec, run_dir: Path, attempt: int, resume_from: str | None,
+                 resume_step: int) -> tuple[str, ...]:
+    """Every rank's command line for one attempt."""
+    if spec.command is None:
+        return trainer_argv(config_path(run_dir, attempt), resume_from)
+    names = {"run_dir": str(run_dir), "checkpoint_dir": str(checkpoint_dir(spec, run_dir))}
+    argv = [a.format(**names) for a in spec.command.argv]
+    if resume_from is not None:
+        argv += [r.format(checkpoint=resume_from, step=resume_step, **names) for r in spec.command.resume]
+    return tuple(argv)
+
+
+def attempt_env(spec: RunSpec, run_dir: Path) -> dict[str, str]:
+    if spec.command is None:
+        return {}
+    names = {"run_dir": str(run_dir), "checkpoint_dir": str(checkpoint_dir(spec, run_dir))}
+    return {k: v.format(**names) for k, v in spec.command.env.items()}
 
 
 def check_trainer_config(spec: RunSpec, run_dir: Path) -> None:
     """Raise SpecError naming every bad key of the spec's [trainer] table."""
+    if spec.trainer is None:
+        return  # a [command] trainer checks its own arguments
     with tempfile.TemporaryDirectory(prefix="tsup-check-") as tmp:
         path = Path(tmp) / "trainer.json"
         path.write_text(json.dumps(trainer_config(spec, run_dir)))
@@ -82,12 +124,14 @@ def check_trainer_config(spec: RunSpec, run_dir: Path) -> None:
     raise SpecError(f"trainer config check failed (exit {proc.returncode}): {' '.join(lines)[-500:]}")
 
 
-def read_result(path: Path, run_id: str, attempt: int) -> TrainerResult | None:
+def read_result(path: Path | None, run_id: str, attempt: int) -> TrainerResult | None:
     """The trainer's result.json for this very attempt, or None.
 
     A result written by another run or attempt (a shared output_dir, a stale file)
     is no proof that this attempt succeeded.
     """
+    if path is None:
+        return None
     try:
         data = json.loads(path.read_text())
         if data.get("run_id") != run_id or data.get("attempt") != attempt:

@@ -34,9 +34,9 @@ class LaunchSpec:
     argv: tuple[str, ...]  # the trainer command, identical on every rank
     env: Mapping[str, str]  # added to every rank's environment
     log_dir: Path
-    # A string found in every process's command line of this attempt and in no other
-    # process (the attempt's config path): how a restarted daemon finds processes it
-    # launched but had not yet recorded.
+    # A string unique to this attempt (the attempt's config path), given to every rank
+    # as TSUP_MARKER: how a restarted daemon finds processes it launched but had not
+    # yet recorded.
     marker: str
     allocation_info: str | None = None  # the run's, when the launcher keeps one (Slurm)
 

@@ -108,6 +108,7 @@ class LocalLauncher:
                         "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(port),
                         "TSUP_NODE": node,
+                        "TSUP_MARKER": spec.marker,
                     }
                     env.setdefault("OMP_NUM_THREADS", "1")
                     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -133,9 +134,12 @@ class LocalLauncher:
         for p in psutil.process_iter(["pid", "cmdline", "create_time"]):
             try:
                 cmdline = p.info["cmdline"] or []
-                if spec.marker not in cmdline:
-                    continue
-                env = p.environ()
+                if spec.marker not in cmdline and not any(spec.marker in a for a in cmdline):
+                    env = p.environ()  # a [command] trainer's argv does not name the marker
+                    if env.get("TSUP_MARKER") != spec.marker:
+                        continue
+                else:
+                    env = p.environ()
                 found.append(
                     _Rank(int(env["RANK"]), int(env["LOCAL_RANK"]), env["TSUP_NODE"], p.pid,
                           os.getpgid(p.pid), float(p.info["create_time"]))

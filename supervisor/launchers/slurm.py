@@ -266,7 +266,7 @@ class SlurmLauncher:
                           argv=spec.argv, log_dir=spec.log_dir)
         env = {**spec.env, "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
                "LOCAL_WORLD_SIZE": str(spec.ranks_per_node), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "TSUP_STEP_MARKER": spec.marker}
+               "TSUP_MARKER": spec.marker}
         spec.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             p = self.commands.start_step(srun_argv(req), env=env, log_path=spec.log_dir / "srun.log")

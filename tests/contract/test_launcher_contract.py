@@ -1,0 +1,159 @@
+"""One suite of launcher behaviour, run against the local launcher and the Slurm adapter.
+
+Every launcher must: hand out nodes, give each rank the torchrun environment with the
+rank-to-node map it reports, report exit codes (or, where it cannot see a process,
+UNKNOWN and never a death), stop every rank, be observable from its launch_info by a
+fresh instance (a restarted daemon), find an unrecorded attempt by its marker, and kill
+one node's ranks and only those.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.domain import ProcState
+from supervisor.launchers.base import AllocationRequest, Launcher, LaunchSpec, RankProc
+from supervisor.launchers.local import LocalLauncher
+from supervisor.launchers.slurm import SlurmLauncher
+from supervisor.slurm.commands import SlurmCommands
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.contract
+
+# Each rank records its environment, then exits with EXIT_<RANK> if set, or sleeps.
+PROGRAM = """
+import json, os, sys, time
+rank = os.environ["RANK"]
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TSUP_NODE", "MASTER_ADDR", "MASTER_PORT")
+with open(os.path.join(sys.argv[1], f"env-{rank}.json"), "w") as f:
+    json.dump({k: os.environ.get(k) for k in keys}, f)
+code = os.environ.get(f"EXIT_{rank}")
+if code is not None:
+    time.sleep(0.5)
+    sys.exit(int(code))
+time.sleep(600)
+"""
+
+GONE = (ProcState.EXITED, ProcState.VANISHED)
+
+
+@dataclass
+class Cluster:
+    launcher: Launcher
+    make: Any  # () -> a fresh launcher on the same cluster: a restarted daemon's
+    nodes: tuple[str, ...]
+    allocation_info: str | None
+
+
+@pytest.fixture(params=["local", "slurm"])
+def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
+    if request.param == "local":
+        launcher = LocalLauncher(max_nodes=4)
+        grant = launcher.allocate(AllocationRequest(run_id="run-1", count=2, minimum=2, held=(),
+                                                    drained=frozenset(), idle=(), known=frozenset(), info=None))
+        yield Cluster(launcher, lambda: LocalLauncher(max_nodes=4), grant.nodes, None)
+        return
+    box = request.getfixturevalue("slurm_box")
+    state = tmp_path / "state"
+
+    def make() -> SlurmLauncher:
+        return SlurmLauncher(SlurmCommands(slurm_conf=str(box.conf)), state_dir=state, poll_interval_s=0.0)
+
+    slurm = make()
+    req = AllocationRequest(run_id="run-1", count=2, minimum=2, held=(), drained=frozenset(), idle=(),
+                            known=frozenset(), info=None)
+    grant = slurm.allocate(req)
+    info = grant.info
+    held = wait_for(lambda: (g := slurm.held("run-1", info)) is not None and len(g.nodes) == 2 and g, 30,
+                    "the allocation to start")
+    try:
+        yield Cluster(slurm, make, held.nodes, info)
+    finally:
+        slurm.release("run-1", info)
+
+
+def spec(c: Cluster, tmp_path: Path, attempt: int = 1, env: dict[str, str] | None = None) -> LaunchSpec:
+    out = tmp_path / f"out-{attempt}"
+    out.mkdir(exist_ok=True)
+    return LaunchSpec(run_id="run-1", attempt=attempt, nodes=c.nodes, ranks_per_node=2,
+                      argv=(sys.executable, "-c", PROGRAM, str(out)), env=env or {},
+                      log_dir=tmp_path / f"logs-{attempt}", marker=f"{tmp_path}/marker-{attempt}",
+                      allocation_info=c.allocation_info)
+
+
+def observe(launcher: Launcher, info: str) -> dict[int, RankProc]:
+    return {r.rank: r for r in launcher.observe(info)}
+
+
+def all_gone(launcher: Launcher, info: str) -> dict[int, RankProc] | None:
+    ranks = observe(launcher, info)
+    return ranks if all(r.proc in GONE for r in ranks.values()) else None
+
+
+def test_ranks_get_the_torchrun_environment_and_the_reported_node_map(cluster: Cluster, tmp_path: Path) -> None:
+    s = spec(cluster, tmp_path, env={f"EXIT_{r}": "0" for r in range(4)})
+    info = cluster.launcher.start(s)
+    ranks = wait_for(lambda: all_gone(cluster.launcher, info), 60, "every rank to exit")
+    assert sorted(ranks) == [0, 1, 2, 3]
+    assert {r.exit_code for r in ranks.values()} == {0}
+    envs = {r: json.loads((tmp_path / "out-1" / f"env-{r}.json").read_text()) for r in range(4)}
+    for r, e in envs.items():
+        assert e["RANK"] == str(r) and e["WORLD_SIZE"] == "4" and e["LOCAL_RANK"] == str(r % 2)
+        assert e["TSUP_NODE"] == ranks[r].node, "the launcher's rank-to-node map is where the rank ran"
+        assert e["MASTER_PORT"] == envs[0]["MASTER_PORT"]
+    assert {ranks[r].node for r in range(4)} == set(cluster.nodes)
+
+
+def test_a_failed_rank_is_reported_with_its_exit_code(cluster: Cluster, tmp_path: Path) -> None:
+    info = cluster.launcher.start(spec(cluster, tmp_path, env={"EXIT_3": "7", "EXIT_0": "0", "EXIT_1": "0",
+                                                                "EXIT_2": "0"}))
+    ranks = wait_for(lambda: all_gone(cluster.launcher, info), 60, "every rank to exit")
+    assert ranks[3].proc is ProcState.EXITED and ranks[3].exit_code == 7
+    assert [ranks[r].exit_code for r in (0, 1, 2)] == [0, 0, 0]
+
+
+def test_running_ranks_are_never_reported_dead_and_stop_ends_them(cluster: Cluster, tmp_path: Path) -> None:
+    info = cluster.launcher.start(spec(cluster, tmp_path))
+    wait_for(lambda: len(list((tmp_path / "out-1").glob("env-*.json"))) == 4, 60, "every rank to start")
+    for _ in range(3):
+        assert all(r.proc in (ProcState.RUNNING, ProcState.UNKNOWN) for r in cluster.launcher.observe(info))
+        time.sleep(0.3)
+    cluster.launcher.stop(info, force=False)
+    wait_for(lambda: all_gone(cluster.launcher, info), 60, "SIGTERM to end every rank")
+    cluster.launcher.forget(info)
+
+
+def test_a_restarted_daemon_observes_and_finds_what_was_launched(cluster: Cluster, tmp_path: Path) -> None:
+    s = spec(cluster, tmp_path)
+    info = cluster.launcher.start(s)
+    wait_for(lambda: len(list((tmp_path / "out-1").glob("env-*.json"))) == 4, 60, "every rank to start")
+    fresh = cluster.make()
+    assert all(r.proc in (ProcState.RUNNING, ProcState.UNKNOWN) for r in fresh.observe(info))
+    found = wait_for(lambda: fresh.find(s), 30, "the unrecorded attempt to be found")
+    assert {r.rank for r in fresh.observe(found)} == {0, 1, 2, 3}
+    assert fresh.find(replace(s, attempt=9, marker=f"{tmp_path}/marker-9")) is None, "no false match"
+    fresh.stop(found, force=True)
+    wait_for(lambda: all_gone(fresh, found), 60, "SIGKILL to end every rank")
+    cluster.launcher.stop(info, force=True)
+
+
+def test_kill_node_kills_that_nodes_ranks_only(cluster: Cluster, tmp_path: Path) -> None:
+    info = cluster.launcher.start(spec(cluster, tmp_path))
+    wait_for(lambda: len(list((tmp_path / "out-1").glob("env-*.json"))) == 4, 60, "every rank to start")
+    by_rank = observe(cluster.launcher, info)
+    victim = by_rank[3].node
+    envs = [json.loads(p.read_text()) for p in (tmp_path / "out-1").glob("env-*.json")]
+    cluster.launcher.kill_node(info, victim)
+    survivors = [int(e["RANK"]) for e in envs if e["TSUP_NODE"] != victim]
+    time.sleep(1.0)
+    ranks = observe(cluster.launcher, info)
+    assert all(ranks[r].proc in (ProcState.RUNNING, ProcState.UNKNOWN) for r in survivors), ranks
+    cluster.launcher.stop(info, force=True)

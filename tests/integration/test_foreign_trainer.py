@@ -1,0 +1,138 @@
+"""A trainer the supervisor did not write: a plain torchrun-style script with PyTorch DCP
+checkpoints in the FSDP test case's ``{model}-{N}steps`` layout and a
+``--resume_from_checkpoint`` argument. It sends no telemetry; the supervisor learns of
+its crash from the process and of its progress from its checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from tests.e2e.conftest import summary_of, tsup
+
+SCRIPT = textwrap.dedent('''
+    """A tiny data-parallel trainer, in the style of a user's torchrun script."""
+    import argparse, json, os, time
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--every", type=int, required=True)
+    ap.add_argument("--save_dir", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--crash_at", type=int, default=0)
+    ap.add_argument("--resume_from_checkpoint", default=None)
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    start = 0
+    if args.resume_from_checkpoint:
+        state = {"model": model.state_dict(), "step": torch.tensor(0)}
+        dcp.load(state, checkpoint_id=args.resume_from_checkpoint)
+        model.load_state_dict(state["model"])
+        start = int(state["step"])
+        print(f"rank {rank}: resumed from {args.resume_from_checkpoint} at step {start}", flush=True)
+    for step in range(start + 1, args.steps + 1):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(4, 8, generator=g)
+        loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        if step == args.crash_at and not args.resume_from_checkpoint and rank == world - 1:
+            print(f"rank {rank}: crashing at step {step}", flush=True)
+            os._exit(3)
+        if step % args.every == 0:
+            dcp.save({"model": model.state_dict(), "step": torch.tensor(step)},
+                     checkpoint_id=os.path.join(args.save_dir, f"llama_v3-{step}steps"))
+        time.sleep(0.05)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"weight": model.weight.flatten().tolist(), "bias": model.bias.tolist()}, f)
+    dist.destroy_process_group()
+''')
+
+
+def write_spec(tmp_path: Path, name: str, crash_at: int) -> Path:
+    script = tmp_path / "user_train.py"
+    script.write_text(SCRIPT)
+    argv = [sys.executable, str(script), "--steps", "40", "--every", "10", "--save_dir", "{checkpoint_dir}",
+            "--out", "{run_dir}/final.json", "--crash_at", str(crash_at)]
+    spec = tmp_path / f"{name}.toml"
+    spec.write_text(textwrap.dedent(f"""
+        name = "{name}"
+        [resources]
+        nodes = 1
+        ranks_per_node = 2
+        [command]
+        argv = {json.dumps(argv)}
+        resume = ["--resume_from_checkpoint={{checkpoint}}"]
+        checkpoint_dir = "{{run_dir}}/checkpoints"
+        checkpoint_layout = "dcp"
+        steps = 40
+        [policy]
+        max_restarts = 2
+    """))
+    return spec
+
+
+def run(tmp_path: Path, name: str, crash_at: int) -> tuple[dict[str, Any], Path]:
+    state = tmp_path / f"state-{name}"
+    proc = tsup("run", write_spec(tmp_path, name, crash_at), "--state-dir", state, "--json", timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return summary_of(proc), state / "runs" / "run-1"
+
+
+def test_a_foreign_trainer_resumes_from_its_newest_complete_checkpoint_after_a_crash(tmp_path: Path) -> None:
+    clean, clean_dir = run(tmp_path, "clean", crash_at=0)
+    assert clean["state"] == "SUCCEEDED" and clean["attempts"] == 1 and clean["final_step"] == 40
+    assert clean["model_digest"] is None  # a plain command reports none
+
+    # Rank 1 crashes at step 25: the newest complete checkpoint is step 20's.
+    s, run_dir = run(tmp_path, "crashing", crash_at=25)
+    assert s["state"] == "SUCCEEDED" and s["final_step"] == 40
+    # Without telemetry there is no "who failed first" beyond what the processes show:
+    # both ranks ended within one tick; the crashed one is named with its exit code.
+    [fault] = s["faults"]
+    assert fault["kind"] == "rank-exit" and 1 in fault["ranks"] and fault["nodes"] == ["local-1"]
+    assert "rank 1 (node local-1) exited with code 3" in fault["summary"]
+    assert s["drained_nodes"] == [], "a crash is no reason to drain a node"
+    history = s["attempt_history"]
+    assert len(history) == 2 and history[1]["resume_step"] == 20
+    assert history[1]["resume_from"].endswith("checkpoints/llama_v3-20steps")
+    command = json.loads((run_dir / "attempts" / "2" / "trainer.json").read_text())["command"]
+    assert command[-1] == f"--resume_from_checkpoint={run_dir}/checkpoints/llama_v3-20steps"
+    logs = "".join(p.read_text() for p in (run_dir / "attempts" / "2").glob("rank-*.log"))
+    assert "resumed from" in logs and "at step 20" in logs
+
+    # Nothing lost: the same weights as the run that never crashed.
+    assert json.loads((run_dir / "final.json").read_text()) == json.loads((clean_dir / "final.json").read_text())
+
+
+def test_an_incomplete_newest_checkpoint_is_passed_over(tmp_path: Path) -> None:
+    """A save cut short (no .metadata) is never resumed from: the one before it is."""
+    from supervisor.checkpoint_scan import pick
+
+    d = tmp_path / "ck"
+    for step, complete in ((10, True), (20, False)):
+        c = d / f"llama_v3-{step}steps"
+        c.mkdir(parents=True)
+        (c / "__0_0.distcp").write_bytes(b"x")
+        if complete:
+            (c / ".metadata").write_bytes(b"m")
+    newest, rejected = pick(d, "dcp")
+    assert newest is not None and newest.step == 10
+    assert [v.step for v in rejected] == [20]
