@@ -2,8 +2,10 @@
 
     kill-rank@50      SIGKILL one rank (the highest rank, or rank TARGET) when the run
                       reaches step 50
-    kill-node@90      SIGKILL every process of one simulated node (the last node of the
-                      attempt, or the node at index TARGET) at step 90
+    kill-node@90      SIGKILL every process of one node (the last node of the attempt, or
+                      the node at index TARGET) at step 90; on a Slurm box, its slurmd too
+    freeze-node@90    SIGSTOP every process of one node: a node that hangs hard or loses
+                      its network, found only by its silence
 
 Each action fires once per run, through the launcher, as real signals to real
 processes. The injector tells the reconciler nothing: the supervisor must detect the
@@ -27,8 +29,8 @@ from supervisor.telemetry import TelemetryView
 
 log = logging.getLogger(__name__)
 
-_SYNTAX = re.compile(r"^(kill-rank|kill-node)@([0-9]+)(?::([0-9]+))?$")
-ChaosKind = Literal["kill-rank", "kill-node"]
+_SYNTAX = re.compile(r"^(kill-rank|kill-node|freeze-node)@([0-9]+)(?::([0-9]+))?$")
+ChaosKind = Literal["kill-rank", "kill-node", "freeze-node"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,10 +48,10 @@ def parse_chaos(text: str) -> ChaosAction:
     m = _SYNTAX.match(text.strip())
     if m is None:
         raise SpecError(
-            f"--chaos {text!r}: expected KIND@STEP[:TARGET] with KIND kill-rank or kill-node, "
+            f"--chaos {text!r}: expected KIND@STEP[:TARGET] with KIND kill-rank, kill-node or freeze-node, "
             "for example kill-rank@50"
         )
-    kind: ChaosKind = "kill-rank" if m.group(1) == "kill-rank" else "kill-node"
+    kind: ChaosKind = m.group(1)  # type: ignore[assignment]
     step = int(m.group(2))
     if step <= 0:
         raise SpecError(f"--chaos {text!r}: STEP must be positive")
@@ -86,7 +88,9 @@ class ChaosMonkey:
                     what = self.launcher.kill_rank(live.launch_info, rank)
                 else:
                     index = action.target if action.target is not None else len(live.nodes) - 1
-                    what = self.launcher.kill_node(live.launch_info, live.nodes[index])
+                    node = live.nodes[index]
+                    what = (self.launcher.kill_node(live.launch_info, node) if action.kind == "kill-node"
+                            else self.launcher.freeze_node(live.launch_info, node))
             except (LaunchError, IndexError) as e:
                 log.warning("chaos %s not injected: %s", action, e)
                 continue

@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--state-dir", type=Path, default=None,
                      help=f"SQLite, checkpoints and logs (default {default_state_dir()})")
     run.add_argument("--chaos", action="append", default=[], metavar="KIND@STEP[:TARGET]",
-                     help="inject a fault: kill-rank@STEP or kill-node@STEP (repeatable)")
+                     help="inject a fault: kill-rank@STEP, kill-node@STEP or freeze-node@STEP (repeatable)")
     run.add_argument("--json", action="store_true", help="print one JSON summary object on stdout")
     run.add_argument("--quiet", action="store_true", help="no progress on stderr")
     run.add_argument("--launcher", choices=("local", "slurm"), default=None,

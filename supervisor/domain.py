@@ -91,6 +91,10 @@ class Policy:
     # Processes still alive this long after the SIGKILL are stuck in the kernel: the
     # attempt is abandoned and their nodes drained.
     abandon_after_s: float = 120.0
+    # Every rank of a node silent this long (no heartbeat, no message) while other nodes'
+    # ranks are heard: the node is lost (powered off, kernel hung, network gone), found
+    # without waiting for Slurm's SlurmdTimeout (300 s by default).
+    silence_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -186,6 +190,7 @@ class RankObs:
     last_step: int = 0
     progress_at: float | None = None  # when last_step last increased
     phase: str | None = None
+    last_seen_at: float | None = None  # its last message of any kind (heartbeats included)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

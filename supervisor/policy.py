@@ -32,6 +32,12 @@ Attribution rules (what a fault blames):
 - a node is blamed, and drained, only when EVERY rank on it vanished abruptly in the
   same observation: killed by SIGKILL, or gone with no exit report of its own. One
   rank's crash never drains a node;
+- a node is also blamed and drained when EVERY rank on it has been silent (no message,
+  heartbeats included) for ``silence_timeout_s`` while ranks on other nodes are heard
+  and the supervisor's broker link has been up that long: a node that froze or lost
+  its network, found in seconds rather than after Slurm's SlurmdTimeout;
+- a rank the launcher cannot see (UNKNOWN: a Slurm step's rank) is dead when its last
+  will arrived or it reported a failed exit, and gone when it reported any exit;
 - otherwise the fault blames the ranks that died first: those killed by a signal or
   gone without a report; failing that, the earliest self-reported exit.
 """
@@ -268,6 +274,9 @@ def _find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fa
         if now - first_seen < view.run.policy.fault_settle_s and not _all_gone(obs):
             return None  # let ranks that die together (a node) show themselves first
         return _attribute(view, live, obs.ranks, dead, step)
+    silent = _find_silent_node(view, live, obs, now, step)
+    if silent is not None:
+        return silent
     if obs.ranks and all(r.proc in (ProcState.EXITED, ProcState.VANISHED) for r in obs.ranks):
         record = RecordFault(
             kind=FaultKind.NO_RESULT, attempt=live.number, ranks=(), nodes=(), step=step,
@@ -275,6 +284,41 @@ def _find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fa
         )
         return record, [], False
     return _find_hang(view, live, obs, now, step)
+
+
+def _find_silent_node(
+    view: RunView, live: Attempt, obs: AttemptObs, now: float, step: int
+) -> FaultFinding | None:
+    """Every rank of a node silent past the limit while other nodes' ranks are heard.
+
+    Judged only while the supervisor's own broker link has been up for longer than the
+    limit (after a reconnect, heartbeats need time to arrive again), and never when
+    every node is silent: that is the broker or the link, not the nodes.
+    """
+    limit_s = view.run.policy.silence_timeout_s
+    if obs.telemetry_up_since is None or now - obs.telemetry_up_since <= limit_s:
+        return None
+
+    def silent(r: RankObs) -> bool:
+        return (r.last_seen_at is not None and now - r.last_seen_at > limit_s
+                and r.reported_exit_code is None and r.proc not in (ProcState.EXITED, ProcState.VANISHED))
+
+    by_node: dict[str, list[RankObs]] = {}
+    for r in obs.ranks:
+        by_node.setdefault(r.node, []).append(r)
+    quiet = sorted(n for n, rs in by_node.items() if all(silent(r) for r in rs))
+    if not quiet or len(quiet) == len(by_node):
+        return None
+    blamed = [r for r in obs.ranks if r.node in quiet]
+    heard_s = now - max(r.last_seen_at or now for r in blamed)
+    where = f"{view.run.run_id}, attempt {live.number}, step {step}"
+    summary = (f"every rank of node {', '.join(quiet)} silent for {heard_s:.0f} s while the others are heard "
+               f"(ranks {_ranks(blamed)}): node lost")
+    record = RecordFault(kind=FaultKind.NODE_LOST, attempt=live.number, ranks=tuple(r.rank for r in blamed),
+                         nodes=tuple(quiet), summary=summary, step=step)
+    why = f"training-supervisor: node silent, no heartbeat from any rank for {heard_s:.0f} s ({where})"
+    drains = [(n, why) for n in quiet]
+    return record, drains, False
 
 
 def _find_hang(

@@ -215,6 +215,7 @@ class Reconciler:
                 last_step=max(t.last_step if t else 0, quiet[0] if quiet else 0, live.resume_step),
                 progress_at=_latest(t.progress_at if t else None, quiet[1] if quiet else None),
                 phase=t.phase if t else None,
+                last_seen_at=t.last_seen_at if t else None,
             ))
         gone = all(r.proc in (ProcState.EXITED, ProcState.VANISHED) for r in ranks)
         result = None

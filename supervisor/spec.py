@@ -62,6 +62,7 @@ class PolicySpec(BaseModel):
     stop_grace_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
     fault_settle_s: Annotated[float, Field(ge=0, le=60)] = 1.0
     abandon_after_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 120.0
+    silence_timeout_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 10.0
 
     def to_policy(self) -> Policy:
         return Policy(**self.model_dump())

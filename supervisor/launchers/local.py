@@ -195,6 +195,14 @@ class LocalLauncher:
             _signal_group(pgid, signal.SIGKILL)
         return f"SIGKILL to every process of node {node} (process group {', '.join(map(str, groups))})"
 
+    def freeze_node(self, launch_info: str, node: str) -> str:
+        groups = self._live_groups([r for r in _load(launch_info) if r.node == node])
+        if not groups:
+            raise LaunchError(f"node {node} has no running process")
+        for pgid in groups:
+            _signal_group(pgid, signal.SIGSTOP)
+        return f"SIGSTOP to every process of node {node} (process group {', '.join(map(str, groups))})"
+
     def _alive(self, r: _Rank) -> bool:
         return self._state(r)[0] is ProcState.RUNNING
 

@@ -379,6 +379,12 @@ class SlurmLauncher:
             raise LaunchError(f"node {node} runs no process")
         return f"SIGKILL to {node}'s slurmd and every process it started ({len(pids)} processes)"
 
+    def freeze_node(self, launch_info: str, node: str) -> str:
+        pids = slurm_box.signal_node(self._box(), node, signal.SIGSTOP)
+        if not pids:
+            raise LaunchError(f"node {node} runs no process")
+        return f"SIGSTOP to {node}'s slurmd and every process it started ({len(pids)} processes)"
+
     def kill_rank(self, launch_info: str, rank: int) -> str:
         info = json.loads(launch_info)
         self._box()

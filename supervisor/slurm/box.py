@@ -287,10 +287,15 @@ def node_processes(box: Box, node: str) -> set[int]:
 
 def kill_node(box: Box, node: str) -> list[int]:
     """SIGKILL everything ``node`` runs at once, as a node that loses power."""
+    return signal_node(box, node, signal.SIGKILL)
+
+
+def signal_node(box: Box, node: str, sig: signal.Signals) -> list[int]:
+    """Send ``sig`` to everything ``node`` runs (SIGSTOP: a node frozen or cut off)."""
     pids = sorted(node_processes(box, node))
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
     return pids
 
 

@@ -26,6 +26,23 @@ def test_fault_free_run_succeeds_with_a_digest(fault_free: dict[str, Any]) -> No
     assert s["goodput"]["kept_steps"] == 120 and s["goodput"]["lost_steps"] == 0
 
 
+def test_a_frozen_node_is_found_by_its_silence_and_replaced(fault_free: dict[str, Any], tmp_path: Path) -> None:
+    """SIGSTOP of every process of a node: no exit, no last will for 15 s, only silence."""
+    proc = tsup("run", EXAMPLE, "--state-dir", tmp_path, "--json", "--chaos", "freeze-node@50")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    [fault] = s["faults"]
+    assert fault["kind"] == "node-lost" and fault["nodes"] == ["local-2"]
+    assert "silent for" in fault["summary"]
+    assert s["drained_nodes"] == ["local-2"]
+    assert [a["nodes"] for a in s["attempt_history"]] == [["local-1", "local-2"], ["local-1", "local-3"]]
+    times = dict(db_rows(tmp_path, "SELECT kind, ts FROM events WHERE kind IN ('chaos.injected', 'fault.detected')"))
+    # found by silence (10 s by default), before the broker's keepalive would fire the wills (15 s)
+    assert 10 <= times["fault.detected"] - times["chaos.injected"] < 15
+    assert trainer_processes(tmp_path) == []
+
+
 def test_kill_rank_then_kill_node_recover_to_the_same_model(fault_free: dict[str, Any], tmp_path: Path) -> None:
     proc = tsup("run", EXAMPLE, "--state-dir", tmp_path, "--json", "--chaos", "kill-rank@50",
                 "--chaos", "kill-node@90")

@@ -85,6 +85,9 @@ class ScriptedLauncher:
     def kill_node(self, launch_info: str, node: str) -> str:
         raise NotImplementedError
 
+    def freeze_node(self, launch_info: str, node: str) -> str:
+        raise NotImplementedError
+
 
 class Clock:
     def __init__(self) -> None:

@@ -82,7 +82,8 @@ def rank(r: int, proc: ProcState = ProcState.RUNNING, **kw: object) -> RankObs:
 
 
 def obs(*ranks: RankObs, **kw: object) -> AttemptObs:
-    return AttemptObs(ranks=ranks or tuple(rank(i) for i in range(4)), telemetry_up_since=0.0, **kw)  # type: ignore[arg-type]
+    kw.setdefault("telemetry_up_since", 0.0)
+    return AttemptObs(ranks=ranks or tuple(rank(i) for i in range(4)), **kw)  # type: ignore[arg-type]
 
 
 def of(effects: list[object], cls: type) -> list:  # type: ignore[type-arg]
@@ -246,6 +247,60 @@ def test_adopted_ranks_whose_last_wills_arrived_together_are_node_lost() -> None
     ranks = [rank(0), rank(1), rank(2, ProcState.VANISHED, lost=True), rank(3, ProcState.VANISHED, lost=True)]
     effects = decide(view(run(), (attempt(),)), obs(*ranks), NOW)
     assert of(effects, RecordFault)[0].kind is FaultKind.NODE_LOST
+
+
+def heard(r: int, ago_s: float, proc: ProcState = ProcState.RUNNING) -> RankObs:
+    return rank(r, proc, last_seen_at=NOW - ago_s)
+
+
+def test_a_node_whose_every_rank_fell_silent_is_lost_and_drained() -> None:
+    ranks = [heard(0, 0.5), heard(1, 0.5), heard(2, 12), heard(3, 11)]
+    effects = decide(view(run(), (attempt(),)), obs(*ranks), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n2",) and fault.ranks == (2, 3)
+    assert "silent for 11 s" in fault.summary
+    [drain] = of(effects, DrainNode)
+    assert drain.node == "n2" and drain.reason.startswith("training-supervisor: node silent")
+    assert of(effects, StopAttempt)[0].force
+
+
+def test_silence_below_the_limit_or_on_part_of_a_node_is_no_fault() -> None:
+    assert decide(view(run(), (attempt(),)), obs(heard(0, 1), heard(1, 1), heard(2, 9), heard(3, 9)), NOW) == []
+    # one silent rank of two on a node is a hang matter, not a lost node
+    assert decide(view(run(), (attempt(),)), obs(heard(0, 1), heard(1, 1), heard(2, 1), heard(3, 30)), NOW) == []
+
+
+def test_every_node_silent_is_the_broker_not_the_nodes() -> None:
+    assert decide(view(run(), (attempt(),)), obs(*(heard(r, 30) for r in range(4))), NOW) == []
+
+
+def test_silence_is_not_judged_until_the_link_has_been_up_for_the_limit() -> None:
+    ranks = [heard(0, 0.5), heard(1, 0.5), heard(2, 30), heard(3, 30)]
+    assert decide(view(run(), (attempt(),)), obs(*ranks, telemetry_up_since=NOW - 5), NOW) == []
+    assert decide(view(run(), (attempt(),)), AttemptObs(ranks=tuple(ranks), telemetry_up_since=None), NOW) == []
+
+
+def test_a_rank_slurm_cannot_see_is_dead_only_on_its_own_evidence() -> None:
+    unknown = ProcState.UNKNOWN
+    assert decide(view(run(), (attempt(),)), obs(*(rank(r, unknown) for r in range(4))), NOW) == []
+    crashed = [rank(0, unknown), rank(1, unknown), rank(2, unknown),
+               rank(3, unknown, reported_exit_code=1, reported_reason="CUDA error", dead_since=NOW - 5)]
+    [fault] = of(decide(view(run(), (attempt(),)), obs(*crashed), NOW), RecordFault)
+    assert fault.kind is FaultKind.RANK_EXIT and fault.ranks == (3,) and "CUDA error" in fault.summary
+    node = [rank(0, unknown), rank(1, unknown), rank(2, unknown, lost=True), rank(3, unknown, lost=True)]
+    [lost] = of(decide(view(run(), (attempt(),)), obs(*node), NOW), RecordFault)
+    assert lost.kind is FaultKind.NODE_LOST and lost.nodes == ("n2",)
+
+
+def test_a_stopping_attempt_ends_when_ranks_slurm_cannot_see_have_reported_their_exits() -> None:
+    stopping = attempt(state=AttemptState.STOPPING, stop_requested_at=NOW - 1, outcome=AttemptOutcome.FAILED,
+                       reason="node lost")
+    unknown = ProcState.UNKNOWN
+    still = [rank(0, unknown), rank(1, unknown, reported_exit_code=1), rank(2, unknown, lost=True),
+             rank(3, unknown, lost=True)]
+    assert not of(decide(view(run(RunState.RECOVERING), (stopping,)), obs(*still), NOW), EndAttempt)
+    done = [rank(0, unknown, reported_exit_code=1), *still[1:]]
+    assert of(decide(view(run(RunState.RECOVERING), (stopping,)), obs(*done), NOW), EndAttempt)
 
 
 def test_ranks_that_ended_unobserved_while_the_daemon_was_down_drain_nothing() -> None:
