@@ -10,11 +10,14 @@ Formats, and which Slurm prints which:
 - ``squeue --json``: 22.05 (openapi v0.0.38) prints flat values (``"job_state":
   "RUNNING"``); 23.02 and later print ``job_state`` as a list of flags and numbers as
   ``{"set": true, "number": N}``. Both are read.
-- ``squeue -h -o "%i|%j|%T|%N|%r"``: every version; the fallback when ``--json`` is
-  missing (Slurm before 21.08, or no openapi plugin).
-- ``squeue --steps -h -o "%i|%j|%N"``: steps (22.05's ``--json`` has no steps).
+- ``squeue -h -o "%i|%T|%N|%r|%j"``: every version; the fallback when ``--json`` is
+  missing (Slurm before 21.08, or no openapi plugin). squeue lists every user's jobs and
+  a name is free text (it may hold ``|``), so the name comes last and takes the rest.
+- ``squeue --steps -h -o "%i|%N|%j"``: steps (22.05's ``--json`` has no steps).
 - ``scontrol -o show node`` / ``show partition``: one record per line of ``Key=Value``
-  pairs (22.05 has no ``scontrol --json``); ``Reason=`` runs to the end of the line.
+  pairs (22.05 has no ``scontrol --json``). ``Reason=`` holds spaces and runs to the end
+  of the line, or (newer Slurm) to one of the keys printed after it (``Comment=`` ...).
+  A state ending in ``*`` (``IDLE*``) means the node does not respond.
 """
 
 from __future__ import annotations
@@ -169,8 +172,8 @@ def _split_top(text: str) -> list[str]:
 
 # --- squeue -------------------------------------------------------------------------
 
-SQUEUE_FORMAT = "%i|%j|%T|%N|%r"
-STEPS_FORMAT = "%i|%j|%N"
+SQUEUE_FORMAT = "%i|%T|%N|%r|%j"
+STEPS_FORMAT = "%i|%N|%j"
 
 
 def _phase(state: str) -> JobPhase:
@@ -220,10 +223,10 @@ def parse_squeue_text(text: str) -> dict[str, JobInfo]:
     for line in text.splitlines():
         if not line.strip():
             continue
-        parts = line.split("|")
+        parts = line.split("|", 4)
         if len(parts) != 5:
             raise SlurmParseError(f"squeue: cannot read line {line!r}")
-        job_id, name, state, nodes, reason = (p.strip() for p in parts)
+        job_id, state, nodes, reason, name = (p.strip() for p in parts)
         phase = _phase(state)
         out[job_id] = JobInfo(job_id=job_id, name=name, state=state, phase=phase,
                               nodes=expand_hostlist(nodes) if phase is JobPhase.HOLDING else (),
@@ -232,29 +235,34 @@ def parse_squeue_text(text: str) -> dict[str, JobInfo]:
 
 
 def parse_steps_text(text: str) -> list[StepInfo]:
-    """Output of ``squeue --steps -h -o STEPS_FORMAT``: ``3.0|tsup.run-1.a2|node[1,3]``."""
+    """Output of ``squeue --steps -h -o STEPS_FORMAT``: ``3.0|node[1,3]|tsup.run-1.a2``."""
     out = []
     for line in text.splitlines():
         if not line.strip():
             continue
-        parts = line.split("|")
+        parts = line.split("|", 2)
         if len(parts) != 3 or "." not in parts[0]:
             raise SlurmParseError(f"squeue --steps: cannot read line {line!r}")
         job_id, step_id = parts[0].strip().split(".", 1)
-        out.append(StepInfo(job_id=job_id, step_id=step_id, name=parts[1].strip(),
-                            nodes=expand_hostlist(parts[2])))
+        out.append(StepInfo(job_id=job_id, step_id=step_id, name=parts[2].strip(),
+                            nodes=expand_hostlist(parts[1])))
     return out
 
 
 # --- scontrol -o --------------------------------------------------------------------
 
 
+# Keys newer Slurm prints after Reason= (src/api/node_info.c); Reason ends where one starts.
+_AFTER_REASON = re.compile(r" (?=(?:Comment|Extra|InstanceId|InstanceType|ReservationName)=)")
+
+
 def parse_key_values(line: str) -> dict[str, str]:
-    """One ``scontrol -o`` record. Values hold no spaces except ``Reason``, which
-    (when present) is the last key and runs to the end of the line."""
+    """One ``scontrol -o`` record. Values hold no spaces except ``Reason``."""
     reason = ""
     if " Reason=" in line:
         line, reason = line.split(" Reason=", 1)
+        reason, *after = _AFTER_REASON.split(reason, maxsplit=1)
+        line = " ".join([line, *after])
     out: dict[str, str] = {}
     for token in line.split():
         key, sep, value = token.partition("=")
@@ -275,7 +283,10 @@ def parse_nodes(text: str) -> dict[str, NodeInfo]:
         kv = parse_key_values(line)
         if "NodeName" not in kv or "State" not in kv:
             raise SlurmParseError(f"scontrol show node: cannot read line {line[:120]!r}")
-        out[kv["NodeName"]] = NodeInfo(name=kv["NodeName"], state=kv["State"].rstrip("*"),
+        state = kv["State"]
+        if state.endswith("*"):  # IDLE*: Slurm's mark for a node that does not respond
+            state = state.rstrip("*") + "+NOT_RESPONDING"
+        out[kv["NodeName"]] = NodeInfo(name=kv["NodeName"], state=state,
                                        addr=kv.get("NodeAddr", kv["NodeName"]), reason=kv.get("Reason", ""))
     return out
 

@@ -1,0 +1,167 @@
+"""supervisor/slurm/requests.py: the whole sbatch and srun command lines, the batch
+script, the rank wrapper (run once under /bin/sh with a fake Slurm environment) and
+``describe``. No Slurm."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor.slurm.requests import (
+    RANK_WRAPPER,
+    SbatchRequest,
+    StepRequest,
+    allocation_script,
+    describe,
+    sbatch_argv,
+    srun_argv,
+)
+
+TRICKY = ("a b", "$HOME", "x; echo pwned", "'q'", '"dq"', "*", "")
+
+
+# --- sbatch -----------------------------------------------------------------------
+
+
+def test_sbatch_argv_whole() -> None:
+    req = SbatchRequest(job_name="tsup.run-7.a1", nodes=3, min_nodes=2, partition="train", time_limit_min=90,
+                        signal_before_s=300, exclude=("node9", "node10", "node2"), output=Path("/var/log/alloc.out"))
+    assert sbatch_argv(req) == [
+        "sbatch", "--parsable", "--job-name=tsup.run-7.a1", "--nodes=2-3", "--exclusive", "--no-kill",
+        "--no-requeue", "--output=/var/log/alloc.out", "--partition=train", "--time=90", "--signal=USR1@300",
+        "--exclude=node10,node2,node9",
+    ]
+
+
+def test_sbatch_argv_equal_min_max_nodes() -> None:
+    argv = sbatch_argv(SbatchRequest(job_name="j", nodes=3, min_nodes=3))
+    assert "--nodes=3" in argv
+    assert not any(a.startswith("--nodes=") and "-" in a.removeprefix("--nodes=") for a in argv)
+
+
+def test_sbatch_argv_minimal() -> None:
+    assert sbatch_argv(SbatchRequest(job_name="j", nodes=1, min_nodes=1)) == [
+        "sbatch", "--parsable", "--job-name=j", "--nodes=1", "--exclusive", "--no-kill", "--no-requeue",
+        "--output=/dev/null",
+    ]
+
+
+def test_sbatch_argv_no_signal_without_time_limit() -> None:
+    argv = sbatch_argv(SbatchRequest(job_name="j", nodes=2, min_nodes=1, signal_before_s=300))
+    assert not any(a.startswith(("--time", "--signal", "--partition", "--exclude", "--chdir")) for a in argv)
+
+
+def test_sbatch_argv_default_signal_lead() -> None:
+    argv = sbatch_argv(SbatchRequest(job_name="j", nodes=2, min_nodes=2, time_limit_min=60))
+    assert argv[-2:] == ["--time=60", "--signal=USR1@120"]
+
+
+def test_sbatch_argv_always_has_the_allocation_flags() -> None:
+    for req in (SbatchRequest(job_name="j", nodes=1, min_nodes=1),
+                SbatchRequest(job_name="j", nodes=4, min_nodes=2, partition="p", time_limit_min=5)):
+        argv = sbatch_argv(req)
+        assert argv[:2] == ["sbatch", "--parsable"]
+        for flag in ("--exclusive", "--no-kill", "--no-requeue"):
+            assert argv.count(flag) == 1, flag
+
+
+def test_sbatch_argv_exclude_sorted_comma_joined() -> None:
+    argv = sbatch_argv(SbatchRequest(job_name="j", nodes=2, min_nodes=2, exclude=("node3", "node1")))
+    assert [a for a in argv if a.startswith("--exclude")] == ["--exclude=node1,node3"]
+
+
+def test_sbatch_argv_workdir_and_site_extras_last() -> None:
+    argv = sbatch_argv(SbatchRequest(job_name="j", nodes=2, min_nodes=2, workdir=Path("/shared/run 7"),
+                                     extra=("--account=llm", "--qos=high")))
+    assert argv[-3:] == ["--chdir=/shared/run 7", "--account=llm", "--qos=high"]
+
+
+def test_allocation_script_holds_nodes_and_sleeps() -> None:
+    script = allocation_script(SbatchRequest(job_name="tsup.run-7.a1", nodes=3, min_nodes=2))
+    assert script.startswith("#!/bin/sh\n")
+    lines = script.splitlines()
+    assert lines[-1] == "exec sleep infinity"
+    assert all(line.startswith("#") for line in lines[:-1])  # nothing else runs
+    assert "tsup.run-7.a1" in script
+    assert script.endswith("\n")
+
+
+# --- srun -------------------------------------------------------------------------
+
+
+def step(**kw: object) -> StepRequest:
+    base: dict[str, object] = {"job_id": "4711", "step_name": "tsup.run-7.a2", "nodes": ("node1", "node3"),
+                               "ranks_per_node": 4, "argv": ("python3", "-m", "trainer", "--steps", "10"),
+                               "log_dir": Path("/logs/run-7/a2")}
+    base.update(kw)
+    return StepRequest(**base)  # type: ignore[arg-type]
+
+
+def test_srun_argv_whole() -> None:
+    assert srun_argv(step()) == [
+        "srun", "--jobid=4711", "--job-name=tsup.run-7.a2", "--nodes=2", "--nodelist=node1,node3", "--ntasks=8",
+        "--ntasks-per-node=4", "--distribution=block", "--overlap", "--kill-on-bad-exit=0",
+        "--output=/logs/run-7/a2/rank-%t.log",
+        "/bin/sh", "-c", RANK_WRAPPER, "tsup-rank", "python3", "-m", "trainer", "--steps", "10",
+    ]
+
+
+def test_srun_argv_task_counts() -> None:
+    argv = srun_argv(step(nodes=("a", "b", "c"), ranks_per_node=1))
+    assert {"--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--nodelist=a,b,c"} <= set(argv)
+
+
+def test_srun_trainer_argv_passed_as_separate_arguments() -> None:
+    argv = srun_argv(step(argv=("python3", *TRICKY)))
+    i = argv.index("/bin/sh")
+    assert argv[i:i + 4] == ["/bin/sh", "-c", RANK_WRAPPER, "tsup-rank"]
+    assert argv[i + 4:] == ["python3", *TRICKY]
+    # Never pasted into the shell text.
+    for arg in ("python3", "a b", "$HOME", "x; echo pwned", "'q'"):
+        assert arg not in RANK_WRAPPER
+    # srun options all come before the command: nothing of the trainer's among them.
+    assert all(a.startswith("--") for a in argv[1:i])
+
+
+def test_rank_wrapper_sets_torchrun_env_and_passes_argv_verbatim(tmp_path: Path) -> None:
+    probe = ("import json, os, sys; print(json.dumps({'argv': sys.argv[1:], 'env': {k: os.environ.get(k) for k "
+             "in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'GROUP_RANK', 'TSUP_NODE')}}))")
+    argv = srun_argv(step(argv=(sys.executable, "-c", probe, *TRICKY)))
+    command = argv[argv.index("/bin/sh"):]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path / "home-should-not-expand"),
+           "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_NODEID": "1",
+           "SLURMD_NODENAME": "node3"}
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["env"] == {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "GROUP_RANK": "1",
+                          "TSUP_NODE": "node3"}
+    assert out["argv"] == list(TRICKY)
+
+
+# --- describe ---------------------------------------------------------------------
+
+
+def test_describe_quotes_arguments_with_spaces() -> None:
+    assert describe(["srun", "--chdir=/a b", "python3", "$HOME"]) == "srun '--chdir=/a b' python3 '$HOME'"
+
+
+def test_describe_env_prefix_sorted_and_quoted() -> None:
+    assert describe(["run"], {"Z": "1", "A": "x y"}) == "A='x y' Z=1 run"
+    assert describe(["run"], {}) == "run"
+
+
+@pytest.mark.parametrize("argv", [["sbatch", "--parsable"], ["python3", *TRICKY]])
+def test_describe_round_trips_through_a_shell_split(argv: list[str]) -> None:
+    assert shlex.split(describe(argv)) == argv
+
+
+def test_describe_of_whole_srun_round_trips() -> None:
+    argv = srun_argv(step(argv=("python3", *TRICKY), log_dir=Path("/logs/with space")))
+    assert shlex.split(describe(argv)) == argv
