@@ -3,7 +3,7 @@
     supervisorctl [--url URL] [--json] runs
     supervisorctl status RUN            a run's state, attempts, faults, goodput
     supervisorctl events RUN [--follow] its event log
-    supervisorctl submit SPEC.toml
+    supervisorctl submit SPEC.toml [--dry-run]
     supervisorctl resume RUN | pause RUN | cancel RUN
     supervisorctl nodes
 
@@ -24,8 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from api.client import DEFAULT_URL, ApiError, Client
-from supervisor import report
+from supervisor import report, trainer_cmd
 from supervisor.domain import TERMINAL_RUN_STATES
+from supervisor.errors import SpecError
+from supervisor.slurm import requests
+from supervisor.spec import parse_spec
 from supervisor.views import EventView, NodeView, RunDetail, RunSummary
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNAUTHORIZED = 0, 1, 2, 3, 4
@@ -71,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_events)
     p = sub.add_parser("submit", help="submit a run spec (TOML)", parents=[common])
     p.add_argument("spec", type=Path)
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the spec and print what would run (sbatch, batch script, srun); "
+                        "submit nothing")
     p.set_defaults(handler=_submit)
     for kind, text in (("resume", "resume a paused or failed run"), ("pause", "pause a run"),
                        ("cancel", "cancel a run")):
@@ -144,11 +150,44 @@ def _submit(c: Client, args: argparse.Namespace) -> int:
     except tomllib.TOMLDecodeError as e:
         print(f"supervisorctl: {args.spec}: not valid TOML: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if args.dry_run:
+        return _dry_run(args, spec)
     run = c.submit(spec)
     if args.json:
         _print_json(run)
     else:
         print(f"{run['run_id']} submitted ({run['name']})")
+    return EXIT_OK
+
+
+def _dry_run(args: argparse.Namespace, data: dict[str, Any]) -> int:
+    """Pure: nothing is asked of the daemon or of Slurm."""
+    try:
+        spec = parse_spec(data, str(args.spec))
+    except SpecError as e:
+        print(f"supervisorctl: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    run_dir = Path("<state-dir>/runs/run-N")
+    argv = trainer_cmd.attempt_argv(spec, run_dir, 1, None, 0)
+    res = spec.resources
+    if res.launcher == "slurm":
+        plan: dict[str, Any] = {"launcher": "slurm", **requests.dry_run(
+            job_name="tsup-<state-dir hash>.run-N.1", nodes=res.nodes, spares=res.spares,
+            ranks_per_node=res.ranks_per_node, argv=argv, partition=res.partition,
+            time_limit_min=res.time_limit_min, log_dir=run_dir)}
+    else:
+        plan = {"launcher": "local", "ranks": res.nodes * res.ranks_per_node, "argv": list(argv)}
+    if args.json:
+        _print_json(plan)
+    elif res.launcher == "slurm":
+        print(f"# the allocation: {res.nodes} node(s) to train on + {res.spares} hot spare(s)")
+        print(requests.describe(plan["sbatch"]) + " <<'EOF'")
+        print(plan["batch_script"] + "EOF")
+        print(f"# each attempt: a job step on {res.nodes} healthy node(s) of the allocation")
+        print(requests.describe(plan["srun"]))
+    else:
+        print(f"# {plan['ranks']} rank(s) on this machine, each running:")
+        print(requests.describe(argv))
     return EXIT_OK
 
 

@@ -135,7 +135,10 @@ class Reconciler:
 
     def _reconcile(self, run: Run, commands: list[Command], now: float) -> None:
         if run.allocation_info is not None:
-            self._sync_allocation(run, now)
+            # Before a launch, ask the cluster afresh: a step must not be started in an
+            # allocation that ended a moment ago (preempted, cancelled, out of time).
+            recovering = run.state in (RunState.PENDING, RunState.STARTING, RunState.RECOVERING)
+            self._sync_allocation(run, now, fresh=recovering)
         with self.store.tx() as tx:
             attempts = tuple(tx.list_attempts(run.number))
             spec, run_dir = self._spec(tx, run.number)
@@ -412,9 +415,9 @@ class Reconciler:
                              {"asked": count, "got": got, "note": grant.note}, now)
             self._short[run.number] = short
 
-    def _sync_allocation(self, run: Run, now: float) -> None:
+    def _sync_allocation(self, run: Run, now: float, *, fresh: bool) -> None:
         """Follow what the cluster says the run holds: an allocation can shrink or end."""
-        grant = self.launcher.held(run.run_id, run.allocation_info)
+        grant = self.launcher.held(run.run_id, run.allocation_info, fresh=fresh)
         if grant is None:
             return
         with self.store.tx() as tx:

@@ -148,9 +148,16 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 def global_mean(value: torch.Tensor) -> float:
     """Mean of a scalar over all ranks (gloo has no AVG, so sum and divide)."""
-    total = value.detach().float().reshape(1).clone()
+    return global_mean_and_any(value, False)[0]
+
+
+def global_mean_and_any(value: torch.Tensor, flag: bool) -> tuple[float, bool]:
+    """The mean of a scalar over all ranks, and whether any rank raised ``flag``, in one
+    all-reduce: ranks that act on the flag (a checkpoint asked for by a signal) then act
+    at the same step, as every collective in the action needs."""
+    total = torch.stack([value.detach().float().reshape(()), torch.tensor(float(flag), device=value.device)])
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return float(total.item()) / dist.get_world_size()
+    return float(total[0].item()) / dist.get_world_size(), bool(total[1].item() > 0)
 
 
 def to_float(value: torch.Tensor) -> float:

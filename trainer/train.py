@@ -18,7 +18,9 @@ commits checkpoints and writes result.json. The order of work:
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -116,6 +118,13 @@ class _Runner:
         self.last_loss: float | None = None
         self.last_checkpoint: str | None = None
         self.started = time.monotonic()
+        # SIGUSR1 asks for a checkpoint at the next step (Slurm sends it ahead of a time
+        # limit, ``sbatch --signal=USR1@S``); the ranks agree on the step in the loss's
+        # all-reduce, so all of them save together.
+        self._save_asked = False
+        self._save_asked_now = False
+        if threading.current_thread() is threading.main_thread():  # the only place handlers may be set
+            signal.signal(signal.SIGUSR1, self._on_usr1)
         torch.manual_seed(config.seed)  # nothing should draw from it; pin it regardless
 
         if ctx.is_main:  # a result.json from an earlier attempt must not outlive it
@@ -147,7 +156,9 @@ class _Runner:
         while self.step < config.steps:
             stats = self._train_step(self.step + 1)
             self._report(stats)
-            if self._checkpoint_due():
+            if self._checkpoint_due() or self._save_asked_now:
+                if self._save_asked_now and not self._checkpoint_due():
+                    self._say(f"checkpoint at step {self.step} asked for by SIGUSR1 (a time limit ahead)")
                 self._save()
             self.faults.after_step(self.step, self.ctx.rank)
         self.telemetry.set_phase(Phase.DONE, self.step)
@@ -221,7 +232,9 @@ class _Runner:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_value = distributed.global_mean(loss_sum / passes)  # also syncs the device
+        asked, self._save_asked = self._save_asked, False
+        # also syncs the device
+        loss_value, self._save_asked_now = distributed.global_mean_and_any(loss_sum / passes, asked)
         grad_norm_value = distributed.to_float(grad_norm)
         self.step, self.consumed = step, self.consumed + config.global_batch_size
         self.last_loss = loss_value
@@ -229,6 +242,9 @@ class _Runner:
         tokens = config.global_batch_size * config.seq_len
         return StepStats(loss=loss_value, grad_norm=grad_norm_value, lr=lr,
                          step_time_s=elapsed, tokens_per_s=tokens / elapsed)
+
+    def _on_usr1(self, signum: int, frame: object) -> None:
+        self._save_asked = True  # only a flag: the loop acts on it between steps
 
     def _report(self, s: StepStats) -> None:
         self.telemetry.step_completed(step=self.step, loss=s.loss, grad_norm=s.grad_norm,

@@ -81,9 +81,10 @@ class Launcher(Protocol):
         """Get the run up to ``req.count`` healthy nodes; may hold fewer for now."""
         ...
 
-    def held(self, run_id: str, info: str | None) -> Grant | None:
+    def held(self, run_id: str, info: str | None, *, fresh: bool = False) -> Grant | None:
         """What the run holds now; None when the launcher cannot tell or keeps no record
-        of its own (the store's record stands)."""
+        of its own (the store's record stands). ``fresh``: ask the cluster now, not a
+        recent answer (before a launch)."""
         ...
 
     def release(self, run_id: str, info: str | None) -> None:

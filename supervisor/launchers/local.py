@@ -76,7 +76,7 @@ class LocalLauncher:
         return Grant(nodes=req.held + tuple(names), info=None,
                      note=f"at most {self.max_nodes} local nodes" if short else "")
 
-    def held(self, run_id: str, info: str | None) -> Grant | None:
+    def held(self, run_id: str, info: str | None, *, fresh: bool = False) -> Grant | None:
         return None  # the store's record is the whole truth for simulated nodes
 
     def release(self, run_id: str, info: str | None) -> None:

@@ -209,12 +209,14 @@ class SlurmLauncher:
         log.info("submitted allocation %s (%s) for %d nodes", job_id, name, req.count)
         return Grant(nodes=(), info=_dump_alloc(job_id, seq), note=f"job {job_id} submitted")
 
-    def held(self, run_id: str, info: str | None) -> Grant | None:
+    def held(self, run_id: str, info: str | None, *, fresh: bool = False) -> Grant | None:
         if info is None:
             return None
         alloc = _load_alloc(info)
         if alloc["job"] is None:
             return None  # nothing submitted yet: allocate() deals with it
+        if fresh:
+            self._cache.pop("jobs", None)
         jobs = self.jobs()
         if jobs is None:
             return None
@@ -310,8 +312,10 @@ class SlurmLauncher:
             elif srun_alive or step_listed:
                 out.append(RankProc(rank=rank, node=node, proc=ProcState.UNKNOWN))
             elif srun_code is not None and srun_code >= 0:
-                # srun names every task that failed; the rest exited 0.
-                out.append(RankProc(rank=rank, node=node, proc=ProcState.EXITED, exit_code=0))
+                # srun names every task that failed and the rest exited 0; when it names
+                # none but failed itself, no task ran (no step could be created).
+                code = srun_code if not exits else 0
+                out.append(RankProc(rank=rank, node=node, proc=ProcState.EXITED, exit_code=code))
             elif step_listed is None and srun_code is None:
                 out.append(RankProc(rank=rank, node=node, proc=ProcState.UNKNOWN))
             else:

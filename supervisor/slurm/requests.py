@@ -102,3 +102,15 @@ def describe(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str:
     """A copy-pasteable command line (for --dry-run and logs only, never executed)."""
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted((env or {}).items()))
     return (prefix + " " if prefix else "") + " ".join(shlex.quote(a) for a in argv)
+
+
+def dry_run(*, job_name: str, nodes: int, spares: int, ranks_per_node: int, argv: Sequence[str],
+            partition: str | None, time_limit_min: int | None, log_dir: Path) -> dict[str, object]:
+    """What a run would ask of Slurm, before any node is known: the allocation request,
+    its batch script, and the srun of the first step (``<...>`` marks what Slurm decides)."""
+    sreq = SbatchRequest(job_name=job_name, nodes=nodes + spares, min_nodes=nodes, partition=partition,
+                         time_limit_min=time_limit_min, output=log_dir / "alloc.out")
+    step = StepRequest(job_id="<allocation job id>", step_name=job_name.rsplit(".", 1)[0] + ".a1",
+                       nodes=tuple(f"<node {k + 1} of the allocation>" for k in range(nodes)),
+                       ranks_per_node=ranks_per_node, argv=tuple(argv), log_dir=log_dir / "attempts" / "1")
+    return {"sbatch": sbatch_argv(sreq), "batch_script": allocation_script(sreq), "srun": srun_argv(step)}

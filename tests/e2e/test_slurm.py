@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -79,6 +80,41 @@ def test_kill_node_drains_it_and_resumes_on_the_spare_in_the_same_allocation(
                                 "('chaos.injected', 'fault.detected', 'run.recovered') ORDER BY id"))
     print(json.dumps({"kill_to_detect_s": round(times["fault.detected"] - times["chaos.injected"], 2),
                       "kill_to_first_resumed_step_s": round(times["run.recovered"] - times["chaos.injected"], 2)}))
+
+
+def test_an_allocation_ended_by_slurm_is_replaced_and_the_run_resumes(
+        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path) -> None:
+    """Preemption, a time limit, or an operator's scancel: the allocation is gone, the
+    supervisor asks for a new one and resumes from the newest checkpoint."""
+    state = tmp_path / "state"
+    out = open(tmp_path / "run.out", "w+")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", str(EXAMPLE), "--launcher", "slurm",
+                             "--state-dir", str(state), "--json"], stdout=out, stderr=subprocess.STDOUT,
+                            env={**env(), "SLURM_CONF": str(slurm_box.conf)}, cwd=REPO)
+    try:
+        def step() -> int:
+            try:
+                return int(db_rows(state, "SELECT coalesce(max(step), 0) FROM metrics")[0][0])
+            except sqlite3.Error:  # the database may not exist yet
+                return 0
+
+        wait_for(lambda: step() >= 45, 180, "step 45")
+        [job] = parse.parse_squeue_text(slurm(slurm_box, "squeue", "-h", "-o", parse.SQUEUE_FORMAT))
+        slurm(slurm_box, "scancel", job)
+        assert proc.wait(300) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out.seek(0)
+    text = out.read()
+    s = json.loads(text[text.index("{\n"):])
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    assert s["attempts"] == 2 and s["attempt_history"][1]["resume_step"] == 40
+    infos = [json.loads(i) for (i,) in db_rows(state, "SELECT launch_info FROM attempts ORDER BY number")]
+    assert infos[0]["job"] == job and infos[1]["job"] != job, "a new allocation for the second attempt"
+    released = db_rows(state, "SELECT message FROM events WHERE kind = 'nodes.released'")
+    assert released, "the supervisor noticed the allocation was gone"
+    assert s["drained_nodes"] == [], "an ended allocation is no node's fault"
 
 
 def test_specs_the_cluster_cannot_serve_are_refused_at_submit(

@@ -45,7 +45,7 @@ class ScriptedLauncher:
             names.append(f"node-{k}")
         return Grant(nodes=req.held + tuple(names), info=None)
 
-    def held(self, run_id: str, info: str | None) -> Grant | None:
+    def held(self, run_id: str, info: str | None, *, fresh: bool = False) -> Grant | None:
         return None
 
     def release(self, run_id: str, info: str | None) -> None:
