@@ -3,7 +3,12 @@
 Runs the example spec (or SPEC) with `training-supervisor run --json`, fault-free and
 with each fault kind, and prints one JSON object:
 
-    python bench/recovery.py [--spec examples/tiny-llama.toml] [--repeat 1]
+    python bench/recovery.py [--spec examples/tiny-llama.toml] [--repeat 1] [--launcher slurm]
+
+With ``--launcher slurm`` every run goes to a Slurm box of three nodes that the
+benchmark starts for itself (scripts/slurm-box) and stops at the end, unless
+SLURM_CONF already names a cluster; the fault scenarios then kill or freeze a node
+with its slurmd.
 
 For each faulty run it reports, per fault, detection_s (from the chaos injection to
 the supervisor's detection), recovery_s (from detection to the next attempt's first
@@ -15,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sqlite3
 import statistics
 import subprocess
@@ -25,17 +32,19 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 SCENARIOS = {
     "fault-free": [],
     "kill-rank": ["kill-rank@50"],
     "kill-node": ["kill-node@50"],
+    "freeze-node": ["freeze-node@50"],
 }
 
 
-def run_once(spec: Path, chaos: list[str]) -> dict[str, Any]:
+def run_once(spec: Path, chaos: list[str], launcher: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tsup-bench-") as tmp:
         args = [sys.executable, "-m", "supervisor.cli", "run", str(spec), "--state-dir", tmp, "--json",
-                "--quiet", "--api-port", "-1"]
+                "--quiet", "--api-port", "-1", "--launcher", launcher]
         for c in chaos:
             args += ["--chaos", c]
         began = time.perf_counter()
@@ -69,13 +78,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--spec", type=Path, default=REPO / "examples" / "tiny-llama.toml")
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--launcher", choices=("local", "slurm"), default="local")
     args = parser.parse_args()
     results: dict[str, list[dict[str, Any]]] = {}
-    for name, chaos in SCENARIOS.items():
-        results[name] = [run_once(args.spec, chaos) for _ in range(args.repeat)]
-        print(f"{name}: done", file=sys.stderr, flush=True)
+    box_dir = None
+    if args.launcher == "slurm" and "SLURM_CONF" not in os.environ:
+        from supervisor.slurm import box  # stdlib only
+
+        box_dir = Path(tempfile.mkdtemp(prefix="tsup-bench-box-"))
+    try:
+        for name, chaos in SCENARIOS.items():
+            runs = []
+            for _ in range(args.repeat):
+                if box_dir is not None:  # a fresh cluster per run: the last one lost a node
+                    os.environ["SLURM_CONF"] = str(box.up(box_dir, 3).conf)
+                try:
+                    runs.append(run_once(args.spec, chaos, args.launcher))
+                finally:
+                    if box_dir is not None:
+                        box.down(box_dir)
+            results[name] = runs
+            print(f"{name}: done", file=sys.stderr, flush=True)
+    finally:
+        if box_dir is not None:
+            shutil.rmtree(box_dir, ignore_errors=True)
     digests = {r["model_digest"] for runs in results.values() for r in runs}
-    report = {"spec": str(args.spec), "same_model_digest": len(digests) == 1, "runs": results}
+    report = {"spec": str(args.spec), "launcher": args.launcher, "same_model_digest": len(digests) == 1,
+              "runs": results}
     print(json.dumps(report, indent=2))
 
 

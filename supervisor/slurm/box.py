@@ -151,6 +151,8 @@ def up(directory: Path, nodes: int, *, cpus: int = 2, memory_mb: int = 4000, par
     ports = _free_ports(nodes + 1)
     box = Box(dir=str(directory.resolve()), nodes=names, partition=partition, ctld_port=ports[0],
               node_ports=dict(zip(names, ports[1:], strict=True)))
+    for sub in ("state", "spool", "run"):  # a box from before leaves state Slurm would reuse
+        shutil.rmtree(directory / sub, ignore_errors=True)
     for sub in ("munge", "state", "spool", "log", "run"):
         (directory / sub).mkdir(parents=True, exist_ok=True)
     os.chmod(directory / "munge", 0o700)
@@ -159,7 +161,15 @@ def up(directory: Path, nodes: int, *, cpus: int = 2, memory_mb: int = 4000, par
     os.chmod(key, 0o600)
     box.conf.write_text(_slurm_conf(box, cpus, memory_mb))
     _save(box)  # from here on, `down` can clean up whatever got started
+    try:
+        _start(box, directory, key, timeout_s)
+    except BaseException:
+        down(directory)  # nothing half-started is left behind
+        raise
+    return box
 
+
+def _start(box: Box, directory: Path, key: Path, timeout_s: float) -> None:
     m = directory / "munge"
     subprocess.run(
         [str(SBIN / "munged"), "--force", f"--socket={m}/munge.socket", f"--key-file={key}",
@@ -173,10 +183,9 @@ def up(directory: Path, nodes: int, *, cpus: int = 2, memory_mb: int = 4000, par
                    capture_output=True, timeout=timeout_s)
     box.ctld_pid = _read_pid(directory / "run" / "slurmctld.pid")
     _save(box)
-    for node in names:
+    for node in box.nodes:
         start_node(box, node, timeout_s=timeout_s)
     wait_idle(box, timeout_s)
-    return box
 
 
 def start_node(box: Box, node: str, *, timeout_s: float = 30.0) -> int:
