@@ -32,6 +32,8 @@ Attribution rules (what a fault blames):
 - a node is blamed, and drained, only when EVERY rank on it vanished abruptly in the
   same observation: killed by SIGKILL, or gone with no exit report of its own. One
   rank's crash never drains a node;
+- a node the run no longer holds (the cluster ended or shrank the allocation) is
+  never blamed: its ranks died because the allocation did;
 - a node is also blamed and drained when EVERY rank on it has been silent (no message,
   heartbeats included) for ``silence_timeout_s`` while ranks on other nodes are heard
   and the supervisor's broker link has been up that long: a node that froze or lost
@@ -306,7 +308,8 @@ def _find_silent_node(
     by_node: dict[str, list[RankObs]] = {}
     for r in obs.ranks:
         by_node.setdefault(r.node, []).append(r)
-    quiet = sorted(n for n, rs in by_node.items() if all(silent(r) for r in rs))
+    held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
+    quiet = sorted(n for n, rs in by_node.items() if n in held and all(silent(r) for r in rs))
     if not quiet or len(quiet) == len(by_node):
         return None
     blamed = [r for r in obs.ranks if r.node in quiet]
@@ -357,7 +360,12 @@ def _attribute(
     by_node: dict[str, list[RankObs]] = {}
     for r in ranks:
         by_node.setdefault(r.node, []).append(r)
-    lost_nodes = sorted(n for n, rs in by_node.items() if all(_vanished_abruptly(r) for r in rs))
+    # A node the run no longer holds (Slurm ended or shrank the allocation: preemption,
+    # a time limit, scancel) is not to blame: its ranks died because the allocation did.
+    held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
+    lost_nodes = sorted(n for n, rs in by_node.items()
+                        if n in held and all(_vanished_abruptly(r) for r in rs))
+    released = sorted(n for n in by_node if n not in held)
     do_not_retry = any(_exit_code(r) in EXIT_DO_NOT_RETRY for r in dead)
     where = f"{view.run.run_id}, attempt {live.number}, step {step}"
 
@@ -394,6 +402,8 @@ def _attribute(
         summary += f" (then {len(dead) - len(first)} more rank(s) exited)"
     if do_not_retry:
         summary = f"trainer reported a configuration error (exit code 2): {summary}"
+    elif released and len(released) == len(by_node):
+        summary = f"the allocation ended under the attempt (nodes {', '.join(released)} released): {summary}"
     record = RecordFault(
         kind=FaultKind.RANK_EXIT, attempt=live.number, ranks=tuple(r.rank for r in first),
         nodes=tuple(sorted({r.node for r in first})), summary=summary, step=step,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from supervisor import checkpoint_scan, trainer_cmd
@@ -154,6 +154,13 @@ class Reconciler:
         view = RunView(run=run, attempts=attempts, allocation=allocation, newest_checkpoint=newest,
                        commands=tuple(commands), open_faults=open_faults)
         obs = self._observe(run, spec, run_dir, live, now) if live else None
+        if obs is not None and run.allocation_info is not None and any(
+                r.proc in (ProcState.EXITED, ProcState.VANISHED) or r.lost for r in obs.ranks):
+            # Ranks died: before anyone is blamed, learn afresh whether the cluster took
+            # the allocation away (then no node is at fault).
+            self._sync_allocation(run, now, fresh=True)
+            with self.store.tx() as tx:
+                view = replace(view, allocation=tuple(tx.allocation(run.number)))
         effects = decide(view, obs, now)
         if effects:
             self._apply(run, spec, run_dir, view, effects, now)

@@ -15,8 +15,8 @@ Formats, and which Slurm prints which:
   a name is free text (it may hold ``|``), so the name comes last and takes the rest.
 - ``squeue --steps -h -o "%i|%N|%j"``: steps (22.05's ``--json`` has no steps).
 - ``scontrol -o show node`` / ``show partition``: one record per line of ``Key=Value``
-  pairs (22.05 has no ``scontrol --json``). ``Reason=`` holds spaces and runs to the end
-  of the line, or (newer Slurm) to one of the keys printed after it (``Comment=`` ...).
+  pairs (22.05 has no ``scontrol --json``). ``Reason=`` holds spaces and runs to the next
+  ``Key=`` or the end of the line.
   A state ending in ``*`` (``IDLE*``) means the node does not respond.
 """
 
@@ -252,8 +252,9 @@ def parse_steps_text(text: str) -> list[StepInfo]:
 # --- scontrol -o --------------------------------------------------------------------
 
 
-# Keys newer Slurm prints after Reason= (src/api/node_info.c); Reason ends where one starts.
-_AFTER_REASON = re.compile(r" (?=(?:Comment|Extra|InstanceId|InstanceType|ReservationName)=)")
+# Reason= ends where the next key starts: a node's is last on 22.05 but followed by
+# Comment=, Extra= ... on newer Slurm (src/api/node_info.c); a job's is mid-line.
+_AFTER_REASON = re.compile(r" (?=[A-Z][A-Za-z0-9_:/]*=)")
 
 
 def parse_key_values(line: str) -> dict[str, str]:

@@ -82,6 +82,26 @@ def test_kill_node_drains_it_and_resumes_on_the_spare_in_the_same_allocation(
                       "kill_to_first_resumed_step_s": round(times["run.recovered"] - times["chaos.injected"], 2)}))
 
 
+def test_without_spares_a_lost_node_gets_a_new_allocation_that_excludes_it(
+        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
+    spec = spec_for_slurm(tmp_path)
+    spec.write_text(spec.read_text().replace("spares = 1", "spares = 0"))
+    state = tmp_path / "state"
+    proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "kill-node@50")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    assert s["drained_nodes"] == ["node2"]
+    assert [a["nodes"] for a in s["attempt_history"]] == [["node1", "node2"], ["node1", "node3"]]
+    jobs = [json.loads(i)["job"] for (i,) in db_rows(state, "SELECT launch_info FROM attempts ORDER BY number")]
+    assert jobs[0] != jobs[1], "one node short: a second allocation"
+    second = parse.parse_key_values(slurm(slurm_box, "scontrol", "-o", "show", "job", jobs[1]))
+    assert second["ExcNodeList"] == "node2", "the new allocation excludes the drained node"
+    first = parse.parse_key_values(slurm(slurm_box, "scontrol", "-o", "show", "job", jobs[0]))
+    assert first["JobState"] == "CANCELLED", "the old allocation was given back"
+
+
 def test_an_allocation_ended_by_slurm_is_replaced_and_the_run_resumes(
         slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path) -> None:
     """Preemption, a time limit, or an operator's scancel: the allocation is gone, the

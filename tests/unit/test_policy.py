@@ -303,6 +303,18 @@ def test_a_stopping_attempt_ends_when_ranks_slurm_cannot_see_have_reported_their
     assert of(decide(view(run(RunState.RECOVERING), (stopping,)), obs(*done), NOW), EndAttempt)
 
 
+def test_nodes_the_allocation_no_longer_holds_are_never_drained() -> None:
+    """Slurm ended the allocation (preemption, time limit, scancel): every rank died,
+    but no node is to blame."""
+    ranks = [rank(r, ProcState.EXITED, exit_code=SIGKILL) for r in range(4)]
+    released = nodes(NodeState.IDLE, NodeState.IDLE, NodeState.IDLE)
+    effects = decide(view(run(), (attempt(),), alloc=released), obs(*ranks), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.RANK_EXIT and "the allocation ended under the attempt" in fault.summary
+    assert not of(effects, DrainNode)
+    assert of(effects, SetRunState)[0].state is RunState.RECOVERING
+
+
 def test_ranks_that_ended_unobserved_while_the_daemon_was_down_drain_nothing() -> None:
     ranks = [rank(i, ProcState.VANISHED) for i in range(4)]  # no exit report, no last will
     effects = decide(view(run(), (attempt(),)), obs(*ranks), NOW)

@@ -462,3 +462,8 @@ def test_sbatch_job_id_from_recorded_error_raises() -> None:
     assert "Invalid partition name specified" in text
     with pytest.raises(SlurmParseError, match="sbatch: error: invalid partition"):
         parse_sbatch_job_id(text)
+
+
+def test_key_values_job_reason_mid_line_ends_at_the_next_key() -> None:
+    kv = parse_key_values("JobId=3 JobState=PENDING Reason=Resources Dependency=(null) ExcNodeList=node2")
+    assert kv["Reason"] == "Resources" and kv["ExcNodeList"] == "node2" and kv["Dependency"] == "(null)"
