@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from health import host
+from health.model import verdict
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,14 +32,14 @@ def main(argv: list[str] | None = None) -> int:
         host.load(),
         host.leftover_trainers(),
     ]
-    v = host.verdict(findings)
+    v = verdict(findings)
     if args.json:
         print(json.dumps(v.to_json(), indent=2))
     else:
         print(f"{v.status.value}")
         for f in v.findings:
             print(f"  {f.probe:<18} {f.status.value:<9} {f.evidence}")
-    return host.EXIT_CODES[v.status]
+    return v.exit_code
 
 
 if __name__ == "__main__":

@@ -8,37 +8,11 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 from pathlib import Path
 
 import psutil
 
-
-class Status(StrEnum):
-    HEALTHY = "healthy"
-    DEGRADED = "degraded"
-    UNHEALTHY = "unhealthy"
-    UNKNOWN = "unknown"  # the probe itself failed: never read as healthy
-
-
-EXIT_CODES = {Status.HEALTHY: 0, Status.DEGRADED: 1, Status.UNHEALTHY: 2, Status.UNKNOWN: 2}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Finding:
-    probe: str
-    status: Status
-    evidence: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Verdict:
-    status: Status
-    findings: list[Finding] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, object]:
-        return {"status": self.status.value, "findings": [asdict(f) for f in self.findings]}
+from health.model import Finding, Status
 
 
 def disk(path: Path, *, min_free_gib: float = 10.0, degraded_free_gib: float = 50.0) -> Finding:
@@ -101,14 +75,3 @@ def leftover_trainers() -> Finding:
                        evidence="no trainer process running")
     return Finding(probe="leftover_trainers", status=Status.DEGRADED,
                    evidence=f"{len(left)} trainer process(es) running: pids {', '.join(map(str, left[:10]))}")
-
-
-def verdict(findings: list[Finding]) -> Verdict:
-    """The worst finding wins; a probe that failed (UNKNOWN) counts as unhealthy."""
-    order = [Status.HEALTHY, Status.DEGRADED, Status.UNHEALTHY]
-    worst = Status.HEALTHY
-    for f in findings:
-        s = Status.UNHEALTHY if f.status is Status.UNKNOWN else f.status
-        if order.index(s) > order.index(worst):
-            worst = s
-    return Verdict(status=worst, findings=findings)

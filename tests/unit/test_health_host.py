@@ -8,17 +8,22 @@ import sys
 from pathlib import Path
 
 from health import host
-from health.host import Finding, Status
+from health.model import Action, Finding, Status, verdict
 from tests.conftest import REPO
 
 
 def test_worst_finding_wins_and_a_failed_probe_is_never_healthy() -> None:
     ok = Finding(probe="a", status=Status.HEALTHY, evidence="")
     slow = Finding(probe="b", status=Status.DEGRADED, evidence="")
-    broken = Finding(probe="c", status=Status.UNKNOWN, evidence="probe failed")
-    assert host.verdict([ok]).status is Status.HEALTHY
-    assert host.verdict([ok, slow]).status is Status.DEGRADED
-    assert host.verdict([ok, slow, broken]).status is Status.UNHEALTHY
+    broken = Finding(probe="c", status=Status.UNKNOWN, evidence="unknown: probe failed: x")
+    bad = Finding(probe="d", status=Status.UNHEALTHY, evidence="ECC", action=Action.REPLACE)
+    reboot = Finding(probe="e", status=Status.UNHEALTHY, evidence="XID 79", action=Action.REBOOT)
+    assert verdict([ok]).status is Status.HEALTHY and verdict([]).status is Status.HEALTHY
+    assert verdict([ok, slow]).status is Status.DEGRADED
+    assert verdict([ok, slow, broken]).status is Status.UNKNOWN and verdict([broken]).exit_code == 2
+    v = verdict([ok, broken, reboot, bad])
+    assert (v.status, v.action, v.exit_code) == (Status.UNHEALTHY, Action.REPLACE, 2)
+    assert v.reason() == "e: XID 79; d: ECC"
 
 
 def test_disk_thresholds(tmp_path: Path) -> None:
