@@ -55,7 +55,8 @@ def probe_failed(probe: str, why: str) -> Finding:
 
 def no_devices(probe: str, what: str) -> Finding:
     """The tool is absent: this node has no such devices (not a failure)."""
-    return Finding(probe=probe, status=Status.HEALTHY, evidence=f"no {what} devices found ({probe} not installed)")
+    return Finding(probe=probe, status=Status.HEALTHY,
+                   evidence=f"no {what} devices found ({probe} not installed)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -48,7 +48,8 @@ def run_tool(argv: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> ToolR
         done = subprocess.run(full, capture_output=True, text=True, errors="replace", timeout=timeout_s,
                               check=False, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        return ToolResult(tuple(argv), False, False, None, "", "", f"{argv[0]} timed out after {timeout_s:g} s")
+        why = f"{argv[0]} timed out after {timeout_s:g} s"
+        return ToolResult(tuple(argv), False, False, None, "", "", why)
     except OSError as e:
         return ToolResult(tuple(argv), False, False, None, "", "", f"cannot run {argv[0]}: {e}")
     return ToolResult(tuple(argv), False, True, done.returncode, done.stdout, done.stderr, "")
