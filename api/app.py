@@ -17,7 +17,7 @@ from supervisor.domain import CommandKind
 from supervisor.errors import Conflict, NotFound, SpecError, StateDirLocked, SupervisorError
 from supervisor.service import SupervisorService
 from supervisor.spec import parse_spec
-from supervisor.views import CommandAccepted, EventView, NodeView, RunDetail, RunSummary
+from supervisor.views import CommandAccepted, EventView, NodeView, ProbeView, RunDetail, RunSummary
 
 # Checked by the service, which answers 404 with a readable message for a malformed id.
 RunId = Annotated[str, Path(max_length=64, description="a run id, e.g. run-42")]
@@ -91,5 +91,9 @@ def create_app(service: SupervisorService) -> FastAPI:
     @app.get("/v1/nodes")
     def nodes() -> list[NodeView]:
         return service.nodes()
+
+    @app.post("/v1/nodes/{name}/probe", summary="Probe a node now (python -m health on it)")
+    def probe(name: Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]) -> ProbeView:
+        return service.probe(name)
 
     return app

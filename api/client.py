@@ -78,3 +78,7 @@ class Client:
     def nodes(self) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = self._call("GET", "/v1/nodes")
         return result
+
+    def probe(self, node: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", f"/v1/nodes/{node}/probe")
+        return result

@@ -5,7 +5,8 @@
     supervisorctl events RUN [--follow] its event log
     supervisorctl submit SPEC.toml [--dry-run]
     supervisorctl resume RUN | pause RUN | cancel RUN
-    supervisorctl nodes
+    supervisorctl nodes                 each node's state, drain reason and last probe
+    supervisorctl probe NODE            run the health probes on NODE now
 
 The daemon's address comes from --url, else $TSUP_URL, else http://127.0.0.1:8470.
 Exit codes: 0 ok; 1 error (daemon unreachable, request rejected); 2 usage or invalid
@@ -85,7 +86,11 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--wait", type=float, default=10.0,
                        help="seconds to wait for the daemon to act on it (default 10)")
         p.set_defaults(handler=_command, kind=kind)
-    sub.add_parser("nodes", help="list nodes", parents=[common]).set_defaults(handler=_nodes)
+    sub.add_parser("nodes", help="list nodes, with their last probe", parents=[common]).set_defaults(
+        handler=_nodes)
+    p = sub.add_parser("probe", help="run the health probes on a node now", parents=[common])
+    p.add_argument("node")
+    p.set_defaults(handler=_probe)
     return parser
 
 
@@ -207,6 +212,18 @@ def _command(c: Client, args: argparse.Namespace) -> int:
     else:
         print(f"{args.run}: {args.kind} {outcome['result']}")
     return EXIT_ERROR if result is not None and result.startswith("rejected") else EXIT_OK
+
+
+def _probe(c: Client, args: argparse.Namespace) -> int:
+    p = c.probe(args.node)
+    if args.json:
+        _print_json(p)
+    else:
+        why = f": {p['reason']}" if p["reason"] else ""
+        print(f"{p['node']}: {p['status']} (action: {p['action']}){why}")
+        for f in p["findings"]:
+            print(f"  {f.get('probe', ''):<18} {f.get('status', ''):<9} {f.get('evidence', '')}")
+    return EXIT_OK if p["status"] in ("healthy", "degraded") else EXIT_ERROR
 
 
 def _nodes(c: Client, args: argparse.Namespace) -> int:

@@ -1,18 +1,32 @@
-"""`python -m health`: probe this node; exit 0 healthy, 1 degraded, 2 unhealthy.
+"""`python -m health`: probe this node; exit 0 healthy, 1 degraded, 2 unhealthy or unknown.
 
-Needs no supervisor. Prints the verdict as JSON with --json, a line per finding
-otherwise. The Neuron and NVIDIA probes come next; today it checks the host.
+Needs no supervisor. Runs the host checks, then the Neuron probes where ``neuron-ls``
+is installed; a node without says so plainly (the NVIDIA probes are not wired in yet).
+``--json`` prints the verdict (``--compact``: on one line, as the supervisor reads it
+through srun), a line per finding otherwise.
+
+As Slurm's HealthCheckProgram (``--drain-self``), an unhealthy verdict drains this node
+with the findings as the Reason; every tool has a timeout so the whole check stays
+inside Slurm's 60-second budget.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
-from health import host
-from health.model import verdict
+from health import host, neuron
+from health.model import Finding, Status, Verdict, verdict
+
+
+def node_name() -> str:
+    env = os.environ
+    return env.get("SLURMD_NODENAME") or env.get("TSUP_NODE") or socket.gethostname().split(".")[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +35,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="the filesystem checkpoints are written to (default: the current directory)")
     parser.add_argument("--min-free-gib", type=float, default=10.0,
                         help="unhealthy below this much free space (default 10)")
+    parser.add_argument("--instance-type", default=None,
+                        help="e.g. trn1.32xlarge: the expected Neuron devices")
+    parser.add_argument("--neuron-devices", type=int, default=None, help="expected Neuron devices")
+    parser.add_argument("--kernel-log", type=Path, default=None,
+                        help="a kernel log (a dmesg dump) to scan for NEURON_HW_ERR and NVIDIA XID lines")
+    parser.add_argument("--bandwidth", action="store_true",
+                        help="also run the collective bandwidth test (nccom-test / nccl-tests)")
+    parser.add_argument("--min-busbw-gbps", type=float, default=None,
+                        help="bus bandwidth floor for --bandwidth")
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    parser.add_argument("--compact", action="store_true", help="with --json: on one line")
+    parser.add_argument("--drain-self", action="store_true",
+                        help="Slurm HealthCheckProgram mode: drain this node when unhealthy")
     args = parser.parse_args(argv)
 
     findings = [
@@ -32,14 +58,53 @@ def main(argv: list[str] | None = None) -> int:
         host.load(),
         host.leftover_trainers(),
     ]
+    kernel_log = _read(args.kernel_log, findings) if args.kernel_log else None
+    findings += neuron.run_all(expected_devices=args.neuron_devices, instance_type=args.instance_type,
+                               min_busbw_gbps=args.min_busbw_gbps, run_bandwidth=args.bandwidth,
+                               kernel_log=kernel_log)
     v = verdict(findings)
+    node = node_name()
+    summary = _summary(v)
+    if args.drain_self and v.status is Status.UNHEALTHY:
+        findings.append(_drain(node, v))
     if args.json:
-        print(json.dumps(v.to_json(), indent=2))
+        doc = {"node": node, **v.to_json(), "reason": v.reason() if v.status is not Status.HEALTHY else "",
+               "summary": summary}
+        print(json.dumps(doc) if args.compact else json.dumps(doc, indent=2))
     else:
-        print(f"{v.status.value}")
+        print(f"{node}: {v.status.value} (action: {v.action.value}); {summary}")
         for f in v.findings:
             print(f"  {f.probe:<18} {f.status.value:<9} {f.evidence}")
     return v.exit_code
+
+
+def _read(path: Path, findings: list[Finding]) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except OSError as e:
+        findings.append(Finding(probe="kernel-log", status=Status.UNKNOWN,
+                                evidence=f"unknown: probe failed: {path}: {e.strerror}"))
+        return None
+
+
+def _summary(v: Verdict) -> str:
+    absent = [f.evidence for f in v.findings
+              if f.evidence.startswith("no ") and "devices found" in f.evidence]
+    return "; ".join(absent) + "; host checks only" if absent else "accelerator probes ran"
+
+
+def _drain(node: str, v: Verdict) -> Finding:
+    reason = f"health: {v.reason()}"[:250]
+    try:
+        done = subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"],
+                              capture_output=True, text=True, timeout=10, check=False)
+        ok, why = done.returncode == 0, done.stderr.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        ok, why = False, str(e)
+    if ok:
+        return Finding(probe="drain-self", status=Status.UNHEALTHY, evidence=f"drained {node}: {reason}")
+    return Finding(probe="drain-self", status=Status.UNKNOWN, evidence=f"unknown: probe failed: cannot drain "
+                   f"{node}: {why}")
 
 
 if __name__ == "__main__":

@@ -152,6 +152,20 @@ class Node:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ProbeRecord:
+    """One probe of one node, as stored (health/ produced it)."""
+
+    node: str
+    at: float
+    kind: str  # preflight, diagnosis, manual
+    status: str  # healthy, degraded, unhealthy, unknown
+    action: str  # none, restart, reboot, replace
+    reason: str
+    findings: list[dict[str, str]]
+    run_number: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointRef:
     step: int
     path: str

@@ -25,13 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from supervisor import checkpoint_scan, trainer_cmd
+from supervisor import checkpoint_scan, node_health, trainer_cmd
 from supervisor.domain import (
     LIVE_ATTEMPT_STATES,
     TERMINAL_RUN_STATES,
     AllocateNodes,
     Attempt,
     AttemptObs,
+    AttemptOutcome,
     AttemptState,
     CheckpointRef,
     Command,
@@ -391,6 +392,12 @@ class Reconciler:
                 attempt = next((a for a in view.attempts if a.number == e.number), None)
                 if attempt is not None and attempt.launch_info:
                     self.launcher.forget(attempt.launch_info)
+                if attempt is not None and e.outcome is AttemptOutcome.FAILED and spec.health.diagnose:
+                    with self.store.tx() as tx:
+                        held = {x.name for x in tx.allocation(run.number) if x.state is NodeState.ALLOCATED}
+                    suspects = [x for x in attempt.nodes if x in held]
+                    if suspects:
+                        self._probe_nodes(run, spec, suspects, "diagnosis", now)
                 self.telemetry.forget(run.run_id, e.number)
                 for key in [k for k in self._dead_since if k[:2] == (run.number, e.number)]:
                     del self._dead_since[key]
@@ -412,7 +419,7 @@ class Reconciler:
         )
         grant = self.launcher.allocate(req)
         with self.store.tx() as tx:
-            self._take_grant(tx, run.number, grant, now)
+            added = self._take_grant(tx, run.number, grant, now)
             got = len([x for x in tx.allocation(run.number) if x.state is NodeState.ALLOCATED])
             short = (count, got) if got < count else None
             if short is not None and self._short.get(run.number) != short:  # say it once, not every tick
@@ -421,6 +428,8 @@ class Reconciler:
                              f"asked for {count} nodes, holding {got}; waiting{why}",
                              {"asked": count, "got": got, "note": grant.note}, now)
             self._short[run.number] = short
+        if added and spec.health.preflight:
+            self._probe_nodes(run, spec, added, "preflight", now)
 
     def _sync_allocation(self, run: Run, now: float, *, fresh: bool) -> None:
         """Follow what the cluster says the run holds: an allocation can shrink or end."""
@@ -428,10 +437,56 @@ class Reconciler:
         if grant is None:
             return
         with self.store.tx() as tx:
-            self._take_grant(tx, run.number, grant, now)
+            added = self._take_grant(tx, run.number, grant, now)
+            spec = spec_from_json(tx.run_spec_and_dir(run.number)[0])
+        if added and spec.health.preflight:  # a queued allocation has just started
+            self._probe_nodes(run, spec, added, "preflight", now)
 
-    def _take_grant(self, tx: Tx, n: int, grant: Grant, now: float) -> None:
-        """Make the store's node records say what ``grant`` says the run holds."""
+    # --- node probes ------------------------------------------------------------------
+
+    def _probe_nodes(self, run: Run, spec: RunSpec, nodes: list[str], kind: str, now: float) -> None:
+        """Probe ``nodes`` (python -m health on each), record every result, and drain the
+        nodes whose bad results are confirmed (supervisor/node_health.py)."""
+        pending, rounds = list(nodes), 0
+        while pending and rounds < node_health.CONFIRMATIONS:
+            rounds += 1
+            with self.store.tx() as tx:
+                info = tx.get_run(run.number).allocation_info
+            answers = self.launcher.probe(pending, node_health.probe_argv(spec.health.args),
+                                          allocation_info=info, timeout_s=spec.health.timeout_s)
+            again: list[str] = []
+            drains: list[tuple[str, str]] = []
+            with self.store.tx() as tx:
+                for node in pending:
+                    record = node_health.record(node, answers.get(node), kind, run.number, self.clock())
+                    tx.add_probe(record)
+                    recent = tx.recent_probes(node, node_health.CONFIRMATIONS)
+                    j = node_health.judge([p.status for p in recent], [p.reason for p in recent])
+                    tx.add_event(run.number, f"probe.{record.status}",
+                                 f"{kind} probe of {node}: {record.status}"
+                                 + (f" ({record.reason})" if record.reason else ""),
+                                 {"node": node, "status": record.status, "action": record.action}, now)
+                    if j.drain:
+                        why = f"training-supervisor: probe: {j.reason[:200]} ({run.run_id}, {kind})"
+                        drained = Node(name=node, state=NodeState.DRAINED, reason=why, run_number=run.number)
+                        tx.put_node(drained, now)
+                        tx.add_event(run.number, "node.drained", f"node {node} drained: {why}",
+                                     {"node": node}, now)
+                        drains.append((node, why))
+                    elif j.confirm:
+                        again.append(node)
+            for node, why in drains:  # recorded first: a failed scontrol is retried by no one else
+                try:
+                    self.launcher.drain(node, why)
+                except LaunchError as err:
+                    log.error("%s: %s", run.run_id, err)
+                    self.post_event(run.number, "node.drain_failed", str(err), {"node": node})
+            pending = again
+
+
+    def _take_grant(self, tx: Tx, n: int, grant: Grant, now: float) -> list[str]:
+        """Make the store's node records say what ``grant`` says the run holds; returns
+        the nodes newly held."""
         if grant.info != tx.get_run(n).allocation_info:
             tx.update_run(n, allocation_info=grant.info)
         known = {x.name: x for x in tx.list_nodes()}
@@ -453,6 +508,7 @@ class Reconciler:
         lost = [x.name for x in gone]
         if lost:
             tx.add_event(n, "nodes.released", f"no longer held: {', '.join(lost)}", {"nodes": lost}, now)
+        return added
 
     def _launch_spec(self, run: Run, spec: RunSpec, run_dir: Path, a: Attempt) -> LaunchSpec:
         with self.store.tx() as tx:  # this tick may have changed it (an allocation granted)

@@ -64,8 +64,11 @@ def runs_table(runs: Sequence[RunSummary]) -> str:
 
 
 def nodes_table(nodes: Sequence[NodeView]) -> str:
-    return table([("NODE", "STATE", "RUN", "REASON")]
-                 + [(n.name, n.state, n.run_id or "-", n.reason) for n in nodes])
+    def probe(n: NodeView) -> str:
+        return f"{n.last_probe.status} ({n.last_probe.kind})" if n.last_probe else "-"
+
+    return table([("NODE", "STATE", "RUN", "LAST PROBE", "REASON")]
+                 + [(n.name, n.state, n.run_id or "-", probe(n), n.reason) for n in nodes])
 
 
 def event_line(e: EventView, t0: float | None = None) -> str:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from supervisor import goodput, trainer_cmd
+from supervisor import goodput, node_health, trainer_cmd
 from supervisor.domain import CommandKind, NodeState, parse_run_id
 from supervisor.errors import NotFound, SpecError
 from supervisor.launchers.base import Launcher
@@ -22,6 +22,7 @@ from supervisor.views import (
     DaemonHealth,
     EventView,
     NodeView,
+    ProbeView,
     RunDetail,
     RunSummary,
     attempt_view,
@@ -30,6 +31,7 @@ from supervisor.views import (
     fault_view,
     goodput_view,
     node_view,
+    probe_view,
     run_summary,
 )
 
@@ -123,7 +125,24 @@ class SupervisorService:
 
     def nodes(self) -> list[NodeView]:
         with self.store.tx() as tx:
-            return [node_view(n) for n in tx.list_nodes()]
+            return [node_view(n, next(iter(tx.recent_probes(n.name, 1)), None)) for n in tx.list_nodes()]
+
+    def probe(self, name: str, timeout_s: float = 60.0) -> ProbeView:
+        """Run ``python -m health`` on one node now and record the result. Reports only:
+        drains follow from probes the reconciler runs (supervisor/node_health.py)."""
+        with self.store.tx() as tx:
+            node = tx.get_node(name)  # NotFound for a node nobody knows
+            info = tx.get_run(node.run_number).allocation_info if node.run_number is not None else None
+        answers = self.launcher.probe([name], node_health.probe_argv(), allocation_info=info,
+                                      timeout_s=timeout_s)
+        record = node_health.record(name, answers.get(name), "manual", node.run_number, self.clock())
+        with self.store.tx() as tx:
+            tx.add_probe(record)
+            why = f" ({record.reason})" if record.reason else ""
+            tx.add_event(node.run_number, f"probe.{record.status}",
+                         f"manual probe of {name}: {record.status}{why}",
+                         {"node": name, "status": record.status, "action": record.action}, self.clock())
+        return probe_view(record)
 
     def request(self, run_id: str, kind: CommandKind) -> CommandAccepted:
         number = _number(run_id)

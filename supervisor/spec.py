@@ -68,6 +68,16 @@ class PolicySpec(BaseModel):
         return Policy(**self.model_dump())
 
 
+class HealthSpec(BaseModel):
+    """Node probes (``python -m health`` on the nodes; supervisor/node_health.py)."""
+
+    model_config = _Model
+    preflight: bool = False  # probe newly allocated nodes before the trainer starts on them
+    diagnose: bool = False  # probe an attempt's nodes after it failed
+    args: list[str] = []  # extra arguments, e.g. ["--instance-type", "trn1.32xlarge"]
+    timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
+
+
 class TelemetrySpec(BaseModel):
     model_config = _Model
     mqtt_url: str | None = None
@@ -134,6 +144,7 @@ class RunSpec(BaseModel):
     command: CommandSpec | None = None  # ... or a trainer the supervisor did not write
     policy: PolicySpec = PolicySpec()
     telemetry: TelemetrySpec = TelemetrySpec()
+    health: HealthSpec = HealthSpec()
 
     @model_validator(mode="after")
     def _trainer_keys_the_supervisor_reads(self) -> RunSpec:

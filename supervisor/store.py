@@ -50,6 +50,7 @@ from supervisor.domain import (
     Node,
     NodeState,
     Policy,
+    ProbeRecord,
     Run,
     RunState,
 )
@@ -268,6 +269,20 @@ class Tx:
         done = self.c.execute(update(t.nodes).where(t.nodes.c.name == node.name).values(**values))
         if done.rowcount == 0:
             self.c.execute(insert(t.nodes).values(name=node.name, **values))
+
+    # --- probes ---------------------------------------------------------------------
+
+    def add_probe(self, p: ProbeRecord) -> None:
+        self.c.execute(insert(t.probes).values(
+            node=p.node, at=p.at, kind=p.kind, status=p.status, action=p.action, reason=p.reason,
+            findings=json.dumps(p.findings), run_number=p.run_number))
+
+    def recent_probes(self, node: str, limit: int = 5) -> list[ProbeRecord]:
+        """The node's newest probes, newest first."""
+        q = select(t.probes).where(t.probes.c.node == node).order_by(t.probes.c.id.desc()).limit(limit)
+        return [ProbeRecord(node=r.node, at=r.at, kind=r.kind, status=r.status, action=r.action,
+                            reason=r.reason, findings=json.loads(r.findings), run_number=r.run_number)
+                for r in self.c.execute(q)]
 
     # --- checkpoints ----------------------------------------------------------------
 

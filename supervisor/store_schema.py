@@ -85,6 +85,22 @@ nodes = Table(
     Column("updated_at", Float, nullable=False),
 )
 
+# One row per probe of a node (health/): preflight, diagnosis after a fault, on demand.
+probes = Table(
+    "probes",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("node", String(128), nullable=False),
+    Column("at", Float, nullable=False),
+    Column("kind", String(16), nullable=False),  # preflight, diagnosis, manual
+    Column("status", String(16), nullable=False),  # healthy, degraded, unhealthy, unknown
+    Column("action", String(16), nullable=False),  # none, restart, reboot, replace
+    Column("reason", Text, nullable=False),
+    Column("findings", Text, nullable=False),  # JSON list of health.model.Finding
+    Column("run_number", Integer, ForeignKey("runs.number")),
+    Index("probes_by_node", "node", "id"),
+)
+
 checkpoints = Table(
     "checkpoints",
     metadata,
@@ -173,5 +189,10 @@ def _v2(conn: Connection) -> None:
         conn.exec_driver_sql("ALTER TABLE runs ADD COLUMN allocation_info TEXT")
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2]
+def _v3(conn: Connection) -> None:
+    """The probes table (node health). ``_v1`` already made it in a database made today."""
+    probes.create(conn, checkfirst=True)
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3]
 SCHEMA_VERSION = len(MIGRATIONS)

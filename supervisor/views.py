@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from supervisor.domain import Attempt, Node, Run
+from supervisor.domain import Attempt, Node, ProbeRecord, Run
 from supervisor.goodput import Goodput
 from supervisor.store import CheckpointRecord, EventRecord, FaultRecord, MetricRecord
 
@@ -98,11 +98,23 @@ class EventView(BaseModel):
     data: dict[str, object]
 
 
+class ProbeView(BaseModel):
+    node: str
+    at: float
+    kind: str
+    status: str
+    action: str
+    reason: str
+    findings: list[dict[str, str]]
+    run_id: str | None
+
+
 class NodeView(BaseModel):
     name: str
     state: str
     reason: str
     run_id: str | None
+    last_probe: ProbeView | None = None
 
 
 class CommandAccepted(BaseModel):
@@ -160,6 +172,12 @@ def event_view(e: EventRecord) -> EventView:
                      ts=e.ts, kind=e.kind, message=e.message, data=e.data)
 
 
-def node_view(n: Node) -> NodeView:
+def probe_view(p: ProbeRecord) -> ProbeView:
+    return ProbeView(node=p.node, at=p.at, kind=p.kind, status=p.status, action=p.action, reason=p.reason,
+                     findings=p.findings, run_id=f"run-{p.run_number}" if p.run_number is not None else None)
+
+
+def node_view(n: Node, last_probe: ProbeRecord | None = None) -> NodeView:
     return NodeView(name=n.name, state=n.state.value, reason=n.reason,
-                    run_id=f"run-{n.run_number}" if n.run_number is not None else None)
+                    run_id=f"run-{n.run_number}" if n.run_number is not None else None,
+                    last_probe=probe_view(last_probe) if last_probe else None)

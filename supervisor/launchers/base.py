@@ -17,7 +17,7 @@ or end under us: a node failure, a time limit, preemption).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -110,6 +110,12 @@ class Launcher(Protocol):
         ...
 
     def drain(self, node: str, reason: str) -> None: ...
+
+    def probe(self, nodes: Sequence[str], argv: Sequence[str], *, allocation_info: str | None,
+              timeout_s: float) -> dict[str, str]:
+        """Run ``argv`` (``python -m health``) once on each node; its output per node.
+        A node missing from the answer gave none (the caller records "probe failed")."""
+        ...
 
     # Fault injection for --chaos: real signals to real processes.
     def kill_rank(self, launch_info: str, rank: int) -> str: ...

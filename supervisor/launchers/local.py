@@ -85,6 +85,20 @@ class LocalLauncher:
     def drain(self, node: str, reason: str) -> None:
         """Local nodes are simulated: the store's record is the whole drain."""
 
+    def probe(self, nodes: Sequence[str], argv: Sequence[str], *, allocation_info: str | None,
+              timeout_s: float) -> dict[str, str]:
+        """One probe process per simulated node, told its node's name (TSUP_NODE)."""
+        out: dict[str, str] = {}
+        for node in nodes:
+            env = {**os.environ, "TSUP_NODE": node}
+            try:
+                done = subprocess.run(list(argv), env=env, capture_output=True, text=True, timeout=timeout_s,
+                                      check=False, stdin=subprocess.DEVNULL)
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            out[node] = done.stdout
+        return out
+
     # --- processes ------------------------------------------------------------------
 
     def start(self, spec: LaunchSpec) -> str:

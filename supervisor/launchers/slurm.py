@@ -32,7 +32,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -246,6 +246,33 @@ class SlurmLauncher:
         if not reply.ok:
             raise LaunchError(f"cannot drain {node}: {reply.why}")
         self._forget_polls()
+
+    # --- probes -----------------------------------------------------------------------
+
+    def probe(self, nodes: Sequence[str], argv: Sequence[str], *, allocation_info: str | None,
+              timeout_s: float) -> dict[str, str]:
+        """``srun`` one probe task per node: a step of the run's allocation when it holds
+        the nodes, else a job of its own that must start at once (``--immediate``). Each
+        task prints one JSON line naming its node."""
+        job = _load_alloc(allocation_info)["job"] if allocation_info else None
+        where = [f"--jobid={job}", "--overlap"] if job else ["--immediate=10", "--time=5"]
+        reply = self.commands.run(
+            ["srun", *where, f"--job-name={self.prefix}.probe", f"--nodes={len(nodes)}",
+             f"--nodelist={','.join(nodes)}", "--ntasks-per-node=1", "--kill-on-bad-exit=0", *argv],
+            timeout_s=timeout_s)
+        out: dict[str, str] = {}
+        # srun exits non-zero when a probe says "unhealthy" (exit 2): read the output anyway.
+        for line in reply.stdout.splitlines():
+            if line.startswith("{"):
+                try:
+                    node = json.loads(line).get("node")
+                except ValueError:
+                    continue
+                if isinstance(node, str) and node in nodes:
+                    out[node] = line
+        if not reply.ok and not out:
+            log.warning("probe of %s: %s", ",".join(nodes), reply.why)
+        return out
 
     # --- steps ------------------------------------------------------------------------
 

@@ -12,8 +12,9 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from tests.conftest import Broker
+from tests.conftest import REPO, Broker
 from tests.e2e.conftest import EXAMPLE, db_rows, summary_of, trainer_processes, tsup
+from tests.fake_tools.replay import make_tools
 
 pytestmark = pytest.mark.e2e
 
@@ -139,3 +140,36 @@ def test_bad_arguments_get_a_clear_message_and_exit_2(tmp_path: Path, args: tupl
     proc = tsup(*args, "--state-dir", tmp_path, timeout_s=60)
     assert proc.returncode == 2, proc.stderr
     assert complaint in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_preflight_and_diagnosis_probes_on_the_local_launcher(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Simulated nodes probed with stand-in Neuron tools: local-2 has lost a device and is
+    drained before launch; after a fault the attempt's nodes are probed again."""
+    fixtures = REPO / "tests" / "fixtures" / "health" / "neuron"
+    hw = tmp_path / "hw"
+    (hw / "default").mkdir(parents=True)
+    (hw / "local-2").mkdir()
+    (hw / "default" / "neuron-ls").write_text((fixtures / "neuron-ls_json_trn1.32xlarge_SYNTHESIZED.json").read_text())
+    (hw / "local-2" / "neuron-ls").write_text(
+        (fixtures / "neuron-ls_json_trn1.32xlarge_missing_device_SYNTHESIZED.json").read_text())
+    (hw / "default" / "neuron-monitor").write_text(
+        (fixtures / "neuron-monitor_report_trn1_healthy_SYNTHESIZED.json").read_text())
+    monkeypatch.setenv("TSUP_HEALTH_TOOLS", str(make_tools(tmp_path / "tools", ["neuron-ls", "neuron-monitor"])))
+    monkeypatch.setenv("TSUP_FAKE_HW", str(hw))
+    spec = tmp_path / "spec.toml"
+    spec.write_text(EXAMPLE.read_text() + '\n[health]\npreflight = true\ndiagnose = true\n'
+                    'args = ["--instance-type", "trn1.32xlarge", "--min-free-gib", "0.1"]\n')
+    state = tmp_path / "state"
+    proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "kill-rank@50")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED"
+    assert s["drained_nodes"] == ["local-2"]
+    assert s["attempt_history"][0]["nodes"] == ["local-1", "local-3"]
+    reason = db_rows(state, "SELECT reason FROM nodes WHERE name = 'local-2'")[0][0]
+    assert reason.startswith("training-supervisor: probe: neuron-ls:") and "15" in reason
+    probes = db_rows(state, "SELECT node, kind, status FROM probes ORDER BY id")
+    assert probes.count(("local-2", "preflight", "unhealthy")) == 2
+    assert {p for p in probes if p[1] == "diagnosis"} == {("local-1", "diagnosis", "healthy"),
+                                                          ("local-3", "diagnosis", "healthy")}

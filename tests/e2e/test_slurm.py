@@ -24,6 +24,7 @@ from supervisor.slurm import parse
 from supervisor.slurm.box import Box
 from tests.conftest import REPO, free_port, port_open, wait_for
 from tests.e2e.conftest import EXAMPLE, ctl, db_rows, env, summary_of, trainer_processes, tsup
+from tests.fake_tools.replay import make_tools
 
 pytestmark = pytest.mark.e2e
 
@@ -215,3 +216,40 @@ def test_sigkill_of_the_daemon_readopts_the_slurm_job_and_step(
     starts = db_rows(state, "SELECT message FROM events WHERE kind = 'daemon.started' ORDER BY id")
     assert len(starts) == 2 and f"{run_id}#1" in starts[1][0]
     assert db_rows(state, "SELECT count(DISTINCT step) FROM metrics")[0][0] >= 100
+
+
+def test_a_node_reporting_an_uncorrectable_hbm_error_is_drained_before_launch(
+        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Preflight probes through srun on the allocation's nodes; node2's (fake)
+    neuron-monitor reports an uncorrectable HBM error."""
+    fixtures = REPO / "tests" / "fixtures" / "health" / "neuron"
+    hw = tmp_path / "hw"
+    (hw / "default").mkdir(parents=True)
+    (hw / "node2").mkdir()
+    (hw / "default" / "neuron-ls").write_text((fixtures / "neuron-ls_json_trn1.32xlarge_SYNTHESIZED.json").read_text())
+    (hw / "default" / "neuron-monitor").write_text(
+        (fixtures / "neuron-monitor_report_trn1_healthy_SYNTHESIZED.json").read_text())
+    (hw / "node2" / "neuron-monitor").write_text(
+        (fixtures / "neuron-monitor_report_trn1_hbm_ue_SYNTHESIZED.json").read_text())
+    tools = make_tools(tmp_path / "tools", ["neuron-ls", "neuron-monitor"])
+    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
+    monkeypatch.setenv("TSUP_HEALTH_TOOLS", str(tools))
+    monkeypatch.setenv("TSUP_FAKE_HW", str(hw))
+    spec = spec_for_slurm(tmp_path)
+    spec.write_text(spec.read_text() + '\n[health]\npreflight = true\nargs = ["--instance-type", "trn1.32xlarge", '
+                    '"--min-free-gib", "0.1"]\n')
+    state = tmp_path / "state"
+    proc = tsup("run", spec, "--state-dir", state, "--json")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    assert s["faults"] == [] and s["attempts"] == 1, "the bad node never got the trainer"
+    assert s["attempt_history"][0]["nodes"] == ["node1", "node3"]
+    assert s["drained_nodes"] == ["node2"]
+    node2 = parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", "node2"))["node2"]
+    assert "DRAIN" in node2.flags
+    assert node2.reason.startswith("training-supervisor: probe: neuron-monitor:")
+    assert "uncorrected" in node2.reason.lower() and "HBM" in node2.reason
+    probes = db_rows(state, "SELECT node, kind, status FROM probes ORDER BY id")
+    assert probes.count(("node2", "preflight", "unhealthy")) == 2, "confirmed by a second probe"
+    assert ("node1", "preflight", "healthy") in probes and ("node3", "preflight", "healthy") in probes

@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from supervisor.domain import Node, NodeState
 from supervisor.launchers.local import LocalLauncher
 from supervisor.service import SupervisorService
 from supervisor.store import SqlStore
@@ -23,10 +24,12 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
     store.open()
     health = {"ok": True}
     service = SupervisorService(
-        store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1", launcher=LocalLauncher(max_nodes=4), check_trainer=False,
+        store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1", launcher=LocalLauncher(max_nodes=4),
+        check_trainer=False,
         health=lambda: DaemonHealth(ok=health["ok"], last_tick_age_s=0.1, mqtt_connected=True))
     with TestClient(create_app(service)) as c:
         c.health = health  # type: ignore[attr-defined]
+        c.store = store  # type: ignore[attr-defined]
         yield c
     store.close()
 
@@ -88,3 +91,17 @@ def test_healthz_follows_the_reconciler(client: TestClient) -> None:
     client.health["ok"] = False  # type: ignore[attr-defined]
     r = client.get("/healthz")
     assert r.status_code == 503 and r.json()["ok"] is False
+
+
+def test_probe_a_node_now_and_see_it_in_the_node_list(client: TestClient, tmp_path: Path) -> None:
+    missing = client.post("/v1/nodes/local-9/probe")
+    assert missing.status_code == 404 and "no such node: local-9" in missing.json()["detail"]
+    assert client.post("/v1/nodes/bad$name/probe").status_code == 422
+    with client.store.tx() as tx:  # type: ignore[attr-defined]
+        tx.put_node(Node(name="local-1", state=NodeState.IDLE), 1.0)
+    probe = client.post("/v1/nodes/local-1/probe").json()  # python -m health, for real, on this host
+    assert probe["node"] == "local-1" and probe["kind"] == "manual"
+    assert probe["status"] in ("healthy", "degraded") and probe["action"] == "none"
+    assert any("no Neuron devices found" in f["evidence"] for f in probe["findings"])
+    [node] = client.get("/v1/nodes").json()
+    assert node["last_probe"]["status"] == probe["status"]

@@ -8,6 +8,7 @@ attempt nor launches a second copy of one.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,10 @@ class ScriptedLauncher:
         raise NotImplementedError
 
     def freeze_node(self, launch_info: str, node: str) -> str:
+        raise NotImplementedError
+
+    def probe(self, nodes: Sequence[str], argv: Sequence[str], *, allocation_info: str | None,
+              timeout_s: float) -> dict[str, str]:
         raise NotImplementedError
 
 

@@ -45,4 +45,16 @@ def test_cli_prints_json_and_exits_by_status(tmp_path: Path) -> None:
                            "--min-free-gib", "1e9"], capture_output=True, text=True, cwd=REPO, check=False)
     v = json.loads(proc.stdout)
     assert v["status"] == "unhealthy" and proc.returncode == 2
-    assert {f["probe"] for f in v["findings"]} == {"disk", "write_latency", "memory", "load", "leftover_trainers"}
+    assert {f["probe"] for f in v["findings"]} == {"disk", "write_latency", "memory", "load", "leftover_trainers",
+                                                   "neuron-ls"}
+    assert v["node"] and "no Neuron devices found" in v["summary"] and v["reason"].startswith("disk:")
+
+
+def test_on_a_machine_without_accelerators_the_cli_says_so_plainly(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "TSUP_HEALTH_TOOLS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "health", "--checkpoint-dir", str(tmp_path), "--min-free-gib", "0",
+                           "--json", "--compact"], capture_output=True, text=True, cwd=REPO, check=False, env=env)
+    [line] = proc.stdout.splitlines()
+    v = json.loads(line)
+    assert v["summary"] == "no Neuron devices found (neuron-ls not installed); host checks only"
+    assert v["status"] in ("healthy", "degraded") and proc.returncode in (0, 1)

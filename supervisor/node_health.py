@@ -1,0 +1,74 @@
+"""When a node's probe results take it out of service: the debounce rule, pure.
+
+A probe result is one node's verdict from ``python -m health`` (healthy, degraded,
+unhealthy or unknown, with an action). The rule, newest result first:
+
+- healthy or degraded: the node may train (degraded is reported, never acted on);
+- unhealthy or unknown once: not yet. One flaky result never drains a node; the
+  supervisor probes the node again at once (``confirm``) before deciding;
+- unhealthy or unknown in ``CONFIRMATIONS`` results in a row: drain, with the newest
+  bad result's reason (the tool's own words), e.g.
+  ``training-supervisor: probe: neuron-monitor: mem_ecc_uncorrected=1 ... (run-3, preflight)``.
+
+A drained node returns to service only by an operator's hand (``scontrol update
+NodeName=... State=RESUME`` on Slurm); automatic return after N clean probes is not
+enabled.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from supervisor.domain import ProbeRecord
+
+CONFIRMATIONS = 2  # bad results in a row before a drain
+_BAD = ("unhealthy", "unknown")
+
+
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    drain: bool
+    confirm: bool  # probe again now: one bad result, not yet confirmed
+    reason: str  # why, for the drain Reason and the event log
+
+
+def judge(statuses_newest_first: Sequence[str], reasons_newest_first: Sequence[str]) -> Judgement:
+    if not statuses_newest_first or statuses_newest_first[0] not in _BAD:
+        return Judgement(drain=False, confirm=False, reason="")
+    run = 0
+    for s in statuses_newest_first:
+        if s not in _BAD:
+            break
+        run += 1
+    reason = reasons_newest_first[0] if reasons_newest_first else ""
+    if run >= CONFIRMATIONS:
+        return Judgement(drain=True, confirm=False, reason=reason)
+    return Judgement(drain=False, confirm=True, reason=reason)
+
+
+def probe_argv(extra: Sequence[str] = ()) -> tuple[str, ...]:
+    """The probe every node runs: ``python -m health``, one JSON line naming the node."""
+    return (sys.executable, "-m", "health", "--json", "--compact", *extra)
+
+
+def record(node: str, output: str | None, kind: str, run_number: int | None, at: float) -> ProbeRecord:
+    """A node's answer as a record; no answer, or one that is not a verdict, is "unknown"."""
+    try:
+        if output is None:
+            raise ValueError("no report from the node (the probe did not run or timed out)")
+        line = next(ln for ln in reversed(output.splitlines()) if ln.startswith("{"))
+        doc = json.loads(line)
+        status, action = str(doc["status"]), str(doc.get("action", "none"))
+        if status not in ("healthy", "degraded", "unhealthy", "unknown"):
+            raise ValueError(f"status {status!r}")
+        findings = [f for f in doc.get("findings", []) if isinstance(f, dict)]
+        reason = str(doc.get("reason", ""))
+    except (ValueError, KeyError, StopIteration, TypeError, AttributeError) as e:
+        why = str(e) or "no JSON verdict in the output"
+        return ProbeRecord(node=node, at=at, kind=kind, status="unknown", action="none",
+                           reason=f"unknown: probe failed: {why}", findings=[], run_number=run_number)
+    return ProbeRecord(node=node, at=at, kind=kind, status=status, action=action, reason=reason,
+                       findings=findings, run_number=run_number)

@@ -1,0 +1,42 @@
+"""Stand-in for a hardware tool (neuron-ls, neuron-monitor, nccom-test, nvidia-smi ...):
+prints a recorded output chosen per node, so a test can give one node of a Slurm box a
+bad device. Stdlib only; run through a shim named after the tool (see make_tools).
+
+    $TSUP_FAKE_HW/<node>/<tool>       the output for that node (node: SLURMD_NODENAME,
+    $TSUP_FAKE_HW/default/<tool>      else TSUP_NODE), else the default
+    ...<tool>.rc                      optional exit code (default 0)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def main() -> int:
+    tool = sys.argv[1]
+    root = Path(os.environ.get("TSUP_FAKE_HW", "/nonexistent"))
+    node = os.environ.get("SLURMD_NODENAME") or os.environ.get("TSUP_NODE") or "default"
+    for d in (root / node, root / "default"):
+        out = d / tool
+        if out.exists():
+            sys.stdout.write(out.read_text())
+            rc = d / f"{tool}.rc"
+            return int(rc.read_text()) if rc.exists() else 0
+    print(f"{tool}: no recorded output for node {node} in {root}", file=sys.stderr)
+    return 1
+
+
+def make_tools(directory: Path, tools: list[str]) -> Path:
+    """Executable shims named after ``tools`` in ``directory`` (for TSUP_HEALTH_TOOLS)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for tool in tools:
+        shim = directory / tool
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{Path(__file__).resolve()}" {tool} "$@"\n')
+        shim.chmod(0o755)
+    return directory
+
+
+if __name__ == "__main__":
+    sys.exit(main())
