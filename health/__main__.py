@@ -1,7 +1,8 @@
 """`python -m health`: probe this node; exit 0 healthy, 1 degraded, 2 unhealthy or unknown.
 
 Needs no supervisor. Runs the host checks, then the Neuron probes where ``neuron-ls``
-is installed; a node without says so plainly (the NVIDIA probes are not wired in yet).
+is installed and the NVIDIA probes where ``nvidia-smi`` is; a node with neither says so
+plainly.
 ``--json`` prints the verdict (``--compact``: on one line, as the supervisor reads it
 through srun), a line per finding otherwise.
 
@@ -20,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from health import host, neuron
+from health import host, neuron, nvidia
 from health.model import Finding, Status, Verdict, verdict
 
 
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--instance-type", default=None,
                         help="e.g. trn1.32xlarge: the expected Neuron devices")
     parser.add_argument("--neuron-devices", type=int, default=None, help="expected Neuron devices")
+    parser.add_argument("--gpus", type=int, default=None, help="expected NVIDIA GPUs")
+    parser.add_argument("--dcgm", action="store_true", help="also run `dcgmi diag -r 1` (NVIDIA)")
     parser.add_argument("--kernel-log", type=Path, default=None,
                         help="a kernel log (a dmesg dump) to scan for NEURON_HW_ERR and NVIDIA XID lines")
     parser.add_argument("--bandwidth", action="store_true",
@@ -62,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     findings += neuron.run_all(expected_devices=args.neuron_devices, instance_type=args.instance_type,
                                min_busbw_gbps=args.min_busbw_gbps, run_bandwidth=args.bandwidth,
                                kernel_log=kernel_log)
+    findings += nvidia.run_all(expected_gpus=args.gpus, kernel_log=kernel_log, run_dcgmi=args.dcgm,
+                               run_bandwidth=args.bandwidth, min_busbw_gbps=args.min_busbw_gbps)
     v = verdict(findings)
     node = node_name()
     summary = _summary(v)
@@ -88,9 +93,13 @@ def _read(path: Path, findings: list[Finding]) -> str | None:
 
 
 def _summary(v: Verdict) -> str:
-    absent = [f.evidence for f in v.findings
-              if f.evidence.startswith("no ") and "devices found" in f.evidence]
-    return "; ".join(absent) + "; host checks only" if absent else "accelerator probes ran"
+    """What kind of node this is, in words: which accelerator probes ran."""
+    absent = {f.probe for f in v.findings if f.evidence.startswith("no ") and "devices found" in f.evidence}
+    if {"neuron-ls", "nvidia-smi"} <= absent:
+        return ("no Neuron or NVIDIA devices found (neither neuron-ls nor nvidia-smi is installed); "
+                "host checks only")
+    ran = [kind for kind, tool in (("Neuron", "neuron-ls"), ("NVIDIA", "nvidia-smi")) if tool not in absent]
+    return f"{' and '.join(ran)} probes ran"
 
 
 def _drain(node: str, v: Verdict) -> Finding:

@@ -15,15 +15,19 @@ from pathlib import Path
 
 
 def main() -> int:
-    tool = sys.argv[1]
+    tool, args = sys.argv[1], sys.argv[2:]
     root = Path(os.environ.get("TSUP_FAKE_HW", "/nonexistent"))
     node = os.environ.get("SLURMD_NODENAME") or os.environ.get("TSUP_NODE") or "default"
+    names = [tool]
+    if args and args[0].startswith("--"):
+        names.insert(0, f"{tool}.{args[0][2:].split('=', 1)[0]}")
     for d in (root / node, root / "default"):
-        out = d / tool
-        if out.exists():
-            sys.stdout.write(out.read_text())
-            rc = d / f"{tool}.rc"
-            return int(rc.read_text()) if rc.exists() else 0
+        for name in names:
+            out = d / name
+            if out.exists():
+                sys.stdout.write(out.read_text())
+                rc = d / f"{name}.rc"
+                return int(rc.read_text()) if rc.exists() else 0
     print(f"{tool}: no recorded output for node {node} in {root}", file=sys.stderr)
     return 1
 

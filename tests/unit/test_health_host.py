@@ -10,6 +10,7 @@ from pathlib import Path
 from health import host
 from health.model import Action, Finding, Status, verdict
 from tests.conftest import REPO
+from tests.fake_tools.replay import make_tools
 
 
 def test_worst_finding_wins_and_a_failed_probe_is_never_healthy() -> None:
@@ -46,8 +47,8 @@ def test_cli_prints_json_and_exits_by_status(tmp_path: Path) -> None:
     v = json.loads(proc.stdout)
     assert v["status"] == "unhealthy" and proc.returncode == 2
     assert {f["probe"] for f in v["findings"]} == {"disk", "write_latency", "memory", "load", "leftover_trainers",
-                                                   "neuron-ls"}
-    assert v["node"] and "no Neuron devices found" in v["summary"] and v["reason"].startswith("disk:")
+                                                   "neuron-ls", "nvidia-smi"}
+    assert v["node"] and "no Neuron or NVIDIA devices found" in v["summary"] and v["reason"].startswith("disk:")
 
 
 def test_on_a_machine_without_accelerators_the_cli_says_so_plainly(tmp_path: Path) -> None:
@@ -56,5 +57,29 @@ def test_on_a_machine_without_accelerators_the_cli_says_so_plainly(tmp_path: Pat
                            "--json", "--compact"], capture_output=True, text=True, cwd=REPO, check=False, env=env)
     [line] = proc.stdout.splitlines()
     v = json.loads(line)
-    assert v["summary"] == "no Neuron devices found (neuron-ls not installed); host checks only"
+    assert v["summary"] == ("no Neuron or NVIDIA devices found (neither neuron-ls nor nvidia-smi is installed); "
+                            "host checks only")
     assert v["status"] in ("healthy", "degraded") and proc.returncode in (0, 1)
+
+
+def test_a_node_with_nvidia_gpus_runs_the_nvidia_probes(tmp_path: Path) -> None:
+    """Stand-in nvidia-smi answering both queries with the recorded fixtures: GPU 3 has
+    uncorrected ECC errors, so the node is unhealthy and must be replaced."""
+    nv = REPO / "tests" / "fixtures" / "health" / "nvidia"
+    hw = tmp_path / "hw" / "default"
+    hw.mkdir(parents=True)
+    (hw / "nvidia-smi.query-gpu").write_text((nv / "nvidia-smi_query_gpu_health_SYNTHESIZED.csv").read_text())
+    (hw / "nvidia-smi.query-remapped-rows").write_text(
+        (nv / "nvidia-smi_query_remapped_rows_SYNTHESIZED.csv").read_text())
+    tools = make_tools(tmp_path / "tools", ["nvidia-smi"])
+    env = {"PATH": "/usr/bin:/bin", "TSUP_HEALTH_TOOLS": str(tools), "TSUP_FAKE_HW": str(tmp_path / "hw"),
+           "TSUP_NODE": "gpu-7"}
+    proc = subprocess.run([sys.executable, "-m", "health", "--checkpoint-dir", str(tmp_path), "--min-free-gib", "0",
+                           "--gpus", "8", "--json"], capture_output=True, text=True, cwd=REPO, check=False, env=env)
+    v = json.loads(proc.stdout)
+    assert proc.returncode == 2 and v["status"] == "unhealthy" and v["action"] == "replace"
+    assert v["node"] == "gpu-7" and v["summary"] == "NVIDIA probes ran"
+    bad = [f["evidence"] for f in v["findings"] if f["status"] == "unhealthy"]
+    assert any(e.startswith("GPU 3 (00000000:86:00.0): ecc.errors.uncorrected.volatile.total=2") for e in bad)
+    assert any("00000000:B9:00.0: remapped_rows.failure=Yes" in e for e in bad)
+    assert "GPU 3" in v["reason"]
