@@ -3,8 +3,8 @@
 Needs no supervisor. Runs the host checks, then the Neuron probes where ``neuron-ls``
 is installed and the NVIDIA probes where ``nvidia-smi`` is; a node with neither says so
 plainly.
-``--json`` prints the verdict (``--compact``: on one line, as the supervisor reads it
-through srun), a line per finding otherwise.
+``--json`` prints the verdict (``--compact``: on one line; ``--wire``: in short tagged
+lines, as the supervisor reads it through srun), a line per finding otherwise.
 
 As Slurm's HealthCheckProgram (``--drain-self``), an unhealthy verdict drains this node
 with the findings as the Reason; every tool has a timeout so the whole check stays
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from health import host, neuron, nvidia
+from health import host, neuron, nvidia, wire
 from health.model import Finding, Status, Verdict, verdict
 
 
@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="bus bandwidth floor for --bandwidth")
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON")
     parser.add_argument("--compact", action="store_true", help="with --json: on one line")
+    parser.add_argument("--wire", action="store_true",
+                        help="the verdict in short tagged lines, as the supervisor reads it through srun "
+                             "(health/wire.py)")
     parser.add_argument("--drain-self", action="store_true",
                         help="Slurm HealthCheckProgram mode: drain this node when unhealthy")
     args = parser.parse_args(argv)
@@ -72,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     summary = _summary(v)
     if args.drain_self and v.status is Status.UNHEALTHY:
         findings.append(_drain(node, v))
-    if args.json:
-        doc = {"node": node, **v.to_json(), "reason": v.reason() if v.status is not Status.HEALTHY else "",
-               "summary": summary}
+    doc = {"node": node, **v.to_json(), "reason": v.reason() if v.status is not Status.HEALTHY else "",
+           "summary": summary}
+    if args.wire:
+        print("\n".join(wire.lines(node, json.dumps(doc))), flush=True)
+    elif args.json:
         print(json.dumps(doc) if args.compact else json.dumps(doc, indent=2))
     else:
         print(f"{node}: {v.status.value} (action: {v.action.value}); {summary}")

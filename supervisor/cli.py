@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -89,6 +90,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-api", action="store_true", help="do not serve the API")
     serve.add_argument("--launcher", choices=("local", "slurm"), default="local",
                        help="where runs go: simulated local nodes, or the Slurm cluster SLURM_CONF names")
+    serve.add_argument("--sweep-every", type=float, default=900.0, metavar="SECONDS",
+                       help="probe idle nodes and the nodes this supervisor drained this often "
+                            "(default 900; 0: never)")
+    serve.add_argument("--sweep-args", default="", metavar="ARGS",
+                       help="extra arguments to the sweep's python -m health, "
+                            "e.g. '--instance-type trn1.32xlarge'")
+    serve.add_argument("--return-after", type=int, default=0, metavar="N",
+                       help="return a node this supervisor drained to service after N clean sweep probes "
+                            "in a row (default 0: never, an operator does)")
     return parser
 
 
@@ -109,9 +119,16 @@ async def _serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise SpecError(f"--mqtt-url: {e}") from e
     host, port = _parse_bind(args.api_bind)
+    if args.sweep_every < 0 or args.return_after < 0:
+        raise SpecError("--sweep-every and --return-after must not be negative")
+    try:
+        sweep_args = tuple(shlex.split(args.sweep_args))
+    except ValueError as e:
+        raise SpecError(f"--sweep-args: {e}") from e
     settings = DaemonSettings(
         state_dir=args.state_dir or default_state_dir(), mqtt_url=args.mqtt_url, api_host=host,
         api_port=None if args.no_api else port, launcher=args.launcher,
+        sweep_every_s=args.sweep_every or None, sweep_args=sweep_args, return_after=args.return_after,
     )
     stop = asyncio.Event()
     _on_signals(stop.set, stop.set)

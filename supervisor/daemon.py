@@ -66,6 +66,9 @@ class DaemonSettings:
     check_trainer_config: bool = True
     launcher: Literal["local", "slurm"] = "local"
     slurm_conf: str | None = None  # None: SLURM_CONF from the environment, or Slurm's default
+    sweep_every_s: float | None = None  # probe idle and drained nodes this often (None: never)
+    sweep_args: tuple[str, ...] = ()  # extra arguments to the sweep's python -m health
+    return_after: int = 0  # clean sweep probes in a row that return a drained node (0: never)
 
 
 def _make_launcher(settings: DaemonSettings) -> Launcher:
@@ -106,7 +109,11 @@ class Daemon:
             self.link = MqttLink(host, port, self.telemetry, self.clock,
                                  client_id=f"training-supervisor-{os.getpid()}")
             self.reconciler = Reconciler(self.store, self.launcher, self.telemetry,
-                                         ReconcilerConfig(mqtt_url=self.mqtt_url), self.clock)
+                                         ReconcilerConfig(mqtt_url=self.mqtt_url,
+                                                          sweep_every_s=self.settings.sweep_every_s,
+                                                          sweep_args=self.settings.sweep_args,
+                                                          return_after=self.settings.return_after),
+                                         self.clock)
             self.service = SupervisorService(
                 self.store, self.settings.state_dir / "runs", mqtt_url=self.mqtt_url,
                 launcher=self.launcher, check_trainer=self.settings.check_trainer_config,
@@ -138,6 +145,8 @@ class Daemon:
         await self._close()
 
     async def _close(self) -> None:
+        if self.reconciler is not None:
+            self.reconciler.close()
         if self._api_socket is not None:
             self._api_socket.close()
         if self.broker is not None:

@@ -234,6 +234,8 @@ class RunView:
     newest_checkpoint: CheckpointRef | None
     commands: tuple[Command, ...] = ()
     open_faults: int = 0  # faults not yet marked recovered
+    probing: bool = False  # some of its nodes are being probed: launch nothing until they answer
+    diagnose: bool = False  # probe a failed attempt's nodes before the next launch ([health] diagnose)
 
     @property
     def current(self) -> Attempt | None:
@@ -331,6 +333,15 @@ class DrainNode:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ProbeNodes:
+    """Probe these nodes of the run (``python -m health``); the run launches nothing until
+    their results are in (``RunView.probing``)."""
+
+    nodes: tuple[str, ...]
+    kind: str  # "diagnosis": after a failed attempt
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ReleaseNodes:
     """Give back every healthy node the run holds (drained ones stay drained)."""
 
@@ -364,6 +375,7 @@ Effect = (
     | RecordFault
     | MarkFaultsRecovered
     | DrainNode
+    | ProbeNodes
     | ReleaseNodes
     | FinishRun
     | CommandHandled

@@ -10,9 +10,12 @@ unhealthy or unknown, with an action). The rule, newest result first:
   bad result's reason (the tool's own words), e.g.
   ``training-supervisor: probe: neuron-monitor: mem_ecc_uncorrected=1 ... (run-3, preflight)``.
 
-A drained node returns to service only by an operator's hand (``scontrol update
-NodeName=... State=RESUME`` on Slurm); automatic return after N clean probes is not
-enabled.
+Return to service: a node this supervisor drained is probed by the periodic sweep
+(``training-supervisor serve --sweep-every``); when the operator has enabled it
+(``--return-after N``), N healthy or degraded results in a row return it to service
+(``may_return``). Otherwise, and always for a node an operator drained by hand, it
+returns only by an operator's hand (``scontrol update NodeName=... State=RESUME`` on
+Slurm).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from health import wire
 from supervisor.domain import ProbeRecord
 
 CONFIRMATIONS = 2  # bad results in a row before a drain
@@ -49,9 +53,17 @@ def judge(statuses_newest_first: Sequence[str], reasons_newest_first: Sequence[s
     return Judgement(drain=False, confirm=True, reason=reason)
 
 
+def may_return(statuses_newest_first: Sequence[str], clean_in_a_row: int) -> bool:
+    """A drained node may return to service: its newest ``clean_in_a_row`` results are all
+    healthy or degraded (0: never by itself)."""
+    newest = list(statuses_newest_first[:clean_in_a_row])
+    return clean_in_a_row > 0 and len(newest) == clean_in_a_row and all(s not in _BAD for s in newest)
+
+
 def probe_argv(extra: Sequence[str] = ()) -> tuple[str, ...]:
-    """The probe every node runs: ``python -m health``, one JSON line naming the node."""
-    return (sys.executable, "-m", "health", "--json", "--compact", *extra)
+    """The probe every node runs: ``python -m health``, its verdict in tagged lines naming
+    the node (health/wire.py), so that many nodes' answers can share one srun stream."""
+    return (sys.executable, "-m", "health", "--wire", *extra)
 
 
 def record(node: str, output: str | None, kind: str, run_number: int | None, at: float) -> ProbeRecord:
@@ -59,7 +71,8 @@ def record(node: str, output: str | None, kind: str, run_number: int | None, at:
     try:
         if output is None:
             raise ValueError("no report from the node (the probe did not run or timed out)")
-        line = next(ln for ln in reversed(output.splitlines()) if ln.startswith("{"))
+        sent = wire.answers(output).get(node)  # else a one-line JSON verdict (--json --compact)
+        line = sent or next(ln for ln in reversed(output.splitlines()) if ln.startswith("{"))
         doc = json.loads(line)
         status, action = str(doc["status"]), str(doc.get("action", "none"))
         if status not in ("healthy", "degraded", "unhealthy", "unknown"):

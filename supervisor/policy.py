@@ -11,6 +11,7 @@ Run transitions (state, condition -> next state: effects):
     any active      pause command            -> PAUSED:      StopAttempt
     PAUSED, FAILED  resume command           -> PENDING     (restart budget starts afresh)
     PENDING, STARTING, RECOVERING with no live attempt:
+                    nodes being probed       -> (same): nothing until their results are in
                     restart budget exhausted -> FAILED
                     fewer healthy nodes than needed -> (same):  AllocateNodes
                     otherwise                -> STARTING:    StartAttempt (newest complete checkpoint)
@@ -22,8 +23,10 @@ Run transitions (state, condition -> next state: effects):
 
 Attempts: LAUNCHING -> RUNNING (the reconciler, once processes exist) -> STOPPING
 (StopAttempt) -> ENDED (EndAttempt, once no process of it is left, or abandoned with its
-nodes drained when processes outlive SIGKILL by ``abandon_after_s``). A terminal run
-with no live attempt gives its nodes back (ReleaseNodes).
+nodes drained when processes outlive SIGKILL by ``abandon_after_s``). With ``[health]
+diagnose``, a FAILED attempt's nodes that the run still holds are probed (ProbeNodes)
+before the next launch. A terminal run with no live attempt gives its nodes back
+(ReleaseNodes).
 
 Attribution rules (what a fault blames):
 - a fault is attributed once every rank is gone, or ``fault_settle_s`` after the
@@ -71,6 +74,7 @@ from supervisor.domain import (
     MarkAttemptRunning,
     MarkFaultsRecovered,
     NodeState,
+    ProbeNodes,
     ProcState,
     RankObs,
     RecordFault,
@@ -107,8 +111,9 @@ def decide(view: RunView, obs: AttemptObs | None, now: float) -> list[Effect]:
     elif live is not None and live.state is not AttemptState.STOPPING:
         state, live = _judge_live_attempt(view, live, obs, state, now, out)
 
-    if live is None and state in _LAUNCHABLE:
-        drained_now = {e.node for e in out if isinstance(e, DrainNode)}
+    drained_now = {e.node for e in out if isinstance(e, DrainNode)}
+    diagnosing = _diagnose(view, drained_now, out)
+    if live is None and state in _LAUNCHABLE and not diagnosing and not view.probing:
         state = _launch(view, state, drained_now, out)
 
     holds_nodes = (any(n.state is NodeState.ALLOCATED for n in view.allocation)
@@ -144,6 +149,20 @@ def _finish_stopping(
     if live.outcome is AttemptOutcome.FAILED or waited_s >= policy.stop_grace_s:
         out.append(EnsureStopped(number=live.number, force=True))
     return live
+
+
+def _diagnose(view: RunView, drained_now: set[str], out: list[Effect]) -> bool:
+    """After a failed attempt ends, probe its nodes that the run still holds (and has not
+    just drained) before anything launches on them. True when a probe was asked for."""
+    if not view.diagnose:
+        return False
+    failed = {e.number for e in out if isinstance(e, EndAttempt) and e.outcome is AttemptOutcome.FAILED}
+    held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
+    suspects = sorted({node for a in view.attempts if a.number in failed for node in a.nodes
+                       if node in held and node not in drained_now})
+    if suspects:
+        out.append(ProbeNodes(nodes=tuple(suspects), kind="diagnosis"))
+    return bool(suspects)
 
 
 # --- operator commands --------------------------------------------------------------

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from supervisor import checkpoint_scan, node_health, trainer_cmd
@@ -32,7 +33,6 @@ from supervisor.domain import (
     AllocateNodes,
     Attempt,
     AttemptObs,
-    AttemptOutcome,
     AttemptState,
     CheckpointRef,
     Command,
@@ -47,6 +47,7 @@ from supervisor.domain import (
     MarkFaultsRecovered,
     Node,
     NodeState,
+    ProbeNodes,
     ProcState,
     RankObs,
     RecordFault,
@@ -70,6 +71,8 @@ from trainer import protocol as p
 
 log = logging.getLogger(__name__)
 
+DRAINED_BY_US = "training-supervisor:"  # how every drain Reason this supervisor writes begins
+
 _QUIET_SCAN_S = 2.0  # how often a [command] trainer's checkpoint directory is scanned for progress
 
 
@@ -81,12 +84,34 @@ def _latest(*times: float | None) -> float | None:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReconcilerConfig:
     mqtt_url: str | None  # what the trainers publish to; None: no telemetry
+    # The periodic sweep of idle nodes and of nodes this supervisor drained (None: off):
+    sweep_every_s: float | None = None
+    sweep_args: tuple[str, ...] = ()  # extra arguments to python -m health
+    sweep_timeout_s: float = 60.0
+    # A node this supervisor drained returns to service after this many clean sweep
+    # probes in a row (0: never; an operator returns it by hand).
+    return_after: int = 0
+
+
+@dataclass(slots=True, kw_only=True)
+class _ProbeJob:
+    """One round of probes in flight on a worker thread, for some nodes of a run or for
+    the sweep. Its answers are judged on the reconciler's thread, at a later tick."""
+
+    run: Run | None  # None: the sweep
+    kind: str  # preflight, diagnosis, sweep
+    nodes: list[str]
+    argv: tuple[str, ...]
+    timeout_s: float
+    round: int
+    future: Future[dict[str, str]] = field(repr=False)
 
 
 class Reconciler:
     def __init__(
         self, store: SqlStore, launcher: Launcher, telemetry: TelemetryView,
         config: ReconcilerConfig, clock: Callable[[], float] = time.time,
+        probe_pool: Executor | None = None,
     ) -> None:
         self.store = store
         self.launcher = launcher
@@ -99,10 +124,20 @@ class Reconciler:
         self._short: dict[int, tuple[int, int] | None] = {}  # run -> last (asked, got) shortage said
         # (run, attempt) -> (checkpoint step, when first seen, when scanned): [command] trainers
         self._quiet: dict[tuple[int, int], tuple[int, float | None, float]] = {}
+        # Probes run on worker threads (a probe may take a minute; the loop must not wait).
+        self._probe_pool = probe_pool or ThreadPoolExecutor(max_workers=4, thread_name_prefix="probe")
+        self._probes: list[_ProbeJob] = []
+        self._swept_at = clock()  # the first sweep comes one interval after start
+
+    def close(self) -> None:
+        """Stop taking probe results; probes in flight end by their own timeouts."""
+        self._probe_pool.shutdown(wait=False, cancel_futures=True)
 
     def tick(self) -> None:
         now = self.clock()
         self._persist_telemetry(now)
+        self._collect_probes(now)
+        self._maybe_sweep(now)
         with self.store.tx() as tx:
             commands = tx.pending_commands()
             runs = [r for r in tx.list_runs() if r.state not in TERMINAL_RUN_STATES]
@@ -153,7 +188,8 @@ class Reconciler:
         if may_launch and (live is None or live.state is not AttemptState.RUNNING):
             newest = self._newest_checkpoint(run, spec, run_dir, now)
         view = RunView(run=run, attempts=attempts, allocation=allocation, newest_checkpoint=newest,
-                       commands=tuple(commands), open_faults=open_faults)
+                       commands=tuple(commands), open_faults=open_faults, probing=self._probing(run.number),
+                       diagnose=spec.health.diagnose)
         obs = self._observe(run, spec, run_dir, live, now) if live else None
         if obs is not None and run.allocation_info is not None and any(
                 r.proc in (ProcState.EXITED, ProcState.VANISHED) or r.lost for r in obs.ranks):
@@ -161,7 +197,8 @@ class Reconciler:
             # the allocation away (then no node is at fault).
             self._sync_allocation(run, now, fresh=True)
             with self.store.tx() as tx:
-                view = replace(view, allocation=tuple(tx.allocation(run.number)))
+                view = replace(view, allocation=tuple(tx.allocation(run.number)),
+                               probing=self._probing(run.number))
         effects = decide(view, obs, now)
         if effects:
             self._apply(run, spec, run_dir, view, effects, now)
@@ -364,7 +401,7 @@ class Reconciler:
                         tx.put_node(Node(name=node.name, state=NodeState.IDLE), now)
             case CommandHandled():
                 tx.finish_command(e.command_id, e.result, now)
-            case AllocateNodes() | EnsureStopped():
+            case AllocateNodes() | EnsureStopped() | ProbeNodes():
                 pass  # nothing to record before acting
         return state
 
@@ -382,6 +419,8 @@ class Reconciler:
                 attempt = next((a for a in view.attempts if a.number == e.number), None)
                 if attempt is not None and attempt.launch_info:
                     self.launcher.stop(attempt.launch_info, force=e.force)
+            case ProbeNodes():
+                self._start_probes(run, spec, list(e.nodes), e.kind)
             case DrainNode():
                 try:
                     self.launcher.drain(e.node, e.reason)
@@ -392,12 +431,6 @@ class Reconciler:
                 attempt = next((a for a in view.attempts if a.number == e.number), None)
                 if attempt is not None and attempt.launch_info:
                     self.launcher.forget(attempt.launch_info)
-                if attempt is not None and e.outcome is AttemptOutcome.FAILED and spec.health.diagnose:
-                    with self.store.tx() as tx:
-                        held = {x.name for x in tx.allocation(run.number) if x.state is NodeState.ALLOCATED}
-                    suspects = [x for x in attempt.nodes if x in held]
-                    if suspects:
-                        self._probe_nodes(run, spec, suspects, "diagnosis", now)
                 self.telemetry.forget(run.run_id, e.number)
                 for key in [k for k in self._dead_since if k[:2] == (run.number, e.number)]:
                     del self._dead_since[key]
@@ -429,7 +462,7 @@ class Reconciler:
                              {"asked": count, "got": got, "note": grant.note}, now)
             self._short[run.number] = short
         if added and spec.health.preflight:
-            self._probe_nodes(run, spec, added, "preflight", now)
+            self._start_probes(run, spec, added, "preflight")
 
     def _sync_allocation(self, run: Run, now: float, *, fresh: bool) -> None:
         """Follow what the cluster says the run holds: an allocation can shrink or end."""
@@ -440,49 +473,131 @@ class Reconciler:
             added = self._take_grant(tx, run.number, grant, now)
             spec = spec_from_json(tx.run_spec_and_dir(run.number)[0])
         if added and spec.health.preflight:  # a queued allocation has just started
-            self._probe_nodes(run, spec, added, "preflight", now)
+            self._start_probes(run, spec, added, "preflight")
 
     # --- node probes ------------------------------------------------------------------
 
-    def _probe_nodes(self, run: Run, spec: RunSpec, nodes: list[str], kind: str, now: float) -> None:
-        """Probe ``nodes`` (python -m health on each), record every result, and drain the
-        nodes whose bad results are confirmed (supervisor/node_health.py)."""
-        pending, rounds = list(nodes), 0
-        while pending and rounds < node_health.CONFIRMATIONS:
-            rounds += 1
-            with self.store.tx() as tx:
-                info = tx.get_run(run.number).allocation_info
-            answers = self.launcher.probe(pending, node_health.probe_argv(spec.health.args),
-                                          allocation_info=info, timeout_s=spec.health.timeout_s)
-            again: list[str] = []
-            drains: list[tuple[str, str]] = []
-            with self.store.tx() as tx:
-                for node in pending:
-                    record = node_health.record(node, answers.get(node), kind, run.number, self.clock())
-                    tx.add_probe(record)
-                    recent = tx.recent_probes(node, node_health.CONFIRMATIONS)
-                    j = node_health.judge([p.status for p in recent], [p.reason for p in recent])
-                    tx.add_event(run.number, f"probe.{record.status}",
-                                 f"{kind} probe of {node}: {record.status}"
-                                 + (f" ({record.reason})" if record.reason else ""),
-                                 {"node": node, "status": record.status, "action": record.action}, now)
-                    if j.drain:
-                        why = f"training-supervisor: probe: {j.reason[:200]} ({run.run_id}, {kind})"
-                        drained = Node(name=node, state=NodeState.DRAINED, reason=why, run_number=run.number)
-                        tx.put_node(drained, now)
-                        tx.add_event(run.number, "node.drained", f"node {node} drained: {why}",
-                                     {"node": node}, now)
-                        drains.append((node, why))
-                    elif j.confirm:
-                        again.append(node)
-            for node, why in drains:  # recorded first: a failed scontrol is retried by no one else
-                try:
-                    self.launcher.drain(node, why)
-                except LaunchError as err:
-                    log.error("%s: %s", run.run_id, err)
-                    self.post_event(run.number, "node.drain_failed", str(err), {"node": node})
-            pending = again
+    def _probing(self, run_number: int) -> bool:
+        return any(j.run is not None and j.run.number == run_number for j in self._probes)
 
+    def _start_probes(self, run: Run, spec: RunSpec, nodes: Sequence[str], kind: str) -> None:
+        """Probe ``nodes`` of ``run`` (python -m health on each) on a worker thread; the
+        run launches nothing until the answers are judged (``RunView.probing``)."""
+        argv = node_health.probe_argv(spec.health.args)
+        self._submit(run, kind, list(nodes), argv, spec.health.timeout_s, 1)
+        self.post_event(run.number, "probe.started", f"{kind} probe of {', '.join(nodes)}",
+                        {"nodes": list(nodes), "kind": kind})
+
+    def _submit(self, run: Run | None, kind: str, nodes: list[str], argv: tuple[str, ...],
+                timeout_s: float, round_: int) -> None:
+        with self.store.tx() as tx:
+            if run is None:
+                drained = {x.name: x.reason for x in tx.list_nodes()
+                           if x.name in nodes and x.state is NodeState.DRAINED}
+                idle = [n for n in nodes if n not in drained]
+                future = self._probe_pool.submit(self._sweep_probe, idle, drained, argv, timeout_s)
+            else:
+                info = tx.get_run(run.number).allocation_info
+                future = self._probe_pool.submit(self.launcher.probe, nodes, argv, allocation_info=info,
+                                                 timeout_s=timeout_s)
+        self._probes.append(_ProbeJob(run=run, kind=kind, nodes=nodes, argv=argv, timeout_s=timeout_s,
+                                      round=round_, future=future))
+
+    def _collect_probes(self, now: float) -> None:
+        """Judge every finished round of probes: record each node's result, drain the
+        nodes whose bad result is confirmed, probe the unconfirmed ones again at once
+        (supervisor/node_health.py), and return clean drained nodes to service."""
+        for job in [j for j in self._probes if j.future.done()]:
+            self._probes.remove(job)
+            try:
+                answers = job.future.result()
+            except Exception as e:  # a launcher that raised: every node of the round gave no answer
+                log.error("%s probe of %s failed: %s", job.kind, ", ".join(job.nodes), e)
+                answers = {}
+            again = self._judge_probes(job, answers, now)
+            if again and job.round < node_health.CONFIRMATIONS:
+                self._submit(job.run, job.kind, again, job.argv, job.timeout_s, job.round + 1)
+
+    def _judge_probes(self, job: _ProbeJob, answers: dict[str, str], now: float) -> list[str]:
+        run_number = job.run.number if job.run is not None else None
+        again: list[str] = []
+        drains: list[tuple[str, str]] = []
+        returns: list[str] = []
+        with self.store.tx() as tx:
+            known = {x.name: x for x in tx.list_nodes()}
+            for node in job.nodes:
+                record = node_health.record(node, answers.get(node), job.kind, run_number, self.clock())
+                tx.add_probe(record)
+                recent = tx.recent_probes(node, max(node_health.CONFIRMATIONS, self.config.return_after))
+                statuses, reasons = [p.status for p in recent], [p.reason for p in recent]
+                j = node_health.judge(statuses, reasons)
+                tx.add_event(run_number, f"probe.{record.status}",
+                             f"{job.kind} probe of {node}: {record.status}"
+                             + (f" ({record.reason})" if record.reason else ""),
+                             {"node": node, "status": record.status, "action": record.action}, now)
+                current = known.get(node)
+                if job.run is None and (current is None or current.state is NodeState.ALLOCATED):
+                    continue  # taken by a run while the sweep probed it: that run's probes judge it
+                if current is not None and current.state is NodeState.DRAINED:
+                    # Only the sweep returns a node, and only one this supervisor drained.
+                    if job.run is None and current.reason.startswith(DRAINED_BY_US) \
+                            and node_health.may_return(statuses, self.config.return_after):
+                        tx.put_node(Node(name=node, state=NodeState.IDLE), now)
+                        tx.add_event(None, "node.returned",
+                                     f"node {node} returned to service: {self.config.return_after} clean "
+                                     f"probes in a row (drained for: {current.reason})", {"node": node}, now)
+                        returns.append(node)
+                    continue
+                if j.drain:
+                    where = f"{job.run.run_id}, {job.kind}" if job.run is not None else job.kind
+                    why = f"training-supervisor: probe: {j.reason[:200]} ({where})"
+                    tx.put_node(Node(name=node, state=NodeState.DRAINED, reason=why, run_number=run_number),
+                                now)
+                    tx.add_event(run_number, "node.drained", f"node {node} drained: {why}", {"node": node},
+                                 now)
+                    drains.append((node, why))
+                elif j.confirm:
+                    again.append(node)
+        for node, why in drains:  # recorded first: a failed scontrol is retried by no one else
+            try:
+                self.launcher.drain(node, why)
+            except LaunchError as err:
+                log.error("%s", err)
+                self.post_event(run_number, "node.drain_failed", str(err), {"node": node})
+        for node in returns:
+            try:
+                self.launcher.undrain(node)
+            except LaunchError as err:
+                log.error("%s", err)
+                self.post_event(None, "node.return_failed", str(err), {"node": node})
+        return again
+
+    # --- the sweep ----------------------------------------------------------------------
+
+    def _maybe_sweep(self, now: float) -> None:
+        """Every ``sweep_every_s``: probe the idle nodes and the nodes this supervisor
+        drained (not those an operator drained by hand), one round at a time."""
+        every = self.config.sweep_every_s
+        if every is None or now - self._swept_at < every or any(j.run is None for j in self._probes):
+            return
+        self._swept_at = now
+        with self.store.tx() as tx:
+            nodes = [x.name for x in tx.list_nodes() if x.state is NodeState.IDLE
+                     or (x.state is NodeState.DRAINED and x.reason.startswith(DRAINED_BY_US))]
+        if nodes:
+            self._submit(None, "sweep", nodes, node_health.probe_argv(self.config.sweep_args),
+                         self.config.sweep_timeout_s, 1)
+
+    def _sweep_probe(self, idle: list[str], drained: dict[str, str], argv: tuple[str, ...],
+                     timeout_s: float) -> dict[str, str]:
+        """On a worker thread: the sweep's probes; drained nodes (with their Reasons) go
+        through the launcher's out-of-service path (on Slurm no job runs on a drained node)."""
+        out: dict[str, str] = {}
+        if idle:
+            out.update(self.launcher.probe(idle, argv, allocation_info=None, timeout_s=timeout_s))
+        if drained:
+            out.update(self.launcher.probe_drained(drained, argv, timeout_s=timeout_s))
+        return out
 
     def _take_grant(self, tx: Tx, n: int, grant: Grant, now: float) -> list[str]:
         """Make the store's node records say what ``grant`` says the run holds; returns

@@ -117,6 +117,16 @@ class Launcher(Protocol):
         A node missing from the answer gave none (the caller records "probe failed")."""
         ...
 
+    def probe_drained(self, nodes: Mapping[str, str], argv: Sequence[str], *,
+                      timeout_s: float) -> dict[str, str]:
+        """``probe`` for drained nodes (name -> drain Reason), which stay drained with the
+        same Reason afterwards."""
+        ...
+
+    def undrain(self, node: str) -> None:
+        """Return a drained node to service."""
+        ...
+
     # Fault injection for --chaos: real signals to real processes.
     def kill_rank(self, launch_info: str, rank: int) -> str: ...
 

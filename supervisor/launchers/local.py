@@ -20,7 +20,7 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import psutil
@@ -84,6 +84,13 @@ class LocalLauncher:
 
     def drain(self, node: str, reason: str) -> None:
         """Local nodes are simulated: the store's record is the whole drain."""
+
+    def undrain(self, node: str) -> None:
+        """The store's record is the whole drain, and the whole return."""
+
+    def probe_drained(self, nodes: Mapping[str, str], argv: Sequence[str], *,
+                      timeout_s: float) -> dict[str, str]:
+        return self.probe(list(nodes), argv, allocation_info=None, timeout_s=timeout_s)
 
     def probe(self, nodes: Sequence[str], argv: Sequence[str], *, allocation_info: str | None,
               timeout_s: float) -> dict[str, str]:

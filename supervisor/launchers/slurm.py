@@ -23,22 +23,25 @@ by every run.
 from __future__ import annotations
 
 import contextlib
+import getpass
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
 
+from health import wire
 from supervisor.domain import ProcState
 from supervisor.errors import LaunchError, SpecError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
@@ -249,30 +252,62 @@ class SlurmLauncher:
 
     # --- probes -----------------------------------------------------------------------
 
+    def undrain(self, node: str) -> None:
+        reply = self.commands.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
+        if not reply.ok:
+            raise LaunchError(f"cannot return {node} to service: {reply.why}")
+        self._forget_polls()
+
     def probe(self, nodes: Sequence[str], argv: Sequence[str], *, allocation_info: str | None,
-              timeout_s: float) -> dict[str, str]:
+              timeout_s: float, reservation: str | None = None) -> dict[str, str]:
         """``srun`` one probe task per node: a step of the run's allocation when it holds
         the nodes, else a job of its own that must start at once (``--immediate``). Each
-        task prints one JSON line naming its node."""
+        task prints its verdict in short tagged lines (health/wire.py)."""
         job = _load_alloc(allocation_info)["job"] if allocation_info else None
         where = [f"--jobid={job}", "--overlap"] if job else ["--immediate=10", "--time=5"]
+        if reservation is not None:
+            where.append(f"--reservation={reservation}")
         reply = self.commands.run(
             ["srun", *where, f"--job-name={self.prefix}.probe", f"--nodes={len(nodes)}",
              f"--nodelist={','.join(nodes)}", "--ntasks-per-node=1", "--kill-on-bad-exit=0", *argv],
             timeout_s=timeout_s)
-        out: dict[str, str] = {}
         # srun exits non-zero when a probe says "unhealthy" (exit 2): read the output anyway.
-        for line in reply.stdout.splitlines():
-            if line.startswith("{"):
-                try:
-                    node = json.loads(line).get("node")
-                except ValueError:
-                    continue
-                if isinstance(node, str) and node in nodes:
-                    out[node] = line
+        out = {node: text for node, text in wire.answers(reply.stdout).items() if node in nodes}
         if not reply.ok and not out:
             log.warning("probe of %s: %s", ",".join(nodes), reply.why)
         return out
+
+    def probe_drained(self, nodes: Mapping[str, str], argv: Sequence[str], *,
+                      timeout_s: float) -> dict[str, str]:
+        """Slurm starts no job on a drained node. So the nodes go into a maintenance
+        reservation for this user alone (nothing else can land on them), are resumed,
+        probed by a job in that reservation, and drained again with their Reasons; then
+        the reservation goes. It lasts only a few minutes, so a daemon killed in between
+        leaves nodes reserved briefly, and the next sweep drains them again."""
+        names = sorted(nodes)
+        resv = f"{self.prefix}-probe"
+        self.commands.run(["scontrol", "delete", f"ReservationName={resv}"])  # one a killed daemon left
+        minutes = math.ceil(timeout_s / 60) + 2
+        made = self.commands.run(
+            ["scontrol", "create", "reservation", f"ReservationName={resv}", f"Nodes={','.join(names)}",
+             f"Users={getpass.getuser()}", "StartTime=now", f"Duration={minutes}", "Flags=MAINT,IGNORE_JOBS"])
+        if not made.ok:
+            log.warning("probe of drained %s: cannot reserve them: %s", ",".join(names), made.why)
+            return {}
+        try:
+            resumed = self.commands.run(["scontrol", "update", f"NodeName={','.join(names)}", "State=RESUME"])
+            if not resumed.ok:
+                log.warning("probe of drained %s: cannot resume them: %s", ",".join(names), resumed.why)
+                return {}
+            return self.probe(names, argv, allocation_info=None, timeout_s=timeout_s, reservation=resv)
+        finally:
+            for node in names:
+                again = self.commands.run(
+                    ["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={nodes[node]}"])
+                if not again.ok:
+                    log.error("probe of drained %s: cannot drain it again: %s", node, again.why)
+            self.commands.run(["scontrol", "delete", f"ReservationName={resv}"])
+            self._forget_polls()
 
     # --- steps ------------------------------------------------------------------------
 

@@ -253,3 +253,39 @@ def test_a_node_reporting_an_uncorrectable_hbm_error_is_drained_before_launch(
     probes = db_rows(state, "SELECT node, kind, status FROM probes ORDER BY id")
     assert probes.count(("node2", "preflight", "unhealthy")) == 2, "confirmed by a second probe"
     assert ("node1", "preflight", "healthy") in probes and ("node3", "preflight", "healthy") in probes
+
+
+def test_a_drained_node_is_probed_inside_a_reservation_and_stays_drained_until_returned(
+        slurm_box: Box, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep's path for drained nodes: Slurm runs no job on a drained node, so the
+    launcher reserves it, resumes it, probes it and drains it again with the same Reason."""
+    from supervisor import node_health
+    from supervisor.launchers.slurm import SlurmLauncher
+    from supervisor.slurm.commands import SlurmCommands
+
+    fixtures = REPO / "tests" / "fixtures" / "health" / "neuron"
+    hw = tmp_path / "hw" / "default"
+    hw.mkdir(parents=True)
+    (hw / "neuron-ls").write_text((fixtures / "neuron-ls_json_trn1.32xlarge_SYNTHESIZED.json").read_text())
+    (hw / "neuron-monitor").write_text((fixtures / "neuron-monitor_report_trn1_healthy_SYNTHESIZED.json").read_text())
+    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
+    monkeypatch.setenv("TSUP_HEALTH_TOOLS", str(make_tools(tmp_path / "tools", ["neuron-ls", "neuron-monitor"])))
+    monkeypatch.setenv("TSUP_FAKE_HW", str(tmp_path / "hw"))
+    reason = "training-supervisor: probe: neuron-monitor: mem_ecc_uncorrected=1 (run-1, preflight)"
+    slurm(slurm_box, "scontrol", "update", "NodeName=node3", "State=DRAIN", f"Reason={reason}")
+    launcher = SlurmLauncher(SlurmCommands(slurm_conf=str(slurm_box.conf)), state_dir=tmp_path / "state")
+    argv = node_health.probe_argv(["--instance-type", "trn1.32xlarge", "--min-free-gib", "0.1"])
+
+    answers = launcher.probe_drained({"node3": reason}, argv, timeout_s=60)
+
+    record = node_health.record("node3", answers.get("node3"), "sweep", None, 0.0)
+    assert record.status == "healthy", answers
+    node3 = parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", "node3"))["node3"]
+    assert "DRAIN" in node3.flags and node3.reason == reason
+    assert "No reservations" in slurm(slurm_box, "scontrol", "show", "reservation")
+    assert launcher.probe(["node3"], argv, allocation_info=None, timeout_s=30) == {}, "no job on a drained node"
+
+    launcher.undrain("node3")
+    node3 = parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", "node3"))["node3"]
+    assert "DRAIN" not in node3.flags
+    assert "node3" in launcher.probe(["node3"], argv, allocation_info=None, timeout_s=30)

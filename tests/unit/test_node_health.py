@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from supervisor.node_health import CONFIRMATIONS, judge
+import json
+
+from health import wire
+from supervisor import node_health
+from supervisor.node_health import CONFIRMATIONS, judge, may_return
 
 
 def test_a_healthy_or_degraded_node_trains() -> None:
@@ -31,3 +35,40 @@ def test_a_node_answer_that_is_not_a_verdict_is_unknown() -> None:
     for garbage in (None, "", "{not json", '{"status": "great"}', "[1, 2]", '{"node": "n1"}'):
         r = record("n1", garbage, "preflight", None, 1.0)
         assert r.status == "unknown" and r.reason.startswith("unknown: probe failed:"), garbage
+
+
+def test_verdicts_of_many_nodes_come_back_together_from_an_interleaved_stream() -> None:
+    """srun forwards at most 1024 bytes of a line at a time, mixing nodes' output: each
+    verdict travels as short tagged lines and is put back together per node."""
+    import random
+
+    docs = {f"node{i}": json.dumps({"node": f"node{i}", "status": "healthy", "action": "none", "reason": "",
+                                    "findings": [{"probe": "x", "evidence": "e" * 900 * i}]}) for i in (1, 2, 3)}
+    streams = {n: wire.lines(n, d) for n, d in docs.items()}
+    assert all(len(line.encode()) < 1024 for ls in streams.values() for line in ls)
+    assert len(streams["node3"]) > 3
+    mixed: list[str] = []
+    rng = random.Random(7)
+    queues = {n: list(ls) for n, ls in streams.items()}
+    while any(queues.values()):
+        n = rng.choice([k for k, q in queues.items() if q])
+        mixed.append(queues[n].pop(0))
+    mixed.insert(2, "srun: warning: something unrelated")
+    assert wire.answers("\n".join(mixed)) == docs
+    rec = node_health.record("node2", "\n".join(mixed), "preflight", 1, 0.0)
+    assert rec.status == "healthy" and rec.findings[0]["evidence"] == "e" * 1800
+
+
+def test_a_verdict_with_a_line_missing_is_no_verdict() -> None:
+    lines = wire.lines("node1", json.dumps({"node": "node1", "status": "healthy", "pad": "p" * 2000}))
+    del lines[1]
+    assert wire.answers("\n".join(lines)) == {}
+    rec = node_health.record("node1", "\n".join(lines), "preflight", 1, 0.0)
+    assert rec.status == "unknown" and rec.reason.startswith("unknown: probe failed")
+
+
+def test_a_drained_node_returns_only_after_n_clean_results_in_a_row_when_enabled() -> None:
+    assert may_return(["healthy", "degraded"], 2)
+    assert not may_return(["healthy", "unknown", "healthy"], 2)
+    assert not may_return(["healthy"], 2), "too few results yet"
+    assert not may_return(["healthy"] * 5, 0), "not enabled"

@@ -27,6 +27,7 @@ from supervisor.domain import (
     Node,
     NodeState,
     Policy,
+    ProbeNodes,
     ProcState,
     RankObs,
     RecordFault,
@@ -415,6 +416,33 @@ def test_stopping_attempt_is_ended_once_every_process_is_gone_then_relaunched() 
     [end] = of(effects, EndAttempt)
     assert end.outcome is AttemptOutcome.FAILED
     assert of(effects, StartAttempt)[0].resume_step == 40
+
+
+def test_with_diagnose_a_failed_attempts_held_nodes_are_probed_before_any_relaunch() -> None:
+    live = attempt(state=AttemptState.STOPPING, stop_requested_at=NOW - 1, outcome=AttemptOutcome.FAILED)
+    o = obs(*(rank(i, ProcState.EXITED, exit_code=-9) for i in range(4)))
+    v = replace(view(run(RunState.RECOVERING), (live,), ck=CheckpointRef(step=40, path="/c")), diagnose=True)
+    effects = decide(v, o, NOW)
+    assert of(effects, EndAttempt)
+    assert of(effects, ProbeNodes) == [ProbeNodes(nodes=("n1", "n2"), kind="diagnosis")]
+    assert not of(effects, StartAttempt)
+
+
+def test_a_node_drained_in_the_same_tick_or_no_longer_held_is_not_diagnosed() -> None:
+    live = attempt(state=AttemptState.STOPPING, stop_requested_at=NOW - 1, outcome=AttemptOutcome.FAILED,
+                   nodes=("n1", "n2"))
+    alloc = (Node(name="n1", state=NodeState.IDLE), *nodes(NodeState.ALLOCATED, NodeState.ALLOCATED)[1:])
+    o = obs(*(rank(i, ProcState.EXITED, exit_code=-9) for i in range(4)))
+    v = replace(view(run(RunState.RECOVERING), (live,), alloc), diagnose=True)
+    assert of(decide(v, o, NOW), ProbeNodes) == [ProbeNodes(nodes=("n2",), kind="diagnosis")]
+
+
+def test_a_run_whose_nodes_are_being_probed_launches_nothing_until_they_answer() -> None:
+    prev = attempt(state=AttemptState.ENDED, outcome=AttemptOutcome.FAILED)
+    v = view(run(RunState.RECOVERING), (prev,))
+    assert of(decide(v, None, NOW), StartAttempt)
+    assert decide(replace(v, probing=True), None, NOW) == []
+    assert decide(replace(view(run(RunState.PENDING), alloc=()), probing=True), None, NOW) == []
 
 
 def test_an_operator_stop_escalates_from_sigterm_to_sigkill_after_the_grace() -> None:

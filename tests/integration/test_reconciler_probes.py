@@ -1,0 +1,199 @@
+"""Node probes in the reconciler: preflight and diagnosis rounds run off the loop and hold
+the run's launch until judged; the periodic sweep drains idle nodes and returns nodes this
+supervisor drained once they probe clean (a real SQLite store, a scripted launcher)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, Future
+from pathlib import Path
+from typing import Any
+
+from supervisor.domain import Node, NodeState, RunState
+from supervisor.launchers.local import LocalLauncher
+from supervisor.reconciler import Reconciler, ReconcilerConfig
+from supervisor.service import SupervisorService
+from supervisor.spec import parse_spec
+from supervisor.store import SqlStore
+from supervisor.telemetry import TelemetryView
+from tests.integration.test_reconciler import SPEC, Clock, ScriptedLauncher, kinds
+
+
+class HeldExecutor(Executor):
+    """Runs a submitted call only when the test says so: a probe 'in flight'."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:  # type: ignore[override]
+        f: Future[Any] = Future()
+        self.held.append((f, fn, args, kwargs))
+        return f
+
+    def finish(self) -> int:
+        done, self.held = self.held, []
+        for f, fn, args, kwargs in done:
+            f.set_result(fn(*args, **kwargs))
+        return len(done)
+
+
+class ProbedLauncher(ScriptedLauncher):
+    """Every node answers with the next status scripted for it (healthy once the script ends)."""
+
+    def __init__(self, script: Mapping[str, list[str]]) -> None:
+        super().__init__()
+        self.script = {k: list(v) for k, v in script.items()}
+        self.probed: list[tuple[str, ...]] = []
+        self.drained_probes: list[dict[str, str]] = []
+        self.drains: list[tuple[str, str]] = []
+        self.undrained: list[str] = []
+
+    def _answer(self, node: str) -> str:
+        queue = self.script.get(node, [])
+        status = queue.pop(0) if queue else "healthy"
+        reason = "" if status == "healthy" else f"neuron-monitor: mem_ecc_uncorrected=1 on {node}"
+        return json.dumps({"node": node, "status": status, "action": "replace" if reason else "none",
+                           "reason": reason, "findings": []})
+
+    def probe(self, nodes: Sequence[str], argv: Sequence[str], *, allocation_info: str | None,
+              timeout_s: float) -> dict[str, str]:
+        self.probed.append(tuple(nodes))
+        return {n: self._answer(n) for n in nodes}
+
+    def probe_drained(self, nodes: Mapping[str, str], argv: Sequence[str], *,
+                      timeout_s: float) -> dict[str, str]:
+        self.drained_probes.append(dict(nodes))
+        return {n: self._answer(n) for n in nodes}
+
+    def drain(self, node: str, reason: str) -> None:
+        self.drains.append((node, reason))
+
+    def undrain(self, node: str) -> None:
+        self.undrained.append(node)
+
+
+def make(tmp_path: Path, launcher: ProbedLauncher, **config: Any) -> tuple[SqlStore, Clock, Reconciler,
+                                                                            HeldExecutor]:
+    store = SqlStore(tmp_path / "supervisor.db")
+    store.open()
+    clock = Clock()
+    telemetry = TelemetryView()
+    telemetry.link_up(clock())
+    pool = HeldExecutor()
+    rec = Reconciler(store, launcher, telemetry, ReconcilerConfig(mqtt_url="mqtt://127.0.0.1:1", **config),
+                     clock, probe_pool=pool)
+    return store, clock, rec, pool
+
+
+def node_states(store: SqlStore) -> dict[str, tuple[NodeState, str]]:
+    with store.tx() as tx:
+        return {n.name: (n.state, n.reason) for n in tx.list_nodes()}
+
+
+def test_preflight_holds_the_launch_until_the_nodes_are_judged_and_drains_a_confirmed_bad_one(
+        tmp_path: Path) -> None:
+    launcher = ProbedLauncher({"node-2": ["unhealthy", "unhealthy"]})
+    store, clock, rec, pool = make(tmp_path, launcher)
+    service = SupervisorService(store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1",
+                                launcher=LocalLauncher(max_nodes=8), check_trainer=False, clock=clock)
+    service.submit(parse_spec({**SPEC, "health": {"preflight": True}}))
+    rec.tick()  # allocates node-1..3; their preflight round is in flight
+    assert len(pool.held) == 1 and launcher.started == []
+    for _ in range(3):  # however long the probes take, nothing launches meanwhile
+        clock.t += 5
+        rec.tick()
+    assert launcher.started == [] and "probe.started" in kinds(store)
+    assert pool.finish() == 1
+    rec.tick()  # node-2 bad once: probed again at once, still no launch
+    assert launcher.started == [] and len(pool.held) == 1
+    assert pool.finish() == 1 and launcher.probed[-1] == ("node-2",)
+    rec.tick()  # confirmed: drained; the run now has 2 healthy nodes and launches on them
+    assert node_states(store)["node-2"][0] is NodeState.DRAINED
+    assert launcher.drains[0][0] == "node-2" and "mem_ecc_uncorrected=1" in launcher.drains[0][1]
+    assert "(run-1, preflight)" in launcher.drains[0][1]
+    rec.tick()
+    assert [s.nodes for s in launcher.started] == [("node-1", "node-3")]
+    with store.tx() as tx:
+        assert tx.get_run(1).state is RunState.STARTING
+        assert [p.status for p in tx.recent_probes("node-2", 5)] == ["unhealthy", "unhealthy"]
+
+
+def test_one_flaky_preflight_result_drains_nothing(tmp_path: Path) -> None:
+    launcher = ProbedLauncher({"node-1": ["unknown"]})
+    store, clock, rec, pool = make(tmp_path, launcher)
+    service = SupervisorService(store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1",
+                                launcher=LocalLauncher(max_nodes=8), check_trainer=False, clock=clock)
+    service.submit(parse_spec({**SPEC, "health": {"preflight": True}}))
+    rec.tick()
+    pool.finish()
+    rec.tick()
+    pool.finish()  # the confirmation round: healthy
+    rec.tick()
+    rec.tick()
+    assert launcher.drains == [] and [s.nodes for s in launcher.started] == [("node-1", "node-2")]
+
+
+def seed(store: SqlStore, *nodes: Node) -> None:
+    with store.tx() as tx:
+        for n in nodes:
+            tx.put_node(n, 0.0)
+
+
+def test_the_sweep_drains_a_bad_idle_node_and_returns_a_clean_one_it_drained(tmp_path: Path) -> None:
+    ours = "training-supervisor: probe: neuron-ls: 15 of 16 devices (run-1, preflight)"
+    launcher = ProbedLauncher({"idle-1": ["unhealthy", "unhealthy"], "drained-1": ["healthy", "degraded"]})
+    store, clock, rec, pool = make(tmp_path, launcher, sweep_every_s=60.0, return_after=2)
+    seed(store, Node(name="idle-1", state=NodeState.IDLE), Node(name="idle-2", state=NodeState.IDLE),
+         Node(name="drained-1", state=NodeState.DRAINED, reason=ours),
+         Node(name="by-hand", state=NodeState.DRAINED, reason="memory upgrade"))
+    rec.tick()
+    assert pool.held == []  # the first sweep comes one interval after start
+    clock.t += 61
+    rec.tick()
+    pool.finish()
+    assert launcher.probed == [("idle-1", "idle-2")]
+    assert launcher.drained_probes == [{"drained-1": ours}]  # never the node an operator drained
+    rec.tick()  # idle-1 bad once: again at once; drained-1 clean once: not yet back
+    pool.finish()
+    rec.tick()
+    states = node_states(store)
+    assert states["idle-1"][0] is NodeState.DRAINED and states["idle-1"][1].endswith("(sweep)")
+    assert states["drained-1"][0] is NodeState.DRAINED and states["idle-2"][0] is NodeState.IDLE
+    assert states["by-hand"] == (NodeState.DRAINED, "memory upgrade")
+    clock.t += 61
+    rec.tick()
+    pool.finish()
+    rec.tick()  # drained-1's second clean result in a row: back in service
+    states = node_states(store)
+    assert states["drained-1"] == (NodeState.IDLE, "") and launcher.undrained == ["drained-1"]
+    assert "node.returned" in kinds_all(store)
+    assert states["idle-1"][0] is NodeState.DRAINED  # one clean result is not enough for it
+
+
+def test_without_return_after_a_drained_node_stays_drained_however_clean(tmp_path: Path) -> None:
+    ours = "training-supervisor: node lost, all its ranks vanished at once (run-1)"
+    launcher = ProbedLauncher({})
+    store, clock, rec, pool = make(tmp_path, launcher, sweep_every_s=60.0)
+    seed(store, Node(name="d", state=NodeState.DRAINED, reason=ours))
+    for _ in range(4):
+        clock.t += 61
+        rec.tick()
+        pool.finish()
+    rec.tick()
+    assert len(launcher.drained_probes) == 4 and launcher.undrained == []
+    assert node_states(store)["d"] == (NodeState.DRAINED, ours)
+
+
+def kinds_all(store: SqlStore) -> list[str]:
+    with store.tx() as tx:
+        return [e.kind for e in tx.list_events(None)]
+
+
+def test_no_sweep_unless_configured(tmp_path: Path) -> None:
+    launcher = ProbedLauncher({})
+    store, clock, rec, pool = make(tmp_path, launcher)
+    seed(store, Node(name="idle-1", state=NodeState.IDLE))
+    clock.t += 10_000
+    rec.tick()
+    assert pool.held == [] and launcher.probed == []
