@@ -6,6 +6,8 @@
                       the node at index TARGET) at step 90; on a Slurm box, its slurmd too
     freeze-node@90    SIGSTOP every process of one node: a node that hangs hard or loses
                       its network, found only by its silence
+    hang-rank@40      SIGSTOP one rank (the highest, or rank TARGET): the others wait for it
+                      in the next collective, and no rank makes progress (a hang)
 
 Each action fires once per run, through the launcher, as real signals to real
 processes. The injector tells the reconciler nothing: the supervisor must detect the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,8 +32,8 @@ from supervisor.telemetry import TelemetryView
 
 log = logging.getLogger(__name__)
 
-_SYNTAX = re.compile(r"^(kill-rank|kill-node|freeze-node)@([0-9]+)(?::([0-9]+))?$")
-ChaosKind = Literal["kill-rank", "kill-node", "freeze-node"]
+_SYNTAX = re.compile(r"^(kill-rank|kill-node|freeze-node|hang-rank)@([0-9]+)(?::([0-9]+))?$")
+ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "hang-rank"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,7 +51,8 @@ def parse_chaos(text: str) -> ChaosAction:
     m = _SYNTAX.match(text.strip())
     if m is None:
         raise SpecError(
-            f"--chaos {text!r}: expected KIND@STEP[:TARGET] with KIND kill-rank, kill-node or freeze-node, "
+            f"--chaos {text!r}: expected KIND@STEP[:TARGET] with KIND kill-rank, kill-node, freeze-node or "
+            "hang-rank, "
             "for example kill-rank@50"
         )
     kind: ChaosKind = m.group(1)  # type: ignore[assignment]
@@ -82,10 +86,11 @@ class ChaosMonkey:
         while self.pending and self.pending[0].step <= step:
             action = self.pending.pop(0)
             try:
-                if action.kind == "kill-rank":
+                if action.kind in ("kill-rank", "hang-rank"):
                     world = len(live.nodes) * _ranks_per_node(self.store, self.run_number)
                     rank = action.target if action.target is not None else world - 1
-                    what = self.launcher.kill_rank(live.launch_info, rank)
+                    sig = signal.SIGKILL if action.kind == "kill-rank" else signal.SIGSTOP
+                    what = self.launcher.kill_rank(live.launch_info, rank, sig)
                 else:
                     index = action.target if action.target is not None else len(live.nodes) - 1
                     node = live.nodes[index]

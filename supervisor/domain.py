@@ -82,8 +82,16 @@ class Policy:
     """Per-run knobs of the decision rules (from the spec's [policy] table)."""
 
     max_restarts: int = 10  # relaunches after failed attempts; one more failure fails the run
-    hang_timeout_s: float = 300.0  # no step progress for this long while training
-    startup_timeout_s: float = 900.0  # no first step for this long after launch
+    # Hang while training: no step progress for max(hang_floor_s, hang_k x p99 step time)
+    # once hang_min_samples step times are known, never more than hang_timeout_s (which is
+    # also the limit before enough steps were timed).
+    hang_timeout_s: float = 300.0
+    hang_floor_s: float = 8.0  # the 10 s detection target, less a tick and message latency
+    hang_k: float = 3.0
+    hang_min_samples: int = 20
+    startup_timeout_s: float = 900.0  # no first step for this long after launch (init, compile, restore)
+    checkpoint_timeout_s: float = 600.0  # a rank announcing a checkpoint save (before one was timed)
+    eval_timeout_s: float = 600.0  # a rank announcing an evaluation
     stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this long
     # After the first rank death is seen, wait this long (unless every rank is gone)
     # before attributing the fault, so that ranks dying together are judged together.
@@ -222,6 +230,9 @@ class AttemptObs:
     never_started: bool = False  # LAUNCHING, and no process of it exists
     launch_error: str | None = None  # why it never started, when the launcher said so
     telemetry_up_since: float | None = None  # None while the broker link is down
+    step_time_p99_s: float | None = None  # over the attempt's recent steps, all ranks
+    step_time_samples: int = 0
+    checkpoint_p99_s: float | None = None  # the run's recent checkpoint saves
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

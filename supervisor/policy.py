@@ -74,6 +74,7 @@ from supervisor.domain import (
     MarkAttemptRunning,
     MarkFaultsRecovered,
     NodeState,
+    Policy,
     ProbeNodes,
     ProcState,
     RankObs,
@@ -343,34 +344,101 @@ def _find_silent_node(
     return record, drains, False
 
 
+def hang_limit(policy: Policy, obs: AttemptObs, first_step_seen: bool) -> tuple[float, str]:
+    """How long without step progress is a hang, and why that long.
+
+    - a rank in a slow phase it announced gets that phase's allowance: init, compile and
+      restore ``startup_timeout_s`` (also before the first step); checkpoint save
+      max(``hang_floor_s``, ``hang_k`` x the slowest recent save) once a save was timed,
+      ``checkpoint_timeout_s`` before (and at most); evaluation ``eval_timeout_s``;
+    - while training, once ``hang_min_samples`` step times are known: max(``hang_floor_s``,
+      ``hang_k`` x the p99 step time), at most ``hang_timeout_s``;
+    - before that, ``hang_timeout_s``.
+    """
+    phases = {r.phase for r in obs.ranks}
+    if not first_step_seen or phases & {"init", "compile", "restore"}:
+        return policy.startup_timeout_s, "startup allowance"
+    if "checkpoint" in phases:
+        saved = obs.checkpoint_p99_s
+        if saved is None:
+            return policy.checkpoint_timeout_s, "checkpoint allowance"
+        limit = min(policy.checkpoint_timeout_s, max(policy.hang_floor_s, policy.hang_k * saved))
+        k, floor = policy.hang_k, policy.hang_floor_s
+        return limit, f"checkpoint allowance: max({floor:g} s, {k:g} x slowest save {saved:.2f} s)"
+    if "eval" in phases:
+        return policy.eval_timeout_s, "evaluation allowance"
+    p99 = obs.step_time_p99_s
+    if p99 is not None and obs.step_time_samples >= policy.hang_min_samples:
+        limit = min(policy.hang_timeout_s, max(policy.hang_floor_s, policy.hang_k * p99))
+        return limit, f"adaptive hang timeout: max({policy.hang_floor_s:g} s, {policy.hang_k:g} x p99 step " \
+                      f"time {p99:.3f} s)"
+    return policy.hang_timeout_s, "hang timeout"
+
+
 def _find_hang(
     view: RunView, live: Attempt, obs: AttemptObs, now: float, step: int
 ) -> FaultFinding | None:
-    """No progress for too long, judged only while telemetry flows.
+    """No progress for too long (``hang_limit``), judged only while telemetry flows.
 
     While the broker link is down no verdict is given, and after it comes back the
-    clock starts again from the moment it did: a broker outage is never a hang.
+    clock starts again from the moment it did: a broker outage is never a hang. The
+    fault names the ranks that stalled first (``stalled_first``) and their nodes, and
+    drains nothing: a stalled rank is no evidence against its node.
     """
     if obs.telemetry_up_since is None or live.started_at is None:
         return None
-    policy = view.run.policy
-    slow_phase = any(r.phase in ("init", "restore", "checkpoint") for r in obs.ranks)
-    if live.first_step_at is None or slow_phase:
-        limit_s, what = policy.startup_timeout_s, "startup/checkpoint timeout"
-    else:
-        limit_s, what = policy.hang_timeout_s, "hang timeout"
+    limit_s, what = hang_limit(view.run.policy, obs, live.first_step_at is not None)
     progress = [r.progress_at for r in obs.ranks if r.progress_at is not None]
     since = max([live.started_at, obs.telemetry_up_since, *progress])
     if live.first_step_at is not None:
         since = max(since, live.first_step_at)
     idle_s = now - since
-    if idle_s <= limit_s:
+    if idle_s <= limit_s or _node_going_silent(view, obs, now):
         return None
+    first = stalled_first(obs.ranks)
+    nodes = tuple(sorted({r.node for r in first}))
+    who = f"; stalled first: ranks {_ranks(first)} on {', '.join(nodes)}" if first else ""
     record = RecordFault(
-        kind=FaultKind.HANG, attempt=live.number, ranks=(), nodes=(), step=step,
-        summary=f"no step progress for {idle_s:.0f} s ({what} {limit_s:.0f} s), last step {step}",
+        kind=FaultKind.HANG, attempt=live.number, ranks=tuple(r.rank for r in first), nodes=nodes, step=step,
+        summary=f"no step progress for {idle_s:.0f} s ({what} {limit_s:.0f} s), last step {step}{who}",
     )
     return record, [], False
+
+
+STALL_GAP_S = 5.0  # a rank unheard this much longer than the most recently heard one stalled first
+
+
+def _node_going_silent(view: RunView, obs: AttemptObs, now: float) -> bool:
+    """Every rank of some node unheard for STALL_GAP_S while other nodes are heard, for
+    less than the silence limit (and a grace): the silence rule will judge it a lost node
+    and drain it; a hang verdict now would blame no one."""
+    by_node: dict[str, list[RankObs]] = {}
+    for r in obs.ranks:
+        by_node.setdefault(r.node, []).append(r)
+    if len(by_node) < 2:
+        return False
+    quiet_for = {n: now - max(r.last_seen_at or 0.0 for r in rs) for n, rs in by_node.items()}
+    heard = [n for n, q in quiet_for.items() if q <= STALL_GAP_S]
+    limit = view.run.policy.silence_timeout_s + STALL_GAP_S
+    return bool(heard) and any(STALL_GAP_S < q <= limit for q in quiet_for.values())
+
+
+def stalled_first(ranks: Iterable[RankObs]) -> list[RankObs]:
+    """The ranks a hang began with: those behind the others in steps; failing that, those
+    that fell silent (no heartbeat) well before the rest. Empty when all stalled together."""
+    rs = list(ranks)
+    if not rs:
+        return []
+    behind = min(r.last_step for r in rs)
+    laggards = [r for r in rs if r.last_step == behind]
+    if len(laggards) < len(rs):
+        return laggards
+    heard = [r.last_seen_at for r in rs if r.last_seen_at is not None]
+    if not heard:
+        return []
+    newest = max(heard)
+    silent = [r for r in rs if r.last_seen_at is None or newest - r.last_seen_at > STALL_GAP_S]
+    return silent if len(silent) < len(rs) else []
 
 
 def _attribute(

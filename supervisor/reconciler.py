@@ -274,7 +274,10 @@ class Reconciler:
                 result = TrainerResult(final_step=max(final, spec.command.steps), model_digest=None)
         elif gone:
             result = trainer_cmd.read_result(trainer_cmd.result_path(spec, run_dir), run.run_id, live.number)
-        return AttemptObs(ranks=tuple(ranks), result=result, telemetry_up_since=self.telemetry.up_since)
+        p99, samples = self.telemetry.step_time_p99(run.run_id, live.number)
+        return AttemptObs(ranks=tuple(ranks), result=result, telemetry_up_since=self.telemetry.up_since,
+                          step_time_p99_s=p99, step_time_samples=samples,
+                          checkpoint_p99_s=self.telemetry.checkpoint_p99(run.run_id))
 
     def _quiet_progress(
         self, spec: RunSpec, run_dir: Path, live: Attempt, now: float

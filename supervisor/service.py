@@ -16,7 +16,7 @@ from supervisor.domain import CommandKind, NodeState, parse_run_id
 from supervisor.errors import NotFound, SpecError
 from supervisor.launchers.base import Launcher
 from supervisor.spec import RunSpec
-from supervisor.store import SqlStore
+from supervisor.store import EventRecord, SqlStore
 from supervisor.views import (
     CommandAccepted,
     DaemonHealth,
@@ -106,13 +106,15 @@ class SupervisorService:
             checkpoints = tx.list_checkpoints(number)
             drained = [n.name for n in tx.allocation(number) if n.state is NodeState.DRAINED]
             latest = tx.latest_metric(number)
+            injected = tx.list_events(number, limit=10_000, kind="chaos.injected")
         g = goodput.account(run, attempts, metrics, faults, checkpoints, now)
         summary = run_summary(run, attempts, latest)
         return RunDetail(
             **summary.model_dump(), model_digest=run.model_digest, final_step=run.final_step,
             started_at=run.started_at, nodes=run.nodes, ranks_per_node=run.ranks_per_node,
             spares=run.spares, attempt_history=[attempt_view(a) for a in attempts],
-            faults=[fault_view(f) for f in faults], checkpoints=[checkpoint_view(c) for c in checkpoints],
+            faults=[fault_view(f, _injected_at(f.attempt, f.detected_at, injected)) for f in faults],
+            checkpoints=[checkpoint_view(c) for c in checkpoints],
             goodput=goodput_view(g), drained_nodes=drained, ettr=g.ettr,
         )
 
@@ -160,3 +162,10 @@ def _number(run_id: str) -> int:
     if number is None:
         raise NotFound(f"no such run: {run_id!r} (run ids look like run-42)")
     return number
+
+
+def _injected_at(attempt: int, detected_at: float, injected: list[EventRecord]) -> float | None:
+    """When chaos was injected into this attempt before the fault was detected (None: a
+    fault nobody injected)."""
+    times = [e.ts for e in injected if e.data.get("attempt") == attempt and e.ts <= detected_at]
+    return max(times) if times else None

@@ -58,7 +58,12 @@ class PolicySpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     max_restarts: Annotated[int, Field(ge=0, le=10_000)] = 10
     hang_timeout_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 300.0
+    hang_floor_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 8.0
+    hang_k: Annotated[float, Field(ge=1, le=1000)] = 3.0
+    hang_min_samples: Annotated[int, Field(ge=1, le=100_000)] = 20
     startup_timeout_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 900.0
+    checkpoint_timeout_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 600.0
+    eval_timeout_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 600.0
     stop_grace_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
     fault_settle_s: Annotated[float, Field(ge=0, le=60)] = 1.0
     abandon_after_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 120.0

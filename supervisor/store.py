@@ -416,11 +416,13 @@ class Tx:
         return event_id
 
     def list_events(
-        self, run_number: int | None = None, after_id: int = 0, limit: int = 1000
+        self, run_number: int | None = None, after_id: int = 0, limit: int = 1000, kind: str | None = None
     ) -> list[EventRecord]:
         q = select(t.events).where(t.events.c.id > after_id).order_by(t.events.c.id).limit(limit)
         if run_number is not None:
             q = q.where(t.events.c.run_number == run_number)
+        if kind is not None:
+            q = q.where(t.events.c.kind == kind)
         return [_event(r) for r in self.c.execute(q)]
 
     def unpublished_events(self, limit: int = 100) -> list[EventRecord]:

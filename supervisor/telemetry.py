@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 # Step metrics and checkpoint commits waiting to be persisted; beyond this many (a
 # reconciler stalled for minutes) the oldest are dropped and counted.
 _DURABLE_QUEUE_MAX = 100_000
+STEP_TIMES_KEPT = 200  # per rank: the window the adaptive hang timeout is drawn from
 
 
 @dataclass(slots=True)
@@ -44,6 +46,7 @@ class RankTelemetry:
     exit_at: float | None = None
     lost: bool = False
     lost_at: float | None = None
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_TIMES_KEPT))
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,7 @@ class TelemetryView:
     counts: Counter[str] = field(default_factory=Counter)
     _ranks: dict[tuple[str, int], dict[int, RankTelemetry]] = field(default_factory=dict)
     _durable: deque[Received] = field(default_factory=deque)
+    _checkpoint_s: dict[str, deque[float]] = field(default_factory=dict)  # run -> recent save times
 
     def link_up(self, now: float) -> None:
         self.up_since = now
@@ -94,10 +98,14 @@ class TelemetryView:
                 self._progress(rank, msg.step, now)
             case p.StepMetrics():
                 self._progress(rank, msg.step, now)
+                if math.isfinite(msg.step_time_s) and msg.step_time_s > 0:
+                    rank.step_times.append(msg.step_time_s)
                 if msg.rank == 0:
                     self._queue(Received(msg, now))
             case p.CheckpointCommitted():
                 self._queue(Received(msg, now))
+                if math.isfinite(msg.duration_s) and msg.duration_s >= 0:
+                    self._checkpoint_s.setdefault(msg.run, deque(maxlen=20)).append(msg.duration_s)
             case p.Exit():
                 rank.exit_code, rank.exit_reason, rank.exit_at = msg.exit_code, msg.reason, now
                 self._progress(rank, msg.final_step, now)
@@ -129,6 +137,18 @@ class TelemetryView:
 
     def max_step(self, run_id: str, attempt: int) -> int:
         return max((r.last_step for r in self.ranks(run_id, attempt).values()), default=0)
+
+    def step_time_p99(self, run_id: str, attempt: int) -> tuple[float | None, int]:
+        """(the 99th percentile of the attempt's recent step times over all ranks, how many)."""
+        times = sorted(t for r in self.ranks(run_id, attempt).values() for t in r.step_times)
+        if not times:
+            return None, 0
+        return times[min(len(times) - 1, math.ceil(0.99 * len(times)) - 1)], len(times)
+
+    def checkpoint_p99(self, run_id: str) -> float | None:
+        """The slowest of the run's recent checkpoint saves (its p99 at this sample size)."""
+        times = self._checkpoint_s.get(run_id)
+        return max(times) if times else None
 
     def forget(self, run_id: str, attempt: int) -> None:
         self._ranks.pop((run_id, attempt), None)

@@ -48,6 +48,7 @@ class FaultView(BaseModel):
     ranks: list[int]
     nodes: list[str]
     summary: str
+    injected_at: float | None = None  # chaos runs: when the fault was injected (Unix seconds)
     detected_at: float
     recovered_at: float | None
 
@@ -148,10 +149,10 @@ def attempt_view(a: Attempt) -> AttemptView:
     )
 
 
-def fault_view(f: FaultRecord) -> FaultView:
+def fault_view(f: FaultRecord, injected_at: float | None = None) -> FaultView:
     return FaultView(kind=f.kind.value, attempt=f.attempt, step=f.step, ranks=list(f.ranks),
-                     nodes=list(f.nodes), summary=f.summary, detected_at=f.detected_at,
-                     recovered_at=f.recovered_at)
+                     nodes=list(f.nodes), summary=f.summary, injected_at=injected_at,
+                     detected_at=f.detected_at, recovered_at=f.recovered_at)
 
 
 def checkpoint_view(c: CheckpointRecord) -> CheckpointView:

@@ -53,6 +53,7 @@ class Phase(StrEnum):
     """What a rank is doing; a hang detector gives each phase its own allowance."""
 
     INIT = "init"  # process start, process group setup, model build
+    COMPILE = "compile"  # graph compilation (Neuron, torch.compile)
     RESTORE = "restore"  # loading a checkpoint
     TRAIN = "train"
     CHECKPOINT = "checkpoint"  # saving a checkpoint

@@ -200,11 +200,11 @@ class LocalLauncher:
         for pgid in self._live_groups(_load(launch_info)):
             _signal_group(pgid, sig)
 
-    def kill_rank(self, launch_info: str, rank: int) -> str:
+    def kill_rank(self, launch_info: str, rank: int, sig: int = signal.SIGKILL) -> str:
         for r in _load(launch_info):
             if r.rank == rank and self._alive(r):
-                os.kill(r.pid, signal.SIGKILL)
-                return f"SIGKILL to rank {rank} (pid {r.pid}, node {r.node})"
+                os.kill(r.pid, sig)
+                return f"{signal.Signals(sig).name} to rank {rank} (pid {r.pid}, node {r.node})"
         raise LaunchError(f"rank {rank} is not running")
 
     def kill_node(self, launch_info: str, node: str) -> str:

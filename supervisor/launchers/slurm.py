@@ -451,7 +451,7 @@ class SlurmLauncher:
             raise LaunchError(f"node {node} runs no process")
         return f"SIGSTOP to {node}'s slurmd and every process it started ({len(pids)} processes)"
 
-    def kill_rank(self, launch_info: str, rank: int) -> str:
+    def kill_rank(self, launch_info: str, rank: int, sig: int = signal.SIGKILL) -> str:
         info = json.loads(launch_info)
         self._box()
         for p in psutil.process_iter(["pid"]):
@@ -463,8 +463,9 @@ class SlurmLauncher:
                 continue
             if env.get("SLURM_PROCID") == str(rank) and env.get("TSUP_RUN_ID"):
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGKILL)
-                return f"SIGKILL to rank {rank} (pid {p.pid}, node {env.get('SLURMD_NODENAME')})"
+                    os.kill(p.pid, sig)
+                node = env.get("SLURMD_NODENAME")
+                return f"{signal.Signals(sig).name} to rank {rank} (pid {p.pid}, node {node})"
         raise LaunchError(f"rank {rank} is not running")
 
 

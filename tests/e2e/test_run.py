@@ -45,6 +45,28 @@ def test_a_frozen_node_is_found_by_its_silence_and_replaced(fault_free: dict[str
     assert trainer_processes(tmp_path) == []
 
 
+def test_a_hung_rank_is_found_within_the_target_and_the_run_recovers(fault_free: dict[str, Any],
+                                                                    tmp_path: Path) -> None:
+    """SIGSTOP of one rank: the other ranks wait for it in the next all-reduce and every
+    rank stops progressing; the adaptive limit finds it within max(10 s, 3 x p99 step time)."""
+    proc = tsup("run", EXAMPLE, "--state-dir", tmp_path, "--json", "--chaos", "hang-rank@40")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    [fault] = s["faults"]
+    assert fault["kind"] == "hang" and fault["ranks"] == [3] and fault["nodes"] == ["local-2"], fault
+    # Step 40 is also a checkpoint step: the hang may be judged under the checkpoint
+    # allowance (adapted to the saves timed so far) or the step-time one.
+    assert "adaptive hang timeout" in fault["summary"] or "slowest save" in fault["summary"], fault["summary"]
+    p99 = re.search(r"p99 step time ([0-9.]+) s", fault["summary"])
+    target = max(10.0, 3 * float(p99.group(1))) if p99 else 10.0
+    assert fault["injected_at"] is not None
+    assert 0 < fault["detected_at"] - fault["injected_at"] <= target
+    assert fault["recovered_at"] > fault["detected_at"]
+    assert s["drained_nodes"] == [], "a stalled rank is no evidence against its node"
+    assert trainer_processes(tmp_path) == []
+
+
 def test_kill_rank_then_kill_node_recover_to_the_same_model(fault_free: dict[str, Any], tmp_path: Path) -> None:
     proc = tsup("run", EXAMPLE, "--state-dir", tmp_path, "--json", "--chaos", "kill-rank@50",
                 "--chaos", "kill-node@90")

@@ -79,8 +79,8 @@ class ScriptedLauncher:
     def drain(self, node: str, reason: str) -> None:
         pass
 
-    def kill_rank(self, launch_info: str, rank: int) -> str:
-        self.procs[launch_info][rank] = (ProcState.EXITED, -9)
+    def kill_rank(self, launch_info: str, rank: int, sig: int = 9) -> str:
+        self.procs[launch_info][rank] = (ProcState.EXITED, -sig)
         return f"rank {rank}"
 
     def kill_node(self, launch_info: str, node: str) -> str:

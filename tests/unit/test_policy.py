@@ -523,3 +523,93 @@ def test_terminal_run_gives_its_healthy_nodes_back() -> None:
     assert decide(view(run(RunState.SUCCEEDED), (prev,)), None, NOW) == [ReleaseNodes()]
     released = nodes(NodeState.IDLE, NodeState.DRAINED)
     assert decide(view(run(RunState.SUCCEEDED), (prev,), released), None, NOW) == []
+
+
+# --- adaptive hang timeout ------------------------------------------------------------
+
+
+def timed(p99: float, samples: int = 50, **kw: object) -> AttemptObs:
+    """Every rank stuck at step 50 since NOW - 100, heard until just now."""
+    ranks = tuple(rank(i, progress_at=NOW - 100, last_seen_at=NOW - 0.5) for i in range(4))
+    return obs(*ranks, step_time_p99_s=p99, step_time_samples=samples, **kw)
+
+
+def hang_after(p99: float, samples: int = 50, **policy: object) -> float:
+    """The smallest idle time, in seconds, judged a hang (to 0.5 s)."""
+    r = run(policy=replace(run().policy, hang_timeout_s=60.0, **policy))  # type: ignore[arg-type]
+    live = attempt(started_at=NOW - 1000, first_step_at=NOW - 900)
+    for idle in [x / 2 for x in range(1, 400)]:
+        o = timed(p99, samples)
+        o = replace(o, ranks=tuple(replace(x, progress_at=NOW - idle) for x in o.ranks))
+        if of(decide(view(run(RunState.RUNNING, policy=r.policy), (live,)), o, NOW), RecordFault):
+            return idle
+    return float("inf")
+
+
+def test_the_hang_limit_adapts_to_the_step_time_with_a_floor_and_a_cap() -> None:
+    assert hang_after(0.2) == 8.5  # max(8 s floor, 3 x 0.2 s)
+    assert hang_after(5.0) == 15.5  # 3 x p99
+    assert hang_after(40.0) == 60.5  # capped by hang_timeout_s
+    assert hang_after(0.2, samples=5) == 60.5  # too few steps timed: the static limit
+    assert hang_after(0.2, hang_floor_s=4.0, hang_k=2.0) == 4.5
+
+
+def test_announced_phases_get_their_own_allowances() -> None:
+    live = attempt(started_at=NOW - 1000, first_step_at=NOW - 900)
+    r = run(policy=replace(run().policy, checkpoint_timeout_s=120.0, eval_timeout_s=200.0))
+    for phase, limit in (("checkpoint", 120.0), ("eval", 200.0), ("compile", 300.0)):
+        o = timed(0.2)
+        stuck = tuple(replace(x, phase=phase if x.rank == 0 else "train", progress_at=NOW - limit + 1)
+                      for x in o.ranks)
+        assert not of(decide(view(r, (live,)), replace(o, ranks=stuck), NOW), RecordFault), phase
+        over = tuple(replace(x, progress_at=NOW - limit - 1) for x in stuck)
+        assert of(decide(view(r, (live,)), replace(o, ranks=over), NOW), RecordFault), phase
+
+
+def test_a_hang_names_the_rank_that_fell_silent_first_and_drains_nothing() -> None:
+    live = attempt(started_at=NOW - 1000, first_step_at=NOW - 900)
+    o = timed(0.2)
+    stopped = tuple(replace(x, last_seen_at=NOW - 30) if x.rank == 3 else x for x in o.ranks)
+    effects = decide(view(run(), (live,)), replace(o, ranks=stopped), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.HANG and fault.ranks == (3,) and fault.nodes == ("n2",)
+    assert "stalled first: ranks 3 on n2" in fault.summary
+    assert not of(effects, DrainNode) and of(effects, StopAttempt)
+
+
+def test_a_rank_behind_the_others_is_the_one_that_stalled_first() -> None:
+    live = attempt(started_at=NOW - 1000, first_step_at=NOW - 900)
+    o = timed(0.2)
+    behind = tuple(replace(x, last_step=49) if x.rank == 1 else x for x in o.ranks)
+    [fault] = of(decide(view(run(), (live,)), replace(o, ranks=behind), NOW), RecordFault)
+    assert fault.ranks == (1,) and fault.nodes == ("n1",)
+
+
+def test_ranks_that_stalled_together_name_no_one() -> None:
+    live = attempt(started_at=NOW - 1000, first_step_at=NOW - 900)
+    [fault] = of(decide(view(run(), (live,)), timed(0.2), NOW), RecordFault)
+    assert fault.ranks == () and fault.nodes == ()
+
+
+def test_a_whole_node_falling_silent_is_left_to_the_silence_rule_not_called_a_hang() -> None:
+    live = attempt(started_at=NOW - 1000, first_step_at=NOW - 900)
+    o = timed(0.2)
+    frozen = tuple(replace(x, last_seen_at=NOW - 9, progress_at=NOW - 9.5) if x.node == "n2"
+                   else replace(x, progress_at=NOW - 9.5) for x in o.ranks)
+    assert not of(decide(view(run(), (live,)), replace(o, ranks=frozen), NOW), RecordFault)
+    later = tuple(replace(x, last_seen_at=NOW - 11) if x.node == "n2" else x for x in frozen)
+    [fault] = of(decide(view(run(), (live,)), replace(o, ranks=later), NOW), RecordFault)
+    assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n2",)
+
+
+def test_once_a_save_was_timed_the_checkpoint_allowance_adapts_to_it() -> None:
+    live = attempt(started_at=NOW - 1000, first_step_at=NOW - 900)
+    r = run(policy=replace(run().policy, checkpoint_timeout_s=600.0))
+    o = replace(timed(0.2), checkpoint_p99_s=0.15)
+    saving = tuple(replace(x, phase="checkpoint", progress_at=NOW - 7.5) for x in o.ranks)
+    assert not of(decide(view(r, (live,)), replace(o, ranks=saving), NOW), RecordFault)
+    stuck = tuple(replace(x, progress_at=NOW - 8.5) for x in saving)
+    [fault] = of(decide(view(r, (live,)), replace(o, ranks=stuck), NOW), RecordFault)
+    assert "checkpoint allowance: max(8 s, 3 x slowest save 0.15 s)" in fault.summary
+    slow = replace(o, ranks=stuck, checkpoint_p99_s=100.0)
+    assert not of(decide(view(r, (live,)), slow, NOW), RecordFault)
