@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +16,8 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from tests.conftest import REPO, Broker
-from tests.e2e.conftest import EXAMPLE, db_rows, summary_of, trainer_processes, tsup
+from tests.conftest import REPO, Broker, start_mosquitto, stop_by_pid, wait_for
+from tests.e2e.conftest import EXAMPLE, db_rows, env, summary_of, trainer_processes, tsup
 from tests.fake_tools.replay import make_tools
 
 pytestmark = pytest.mark.e2e
@@ -128,6 +132,44 @@ def test_an_external_mosquitto_carries_telemetry_and_supervisor_events(mosquitto
     with lock:
         kinds = [e["kind"] for e in seen]
     assert "run.submitted" in kinds and "attempt.started" in kinds
+
+
+def test_a_30_s_broker_outage_mid_run_restarts_nothing_and_drains_nothing(tmp_path: Path) -> None:
+    """The broker (a real mosquitto) is stopped for 30 s while the trainers train: no
+    telemetry is no evidence. Verdicts pause, and resume once the link is back."""
+    broker, broker_proc = start_mosquitto(tmp_path)
+    spec = tmp_path / "long.toml"
+    spec.write_text(EXAMPLE.read_text().replace("steps = 120", "steps = 400")
+                    + f'\n[telemetry]\nmqtt_url = "{broker.url}"\n')
+    state = tmp_path / "state"
+    run = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", str(spec), "--state-dir", str(state),
+                            "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
+                           cwd=REPO)
+    try:
+        def metrics() -> int:
+            try:
+                return int(db_rows(state, "SELECT count(*) FROM metrics")[0][0])
+            except sqlite3.OperationalError:  # not created yet
+                return 0
+
+        wait_for(lambda: metrics() >= 30, 120, "30 steps of training")
+        stop_by_pid(broker_proc)
+        down_at = time.time()
+        time.sleep(30)
+        broker_proc = start_mosquitto(tmp_path, port=broker.port)[1]
+        out, err = run.communicate(timeout=400)
+    finally:
+        if run.poll() is None:
+            run.kill()
+        stop_by_pid(broker_proc)
+    assert run.returncode == 0, err[-3000:]
+    s = json.loads(out)
+    assert s["state"] == "SUCCEEDED" and s["final_step"] == 400
+    assert (s["attempts"], s["faults"], s["drained_nodes"]) == (1, [], [])
+    steps = [r[0] for r in db_rows(state, "SELECT step FROM metrics ORDER BY step")]
+    assert steps[:30] == list(range(1, 31)) and steps[-1] == 400, "telemetry flowed again after the outage"
+    late = db_rows(state, f"SELECT min(step) FROM metrics WHERE received_at > {down_at}")[0][0]
+    assert late is not None and late > 30, "training went on while the broker was down"
 
 
 @pytest.mark.parametrize(
