@@ -9,6 +9,12 @@
     hang-rank@40      SIGSTOP one rank (the highest, or rank TARGET): the others wait for it
                       in the next collective, and no rank makes progress (a hang)
 
+Trainer-side faults go to the reference trainer itself (``TSUP_FAULT``, trainer/faults.py),
+in every attempt of the run:
+
+    crash@25[:RANK]   every rank (or rank RANK) raises after step 25, in every attempt
+                      that gets there: a crash loop
+
 Each action fires once per run, through the launcher, as real signals to real
 processes. The injector tells the reconciler nothing: the supervisor must detect the
 fault on its own. It records a ``chaos.injected`` event so that a reader (and the
@@ -32,8 +38,9 @@ from supervisor.telemetry import TelemetryView
 
 log = logging.getLogger(__name__)
 
-_SYNTAX = re.compile(r"^(kill-rank|kill-node|freeze-node|hang-rank)@([0-9]+)(?::([0-9]+))?$")
-ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "hang-rank"]
+_SYNTAX = re.compile(r"^(kill-rank|kill-node|freeze-node|hang-rank|crash)@([0-9]+)(?::([0-9]+))?$")
+ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "hang-rank", "crash"]
+TRAINER_KINDS = frozenset({"crash"})  # injected by the trainer, not by signals from outside
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,8 +58,8 @@ def parse_chaos(text: str) -> ChaosAction:
     m = _SYNTAX.match(text.strip())
     if m is None:
         raise SpecError(
-            f"--chaos {text!r}: expected KIND@STEP[:TARGET] with KIND kill-rank, kill-node, freeze-node or "
-            "hang-rank, "
+            f"--chaos {text!r}: expected KIND@STEP[:TARGET] with KIND kill-rank, kill-node, freeze-node, "
+            "hang-rank or crash, "
             "for example kill-rank@50"
         )
     kind: ChaosKind = m.group(1)  # type: ignore[assignment]

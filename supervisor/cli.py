@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from supervisor import report, trainer_cmd
-from supervisor.chaos import ChaosAction, ChaosMonkey, parse_chaos
+from supervisor.chaos import TRAINER_KINDS, ChaosAction, ChaosMonkey, parse_chaos
 from supervisor.daemon import Daemon, DaemonSettings
 from supervisor.domain import TERMINAL_RUN_STATES, CommandKind
 from supervisor.errors import SpecError, StateDirLocked, SupervisorError
@@ -149,6 +149,12 @@ async def _run(args: argparse.Namespace) -> int:
         resources = spec.resources.model_copy(update={"launcher": args.launcher})
         spec = spec.model_copy(update={"resources": resources})
     chaos = [parse_chaos(c) for c in args.chaos]
+    in_trainer = [str(c) for c in chaos if c.kind in TRAINER_KINDS]
+    if in_trainer:
+        if spec.trainer is None:
+            raise SpecError(f"--chaos {', '.join(in_trainer)}: only the reference trainer ([trainer]) "
+                            "injects these")
+        spec = spec.model_copy(update={"chaos": [*spec.chaos, *in_trainer]})
     state_dir: Path = args.state_dir or default_state_dir()
     trainer_cmd.check_trainer_config(spec, state_dir / "runs" / "run-check")
     settings = DaemonSettings(
@@ -164,7 +170,8 @@ async def _run(args: argparse.Namespace) -> int:
         out = _Progress(daemon, run_id, quiet=args.quiet)
         out.say(f"{run_id} submitted; state in {state_dir}"
                 + (f"; API on {daemon.api_url}" if daemon.api_url else ""))
-        monkey = ChaosMonkey(chaos, number, daemon.store, daemon.launcher, daemon.telemetry,
+        outside = [c for c in chaos if c.kind not in TRAINER_KINDS]
+        monkey = ChaosMonkey(outside, number, daemon.store, daemon.launcher, daemon.telemetry,
                              daemon.reconciler)
         stop = asyncio.Event()
         interrupted = asyncio.Event()

@@ -82,6 +82,14 @@ class Policy:
     """Per-run knobs of the decision rules (from the spec's [policy] table)."""
 
     max_restarts: int = 10  # relaunches after failed attempts; one more failure fails the run
+    # The same fault (kind and step) ending this many attempts in a row: a crash loop, FAILED.
+    crash_loop_attempts: int = 3
+    # This many failed attempts in a row that all resumed from the same checkpoint: FAILED.
+    no_progress_attempts: int = 4
+    # Before the n-th such attempt in a row (n >= 2): wait backoff_base_s x 2^(n-2), at
+    # most backoff_max_s. The first restart after progress is immediate (hot spares).
+    backoff_base_s: float = 5.0
+    backoff_max_s: float = 300.0
     # Hang while training: no step progress for max(hang_floor_s, hang_k x p99 step time)
     # once hang_min_samples step times are known, never more than hang_timeout_s (which is
     # also the limit before enough steps were timed).
@@ -149,6 +157,20 @@ class Attempt:
     final_step: int | None = None
     launch_info: str | None = None  # launcher-specific handle (JSON), for re-adoption
     launch_error: str | None = None  # the launcher refused to start it
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FaultRecord:
+    id: int
+    run_number: int
+    attempt: int
+    kind: FaultKind
+    ranks: tuple[int, ...]
+    nodes: tuple[str, ...]
+    step: int
+    summary: str
+    detected_at: float
+    recovered_at: float | None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -245,6 +267,7 @@ class RunView:
     newest_checkpoint: CheckpointRef | None
     commands: tuple[Command, ...] = ()
     open_faults: int = 0  # faults not yet marked recovered
+    faults: tuple[FaultRecord, ...] = ()  # the run's faults, oldest first
     probing: bool = False  # some of its nodes are being probed: launch nothing until they answer
     diagnose: bool = False  # probe a failed attempt's nodes before the next launch ([health] diagnose)
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from supervisor.domain import Attempt, Run
-from supervisor.store import CheckpointRecord, FaultRecord, MetricRecord
+from supervisor.domain import Attempt, FaultRecord, Run
+from supervisor.store import CheckpointRecord, MetricRecord
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -51,8 +51,10 @@ from __future__ import annotations
 
 import math
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
+
+import tenacity
 
 from supervisor.domain import (
     TERMINAL_RUN_STATES,
@@ -115,7 +117,7 @@ def decide(view: RunView, obs: AttemptObs | None, now: float) -> list[Effect]:
     drained_now = {e.node for e in out if isinstance(e, DrainNode)}
     diagnosing = _diagnose(view, drained_now, out)
     if live is None and state in _LAUNCHABLE and not diagnosing and not view.probing:
-        state = _launch(view, state, drained_now, out)
+        state = _launch(view, state, drained_now, out, now)
 
     holds_nodes = (any(n.state is NodeState.ALLOCATED for n in view.allocation)
                    or view.run.allocation_info is not None)  # a queued allocation holds no node yet
@@ -552,18 +554,32 @@ def _ranks(rs: Iterable[RankObs]) -> str:
 # --- launching ----------------------------------------------------------------------
 
 
-def _launch(view: RunView, state: RunState, drained_now: set[str], out: list[Effect]) -> RunState:
+def _launch(view: RunView, state: RunState, drained_now: set[str], out: list[Effect], now: float) -> RunState:
     run = view.run
     ended_now = {e.number: e.outcome for e in out if isinstance(e, EndAttempt)}  # this very tick
     failures = sum(
         1 for a in view.attempts
         if ended_now.get(a.number, a.outcome) is AttemptOutcome.FAILED and a.number > run.budget_from_attempt
     )
-    if failures > run.policy.max_restarts:
+    streak = _failed_streak(view, ended_now)
+    stop = _crash_loop(view, streak, out) or _no_progress(view, streak)
+    if stop is None and failures > run.policy.max_restarts:
         limit = run.policy.max_restarts
-        reason = f"restart budget exhausted: {failures} failed attempts (max_restarts={limit})"
-        out.append(FinishRun(state=RunState.FAILED, reason=reason))
+        stop = f"restart budget exhausted: {failures} failed attempts (max_restarts={limit})"
+    if stop is not None:
+        out.append(FinishRun(state=RunState.FAILED, reason=stop))
         return RunState.FAILED
+    wait_s, stuck = backoff(view, streak)
+    if wait_s > 0:
+        last = streak[-1]
+        ready_at = (last.ended_at if last.ended_at is not None else now) + wait_s
+        if last.number in ended_now:  # said once, when the attempt ends
+            out.append(Emit(kind="attempt.backoff",
+                            message=f"{stuck} failed attempts in a row resumed from step {last.resume_step}: "
+                                    f"waiting {wait_s:.0f} s before the next",
+                            data={"wait_s": wait_s, "failures_in_a_row": stuck}))
+        if now < ready_at:
+            return state
 
     healthy = [n.name for n in view.allocation
                if n.state is NodeState.ALLOCATED and n.name not in drained_now]
@@ -593,6 +609,77 @@ def _launch(view: RunView, state: RunState, drained_now: set[str], out: list[Eff
         out.append(SetRunState(state=RunState.STARTING, reason=f"attempt {number} launching"))
         return RunState.STARTING
     return state
+
+
+# --- stop rules ---------------------------------------------------------------------
+
+
+def _failed_streak(view: RunView, ended_now: Mapping[int, AttemptOutcome | None]) -> list[Attempt]:
+    """The FAILED attempts at the end of the run's history since its restart budget began,
+    oldest first; an attempt that ended any other way (or never started) ends the streak."""
+    streak: list[Attempt] = []
+    for a in reversed(view.attempts):
+        if a.number <= view.run.budget_from_attempt:
+            break
+        outcome = ended_now.get(a.number, a.outcome)
+        if outcome is AttemptOutcome.ABORTED:
+            continue  # never ran: no evidence either way
+        if outcome is not AttemptOutcome.FAILED:
+            break
+        streak.append(a)
+    return streak[::-1]
+
+
+def _crash_loop(view: RunView, streak: list[Attempt], out: list[Effect]) -> str | None:
+    """The same fault (kind and step) ended the last ``crash_loop_attempts`` attempts."""
+    k = view.run.policy.crash_loop_attempts
+    if len(streak) < k:
+        return None
+    first: dict[int, tuple[FaultKind, int, tuple[str, ...]]] = {}
+    for f in view.faults:
+        first.setdefault(f.attempt, (f.kind, f.step, f.nodes))
+    for e in out:
+        if isinstance(e, RecordFault):
+            first.setdefault(e.attempt, (e.kind, e.step, e.nodes))
+    seen = [first.get(a.number) for a in streak[-k:]]
+    if any(x is None for x in seen) or len({(x[0], x[1]) for x in seen if x}) != 1:
+        return None
+    kind, step, _ = seen[0]  # type: ignore[misc]
+    nodes = sorted({n for a in streak[-k:] for n in a.nodes})
+    return (f"crash loop: {kind} at step {step} in {k} attempts in a row (on nodes {', '.join(nodes)}); "
+            f"a restart will not fix it")
+
+
+def _no_progress(view: RunView, streak: list[Attempt]) -> str | None:
+    """``no_progress_attempts`` failed attempts in a row resumed from one checkpoint."""
+    _, stuck = backoff(view, streak)
+    k = view.run.policy.no_progress_attempts
+    if stuck < k:
+        return None
+    return (f"no checkpoint progress: {stuck} attempts in a row resumed from step {streak[-1].resume_step} "
+            f"and failed")
+
+
+def backoff(view: RunView, streak: list[Attempt]) -> tuple[float, int]:
+    """(seconds to wait before the next attempt, failed attempts in a row that resumed from
+    the same checkpoint). The first restart after progress is immediate; the n-th in a row
+    (n >= 2) waits backoff_base_s x 2^(n-2), at most backoff_max_s (tenacity's
+    exponential wait)."""
+    if not streak:
+        return 0.0, 0
+    same = 0
+    for a in reversed(streak):
+        if a.resume_step != streak[-1].resume_step:
+            break
+        same += 1
+    policy = view.run.policy
+    if same < 2 or policy.backoff_base_s <= 0:
+        return 0.0, same
+    wait = tenacity.wait_exponential(multiplier=policy.backoff_base_s, min=policy.backoff_base_s,
+                                     max=policy.backoff_max_s)
+    state = tenacity.RetryCallState(retry_object=tenacity.Retrying(), fn=None, args=(), kwargs={})
+    state.attempt_number = same - 1
+    return float(wait(state)), same
 
 
 # --- helpers ------------------------------------------------------------------------

@@ -180,6 +180,7 @@ class Reconciler:
             spec, run_dir = self._spec(tx, run.number)
             allocation = tuple(tx.allocation(run.number))
             open_faults = tx.count_open_faults(run.number)
+            faults = tuple(tx.list_faults(run.number))
         live = attempts[-1] if attempts and attempts[-1].state in LIVE_ATTEMPT_STATES else None
         newest = None
         # The checkpoint matters only when this tick may launch: no attempt training,
@@ -188,7 +189,8 @@ class Reconciler:
         if may_launch and (live is None or live.state is not AttemptState.RUNNING):
             newest = self._newest_checkpoint(run, spec, run_dir, now)
         view = RunView(run=run, attempts=attempts, allocation=allocation, newest_checkpoint=newest,
-                       commands=tuple(commands), open_faults=open_faults, probing=self._probing(run.number),
+                       commands=tuple(commands), open_faults=open_faults, faults=faults,
+                       probing=self._probing(run.number),
                        diagnose=spec.health.diagnose)
         obs = self._observe(run, spec, run_dir, live, now) if live else None
         if obs is not None and run.allocation_info is not None and any(

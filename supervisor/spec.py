@@ -57,6 +57,10 @@ _DAY_S = 86_400.0
 class PolicySpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     max_restarts: Annotated[int, Field(ge=0, le=10_000)] = 10
+    crash_loop_attempts: Annotated[int, Field(ge=2, le=10_000)] = 3
+    no_progress_attempts: Annotated[int, Field(ge=2, le=10_000)] = 4
+    backoff_base_s: Annotated[float, Field(ge=0, le=_DAY_S)] = 5.0
+    backoff_max_s: Annotated[float, Field(ge=0, le=_DAY_S)] = 300.0
     hang_timeout_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 300.0
     hang_floor_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 8.0
     hang_k: Annotated[float, Field(ge=1, le=1000)] = 3.0
@@ -150,6 +154,9 @@ class RunSpec(BaseModel):
     policy: PolicySpec = PolicySpec()
     telemetry: TelemetrySpec = TelemetrySpec()
     health: HealthSpec = HealthSpec()
+    # Trainer-side faults for chaos drills (``--chaos crash@25``), handed to the reference
+    # trainer as TSUP_FAULT in every attempt (trainer/faults.py).
+    chaos: list[Annotated[str, Field(pattern=r"^[a-z]+@[0-9]+(:[0-9]+)?$")]] = []
 
     @model_validator(mode="after")
     def _trainer_keys_the_supervisor_reads(self) -> RunSpec:

@@ -47,6 +47,7 @@ from supervisor.domain import (
     Command,
     CommandKind,
     FaultKind,
+    FaultRecord,
     Node,
     NodeState,
     Policy,
@@ -65,20 +66,6 @@ class EventRecord:
     kind: str
     message: str
     data: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FaultRecord:
-    id: int
-    run_number: int
-    attempt: int
-    kind: FaultKind
-    ranks: tuple[int, ...]
-    nodes: tuple[str, ...]
-    step: int
-    summary: str
-    detected_at: float
-    recovered_at: float | None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

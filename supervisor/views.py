@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from supervisor.domain import Attempt, Node, ProbeRecord, Run
+from supervisor.domain import Attempt, FaultRecord, Node, ProbeRecord, Run
 from supervisor.goodput import Goodput
-from supervisor.store import CheckpointRecord, EventRecord, FaultRecord, MetricRecord
+from supervisor.store import CheckpointRecord, EventRecord, MetricRecord
 
 
 class RunSummary(BaseModel):

@@ -71,6 +71,17 @@ def test_a_hung_rank_is_found_within_the_target_and_the_run_recovers(fault_free:
     assert trainer_processes(tmp_path) == []
 
 
+def test_a_trainer_that_crashes_at_the_same_step_every_time_ends_in_a_crash_loop(tmp_path: Path) -> None:
+    proc = tsup("run", EXAMPLE, "--state-dir", tmp_path, "--json", "--chaos", "crash@25")
+    s = summary_of(proc)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert s["state"] == "FAILED" and s["reason"].startswith("crash loop: rank-exit at step 25 in 3 attempts")
+    assert s["attempts"] == 3 and [f["step"] for f in s["faults"]] == [25, 25, 25]
+    assert all("InjectedFault" in f["summary"] for f in s["faults"])
+    assert s["drained_nodes"] == [], "a crash the code makes is no node's fault"
+    assert trainer_processes(tmp_path) == []
+
+
 def test_kill_rank_then_kill_node_recover_to_the_same_model(fault_free: dict[str, Any], tmp_path: Path) -> None:
     proc = tsup("run", EXAMPLE, "--state-dir", tmp_path, "--json", "--chaos", "kill-rank@50",
                 "--chaos", "kill-node@90")

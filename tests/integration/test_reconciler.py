@@ -272,9 +272,10 @@ def test_an_os_error_at_launch_is_a_launch_fault_within_the_budget(tmp_path: Pat
     rec = Reconciler(store, FailingLauncher(), TelemetryView(), ReconcilerConfig(mqtt_url=None), clock)
     service = SupervisorService(store, tmp_path / "runs", mqtt_url=None, launcher=LocalLauncher(max_nodes=8), check_trainer=False,
                                 clock=clock)
-    service.submit(parse_spec({**SPEC, "policy": {"max_restarts": 2}}))
+    service.submit(parse_spec({**SPEC, "policy": {"max_restarts": 2, "crash_loop_attempts": 5}}))
     for _ in range(12):
         rec.tick()
+        clock.t += 20  # past the backoff between attempts that made no progress
     with store.tx() as tx:
         run = tx.get_run(1)
         faults = tx.list_faults(1)

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.domain import Attempt, AttemptOutcome, AttemptState, FaultKind, Policy, Run, RunState
+from supervisor.domain import (
+    Attempt,
+    AttemptOutcome,
+    AttemptState,
+    FaultKind,
+    FaultRecord,
+    Policy,
+    Run,
+    RunState,
+)
 from supervisor.goodput import account
-from supervisor.store import CheckpointRecord, FaultRecord, MetricRecord
+from supervisor.store import CheckpointRecord, MetricRecord
 
 
 def metric(attempt: int, step: int, at: float) -> MetricRecord:

@@ -18,9 +18,11 @@ from supervisor.domain import (
     CommandHandled,
     CommandKind,
     DrainNode,
+    Emit,
     EndAttempt,
     EnsureStopped,
     FaultKind,
+    FaultRecord,
     FinishRun,
     MarkAttemptRunning,
     MarkFaultsRecovered,
@@ -125,7 +127,8 @@ def test_too_few_healthy_nodes_asks_for_more_instead_of_launching() -> None:
 
 
 def test_restart_budget_exhausted_fails_the_run() -> None:
-    failed = tuple(attempt(i, AttemptState.ENDED, outcome=AttemptOutcome.FAILED) for i in range(1, 5))
+    failed = tuple(attempt(i, AttemptState.ENDED, outcome=AttemptOutcome.FAILED, resume_step=10 * i)
+                   for i in range(1, 5))  # each made checkpoint progress: no other stop rule
     effects = decide(view(run(RunState.RECOVERING), failed), None, NOW)
     [finish] = of(effects, FinishRun)
     assert finish.state is RunState.FAILED and "restart budget exhausted" in finish.reason
@@ -613,3 +616,68 @@ def test_once_a_save_was_timed_the_checkpoint_allowance_adapts_to_it() -> None:
     assert "checkpoint allowance: max(8 s, 3 x slowest save 0.15 s)" in fault.summary
     slow = replace(o, ranks=stuck, checkpoint_p99_s=100.0)
     assert not of(decide(view(r, (live,)), slow, NOW), RecordFault)
+
+
+# --- stop rules -----------------------------------------------------------------------
+
+
+def fault_of(a: int, kind: FaultKind = FaultKind.RANK_EXIT, step: int = 25) -> FaultRecord:
+    return FaultRecord(id=a, run_number=7, attempt=a, kind=kind, ranks=(1,), nodes=("n1",), step=step,
+                       summary="x", detected_at=NOW - 100 + a, recovered_at=None)
+
+
+def ended(i: int, resume: int = 20, nodes: tuple[str, ...] = ("n1", "n2")) -> Attempt:
+    return attempt(i, AttemptState.ENDED, outcome=AttemptOutcome.FAILED, resume_step=resume, nodes=nodes,
+                   ended_at=NOW - 1000)
+
+
+def test_the_same_fault_at_the_same_step_three_times_is_a_crash_loop() -> None:
+    attempts = (ended(1, 0), ended(2, nodes=("n2", "n3")), ended(3, nodes=("n1", "n3")))
+    v = replace(view(run(RunState.RECOVERING), attempts), faults=tuple(fault_of(a) for a in (1, 2, 3)))
+    effects = decide(v, None, NOW)
+    [finish] = of(effects, FinishRun)
+    assert finish.state is RunState.FAILED and finish.reason.startswith("crash loop: rank-exit at step 25 in 3")
+    assert "n1, n2, n3" in finish.reason and not of(effects, StartAttempt)
+
+
+def test_different_faults_or_steps_are_no_crash_loop() -> None:
+    attempts = (ended(1, 0), ended(2), ended(3))
+    for faults in ((fault_of(1), fault_of(2, step=26), fault_of(3)),
+                   (fault_of(1), fault_of(2, FaultKind.HANG), fault_of(3))):
+        v = replace(view(run(RunState.RECOVERING), attempts), faults=faults)
+        assert not of(decide(v, None, NOW), FinishRun)
+
+
+def test_failed_attempts_that_resume_from_one_checkpoint_stop_the_run() -> None:
+    attempts = tuple(ended(i, 40) for i in range(1, 5))
+    faults = tuple(fault_of(a, step=40 + a) for a in range(1, 5))  # no crash loop: other steps
+    [finish] = of(decide(replace(view(run(RunState.RECOVERING), attempts), faults=faults), None, NOW), FinishRun)
+    assert finish.reason == "no checkpoint progress: 4 attempts in a row resumed from step 40 and failed"
+
+
+def test_restarts_without_progress_back_off_exponentially() -> None:
+    def wait_before(n_stuck: int) -> float:
+        attempts = (ended(1, 0), *(ended(i + 2, 40) for i in range(n_stuck)))
+        lo, hi = 0.0, 10_000.0
+        for _ in range(40):  # the smallest delay after the last end at which it launches
+            mid = (lo + hi) / 2
+            last = replace(attempts[-1], ended_at=NOW - mid)
+            p = replace(run().policy, no_progress_attempts=99, max_restarts=99)
+            v = view(run(RunState.RECOVERING, policy=p),
+                     (*attempts[:-1], last))
+            lo, hi = (mid, hi) if not of(decide(v, None, NOW), StartAttempt) else (lo, mid)
+        return round(hi, 1)
+
+    assert wait_before(1) == 0.0  # the first restart after progress is at once
+    assert [wait_before(n) for n in (2, 3, 4)] == [5.0, 10.0, 20.0]
+    assert wait_before(9) == 300.0  # at most backoff_max_s
+
+
+def test_the_backoff_is_announced_when_the_attempt_ends() -> None:
+    live = replace(ended(3, 40), state=AttemptState.STOPPING, outcome=AttemptOutcome.FAILED,
+                   stop_requested_at=NOW - 1, ended_at=None)
+    o = obs(*(rank(i, ProcState.EXITED, exit_code=-9) for i in range(4)))
+    effects = decide(view(run(RunState.RECOVERING), (ended(1, 0), ended(2, 40), live)), o, NOW)
+    [note] = [e for e in effects if isinstance(e, Emit) and e.kind == "attempt.backoff"]
+    assert "2 failed attempts in a row resumed from step 40: waiting 5 s" in note.message
+    assert not of(effects, StartAttempt)
