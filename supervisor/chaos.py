@@ -14,6 +14,7 @@ in every attempt of the run:
 
     crash@25[:RANK]   every rank (or rank RANK) raises after step 25, in every attempt
                       that gets there: a crash loop
+    nan@60            the loss of step 60 turns NaN (and with it the model), once per run
 
 Each action fires once per run, through the launcher, as real signals to real
 processes. The injector tells the reconciler nothing: the supervisor must detect the
@@ -38,9 +39,9 @@ from supervisor.telemetry import TelemetryView
 
 log = logging.getLogger(__name__)
 
-_SYNTAX = re.compile(r"^(kill-rank|kill-node|freeze-node|hang-rank|crash)@([0-9]+)(?::([0-9]+))?$")
-ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "hang-rank", "crash"]
-TRAINER_KINDS = frozenset({"crash"})  # injected by the trainer, not by signals from outside
+_SYNTAX = re.compile(r"^(kill-rank|kill-node|freeze-node|hang-rank|crash|nan)@([0-9]+)(?::([0-9]+))?$")
+ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "hang-rank", "crash", "nan"]
+TRAINER_KINDS = frozenset({"crash", "nan"})  # injected by the trainer, not by signals from outside
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,7 +60,7 @@ def parse_chaos(text: str) -> ChaosAction:
     if m is None:
         raise SpecError(
             f"--chaos {text!r}: expected KIND@STEP[:TARGET] with KIND kill-rank, kill-node, freeze-node, "
-            "hang-rank or crash, "
+            "hang-rank, crash or nan, "
             "for example kill-rank@50"
         )
     kind: ChaosKind = m.group(1)  # type: ignore[assignment]

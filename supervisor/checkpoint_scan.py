@@ -273,10 +273,14 @@ def scan(directory: Path, layout: str | None = None) -> list[Verdict]:
     return sorted(found, key=lambda v: (v.step, v.ok, v.path.name), reverse=True)
 
 
-def pick(directory: Path, layout: str | None = None) -> tuple[Verdict | None, list[Verdict]]:
-    """The newest checkpoint that passes verification, and the newer ones that failed."""
+def pick(directory: Path, layout: str | None = None,
+         before_step: int | None = None) -> tuple[Verdict | None, list[Verdict]]:
+    """The newest checkpoint that passes verification (older than ``before_step`` when
+    given), and the newer ones that failed."""
     rejected: list[Verdict] = []
     for v in scan(directory, layout):
+        if before_step is not None and v.step >= before_step:
+            continue
         if v.ok:
             return v, rejected
         rejected.append(v)

@@ -60,6 +60,7 @@ class FaultKind(StrEnum):
     RANK_EXIT = "rank-exit"  # a rank process exited or was killed
     NODE_LOST = "node-lost"  # every rank of a node vanished at once
     HANG = "hang"  # no step progress within the allowed time
+    NONFINITE = "nonfinite"  # a NaN or infinite loss or grad norm
     NO_RESULT = "no-result"  # every rank exited 0 but the trainer wrote no result
     LAUNCH = "launch"  # the launcher could not start the attempt
 
@@ -235,6 +236,7 @@ class RankObs:
     progress_at: float | None = None  # when last_step last increased
     phase: str | None = None
     last_seen_at: float | None = None  # its last message of any kind (heartbeats included)
+    nonfinite_step: int | None = None  # the first step it reported a NaN/Inf loss or grad norm
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -72,6 +72,7 @@ from supervisor.domain import (
     EndAttempt,
     EnsureStopped,
     FaultKind,
+    FaultRecord,
     FinishRun,
     MarkAttemptRunning,
     MarkFaultsRecovered,
@@ -298,6 +299,15 @@ def _find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fa
         if now - first_seen < view.run.policy.fault_settle_s and not _all_gone(obs):
             return None  # let ranks that die together (a node) show themselves first
         return _attribute(view, live, obs.ranks, dead, step)
+    poisoned = [r for r in obs.ranks if r.nonfinite_step is not None]
+    if poisoned:
+        at = min(r.nonfinite_step for r in poisoned if r.nonfinite_step is not None)
+        record = RecordFault(
+            kind=FaultKind.NONFINITE, attempt=live.number, ranks=(), nodes=(), step=at,
+            summary=f"loss or grad norm not finite at step {at} (ranks {_ranks(poisoned)}): rolling back to "
+                    f"the newest checkpoint before step {at}",
+        )
+        return record, [], False
     silent = _find_silent_node(view, live, obs, now, step)
     if silent is not None:
         return silent
@@ -609,6 +619,20 @@ def _launch(view: RunView, state: RunState, drained_now: set[str], out: list[Eff
         out.append(SetRunState(state=RunState.STARTING, reason=f"attempt {number} launching"))
         return RunState.STARTING
     return state
+
+
+# --- rollback -----------------------------------------------------------------------
+
+
+def resume_before(attempts: Iterable[Attempt], faults: Iterable[FaultRecord]) -> int | None:
+    """The next attempt must resume from a checkpoint older than this step (None: the
+    newest will do): after an attempt whose loss went NaN or infinite at step S, any
+    checkpoint from step S on may hold the poisoned model."""
+    ended = [a for a in attempts if a.state is AttemptState.ENDED]
+    if not ended or ended[-1].outcome is not AttemptOutcome.FAILED:
+        return None
+    bad = [f.step for f in faults if f.attempt == ended[-1].number and f.kind is FaultKind.NONFINITE]
+    return min(bad) if bad else None
 
 
 # --- stop rules ---------------------------------------------------------------------

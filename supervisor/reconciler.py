@@ -63,7 +63,7 @@ from supervisor.domain import (
 )
 from supervisor.errors import LaunchError
 from supervisor.launchers.base import AllocationRequest, Grant, Launcher, LaunchSpec
-from supervisor.policy import decide
+from supervisor.policy import decide, resume_before
 from supervisor.spec import RunSpec, spec_from_json
 from supervisor.store import SqlStore, Tx
 from supervisor.telemetry import Received, TelemetryView
@@ -187,7 +187,7 @@ class Reconciler:
         # and a run that wants one (or a command that may make it want one).
         may_launch = bool(commands) or run.state in (RunState.PENDING, RunState.STARTING, RunState.RECOVERING)
         if may_launch and (live is None or live.state is not AttemptState.RUNNING):
-            newest = self._newest_checkpoint(run, spec, run_dir, now)
+            newest = self._newest_checkpoint(run, spec, run_dir, now, resume_before(attempts, faults))
         view = RunView(run=run, attempts=attempts, allocation=allocation, newest_checkpoint=newest,
                        commands=tuple(commands), open_faults=open_faults, faults=faults,
                        probing=self._probing(run.number),
@@ -205,9 +205,10 @@ class Reconciler:
         if effects:
             self._apply(run, spec, run_dir, view, effects, now)
 
-    def _newest_checkpoint(self, run: Run, spec: RunSpec, run_dir: Path, now: float) -> CheckpointRef | None:
+    def _newest_checkpoint(self, run: Run, spec: RunSpec, run_dir: Path, now: float,
+                           before_step: int | None = None) -> CheckpointRef | None:
         newest, rejected = checkpoint_scan.pick(trainer_cmd.checkpoint_dir(spec, run_dir),
-                                                trainer_cmd.checkpoint_layout(spec))
+                                                trainer_cmd.checkpoint_layout(spec), before_step)
         with self.store.tx() as tx:
             for v in rejected:
                 if tx.record_checkpoint(run.number, step=v.step, path=str(v.path), complete=False,
@@ -266,6 +267,7 @@ class Reconciler:
                 progress_at=_latest(t.progress_at if t else None, quiet[1] if quiet else None),
                 phase=t.phase if t else None,
                 last_seen_at=t.last_seen_at if t else None,
+                nonfinite_step=t.nonfinite_step if t else None,
             ))
         gone = all(r.proc in (ProcState.EXITED, ProcState.VANISHED) for r in ranks)
         result = None

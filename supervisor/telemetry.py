@@ -47,6 +47,7 @@ class RankTelemetry:
     lost: bool = False
     lost_at: float | None = None
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_TIMES_KEPT))
+    nonfinite_step: int | None = None  # the first step whose loss or grad norm was NaN or infinite
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +101,9 @@ class TelemetryView:
                 self._progress(rank, msg.step, now)
                 if math.isfinite(msg.step_time_s) and msg.step_time_s > 0:
                     rank.step_times.append(msg.step_time_s)
+                finite = all(x is None or math.isfinite(x) for x in (msg.loss, msg.grad_norm))
+                if not finite and (rank.nonfinite_step is None or msg.step < rank.nonfinite_step):
+                    rank.nonfinite_step = msg.step
                 if msg.rank == 0:
                     self._queue(Received(msg, now))
             case p.CheckpointCommitted():

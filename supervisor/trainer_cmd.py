@@ -97,7 +97,9 @@ def attempt_argv(spec: RunSpec, run_dir: Path, attempt: int, resume_from: str | 
 
 def attempt_env(spec: RunSpec, run_dir: Path) -> dict[str, str]:
     if spec.command is None:
-        return {"TSUP_FAULT": ",".join(spec.chaos)} if spec.chaos else {}
+        if not spec.chaos:
+            return {}
+        return {"TSUP_FAULT": ",".join(spec.chaos), "TSUP_FAULT_STATE": str(run_dir / "chaos-fired")}
     names = {"run_dir": str(run_dir), "checkpoint_dir": str(checkpoint_dir(spec, run_dir))}
     return {k: v.format(**names) for k, v in spec.command.env.items()}
 

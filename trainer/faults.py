@@ -7,20 +7,27 @@ after its checkpoint, if one was due):
     hang@25        stop making progress but stay alive: the heartbeat thread keeps
                    reporting step 25, so only a step-progress timeout catches it
     crash@25:1     rank 1 raises InjectedFault: a caught error, exit code 1, Exit sent
+    nan@60         the loss of step 60 becomes NaN before the backward pass, so the
+                   gradients, the update and every later step are NaN: a numeric blow-up.
+                   Transient: it fires once per run (a marker in ``TSUP_FAULT_STATE``, a
+                   directory every attempt shares), so a rerun of step 60 is clean
 
 Unset means no faults. A fault fires in whichever attempt completes STEP, so an attempt
-that resumes from a checkpoint before STEP meets it again unless TSUP_FAULT is cleared.
+that resumes from a checkpoint before STEP meets it again unless TSUP_FAULT is cleared
+(``nan`` excepted).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from trainer.errors import UsageError
 
-_ACTIONS = ("hang", "crash")
+_ACTIONS = ("hang", "crash", "nan")
 
 
 class InjectedFault(RuntimeError):
@@ -37,11 +44,28 @@ class Fault:
 @dataclass(frozen=True, slots=True)
 class FaultPlan:
     faults: tuple[Fault, ...] = ()
+    state_dir: Path | None = None  # where a once-per-run fault leaves its marker
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> FaultPlan:
         spec = environ.get("TSUP_FAULT", "").strip()
-        return cls.parse(spec) if spec else cls()
+        plan = cls.parse(spec) if spec else cls()
+        state = environ.get("TSUP_FAULT_STATE", "").strip()
+        return cls(plan.faults, Path(state)) if state else plan
+
+    def poisons(self, step: int) -> bool:
+        """Whether this step's loss becomes NaN (``nan@STEP``): on the first rank to claim
+        the run's marker only; the gradients' all-reduce carries it to every rank."""
+        if not any(f.action == "nan" and f.step == step for f in self.faults):
+            return False
+        if self.state_dir is None:
+            return True
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(os.open(self.state_dir / f"nan@{step}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
 
     @classmethod
     def parse(cls, spec: str) -> FaultPlan:
@@ -64,7 +88,7 @@ class FaultPlan:
     def after_step(self, step: int, rank: int) -> None:
         """Act on the faults planned for this step and rank (may never return)."""
         for fault in self.faults:
-            if fault.step != step or fault.rank not in (None, rank):
+            if fault.step != step or fault.rank not in (None, rank) or fault.action == "nan":
                 continue
             if fault.action == "crash":
                 raise InjectedFault(f"injected crash after step {step} on rank {rank}")

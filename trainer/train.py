@@ -17,6 +17,7 @@ commits checkpoints and writes result.json. The order of work:
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -225,6 +226,8 @@ class _Runner:
             logits = model(micro[:, :-1])
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                    micro[:, 1:].reshape(-1))
+            if i == 0 and self.faults.poisons(step):
+                loss = loss * float("nan")
             torch.autograd.backward(loss / passes)
             loss_sum += loss.detach()
         # max_norm=inf measures the norm without clipping (scales gradients by exactly 1).
@@ -260,6 +263,11 @@ class _Runner:
         return self.step == self.config.steps or (every > 0 and self.step % every == 0)
 
     def _save(self) -> None:
+        if self.last_loss is None or not math.isfinite(self.last_loss):
+            # A model that produced a NaN or infinite loss is not worth keeping: the
+            # supervisor rolls back to the newest checkpoint before it.
+            self._say(f"step {self.step}: loss {_fmt(self.last_loss)} is not finite: no checkpoint")
+            return
         self.telemetry.set_phase(Phase.CHECKPOINT, self.step)
         config = self.config
         meta = layout.TrainerMeta(

@@ -82,6 +82,20 @@ def test_a_trainer_that_crashes_at_the_same_step_every_time_ends_in_a_crash_loop
     assert trainer_processes(tmp_path) == []
 
 
+def test_a_nan_loss_rolls_back_to_the_checkpoint_before_it_and_ends_with_the_same_model(
+        fault_free: dict[str, Any], tmp_path: Path) -> None:
+    proc = tsup("run", EXAMPLE, "--state-dir", tmp_path, "--json", "--chaos", "nan@60")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    [fault] = s["faults"]
+    assert fault["kind"] == "nonfinite" and fault["step"] == 60 and fault["nodes"] == []
+    assert [a["resume_step"] for a in s["attempt_history"]] == [0, 40], "rolled back to before step 60"
+    assert s["drained_nodes"] == []
+    log = (tmp_path / "runs" / "run-1" / "attempts" / "1" / "rank-0000.local-1.log").read_text()
+    assert "step 60: loss nan is not finite: no checkpoint" in log
+
+
 def test_kill_rank_then_kill_node_recover_to_the_same_model(fault_free: dict[str, Any], tmp_path: Path) -> None:
     proc = tsup("run", EXAMPLE, "--state-dir", tmp_path, "--json", "--chaos", "kill-rank@50",
                 "--chaos", "kill-node@90")

@@ -510,3 +510,13 @@ def test_inspect_one_entry(tmp_path: Path) -> None:
     assert inspect(d) == Verdict(step=3, path=d, ok=True, why="", layout="megatron")
     assert inspect(d, "hf") is None
     assert checkpoint_scan.inspect(make_hf(tmp_path, 7), "hf") is not None
+
+
+def test_a_bound_picks_the_newest_complete_checkpoint_before_it(tmp_path: Path) -> None:
+    from supervisor.checkpoint_scan import pick
+
+    for step in (20, 40, 60):
+        make(tmp_path, step)
+    best, _ = pick(tmp_path, before_step=60)
+    assert best is not None and best.step == 40
+    assert pick(tmp_path, before_step=20)[0] is None

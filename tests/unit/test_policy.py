@@ -681,3 +681,26 @@ def test_the_backoff_is_announced_when_the_attempt_ends() -> None:
     [note] = [e for e in effects if isinstance(e, Emit) and e.kind == "attempt.backoff"]
     assert "2 failed attempts in a row resumed from step 40: waiting 5 s" in note.message
     assert not of(effects, StartAttempt)
+
+
+# --- numeric faults ---------------------------------------------------------------------
+
+
+def test_a_nan_loss_stops_the_attempt_and_drains_nothing() -> None:
+    o = obs(*(rank(i, nonfinite_step=60 if i < 2 else 61) for i in range(4)))
+    effects = decide(view(run(), (attempt(),)), o, NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.NONFINITE and fault.step == 60 and fault.nodes == ()
+    assert of(effects, StopAttempt) and not of(effects, DrainNode)
+
+
+def test_after_a_nan_the_next_attempt_resumes_from_before_it_and_later_ones_from_the_newest() -> None:
+    from supervisor.policy import resume_before
+
+    nan = replace(fault_of(1, FaultKind.NONFINITE, step=60))
+    a1 = ended(1, 0)
+    assert resume_before((a1,), (nan,)) == 60
+    assert resume_before((a1,), (fault_of(1, step=60),)) is None  # a crash poisons nothing
+    a2 = replace(ended(2, 40), outcome=AttemptOutcome.FAILED)
+    assert resume_before((a1, a2), (nan, fault_of(2, step=90))) is None
+    assert resume_before((a1, attempt(2)), (nan,)) == 60  # the live one has not ended yet
