@@ -15,6 +15,8 @@ in every attempt of the run:
     crash@25[:RANK]   every rank (or rank RANK) raises after step 25, in every attempt
                       that gets there: a crash loop
     nan@60            the loss of step 60 turns NaN (and with it the model), once per run
+    spike@60:30       the data of steps 60 to 89 is bad: their loss is 8 x higher, in every
+                      attempt that reads that data (until the supervisor skips it)
 
 Each action fires once per run, through the launcher, as real signals to real
 processes. The injector tells the reconciler nothing: the supervisor must detect the
@@ -39,9 +41,9 @@ from supervisor.telemetry import TelemetryView
 
 log = logging.getLogger(__name__)
 
-_SYNTAX = re.compile(r"^(kill-rank|kill-node|freeze-node|hang-rank|crash|nan)@([0-9]+)(?::([0-9]+))?$")
-ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "hang-rank", "crash", "nan"]
-TRAINER_KINDS = frozenset({"crash", "nan"})  # injected by the trainer, not by signals from outside
+_SYNTAX = re.compile(r"^(kill-rank|kill-node|freeze-node|hang-rank|crash|nan|spike)@([0-9]+)(?::([0-9]+))?$")
+ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "hang-rank", "crash", "nan", "spike"]
+TRAINER_KINDS = frozenset({"crash", "nan", "spike"})  # injected by the trainer, not by signals from outside
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,7 +62,7 @@ def parse_chaos(text: str) -> ChaosAction:
     if m is None:
         raise SpecError(
             f"--chaos {text!r}: expected KIND@STEP[:TARGET] with KIND kill-rank, kill-node, freeze-node, "
-            "hang-rank, crash or nan, "
+            "hang-rank, crash, nan or spike, "
             "for example kill-rank@50"
         )
     kind: ChaosKind = m.group(1)  # type: ignore[assignment]

@@ -61,6 +61,7 @@ class FaultKind(StrEnum):
     NODE_LOST = "node-lost"  # every rank of a node vanished at once
     HANG = "hang"  # no step progress within the allowed time
     NONFINITE = "nonfinite"  # a NaN or infinite loss or grad norm
+    SPIKE = "spike"  # loss or grad norm far above its running level for several steps
     NO_RESULT = "no-result"  # every rank exited 0 but the trainer wrote no result
     LAUNCH = "launch"  # the launcher could not start the attempt
 
@@ -91,6 +92,16 @@ class Policy:
     # most backoff_max_s. The first restart after progress is immediate (hot spares).
     backoff_base_s: float = 5.0
     backoff_max_s: float = 300.0
+    # Spikes: a step whose loss exceeds the median of the spike_window steps before it by
+    # more than spike_loss_rel (0.5: 50 %), or whose grad norm exceeds that median by a
+    # factor spike_grad_factor. Persisting for spike_persist_steps steps in a row: roll back
+    # to the newest checkpoint before it and skip spike_skip_steps steps of data from it.
+    # Shorter spikes are counted and reported, not acted on.
+    spike_window: int = 20
+    spike_loss_rel: float = 0.5
+    spike_grad_factor: float = 5.0
+    spike_persist_steps: int = 5
+    spike_skip_steps: int = 50
     # Hang while training: no step progress for max(hang_floor_s, hang_k x p99 step time)
     # once hang_min_samples step times are known, never more than hang_timeout_s (which is
     # also the limit before enough steps were timed).
@@ -246,6 +257,16 @@ class TrainerResult:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StepSample:
+    """One training step as rank 0 reported it."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    first_sample: int  # the data stream position its batch began at
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AttemptObs:
     """What the reconciler saw of the live attempt this tick."""
 
@@ -257,6 +278,7 @@ class AttemptObs:
     step_time_p99_s: float | None = None  # over the attempt's recent steps, all ranks
     step_time_samples: int = 0
     checkpoint_p99_s: float | None = None  # the run's recent checkpoint saves
+    recent: tuple[StepSample, ...] = ()  # rank 0's recent steps, oldest first
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -378,6 +400,15 @@ class ProbeNodes:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SkipData:
+    """From the next attempt on, the trainer steps over samples [start, end) of its data."""
+
+    start: int
+    end: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ReleaseNodes:
     """Give back every healthy node the run holds (drained ones stay drained)."""
 
@@ -412,6 +443,7 @@ Effect = (
     | MarkFaultsRecovered
     | DrainNode
     | ProbeNodes
+    | SkipData
     | ReleaseNodes
     | FinishRun
     | CommandHandled

@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 import signal
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import tenacity
 
@@ -87,7 +87,9 @@ from supervisor.domain import (
     RunState,
     RunView,
     SetRunState,
+    SkipData,
     StartAttempt,
+    StepSample,
     StopAttempt,
 )
 
@@ -267,6 +269,9 @@ def _judge_live_attempt(
         )
         for node, reason in drains:
             out.append(DrainNode(node=node, reason=reason))
+        skip = _data_to_skip(view, live, obs, record)
+        if skip is not None:
+            out.append(skip)
         out.append(_stop(live, AttemptOutcome.FAILED, f"{record.kind}: {record.summary}", force=True))
         if do_not_retry:
             reason = f"not retrying: {record.summary}"
@@ -302,11 +307,19 @@ def _find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fa
     poisoned = [r for r in obs.ranks if r.nonfinite_step is not None]
     if poisoned:
         at = min(r.nonfinite_step for r in poisoned if r.nonfinite_step is not None)
+        again = any(f.kind is FaultKind.NONFINITE and f.step == at and f.attempt < live.number
+                    for f in view.faults)
         record = RecordFault(
             kind=FaultKind.NONFINITE, attempt=live.number, ranks=(), nodes=(), step=at,
             summary=f"loss or grad norm not finite at step {at} (ranks {_ranks(poisoned)}): rolling back to "
-                    f"the newest checkpoint before step {at}",
+                    f"the newest checkpoint before step {at}" + ("; again at this step: skipping its data"
+                                                                 if again else ""),
         )
+        return record, [], False
+    spike = find_spike(obs.recent, view.run.policy)
+    if spike is not None:
+        record = RecordFault(kind=FaultKind.SPIKE, attempt=live.number, ranks=(), nodes=(), step=spike.step,
+                             summary=spike.summary)
         return record, [], False
     silent = _find_silent_node(view, live, obs, now, step)
     if silent is not None:
@@ -621,17 +634,117 @@ def _launch(view: RunView, state: RunState, drained_now: set[str], out: list[Eff
     return state
 
 
+# --- spikes -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Spike:
+    step: int  # the first step of it
+    steps: int  # how many steps in a row, from it, are above the threshold
+    summary: str
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2
+
+
+def _spikes(recent: tuple[StepSample, ...], policy: Policy) -> list[Spike]:
+    """Every run of spiking steps in ``recent`` (consecutive steps, oldest first), each
+    judged against the median of the ``spike_window`` steps before its first step."""
+    w = policy.spike_window
+    found: list[Spike] = []
+    i = w
+    while i < len(recent):
+        before = recent[i - w:i]
+        if any(b.step != recent[i].step - w + k for k, b in enumerate(before)):
+            i += 1
+            continue  # a gap in what was received: no judgement on a broken window
+        loss_m = _median([b.loss for b in before if math.isfinite(b.loss)] or [math.inf])
+        grad_m = _median([b.grad_norm for b in before if math.isfinite(b.grad_norm)] or [math.inf])
+
+        loss_max, grad_max = loss_m * (1 + policy.spike_loss_rel), grad_m * policy.spike_grad_factor
+
+        def high(x: StepSample, loss_max: float = loss_max, grad_max: float = grad_max) -> bool:
+            return x.loss > loss_max or x.grad_norm > grad_max
+
+        if not high(recent[i]):
+            i += 1
+            continue
+        j = i
+        while j + 1 < len(recent) and recent[j + 1].step == recent[j].step + 1 and high(recent[j + 1]):
+            j += 1
+        x = recent[i]
+        found.append(Spike(step=x.step, steps=j - i + 1, summary=(
+            f"loss spike from step {x.step}: loss {x.loss:.4g} (median of the {w} steps before: "
+            f"{loss_m:.4g}), grad norm {x.grad_norm:.4g} (median {grad_m:.4g}), for {j - i + 1} steps")))
+        i = j + 1
+    return found
+
+
+def _data_to_skip(view: RunView, live: Attempt, obs: AttemptObs, record: RecordFault) -> SkipData | None:
+    """A persistent spike skips ``spike_skip_steps`` steps of data from its first step; a
+    NaN that recurs at the step it hit before skips that one step's data."""
+    policy = view.run.policy
+    if record.kind is FaultKind.SPIKE:
+        steps, why = policy.spike_skip_steps, f"loss spike from step {record.step}"
+    elif record.kind is FaultKind.NONFINITE and any(
+            f.kind is FaultKind.NONFINITE and f.step == record.step and f.attempt < live.number
+            for f in view.faults):
+        steps, why = 1, f"loss not finite at step {record.step} again"
+    else:
+        return None
+    window = skip_window(obs.recent, record.step, steps)
+    if window is None:
+        return None
+    return SkipData(start=window[0], end=window[1], reason=f"{why} (attempt {live.number})")
+
+
+def find_spike(recent: tuple[StepSample, ...], policy: Policy) -> Spike | None:
+    """The first spike that has lasted ``spike_persist_steps`` steps: act on it."""
+    for s in _spikes(recent, policy):
+        if s.steps >= policy.spike_persist_steps:
+            return Spike(step=s.step, steps=s.steps, summary=(
+                f"{s.summary}: rolling back to the newest checkpoint before step {s.step} and skipping "
+                f"{policy.spike_skip_steps} steps of data from it"))
+    return None
+
+
+def transient_spikes(recent: tuple[StepSample, ...], policy: Policy) -> list[Spike]:
+    """Spikes that ended before ``spike_persist_steps``: counted and reported, never acted on."""
+    last = recent[-1].step if recent else 0
+    return [s for s in _spikes(recent, policy)
+            if s.steps < policy.spike_persist_steps and s.step + s.steps <= last]
+
+
+def skip_window(recent: tuple[StepSample, ...], from_step: int, steps: int) -> tuple[int, int] | None:
+    """The samples of ``steps`` steps of data from ``from_step`` on: [start, end), from the
+    stream positions rank 0 reported (None when that step was not seen)."""
+    at = {x.step: x.first_sample for x in recent}
+    if from_step not in at:
+        return None
+    per_step = [at[k + 1] - at[k] for k in at if k + 1 in at and at[k + 1] > at[k]]
+    if not per_step:
+        return None
+    return at[from_step], at[from_step] + steps * min(per_step)
+
+
 # --- rollback -----------------------------------------------------------------------
+
+
+_ROLLBACK_KINDS = frozenset({FaultKind.NONFINITE, FaultKind.SPIKE})
 
 
 def resume_before(attempts: Iterable[Attempt], faults: Iterable[FaultRecord]) -> int | None:
     """The next attempt must resume from a checkpoint older than this step (None: the
     newest will do): after an attempt whose loss went NaN or infinite at step S, any
-    checkpoint from step S on may hold the poisoned model."""
-    ended = [a for a in attempts if a.state is AttemptState.ENDED]
-    if not ended or ended[-1].outcome is not AttemptOutcome.FAILED:
+    checkpoint from step S on may hold the poisoned model; likewise after a loss spike that
+    began at step S."""
+    done = [a for a in attempts if a.state in (AttemptState.ENDED, AttemptState.STOPPING)]
+    if not done or done[-1].outcome is not AttemptOutcome.FAILED:  # a stopping one may end this tick
         return None
-    bad = [f.step for f in faults if f.attempt == ended[-1].number and f.kind is FaultKind.NONFINITE]
+    bad = [f.step for f in faults if f.attempt == done[-1].number and f.kind in _ROLLBACK_KINDS]
     return min(bad) if bad else None
 
 

@@ -57,13 +57,14 @@ from supervisor.domain import (
     RunState,
     RunView,
     SetRunState,
+    SkipData,
     StartAttempt,
     StopAttempt,
     TrainerResult,
 )
 from supervisor.errors import LaunchError
 from supervisor.launchers.base import AllocationRequest, Grant, Launcher, LaunchSpec
-from supervisor.policy import decide, resume_before
+from supervisor.policy import decide, resume_before, transient_spikes
 from supervisor.spec import RunSpec, spec_from_json
 from supervisor.store import SqlStore, Tx
 from supervisor.telemetry import Received, TelemetryView
@@ -124,6 +125,7 @@ class Reconciler:
         self._short: dict[int, tuple[int, int] | None] = {}  # run -> last (asked, got) shortage said
         # (run, attempt) -> (checkpoint step, when first seen, when scanned): [command] trainers
         self._quiet: dict[tuple[int, int], tuple[int, float | None, float]] = {}
+        self._spikes_said: set[tuple[int, int, int]] = set()  # (run, attempt, step) reported
         # Probes run on worker threads (a probe may take a minute; the loop must not wait).
         self._probe_pool = probe_pool or ThreadPoolExecutor(max_workers=4, thread_name_prefix="probe")
         self._probes: list[_ProbeJob] = []
@@ -204,6 +206,19 @@ class Reconciler:
         effects = decide(view, obs, now)
         if effects:
             self._apply(run, spec, run_dir, view, effects, now)
+        if obs is not None and live is not None:
+            self._report_transient_spikes(run, live.number, obs, now)
+
+    def _report_transient_spikes(self, run: Run, attempt: int, obs: AttemptObs, now: float) -> None:
+        """Spikes too short to act on are counted and reported: an event each, once."""
+        for spike in transient_spikes(obs.recent, run.policy):
+            key = (run.number, attempt, spike.step)
+            if key in self._spikes_said:
+                continue
+            self._spikes_said.add(key)
+            self.post_event(run.number, "spike.transient", f"{spike.summary}: not acted on (shorter than "
+                            f"{run.policy.spike_persist_steps} steps)",
+                            {"attempt": attempt, "step": spike.step, "steps": spike.steps})
 
     def _newest_checkpoint(self, run: Run, spec: RunSpec, run_dir: Path, now: float,
                            before_step: int | None = None) -> CheckpointRef | None:
@@ -281,7 +296,8 @@ class Reconciler:
         p99, samples = self.telemetry.step_time_p99(run.run_id, live.number)
         return AttemptObs(ranks=tuple(ranks), result=result, telemetry_up_since=self.telemetry.up_since,
                           step_time_p99_s=p99, step_time_samples=samples,
-                          checkpoint_p99_s=self.telemetry.checkpoint_p99(run.run_id))
+                          checkpoint_p99_s=self.telemetry.checkpoint_p99(run.run_id),
+                          recent=self.telemetry.recent_steps(run.run_id, live.number))
 
     def _quiet_progress(
         self, spec: RunSpec, run_dir: Path, live: Attempt, now: float
@@ -408,6 +424,9 @@ class Reconciler:
                         tx.put_node(Node(name=node.name, state=NodeState.IDLE), now)
             case CommandHandled():
                 tx.finish_command(e.command_id, e.result, now)
+            case SkipData():
+                tx.add_event(n, "data.skip", f"skipping samples {e.start} to {e.end} from the next attempt "
+                             f"on: {e.reason}", {"start": e.start, "end": e.end}, now)
             case AllocateNodes() | EnsureStopped() | ProbeNodes():
                 pass  # nothing to record before acting
         return state
@@ -653,7 +672,10 @@ class Reconciler:
                           created_at=now)
         try:
             launch = self._launch_spec(run, spec, run_dir, attempt)
-            trainer_cmd.write_attempt_config(spec, run_dir, e.number, launch.argv)
+            with self.store.tx() as tx:  # the data windows spikes made the run skip
+                skips = [(int(x.data["start"]), int(x.data["end"]))
+                         for x in tx.list_events(run.number, limit=100_000, kind="data.skip")]
+            trainer_cmd.write_attempt_config(spec, run_dir, e.number, launch.argv, skips)
             info = self.launcher.start(launch)
         except (LaunchError, OSError) as err:  # a launch error counts against the budget
             with self.store.tx() as tx:

@@ -61,6 +61,11 @@ class PolicySpec(BaseModel):
     no_progress_attempts: Annotated[int, Field(ge=2, le=10_000)] = 4
     backoff_base_s: Annotated[float, Field(ge=0, le=_DAY_S)] = 5.0
     backoff_max_s: Annotated[float, Field(ge=0, le=_DAY_S)] = 300.0
+    spike_window: Annotated[int, Field(ge=2, le=100_000)] = 20
+    spike_loss_rel: Annotated[float, Field(gt=0, le=1000)] = 0.5
+    spike_grad_factor: Annotated[float, Field(gt=1, le=1000)] = 5.0
+    spike_persist_steps: Annotated[int, Field(ge=1, le=100_000)] = 5
+    spike_skip_steps: Annotated[int, Field(ge=1, le=10_000_000)] = 50
     hang_timeout_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 300.0
     hang_floor_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 8.0
     hang_k: Annotated[float, Field(ge=1, le=1000)] = 3.0

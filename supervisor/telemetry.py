@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import aiomqtt
 
+from supervisor.domain import StepSample
 from trainer import protocol as p
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 # reconciler stalled for minutes) the oldest are dropped and counted.
 _DURABLE_QUEUE_MAX = 100_000
 STEP_TIMES_KEPT = 200  # per rank: the window the adaptive hang timeout is drawn from
+RECENT_STEPS_KEPT = 400  # rank 0's steps per attempt: the window spikes are judged on
 
 
 @dataclass(slots=True)
@@ -65,6 +67,7 @@ class TelemetryView:
     _ranks: dict[tuple[str, int], dict[int, RankTelemetry]] = field(default_factory=dict)
     _durable: deque[Received] = field(default_factory=deque)
     _checkpoint_s: dict[str, deque[float]] = field(default_factory=dict)  # run -> recent save times
+    _recent: dict[tuple[str, int], deque[StepSample]] = field(default_factory=dict)  # rank 0's steps
 
     def link_up(self, now: float) -> None:
         self.up_since = now
@@ -106,6 +109,9 @@ class TelemetryView:
                     rank.nonfinite_step = msg.step
                 if msg.rank == 0:
                     self._queue(Received(msg, now))
+                    self._recent.setdefault((msg.run, msg.attempt), deque(maxlen=RECENT_STEPS_KEPT)).append(
+                        StepSample(step=msg.step, loss=msg.loss, grad_norm=msg.grad_norm,
+                                   first_sample=msg.first_sample))
             case p.CheckpointCommitted():
                 self._queue(Received(msg, now))
                 if math.isfinite(msg.duration_s) and msg.duration_s >= 0:
@@ -149,6 +155,9 @@ class TelemetryView:
             return None, 0
         return times[min(len(times) - 1, math.ceil(0.99 * len(times)) - 1)], len(times)
 
+    def recent_steps(self, run_id: str, attempt: int) -> tuple[StepSample, ...]:
+        return tuple(sorted(self._recent.get((run_id, attempt), ()), key=lambda x: x.step))
+
     def checkpoint_p99(self, run_id: str) -> float | None:
         """The slowest of the run's recent checkpoint saves (its p99 at this sample size)."""
         times = self._checkpoint_s.get(run_id)
@@ -156,6 +165,7 @@ class TelemetryView:
 
     def forget(self, run_id: str, attempt: int) -> None:
         self._ranks.pop((run_id, attempt), None)
+        self._recent.pop((run_id, attempt), None)
 
 
 class MqttLink:

@@ -69,11 +69,18 @@ def config_path(run_dir: Path, attempt: int) -> Path:
     return attempt_dir(run_dir, attempt) / "trainer.json"
 
 
-def write_attempt_config(spec: RunSpec, run_dir: Path, attempt: int, argv: tuple[str, ...] = ()) -> Path:
+def write_attempt_config(spec: RunSpec, run_dir: Path, attempt: int, argv: tuple[str, ...] = (),
+                         skips: list[tuple[int, int]] | None = None) -> Path:
+    """The attempt's trainer config; ``skips``: sample ranges the trainer steps over
+    (data.skip, for the reference trainer; a [command] trainer is not told)."""
     path = config_path(run_dir, attempt)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    content = {"command": list(argv)} if spec.command is not None else trainer_config(spec, run_dir)
+    content: dict[str, Any] = ({"command": list(argv)} if spec.command is not None
+                               else trainer_config(spec, run_dir))
+    if skips and spec.command is None:
+        data = content.setdefault("data", {})
+        data["skip"] = [list(r) for r in sorted({*map(tuple, data.get("skip", [])), *skips})]
     tmp.write_text(json.dumps(content, indent=2, sort_keys=True))
     os.replace(tmp, path)
     return path

@@ -46,6 +46,19 @@ def _show(value: object) -> str:
     return repr(value)
 
 
+def _skip_ranges(problems: list[str], value: object) -> tuple[tuple[int, int], ...]:
+    ranges: list[tuple[int, int]] = []
+    items: list[Any] = list(value) if isinstance(value, (list, tuple)) else [value]
+    for item in items:
+        pair = list(item) if isinstance(item, (list, tuple)) else []
+        ints = len(pair) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pair)
+        if not ints or pair[0] >= pair[1]:
+            problems.append(f"skip: expected [start, end) sample ranges with 0 <= start < end, got {item!r}")
+            continue
+        ranges.append((int(pair[0]), int(pair[1])))
+    return tuple(sorted(ranges))
+
+
 def _need_int(problems: list[str], key: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         problems.append(f"{key}: expected an integer, got {value!r}")
@@ -133,9 +146,13 @@ class DataConfig:
     path: str | None = None  # the token file, for kind = "tokens"
     dtype: str = "uint16"  # element type of the token file: "uint16" or "uint32"
     num_samples: int = 4096  # size of the synthetic data set, in sequences
+    # Sample ranges [start, end) of the data stream to step over (the supervisor's data
+    # window skip after a loss spike, as PaLM did); positions are samples consumed.
+    skip: Any = ()
 
     def __post_init__(self) -> None:
         p: list[str] = []
+        self.skip = _skip_ranges(p, self.skip)
         _need_choice(p, "kind", self.kind, ("synthetic", "tokens"))
         _need_choice(p, "dtype", self.dtype, ("uint16", "uint32"))
         _need_int(p, "num_samples", self.num_samples, 1)

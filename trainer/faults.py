@@ -11,6 +11,10 @@ after its checkpoint, if one was due):
                    gradients, the update and every later step are NaN: a numeric blow-up.
                    Transient: it fires once per run (a marker in ``TSUP_FAULT_STATE``, a
                    directory every attempt shares), so a rerun of step 60 is clean
+    spike@60:30    the data of steps 60 to 89 (by the nominal stream position, samples
+                   (60-1) x B up to (89) x B for global batch B) is bad: its loss is scaled
+                   by SPIKE_FACTOR before the backward pass, every time that data is read,
+                   in every attempt. Skipping that data window is the only cure
 
 Unset means no faults. A fault fires in whichever attempt completes STEP, so an attempt
 that resumes from a checkpoint before STEP meets it again unless TSUP_FAULT is cleared
@@ -27,7 +31,8 @@ from pathlib import Path
 
 from trainer.errors import UsageError
 
-_ACTIONS = ("hang", "crash", "nan")
+_ACTIONS = ("hang", "crash", "nan", "spike")
+SPIKE_FACTOR = 8.0
 
 
 class InjectedFault(RuntimeError):
@@ -38,7 +43,7 @@ class InjectedFault(RuntimeError):
 class Fault:
     action: str
     step: int
-    rank: int | None  # None: every rank
+    rank: int | None  # None: every rank; for spike, the window's length in steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +57,15 @@ class FaultPlan:
         plan = cls.parse(spec) if spec else cls()
         state = environ.get("TSUP_FAULT_STATE", "").strip()
         return cls(plan.faults, Path(state)) if state else plan
+
+    def spike_factor(self, first_sample: int, global_batch: int) -> float:
+        """The loss scale for the batch that starts at ``first_sample`` (1.0: clean data)."""
+        for f in self.faults:
+            if f.action == "spike":
+                start = (f.step - 1) * global_batch
+                if start <= first_sample < start + (f.rank or 1) * global_batch:
+                    return SPIKE_FACTOR
+        return 1.0
 
     def poisons(self, step: int) -> bool:
         """Whether this step's loss becomes NaN (``nan@STEP``): on the first rank to claim
@@ -88,7 +102,7 @@ class FaultPlan:
     def after_step(self, step: int, rank: int) -> None:
         """Act on the faults planned for this step and rank (may never return)."""
         for fault in self.faults:
-            if fault.step != step or fault.rank not in (None, rank) or fault.action == "nan":
+            if fault.step != step or fault.rank not in (None, rank) or fault.action in ("nan", "spike"):
                 continue
             if fault.action == "crash":
                 raise InjectedFault(f"injected crash after step {step} on rank {rank}")

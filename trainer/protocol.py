@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from enum import Enum, StrEnum
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
@@ -99,6 +99,7 @@ class StepMetrics(Header):
     lr: float
     step_time_s: float
     tokens_per_s: float
+    first_sample: int = 0  # the data stream position (samples consumed) the step's batch began at
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -203,6 +204,8 @@ def decode(payload: bytes | str, topic: str | None = None) -> Message:
     values: dict[str, Any] = {}
     for f in fields(cls):
         if f.name not in body:
+            if f.default is not MISSING:
+                continue  # added later in this version: an older sender leaves it out
             raise ProtocolError(f"{kind}: missing field {f.name!r}")
         values[f.name] = _check_field(kind, f.name, f.type, body.pop(f.name))
     if body:

@@ -73,6 +73,7 @@ class StepStats:
     lr: float
     step_time_s: float  # data + forward + backward + optimizer + loss all-reduce
     tokens_per_s: float  # over all ranks
+    first_sample: int = 0  # the data stream position this step's batch began at
 
 
 def train(config: TrainConfig, *, resume: str = "auto",
@@ -215,6 +216,9 @@ class _Runner:
     def _train_step(self, step: int) -> StepStats:
         started = time.perf_counter()
         model, config = self.model, self.config
+        self._skip_data()
+        first_sample = self.consumed
+        scale = self.faults.spike_factor(first_sample, config.global_batch_size)
         rows = torch.from_numpy(self.reader.rank_batch(self.consumed)).to(self.ctx.device)
         lr = lr_at(step, config=config.optimizer, total_steps=config.steps)
         set_lr(self.optimizer, lr)
@@ -228,6 +232,8 @@ class _Runner:
                                    micro[:, 1:].reshape(-1))
             if i == 0 and self.faults.poisons(step):
                 loss = loss * float("nan")
+            if scale != 1.0:
+                loss = loss * scale
             torch.autograd.backward(loss / passes)
             loss_sum += loss.detach()
         # max_norm=inf measures the norm without clipping (scales gradients by exactly 1).
@@ -244,7 +250,14 @@ class _Runner:
         elapsed = time.perf_counter() - started
         tokens = config.global_batch_size * config.seq_len
         return StepStats(loss=loss_value, grad_norm=grad_norm_value, lr=lr,
-                         step_time_s=elapsed, tokens_per_s=tokens / elapsed)
+                         step_time_s=elapsed, tokens_per_s=tokens / elapsed, first_sample=first_sample)
+
+    def _skip_data(self) -> None:
+        """Step over the sample ranges the config says to skip (data.skip)."""
+        for start, end in self.config.data.skip:
+            if start <= self.consumed < end:
+                self._say(f"step {self.step + 1}: skipping samples {self.consumed} to {end} (data.skip)")
+                self.consumed = end
 
     def _on_usr1(self, signum: int, frame: object) -> None:
         self._save_asked = True  # only a flag: the loop acts on it between steps
@@ -252,7 +265,7 @@ class _Runner:
     def _report(self, s: StepStats) -> None:
         self.telemetry.step_completed(step=self.step, loss=s.loss, grad_norm=s.grad_norm,
                                       lr=s.lr, step_time_s=s.step_time_s,
-                                      tokens_per_s=s.tokens_per_s)
+                                      tokens_per_s=s.tokens_per_s, first_sample=s.first_sample)
         if self.step % self.config.log_every_steps == 0 or self.step == self.config.steps:
             self._say(f"step {self.step}/{self.config.steps} loss {s.loss:.4f} "
                       f"grad_norm {s.grad_norm:.4f} lr {s.lr:.3e} "

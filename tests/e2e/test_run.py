@@ -96,6 +96,25 @@ def test_a_nan_loss_rolls_back_to_the_checkpoint_before_it_and_ends_with_the_sam
     assert "step 60: loss nan is not finite: no checkpoint" in log
 
 
+def test_a_persistent_loss_spike_rolls_back_before_it_and_skips_its_data(tmp_path: Path) -> None:
+    """spike@60:30: the data of steps 60-89 is bad in every attempt that reads it, so only
+    rolling back and stepping over that data window cures it (as PaLM did)."""
+    proc = tsup("run", EXAMPLE, "--state-dir", tmp_path, "--json", "--chaos", "spike@60:30")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["final_step"] == 120
+    [fault] = s["faults"]
+    assert fault["kind"] == "spike" and fault["step"] == 60, fault
+    assert [a["resume_step"] for a in s["attempt_history"]] == [0, 40], "rolled back to before the spike"
+    [(message, data)] = [(m, json.loads(d)) for m, d in db_rows(
+        tmp_path, "SELECT message, data FROM events WHERE kind = 'data.skip'")]
+    assert (data["start"], data["end"]) == (59 * 16, 109 * 16) and "loss spike from step 60" in message
+    log = (tmp_path / "runs" / "run-1" / "attempts" / "2" / "rank-0000.local-1.log").read_text()
+    assert "step 60: skipping samples 944 to 1744 (data.skip)" in log
+    trainer_json = json.loads((tmp_path / "runs" / "run-1" / "attempts" / "2" / "trainer.json").read_text())
+    assert trainer_json["data"]["skip"] == [[944, 1744]]
+
+
 def test_kill_rank_then_kill_node_recover_to_the_same_model(fault_free: dict[str, Any], tmp_path: Path) -> None:
     proc = tsup("run", EXAMPLE, "--state-dir", tmp_path, "--json", "--chaos", "kill-rank@50",
                 "--chaos", "kill-node@90")

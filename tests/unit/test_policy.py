@@ -39,7 +39,9 @@ from supervisor.domain import (
     RunState,
     RunView,
     SetRunState,
+    SkipData,
     StartAttempt,
+    StepSample,
     StopAttempt,
     TrainerResult,
 )
@@ -704,3 +706,60 @@ def test_after_a_nan_the_next_attempt_resumes_from_before_it_and_later_ones_from
     a2 = replace(ended(2, 40), outcome=AttemptOutcome.FAILED)
     assert resume_before((a1, a2), (nan, fault_of(2, step=90))) is None
     assert resume_before((a1, attempt(2)), (nan,)) == 60  # the live one has not ended yet
+
+
+# --- spikes ---------------------------------------------------------------------------
+
+
+def samples(losses: list[float], grads: list[float] | None = None, batch: int = 16) -> tuple[StepSample, ...]:
+    grads = grads or [1.0] * len(losses)
+    return tuple(StepSample(step=i + 1, loss=x, grad_norm=g, first_sample=i * batch)
+                 for i, (x, g) in enumerate(zip(losses, grads, strict=True)))
+
+
+def spiky(at: int, length: int, total: int = 60) -> list[float]:
+    return [10.0 if at <= i + 1 < at + length else 2.0 - 0.001 * i for i in range(total)]
+
+
+def test_a_spike_that_persists_rolls_back_and_skips_its_data_window() -> None:
+    live = attempt(started_at=NOW - 100, first_step_at=NOW - 90)
+    o = replace(obs(), recent=samples(spiky(40, 5, 44)))
+    effects = decide(view(run(), (live,)), o, NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.SPIKE and fault.step == 40 and "for 5 steps" in fault.summary
+    [skip] = of(effects, SkipData)
+    assert (skip.start, skip.end) == (39 * 16, 39 * 16 + 50 * 16)
+    assert of(effects, StopAttempt) and not of(effects, DrainNode)
+
+
+def test_a_spike_shorter_than_the_limit_is_reported_not_acted_on() -> None:
+    from supervisor.policy import transient_spikes
+
+    live = attempt(started_at=NOW - 100, first_step_at=NOW - 90)
+    recent = samples(spiky(40, 1, 50))
+    assert not of(decide(view(run(), (live,)), replace(obs(), recent=recent), NOW), RecordFault)
+    [spike] = transient_spikes(recent, run().policy)
+    assert (spike.step, spike.steps) == (40, 1)
+    ongoing = samples(spiky(48, 3, 50))  # still going: not yet known to be short
+    assert not transient_spikes(ongoing, run().policy)
+
+
+def test_a_grad_norm_spike_counts_and_a_falling_loss_never_does() -> None:
+    live = attempt(started_at=NOW - 100, first_step_at=NOW - 90)
+    grads = [1.0] * 30 + [9.0] * 6
+    o = replace(obs(), recent=samples([2.0] * 36, grads))
+    [fault] = of(decide(view(run(), (live,)), o, NOW), RecordFault)
+    assert fault.kind is FaultKind.SPIKE and fault.step == 31
+    falling = samples([10.0 / (i + 1) for i in range(60)])
+    assert not of(decide(view(run(), (live,)), replace(obs(), recent=falling), NOW), RecordFault)
+
+
+def test_a_nan_again_at_the_same_step_skips_that_steps_data() -> None:
+    live = attempt(2, started_at=NOW - 100, first_step_at=NOW - 90)
+    recent = samples([2.0] * 60)
+    o = replace(obs(*(rank(i, nonfinite_step=60) for i in range(4))), recent=recent)
+    first = decide(view(run(), (live,)), o, NOW)
+    assert not of(first, SkipData)
+    again = replace(view(run(), (ended(1, 0), live)), faults=(fault_of(1, FaultKind.NONFINITE, step=60),))
+    [skip] = of(decide(again, o, NOW), SkipData)
+    assert (skip.start, skip.end) == (59 * 16, 60 * 16)
