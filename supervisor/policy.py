@@ -613,7 +613,8 @@ def _launch(view: RunView, state: RunState, drained_now: set[str], out: list[Eff
 
     # Keep the previous attempt's healthy nodes in their places, fill up with spares.
     previous = view.current.nodes if view.current else ()
-    order = [n for n in previous if n in healthy] + [n for n in healthy if n not in previous]
+    healthy_set, previous_set = set(healthy), set(previous)  # thousands of nodes: no quadratic scans
+    order = [n for n in previous if n in healthy_set] + [n for n in healthy if n not in previous_set]
     nodes = tuple(order[: run.nodes])
     ck = view.newest_checkpoint
     number = len(view.attempts) + 1
@@ -801,14 +802,18 @@ def backoff(view: RunView, streak: list[Attempt]) -> tuple[float, int]:
     """(seconds to wait before the next attempt, failed attempts in a row that resumed from
     the same checkpoint). The first restart after progress is immediate; the n-th in a row
     (n >= 2) waits backoff_base_s x 2^(n-2), at most backoff_max_s (tenacity's
-    exponential wait)."""
+    exponential wait). Attempts ended by a lost node (drained, replaced by a spare) do not
+    count: at the scale of thousands of nodes several in a row are bad luck, not a loop
+    (bench/simulate.py shows the run failing for it otherwise)."""
     if not streak:
         return 0.0, 0
+    lost = {f.attempt for f in view.faults if f.kind is FaultKind.NODE_LOST}
     same = 0
     for a in reversed(streak):
         if a.resume_step != streak[-1].resume_step:
             break
-        same += 1
+        if a.number not in lost:  # a lost node was drained and replaced: no reason to wait
+            same += 1
     policy = view.run.policy
     if same < 2 or policy.backoff_base_s <= 0:
         return 0.0, same

@@ -1,0 +1,43 @@
+"""Checkpoint interval advice (supervisor/planning.py) and the cluster simulation's bookkeeping."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from supervisor import planning
+from tests.conftest import REPO
+
+
+def test_llama3_rate_and_the_young_daly_interval() -> None:
+    mtbf = planning.job_mtbf_s(2048)
+    assert mtbf == pytest.approx(54 * 86_400 / 419)  # the whole Llama 3 job: one interruption per 3.1 h
+    assert planning.young_daly_interval_s(30.0, mtbf) == pytest.approx(math.sqrt(2 * 30 * mtbf))
+    assert planning.advise_every_steps(30.0, 4.0, 2048) == round(math.sqrt(2 * 30 * mtbf) / 4)
+    assert planning.job_mtbf_s(1024) == pytest.approx(2 * mtbf)
+    with pytest.raises(ValueError):
+        planning.job_mtbf_s(0)
+
+
+def test_the_advise_command() -> None:
+    out = subprocess.run([sys.executable, "-m", "supervisor.cli", "advise", "--nodes", "2048", "--checkpoint-s",
+                          "30", "--step-time-s", "4", "--json"], capture_output=True, text=True, cwd=REPO,
+                         check=True)
+    doc = json.loads(out.stdout)
+    assert doc["checkpoint_every_s"] == pytest.approx(817.4, abs=0.1) and doc["checkpoint_every_steps"] == 204
+
+
+def test_the_simulation_accounts_for_every_second_and_drives_the_policy() -> None:
+    out = subprocess.run([sys.executable, "bench/simulate.py", "--nodes", "256", "--spares", "2", "--days", "20",
+                          "--seed", "3"], capture_output=True, text=True, cwd=REPO, check=True, timeout=300)
+    d = json.loads(out.stdout)
+    assert d["accounted"] == pytest.approx(1.0, abs=1e-3)
+    assert 0.5 < d["ettr"] < 1.0 and d["run_state"] == "RUNNING"
+    failures = d["failures"]["hardware"] + d["failures"]["software"]
+    assert failures > 5 and d["attempts"] == failures + 1, "every interruption is one restart"
+    assert d["policy_decisions"] >= 3 * failures
+    assert d["breakdown"]["lost_work"] > 0 and d["breakdown"]["checkpoint"] > 0
