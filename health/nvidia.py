@@ -160,18 +160,27 @@ class _GpuVerdict:
     recorded: list[str] = field(default_factory=list)
 
 
-def check_nvidia_smi(text: str, *, expected_gpus: int | None = None) -> list[Finding]:
-    """Judge ``nvidia-smi --query-gpu=<GPU_QUERY_FIELDS> --format=csv[,noheader][,nounits]``
-    output (any subset of the fields, found by the header; without a header the columns must
-    be exactly ``GPU_QUERY_FIELDS``). See the module docstring for the rule."""
-    probe = "nvidia-smi"
-    body = text.strip()
+def _smi_unusable(probe: str, body: str) -> list[Finding]:
+    """What every nvidia-smi query says first when it has nothing to judge: no output at
+    all (probe failed), or no working driver (unhealthy, reboot). Empty: go on."""
     if not body:
         return [probe_failed(probe, "nvidia-smi printed nothing")]
     m = _NO_DRIVER.search(body)
     if m:
         return [Finding(probe=probe, status=_U, action=Action.REBOOT,
                         evidence=f"the NVIDIA driver is not usable: {_excerpt(_line_of(body, m.start()))}")]
+    return []
+
+
+def check_nvidia_smi(text: str, *, expected_gpus: int | None = None) -> list[Finding]:
+    """Judge ``nvidia-smi --query-gpu=<GPU_QUERY_FIELDS> --format=csv[,noheader][,nounits]``
+    output (any subset of the fields, found by the header; without a header the columns must
+    be exactly ``GPU_QUERY_FIELDS``). See the module docstring for the rule."""
+    probe = "nvidia-smi"
+    body = text.strip()
+    unusable = _smi_unusable(probe, body)
+    if unusable:
+        return unusable
     # nvidia-smi's own complaints (one line, no commas) next to the rows of the other GPUs
     lost = [ln.strip() for ln in body.splitlines() if _GPU_LOST.search(ln) and "," not in ln]
     none_found = bool(_NO_DEVICES.search(body))
@@ -221,12 +230,9 @@ def check_remapped_rows(text: str) -> list[Finding]:
     (A100/H100 and later): a remapping failure needs a new GPU, a pending remap a reset."""
     probe = "remapped-rows"
     body = text.strip()
-    if not body:
-        return [probe_failed(probe, "nvidia-smi printed nothing")]
-    m = _NO_DRIVER.search(body)
-    if m:
-        return [Finding(probe=probe, status=_U, action=Action.REBOOT,
-                        evidence=f"the NVIDIA driver is not usable: {_excerpt(_line_of(body, m.start()))}")]
+    unusable = _smi_unusable(probe, body)
+    if unusable:
+        return unusable
     if _NO_DEVICES.search(body):
         return [probe_failed(probe, "nvidia-smi: No devices were found")]
     if re.search(r"not supported", body, re.IGNORECASE) and "remapped_rows" not in body:

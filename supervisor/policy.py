@@ -53,6 +53,7 @@ import math
 import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from statistics import median
 
 import tenacity
 
@@ -350,9 +351,7 @@ def _find_silent_node(
         return (r.last_seen_at is not None and now - r.last_seen_at > limit_s
                 and r.reported_exit_code is None and r.proc not in (ProcState.EXITED, ProcState.VANISHED))
 
-    by_node: dict[str, list[RankObs]] = {}
-    for r in obs.ranks:
-        by_node.setdefault(r.node, []).append(r)
+    by_node = _by_node(obs.ranks)
     held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
     quiet = sorted(n for n, rs in by_node.items() if n in held and all(silent(r) for r in rs))
     if not quiet or len(quiet) == len(by_node):
@@ -437,9 +436,7 @@ def _node_going_silent(view: RunView, obs: AttemptObs, now: float) -> bool:
     """Every rank of some node unheard for STALL_GAP_S while other nodes are heard, for
     less than the silence limit (and a grace): the silence rule will judge it a lost node
     and drain it; a hang verdict now would blame no one."""
-    by_node: dict[str, list[RankObs]] = {}
-    for r in obs.ranks:
-        by_node.setdefault(r.node, []).append(r)
+    by_node = _by_node(obs.ranks)
     if len(by_node) < 2:
         return False
     quiet_for = {n: now - max(r.last_seen_at or 0.0 for r in rs) for n, rs in by_node.items()}
@@ -469,9 +466,7 @@ def stalled_first(ranks: Iterable[RankObs]) -> list[RankObs]:
 def _attribute(
     view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list[RankObs], step: int
 ) -> FaultFinding:
-    by_node: dict[str, list[RankObs]] = {}
-    for r in ranks:
-        by_node.setdefault(r.node, []).append(r)
+    by_node = _by_node(ranks)
     # A node the run no longer holds (Slurm ended or shrank the allocation: preemption,
     # a time limit, scancel) is not to blame: its ranks died because the allocation did.
     held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
@@ -521,6 +516,13 @@ def _attribute(
         nodes=tuple(sorted({r.node for r in first})), summary=summary, step=step,
     )
     return record, [], do_not_retry
+
+
+def _by_node(ranks: Iterable[RankObs]) -> dict[str, list[RankObs]]:
+    by_node: dict[str, list[RankObs]] = {}
+    for r in ranks:
+        by_node.setdefault(r.node, []).append(r)
+    return by_node
 
 
 def _exit_code(r: RankObs) -> int | None:
@@ -645,12 +647,6 @@ class Spike:
     summary: str
 
 
-def _median(xs: list[float]) -> float:
-    ys = sorted(xs)
-    n = len(ys)
-    return ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2
-
-
 def _spikes(recent: tuple[StepSample, ...], policy: Policy) -> list[Spike]:
     """Every run of spiking steps in ``recent`` (consecutive steps, oldest first), each
     judged against the median of the ``spike_window`` steps before its first step."""
@@ -662,19 +658,15 @@ def _spikes(recent: tuple[StepSample, ...], policy: Policy) -> list[Spike]:
         if any(b.step != recent[i].step - w + k for k, b in enumerate(before)):
             i += 1
             continue  # a gap in what was received: no judgement on a broken window
-        loss_m = _median([b.loss for b in before if math.isfinite(b.loss)] or [math.inf])
-        grad_m = _median([b.grad_norm for b in before if math.isfinite(b.grad_norm)] or [math.inf])
-
-        loss_max, grad_max = loss_m * (1 + policy.spike_loss_rel), grad_m * policy.spike_grad_factor
-
-        def high(x: StepSample, loss_max: float = loss_max, grad_max: float = grad_max) -> bool:
-            return x.loss > loss_max or x.grad_norm > grad_max
-
-        if not high(recent[i]):
+        loss_m = median([b.loss for b in before if math.isfinite(b.loss)] or [math.inf])
+        grad_m = median([b.grad_norm for b in before if math.isfinite(b.grad_norm)] or [math.inf])
+        limits = (loss_m * (1 + policy.spike_loss_rel), grad_m * policy.spike_grad_factor)
+        if not _above(recent[i], limits):
             i += 1
             continue
         j = i
-        while j + 1 < len(recent) and recent[j + 1].step == recent[j].step + 1 and high(recent[j + 1]):
+        while (j + 1 < len(recent) and recent[j + 1].step == recent[j].step + 1
+               and _above(recent[j + 1], limits)):
             j += 1
         x = recent[i]
         found.append(Spike(step=x.step, steps=j - i + 1, summary=(
@@ -700,6 +692,10 @@ def _data_to_skip(view: RunView, live: Attempt, obs: AttemptObs, record: RecordF
     if window is None:
         return None
     return SkipData(start=window[0], end=window[1], reason=f"{why} (attempt {live.number})")
+
+
+def _above(x: StepSample, limits: tuple[float, float]) -> bool:
+    return x.loss > limits[0] or x.grad_norm > limits[1]
 
 
 def find_spike(recent: tuple[StepSample, ...], policy: Policy) -> Spike | None:

@@ -460,6 +460,7 @@ class Reconciler:
                 self.telemetry.forget(run.run_id, e.number)
                 for key in [k for k in self._dead_since if k[:2] == (run.number, e.number)]:
                     del self._dead_since[key]
+                self._spikes_said = {k for k in self._spikes_said if k[:2] != (run.number, e.number)}
             case _:
                 pass
 

@@ -16,27 +16,15 @@ from pathlib import Path
 import pytest
 
 from health import neuron
-from health.model import Action, Finding, Status, no_devices, verdict
+from health.model import Action, Status, no_devices, verdict
 from tests.conftest import REPO
+from tests.unit.health_helpers import assert_failed, only
 
 FIXTURES = REPO / "tests" / "fixtures" / "health" / "neuron"
-FAILED = "unknown: probe failed:"
 
 
 def fixture(name: str) -> str:
     return (FIXTURES / name).read_text()
-
-
-def only(findings: list[Finding]) -> Finding:
-    assert len(findings) == 1, findings
-    return findings[0]
-
-
-def assert_failed(findings: list[Finding], why: str) -> None:
-    f = only(findings)
-    assert f.status is Status.UNKNOWN and f.action is Action.NONE, f
-    assert f.evidence.startswith(FAILED), f.evidence
-    assert why in f.evidence, f.evidence
 
 
 JSON_OK = "neuron-ls_json_trn1.32xlarge_SYNTHESIZED.json"

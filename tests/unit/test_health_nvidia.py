@@ -20,9 +20,9 @@ import pytest
 from health import allreduce, nvidia
 from health.model import Action, Finding, Status, no_devices, verdict
 from tests.conftest import REPO
+from tests.unit.health_helpers import assert_failed, only
 
 FIXTURES = REPO / "tests" / "fixtures" / "health" / "nvidia"
-FAILED = "unknown: probe failed:"
 U, D, H = Status.UNHEALTHY, Status.DEGRADED, Status.HEALTHY
 
 SMI = "nvidia-smi_query_gpu_health_SYNTHESIZED.csv"
@@ -42,18 +42,6 @@ NEURON_DMESG = "dmesg_neuron_hw_err.txt"
 
 def fixture(name: str) -> str:
     return (FIXTURES / name).read_text()
-
-
-def only(findings: list[Finding]) -> Finding:
-    assert len(findings) == 1, findings
-    return findings[0]
-
-
-def assert_failed(findings: list[Finding], why: str) -> None:
-    f = only(findings)
-    assert f.status is Status.UNKNOWN and f.action is Action.NONE, f
-    assert f.evidence.startswith(FAILED), f.evidence
-    assert why in f.evidence, f.evidence
 
 
 def healthy_smi() -> str:
