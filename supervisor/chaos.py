@@ -17,6 +17,8 @@ in every attempt of the run:
     nan@60            the loss of step 60 turns NaN (and with it the model), once per run
     spike@60:30       the data of steps 60 to 89 is bad: their loss is 8 x higher, in every
                       attempt that reads that data (until the supervisor skips it)
+    slow@40[:RANK]    from step 40 on, the node of rank RANK (default 0) computes at half
+                      speed for the rest of the run: a straggler
 
 Each action fires once per run, through the launcher, as real signals to real
 processes. The injector tells the reconciler nothing: the supervisor must detect the
@@ -41,9 +43,11 @@ from supervisor.telemetry import TelemetryView
 
 log = logging.getLogger(__name__)
 
-_SYNTAX = re.compile(r"^(kill-rank|kill-node|freeze-node|hang-rank|crash|nan|spike)@([0-9]+)(?::([0-9]+))?$")
-ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "hang-rank", "crash", "nan", "spike"]
-TRAINER_KINDS = frozenset({"crash", "nan", "spike"})  # injected by the trainer, not by signals from outside
+_KINDS = "kill-rank|kill-node|freeze-node|hang-rank|crash|nan|spike|slow"
+_SYNTAX = re.compile(rf"^({_KINDS})@([0-9]+)(?::([0-9]+))?$")
+ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "hang-rank", "crash", "nan", "spike", "slow"]
+# Injected by the trainer itself, not by signals from outside.
+TRAINER_KINDS = frozenset({"crash", "nan", "spike", "slow"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,7 +66,7 @@ def parse_chaos(text: str) -> ChaosAction:
     if m is None:
         raise SpecError(
             f"--chaos {text!r}: expected KIND@STEP[:TARGET] with KIND kill-rank, kill-node, freeze-node, "
-            "hang-rank, crash, nan or spike, "
+            "hang-rank, crash, nan, spike or slow, "
             "for example kill-rank@50"
         )
     kind: ChaosKind = m.group(1)  # type: ignore[assignment]

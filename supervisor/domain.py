@@ -64,6 +64,7 @@ class FaultKind(StrEnum):
     SPIKE = "spike"  # loss or grad norm far above its running level for several steps
     NO_RESULT = "no-result"  # every rank exited 0 but the trainer wrote no result
     LAUNCH = "launch"  # the launcher could not start the attempt
+    STRAGGLER = "straggler"  # a rank far slower than the others (acted on only with straggler_restart)
 
 
 _RUN_ID = re.compile(r"^run-([1-9][0-9]{0,17})$")
@@ -123,6 +124,20 @@ class Policy:
     # ranks are heard: the node is lost (powered off, kernel hung, network gone), found
     # without waiting for Slurm's SlurmdTimeout (300 s by default).
     silence_timeout_s: float = 10.0
+    # Stragglers: a rank whose median busy time (its own compute per step, waits left
+    # out) over its last straggler_window steps exceeds the typical rank's by more than
+    # straggler_margin (0.25: 25 %) and by at least straggler_min_s is reported with its
+    # node, once per attempt; its node is left out of the next attempt when another held
+    # node can take its place. With straggler_restart the attempt is also stopped and
+    # relaunched without it at once, when a spare is free; never by default.
+    straggler_window: int = 20
+    straggler_margin: float = 0.25
+    straggler_min_s: float = 0.005
+    straggler_restart: bool = False
+    # Lemons: a node blamed in lemon_faults or more distinct faults (of any run; a fault
+    # repeating at the same step counts once) within lemon_window_s is drained.
+    lemon_faults: int = 3
+    lemon_window_s: float = 86_400.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -248,6 +263,7 @@ class RankObs:
     phase: str | None = None
     last_seen_at: float | None = None  # its last message of any kind (heartbeats included)
     nonfinite_step: int | None = None  # the first step it reported a NaN/Inf loss or grad norm
+    busy_recent_s: tuple[float, ...] = ()  # its busy time in its recent steps, oldest first
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -282,6 +298,15 @@ class AttemptObs:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StragglerReport:
+    """A rank reported straggling (a ``straggler`` event of the run)."""
+
+    attempt: int
+    rank: int
+    node: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunView:
     """Everything decide() may look at for one run."""
 
@@ -294,6 +319,9 @@ class RunView:
     faults: tuple[FaultRecord, ...] = ()  # the run's faults, oldest first
     probing: bool = False  # some of its nodes are being probed: launch nothing until they answer
     diagnose: bool = False  # probe a failed attempt's nodes before the next launch ([health] diagnose)
+    stragglers: tuple[StragglerReport, ...] = ()  # the run's straggler reports, oldest first
+    # Every run's faults within the run's lemon window (for lemon nodes), oldest first.
+    cluster_faults: tuple[FaultRecord, ...] = ()
 
     @property
     def current(self) -> Attempt | None:

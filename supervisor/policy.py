@@ -53,7 +53,7 @@ import math
 import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from statistics import median
+from statistics import median, median_low
 
 import tenacity
 
@@ -92,6 +92,7 @@ from supervisor.domain import (
     StartAttempt,
     StepSample,
     StopAttempt,
+    run_id_of,
 )
 
 # Trainer exit codes with a meaning (trainer/README.md): 2 = configuration or usage
@@ -268,7 +269,7 @@ def _judge_live_attempt(
                       "nodes": list(record.nodes)},
             )
         )
-        for node, reason in drains:
+        for node, reason in [*drains, *_lemons(view, record, {n for n, _ in drains}, now)]:
             out.append(DrainNode(node=node, reason=reason))
         skip = _data_to_skip(view, live, obs, record)
         if skip is not None:
@@ -291,7 +292,7 @@ def _judge_live_attempt(
             step = max(r.last_step for r in obs.ranks)
             out.append(SetRunState(state=RunState.RUNNING, reason=f"training at step {step}"))
             state = RunState.RUNNING
-    return state, live
+    return _judge_stragglers(view, live, obs, state, out)
 
 
 FaultFinding = tuple[RecordFault, list[tuple[str, str]], bool]
@@ -572,8 +573,12 @@ def _describe_exit(r: RankObs) -> str:
     return f"{who} vanished without an exit report"
 
 
+def _ranks_of(numbers: Iterable[int]) -> str:
+    return ", ".join(str(n) for n in sorted(numbers))
+
+
 def _ranks(rs: Iterable[RankObs]) -> str:
-    return ", ".join(str(r.rank) for r in sorted(rs, key=lambda r: r.rank))
+    return _ranks_of(r.rank for r in rs)
 
 
 # --- launching ----------------------------------------------------------------------
@@ -613,11 +618,26 @@ def _launch(view: RunView, state: RunState, drained_now: set[str], out: list[Eff
         out.append(AllocateNodes(count=run.nodes + run.spares - len(healthy)))
         return state
 
-    # Keep the previous attempt's healthy nodes in their places, fill up with spares.
+    # Keep the previous attempt's healthy nodes in their places, fill up with spares; a
+    # node that straggled in it goes last (a spare again), unless it is needed.
     previous = view.current.nodes if view.current else ()
+    slow = straggled_last(view)
     healthy_set, previous_set = set(healthy), set(previous)  # thousands of nodes: no quadratic scans
     order = [n for n in previous if n in healthy_set] + [n for n in healthy if n not in previous_set]
+    order = [n for n in order if n not in slow] + [n for n in order if n in slow]
     nodes = tuple(order[: run.nodes])
+    if slow & healthy_set:
+        chosen, prev = set(nodes), view.current.number if view.current else 0
+        left_out = sorted(n for n in slow & healthy_set if n not in chosen)
+        kept = sorted(n for n in slow if n in chosen)
+        if left_out:
+            out.append(Emit(kind="straggler.left-out",
+                            message=f"leaving out {', '.join(left_out)}: it straggled in attempt {prev}",
+                            data={"attempt": prev, "nodes": left_out}))
+        if kept:
+            out.append(Emit(kind="straggler.kept",
+                            message=f"keeping {', '.join(kept)} though it straggled in attempt {prev}: "
+                                    "no other node is free", data={"attempt": prev, "nodes": kept}))
     ck = view.newest_checkpoint
     number = len(view.attempts) + 1
     out.append(
@@ -635,6 +655,120 @@ def _launch(view: RunView, state: RunState, drained_now: set[str], out: list[Eff
         out.append(SetRunState(state=RunState.STARTING, reason=f"attempt {number} launching"))
         return RunState.STARTING
     return state
+
+
+# --- lemons -------------------------------------------------------------------------
+
+
+def _lemons(view: RunView, record: RecordFault, draining: set[str], now: float) -> list[tuple[str, str]]:
+    """Nodes that the new fault blames and that were blamed in enough other faults lately.
+
+    One attempt's fault proves little about a node (a rank crash may be the code's), but a
+    node that keeps turning up in faults of different steps and runs is a lemon. A fault
+    repeating at the same step of the same run (a crash loop) counts once: it follows the
+    step, not the node."""
+    policy = view.run.policy
+    since = now - policy.lemon_window_s
+    out = []
+    for node in record.nodes:
+        if node in draining:
+            continue
+        blamed = [f for f in view.cluster_faults if node in f.nodes and f.detected_at >= since]
+        distinct = {(f.run_number, f.kind, f.step): f for f in blamed}
+        distinct.pop((view.run.number, record.kind, record.step), None)
+        if len(distinct) + 1 < policy.lemon_faults:
+            continue
+        earlier = "; ".join(f"{run_id_of(f.run_number)} {f.kind} at step {f.step}"
+                            for f in sorted(distinct.values(), key=lambda f: f.detected_at))
+        hours = policy.lemon_window_s / 3600
+        out.append((node, f"training-supervisor: lemon: blamed in {len(distinct) + 1} faults in {hours:g} h "
+                          f"({earlier}; now {record.kind} at step {record.step}) ({view.run.run_id})"))
+    return out
+
+
+# --- stragglers ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Straggler:
+    rank: int
+    node: str
+    busy_s: float  # its median busy time per step over the window
+    typical_s: float  # the typical rank's: the lower median of every judged rank's median
+
+    @property
+    def slower(self) -> float:
+        """How much slower than typical: 0.5 is 50 % slower."""
+        return self.busy_s / self.typical_s - 1.0 if self.typical_s > 0 else math.inf
+
+
+def find_stragglers(ranks: Iterable[RankObs], policy: Policy) -> list[Straggler]:
+    """Ranks whose own compute per step stays above the typical rank's by the margin.
+
+    In a synchronous job every rank's wall-clock step time is the same (the fast ones
+    wait for the slow one in the collectives), so the judgement is on busy time, which
+    leaves the waits out. Each rank with a full window is summarised by its median over
+    the window (one slow step is not a straggler); "typical" is the lower median of those
+    medians, so that with two ranks the slower is compared with the faster, and a
+    majority of slow ranks is the new normal rather than a crowd of stragglers.
+    """
+    window = policy.straggler_window
+    judged = [(r, median(r.busy_recent_s[-window:])) for r in ranks if len(r.busy_recent_s) >= window]
+    if len(judged) < 2:
+        return []
+    typical = median_low(m for _, m in judged)
+    return [Straggler(rank=r.rank, node=r.node, busy_s=m, typical_s=typical)
+            for r, m in judged
+            if m > typical * (1.0 + policy.straggler_margin) and m - typical >= policy.straggler_min_s]
+
+
+def _judge_stragglers(
+    view: RunView, live: Attempt, obs: AttemptObs, state: RunState, out: list[Effect]
+) -> tuple[RunState, Attempt | None]:
+    """Report each new straggler once per attempt; with ``straggler_restart`` and a free
+    spare, stop the attempt so that the next one runs without the straggling node."""
+    policy = view.run.policy
+    said = {(s.attempt, s.rank) for s in view.stragglers}
+    found = [s for s in find_stragglers(obs.ranks, policy) if (live.number, s.rank) not in said]
+    for s in found:
+        out.append(Emit(
+            kind="straggler",
+            message=f"rank {s.rank} on {s.node} straggles: {s.busy_s:.3f} s of compute per step against "
+                    f"{s.typical_s:.3f} s typical ({s.slower:+.0%}) over {policy.straggler_window} steps",
+            data={"attempt": live.number, "rank": s.rank, "node": s.node, "busy_s": round(s.busy_s, 6),
+                  "typical_s": round(s.typical_s, 6), "window": policy.straggler_window}))
+    if not found or not policy.straggler_restart:
+        return state, live
+    slow_nodes = sorted({s.node for s in found})
+    if not _spares_for(view, live.nodes, set(slow_nodes)):
+        out.append(Emit(kind="straggler.kept",
+                        message=f"not restarting without {', '.join(slow_nodes)}: no free spare",
+                        data={"attempt": live.number, "nodes": slow_nodes}))
+        return state, live
+    step = max((r.last_step for r in obs.ranks), default=live.resume_step)
+    summary = (f"{', '.join(slow_nodes)} straggling (ranks {_ranks_of(s.rank for s in found)}): "
+               "restarting without it (straggler_restart)")
+    out.append(RecordFault(kind=FaultKind.STRAGGLER, attempt=live.number, ranks=tuple(s.rank for s in found),
+                           nodes=tuple(slow_nodes), summary=summary, step=step))
+    out.append(Emit(kind="fault.detected", message=f"{FaultKind.STRAGGLER}: {summary}",
+                    data={"attempt": live.number, "step": step, "nodes": slow_nodes}))
+    out.append(_stop(live, AttemptOutcome.FAILED, f"{FaultKind.STRAGGLER}: {summary}", force=True))
+    if state is not RunState.RECOVERING:
+        out.append(SetRunState(state=RunState.RECOVERING, reason=f"{FaultKind.STRAGGLER}: {summary}"))
+    return RunState.RECOVERING, _stopping(live)
+
+
+def _spares_for(view: RunView, in_use: Iterable[str], leaving: set[str]) -> bool:
+    """Whether the run holds enough healthy idle nodes to replace ``leaving``."""
+    busy = set(in_use)
+    free = [n for n in view.allocation if n.state is NodeState.ALLOCATED and n.name not in busy]
+    return len(free) >= len(leaving)
+
+
+def straggled_last(view: RunView) -> set[str]:
+    """Nodes reported straggling in the run's latest attempt: left out of the next one."""
+    last = view.current.number if view.current else None
+    return {s.node for s in view.stragglers if s.attempt == last}
 
 
 # --- spikes -------------------------------------------------------------------------

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from pathlib import Path
 
 from supervisor import checkpoint_scan, node_health, trainer_cmd
@@ -42,6 +44,7 @@ from supervisor.domain import (
     Emit,
     EndAttempt,
     EnsureStopped,
+    FaultRecord,
     FinishRun,
     MarkAttemptRunning,
     MarkFaultsRecovered,
@@ -60,6 +63,7 @@ from supervisor.domain import (
     SkipData,
     StartAttempt,
     StopAttempt,
+    StragglerReport,
     TrainerResult,
 )
 from supervisor.errors import LaunchError
@@ -75,6 +79,10 @@ log = logging.getLogger(__name__)
 DRAINED_BY_US = "training-supervisor:"  # how every drain Reason this supervisor writes begins
 
 _QUIET_SCAN_S = 2.0  # how often a [command] trainer's checkpoint directory is scanned for progress
+
+
+def _last(values: deque[float], n: int) -> tuple[float, ...]:
+    return tuple(islice(values, max(0, len(values) - n), None))
 
 
 def _latest(*times: float | None) -> float | None:
@@ -183,7 +191,14 @@ class Reconciler:
             allocation = tuple(tx.allocation(run.number))
             open_faults = tx.count_open_faults(run.number)
             faults = tuple(tx.list_faults(run.number))
+            stragglers = tuple(StragglerReport(attempt=int(e.data["attempt"]), rank=int(e.data["rank"]),
+                                               node=str(e.data["node"]))
+                               for e in tx.list_events(run.number, kind="straggler", limit=100_000))
         live = attempts[-1] if attempts and attempts[-1].state in LIVE_ATTEMPT_STATES else None
+        cluster_faults: tuple[FaultRecord, ...] = ()
+        if live is not None:  # only a live attempt can have a fault that blames a node
+            with self.store.tx() as tx:
+                cluster_faults = tuple(tx.faults_since(now - run.policy.lemon_window_s))
         newest = None
         # The checkpoint matters only when this tick may launch: no attempt training,
         # and a run that wants one (or a command that may make it want one).
@@ -193,7 +208,7 @@ class Reconciler:
         view = RunView(run=run, attempts=attempts, allocation=allocation, newest_checkpoint=newest,
                        commands=tuple(commands), open_faults=open_faults, faults=faults,
                        probing=self._probing(run.number),
-                       diagnose=spec.health.diagnose)
+                       diagnose=spec.health.diagnose, stragglers=stragglers, cluster_faults=cluster_faults)
         obs = self._observe(run, spec, run_dir, live, now) if live else None
         if obs is not None and run.allocation_info is not None and any(
                 r.proc in (ProcState.EXITED, ProcState.VANISHED) or r.lost for r in obs.ranks):
@@ -283,6 +298,7 @@ class Reconciler:
                 phase=t.phase if t else None,
                 last_seen_at=t.last_seen_at if t else None,
                 nonfinite_step=t.nonfinite_step if t else None,
+                busy_recent_s=_last(t.busy_times, run.policy.straggler_window) if t else (),
             ))
         gone = all(r.proc in (ProcState.EXITED, ProcState.VANISHED) for r in ranks)
         result = None

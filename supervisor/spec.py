@@ -77,6 +77,12 @@ class PolicySpec(BaseModel):
     fault_settle_s: Annotated[float, Field(ge=0, le=60)] = 1.0
     abandon_after_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 120.0
     silence_timeout_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 10.0
+    straggler_window: Annotated[int, Field(ge=3, le=100)] = 20  # telemetry keeps 100 per rank
+    straggler_margin: Annotated[float, Field(gt=0, le=100)] = 0.25
+    straggler_min_s: Annotated[float, Field(ge=0, le=3600)] = 0.005
+    straggler_restart: bool = False
+    lemon_faults: Annotated[int, Field(ge=2, le=10_000)] = 3
+    lemon_window_s: Annotated[float, Field(gt=0, le=365 * _DAY_S)] = _DAY_S
 
     def to_policy(self) -> Policy:
         return Policy(**self.model_dump())

@@ -26,6 +26,7 @@ from sqlalchemy import (
     CursorResult,
     Engine,
     Row,
+    Select,
     create_engine,
     delete,
     event,
@@ -336,7 +337,14 @@ class Tx:
         return int(self.c.execute(q).scalar_one())
 
     def list_faults(self, run_number: int) -> list[FaultRecord]:
-        q = select(t.faults).where(t.faults.c.run_number == run_number).order_by(t.faults.c.id)
+        return self._faults(select(t.faults).where(t.faults.c.run_number == run_number))
+
+    def faults_since(self, since: float) -> list[FaultRecord]:
+        """Every run's faults detected at or after ``since``, oldest first."""
+        return self._faults(select(t.faults).where(t.faults.c.detected_at >= since))
+
+    def _faults(self, q: Select[Any]) -> list[FaultRecord]:
+        q = q.order_by(t.faults.c.id)
         return [
             FaultRecord(
                 id=r.id, run_number=r.run_number, attempt=r.attempt, kind=FaultKind(r.kind),

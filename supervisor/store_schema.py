@@ -127,6 +127,7 @@ faults = Table(
     Column("detected_at", Float, nullable=False),
     Column("recovered_at", Float),
     Index("faults_by_run", "run_number"),
+    Index("faults_by_time", "detected_at"),
 )
 
 # Rank 0's step metrics, one row per (attempt, step): the loss curve and the goodput
@@ -155,6 +156,7 @@ events = Table(
     Column("message", Text, nullable=False),
     Column("data", Text, nullable=False, default="{}"),
     Index("events_by_run", "run_number", "id"),
+    Index("events_by_run_kind", "run_number", "kind", "id"),
 )
 
 # Events waiting to be published on MQTT: written in the same transaction as the event,
@@ -194,5 +196,13 @@ def _v3(conn: Connection) -> None:
     probes.create(conn, checkfirst=True)
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3]
+def _v4(conn: Connection) -> None:
+    """Indexes for one kind of a run's events (the policy reads its straggler reports)
+    and for the faults of a time window (lemon nodes)."""
+    for index in (*events.indexes, *faults.indexes):
+        if index.name in ("events_by_run_kind", "faults_by_time"):
+            index.create(conn, checkfirst=True)
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 _DURABLE_QUEUE_MAX = 100_000
 STEP_TIMES_KEPT = 200  # per rank: the window the adaptive hang timeout is drawn from
 RECENT_STEPS_KEPT = 400  # rank 0's steps per attempt: the window spikes are judged on
+BUSY_TIMES_KEPT = 100  # per rank: the longest window stragglers may be judged on
 
 
 @dataclass(slots=True)
@@ -49,6 +50,7 @@ class RankTelemetry:
     lost: bool = False
     lost_at: float | None = None
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_TIMES_KEPT))
+    busy_times: deque[float] = field(default_factory=lambda: deque(maxlen=BUSY_TIMES_KEPT))
     nonfinite_step: int | None = None  # the first step whose loss or grad norm was NaN or infinite
 
 
@@ -104,6 +106,8 @@ class TelemetryView:
                 self._progress(rank, msg.step, now)
                 if math.isfinite(msg.step_time_s) and msg.step_time_s > 0:
                     rank.step_times.append(msg.step_time_s)
+                if math.isfinite(msg.busy_s) and msg.busy_s >= 0:
+                    rank.busy_times.append(msg.busy_s)
                 finite = all(x is None or math.isfinite(x) for x in (msg.loss, msg.grad_norm))
                 if not finite and (rank.nonfinite_step is None or msg.step < rank.nonfinite_step):
                     rank.nonfinite_step = msg.step

@@ -15,6 +15,11 @@ after its checkpoint, if one was due):
                    (60-1) x B up to (89) x B for global batch B) is bad: its loss is scaled
                    by SPIKE_FACTOR before the backward pass, every time that data is read,
                    in every attempt. Skipping that data window is the only cure
+    slow@40:1      from step 40 on, the node of rank 1 computes at half speed: each of
+                   its ranks burns as much CPU again as its step took (SLOW_FACTOR), a
+                   straggler. The node stays slow for the rest of the run (a marker in
+                   ``TSUP_FAULT_STATE`` names it), so a later attempt on it is slow from
+                   its first step; an attempt on other nodes is not. Rank 0 by default
 
 Unset means no faults. A fault fires in whichever attempt completes STEP, so an attempt
 that resumes from a checkpoint before STEP meets it again unless TSUP_FAULT is cleared
@@ -31,8 +36,10 @@ from pathlib import Path
 
 from trainer.errors import UsageError
 
-_ACTIONS = ("hang", "crash", "nan", "spike")
+_ACTIONS = ("hang", "crash", "nan", "spike", "slow")
 SPIKE_FACTOR = 8.0
+SLOW_FACTOR = 2.0
+_SLOW_MARKER = "slow-node"
 
 
 class InjectedFault(RuntimeError):
@@ -67,6 +74,21 @@ class FaultPlan:
                     return SPIKE_FACTOR
         return 1.0
 
+    def slowdown(self, step: int, rank: int, node: str) -> float:
+        """How much slower this rank computes at this step (1.0: normal speed, ``slow``).
+
+        The rank the fault names turns its node slow (the marker in ``state_dir`` names
+        the node); from then on the node is slow, whichever ranks run on it."""
+        marker = self.state_dir / _SLOW_MARKER if self.state_dir is not None else None
+        if marker is not None and marker.is_file():
+            return SLOW_FACTOR if marker.read_text() == node else 1.0
+        for f in self.faults:
+            if f.action == "slow" and step >= f.step and rank == (f.rank or 0):
+                if marker is not None:
+                    _claim(marker, node)
+                return SLOW_FACTOR
+        return 1.0
+
     def poisons(self, step: int) -> bool:
         """Whether this step's loss becomes NaN (``nan@STEP``): on the first rank to claim
         the run's marker only; the gradients' all-reduce carries it to every rank."""
@@ -74,12 +96,7 @@ class FaultPlan:
             return False
         if self.state_dir is None:
             return True
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            os.close(os.open(self.state_dir / f"nan@{step}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return False
-        return True
+        return _claim(self.state_dir / f"nan@{step}", "")
 
     @classmethod
     def parse(cls, spec: str) -> FaultPlan:
@@ -102,9 +119,23 @@ class FaultPlan:
     def after_step(self, step: int, rank: int) -> None:
         """Act on the faults planned for this step and rank (may never return)."""
         for fault in self.faults:
-            if fault.step != step or fault.rank not in (None, rank) or fault.action in ("nan", "spike"):
+            if fault.step != step or fault.rank not in (None, rank) or fault.action not in ("crash", "hang"):
                 continue
             if fault.action == "crash":
                 raise InjectedFault(f"injected crash after step {step} on rank {rank}")
             while True:  # hang: the training thread sleeps, the heartbeat thread goes on
                 time.sleep(3600)
+
+
+def _claim(marker: Path, text: str) -> bool:
+    """Create ``marker`` holding ``text``; False when another process got there first."""
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    return True

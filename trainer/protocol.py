@@ -100,6 +100,9 @@ class StepMetrics(Header):
     step_time_s: float
     tokens_per_s: float
     first_sample: int = 0  # the data stream position (samples consumed) the step's batch began at
+    # The time this rank spent computing the step, its waits for other ranks left out
+    # (NaN where the device does not measure it): what tells a straggler apart.
+    busy_s: float = math.nan
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import queue
 import socket
@@ -165,13 +166,15 @@ class Telemetry:
                 self._put(protocol.PhaseChange(**self._header(), phase=phase, step=step))
 
     def step_completed(self, *, step: int, loss: float, grad_norm: float, lr: float,
-                       step_time_s: float, tokens_per_s: float, first_sample: int = 0) -> None:
+                       step_time_s: float, tokens_per_s: float, first_sample: int = 0,
+                       busy_s: float = math.nan) -> None:
         self._step = step
         if self._broker is None:
             return
         self._put(protocol.StepMetrics(**self._header(), step=step, loss=loss,
                                        grad_norm=grad_norm, lr=lr, step_time_s=step_time_s,
-                                       tokens_per_s=tokens_per_s, first_sample=first_sample))
+                                       tokens_per_s=tokens_per_s, first_sample=first_sample,
+                                       busy_s=busy_s))
 
     def restored(self, step: int) -> None:
         """The run continues after ``step`` (from a checkpoint): heartbeats say so."""

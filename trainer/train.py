@@ -74,6 +74,7 @@ class StepStats:
     step_time_s: float  # data + forward + backward + optimizer + loss all-reduce
     tokens_per_s: float  # over all ranks
     first_sample: int = 0  # the data stream position this step's batch began at
+    busy_s: float = math.nan  # this rank's own compute time (see _train_step)
 
 
 def train(config: TrainConfig, *, resume: str = "auto",
@@ -214,7 +215,13 @@ class _Runner:
         return path
 
     def _train_step(self, step: int) -> StepStats:
+        """One optimizer step. Besides the wall time (equal on every rank: they wait for
+        each other in the collectives) it measures the rank's busy time, the compute that
+        is its own. On CPU that is the process's CPU time in the step: a rank waiting in a
+        gloo collective sleeps, and the compute runs on one thread (``set_num_threads(1)``).
+        Other devices report NaN until their kernel times are measured."""
         started = time.perf_counter()
+        cpu_started = time.process_time()
         model, config = self.model, self.config
         self._skip_data()
         first_sample = self.consumed
@@ -236,6 +243,9 @@ class _Runner:
                 loss = loss * scale
             torch.autograd.backward(loss / passes)
             loss_sum += loss.detach()
+        slowdown = self.faults.slowdown(step, self.ctx.rank, self.telemetry.identity.node)
+        if slowdown != 1.0:  # a straggler drill: compute this step's work slowdown times over
+            _burn_cpu((slowdown - 1.0) * (time.process_time() - cpu_started))
         # max_norm=inf measures the norm without clipping (scales gradients by exactly 1).
         max_norm = config.optimizer.grad_clip or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -248,9 +258,11 @@ class _Runner:
         self.step, self.consumed = step, self.consumed + config.global_batch_size
         self.last_loss = loss_value
         elapsed = time.perf_counter() - started
+        busy = time.process_time() - cpu_started if self.ctx.device.type == "cpu" else math.nan
         tokens = config.global_batch_size * config.seq_len
         return StepStats(loss=loss_value, grad_norm=grad_norm_value, lr=lr,
-                         step_time_s=elapsed, tokens_per_s=tokens / elapsed, first_sample=first_sample)
+                         step_time_s=elapsed, tokens_per_s=tokens / elapsed, first_sample=first_sample,
+                         busy_s=busy)
 
     def _skip_data(self) -> None:
         """Step over the sample ranges the config says to skip (data.skip)."""
@@ -265,7 +277,8 @@ class _Runner:
     def _report(self, s: StepStats) -> None:
         self.telemetry.step_completed(step=self.step, loss=s.loss, grad_norm=s.grad_norm,
                                       lr=s.lr, step_time_s=s.step_time_s,
-                                      tokens_per_s=s.tokens_per_s, first_sample=s.first_sample)
+                                      tokens_per_s=s.tokens_per_s, first_sample=s.first_sample,
+                                      busy_s=s.busy_s)
         if self.step % self.config.log_every_steps == 0 or self.step == self.config.steps:
             self._say(f"step {self.step}/{self.config.steps} loss {s.loss:.4f} "
                       f"grad_norm {s.grad_norm:.4f} lr {s.lr:.3e} "
@@ -302,6 +315,13 @@ class _Runner:
     def _say(self, line: str) -> None:
         if self.ctx.is_main:
             print(line, flush=True)
+
+
+def _burn_cpu(seconds: float) -> None:
+    """Spin for ``seconds`` of this process's CPU time (a slow device, for drills)."""
+    until = time.process_time() + seconds
+    while time.process_time() < until:
+        pass
 
 
 def _fmt(value: float | None) -> str:

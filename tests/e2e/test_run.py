@@ -115,6 +115,48 @@ def test_a_persistent_loss_spike_rolls_back_before_it_and_skips_its_data(tmp_pat
     assert trainer_json["data"]["skip"] == [[944, 1744]]
 
 
+def _straggler_reports(state: Path) -> list[dict[str, Any]]:
+    return [json.loads(d) for (d,) in db_rows(state, "SELECT data FROM events WHERE kind = 'straggler' ORDER BY id")]
+
+
+def test_a_straggling_node_is_reported_and_left_out_at_the_next_restart(fault_free: dict[str, Any],
+                                                                        tmp_path: Path) -> None:
+    """slow@30:3: from step 30 the node of rank 3 (local-2) computes at half speed. It is
+    reported, the run goes on (a straggler alone restarts nothing), and when a rank dies
+    at step 60 the next attempt runs on the spare instead of local-2."""
+    proc = tsup("run", EXAMPLE, "--state-dir", tmp_path, "--json", "--chaos", "slow@30:3",
+                "--chaos", "kill-rank@60:0")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    reports = _straggler_reports(tmp_path)
+    assert {r["node"] for r in reports} == {"local-2"} and 3 in {r["rank"] for r in reports}, reports
+    assert {r["attempt"] for r in reports} == {1}, "attempt 2 runs without the slow node: no straggler"
+    assert all(r["busy_s"] > 1.25 * r["typical_s"] for r in reports)
+    assert [f["kind"] for f in s["faults"]] == ["rank-exit"], "the straggler itself is not a fault"
+    assert [a["nodes"] for a in s["attempt_history"]] == [["local-1", "local-2"], ["local-1", "local-3"]]
+    assert s["drained_nodes"] == [], "a straggler is left out, not drained"
+    [(message,)] = db_rows(tmp_path, "SELECT message FROM events WHERE kind = 'straggler.left-out'")
+    assert message == "leaving out local-2: it straggled in attempt 1"
+
+
+def test_straggler_restart_replaces_a_straggling_node_with_a_spare(fault_free: dict[str, Any],
+                                                                   tmp_path: Path) -> None:
+    """With [policy] straggler_restart the straggler alone is a fault: the attempt stops
+    and the next one runs on the spare, from the newest checkpoint."""
+    spec = tmp_path / "spec.toml"
+    spec.write_text(EXAMPLE.read_text().replace("[policy]\n", "[policy]\nstraggler_restart = true\n"))
+    state = tmp_path / "state"
+    proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "slow@30:3")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    [fault] = s["faults"]
+    assert fault["kind"] == "straggler" and fault["nodes"] == ["local-2"], fault
+    assert [a["nodes"] for a in s["attempt_history"]] == [["local-1", "local-2"], ["local-1", "local-3"]]
+    assert s["drained_nodes"] == []
+
+
 def test_kill_rank_then_kill_node_recover_to_the_same_model(fault_free: dict[str, Any], tmp_path: Path) -> None:
     proc = tsup("run", EXAMPLE, "--state-dir", tmp_path, "--json", "--chaos", "kill-rank@50",
                 "--chaos", "kill-node@90")

@@ -138,7 +138,7 @@ def test_metrics_ignore_duplicates_and_store_nan_as_null(store: SqlStore, tmp_pa
 
 
 def test_faults_and_nodes(store: SqlStore, tmp_path: Path) -> None:
-    number = new_run(store, tmp_path)
+    number, other = new_run(store, tmp_path), new_run(store, tmp_path)
     with store.tx() as tx:
         tx.add_fault(number, attempt=1, kind=FaultKind.NODE_LOST, ranks=(2, 3), nodes=("b",), step=9,
                      summary="gone", now=5.0)
@@ -146,6 +146,10 @@ def test_faults_and_nodes(store: SqlStore, tmp_path: Path) -> None:
         assert tx.mark_faults_recovered(number, 8.0) == 1
         [f] = tx.list_faults(number)
         assert (f.kind, f.ranks, f.nodes, f.recovered_at) == (FaultKind.NODE_LOST, (2, 3), ("b",), 8.0)
+        tx.add_fault(other, attempt=1, kind=FaultKind.HANG, ranks=(0,), nodes=("b",), step=3, summary="", now=9.0)
+        assert [(g.run_number, g.kind) for g in tx.faults_since(5.0)] == [(number, FaultKind.NODE_LOST),
+                                                                          (other, FaultKind.HANG)]
+        assert [g.run_number for g in tx.faults_since(6.0)] == [other]
         tx.put_node(Node(name="b", state=NodeState.ALLOCATED, run_number=number), 1.0)
         tx.put_node(Node(name="b", state=NodeState.DRAINED, reason="why", run_number=number), 2.0)
         assert tx.get_node("b").reason == "why"
@@ -153,3 +157,18 @@ def test_faults_and_nodes(store: SqlStore, tmp_path: Path) -> None:
         assert tx.finished_runs_holding_resources() == set()  # the drained node is not held
         tx.put_node(Node(name="c", state=NodeState.ALLOCATED, run_number=number), 2.0)
         assert tx.finished_runs_holding_resources() == {number}
+
+
+def test_a_version_3_database_gains_the_event_kind_and_fault_time_indexes(store: SqlStore) -> None:
+    store.close()
+    conn = sqlite3.connect(store.path)
+    conn.executescript("DROP INDEX events_by_run_kind; DROP INDEX faults_by_time; UPDATE schema_version SET version = 3;")
+    conn.close()
+    again = SqlStore(store.path)
+    again.open()
+    again.close()
+    conn = sqlite3.connect(store.path)
+    names = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert {"events_by_run_kind", "faults_by_time"} <= names
+    assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 4
+    conn.close()

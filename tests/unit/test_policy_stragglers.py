@@ -1,0 +1,186 @@
+"""Stragglers and lemon nodes (supervisor/policy.py), with plain values."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from supervisor.domain import (
+    AttemptOutcome,
+    AttemptState,
+    CheckpointRef,
+    DrainNode,
+    Emit,
+    FaultKind,
+    FaultRecord,
+    NodeState,
+    Policy,
+    ProcState,
+    RankObs,
+    RecordFault,
+    RunState,
+    StartAttempt,
+    StopAttempt,
+    StragglerReport,
+)
+from supervisor.policy import decide, find_stragglers
+from tests.unit.test_policy import HEALTHY3, NOW, attempt, nodes, obs, of, rank, run, view
+
+W = Policy().straggler_window
+
+
+def busy(r: int, *, seconds: float, steps: int = W, node: str | None = None) -> RankObs:
+    base = rank(r, busy_recent_s=(seconds,) * steps)
+    return replace(base, node=node) if node else base
+
+
+def straggler_events(effects: list[object]) -> list[Emit]:
+    return [e for e in of(effects, Emit) if e.kind == "straggler"]
+
+
+# --- finding them -------------------------------------------------------------------
+
+
+def test_a_rank_computing_twice_as_long_as_the_others_is_a_straggler() -> None:
+    ranks = [busy(0, seconds=0.10), busy(1, seconds=0.11), busy(2, seconds=0.10), busy(3, seconds=0.20)]
+    [s] = find_stragglers(ranks, Policy())
+    assert (s.rank, s.node, s.busy_s, s.typical_s) == (3, "n2", 0.20, 0.10)
+    assert s.slower == pytest.approx(1.0)
+
+
+def test_ranks_within_the_margin_are_not_stragglers() -> None:
+    ranks = [busy(0, seconds=0.10), busy(1, seconds=0.12), busy(2, seconds=0.124)]
+    assert find_stragglers(ranks, Policy()) == []  # 24 % slower: under the 25 % margin
+
+
+def test_the_absolute_floor_keeps_tiny_steps_from_being_judged_on_noise() -> None:
+    ranks = [busy(0, seconds=0.001), busy(1, seconds=0.003)]
+    assert find_stragglers(ranks, Policy()) == []  # 3 x slower, but only 2 ms
+    assert find_stragglers(ranks, Policy(straggler_min_s=0.001)) != []
+
+
+def test_one_slow_step_is_not_a_straggler_the_window_median_is() -> None:
+    spiky = (0.10,) * (W - 1) + (5.0,)
+    ranks = [busy(0, seconds=0.10), rank(1, busy_recent_s=spiky)]
+    assert find_stragglers(ranks, Policy()) == []
+    persistent = (0.10,) * (W // 2 - 1) + (0.30,) * (W // 2 + 1)
+    assert [s.rank for s in find_stragglers([busy(0, seconds=0.10), rank(1, busy_recent_s=persistent)],
+                                            Policy())] == [1]
+
+
+def test_ranks_without_a_full_window_are_not_judged() -> None:
+    ranks = [busy(0, seconds=0.10), busy(1, seconds=0.50, steps=W - 1)]
+    assert find_stragglers(ranks, Policy()) == []
+
+
+def test_with_two_ranks_the_slower_is_compared_with_the_faster() -> None:
+    [s] = find_stragglers([busy(0, seconds=0.10), busy(1, seconds=0.20)], Policy())
+    assert s.rank == 1
+
+
+def test_a_majority_of_slow_ranks_is_the_new_normal_not_a_crowd_of_stragglers() -> None:
+    ranks = [busy(0, seconds=0.10), busy(1, seconds=0.30), busy(2, seconds=0.30), busy(3, seconds=0.30)]
+    assert find_stragglers(ranks, Policy()) == []
+
+
+# --- acting on them -----------------------------------------------------------------
+
+
+def test_a_straggler_is_reported_once_with_its_node_and_the_run_goes_on() -> None:
+    o = obs(busy(0, seconds=0.1), busy(1, seconds=0.1), busy(2, seconds=0.1), busy(3, seconds=0.3))
+    effects = decide(view(run(), (attempt(),)), o, NOW)
+    [event] = straggler_events(effects)
+    assert event.data["rank"] == 3 and event.data["node"] == "n2" and event.data["attempt"] == 1
+    assert "rank 3 on n2 straggles" in event.message and "+200%" in event.message
+    assert not of(effects, StopAttempt) and not of(effects, RecordFault) and not of(effects, DrainNode)
+
+    said = replace(view(run(), (attempt(),)), stragglers=(StragglerReport(attempt=1, rank=3, node="n2"),))
+    assert straggler_events(decide(said, o, NOW)) == []
+
+
+def test_with_straggler_restart_and_a_free_spare_the_attempt_is_stopped() -> None:
+    r = run(policy=replace(run().policy, straggler_restart=True))
+    o = obs(busy(0, seconds=0.1), busy(1, seconds=0.1), busy(2, seconds=0.1), busy(3, seconds=0.3))
+    effects = decide(view(r, (attempt(),)), o, NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.STRAGGLER and fault.nodes == ("n2",) and fault.ranks == (3,)
+    [stop] = of(effects, StopAttempt)
+    assert stop.outcome is AttemptOutcome.FAILED and not of(effects, DrainNode)
+
+
+def test_with_straggler_restart_but_no_free_spare_the_attempt_goes_on() -> None:
+    r = run(policy=replace(run().policy, straggler_restart=True))
+    o = obs(busy(0, seconds=0.1), busy(1, seconds=0.1), busy(2, seconds=0.1), busy(3, seconds=0.3))
+    two = nodes(NodeState.ALLOCATED, NodeState.ALLOCATED)
+    effects = decide(view(r, (attempt(),), alloc=two), o, NOW)
+    assert not of(effects, StopAttempt) and not of(effects, RecordFault)
+    assert [e.kind for e in of(effects, Emit)] == ["straggler", "straggler.kept"]
+
+
+def test_the_next_attempt_leaves_a_node_that_straggled_in_the_last_one_out() -> None:
+    prev = attempt(state=AttemptState.ENDED, outcome=AttemptOutcome.FAILED, nodes=("n1", "n2"))
+    v = replace(view(run(RunState.RECOVERING), (prev,), HEALTHY3, CheckpointRef(step=40, path="/ck/40")),
+                stragglers=(StragglerReport(attempt=1, rank=3, node="n2"),))
+    effects = decide(v, None, NOW)
+    [start] = of(effects, StartAttempt)
+    assert start.nodes == ("n1", "n3")
+    assert [e.message for e in of(effects, Emit) if e.kind.startswith("straggler")] == [
+        "leaving out n2: it straggled in attempt 1"]
+
+
+def test_a_straggling_node_is_still_used_when_no_other_node_is_free() -> None:
+    prev = attempt(state=AttemptState.ENDED, outcome=AttemptOutcome.FAILED, nodes=("n1", "n2"))
+    two = nodes(NodeState.ALLOCATED, NodeState.ALLOCATED)
+    v = replace(view(run(RunState.RECOVERING), (prev,), two),
+                stragglers=(StragglerReport(attempt=1, rank=3, node="n2"),))
+    effects = decide(v, None, NOW)
+    assert of(effects, StartAttempt)[0].nodes == ("n1", "n2")
+    assert [e.kind for e in of(effects, Emit) if e.kind.startswith("straggler")] == ["straggler.kept"]
+
+
+def test_a_straggler_of_an_older_attempt_is_not_held_against_its_node() -> None:
+    older = attempt(1, state=AttemptState.ENDED, outcome=AttemptOutcome.FAILED, nodes=("n1", "n2"))
+    prev = attempt(2, state=AttemptState.ENDED, outcome=AttemptOutcome.FAILED, nodes=("n1", "n2"),
+                   resume_step=20)  # progress since attempt 1: no backoff
+    v = replace(view(run(RunState.RECOVERING), (older, prev)),
+                stragglers=(StragglerReport(attempt=1, rank=3, node="n2"),))
+    assert of(decide(v, None, NOW), StartAttempt)[0].nodes == ("n1", "n2")
+
+
+# --- lemons -------------------------------------------------------------------------
+
+
+def past(run_number: int, step: int, node: str = "n2", *, hours_ago: float = 1.0,
+         kind: FaultKind = FaultKind.RANK_EXIT) -> FaultRecord:
+    return FaultRecord(id=0, run_number=run_number, attempt=1, kind=kind, ranks=(3,), nodes=(node,), step=step,
+                       summary="", detected_at=NOW - hours_ago * 3600, recovered_at=None)
+
+
+def crash_of_rank_3(history: tuple[FaultRecord, ...]) -> list[object]:
+    """Rank 3 (on n2) killed by SIGKILL at step 50 of run 7, with this fault history."""
+    o = obs(rank(0), rank(1), rank(2), rank(3, ProcState.EXITED, exit_code=-9))
+    return decide(replace(view(run(), (attempt(),)), cluster_faults=history), o, NOW)
+
+
+def test_a_node_blamed_in_a_third_fault_within_the_window_is_drained_as_a_lemon() -> None:
+    effects = crash_of_rank_3((past(3, 25), past(5, 700, kind=FaultKind.HANG)))
+    [drain] = of(effects, DrainNode)
+    assert drain.node == "n2"
+    assert drain.reason == ("training-supervisor: lemon: blamed in 3 faults in 24 h (run-3 rank-exit at step 25; "
+                            "run-5 hang at step 700; now rank-exit at step 50) (run-7)")
+
+
+def test_two_faults_do_not_make_a_lemon_and_old_ones_are_forgotten() -> None:
+    assert of(crash_of_rank_3((past(3, 25),)), DrainNode) == []
+    assert of(crash_of_rank_3((past(3, 25), past(5, 700, hours_ago=25))), DrainNode) == []
+
+
+def test_a_fault_repeating_at_one_step_of_one_run_counts_once() -> None:
+    """A crash loop follows the step, not the node: it makes no lemon."""
+    assert of(crash_of_rank_3((past(7, 50), past(7, 50))), DrainNode) == []
+    assert of(crash_of_rank_3((past(7, 50), past(7, 30), past(7, 40))), DrainNode) != []
+
+
+def test_faults_of_other_nodes_do_not_count() -> None:
+    assert of(crash_of_rank_3((past(3, 25, node="n1"), past(5, 700, node="n3"))), DrainNode) == []
