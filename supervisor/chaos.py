@@ -17,6 +17,8 @@ in every attempt of the run:
     nan@60            the loss of step 60 turns NaN (and with it the model), once per run
     spike@60:30       the data of steps 60 to 89 is bad: their loss is 8 x higher, in every
                       attempt that reads that data (until the supervisor skips it)
+    device@50[:RANK]  rank RANK's accelerator fails after step 50 (the trainer exits with
+                      code 4, "device fault"), once per run
     slow@40[:RANK]    from step 40 on, the node of rank RANK (default 0) computes at half
                       speed for the rest of the run: a straggler
 
@@ -43,11 +45,12 @@ from supervisor.telemetry import TelemetryView
 
 log = logging.getLogger(__name__)
 
-_KINDS = "kill-rank|kill-node|freeze-node|hang-rank|crash|nan|spike|slow"
+_KINDS = "kill-rank|kill-node|freeze-node|hang-rank|crash|nan|spike|slow|device"
 _SYNTAX = re.compile(rf"^({_KINDS})@([0-9]+)(?::([0-9]+))?$")
-ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "hang-rank", "crash", "nan", "spike", "slow"]
+ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "hang-rank", "crash", "nan", "spike", "slow",
+                    "device"]
 # Injected by the trainer itself, not by signals from outside.
-TRAINER_KINDS = frozenset({"crash", "nan", "spike", "slow"})
+TRAINER_KINDS = frozenset({"crash", "nan", "spike", "slow", "device"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,7 +69,7 @@ def parse_chaos(text: str) -> ChaosAction:
     if m is None:
         raise SpecError(
             f"--chaos {text!r}: expected KIND@STEP[:TARGET] with KIND kill-rank, kill-node, freeze-node, "
-            "hang-rank, crash, nan, spike or slow, "
+            "hang-rank, crash, nan, spike, slow or device, "
             "for example kill-rank@50"
         )
     kind: ChaosKind = m.group(1)  # type: ignore[assignment]

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -273,13 +273,13 @@ def scan(directory: Path, layout: str | None = None) -> list[Verdict]:
     return sorted(found, key=lambda v: (v.step, v.ok, v.path.name), reverse=True)
 
 
-def pick(directory: Path, layout: str | None = None,
-         before_step: int | None = None) -> tuple[Verdict | None, list[Verdict]]:
+def pick(directory: Path, layout: str | None = None, before_step: int | None = None,
+         exclude: Collection[int] = ()) -> tuple[Verdict | None, list[Verdict]]:
     """The newest checkpoint that passes verification (older than ``before_step`` when
-    given), and the newer ones that failed."""
+    given, and not at a step in ``exclude``), and the newer ones that failed."""
     rejected: list[Verdict] = []
     for v in scan(directory, layout):
-        if before_step is not None and v.step >= before_step:
+        if (before_step is not None and v.step >= before_step) or v.step in exclude:
             continue
         if v.ok:
             return v, rejected

@@ -64,6 +64,8 @@ class FaultKind(StrEnum):
     SPIKE = "spike"  # loss or grad norm far above its running level for several steps
     NO_RESULT = "no-result"  # every rank exited 0 but the trainer wrote no result
     LAUNCH = "launch"  # the launcher could not start the attempt
+    DEVICE = "device"  # a rank exited with code 4: its accelerator failed
+    CHECKPOINT = "checkpoint"  # a rank exited with code 3: the checkpoint it resumed from is unreadable
     STRAGGLER = "straggler"  # a rank far slower than the others (acted on only with straggler_restart)
 
 

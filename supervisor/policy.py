@@ -43,8 +43,16 @@ Attribution rules (what a fault blames):
   its network, found in seconds rather than after Slurm's SlurmdTimeout;
 - a rank the launcher cannot see (UNKNOWN: a Slurm step's rank) is dead when its last
   will arrived or it reported a failed exit, and gone when it reported any exit;
+- a rank that exited with code 4 (its device failed) gets its node drained with the
+  trainer's words; code 3 (the checkpoint it resumed from is unreadable) blames the
+  checkpoint, never resumed from again, and no node;
 - otherwise the fault blames the ranks that died first: those killed by a signal or
-  gone without a report; failing that, the earliest self-reported exit.
+  gone without a report; failing that, the earliest self-reported exit;
+- a node blamed in ``lemon_faults`` distinct faults (of any run) within
+  ``lemon_window_s`` is a lemon, and drained;
+- a straggler (a rank whose own compute per step stays above the typical rank's) is
+  reported, not acted on: its node is left out of the next attempt when another held
+  node can take its place, and only ``straggler_restart`` makes it a fault.
 """
 
 from __future__ import annotations
@@ -95,9 +103,11 @@ from supervisor.domain import (
     run_id_of,
 )
 
-# Trainer exit codes with a meaning (trainer/README.md): 2 = configuration or usage
-# error, which a restart cannot fix.
-EXIT_DO_NOT_RETRY = frozenset({2})
+# Trainer exit codes with a meaning (trainer/README.md, trainer/errors.py). Any other
+# failure is retried from the newest checkpoint.
+EXIT_DO_NOT_RETRY = frozenset({2})  # configuration or usage error: a restart cannot fix it -> FAILED
+EXIT_CHECKPOINT_UNREADABLE = 3  # resume from the checkpoint before the one that failed to load
+EXIT_DEVICE_FAULT = 4  # the rank's accelerator failed: drain its node, restart on a spare
 
 _ACTIVE = frozenset({RunState.PENDING, RunState.STARTING, RunState.RUNNING, RunState.RECOVERING})
 _LAUNCHABLE = frozenset({RunState.PENDING, RunState.STARTING, RunState.RECOVERING})
@@ -491,6 +501,26 @@ def _attribute(
         )
         return record, drains, do_not_retry
 
+    broken = [r for r in dead if _exit_code(r) == EXIT_DEVICE_FAULT]
+    if broken:  # the trainer's own word that a device failed: evidence enough to drain
+        nodes = sorted({r.node for r in broken if r.node in held})
+        drains = []
+        for n in nodes:
+            words = "; ".join(r.reported_reason for r in broken if r.node == n) or "exit code 4"
+            reason = f"training-supervisor: device fault reported by the trainer: {words} ({where})"
+            drains.append((n, reason[:500]))
+        summary = "device fault (exit code 4): " + "; ".join(_describe_exit(r) for r in broken)
+        record = RecordFault(kind=FaultKind.DEVICE, attempt=live.number, ranks=tuple(r.rank for r in broken),
+                             nodes=tuple(nodes), summary=summary, step=step)
+        return record, drains, False
+    unreadable = [r for r in dead if _exit_code(r) == EXIT_CHECKPOINT_UNREADABLE]
+    if unreadable and live.resume_from is not None:
+        summary = (f"the checkpoint at step {live.resume_step} cannot be read "
+                   f"({_describe_exit(unreadable[0])}): resuming from an older one")
+        record = RecordFault(kind=FaultKind.CHECKPOINT, attempt=live.number, nodes=(), summary=summary,
+                             ranks=tuple(r.rank for r in unreadable), step=live.resume_step)
+        return record, [], False
+
     first = [r for r in dead if _vanished_abruptly(r) or (_exit_code(r) or 0) < 0]
     if first:  # of those killed, the ones seen dead first
         def seen(r: RankObs) -> float:
@@ -865,6 +895,12 @@ def skip_window(recent: tuple[StepSample, ...], from_step: int, steps: int) -> t
 
 
 _ROLLBACK_KINDS = frozenset({FaultKind.NONFINITE, FaultKind.SPIKE})
+
+
+def unreadable_checkpoints(faults: Iterable[FaultRecord]) -> frozenset[int]:
+    """Steps of the run's checkpoints that a trainer could not read (exit code 3): never
+    resumed from again, though their markers say complete."""
+    return frozenset(f.step for f in faults if f.kind is FaultKind.CHECKPOINT)
 
 
 def resume_before(attempts: Iterable[Attempt], faults: Iterable[FaultRecord]) -> int | None:

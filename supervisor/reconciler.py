@@ -68,7 +68,7 @@ from supervisor.domain import (
 )
 from supervisor.errors import LaunchError
 from supervisor.launchers.base import AllocationRequest, Grant, Launcher, LaunchSpec
-from supervisor.policy import decide, resume_before, transient_spikes
+from supervisor.policy import decide, resume_before, transient_spikes, unreadable_checkpoints
 from supervisor.spec import RunSpec, spec_from_json
 from supervisor.store import SqlStore, Tx
 from supervisor.telemetry import Received, TelemetryView
@@ -204,7 +204,8 @@ class Reconciler:
         # and a run that wants one (or a command that may make it want one).
         may_launch = bool(commands) or run.state in (RunState.PENDING, RunState.STARTING, RunState.RECOVERING)
         if may_launch and (live is None or live.state is not AttemptState.RUNNING):
-            newest = self._newest_checkpoint(run, spec, run_dir, now, resume_before(attempts, faults))
+            newest = self._newest_checkpoint(run, spec, run_dir, now, resume_before(attempts, faults),
+                                             unreadable_checkpoints(faults))
         view = RunView(run=run, attempts=attempts, allocation=allocation, newest_checkpoint=newest,
                        commands=tuple(commands), open_faults=open_faults, faults=faults,
                        probing=self._probing(run.number),
@@ -236,9 +237,10 @@ class Reconciler:
                             {"attempt": attempt, "step": spike.step, "steps": spike.steps})
 
     def _newest_checkpoint(self, run: Run, spec: RunSpec, run_dir: Path, now: float,
-                           before_step: int | None = None) -> CheckpointRef | None:
+                           before_step: int | None = None, exclude: frozenset[int] = frozenset(),
+                           ) -> CheckpointRef | None:
         newest, rejected = checkpoint_scan.pick(trainer_cmd.checkpoint_dir(spec, run_dir),
-                                                trainer_cmd.checkpoint_layout(spec), before_step)
+                                                trainer_cmd.checkpoint_layout(spec), before_step, exclude)
         with self.store.tx() as tx:
             for v in rejected:
                 if tx.record_checkpoint(run.number, step=v.step, path=str(v.path), complete=False,

@@ -18,12 +18,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from trainer import checkpoint_layout as layout
 from trainer import distributed
+from trainer.errors import CheckpointUnreadable
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +57,24 @@ def save(root: Path, meta: layout.TrainerMeta, model: nn.Module,
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Restore model and optimizer state in place from a complete checkpoint."""
+    """Restore model and optimizer state in place from a complete checkpoint.
+
+    Raises CheckpointUnreadable when a shard cannot be read (truncated, corrupt, gone):
+    DCP gathers every rank's read errors, so all ranks raise it together."""
+    try:
+        _load(path, model, optimizer)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointUnreadable(f"{path}: {type(e).__name__}: {_reason(e)}") from e
+
+
+def _reason(e: BaseException) -> str:
+    """DCP's errors carry every rank's traceback; the reason is the last line of the first."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line.split(":")[0]]
+    return (errors[0] if errors else lines[0] if lines else "")[:500]
+
+
+def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     # get_state_dict gives the sharded tensors to load into (and creates the optimizer
     # state entries that a fresh AdamW does not have yet, by a zero-lr step).
     model_state, optim_state = get_state_dict(model, optimizer)

@@ -4,14 +4,20 @@
 
     Exception
     └── TrainerError              exit 1: unexpected; the supervisor may retry
-        └── DoNotRetry            exit 2: retrying the same command cannot help
-            ├── ConfigError       a bad config file, key or value (also a ValueError)
-            ├── UsageError        bad command line or launcher environment
-            ├── CheckpointMismatch a checkpoint written by another world size or model
-            └── DataError         a token file that is missing, empty or out of vocab range
+        ├── DoNotRetry            exit 2: retrying the same command cannot help
+        │   ├── ConfigError       a bad config file, key or value (also a ValueError)
+        │   ├── UsageError        bad command line or launcher environment
+        │   ├── CheckpointMismatch a checkpoint written by another world size or model
+        │   └── DataError         a token file that is missing, empty or out of vocab range
+        ├── CheckpointUnreadable  exit 3: the checkpoint to resume from cannot be read
+        │                         (a truncated or corrupt shard): resume from an older one
+        └── DeviceFault           exit 4: this rank's accelerator failed (an uncorrectable
+                                  ECC error, a Neuron hardware error): drain its node
 
-Any other exception also exits 1. The table lives here so that ``__main__`` (the
-process exit status) and ``telemetry`` (the ``Exit`` message) agree on it.
+Any other exception exits 1, unless its message carries a device failure's signature
+(``DEVICE_SIGNATURES``): then 4. The table lives here so that ``__main__`` (the process
+exit status) and ``telemetry`` (the ``Exit`` message) agree on it; trainer/README.md
+says what the supervisor does with each code.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_UNEXPECTED = 1  # a traceback is on stderr; the supervisor may retry
 EXIT_DO_NOT_RETRY = 2  # configuration or usage error; retrying cannot help
+EXIT_CHECKPOINT_UNREADABLE = 3  # the checkpoint to resume from is corrupt: resume from an older one
+EXIT_DEVICE_FAULT = 4  # this rank's device failed: its node must not be used again before repair
 EXIT_INTERRUPTED = 130  # SIGINT / KeyboardInterrupt, the shell convention 128 + 2
 
 
@@ -62,6 +70,30 @@ class DataError(DoNotRetry):
     """The training data cannot be used (missing file, too short, token ids >= vocab)."""
 
 
+class CheckpointUnreadable(TrainerError):
+    """The checkpoint to resume from is complete by its marker but cannot be read."""
+
+    exit_code = EXIT_CHECKPOINT_UNREADABLE
+
+
+class DeviceFault(TrainerError):
+    """The rank's accelerator reported a hardware failure."""
+
+    exit_code = EXIT_DEVICE_FAULT
+
+
+# Words in an error message that only a failing device produces: CUDA's
+# cudaErrorECCUncorrectable, and the Neuron runtime's hardware-error statuses
+# (NRT 1201-1203 and 1205).
+DEVICE_SIGNATURES = (
+    "uncorrectable ECC error",
+    "NRT_EXEC_HW_ERR_HBM_UE",
+    "NRT_EXEC_HW_ERR_NC_UE",
+    "NRT_EXEC_HW_ERR_DMA_ABORT",
+    "NRT_EXEC_HW_ERR_REPAIRABLE_HBM_UE",
+)
+
+
 def exit_code_for(exc: BaseException) -> int:
     """The process exit status that a run ending with ``exc`` should have."""
     if isinstance(exc, TrainerError):
@@ -73,4 +105,6 @@ def exit_code_for(exc: BaseException) -> int:
         if code is None:
             return EXIT_OK
         return code if isinstance(code, int) else EXIT_UNEXPECTED
+    if any(s in str(exc) for s in DEVICE_SIGNATURES):
+        return EXIT_DEVICE_FAULT
     return EXIT_UNEXPECTED

@@ -15,6 +15,9 @@ after its checkpoint, if one was due):
                    (60-1) x B up to (89) x B for global batch B) is bad: its loss is scaled
                    by SPIKE_FACTOR before the backward pass, every time that data is read,
                    in every attempt. Skipping that data window is the only cure
+    device@50:1    rank 1's accelerator fails after step 50: it raises DeviceFault (exit
+                   code 4). Once per run (a marker in ``TSUP_FAULT_STATE``): the device is
+                   broken, not the step, so a rerun of step 50 on another node is clean
     slow@40:1      from step 40 on, the node of rank 1 computes at half speed: each of
                    its ranks burns as much CPU again as its step took (SLOW_FACTOR), a
                    straggler. The node stays slow for the rest of the run (a marker in
@@ -34,10 +37,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.errors import UsageError
+from trainer.errors import DeviceFault, UsageError
 
-_ACTIONS = ("hang", "crash", "nan", "spike", "slow")
+_ACTIONS = ("hang", "crash", "nan", "spike", "slow", "device")
 SPIKE_FACTOR = 8.0
+_AFTER_STEP = ("crash", "hang", "device")  # the actions after_step takes
 SLOW_FACTOR = 2.0
 _SLOW_MARKER = "slow-node"
 
@@ -119,10 +123,15 @@ class FaultPlan:
     def after_step(self, step: int, rank: int) -> None:
         """Act on the faults planned for this step and rank (may never return)."""
         for fault in self.faults:
-            if fault.step != step or fault.rank not in (None, rank) or fault.action not in ("crash", "hang"):
+            if fault.step != step or fault.rank not in (None, rank) or fault.action not in _AFTER_STEP:
                 continue
             if fault.action == "crash":
                 raise InjectedFault(f"injected crash after step {step} on rank {rank}")
+            if fault.action == "device":
+                if self.state_dir is None or _claim(self.state_dir / f"device@{step}", str(rank)):
+                    raise DeviceFault(f"injected: CUDA error: uncorrectable ECC error encountered "
+                                      f"after step {step} on rank {rank}")
+                continue
             while True:  # hang: the training thread sleeps, the heartbeat thread goes on
                 time.sleep(3600)
 

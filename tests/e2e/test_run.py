@@ -157,6 +157,22 @@ def test_straggler_restart_replaces_a_straggling_node_with_a_spare(fault_free: d
     assert s["drained_nodes"] == []
 
 
+def test_a_device_fault_reported_by_the_trainer_drains_its_node(fault_free: dict[str, Any], tmp_path: Path) -> None:
+    """device@50:3: rank 3's accelerator fails (the trainer exits with code 4): its node
+    is drained with the trainer's words, and the spare takes its place."""
+    proc = tsup("run", EXAMPLE, "--state-dir", tmp_path, "--json", "--chaos", "device@50:3")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    [fault] = s["faults"]
+    assert (fault["kind"], fault["nodes"], fault["ranks"]) == ("device", ["local-2"], [3])
+    assert s["drained_nodes"] == ["local-2"]
+    [(reason,)] = db_rows(tmp_path, "SELECT reason FROM nodes WHERE state = 'DRAINED'")
+    assert reason.startswith("training-supervisor: device fault reported by the trainer: DeviceFault: "
+                             "injected: CUDA error: uncorrectable ECC error encountered after step 50 on rank 3")
+    assert [a["nodes"] for a in s["attempt_history"]] == [["local-1", "local-2"], ["local-1", "local-3"]]
+
+
 def test_kill_rank_then_kill_node_recover_to_the_same_model(fault_free: dict[str, Any], tmp_path: Path) -> None:
     proc = tsup("run", EXAMPLE, "--state-dir", tmp_path, "--json", "--chaos", "kill-rank@50",
                 "--chaos", "kill-node@90")

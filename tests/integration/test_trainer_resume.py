@@ -340,6 +340,25 @@ def test_resume_with_another_world_size_is_refused(scenario: Scenario) -> None:
     assert exits[0].exit_code == 2 and "CheckpointMismatch" in exits[0].reason
 
 
+def test_resume_from_a_truncated_shard_exits_3_checkpoint_unreadable(scenario: Scenario, tmp_path: Path) -> None:
+    """A checkpoint complete by its marker whose shard was cut short (a disk that lied, a
+    half-copied directory): the trainer says so with exit code 3, so that the supervisor
+    resumes from an older checkpoint instead of retrying this one."""
+    import shutil
+    broken = tmp_path / "step_00000020"
+    shutil.copytree(scenario.killed_dir / "ckpt" / "step_00000020", broken)
+    assert is_complete(broken)
+    for shard in broken.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    attempt = launch(scenario.killed_dir / "config.toml", world=WORLD, broker_port=scenario.broker_port,
+                     run="truncated", resume=str(broken))
+    codes = attempt.wait()
+    assert codes == [3, 3], attempt.log()
+    assert "CheckpointUnreadable" in attempt.log() and str(broken) in attempt.log()
+    exits = wait_for(lambda: scenario.subscriber.of("truncated", protocol.Exit), "the Exit message", timeout_s=10)
+    assert {e.exit_code for e in exits} == {3}
+
+
 class CuttableProxy:
     """A TCP forwarder to the broker whose connections the test can cut, like a network
     fault: the broker sees the connection die (and publishes the will) while the test's

@@ -520,3 +520,11 @@ def test_a_bound_picks_the_newest_complete_checkpoint_before_it(tmp_path: Path) 
     best, _ = pick(tmp_path, before_step=60)
     assert best is not None and best.step == 40
     assert pick(tmp_path, before_step=20)[0] is None
+
+
+def test_pick_skips_checkpoints_a_trainer_could_not_read(tmp_path: Path) -> None:
+    for step in (20, 40, 60):
+        make(tmp_path, step)
+    best, rejected = pick(tmp_path, exclude={60})
+    assert best is not None and best.step == 40 and rejected == []
+    assert pick(tmp_path, before_step=40, exclude={20})[0] is None

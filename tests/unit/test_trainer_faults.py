@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.errors import UsageError
-from trainer.faults import Fault, FaultPlan, InjectedFault
+from trainer.errors import EXIT_DEVICE_FAULT, DeviceFault, UsageError, exit_code_for
+from trainer.faults import SLOW_FACTOR, Fault, FaultPlan, InjectedFault
 
 
 def test_parse() -> None:
@@ -32,3 +32,35 @@ def test_nan_poisons_its_step_once_per_run(tmp_path) -> None:  # type: ignore[no
     assert not plan.poisons(60), "a second rank, or the rerun of step 60 in the next attempt"
     plan.after_step(60, rank=0)  # not an after-step fault: nothing happens
     assert FaultPlan.parse("nan@60").poisons(60) and FaultPlan.parse("nan@60").poisons(60)  # no marker dir
+
+
+def test_slow_turns_the_node_of_its_rank_slow_for_the_rest_of_the_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = {"TSUP_FAULT": "slow@40:1", "TSUP_FAULT_STATE": str(tmp_path / "fired")}
+    plan = FaultPlan.from_env(env)
+    assert plan.slowdown(39, rank=1, node="b") == 1.0
+    assert plan.slowdown(40, rank=0, node="a") == 1.0
+    assert plan.slowdown(40, rank=1, node="b") == SLOW_FACTOR
+    assert plan.slowdown(41, rank=2, node="b") == SLOW_FACTOR, "another rank of the slow node"
+    # the next attempt: rank 1 now runs on node c, node b holds ranks 2 and 3
+    again = FaultPlan.from_env(env)
+    assert again.slowdown(50, rank=1, node="c") == 1.0
+    assert again.slowdown(1, rank=3, node="b") == SLOW_FACTOR
+
+
+def test_device_fails_once_with_exit_code_4(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    plan = FaultPlan.from_env({"TSUP_FAULT": "device@50:1", "TSUP_FAULT_STATE": str(tmp_path / "fired")})
+    plan.after_step(50, rank=0)
+    with pytest.raises(DeviceFault, match="uncorrectable ECC error") as caught:
+        plan.after_step(50, rank=1)
+    assert exit_code_for(caught.value) == EXIT_DEVICE_FAULT == 4
+    plan.after_step(50, rank=1)  # the rerun of step 50 on a repaired (or another) node
+
+
+@pytest.mark.parametrize(("error", "code"), [
+    (RuntimeError("CUDA error: uncorrectable ECC error encountered"), 4),
+    (RuntimeError("nrt_execute failed: NRT_EXEC_HW_ERR_HBM_UE (1201)"), 4),
+    (RuntimeError("CUDA error: out of memory"), 1),
+    (ValueError("boom"), 1),
+])
+def test_exit_codes_of_errors_with_and_without_a_device_signature(error: Exception, code: int) -> None:
+    assert exit_code_for(error) == code

@@ -1,4 +1,4 @@
-"""Stragglers and lemon nodes (supervisor/policy.py), with plain values."""
+"""Stragglers, lemon nodes and the trainer exit codes with a meaning (supervisor/policy.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from supervisor.domain import (
     StopAttempt,
     StragglerReport,
 )
-from supervisor.policy import decide, find_stragglers
+from supervisor.policy import decide, find_stragglers, unreadable_checkpoints
 from tests.unit.test_policy import HEALTHY3, NOW, attempt, nodes, obs, of, rank, run, view
 
 W = Policy().straggler_window
@@ -184,3 +184,40 @@ def test_a_fault_repeating_at_one_step_of_one_run_counts_once() -> None:
 
 def test_faults_of_other_nodes_do_not_count() -> None:
     assert of(crash_of_rank_3((past(3, 25, node="n1"), past(5, 700, node="n3"))), DrainNode) == []
+
+
+# --- exit codes with a meaning ------------------------------------------------------
+
+
+def test_exit_code_4_is_a_device_fault_that_drains_the_ranks_node() -> None:
+    o = obs(rank(0), rank(1), rank(2, ProcState.EXITED, exit_code=1),
+            rank(3, ProcState.EXITED, exit_code=4, reported_exit_code=4,
+                 reported_reason="DeviceFault: CUDA error: uncorrectable ECC error encountered"))
+    effects = decide(view(run(), (attempt(),)), o, NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.DEVICE and fault.ranks == (3,) and fault.nodes == ("n2",)
+    [drain] = of(effects, DrainNode)
+    assert drain.node == "n2" and drain.reason == (
+        "training-supervisor: device fault reported by the trainer: DeviceFault: CUDA error: uncorrectable "
+        "ECC error encountered (run-7, attempt 1, step 50)")
+    assert of(effects, StopAttempt)[0].outcome is AttemptOutcome.FAILED
+
+
+def test_exit_code_3_blames_the_checkpoint_not_a_node_and_it_is_never_used_again() -> None:
+    live = attempt(resume_from="/ck/step_00000060", resume_step=60)
+    o = obs(*(rank(i, ProcState.EXITED, exit_code=3, reported_exit_code=3,
+                   reported_reason="CheckpointUnreadable: ...") for i in range(4)))
+    effects = decide(view(run(), (live,)), o, NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.CHECKPOINT and fault.step == 60 and fault.nodes == ()
+    assert "the checkpoint at step 60 cannot be read" in fault.summary
+    assert not of(effects, DrainNode)
+    recorded = FaultRecord(id=1, run_number=7, attempt=1, kind=fault.kind, ranks=fault.ranks, nodes=(),
+                           step=60, summary="", detected_at=NOW, recovered_at=None)
+    assert unreadable_checkpoints([recorded]) == {60}
+
+
+def test_exit_code_3_of_a_fresh_start_is_an_ordinary_rank_exit() -> None:
+    o = obs(rank(0), rank(1), rank(2), rank(3, ProcState.EXITED, exit_code=3))
+    [fault] = of(decide(view(run(), (attempt(),)), o, NOW), RecordFault)
+    assert fault.kind is FaultKind.RANK_EXIT
