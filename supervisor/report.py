@@ -39,6 +39,11 @@ def run_detail(d: RunDetail) -> str:
                      f"{f.summary}; {rec}")
     if d.drained_nodes:
         lines.append(f"  drained:  {', '.join(d.drained_nodes)}")
+    for s in d.stragglers:
+        lines.append(f"  straggler: rank {s.rank} on {s.node} in attempt {s.attempt}: {s.busy_s:.3f} s of "
+                     f"compute per step against {s.typical_s:.3f} s typical")
+    if d.transient_spikes:
+        lines.append(f"  transient spikes: {d.transient_spikes} (reported, not acted on)")
     complete = [c for c in d.checkpoints if c.complete]
     if complete:
         lines.append(f"  checkpoints: {len(complete)} complete, newest at step {complete[-1].step}")

@@ -25,6 +25,7 @@ from supervisor.views import (
     ProbeView,
     RunDetail,
     RunSummary,
+    StragglerView,
     attempt_view,
     checkpoint_view,
     event_view,
@@ -107,6 +108,9 @@ class SupervisorService:
             drained = [n.name for n in tx.allocation(number) if n.state is NodeState.DRAINED]
             latest = tx.latest_metric(number)
             injected = tx.list_events(number, limit=10_000, kind="chaos.injected")
+            stragglers = [StragglerView.model_validate({k: e.data.get(k) for k in StragglerView.model_fields})
+                          for e in tx.list_events(number, limit=10_000, kind="straggler")]
+            transient_spikes = tx.count_events(number, "spike.transient")
         g = goodput.account(run, attempts, metrics, faults, checkpoints, now)
         summary = run_summary(run, attempts, latest)
         return RunDetail(
@@ -116,6 +120,7 @@ class SupervisorService:
             faults=[fault_view(f, _injected_at(f.attempt, f.detected_at, injected)) for f in faults],
             checkpoints=[checkpoint_view(c) for c in checkpoints],
             goodput=goodput_view(g), drained_nodes=drained, ettr=g.ettr,
+            stragglers=stragglers, transient_spikes=transient_spikes,
         )
 
     def events(self, run_id: str | None, after_id: int = 0, limit: int = 1000) -> list[EventView]:

@@ -420,6 +420,11 @@ class Tx:
             q = q.where(t.events.c.kind == kind)
         return [_event(r) for r in self.c.execute(q)]
 
+    def count_events(self, run_number: int, kind: str) -> int:
+        q = select(func.count()).select_from(t.events).where(t.events.c.run_number == run_number,
+                                                              t.events.c.kind == kind)
+        return int(self.c.execute(q).scalar_one())
+
     def unpublished_events(self, limit: int = 100) -> list[EventRecord]:
         q = (
             select(t.events)

@@ -75,6 +75,16 @@ class GoodputView(BaseModel):
     lost_steps: int
 
 
+class StragglerView(BaseModel):
+    """A rank reported straggling (the ``straggler`` event's data)."""
+
+    attempt: int
+    rank: int
+    node: str
+    busy_s: float  # its median compute per step over the window
+    typical_s: float  # the typical rank's
+
+
 class RunDetail(RunSummary):
     model_digest: str | None
     final_step: int | None
@@ -88,6 +98,8 @@ class RunDetail(RunSummary):
     goodput: GoodputView
     drained_nodes: list[str]
     ettr: float | None
+    stragglers: list[StragglerView]
+    transient_spikes: int  # loss or grad-norm spikes too short to act on (counted, not acted on)
 
 
 class EventView(BaseModel):

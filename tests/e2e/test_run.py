@@ -29,6 +29,7 @@ def test_fault_free_run_succeeds_with_a_digest(fault_free: dict[str, Any]) -> No
     assert re.fullmatch(r"[0-9a-f]{64}", s["model_digest"])
     assert 0 < s["ettr"] <= 1
     assert s["goodput"]["kept_steps"] == 120 and s["goodput"]["lost_steps"] == 0
+    assert s["stragglers"] == [], "ranks of equal speed are never stragglers"
 
 
 def test_a_frozen_node_is_found_by_its_silence_and_replaced(fault_free: dict[str, Any], tmp_path: Path) -> None:
@@ -133,6 +134,7 @@ def test_a_straggling_node_is_reported_and_left_out_at_the_next_restart(fault_fr
     assert {r["node"] for r in reports} == {"local-2"} and 3 in {r["rank"] for r in reports}, reports
     assert {r["attempt"] for r in reports} == {1}, "attempt 2 runs without the slow node: no straggler"
     assert all(r["busy_s"] > 1.25 * r["typical_s"] for r in reports)
+    assert [(x["attempt"], x["node"]) for x in s["stragglers"]] == [(1, r["node"]) for r in reports]
     assert [f["kind"] for f in s["faults"]] == ["rank-exit"], "the straggler itself is not a fault"
     assert [a["nodes"] for a in s["attempt_history"]] == [["local-1", "local-2"], ["local-1", "local-3"]]
     assert s["drained_nodes"] == [], "a straggler is left out, not drained"
