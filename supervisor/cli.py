@@ -19,16 +19,18 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from supervisor import planning, report, trainer_cmd
+from pydantic import ValidationError
+
+from supervisor import logs, planning, report, trainer_cmd
 from supervisor.chaos import TRAINER_KINDS, ChaosAction, ChaosMonkey, parse_chaos
+from supervisor.config import ServiceConfig, load_service_config, parse_bind
 from supervisor.daemon import Daemon, DaemonSettings
 from supervisor.domain import TERMINAL_RUN_STATES, CommandKind
 from supervisor.errors import SpecError, StateDirLocked, SupervisorError
 from supervisor.spec import load_spec
-from trainer.protocol import parse_mqtt_url
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -94,33 +96,34 @@ def _parser() -> argparse.ArgumentParser:
                              "nodes)")
     advise.add_argument("--json", action="store_true", help="print one JSON object")
 
-    serve = sub.add_parser("serve", help="run the daemon until SIGTERM")
+    serve = sub.add_parser(
+        "serve", help="run the daemon until SIGTERM",
+        description="Settings come from --config (or TSUP_CONFIG), then TSUP_<KEY> environment "
+                    "variables, then these flags, each overriding the one before (supervisor/config.py).")
+    serve.add_argument("--config", type=Path, default=None, metavar="FILE",
+                       help="the daemon's TOML config (default: TSUP_CONFIG, else none)")
     serve.add_argument("--state-dir", type=Path, default=None,
                        help=f"SQLite, checkpoints and logs (default {default_state_dir()})")
-    serve.add_argument("--api-bind", default="127.0.0.1:8470", metavar="HOST:PORT",
+    serve.add_argument("--api-bind", default=None, metavar="HOST:PORT",
                        help="where the API listens (default 127.0.0.1:8470)")
     serve.add_argument("--mqtt-url", default=None,
                        help="an external MQTT broker, mqtt://HOST:PORT (default: an embedded one)")
     serve.add_argument("--no-api", action="store_true", help="do not serve the API")
-    serve.add_argument("--launcher", choices=("local", "slurm"), default="local",
-                       help="where runs go: simulated local nodes, or the Slurm cluster SLURM_CONF names")
-    serve.add_argument("--sweep-every", type=float, default=900.0, metavar="SECONDS",
+    serve.add_argument("--launcher", choices=("local", "slurm"), default=None,
+                       help="where runs go: simulated local nodes (default), or the Slurm cluster "
+                            "SLURM_CONF names")
+    serve.add_argument("--sweep-every", type=float, default=None, metavar="SECONDS",
                        help="probe idle nodes and the nodes this supervisor drained this often "
                             "(default 900; 0: never)")
-    serve.add_argument("--sweep-args", default="", metavar="ARGS",
+    serve.add_argument("--sweep-args", default=None, metavar="ARGS",
                        help="extra arguments to the sweep's python -m health, "
                             "e.g. '--instance-type trn1.32xlarge'")
-    serve.add_argument("--return-after", type=int, default=0, metavar="N",
+    serve.add_argument("--return-after", type=int, default=None, metavar="N",
                        help="return a node this supervisor drained to service after N clean sweep probes "
                             "in a row (default 0: never, an operator does)")
+    serve.add_argument("--log-format", choices=("text", "json"), default=None,
+                       help="text (default) or json: one object per line, for journald and log shippers")
     return parser
-
-
-def _parse_bind(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise SpecError(f"--api-bind {text!r}: expected HOST:PORT, for example 127.0.0.1:8470")
-    return host.strip("[]"), int(port)
 
 
 # --- advise -------------------------------------------------------------------------
@@ -150,24 +153,48 @@ def _advise(args: argparse.Namespace) -> int:
 # --- serve --------------------------------------------------------------------------
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    if args.mqtt_url is not None:
+_FLAGS = {"state_dir": "--state-dir", "api_bind": "--api-bind", "mqtt_url": "--mqtt-url",
+          "launcher": "--launcher", "sweep_every_s": "--sweep-every", "sweep_args": "--sweep-args",
+          "return_after": "--return-after", "log_format": "--log-format"}
+
+
+def serve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[DaemonSettings, str]:
+    """The daemon's settings: the config file, the environment, then the flags. Also the
+    log format."""
+    path = args.config or (Path(environ["TSUP_CONFIG"]) if environ.get("TSUP_CONFIG") else None)
+    config = load_service_config(path, environ)
+    flags: dict[str, object] = {
+        "state_dir": args.state_dir, "api_bind": args.api_bind, "mqtt_url": args.mqtt_url,
+        "launcher": args.launcher, "sweep_every_s": args.sweep_every, "return_after": args.return_after,
+        "log_format": args.log_format,
+    }
+    if args.sweep_args is not None:
         try:
-            parse_mqtt_url(args.mqtt_url)
+            flags["sweep_args"] = shlex.split(args.sweep_args)
         except ValueError as e:
-            raise SpecError(f"--mqtt-url: {e}") from e
-    host, port = _parse_bind(args.api_bind)
-    if args.sweep_every < 0 or args.return_after < 0:
-        raise SpecError("--sweep-every and --return-after must not be negative")
+            raise SpecError(f"--sweep-args: {e}") from e
+    if args.no_api:
+        flags["api_bind"] = ""
     try:
-        sweep_args = tuple(shlex.split(args.sweep_args))
-    except ValueError as e:
-        raise SpecError(f"--sweep-args: {e}") from e
+        config = ServiceConfig.model_validate(
+            {**config.model_dump(), **{k: v for k, v in flags.items() if v is not None}})
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = str(err["loc"][0]) if err["loc"] else ""
+        raise SpecError(f"{_FLAGS.get(key, key)}: {err['msg'].removeprefix('Value error, ')}") from None
+    host, port = parse_bind(config.api_bind) if config.api_bind else ("127.0.0.1", None)
     settings = DaemonSettings(
-        state_dir=args.state_dir or default_state_dir(), mqtt_url=args.mqtt_url, api_host=host,
-        api_port=None if args.no_api else port, launcher=args.launcher,
-        sweep_every_s=args.sweep_every or None, sweep_args=sweep_args, return_after=args.return_after,
+        state_dir=config.state_dir or default_state_dir(), mqtt_url=config.mqtt_url, api_host=host,
+        api_port=port, launcher=config.launcher, slurm_conf=config.slurm_conf, tick_s=config.tick_s,
+        sweep_every_s=config.sweep_every_s or None, sweep_args=tuple(config.sweep_args),
+        return_after=config.return_after,
     )
+    return settings, config.log_format
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    settings, log_format = serve_settings(args, os.environ)
+    logs.configure(log_format, logging.DEBUG if args.verbose else logging.INFO)
     stop = asyncio.Event()
     _on_signals(stop.set, stop.set)
     async with Daemon(settings) as daemon:

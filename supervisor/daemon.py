@@ -6,6 +6,15 @@ broker and the API socket; ``await daemon.run(stop)`` runs the root tasks until
 ``stop`` is set or one of them dies, in which case every task stops and ``run``
 raises, so that the process exits non-zero (and systemd restarts it).
 
+Shutdown (SIGTERM sets ``stop``): the reconciler finishes the tick it is in (a tick
+never awaits, so cancelling lands between ticks) and the API stops; then the events
+still in the outbox are published within ``shutdown_flush_s``; then the MQTT link
+closes. Nothing is lost either way: an event not published stays in the outbox for the
+next start. Trainers keep running; the next daemon adopts them.
+
+Under systemd (``Type=notify``) the daemon says READY=1 after its first tick and
+WATCHDOG=1 after each tick that completes (supervisor/sdnotify.py).
+
 Root tasks, created here and nowhere else:
     reconciler   observe/decide/persist/act, every ``tick_s``
     telemetry    the MQTT link (trainer telemetry in, supervisor events out)
@@ -39,6 +48,7 @@ from supervisor.launchers.base import Launcher
 from supervisor.launchers.local import LocalLauncher
 from supervisor.launchers.slurm import SlurmLauncher
 from supervisor.reconciler import Reconciler, ReconcilerConfig
+from supervisor.sdnotify import Notifier
 from supervisor.service import SupervisorService
 from supervisor.slurm.commands import SlurmCommands
 from supervisor.store import SqlStore
@@ -53,6 +63,7 @@ EVENTS_TOPIC_ROOT = "tsup/v1/events"
 # the daemon instead of spinning: systemd restarts it and the operator sees why.
 _MAX_FAILED_TICKS = 100
 _STALLED_AFTER_S = 30.0  # /healthz answers 503 when no tick finished for this long
+_OUTBOX_BATCH = 100  # events per outbox read (Tx.unpublished_events' default)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,6 +80,7 @@ class DaemonSettings:
     sweep_every_s: float | None = None  # probe idle and drained nodes this often (None: never)
     sweep_args: tuple[str, ...] = ()  # extra arguments to the sweep's python -m health
     return_after: int = 0  # clean sweep probes in a row that return a drained node (0: never)
+    shutdown_flush_s: float = 5.0  # at most this long publishing the outbox on the way out
 
 
 def _make_launcher(settings: DaemonSettings) -> Launcher:
@@ -94,6 +106,7 @@ class Daemon:
         self.link: MqttLink | None = None
         self.reconciler: Reconciler | None = None
         self.service: SupervisorService | None = None
+        self.notifier = Notifier()
 
     async def __aenter__(self) -> Daemon:
         self.settings.state_dir.mkdir(parents=True, exist_ok=True)
@@ -164,26 +177,42 @@ class Daemon:
         }
         if self._api_socket is not None:
             roots["api"] = self._serve_api(self._api_socket)
-        tasks = [asyncio.create_task(coro, name=name) for name, coro in roots.items()]
+        tasks = {name: asyncio.create_task(coro, name=name) for name, coro in roots.items()}
         stopper = asyncio.create_task(stop.wait(), name="stop")
-        done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
-        died = [t for t in tasks if t in done]
-        for t in [*tasks, stopper]:
+        done, _ = await asyncio.wait([*tasks.values(), stopper], return_when=asyncio.FIRST_COMPLETED)
+        died = [t for t in tasks.values() if t in done]
+        self.notifier.stopping("stopping" if not died else f"root task {died[0].get_name()} stopped")
+        # First stop deciding and taking requests, then flush what was decided, then hang up.
+        first = [tasks[n] for n in ("reconciler", "api", "outbox") if n in tasks]
+        for task in first:
+            task.cancel()
+        await asyncio.gather(*first, return_exceptions=True)
+        if not died:
+            flushed = 0
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.shutdown_flush_s):
+                    flushed = await self._flush_outbox()
+            log.info("stopped: %d event(s) published on the way out", flushed)
+        for t in [*tasks.values(), stopper]:
             t.cancel()
-        await asyncio.gather(*tasks, stopper, return_exceptions=True)
+        await asyncio.gather(*tasks.values(), stopper, return_exceptions=True)
         for t in died:
             err = t.exception() if not t.cancelled() else None
             raise SupervisorError(f"root task {t.get_name()!r} stopped: {err!r}") from err
 
     async def _reconcile_forever(self) -> None:
         assert self.reconciler is not None
-        failures = 0
+        failures, ready = 0, False
         while True:
             began = time.monotonic()
             try:
                 self.reconciler.tick()
                 self._last_tick_at = time.monotonic()
                 failures = 0
+                if not ready:
+                    ready = True
+                    self.notifier.ready(f"reconciling; API {self.api_url or 'off'}, MQTT {self.mqtt_url}")
+                self.notifier.watchdog()
             except (SQLAlchemyError, StoreError, OSError) as e:
                 failures += 1
                 log.error("reconciler tick failed (%d in a row): %s", failures, e)
@@ -200,25 +229,39 @@ class Daemon:
         return DaemonHealth(ok=ok, last_tick_age_s=age, mqtt_connected=linked)
 
     async def _publish_outbox_forever(self) -> None:
-        assert self.link is not None
         while True:
             await asyncio.sleep(0.5)
-            if not self.link.connected:
-                continue
             try:
-                with self.store.tx() as tx:
-                    events = tx.unpublished_events()
-                published = []
-                for e in events:
-                    topic = f"{EVENTS_TOPIC_ROOT}/{f'run-{e.run_number}' if e.run_number else 'daemon'}"
-                    body = {"id": e.id, "ts": e.ts, "kind": e.kind, "message": e.message, "data": e.data}
-                    if not await self.link.publish(topic, json.dumps(body).encode()):
-                        break
-                    published.append(e.id)
-                with self.store.tx() as tx:
-                    tx.mark_published(published)
+                await self._publish_outbox()
             except (SQLAlchemyError, StoreError) as e:
                 log.warning("outbox: %s", e)
+
+    async def _publish_outbox(self) -> tuple[int, bool]:
+        """Publish up to a batch of recorded events: (how many, whether the outbox is empty)."""
+        assert self.link is not None
+        if not self.link.connected:
+            return 0, False
+        with self.store.tx() as tx:
+            events = tx.unpublished_events()
+        published = []
+        for e in events:
+            topic = f"{EVENTS_TOPIC_ROOT}/{f'run-{e.run_number}' if e.run_number else 'daemon'}"
+            body = {"id": e.id, "ts": e.ts, "kind": e.kind, "message": e.message, "data": e.data}
+            if not await self.link.publish(topic, json.dumps(body).encode()):
+                break
+            published.append(e.id)
+        with self.store.tx() as tx:
+            tx.mark_published(published)
+        return len(published), len(published) == len(events) and len(events) < _OUTBOX_BATCH
+
+    async def _flush_outbox(self) -> int:
+        """Publish until the outbox is empty (the caller bounds the time)."""
+        total = 0
+        while True:
+            count, empty = await self._publish_outbox()
+            total += count
+            if empty or count == 0:
+                return total
 
     async def _serve_api(self, sock: socket.socket) -> None:
         from api.app import create_app  # the API layer sits above this module

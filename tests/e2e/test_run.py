@@ -301,7 +301,7 @@ def test_bad_specs_get_a_clear_message_and_exit_2(tmp_path: Path, edit, complain
     [
         (("run", "/nonexistent/spec.toml"), "no such file"),
         (("run", str(EXAMPLE), "--chaos", "explode@5"), "--chaos 'explode@5'"),
-        (("serve", "--api-bind", "nowhere"), "--api-bind 'nowhere'"),
+        (("serve", "--api-bind", "nowhere"), "--api-bind: expected HOST:PORT, for example 127.0.0.1:8470, got 'nowhere'"),
         (("serve", "--mqtt-url", "http://x"), "--mqtt-url"),
     ],
 )

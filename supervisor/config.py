@@ -1,0 +1,121 @@
+"""The daemon's own configuration: a TOML file, environment overrides, then flags.
+
+``load_service_config(path, environ)`` reads the file (optional), applies every
+``TSUP_<KEY>`` variable of the environment on top (``TSUP_API_BIND=0.0.0.0:8470``),
+validates the result and returns a ``ServiceConfig``; the command line's flags
+override that again (``cli.py``). Every error names the key and where it came from:
+``/etc/training-supervisor/config.toml: api_bind: expected HOST:PORT, got '8470'``.
+
+    state_dir = "/var/lib/training-supervisor"   # SQLite, run directories, lock, token
+    api_bind = "127.0.0.1:8470"                  # HOST:PORT; "" for no API
+    mqtt_url = "mqtt://127.0.0.1:1883"           # absent: the embedded broker
+    launcher = "slurm"                           # or "local" (simulated nodes)
+    slurm_conf = "/etc/slurm/slurm.conf"         # absent: SLURM_CONF or Slurm's default
+    tick_s = 0.25                                # reconcile period
+    sweep_every_s = 900                          # probe idle and drained nodes; 0: never
+    sweep_args = ["--instance-type", "trn1.32xlarge"]
+    return_after = 0                             # clean sweeps that return a drained node
+    log_format = "text"                          # or "json": one object per line
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from supervisor.errors import SpecError
+from trainer.protocol import parse_mqtt_url
+
+ENV_PREFIX = "TSUP_"
+# Environment variables of the daemon that are not config keys (the trainer's, the
+# tests'): never read as overrides.
+_NOT_CONFIG = frozenset({"TSUP_CONFIG", "TSUP_API_TOKEN", "TSUP_URL"})
+
+
+class ServiceConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    state_dir: Path | None = None  # None: the user's default (cli.default_state_dir)
+    api_bind: str = "127.0.0.1:8470"
+    mqtt_url: str | None = None
+    launcher: Literal["local", "slurm"] = "local"
+    slurm_conf: str | None = None
+    tick_s: Annotated[float, Field(gt=0, le=60)] = 0.25
+    sweep_every_s: Annotated[float, Field(ge=0, le=30 * 86_400)] = 900.0
+    sweep_args: list[Annotated[str, Field(max_length=200)]] = []
+    return_after: Annotated[int, Field(ge=0, le=1000)] = 0
+    log_format: Literal["text", "json"] = "text"
+
+    @field_validator("api_bind")
+    @classmethod
+    def _bind(cls, v: str) -> str:
+        if v:
+            parse_bind(v)
+        return v
+
+    @field_validator("mqtt_url")
+    @classmethod
+    def _mqtt(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_mqtt_url(v)
+        return v
+
+
+def parse_bind(text: str) -> tuple[str, int]:
+    """'127.0.0.1:8470' -> ('127.0.0.1', 8470); '[::1]:8470' -> ('::1', 8470)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT, for example 127.0.0.1:8470, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def load_service_config(path: Path | None, environ: Mapping[str, str]) -> ServiceConfig:
+    """The file's settings with the environment's ``TSUP_<KEY>`` overrides, validated."""
+    values: dict[str, object] = {}
+    source: dict[str, str] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text())
+        except OSError as e:
+            raise SpecError(f"{path}: cannot read the config: {e.strerror}") from e
+        except tomllib.TOMLDecodeError as e:
+            raise SpecError(f"{path}: not valid TOML: {e}") from e
+        values.update(data)
+        source.update(dict.fromkeys(data, str(path)))
+    fields = ServiceConfig.model_fields
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX) or name in _NOT_CONFIG:
+            continue
+        key = name[len(ENV_PREFIX):].lower()
+        if key not in fields:
+            continue  # the trainer's TSUP_ variables share the prefix
+        values[key] = _from_env(key, text)
+        source[key] = f"environment {name}"
+    try:
+        return ServiceConfig.model_validate(values)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "(config)"
+            where = source.get(str(err["loc"][0]) if err["loc"] else "", str(path) if path else "config")
+            message = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                message = f"unknown key (known: {', '.join(sorted(fields))})"
+            problems.append(f"{where}: {key}: {message}")
+        raise SpecError("\n".join(problems)) from None
+
+
+def _from_env(key: str, text: str) -> object:
+    """An environment value in the field's shape: lists as JSON or words, the rest as text."""
+    if key == "sweep_args":
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            return text.split()
+        return parsed
+    return text
