@@ -1,16 +1,30 @@
 """`supervisorctl`: the command-line client of a running training-supervisor.
 
-    supervisorctl [--url URL] [--json] runs
-    supervisorctl status RUN            a run's state, attempts, faults, goodput
-    supervisorctl events RUN [--follow] its event log
-    supervisorctl submit SPEC.toml [--dry-run]
-    supervisorctl resume RUN | pause RUN | cancel RUN
-    supervisorctl nodes                 each node's state, drain reason and last probe
-    supervisorctl probe NODE            run the health probes on NODE now
+    supervisorctl runs [-q]                     every run (-q: ids only)
+    supervisorctl status RUN                    state, attempts, faults, checkpoints, goodput
+    supervisorctl events RUN [--follow]         its event log (--follow: live, until it ends)
+    supervisorctl submit SPEC.toml [--dry-run]  a new run
+    supervisorctl pause|resume|restart|cancel RUN
+    supervisorctl checkpoints RUN               the checkpoints it made or found
+    supervisorctl goodput RUN                   where its wall-clock time went
+    supervisorctl nodes [-q]                    every node, its state, drain reason, last probe
+    supervisorctl drain NODE --reason TEXT      take a node out of service
+    supervisorctl undrain NODE                  return it
+    supervisorctl probe NODE                    run the health probes on it now
+    supervisorctl completion bash|zsh           a shell completion script
 
-The daemon's address comes from --url, else $TSUP_URL, else http://127.0.0.1:8470.
-Exit codes: 0 ok; 1 error (daemon unreachable, request rejected); 2 usage or invalid
-input; 3 not found; 4 unauthorized (401/403, once the API requires a token).
+Every command takes --json (one JSON document; with events --follow, one object per
+line). The daemon's address: --url, else $TSUP_URL, else the config file's ``url``,
+else http://127.0.0.1:8470. Writes need the daemon's API token: --token-file, else
+$TSUP_API_TOKEN (the token itself), else $TSUP_API_TOKEN_FILE, else the config file's
+``token_file``, else the first readable of /var/lib/training-supervisor/api-token and
+the default state directory's. The config file is $TSUP_CTL_CONFIG or
+~/.config/training-supervisor/supervisorctl.toml (keys: url, token_file, ca_file; a CA
+bundle for an HTTPS daemon with its own certificate; also $TSUP_CA_FILE).
+
+Exit codes: 0 ok; 1 error (the daemon is unreachable, or refused or failed the
+command); 2 usage or invalid input; 3 not found; 4 unauthorized (no token, or not the
+daemon's).
 """
 
 from __future__ import annotations
@@ -21,31 +35,56 @@ import os
 import sys
 import time
 import tomllib
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from api.client import DEFAULT_URL, ApiError, Client
 from supervisor import report, trainer_cmd
-from supervisor.domain import TERMINAL_RUN_STATES
+from supervisor.config import default_state_dir
 from supervisor.errors import SpecError
 from supervisor.slurm import requests
 from supervisor.spec import parse_spec
-from supervisor.views import EventView, NodeView, RunDetail, RunSummary
+from supervisor.token_file import TOKEN_FILE_NAME, read_token
+from supervisor.views import CheckpointView, EventView, GoodputView, NodeView, RunDetail, RunSummary
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNAUTHORIZED = 0, 1, 2, 3, 4
 _PAGE = 1000
-_STATUS_EXIT = {404: EXIT_NOT_FOUND, 401: EXIT_UNAUTHORIZED, 403: EXIT_UNAUTHORIZED, 422: EXIT_USAGE}
+_STATUS_EXIT = {404: EXIT_NOT_FOUND, 401: EXIT_UNAUTHORIZED, 403: EXIT_UNAUTHORIZED, 413: EXIT_USAGE,
+                422: EXIT_USAGE}
+SYSTEM_TOKEN_FILE = Path("/var/lib/training-supervisor") / TOKEN_FILE_NAME
+RUN_COMMANDS = {"pause": "pause a run (its attempt stops; resume goes on from the newest checkpoint)",
+                "resume": "resume a paused or failed run",
+                "restart": "stop the live attempt and start another from the newest checkpoint",
+                "cancel": "cancel a run"}
 
 
-def main(argv: list[str] | None = None) -> int:
+class UsageError(Exception):
+    """Bad input found before asking the daemon: exit 2."""
+
+
+def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    env = os.environ if environ is None else environ
     args = _parser().parse_args(argv)
     args.json = getattr(args, "json", False)
-    client = Client(getattr(args, "url", None) or os.environ.get("TSUP_URL") or DEFAULT_URL)
+    if args.command == "completion":
+        print(completion_script(args.shell))
+        return EXIT_OK
+    try:
+        settings = _settings(args, env)
+        client = Client(settings["url"], token=settings["token"], verify=settings["verify"],
+                        token_hint=settings["token_hint"])
+    except UsageError as e:
+        print(f"supervisorctl: {e}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return int(args.handler(client, args))
     except ApiError as e:
         print(f"supervisorctl: {e.detail}", file=sys.stderr)
         return _STATUS_EXIT.get(e.status, EXIT_ERROR)
+    except UsageError as e:
+        print(f"supervisorctl: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     finally:
@@ -57,41 +96,127 @@ def _parser() -> argparse.ArgumentParser:
     # from overwriting a value given before it.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", default=argparse.SUPPRESS,
-                        help=f"the daemon's API (default $TSUP_URL or {DEFAULT_URL})")
+                        help=f"the daemon's API (default $TSUP_URL, the config's url, or {DEFAULT_URL})")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="machine-readable output")
+    common.add_argument("--token-file", type=Path, default=argparse.SUPPRESS, metavar="FILE",
+                        help="the daemon's API token (default: see supervisorctl --help)")
+    common.add_argument("--config", type=Path, default=argparse.SUPPRESS, metavar="FILE",
+                        help="supervisorctl's config (default $TSUP_CTL_CONFIG or "
+                             "~/.config/training-supervisor/supervisorctl.toml)")
     parser = argparse.ArgumentParser(prog="supervisorctl", description=__doc__.split("\n\n")[0],
-                                     parents=[common])
-    sub = parser.add_subparsers(dest="command", required=True)
+                                     epilog=__doc__.split("\n\n", 2)[2],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, parents=[common])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    sub.add_parser("runs", help="list runs", parents=[common]).set_defaults(handler=_runs)
-    p = sub.add_parser("status", help="show one run", parents=[common])
-    p.add_argument("run")
-    p.set_defaults(handler=_status)
-    p = sub.add_parser("events", help="a run's event log", parents=[common])
+    def command(name: str, text: str, handler: Callable[[Client, argparse.Namespace], int],
+                **defaults: Any) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=text, description=text, parents=[common])
+        p.set_defaults(handler=handler, **defaults)
+        return p
+
+    p = command("runs", "list runs", _runs)
+    p.add_argument("-q", "--quiet", action="store_true", help="print run ids only")
+    command("status", "show one run", _status).add_argument("run")
+    p = command("events", "a run's event log", _events)
     p.add_argument("run")
     p.add_argument("--after", type=int, default=0, help="only events after this id")
-    p.add_argument("--follow", "-f", action="store_true", help="keep printing until the run ends")
-    p.set_defaults(handler=_events)
-    p = sub.add_parser("submit", help="submit a run spec (TOML)", parents=[common])
+    p.add_argument("--follow", "-f", action="store_true",
+                   help="keep printing as they happen, until the run has ended (server-sent events)")
+    p = command("submit", "submit a run spec (TOML)", _submit)
     p.add_argument("spec", type=Path)
     p.add_argument("--dry-run", action="store_true",
                    help="validate the spec and print what would run (sbatch, batch script, srun); "
                         "submit nothing")
-    p.set_defaults(handler=_submit)
-    for kind, text in (("resume", "resume a paused or failed run"), ("pause", "pause a run"),
-                       ("cancel", "cancel a run")):
-        p = sub.add_parser(kind, help=text, parents=[common])
+    for kind, text in RUN_COMMANDS.items():
+        p = command(kind, text, _run_command, kind=kind)
         p.add_argument("run")
-        p.add_argument("--wait", type=float, default=10.0,
-                       help="seconds to wait for the daemon to act on it (default 10)")
-        p.set_defaults(handler=_command, kind=kind)
-    sub.add_parser("nodes", help="list nodes, with their last probe", parents=[common]).set_defaults(
-        handler=_nodes)
-    p = sub.add_parser("probe", help="run the health probes on a node now", parents=[common])
+        _wait_option(p)
+    command("checkpoints", "a run's checkpoints", _checkpoints).add_argument("run")
+    command("goodput", "where a run's wall-clock time went", _goodput).add_argument("run")
+    p = command("nodes", "list nodes, with their last probe", _nodes)
+    p.add_argument("-q", "--quiet", action="store_true", help="print node names only")
+    p = command("drain", "take a node out of service (a running attempt trains on; the next "
+                         "leaves it out)", _node_command, kind="drain")
     p.add_argument("node")
-    p.set_defaults(handler=_probe)
+    p.add_argument("--reason", required=True, help="why, for whoever looks at the node next")
+    _wait_option(p)
+    p = command("undrain", "return a drained node to service", _node_command, kind="undrain")
+    p.add_argument("node")
+    p.add_argument("--reason", default="", help="a note for the event log")
+    _wait_option(p)
+    command("probe", "run the health probes on a node now", _probe).add_argument("node")
+    p = sub.add_parser("completion", help="print a shell completion script",
+                       description="eval \"$(supervisorctl completion bash)\", or put it in "
+                                   "/etc/bash_completion.d/supervisorctl")
+    p.add_argument("shell", choices=("bash", "zsh"))
     return parser
+
+
+def _wait_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
+                   help="how long to wait for the daemon to act on it (default 10)")
+
+
+# --- settings -----------------------------------------------------------------------
+
+
+def _settings(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
+    """The daemon's URL and how to authenticate, from flags, environment and config."""
+    explicit = getattr(args, "config", None) or env.get("TSUP_CTL_CONFIG")
+    path = Path(explicit) if explicit else _config_home(env) / "training-supervisor" / "supervisorctl.toml"
+    config = _read_config(path, explicit=bool(explicit))
+    url = getattr(args, "url", None) or env.get("TSUP_URL") or config.get("url") or DEFAULT_URL
+    ca_file = env.get("TSUP_CA_FILE") or config.get("ca_file")
+    token, hint = _token(args, env, config)
+    return {"url": url, "token": token, "token_hint": hint, "verify": ca_file or True}
+
+
+def _config_home(env: Mapping[str, str]) -> Path:
+    return Path(env.get("XDG_CONFIG_HOME") or Path(env.get("HOME") or Path.home()) / ".config")
+
+
+def _read_config(path: Path, *, explicit: bool) -> dict[str, str]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        if explicit:
+            raise UsageError(f"{path}: no such config file") from None
+        return {}
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: cannot read: {e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"{path}: not valid TOML: {e}") from e
+    known = {"url", "token_file", "ca_file"}
+    for key, value in data.items():
+        if key not in known:
+            raise UsageError(f"{path}: {key}: unknown key (known: {', '.join(sorted(known))})")
+        if not isinstance(value, str):
+            raise UsageError(f"{path}: {key}: expected a string")
+    return data
+
+
+def _token(args: argparse.Namespace, env: Mapping[str, str],
+           config: Mapping[str, str]) -> tuple[str | None, str]:
+    """The token (or None: reads from this host need none) and where it was looked for."""
+    explicit = getattr(args, "token_file", None) or env.get("TSUP_API_TOKEN_FILE") or config.get("token_file")
+    if env.get("TSUP_API_TOKEN"):
+        return env["TSUP_API_TOKEN"].strip(), "$TSUP_API_TOKEN"
+    if explicit:
+        try:
+            return read_token(Path(explicit)), str(explicit)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"cannot use the API token file {explicit}: {e}") from e
+    candidates = [SYSTEM_TOKEN_FILE, default_state_dir() / TOKEN_FILE_NAME]
+    for candidate in candidates:
+        try:
+            return read_token(candidate), str(candidate)
+        except (OSError, ValueError):
+            continue
+    return None, " or ".join(str(c) for c in candidates)
+
+
+# --- commands -----------------------------------------------------------------------
 
 
 def _print_json(value: Any) -> None:
@@ -99,16 +224,18 @@ def _print_json(value: Any) -> None:
 
 
 def _runs(c: Client, args: argparse.Namespace) -> int:
-    runs = c.runs()
+    runs = c.get("/v1/runs")
     if args.json:
         _print_json(runs)
+    elif args.quiet:
+        print("\n".join(r["run_id"] for r in runs))
     else:
         print(report.runs_table([RunSummary.model_validate(r) for r in runs]))
     return EXIT_OK
 
 
 def _status(c: Client, args: argparse.Namespace) -> int:
-    run = c.run(args.run)
+    run = c.get(f"/v1/runs/{_segment(args.run)}")
     if args.json:
         _print_json(run)
     else:
@@ -118,46 +245,39 @@ def _status(c: Client, args: argparse.Namespace) -> int:
 
 def _events(c: Client, args: argparse.Namespace) -> int:
     """--json prints one array; with --follow, one JSON object per line as they come."""
-    after = args.after
-    if args.json and not args.follow:
-        everything: list[dict[str, Any]] = []
-        while page := c.events(args.run, after, limit=_PAGE):
-            everything += page
-            after = page[-1]["id"]
-        _print_json(everything)
-        return EXIT_OK
-    terminal = {s.value for s in TERMINAL_RUN_STATES}
-    while True:
-        events = c.events(args.run, after, limit=_PAGE)
-        for e in events:
-            after = e["id"]
+    run = _segment(args.run)
+    if args.follow:
+        for e in c.stream_events(run, args.after):
             if args.json:
                 print(json.dumps(e), flush=True)
             else:
                 print(report.event_line(EventView.model_validate(e)), flush=True)
-        if len(events) == _PAGE:
-            continue  # more are waiting
-        if not args.follow:
-            return EXIT_OK
-        if not events:
-            run = c.run(args.run)
-            if run["state"] in terminal and run["attempt_state"] in (None, "ENDED"):
-                return EXIT_OK  # finished and torn down: no more events will come
-        time.sleep(1.0)
+        return EXIT_OK
+    everything: list[dict[str, Any]] = []
+    after = args.after
+    while page := c.get(f"/v1/runs/{run}/events", params={"after": after, "limit": _PAGE}):
+        everything += page
+        after = page[-1]["id"]
+        if len(page) < _PAGE:
+            break
+    if args.json:
+        _print_json(everything)
+    else:
+        for e in everything:
+            print(report.event_line(EventView.model_validate(e)))
+    return EXIT_OK
 
 
 def _submit(c: Client, args: argparse.Namespace) -> int:
     try:
         spec = tomllib.loads(args.spec.read_text())
     except (OSError, UnicodeDecodeError) as e:
-        print(f"supervisorctl: {args.spec}: cannot read: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(f"{args.spec}: cannot read: {e}") from e
     except tomllib.TOMLDecodeError as e:
-        print(f"supervisorctl: {args.spec}: not valid TOML: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(f"{args.spec}: not valid TOML: {e}") from e
     if args.dry_run:
         return _dry_run(args, spec)
-    run = c.submit(spec)
+    run = c.post("/v1/runs", json={"spec": spec})
     if args.json:
         _print_json(run)
     else:
@@ -170,8 +290,7 @@ def _dry_run(args: argparse.Namespace, data: dict[str, Any]) -> int:
     try:
         spec = parse_spec(data, str(args.spec))
     except SpecError as e:
-        print(f"supervisorctl: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(str(e)) from e
     run_dir = Path("<state-dir>/runs/run-N")
     argv = trainer_cmd.attempt_argv(spec, run_dir, 1, None, 0)
     res = spec.resources
@@ -196,26 +315,65 @@ def _dry_run(args: argparse.Namespace, data: dict[str, Any]) -> int:
     return EXIT_OK
 
 
-def _command(c: Client, args: argparse.Namespace) -> int:
-    accepted = c.command(args.run, args.kind)
+def _run_command(c: Client, args: argparse.Namespace) -> int:
+    accepted = c.post(f"/v1/runs/{_segment(args.run)}/{args.kind}")
+    return _await_command(c, args, accepted, args.run)
+
+
+def _node_command(c: Client, args: argparse.Namespace) -> int:
+    accepted = c.post(f"/v1/nodes/{_segment(args.node)}/{args.kind}", json={"reason": args.reason})
+    return _await_command(c, args, accepted, args.node)
+
+
+def _await_command(c: Client, args: argparse.Namespace, accepted: dict[str, Any], target: str) -> int:
+    """Wait up to --wait for the reconciler to carry the command out, and say what came of it."""
     deadline = time.monotonic() + args.wait
     result = None
-    while time.monotonic() < deadline:
-        result = c.command_result(accepted["command_id"])["result"]
-        if result is not None:
+    while True:
+        result = c.get(f"/v1/commands/{accepted['command_id']}")["result"]
+        if result is not None or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-    outcome = {"run_id": args.run, "command": args.kind, "command_id": accepted["command_id"],
+    outcome = {"target": target, "command": args.kind, "command_id": accepted["command_id"],
                "result": result or "queued"}
     if args.json:
         _print_json(outcome)
     else:
-        print(f"{args.run}: {args.kind} {outcome['result']}")
+        print(f"{target}: {args.kind} {outcome['result']}")
     return EXIT_ERROR if result is not None and result.startswith("rejected") else EXIT_OK
 
 
+def _checkpoints(c: Client, args: argparse.Namespace) -> int:
+    checkpoints = c.get(f"/v1/runs/{_segment(args.run)}/checkpoints")
+    if args.json:
+        _print_json(checkpoints)
+    else:
+        print(report.checkpoints_table([CheckpointView.model_validate(x) for x in checkpoints]))
+    return EXIT_OK
+
+
+def _goodput(c: Client, args: argparse.Namespace) -> int:
+    g = c.get(f"/v1/runs/{_segment(args.run)}/goodput")
+    if args.json:
+        _print_json(g)
+    else:
+        print(f"{args.run}: {report.goodput_line(GoodputView.model_validate(g))}")
+    return EXIT_OK
+
+
+def _nodes(c: Client, args: argparse.Namespace) -> int:
+    nodes = c.get("/v1/nodes")
+    if args.json:
+        _print_json(nodes)
+    elif args.quiet:
+        print("\n".join(n["name"] for n in nodes))
+    else:
+        print(report.nodes_table([NodeView.model_validate(n) for n in nodes]))
+    return EXIT_OK
+
+
 def _probe(c: Client, args: argparse.Namespace) -> int:
-    p = c.probe(args.node)
+    p = c.post(f"/v1/nodes/{_segment(args.node)}/probe")
     if args.json:
         _print_json(p)
     else:
@@ -226,13 +384,65 @@ def _probe(c: Client, args: argparse.Namespace) -> int:
     return EXIT_OK if p["status"] in ("healthy", "degraded") else EXIT_ERROR
 
 
-def _nodes(c: Client, args: argparse.Namespace) -> int:
-    nodes = c.nodes()
-    if args.json:
-        _print_json(nodes)
-    else:
-        print(report.nodes_table([NodeView.model_validate(n) for n in nodes]))
-    return EXIT_OK
+def _segment(text: str) -> str:
+    """A run id or node name as one path segment: nothing that could change the path."""
+    if not text or any(ch in text for ch in "/?#%\\") or text in (".", ".."):
+        raise UsageError(f"{text!r} is not a run id or node name")
+    return text
+
+
+# --- shell completion ---------------------------------------------------------------
+
+
+def completion_script(shell: str) -> str:
+    """A completion script for ``shell``, made from the parser itself; run ids and node
+    names are asked of the daemon when completing (``runs -q``, ``nodes -q``)."""
+    parser = _parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    commands: dict[str, list[str]] = {}
+    for name, p in sub.choices.items():
+        commands[name] = sorted(o for a in p._actions for o in a.option_strings)
+    takes_run = [n for n in commands if n in {"status", "events", "checkpoints", "goodput", *RUN_COMMANDS}]
+    takes_node = ["drain", "undrain", "probe"]
+    cases = "\n".join(f"        {name}) opts=\"{' '.join(opts)}\" ;;"
+                      for name, opts in sorted(commands.items()))
+    script = _BASH.replace("@COMMANDS@", " ".join(sorted(commands))).replace("@CASES@", cases)
+    script = script.replace("@RUN_COMMANDS@", "|".join(sorted(takes_run)))
+    script = script.replace("@NODE_COMMANDS@", "|".join(takes_node))
+    if shell == "zsh":
+        return "autoload -U +X bashcompinit && bashcompinit\n" + script
+    return script
+
+
+_BASH = r"""# supervisorctl completion (bash); eval "$(supervisorctl completion bash)"
+_supervisorctl() {
+    local cur=${COMP_WORDS[COMP_CWORD]} cmd="" opts="" i
+    for ((i = 1; i < COMP_CWORD; i++)); do
+        case ${COMP_WORDS[i]} in
+            --url|--token-file|--config) ((i++)) ;;
+            -*) ;;
+            *) cmd=${COMP_WORDS[i]}; break ;;
+        esac
+    done
+    if [[ -z $cmd ]]; then
+        COMPREPLY=($(compgen -W "@COMMANDS@ --url --json --token-file --config --help" -- "$cur"))
+        return
+    fi
+    case $cmd in
+@CASES@
+    esac
+    if [[ $cur == -* ]]; then
+        COMPREPLY=($(compgen -W "$opts" -- "$cur"))
+        return
+    fi
+    case $cmd in
+        @RUN_COMMANDS@) COMPREPLY=($(compgen -W "$(supervisorctl runs -q 2>/dev/null)" -- "$cur")) ;;
+        @NODE_COMMANDS@) COMPREPLY=($(compgen -W "$(supervisorctl nodes -q 2>/dev/null)" -- "$cur")) ;;
+        submit) COMPREPLY=($(compgen -f -X '!*.toml' -- "$cur") $(compgen -d -- "$cur")) ;;
+        completion) COMPREPLY=($(compgen -W "bash zsh" -- "$cur")) ;;
+    esac
+}
+complete -F _supervisorctl supervisorctl"""
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from supervisor import logs, planning, report, trainer_cmd
 from supervisor.chaos import TRAINER_KINDS, ChaosAction, ChaosMonkey, parse_chaos
-from supervisor.config import ServiceConfig, load_service_config, parse_bind
+from supervisor.config import ServiceConfig, default_state_dir, load_service_config, parse_bind
 from supervisor.daemon import Daemon, DaemonSettings
 from supervisor.domain import TERMINAL_RUN_STATES, CommandKind
 from supervisor.errors import SpecError, StateDirLocked, SupervisorError
@@ -35,11 +35,6 @@ from supervisor.spec import load_spec
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 log = logging.getLogger("training_supervisor")
-
-
-def default_state_dir() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "training-supervisor"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,7 +182,8 @@ def serve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> tupl
         state_dir=config.state_dir or default_state_dir(), mqtt_url=config.mqtt_url, api_host=host,
         api_port=port, launcher=config.launcher, slurm_conf=config.slurm_conf, tick_s=config.tick_s,
         sweep_every_s=config.sweep_every_s or None, sweep_args=tuple(config.sweep_args),
-        return_after=config.return_after,
+        return_after=config.return_after, api_token_file=config.api_token_file,
+        tls_cert=config.tls_cert, tls_key=config.tls_key,
     )
     return settings, config.log_format
 

@@ -16,17 +16,21 @@ override that again (``cli.py``). Every error names the key and where it came fr
     sweep_args = ["--instance-type", "trn1.32xlarge"]
     return_after = 0                             # clean sweeps that return a drained node
     log_format = "text"                          # or "json": one object per line
+    api_token_file = "/etc/training-supervisor/api-token"  # absent: <state_dir>/api-token
+    tls_cert = "/etc/training-supervisor/tls.crt"          # both: the API speaks HTTPS
+    tls_key = "/etc/training-supervisor/tls.key"
 """
 
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from supervisor.errors import SpecError
 from trainer.protocol import parse_mqtt_url
@@ -37,10 +41,16 @@ ENV_PREFIX = "TSUP_"
 _NOT_CONFIG = frozenset({"TSUP_CONFIG", "TSUP_API_TOKEN", "TSUP_URL"})
 
 
+def default_state_dir() -> Path:
+    """Where a daemon keeps its state when nothing says otherwise ($XDG_STATE_HOME)."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "training-supervisor"
+
+
 class ServiceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    state_dir: Path | None = None  # None: the user's default (cli.default_state_dir)
+    state_dir: Path | None = None  # None: the user's default (default_state_dir)
     api_bind: str = "127.0.0.1:8470"
     mqtt_url: str | None = None
     launcher: Literal["local", "slurm"] = "local"
@@ -50,6 +60,15 @@ class ServiceConfig(BaseModel):
     sweep_args: list[Annotated[str, Field(max_length=200)]] = []
     return_after: Annotated[int, Field(ge=0, le=1000)] = 0
     log_format: Literal["text", "json"] = "text"
+    api_token_file: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServiceConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both, or neither for plain HTTP")
+        return self
 
     @field_validator("api_bind")
     @classmethod

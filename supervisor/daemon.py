@@ -47,12 +47,14 @@ from supervisor.errors import StateDirLocked, StoreError, SupervisorError
 from supervisor.launchers.base import Launcher
 from supervisor.launchers.local import LocalLauncher
 from supervisor.launchers.slurm import SlurmLauncher
+from supervisor.metrics import SupervisorMetrics
 from supervisor.reconciler import Reconciler, ReconcilerConfig
 from supervisor.sdnotify import Notifier
 from supervisor.service import SupervisorService
 from supervisor.slurm.commands import SlurmCommands
 from supervisor.store import SqlStore
 from supervisor.telemetry import MqttLink, TelemetryView
+from supervisor.token_file import TOKEN_FILE_NAME, ensure_token
 from supervisor.views import DaemonHealth
 from trainer.protocol import parse_mqtt_url
 
@@ -81,6 +83,13 @@ class DaemonSettings:
     sweep_args: tuple[str, ...] = ()  # extra arguments to the sweep's python -m health
     return_after: int = 0  # clean sweep probes in a row that return a drained node (0: never)
     shutdown_flush_s: float = 5.0  # at most this long publishing the outbox on the way out
+    api_token_file: Path | None = None  # None: <state_dir>/api-token (api/auth.py)
+    tls_cert: Path | None = None  # both set: the API speaks HTTPS
+    tls_key: Path | None = None
+
+    @property
+    def token_file(self) -> Path:
+        return self.api_token_file or self.state_dir / TOKEN_FILE_NAME
 
 
 def _make_launcher(settings: DaemonSettings) -> Launcher:
@@ -107,6 +116,9 @@ class Daemon:
         self.reconciler: Reconciler | None = None
         self.service: SupervisorService | None = None
         self.notifier = Notifier()
+        self.metrics = SupervisorMetrics(self.store, self.telemetry,
+                                         lambda: self.link is not None and self.link.connected, clock)
+        self.api_token: str | None = None
 
     async def __aenter__(self) -> Daemon:
         self.settings.state_dir.mkdir(parents=True, exist_ok=True)
@@ -133,9 +145,12 @@ class Daemon:
                 clock=self.clock, health=self.health,
             )
             if self.settings.api_port is not None:
+                self.api_token = _api_token(self.settings.token_file)
                 self._api_socket = _listen(self.settings.api_host, self.settings.api_port)
                 bound = self._api_socket.getsockname()
-                self.api_url = f"http://{bound[0]}:{bound[1]}"
+                scheme = "https" if self.settings.tls_cert else "http"
+                host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+                self.api_url = f"{scheme}://{host}:{bound[1]}"
         except BaseException:
             await self._close()
             raise
@@ -208,6 +223,7 @@ class Daemon:
             try:
                 self.reconciler.tick()
                 self._last_tick_at = time.monotonic()
+                self.metrics.tick_seconds.observe(self._last_tick_at - began)
                 failures = 0
                 if not ready:
                     ready = True
@@ -265,10 +281,14 @@ class Daemon:
 
     async def _serve_api(self, sock: socket.socket) -> None:
         from api.app import create_app  # the API layer sits above this module
+        from api.auth import TokenAuth
 
-        assert self.service is not None
-        config = uvicorn.Config(create_app(self.service), log_level="warning", lifespan="off",
-                                access_log=False)
+        assert self.service is not None and self.api_token is not None
+        app = create_app(self.service, TokenAuth(self.api_token, self.settings.token_file), self.metrics)
+        tls = self.settings
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                                ssl_certfile=str(tls.tls_cert) if tls.tls_cert else None,
+                                ssl_keyfile=str(tls.tls_key) if tls.tls_key else None)
         server = _EmbeddedServer(config)
         try:
             await server.serve(sockets=[sock])
@@ -282,6 +302,16 @@ class _EmbeddedServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+def _api_token(path: Path) -> str:
+    """The API's token, made on the first start."""
+    try:
+        return ensure_token(path)
+    except OSError as e:
+        raise SupervisorError(f"{path}: cannot read or create the API token: {e.strerror}") from e
+    except ValueError as e:
+        raise SupervisorError(str(e)) from e
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -40,7 +40,7 @@ LIVE_ATTEMPT_STATES = frozenset({AttemptState.LAUNCHING, AttemptState.RUNNING, A
 class AttemptOutcome(StrEnum):
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"  # a fault ended it; counts against the restart budget
-    STOPPED = "STOPPED"  # an operator paused or cancelled the run
+    STOPPED = "STOPPED"  # an operator paused, restarted or cancelled the run
     ABORTED = "ABORTED"  # never started (supervisor restarted before launch); not a fault
 
 
@@ -51,9 +51,19 @@ class NodeState(StrEnum):
 
 
 class CommandKind(StrEnum):
+    """An operator's command to a run."""
+
     CANCEL = "cancel"
     PAUSE = "pause"
     RESUME = "resume"
+    RESTART = "restart"  # stop the live attempt and start another from the newest checkpoint
+
+
+class NodeCommandKind(StrEnum):
+    """An operator's command to a node."""
+
+    DRAIN = "drain"  # out of service: no attempt starts on it (a running one trains on)
+    UNDRAIN = "undrain"  # back in service
 
 
 class FaultKind(StrEnum):
@@ -235,6 +245,15 @@ class Command:
     id: int
     run_number: int
     kind: CommandKind
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeCommand:
+    id: int
+    node: str
+    kind: NodeCommandKind
+    reason: str
     created_at: float
 
 

@@ -22,11 +22,19 @@ The rest of the wall time is broken down as
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from supervisor.domain import Attempt, FaultRecord, Run
 from supervisor.store import CheckpointRecord, MetricRecord
+
+
+def injected_at(attempt: int, detected_at: float, injections: Iterable[tuple[int, float]]) -> float | None:
+    """When chaos was injected into ``attempt`` before its fault was detected at
+    ``detected_at`` (the latest such time), from ``(attempt, time)`` pairs; None for a
+    fault nobody injected."""
+    times = [ts for a, ts in injections if a == attempt and ts <= detected_at]
+    return max(times) if times else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,6 +10,8 @@ Run transitions (state, condition -> next state: effects):
     any active      cancel command           -> CANCELLED:   StopAttempt
     any active      pause command            -> PAUSED:      StopAttempt
     PAUSED, FAILED  resume command           -> PENDING     (restart budget starts afresh)
+    STARTING, RUNNING, RECOVERING with a live attempt
+                    restart command          -> RECOVERING:  StopAttempt (not a failure: no budget)
     PENDING, STARTING, RECOVERING with no live attempt:
                     nodes being probed       -> (same): nothing until their results are in
                     restart budget exhausted -> FAILED
@@ -212,6 +214,18 @@ def _apply_command(
             out.append(_stop(live, AttemptOutcome.STOPPED, f"run {verb} by operator", force=False))
             live = _stopping(live)
         return new_state, live
+
+    if cmd.kind is CommandKind.RESTART:
+        if state in (RunState.PAUSED, RunState.FAILED):
+            return reject(f"run is {state}; resume it instead")
+        if state in TERMINAL_RUN_STATES:
+            return reject(f"run is {state}; submit it again as a new run")
+        if live is None or live.state is AttemptState.STOPPING:
+            return reject(f"no attempt is running (run is {state}); the next one starts by itself")
+        accept()
+        out.append(SetRunState(state=RunState.RECOVERING, reason="restarted by operator"))
+        out.append(_stop(live, AttemptOutcome.STOPPED, "restarted by operator", force=False))
+        return RunState.RECOVERING, _stopping(live)
 
     # RESUME
     if state not in (RunState.PAUSED, RunState.FAILED):

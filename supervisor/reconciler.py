@@ -49,6 +49,8 @@ from supervisor.domain import (
     MarkAttemptRunning,
     MarkFaultsRecovered,
     Node,
+    NodeCommand,
+    NodeCommandKind,
     NodeState,
     ProbeNodes,
     ProcState,
@@ -148,6 +150,7 @@ class Reconciler:
         self._persist_telemetry(now)
         self._collect_probes(now)
         self._maybe_sweep(now)
+        self._node_commands(now)
         with self.store.tx() as tx:
             commands = tx.pending_commands()
             runs = [r for r in tx.list_runs() if r.state not in TERMINAL_RUN_STATES]
@@ -519,6 +522,62 @@ class Reconciler:
             spec = spec_from_json(tx.run_spec_and_dir(run.number)[0])
         if added and spec.health.preflight:  # a queued allocation has just started
             self._start_probes(run, spec, added, "preflight")
+
+    # --- operators' node commands -------------------------------------------------------
+
+    def _node_commands(self, now: float) -> None:
+        """Drain and undrain, as an operator asked. The cluster is told first and the
+        store after, so a daemon killed in between does it again (both are idempotent),
+        and a command the cluster refused says why."""
+        with self.store.tx() as tx:
+            commands = tx.pending_node_commands()
+            nodes = {n.name: n for n in tx.list_nodes()}
+        for cmd in commands:
+            node = nodes.get(cmd.node)
+            if node is None:  # a node the store forgot: nothing to do
+                result = "rejected: no such node"
+            elif cmd.kind is NodeCommandKind.DRAIN:
+                result = self._operator_drain(node, cmd, now)
+            elif node.state is not NodeState.DRAINED:
+                result = f"rejected: {node.name} is {node.state}, not drained"
+            else:
+                result = self._operator_undrain(node, cmd, now)
+            with self.store.tx() as tx:
+                tx.finish_command(cmd.id, result, now)
+                if result.startswith("rejected"):
+                    tx.add_event(node.run_number if node else None, "command.rejected",
+                                 f"{cmd.kind} {cmd.node} {result}", {"node": cmd.node}, now)
+
+    def _operator_drain(self, node: Node, cmd: NodeCommand, now: float) -> str:
+        reason = f"operator: {cmd.reason}"
+        try:
+            self.launcher.drain(node.name, reason)
+        except LaunchError as err:
+            return f"rejected: {err}"
+        with self.store.tx() as tx:
+            tx.put_node(Node(name=node.name, state=NodeState.DRAINED, reason=reason,
+                             run_number=node.run_number), now)
+            held = node.state is NodeState.ALLOCATED and node.run_number is not None
+            after = f"; run-{node.run_number} trains on, its next attempt leaves it out" if held else ""
+            tx.add_event(node.run_number, "node.drained", f"node {node.name} drained: {reason}{after}",
+                         {"node": node.name, "operator": True}, now)
+        return "accepted"
+
+    def _operator_undrain(self, node: Node, cmd: NodeCommand, now: float) -> str:
+        try:
+            self.launcher.undrain(node.name)
+        except LaunchError as err:
+            return f"rejected: {err}"
+        with self.store.tx() as tx:
+            # Idle again; a run whose allocation still has it takes it back at its next
+            # look at what it holds (launchers.base.Launcher.held).
+            tx.put_node(Node(name=node.name, state=NodeState.IDLE), now)
+            why = f": {cmd.reason}" if cmd.reason else ""
+            tx.add_event(node.run_number, "node.returned",
+                         f"node {node.name} returned to service by an operator{why} "
+                         f"(drained for: {node.reason})",
+                         {"node": node.name, "operator": True}, now)
+        return "accepted"
 
     # --- node probes ------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from supervisor.views import EventView, NodeView, RunDetail, RunSummary
+from supervisor.views import CheckpointView, EventView, GoodputView, NodeView, RunDetail, RunSummary
 
 
 def _t(ts: float | None) -> str:
@@ -47,17 +47,29 @@ def run_detail(d: RunDetail) -> str:
     complete = [c for c in d.checkpoints if c.complete]
     if complete:
         lines.append(f"  checkpoints: {len(complete)} complete, newest at step {complete[-1].step}")
-    g = d.goodput
-    if g.ettr is not None:
-        lines.append(
-            f"  goodput:  ETTR {g.ettr:.2f} = kept {_s(g.productive_s)} of {_s(g.wall_s)} wall; "
-            f"lost work {_s(g.lost_s)} ({g.lost_steps} steps), startup/restore {_s(g.startup_s)}, "
-            f"checkpoints {_s(g.checkpoint_s)}, detection {_s(g.detection_s)}, "
-            f"recovery {_s(g.recovery_s)}, other {_s(g.other_s)}"
-        )
+    if d.goodput.ettr is not None:
+        lines.append(f"  goodput:  {goodput_line(d.goodput)}")
     if d.model_digest:
         lines.append(f"  model digest: {d.model_digest}")
     return "\n".join(lines)
+
+
+def goodput_line(g: GoodputView) -> str:
+    if g.ettr is None:
+        return "no attempt has started yet"
+    return (f"ETTR {g.ettr:.2f} = kept {_s(g.productive_s)} of {_s(g.wall_s)} wall; "
+            f"lost work {_s(g.lost_s)} ({g.lost_steps} steps), startup/restore {_s(g.startup_s)}, "
+            f"checkpoints {_s(g.checkpoint_s)}, detection {_s(g.detection_s)}, "
+            f"recovery {_s(g.recovery_s)}, other {_s(g.other_s)}")
+
+
+def checkpoints_table(checkpoints: Sequence[CheckpointView]) -> str:
+    rows = [("STEP", "COMPLETE", "SAVE", "ATTEMPT", "PATH")]
+    for c in checkpoints:
+        rows.append((str(c.step), "yes" if c.complete else "no",
+                     _s(c.duration_s) if c.duration_s is not None else "-",
+                     str(c.attempt) if c.attempt is not None else "-", c.path))
+    return table(rows)
 
 
 def runs_table(runs: Sequence[RunSummary]) -> str:

@@ -12,19 +12,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 from supervisor import goodput, node_health, trainer_cmd
-from supervisor.domain import CommandKind, NodeState, parse_run_id
+from supervisor.domain import CommandKind, NodeCommandKind, NodeState, parse_run_id
 from supervisor.errors import NotFound, SpecError
 from supervisor.launchers.base import Launcher
 from supervisor.spec import RunSpec
-from supervisor.store import EventRecord, SqlStore
+from supervisor.store import SqlStore
 from supervisor.views import (
+    CheckpointView,
     CommandAccepted,
     DaemonHealth,
     EventView,
+    GoodputView,
     NodeView,
     ProbeView,
     RunDetail,
     RunSummary,
+    StepMetricView,
     StragglerView,
     attempt_view,
     checkpoint_view,
@@ -107,7 +110,8 @@ class SupervisorService:
             checkpoints = tx.list_checkpoints(number)
             drained = [n.name for n in tx.allocation(number) if n.state is NodeState.DRAINED]
             latest = tx.latest_metric(number)
-            injected = tx.list_events(number, limit=10_000, kind="chaos.injected")
+            injected = [(int(e.data.get("attempt", 0)), e.ts)
+                        for e in tx.list_events(number, limit=10_000, kind="chaos.injected")]
             stragglers = [StragglerView.model_validate({k: e.data.get(k) for k in StragglerView.model_fields})
                           for e in tx.list_events(number, limit=10_000, kind="straggler")]
             transient_spikes = tx.count_events(number, "spike.transient")
@@ -117,7 +121,7 @@ class SupervisorService:
             **summary.model_dump(), model_digest=run.model_digest, final_step=run.final_step,
             started_at=run.started_at, nodes=run.nodes, ranks_per_node=run.ranks_per_node,
             spares=run.spares, attempt_history=[attempt_view(a) for a in attempts],
-            faults=[fault_view(f, _injected_at(f.attempt, f.detected_at, injected)) for f in faults],
+            faults=[fault_view(f, goodput.injected_at(f.attempt, f.detected_at, injected)) for f in faults],
             checkpoints=[checkpoint_view(c) for c in checkpoints],
             goodput=goodput_view(g), drained_nodes=drained, ettr=g.ettr,
             stragglers=stragglers, transient_spikes=transient_spikes,
@@ -151,11 +155,44 @@ class SupervisorService:
                          {"node": name, "status": record.status, "action": record.action}, self.clock())
         return probe_view(record)
 
+    def checkpoints(self, run_id: str) -> list[CheckpointView]:
+        number = _number(run_id)
+        with self.store.tx() as tx:
+            tx.get_run(number)
+            return [checkpoint_view(c) for c in tx.list_checkpoints(number)]
+
+    def goodput(self, run_id: str) -> GoodputView:
+        number = _number(run_id)
+        with self.store.tx() as tx:
+            run = tx.get_run(number)
+            g = goodput.account(run, tx.list_attempts(number), tx.list_metrics(number),
+                                tx.list_faults(number), tx.list_checkpoints(number), self.clock())
+        return goodput_view(g)
+
+    def step_metrics(self, run_id: str, max_points: int = 1000) -> list[StepMetricView]:
+        """Rank 0's step metrics (the loss curve), every attempt's, thinned evenly to at
+        most ``max_points`` (the first and the last step always kept)."""
+        number = _number(run_id)
+        with self.store.tx() as tx:
+            tx.get_run(number)
+            metrics = tx.list_metrics(number)
+        if len(metrics) > max_points:
+            stride = (len(metrics) - 1) / (max_points - 1) if max_points > 1 else len(metrics)
+            metrics = [metrics[round(i * stride)] for i in range(max_points)]
+        return [StepMetricView(attempt=m.attempt, step=m.step, loss=m.loss, grad_norm=m.grad_norm,
+                               step_time_s=m.step_time_s, at=m.received_at) for m in metrics]
+
     def request(self, run_id: str, kind: CommandKind) -> CommandAccepted:
         number = _number(run_id)
         with self.store.tx() as tx:
             command_id = tx.add_command(number, kind, self.clock())
         return CommandAccepted(command_id=command_id, run_id=run_id, kind=kind.value)
+
+    def request_node(self, name: str, kind: NodeCommandKind, reason: str = "") -> CommandAccepted:
+        """Queue a drain or an undrain of a node the supervisor knows (NotFound otherwise)."""
+        with self.store.tx() as tx:
+            command_id = tx.add_node_command(name, kind, reason, self.clock())
+        return CommandAccepted(command_id=command_id, node=name, kind=kind.value)
 
     def command_result(self, command_id: int) -> str | None:
         with self.store.tx() as tx:
@@ -167,10 +204,3 @@ def _number(run_id: str) -> int:
     if number is None:
         raise NotFound(f"no such run: {run_id!r} (run ids look like run-42)")
     return number
-
-
-def _injected_at(attempt: int, detected_at: float, injected: list[EventRecord]) -> float | None:
-    """When chaos was injected into this attempt before the fault was detected (None: a
-    fault nobody injected)."""
-    times = [e.ts for e in injected if e.data.get("attempt") == attempt and e.ts <= detected_at]
-    return max(times) if times else None

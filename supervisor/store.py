@@ -50,6 +50,8 @@ from supervisor.domain import (
     FaultKind,
     FaultRecord,
     Node,
+    NodeCommand,
+    NodeCommandKind,
     NodeState,
     Policy,
     ProbeRecord,
@@ -265,6 +267,11 @@ class Tx:
             node=p.node, at=p.at, kind=p.kind, status=p.status, action=p.action, reason=p.reason,
             findings=json.dumps(p.findings), run_number=p.run_number))
 
+    def probe_counts(self) -> dict[str, int]:
+        """How many probes ended with each status, over all time."""
+        q = select(t.probes.c.status, func.count()).group_by(t.probes.c.status)
+        return {str(status): int(count) for status, count in self.c.execute(q)}
+
     def recent_probes(self, node: str, limit: int = 5) -> list[ProbeRecord]:
         """The node's newest probes, newest first."""
         q = select(t.probes).where(t.probes.c.node == node).order_by(t.probes.c.id.desc()).limit(limit)
@@ -383,6 +390,14 @@ class Tx:
             for r in self.c.execute(q)
         ]
 
+    def last_step_before(self, run_number: int, attempt: int, at: float) -> float | None:
+        """When the attempt's last step before ``at`` was received (None: no step)."""
+        q = select(func.max(t.metrics.c.received_at)).where(
+            t.metrics.c.run_number == run_number, t.metrics.c.attempt == attempt,
+            t.metrics.c.received_at <= at)
+        value = self.c.execute(q).scalar()
+        return None if value is None else float(value)
+
     def latest_metric(self, run_number: int) -> MetricRecord | None:
         q = (
             select(t.metrics)
@@ -434,6 +449,9 @@ class Tx:
         )
         return [_event(r) for r in self.c.execute(q)]
 
+    def outbox_size(self) -> int:
+        return int(self.c.execute(select(func.count()).select_from(t.outbox)).scalar_one())
+
     def mark_published(self, event_ids: Sequence[int]) -> None:
         """Published events leave the outbox (the events table keeps them)."""
         if event_ids:
@@ -444,15 +462,32 @@ class Tx:
     def add_command(self, run_number: int, kind: CommandKind, now: float) -> int:
         self.get_run(run_number)  # NotFound for an unknown run
         res = self.c.execute(
-            insert(t.commands).values(run_number=run_number, kind=kind.value, created_at=now)
+            insert(t.commands).values(run_number=run_number, kind=kind.value, reason="", created_at=now)
+        )
+        return _new_id(res)
+
+    def add_node_command(self, node: str, kind: NodeCommandKind, reason: str, now: float) -> int:
+        self.get_node(node)  # NotFound for a node nobody knows
+        res = self.c.execute(
+            insert(t.commands).values(node=node, kind=kind.value, reason=reason, created_at=now)
         )
         return _new_id(res)
 
     def pending_commands(self) -> list[Command]:
-        q = select(t.commands).where(t.commands.c.handled_at.is_(None)).order_by(t.commands.c.id)
+        """Runs' commands not yet carried out, oldest first."""
+        q = select(t.commands).where(t.commands.c.handled_at.is_(None), t.commands.c.run_number.is_not(None))
         return [
             Command(id=r.id, run_number=r.run_number, kind=CommandKind(r.kind), created_at=r.created_at)
-            for r in self.c.execute(q)
+            for r in self.c.execute(q.order_by(t.commands.c.id))
+        ]
+
+    def pending_node_commands(self) -> list[NodeCommand]:
+        """Nodes' commands not yet carried out, oldest first."""
+        q = select(t.commands).where(t.commands.c.handled_at.is_(None), t.commands.c.node.is_not(None))
+        return [
+            NodeCommand(id=r.id, node=r.node, kind=NodeCommandKind(r.kind), reason=r.reason,
+                        created_at=r.created_at)
+            for r in self.c.execute(q.order_by(t.commands.c.id))
         ]
 
     def finish_command(self, command_id: int, result: str, now: float) -> None:

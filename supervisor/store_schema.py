@@ -167,12 +167,16 @@ outbox = Table(
     Column("event_id", Integer, ForeignKey("events.id"), primary_key=True),
 )
 
+# Operators' commands, queued by the API and carried out by the reconciler: to a run
+# (run_number set) or to a node (node set, with the operator's reason).
 commands = Table(
     "commands",
     metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("run_number", Integer, ForeignKey("runs.number"), nullable=False),
+    Column("run_number", Integer, ForeignKey("runs.number")),
+    Column("node", String(128)),
     Column("kind", String(16), nullable=False),
+    Column("reason", Text, nullable=False, default=""),
     Column("created_at", Float, nullable=False),
     Column("handled_at", Float),
     Column("result", Text),
@@ -204,5 +208,19 @@ def _v4(conn: Connection) -> None:
             index.create(conn, checkfirst=True)
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4]
+def _v5(conn: Connection) -> None:
+    """Node commands: commands.run_number may be NULL, with commands.node and
+    commands.reason. SQLite cannot relax NOT NULL in place, so the table is rebuilt."""
+    have = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(commands)")}
+    if "node" in have:
+        return  # made by _v1 from today's metadata
+    conn.exec_driver_sql("ALTER TABLE commands RENAME TO commands_v4")
+    commands.create(conn)
+    conn.exec_driver_sql(
+        "INSERT INTO commands (id, run_number, node, kind, reason, created_at, handled_at, result) "
+        "SELECT id, run_number, NULL, kind, '', created_at, handled_at, result FROM commands_v4")
+    conn.exec_driver_sql("DROP TABLE commands_v4")
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -132,8 +132,20 @@ class NodeView(BaseModel):
 
 class CommandAccepted(BaseModel):
     command_id: int
-    run_id: str
+    run_id: str | None = None  # a run's command ...
+    node: str | None = None  # ... or a node's
     kind: str
+
+
+class StepMetricView(BaseModel):
+    """One step of rank 0's metrics: a point of the loss curve."""
+
+    attempt: int
+    step: int
+    loss: float | None  # None: not finite
+    grad_norm: float | None
+    step_time_s: float
+    at: float  # when the supervisor received it (Unix seconds)
 
 
 def run_summary(run: Run, attempts: list[Attempt], latest: MetricRecord | None) -> RunSummary:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, port_open, wait_for
 
 EXAMPLE = REPO / "examples" / "tiny-llama.toml"
 
@@ -29,10 +31,13 @@ def tsup(*args: str | Path, timeout_s: float = 400) -> subprocess.CompletedProce
                           text=True, timeout=timeout_s, env=env(), cwd=REPO, check=False)
 
 
-def ctl(url: str, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-    """`supervisorctl --url URL ARGS`, waited for."""
+def ctl(url: str, *args: str, timeout_s: float = 60,
+        extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`supervisorctl --url URL ARGS`, waited for. No token unless ``extra_env`` names one
+    (and none from the user's own config: $TSUP_CTL_CONFIG points nowhere)."""
+    environ = {**env(), "TSUP_CTL_CONFIG": os.devnull, **(extra_env or {})}
     return subprocess.run([sys.executable, "-m", "api.ctl", "--url", url, *args], capture_output=True,
-                          text=True, timeout=timeout_s, env=env(), cwd=REPO, check=False)
+                          text=True, timeout=timeout_s, env=environ, cwd=REPO, check=False)
 
 
 def summary_of(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -70,3 +75,65 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
     proc = tsup("run", EXAMPLE, "--state-dir", state, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     yield summary_of(proc)
+
+
+class Serve:
+    """One `training-supervisor serve` process on a state directory: with --state-dir and
+    --api-bind flags, or, given ``config``, only --config (which must name both)."""
+
+    def __init__(self, state: Path, port: int, *args: str, config: Path | None = None, scheme: str = "http",
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.state, self.port = state, port
+        self.url = f"{scheme}://127.0.0.1:{port}"
+        self.log_path = state.parent / f"serve-{port}.log"
+        self.log = open(self.log_path, "ab")  # noqa: SIM115
+        where = ["--config", str(config)] if config else ["--state-dir", str(state), "--api-bind", f"127.0.0.1:{port}"]
+        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "serve", *where, *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**env(), **(extra_env or {})}, cwd=REPO)
+        wait_for(lambda: port_open(port) or self.proc.poll() is not None, 30, "the API to listen")
+        assert self.proc.poll() is None, self.log_path.read_text()
+
+    def kill(self, sig: int) -> int:
+        os.kill(self.proc.pid, sig)
+        return self.proc.wait(30)
+
+    @property
+    def token_file(self) -> Path:
+        return self.state / "api-token"
+
+    def ctl(self, *args: str, token: bool = True) -> subprocess.CompletedProcess[str]:
+        """`supervisorctl` against this daemon, with its API token unless ``token=False``."""
+        return ctl(self.url, *args, extra_env={"TSUP_API_TOKEN_FILE": str(self.token_file)} if token else None)
+
+    def ctl_json(self, *args: str) -> Any:
+        proc = self.ctl("--json", *args)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+
+class FakeSystemd:
+    """The notify socket systemd gives a Type=notify service: every datagram the daemon
+    sends, read as it comes (a receiver that stopped reading would drop messages)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.messages: list[bytes] = []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.messages.append(self.sock.recv(4096))
+            except TimeoutError:
+                continue
+
+    def close(self) -> None:
+        self._stop.set()
+        self._reader.join()
+        self.sock.close()

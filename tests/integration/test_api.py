@@ -9,13 +9,17 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from supervisor.domain import Node, NodeState
+from api.auth import TokenAuth
+from supervisor.domain import FaultKind, Node, NodeState, RunState
 from supervisor.launchers.local import LocalLauncher
+from supervisor.metrics import SupervisorMetrics
 from supervisor.service import SupervisorService
 from supervisor.store import SqlStore
+from supervisor.telemetry import TelemetryView
 from supervisor.views import DaemonHealth
 
 SPEC = {"name": "api", "resources": {"nodes": 2, "ranks_per_node": 2, "spares": 1}, "trainer": {"steps": 5}}
+TOKEN = "a-token-for-the-tests-0123456789abcdefghijk"
 
 
 @pytest.fixture
@@ -27,9 +31,12 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
         store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1", launcher=LocalLauncher(max_nodes=4),
         check_trainer=False,
         health=lambda: DaemonHealth(ok=health["ok"], last_tick_age_s=0.1, mqtt_connected=True))
-    with TestClient(create_app(service)) as c:
+    app = create_app(service, TokenAuth(TOKEN, tmp_path / "api-token"),
+                     SupervisorMetrics(store, TelemetryView(), lambda: True))
+    with TestClient(app, headers={"Authorization": f"Bearer {TOKEN}"}) as c:
         c.health = health  # type: ignore[attr-defined]
         c.store = store  # type: ignore[attr-defined]
+        c.app_ = app  # type: ignore[attr-defined]
         yield c
     store.close()
 
@@ -105,3 +112,138 @@ def test_probe_a_node_now_and_see_it_in_the_node_list(client: TestClient, tmp_pa
     assert any("no Neuron devices found" in f["evidence"] for f in probe["findings"])
     [node] = client.get("/v1/nodes").json()
     assert node["last_probe"]["status"] == probe["status"]
+
+
+# --- access -------------------------------------------------------------------------
+
+
+def _without_token(client: TestClient, host: str) -> TestClient:
+    return TestClient(client.app_, client=(host, 40000))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("POST", "/v1/runs"), ("POST", "/v1/runs/run-1/cancel"), ("POST", "/v1/runs/run-1/restart"),
+    ("POST", "/v1/nodes/local-1/drain"), ("POST", "/v1/nodes/local-1/undrain"),
+    ("POST", "/v1/nodes/local-1/probe"),
+])
+def test_every_write_needs_the_token_even_from_this_host(client: TestClient, method: str, path: str) -> None:
+    anonymous = _without_token(client, "127.0.0.1")
+    r = anonymous.request(method, path, json={"spec": SPEC, "reason": "x"})
+    assert r.status_code == 401 and r.json()["error"] == "Unauthorized"
+    assert "Authorization: Bearer" in r.json()["detail"] and r.headers["www-authenticate"] == "Bearer"
+    wrong = anonymous.request(method, path, json={"spec": SPEC}, headers={"Authorization": "Bearer " + "x" * 43})
+    assert wrong.status_code == 403 and wrong.json() == {"error": "Forbidden",
+                                                         "detail": "the API token is not this daemon's"}
+    assert anonymous.request(method, path, headers={"Authorization": f"Basic {TOKEN}"}).status_code == 401
+    assert client.get("/v1/runs").json() == [], "nothing was written"
+
+
+def test_reads_are_open_on_loopback_only(client: TestClient) -> None:
+    client.post("/v1/runs", json={"spec": SPEC})
+    for host in ("127.0.0.1", "::1"):
+        assert _without_token(client, host).get("/v1/runs/run-1").status_code == 200
+    remote = _without_token(client, "10.1.2.3")
+    assert remote.get("/v1/runs").status_code == 401 and remote.get("/metrics").status_code == 401
+    assert remote.get("/v1/runs", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    assert remote.get("/healthz").status_code == 200, "health checks need no token"
+
+
+def test_bodies_over_the_limit_are_413_announced_or_streamed(client: TestClient) -> None:
+    big = b'{"spec": {"name": "' + b"x" * (1 << 20) + b'"}}'
+    r = client.post("/v1/runs", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"] == "ContentTooLarge"
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(20):
+            yield b"x" * 65536
+
+    r = client.post("/v1/runs", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert client.get("/v1/runs").json() == []
+
+
+# --- the rest of the API ------------------------------------------------------------
+
+
+def test_restart_drain_and_undrain_are_queued_for_the_reconciler(client: TestClient) -> None:
+    client.post("/v1/runs", json={"spec": SPEC})
+    r = client.post("/v1/runs/run-1/restart")
+    assert r.status_code == 202 and r.json()["kind"] == "restart" and r.json()["run_id"] == "run-1"
+    assert client.post("/v1/nodes/local-1/drain", json={"reason": "bad fan"}).status_code == 404
+    with client.store.tx() as tx:  # type: ignore[attr-defined]
+        tx.put_node(Node(name="local-1", state=NodeState.IDLE), 1.0)
+    drain = client.post("/v1/nodes/local-1/drain", json={"reason": "bad fan, ticket 7"})
+    assert drain.status_code == 202 and drain.json()["node"] == "local-1" and drain.json()["run_id"] is None
+    assert client.post("/v1/nodes/local-1/undrain").status_code == 202, "the body is optional"
+    with client.store.tx() as tx:  # type: ignore[attr-defined]
+        queued = [(c.node, c.kind.value, c.reason) for c in tx.pending_node_commands()]
+        assert [c.kind.value for c in tx.pending_commands()] == ["restart"]
+    assert queued == [("local-1", "drain", "bad fan, ticket 7"), ("local-1", "undrain", "")]
+    assert client.get(f"/v1/commands/{drain.json()['command_id']}").json()["result"] is None
+
+
+@pytest.mark.parametrize("reason", ["", "two\nlines", "x" * 201])
+def test_a_drain_reason_is_one_line_of_text(client: TestClient, reason: str) -> None:
+    with client.store.tx() as tx:  # type: ignore[attr-defined]
+        tx.put_node(Node(name="local-1", state=NodeState.IDLE), 1.0)
+    assert client.post("/v1/nodes/local-1/drain", json={"reason": reason}).status_code == 422
+
+
+def test_checkpoints_goodput_and_the_loss_curve(client: TestClient) -> None:
+    client.post("/v1/runs", json={"spec": SPEC})
+    with client.store.tx() as tx:  # type: ignore[attr-defined]
+        for step in range(1, 51):
+            tx.add_metric(1, attempt=1, step=step, loss=5.0 - step / 20, grad_norm=0.5, lr=1e-3,
+                          step_time_s=0.1, tokens_per_s=1e4, now=1000.0 + step)
+        tx.record_checkpoint(1, step=20, path="/ck/20", complete=True, duration_s=0.3, attempt=1, now=1020.0)
+    assert client.get("/v1/runs/run-1/checkpoints").json() == [
+        {"step": 20, "path": "/ck/20", "complete": True, "duration_s": 0.3, "attempt": 1}]
+    assert client.get("/v1/runs/run-1/goodput").json()["ettr"] is None, "no attempt has started"
+    curve = client.get("/v1/runs/run-1/metrics", params={"max_points": 10}).json()
+    assert len(curve) == 10 and curve[0]["step"] == 1 and curve[-1]["step"] == 50
+    assert [p["step"] for p in curve] == sorted(p["step"] for p in curve)
+    assert len(client.get("/v1/runs/run-1/metrics").json()) == 50
+    assert client.get("/v1/runs/run-2/goodput").status_code == 404
+
+
+def test_the_event_stream_sends_what_is_recorded_and_ends_with_the_run(client: TestClient) -> None:
+    client.post("/v1/runs", json={"spec": SPEC})
+    with client.store.tx() as tx:  # type: ignore[attr-defined]
+        first = tx.list_events(1)[0].id
+        tx.update_run(1, state=RunState.CANCELLED, reason="cancelled by operator")
+        tx.add_event(1, "run.state", "PENDING -> CANCELLED", {}, 2.0)
+    with client.stream("GET", "/v1/runs/run-1/events/stream", headers={"Last-Event-ID": str(first)}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        body = "".join(r.iter_text())
+    events = [line for line in body.split("\n\n") if line]
+    assert events[0].startswith("id: ") and '"kind":"run.state"' in events[0], "after Last-Event-ID only"
+    assert events[-1].startswith("event: end") and '"state":"CANCELLED"' in events[-1]
+    assert client.get("/v1/runs/run-9/events/stream").status_code == 404
+
+
+def test_metrics_for_prometheus(tmp_path: Path) -> None:
+    """With the daemon's registry: runs by state, faults and their latencies."""
+    store = SqlStore(tmp_path / "supervisor.db")
+    store.open()
+    service = SupervisorService(store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1",
+                                launcher=LocalLauncher(max_nodes=4), check_trainer=False)
+    metrics = SupervisorMetrics(store, TelemetryView(), lambda: True)
+    metrics.tick_seconds.observe(0.004)
+    client = TestClient(create_app(service, TokenAuth(TOKEN), metrics),
+                        headers={"Authorization": f"Bearer {TOKEN}"})
+    client.post("/v1/runs", json={"spec": SPEC})
+    with store.tx() as tx:
+        tx.add_metric(1, attempt=1, step=1, loss=5.0, grad_norm=0.5, lr=1e-3, step_time_s=0.1,
+                      tokens_per_s=1e4, now=100.0)
+        tx.add_fault(1, attempt=1, kind=FaultKind.RANK_EXIT, ranks=[3], nodes=["local-2"], step=1,
+                     summary="rank 3 killed", now=103.0)
+        tx.mark_faults_recovered(1, 112.0)
+    text = client.get("/metrics").text
+    store.close()
+    assert 'tsup_runs{state="PENDING"} 1.0' in text
+    assert 'tsup_faults_total{kind="rank-exit"} 1.0' in text
+    assert 'tsup_fault_detection_seconds_bucket{le="5.0"} 1.0' in text  # 3 s after the last step
+    assert 'tsup_fault_detection_seconds_bucket{le="2.0"} 0.0' in text
+    assert 'tsup_fault_recovery_seconds_bucket{le="10.0"} 1.0' in text  # 9 s to train again
+    assert "tsup_fault_recovery_seconds_sum 9.0" in text
+    assert "tsup_reconcile_tick_seconds_count 1.0" in text and "tsup_mqtt_connected 1.0" in text

@@ -13,7 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.domain import AttemptOutcome, AttemptState, CommandKind, NodeState, ProcState, RunState
+from supervisor.domain import (
+    AttemptOutcome,
+    AttemptState,
+    CommandKind,
+    NodeCommandKind,
+    NodeState,
+    ProcState,
+    RunState,
+)
+from supervisor.errors import LaunchError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
 from supervisor.launchers.local import LocalLauncher
 from supervisor.reconciler import Reconciler, ReconcilerConfig
@@ -32,6 +41,9 @@ class ScriptedLauncher:
         self.procs: dict[str, dict[int, tuple[ProcState, int | None]]] = {}
         self.stops: list[tuple[str, bool]] = []
         self.findable: dict[str, str] = {}  # marker -> launch_info
+        self.drains: list[tuple[str, str]] = []
+        self.undrains: list[str] = []
+        self.refuse: set[str] = set()  # nodes the cluster will not drain
 
     kind = "local"
 
@@ -77,7 +89,12 @@ class ScriptedLauncher:
         pass
 
     def drain(self, node: str, reason: str) -> None:
-        pass
+        if node in self.refuse:
+            raise LaunchError(f"cannot drain {node}: scontrol: Invalid node name specified")
+        self.drains.append((node, reason))
+
+    def undrain(self, node: str) -> None:
+        self.undrains.append(node)
 
     def kill_rank(self, launch_info: str, rank: int, sig: int = 9) -> str:
         self.procs[launch_info][rank] = (ProcState.EXITED, -sig)
@@ -318,3 +335,76 @@ def test_cancel_through_the_service_stops_gracefully(world) -> None:  # type: ig
     assert service.request("run-1", CommandKind.RESUME).command_id
     rec.tick()
     assert len(launcher.started) == 1, "a cancelled run is never restarted"
+
+
+def test_restart_through_the_service_stops_gracefully_and_starts_the_next_attempt(world) -> None:  # type: ignore[no-untyped-def]
+    store, clock, launcher, telemetry, rec, service = world
+    service.submit(parse_spec(SPEC))
+    rec.tick()
+    rec.tick()
+    step(telemetry, 1, 0, 1, clock())
+    rec.tick()
+    accepted = service.request("run-1", CommandKind.RESTART)
+    rec.tick()
+    assert service.command_result(accepted.command_id) == "accepted"
+    assert launcher.stops[-1][1] is False  # SIGTERM first
+    clock.t += 1
+    rec.tick()
+    rec.tick()
+    a1, a2 = attempts(store)
+    assert (a1.outcome, a1.reason) == (AttemptOutcome.STOPPED, "restarted by operator")
+    assert a2.state in (AttemptState.LAUNCHING, AttemptState.RUNNING) and a2.nodes == a1.nodes
+    with store.tx() as tx:
+        assert tx.get_run(1).state is RunState.RECOVERING and tx.list_faults(1) == []
+
+
+def test_an_operator_drains_a_node_in_use_and_the_next_attempt_leaves_it_out(world) -> None:  # type: ignore[no-untyped-def]
+    store, clock, launcher, telemetry, rec, service = world
+    service.submit(parse_spec(SPEC))
+    rec.tick()
+    rec.tick()
+    [a1] = attempts(store)
+    drained = a1.nodes[1]
+    accepted = service.request_node(drained, NodeCommandKind.DRAIN, "fan failure, ticket 42")
+    rec.tick()
+    assert service.command_result(accepted.command_id) == "accepted"
+    assert launcher.drains == [(drained, "operator: fan failure, ticket 42")]
+    with store.tx() as tx:
+        node = tx.get_node(drained)
+        events = [e.message for e in tx.list_events(1, kind="node.drained")]
+    assert (node.state, node.reason, node.run_number) == (NodeState.DRAINED, "operator: fan failure, ticket 42", 1)
+    assert events == [f"node {drained} drained: operator: fan failure, ticket 42; run-1 trains on, "
+                      "its next attempt leaves it out"]
+    assert attempts(store)[0].state is AttemptState.RUNNING, "a drain stops nothing"
+
+    launcher.procs[a1.launch_info][0] = (ProcState.EXITED, 1)  # a crash: the spare replaces the drained node
+    for _ in range(3):
+        clock.t += 1
+        rec.tick()
+    assert len(attempts(store)) == 2 and attempts(store)[-1].nodes == (a1.nodes[0], "node-3")
+
+    again = service.request_node(drained, NodeCommandKind.UNDRAIN, "fan replaced")
+    rec.tick()
+    assert service.command_result(again.command_id) == "accepted" and launcher.undrains == [drained]
+    with store.tx() as tx:
+        assert tx.get_node(drained).state is NodeState.IDLE
+        [returned] = tx.list_events(1, kind="node.returned")
+    assert "returned to service by an operator: fan replaced" in returned.message
+    nope = service.request_node(drained, NodeCommandKind.UNDRAIN)
+    rec.tick()
+    assert service.command_result(nope.command_id) == f"rejected: {drained} is IDLE, not drained"
+
+
+def test_a_drain_the_cluster_refuses_is_reported_and_recorded_nowhere_else(world) -> None:  # type: ignore[no-untyped-def]
+    store, clock, launcher, telemetry, rec, service = world
+    service.submit(parse_spec(SPEC))
+    rec.tick()
+    rec.tick()
+    node = attempts(store)[0].nodes[0]
+    launcher.refuse.add(node)
+    accepted = service.request_node(node, NodeCommandKind.DRAIN, "suspect")
+    rec.tick()
+    result = service.command_result(accepted.command_id)
+    assert result == f"rejected: cannot drain {node}: scontrol: Invalid node name specified"
+    with store.tx() as tx:
+        assert tx.get_node(node).state is NodeState.ALLOCATED

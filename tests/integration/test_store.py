@@ -15,6 +15,7 @@ from supervisor.domain import (
     CommandKind,
     FaultKind,
     Node,
+    NodeCommandKind,
     NodeState,
     Policy,
     RunState,
@@ -170,5 +171,32 @@ def test_a_version_3_database_gains_the_event_kind_and_fault_time_indexes(store:
     conn = sqlite3.connect(store.path)
     names = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert {"events_by_run_kind", "faults_by_time"} <= names
-    assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 4
+    assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == store_schema.SCHEMA_VERSION
     conn.close()
+
+
+def test_a_version_4_database_keeps_its_commands_and_gains_node_commands(store: SqlStore, tmp_path: Path) -> None:
+    number = new_run(store, tmp_path)
+    store.close()
+    conn = sqlite3.connect(store.path)
+    conn.executescript(f"""
+        DROP TABLE commands;
+        CREATE TABLE commands (id INTEGER PRIMARY KEY AUTOINCREMENT,
+            run_number INTEGER NOT NULL REFERENCES runs (number), kind VARCHAR(16) NOT NULL,
+            created_at FLOAT NOT NULL, handled_at FLOAT, result TEXT);
+        INSERT INTO commands (run_number, kind, created_at) VALUES ({number}, 'pause', 5.0);
+        UPDATE schema_version SET version = 4;""")
+    conn.close()
+    again = SqlStore(store.path)
+    again.open()
+    with again.tx() as tx:
+        [old] = tx.pending_commands()
+        assert (old.id, old.run_number, old.kind) == (1, number, CommandKind.PAUSE)
+        tx.put_node(Node(name="n1", state=NodeState.IDLE), 1.0)
+        cid = tx.add_node_command("n1", NodeCommandKind.DRAIN, "fan", 6.0)
+        [new] = tx.pending_node_commands()
+        assert (new.id, new.node, new.reason) == (cid, "n1", "fan") and cid == 2
+        assert tx.pending_commands() == [old], "a node's command is not a run's"
+        with pytest.raises(NotFound):
+            tx.add_node_command("n9", NodeCommandKind.DRAIN, "x", 6.0)
+    again.close()

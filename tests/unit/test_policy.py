@@ -523,6 +523,46 @@ def test_pause_stops_the_attempt_and_does_not_relaunch() -> None:
     assert not of(effects, StartAttempt)
 
 
+def test_restart_stops_the_live_attempt_gracefully_and_the_next_starts_from_the_newest_checkpoint() -> None:
+    ck = CheckpointRef(step=60, path="/c60")
+    effects = decide(view(run(), (attempt(),), ck=ck, commands=(cmd(CommandKind.RESTART),)), obs(), NOW)
+    assert CommandHandled(command_id=3, result="accepted") in effects
+    assert SetRunState(state=RunState.RECOVERING, reason="restarted by operator") in effects
+    [stop] = of(effects, StopAttempt)
+    assert (stop.force, stop.outcome, stop.reason) == (False, AttemptOutcome.STOPPED, "restarted by operator")
+    assert not of(effects, StartAttempt), "not before the attempt is gone"
+    # once its processes are gone: ended as STOPPED, and the next attempt starts at once
+    stopping = attempt(state=AttemptState.STOPPING, outcome=AttemptOutcome.STOPPED, reason="restarted by operator",
+                       stop_requested_at=NOW)
+    gone = obs(*(rank(i, ProcState.EXITED, exit_code=0) for i in range(4)))
+    effects = decide(view(run(RunState.RECOVERING), (stopping,), ck=ck), gone, NOW + 2)
+    assert of(effects, EndAttempt)[0].outcome is AttemptOutcome.STOPPED
+    [start] = of(effects, StartAttempt)
+    assert (start.number, start.resume_step) == (2, 60)
+
+
+def test_an_operator_restart_costs_no_restart_budget() -> None:
+    """max_restarts=3: three failures and any number of operator restarts still launch."""
+    failed = tuple(attempt(n, AttemptState.ENDED, outcome=AttemptOutcome.FAILED) for n in (1, 2, 3))
+    restarted = tuple(attempt(n, AttemptState.ENDED, outcome=AttemptOutcome.STOPPED) for n in (4, 5, 6, 7))
+    effects = decide(view(run(RunState.RECOVERING), failed + restarted), None, NOW)
+    assert of(effects, StartAttempt) and not of(effects, FinishRun)
+
+
+@pytest.mark.parametrize(("state", "live", "why"), [
+    (RunState.PAUSED, False, "rejected: run is PAUSED; resume it instead"),
+    (RunState.FAILED, False, "rejected: run is FAILED; resume it instead"),
+    (RunState.SUCCEEDED, False, "rejected: run is SUCCEEDED; submit it again as a new run"),
+    (RunState.CANCELLED, False, "rejected: run is CANCELLED; submit it again as a new run"),
+    (RunState.PENDING, False, "rejected: no attempt is running (run is PENDING)"),
+])
+def test_restart_without_a_live_attempt_is_rejected(state: RunState, live: bool, why: str) -> None:
+    prev = attempt(state=AttemptState.ENDED, outcome=AttemptOutcome.STOPPED)
+    effects = decide(view(run(state), (prev,), commands=(cmd(CommandKind.RESTART),)), None, NOW)
+    assert of(effects, CommandHandled)[0].result.startswith(why)
+    assert not of(effects, StopAttempt)
+
+
 def test_terminal_run_gives_its_healthy_nodes_back() -> None:
     prev = attempt(state=AttemptState.ENDED, outcome=AttemptOutcome.SUCCEEDED)
     assert decide(view(run(RunState.SUCCEEDED), (prev,)), None, NOW) == [ReleaseNodes()]

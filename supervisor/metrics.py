@@ -1,0 +1,171 @@
+"""``/metrics`` for Prometheus: what the supervisor knows, read at scrape time.
+
+Most series are derived from SQLite on each scrape, so they survive a daemon restart
+and never disagree with the API; the rest count what only this process sees (the MQTT
+link, the reconciler's ticks). Every name starts with ``tsup_``:
+
+    tsup_runs{state}                          runs in each state (gauge)
+    tsup_attempts_total                       attempts of every run (counter)
+    tsup_faults_total{kind}                   faults detected, by kind (counter)
+    tsup_fault_detection_seconds              fault to detection (histogram): from the chaos
+                                              injection when there was one, else from the
+                                              attempt's last step before it (an upper bound)
+    tsup_fault_recovery_seconds               detection to the first step after it (histogram)
+    tsup_run_ettr{run_id,name}                effective training time ratio (gauge)
+    tsup_run_step{run_id,name}                the newest step (gauge)
+    tsup_run_attempts{run_id,name}            attempts so far (gauge)
+    tsup_nodes{state}                         nodes in each state; DRAINED is the drained ones
+    tsup_probes_total{status}                 node probes by verdict; unhealthy and unknown
+                                              are probe failures (counter)
+    tsup_mqtt_connected                       1 while the telemetry link is up
+    tsup_mqtt_messages_total{kind}            trainer messages received, by kind (counter)
+    tsup_mqtt_dropped_total{reason}           messages dropped: malformed, or over the
+                                              buffer while the store lagged (counter)
+    tsup_outbox_events                        events not yet published on MQTT (gauge)
+    tsup_reconcile_tick_seconds               reconciler tick duration (histogram)
+
+Per-run series cover the runs that are active or ended in the last day, so that a
+daemon that ran for months does not export every run it ever saw.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from supervisor import goodput
+from supervisor.domain import TERMINAL_RUN_STATES, NodeState, RunState
+from supervisor.store import SqlStore
+from supervisor.telemetry import TelemetryView
+
+DETECTION_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+RECOVERY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+TICK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+RECENT_S = 86_400.0  # per-run series: active runs and those ended this recently
+_DROPS = {"malformed": "malformed", "durable_dropped": "buffer_full"}  # TelemetryView.counts keys
+
+
+class SupervisorMetrics:
+    """The daemon's registry: the store collector plus the tick histogram it observes."""
+
+    def __init__(self, store: SqlStore, telemetry: TelemetryView, mqtt_connected: Callable[[], bool],
+                 clock: Callable[[], float] = time.time) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.tick_seconds = Histogram("tsup_reconcile_tick_seconds", "Reconciler tick duration",
+                                      buckets=TICK_BUCKETS, registry=self.registry)
+        self.registry.register(_StoreCollector(store, telemetry, mqtt_connected, clock))
+
+
+class _StoreCollector(Collector):
+    def __init__(self, store: SqlStore, telemetry: TelemetryView, mqtt_connected: Callable[[], bool],
+                 clock: Callable[[], float]) -> None:
+        self.store, self.telemetry, self.mqtt_connected, self.clock = store, telemetry, mqtt_connected, clock
+
+    def describe(self) -> list[Metric]:
+        return []  # families are built at scrape time; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        now = self.clock()
+        with self.store.tx() as tx:
+            runs = tx.list_runs()
+            attempts = {r.number: tx.list_attempts(r.number) for r in runs}
+            faults = tx.faults_since(0.0)
+            nodes = tx.list_nodes()
+            probes = tx.probe_counts()
+            outbox = tx.outbox_size()
+            injected: dict[int | None, list[tuple[int, float]]] = {}
+            for e in tx.list_events(limit=1_000_000, kind="chaos.injected"):
+                injected.setdefault(e.run_number, []).append((int(e.data.get("attempt", 0)), e.ts))
+            last_step = {f.id: tx.last_step_before(f.run_number, f.attempt, f.detected_at) for f in faults}
+            recent = [r for r in runs if r.state not in TERMINAL_RUN_STATES
+                      or (r.ended_at is not None and now - r.ended_at <= RECENT_S)]
+            per_run = {r.number: (tx.list_metrics(r.number), tx.list_checkpoints(r.number),
+                                  tx.latest_metric(r.number)) for r in recent}
+
+        g = GaugeMetricFamily("tsup_runs", "Runs in each state", labels=["state"])
+        for state in RunState:
+            g.add_metric([state.value], sum(1 for r in runs if r.state is state))
+        yield g
+        yield CounterMetricFamily("tsup_attempts", "Attempts of every run",
+                                  value=sum(len(a) for a in attempts.values()))
+        c = CounterMetricFamily("tsup_faults", "Faults detected, by kind", labels=["kind"])
+        kinds: dict[str, int] = {}
+        for f in faults:
+            kinds[f.kind.value] = kinds.get(f.kind.value, 0) + 1
+        for kind, count in sorted(kinds.items()):
+            c.add_metric([kind], count)
+        yield c
+
+        detection = []
+        for f in faults:
+            since = goodput.injected_at(f.attempt, f.detected_at, injected.get(f.run_number, []))
+            if since is None:
+                since = last_step[f.id]
+            if since is not None:
+                detection.append(f.detected_at - since)
+        yield _histogram("tsup_fault_detection_seconds",
+                         "Fault to detection: from the injection, else from the last step before it",
+                         detection, DETECTION_BUCKETS)
+        yield _histogram("tsup_fault_recovery_seconds", "Fault detection to the first step after it",
+                         [f.recovered_at - f.detected_at for f in faults if f.recovered_at is not None],
+                         RECOVERY_BUCKETS)
+
+        ettr = GaugeMetricFamily("tsup_run_ettr", "Effective training time ratio", labels=["run_id", "name"])
+        step = GaugeMetricFamily("tsup_run_step", "The newest step", labels=["run_id", "name"])
+        tries = GaugeMetricFamily("tsup_run_attempts", "Attempts so far", labels=["run_id", "name"])
+        for r in recent:
+            metrics, checkpoints, latest = per_run[r.number]
+            account = goodput.account(r, attempts[r.number], metrics,
+                                      [f for f in faults if f.run_number == r.number], checkpoints, now)
+            labels = [r.run_id, r.name]
+            if account.ettr is not None:
+                ettr.add_metric(labels, account.ettr)
+            newest = r.final_step if r.final_step is not None else (latest.step if latest else None)
+            if newest is not None:
+                step.add_metric(labels, newest)
+            tries.add_metric(labels, len(attempts[r.number]))
+        yield ettr
+        yield step
+        yield tries
+
+        g = GaugeMetricFamily("tsup_nodes", "Nodes in each state (DRAINED: out of service)", labels=["state"])
+        for node_state in NodeState:
+            g.add_metric([node_state.value], sum(1 for n in nodes if n.state is node_state))
+        yield g
+        c = CounterMetricFamily("tsup_probes", "Node probes by verdict (unhealthy, unknown: failed)",
+                                labels=["status"])
+        for status in ("healthy", "degraded", "unhealthy", "unknown"):
+            c.add_metric([status], probes.get(status, 0))
+        yield c
+
+        yield GaugeMetricFamily("tsup_mqtt_connected", "1 while the telemetry link is up",
+                                value=1.0 if self.mqtt_connected() else 0.0)
+        counts = dict(self.telemetry.counts)
+        c = CounterMetricFamily("tsup_mqtt_messages", "Trainer messages received, by kind", labels=["kind"])
+        for kind, count in sorted(counts.items()):
+            if kind not in _DROPS and kind != "received":
+                c.add_metric([kind], count)
+        yield c
+        c = CounterMetricFamily("tsup_mqtt_dropped", "Trainer messages dropped", labels=["reason"])
+        for key, reason in _DROPS.items():
+            c.add_metric([reason], counts.get(key, 0))
+        yield c
+        yield GaugeMetricFamily("tsup_outbox_events", "Events not yet published on MQTT", value=outbox)
+
+
+def _histogram(name: str, documentation: str, values: Sequence[float],
+               buckets: Sequence[float]) -> HistogramMetricFamily:
+    ordered = sorted(max(0.0, v) for v in values)
+    cumulative = [(str(b), bisect.bisect_right(ordered, b)) for b in buckets]
+    cumulative.append(("+Inf", len(ordered)))
+    return HistogramMetricFamily(name, documentation, buckets=cumulative, sum_value=sum(ordered))

@@ -1,0 +1,238 @@
+"""The daemon as an operator runs it: `serve --config`, under a stand-in systemd, driven
+by every `supervisorctl` command, a rank killed by a real SIGKILL, scraped by Prometheus,
+stopped by SIGTERM mid-run, fuzzed through its OpenAPI schema. And the API over HTTPS."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import signal
+import ssl
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from api.ctl import main as ctl_main
+from tests.conftest import REPO, free_port, require, wait_for
+from tests.e2e.conftest import EXAMPLE, FakeSystemd, Serve, db_rows, env, trainer_processes, tsup
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[Path]:
+    d = tmp_path / "state"
+    yield d
+    for p in trainer_processes(d):  # never leave training behind, whatever failed
+        p.kill()
+
+
+def rank_process(state: Path, rank: int) -> psutil.Process:
+    [p] = [p for p in trainer_processes(state) if p.environ().get("RANK") == str(rank)]
+    return p
+
+
+def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_path: Path) -> None:
+    port = free_port()
+    config = tmp_path / "config.toml"
+    config.write_text(f'state_dir = "{state}"\napi_bind = "127.0.0.1:{port}"\nlog_format = "text"\n'
+                      "tick_s = 0.25\nsweep_every_s = 0\n")
+    systemd = FakeSystemd(tmp_path / "notify")
+    daemon = Serve(state, port, config=config, extra_env={
+        "NOTIFY_SOCKET": str(systemd.path), "WATCHDOG_USEC": "2000000",
+        "TSUP_LOG_FORMAT": "json"})  # the environment overrides the file
+    follow: subprocess.Popen[str] | None = None
+    try:
+        wait_for(lambda: len(systemd.messages) >= 2, 30, "READY and a first WATCHDOG")
+        assert systemd.messages[0].startswith(b"READY=1\nSTATUS=reconciling")
+        assert systemd.messages[1] == b"WATCHDOG=1"
+        assert stat.S_IMODE(daemon.token_file.stat().st_mode) == 0o600, "the token is made private"
+
+        # One daemon per state directory.
+        second = tsup("serve", "--config", config, "--api-bind", f"127.0.0.1:{free_port()}", timeout_s=60)
+        assert second.returncode == 2 and f"pid {daemon.proc.pid}" in second.stderr
+
+        # Writes need the token; reads on this host do not.
+        anonymous = daemon.ctl("submit", str(EXAMPLE), token=False)
+        assert anonymous.returncode == 4 and "needs the API token" in anonymous.stderr
+        r = httpx.post(f"{daemon.url}/v1/runs", json={"spec": {}})
+        assert r.status_code == 401 and r.json()["error"] == "Unauthorized"
+        r = httpx.post(f"{daemon.url}/v1/runs", json={"spec": {}}, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 403
+        assert daemon.ctl("runs", token=False).returncode == 0
+        dry = daemon.ctl("submit", "--dry-run", str(EXAMPLE), token=False)
+        assert dry.returncode == 0 and "4 rank(s) on this machine" in dry.stdout
+
+        run_id = daemon.ctl_json("submit", str(EXAMPLE))["run_id"]
+        follow = subprocess.Popen(
+            [sys.executable, "-m", "api.ctl", "--url", daemon.url, "--json", "events", run_id, "--follow"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+            env={**env(), "TSUP_CTL_CONFIG": "/dev/null"})
+        wait_for(lambda: (quick_json(daemon, "status", run_id)["step"] or 0) >= 20, 120, "step 20")
+
+        # A rank killed by a real signal: found, recovered, and on /metrics.
+        rank_process(state, 3).send_signal(signal.SIGKILL)
+        detail = wait_for(lambda: (d := quick_json(daemon, "status", run_id))["faults"]
+                          and d["faults"][0]["recovered_at"] and d, 120, "recovery from the kill")
+        assert detail["faults"][0]["kind"] == "rank-exit" and detail["faults"][0]["ranks"] == [3]
+        scrape = httpx.get(f"{daemon.url}/metrics")
+        assert scrape.status_code == 200 and scrape.headers["content-type"].startswith("text/plain")
+        text = scrape.text
+        assert 'tsup_faults_total{kind="rank-exit"} 1.0' in text
+        assert "tsup_fault_detection_seconds_count 1.0" in text and "tsup_fault_recovery_seconds_count 1.0" in text
+        assert 'tsup_runs{state="RUNNING"} 1.0' in text and f'tsup_run_ettr{{name="tiny-llama",run_id="{run_id}"}}' in text
+        assert "tsup_reconcile_tick_seconds_count" in text and "tsup_mqtt_connected 1.0" in text
+        assert 'tsup_mqtt_messages_total{kind="step"}' in text
+        assert httpx.get(daemon.url + "/").text.startswith("<!DOCTYPE html>")
+
+        # Pause, resume, restart: each a new attempt from the newest checkpoint.
+        assert quick_json(daemon, "pause", run_id)["result"] == "accepted"
+        wait_for(lambda: (d := quick_json(daemon, "status", run_id))["state"] == "PAUSED"
+                 and d["attempt_state"] == "ENDED", 60, "the pause")
+        assert quick_json(daemon, "resume", run_id)["result"] == "accepted"
+        wait_for(lambda: quick_json(daemon, "status", run_id)["state"] == "RUNNING", 120, "the resumed run")
+        assert quick_json(daemon, "restart", run_id)["result"] == "accepted"
+        wait_for(lambda: (d := quick_json(daemon, "status", run_id))["state"] == "RUNNING" and d["attempts"] == 4,
+                 120, "the restarted run")
+
+        # SIGTERM mid-run: out within the bound, STOPPING=1 said, training goes on.
+        trainers = trainer_processes(state)
+        began = time.monotonic()
+        assert daemon.kill(signal.SIGTERM) == 0
+        took = time.monotonic() - began
+        assert took < 10, f"SIGTERM took {took:.1f} s"
+        wait_for(lambda: systemd.messages[-1] == b"STOPPING=1\nSTATUS=stopping", 5, "STOPPING=1")
+        pings = systemd.messages.count(b"WATCHDOG=1")
+        assert pings >= 20, f"{pings} WATCHDOG=1 while training: the ticks ping the watchdog"
+        assert all(p.is_running() for p in trainers), "a daemon stop leaves training alone"
+        lines = [json.loads(line) for line in daemon.log_path.read_text().splitlines() if line.startswith("{")]
+        assert lines and {"ts", "level", "logger", "message"} <= set(lines[0])
+        assert any(line["message"].startswith("stopped:") for line in lines)
+
+        # The next daemon takes over and the run ends with the fault-free model.
+        daemon = Serve(state, port)
+        # Every read, human and --json.
+        for args, expect in ((["runs"], "tiny-llama"), (["runs", "-q"], run_id), (["status", run_id], "faults:   1"),
+                             (["events", run_id], "fault.detected"), (["checkpoints", run_id], "COMPLETE"),
+                             (["goodput", run_id], "ETTR"), (["nodes"], "local-3"), (["nodes", "-q"], "local-1")):
+            out = quick(daemon, *args)
+            assert out.returncode == 0 and expect in out.stdout, (args, out.stdout, out.stderr)
+            assert quick(daemon, "--json", *[a for a in args if a != "-q"]).returncode == 0
+        saved = [c for c in quick_json(daemon, "checkpoints", run_id) if c["complete"]]
+        assert saved and saved[0]["step"] == 20 and saved[0]["duration_s"] > 0, saved
+        assert quick_json(daemon, "goodput", run_id)["lost_steps"] >= 0
+
+        # Nodes: drain the spare and return it; probe one now.
+        drained = quick_json(daemon, "drain", "local-3", "--reason", "fan failure, ticket 42")
+        assert drained["result"] == "accepted"
+        assert {n["name"]: (n["state"], n["reason"]) for n in quick_json(daemon, "nodes")}["local-3"] == (
+            "DRAINED", "operator: fan failure, ticket 42")
+        assert quick_json(daemon, "undrain", "local-3")["result"] == "accepted"
+        assert quick(daemon, "undrain", "local-3").returncode == 1, "rejected: it is not drained"
+        probe = quick(daemon, "probe", "local-1")
+        # healthy, or degraded while trainers run on this host (python -m health notices them)
+        assert probe.returncode == 0 and probe.stdout.startswith(("local-1: healthy", "local-1: degraded"))
+        assert quick(daemon, "probe", "local-9").returncode == 3
+        assert quick(daemon, "drain", "local-1").returncode == 2, "a drain needs a reason"
+
+        completion = daemon.ctl("completion", "bash", token=False)
+        assert completion.returncode == 0 and "complete -F _supervisorctl supervisorctl" in completion.stdout
+        final = wait_for(lambda: (d := quick_json(daemon, "status", run_id))["state"] == "SUCCEEDED" and d,
+                         240, "the run to succeed under the next daemon")
+        assert final["attempts"] == 4 and final["model_digest"] == fault_free["model_digest"]
+        assert [a["outcome"] for a in final["attempt_history"]] == ["FAILED", "STOPPED", "STOPPED", "SUCCEEDED"]
+        wait_for(lambda: db_rows(state, "SELECT COUNT(*) FROM outbox") == [(0,)], 30, "every event published")
+
+        out, err = follow.communicate(timeout=60)  # ends by itself once the run has ended
+        assert follow.returncode == 0, err
+        streamed = [json.loads(line) for line in out.splitlines()]
+        recorded = daemon.ctl_json("events", run_id)
+        assert [e["id"] for e in streamed] == [e["id"] for e in recorded][: len(streamed)], \
+            "every event, once, in order, across the daemon's restart"
+        assert any(e["kind"] == "run.state" and e["data"]["to"] == "SUCCEEDED" for e in streamed)
+
+        # Fuzzing the API from its own OpenAPI schema: no request makes it fail (5xx).
+        fuzz(daemon, run_id, tmp_path)
+        assert db_rows(state, "SELECT state FROM runs WHERE number = 1") == [("SUCCEEDED",)]
+    finally:
+        if follow is not None and follow.poll() is None:
+            follow.kill()
+        if daemon.proc.poll() is None:
+            daemon.kill(signal.SIGTERM)
+        systemd.close()
+
+
+def quick(daemon: Serve, *args: str, token: bool = True) -> subprocess.CompletedProcess[str]:
+    """`supervisorctl ARGS` against ``daemon``, run in this process (the same code as the
+    command, without an interpreter's start for each of the many calls)."""
+    environ = {"TSUP_CTL_CONFIG": "/dev/null", "HOME": "/nonexistent"}
+    if token:
+        environ["TSUP_API_TOKEN_FILE"] = str(daemon.token_file)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = ctl_main(["--url", daemon.url, *args], environ)
+        except SystemExit as e:  # argparse's usage errors
+            code = int(e.code or 0)
+    return subprocess.CompletedProcess(["supervisorctl", *args], code, out.getvalue(), err.getvalue())
+
+
+def quick_json(daemon: Serve, *args: str) -> Any:
+    proc = quick(daemon, "--json", *args)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def fuzz(daemon: Serve, run_id: str, tmp_path: Path) -> None:
+    """schemathesis against the running daemon, with its token, on a run and a node that
+    exist (so that requests get past the 404s), every check that a response is not a
+    server error. The probe is left out: each call runs the node's probes for real."""
+    exe = Path(sys.executable).with_name("schemathesis")
+    require("schemathesis (the test extra)", exe.exists())
+    config = tmp_path / "schemathesis.toml"
+    config.write_text(f'[parameters]\nrun_id = "{run_id}"\nname = "local-3"\ncommand_id = 1\n')
+    token = daemon.token_file.read_text().strip()
+    proc = subprocess.run(
+        [str(exe), "--config-file", str(config), "run", f"{daemon.url}/openapi.json",
+         "--checks", "not_a_server_error", "--header", f"Authorization: Bearer {token}",
+         "--exclude-path", "/v1/nodes/{name}/probe", "--max-examples", "12", "--seed", "7",
+         "--workers", "1", "--no-color", "--request-timeout", "30"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert "passed" in proc.stdout and "failed" not in proc.stdout.split("SUMMARY")[-1], proc.stdout[-3000:]
+
+
+def test_the_api_over_https(tmp_path: Path) -> None:
+    """tls_cert and tls_key: the API speaks HTTPS, and supervisorctl trusts the daemon's
+    certificate through TSUP_CA_FILE."""
+    openssl = subprocess.run(["openssl", "version"], capture_output=True, check=False)
+    require("openssl", openssl.returncode == 0)
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   capture_output=True, check=True, timeout=60)
+    state, port = tmp_path / "state", free_port()
+    config = tmp_path / "config.toml"
+    config.write_text(f'state_dir = "{state}"\napi_bind = "127.0.0.1:{port}"\ntls_cert = "{cert}"\n'
+                      f'tls_key = "{key}"\n')
+    daemon = Serve(state, port, config=config, scheme="https")
+    try:
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{daemon.url}/v1/runs")  # a certificate nobody vouched for
+        assert httpx.get(f"{daemon.url}/v1/runs", verify=ssl.create_default_context(cafile=cert)).json() == []
+        trusted = subprocess.run([sys.executable, "-m", "api.ctl", "--url", daemon.url, "--json", "nodes"],
+                                 capture_output=True, text=True, timeout=60, cwd=REPO, check=False,
+                                 env={**env(), "TSUP_CA_FILE": str(cert), "TSUP_CTL_CONFIG": "/dev/null"})
+        assert trusted.returncode == 0 and json.loads(trusted.stdout) == []
+        assert "API on https://127.0.0.1" in daemon.log_path.read_text()
+    finally:
+        daemon.kill(signal.SIGTERM)
