@@ -53,7 +53,7 @@ def test_sigkill_of_the_daemon_mid_run_loses_nothing_and_starts_no_duplicate(
         starts = db_rows(state, "SELECT message FROM events WHERE kind = 'daemon.started' ORDER BY id")
         assert len(starts) == 2 and f"{run_id}#1" in starts[1][0]
         assert db_rows(state, "SELECT count(*) FROM attempts")[0][0] == 1
-        assert db_rows(state, "SELECT count(DISTINCT step) FROM metrics")[0][0] >= 100
+        assert db_rows(state, "SELECT count(DISTINCT step) FROM metrics")[0][0] >= 70
 
         # supervisorctl against the live daemon: every command, human and --json
         runs = daemon.ctl("runs")

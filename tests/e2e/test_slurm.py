@@ -9,7 +9,6 @@ new step of the same allocation, ending with the fault-free model.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sqlite3
 import subprocess
@@ -22,8 +21,8 @@ import pytest
 
 from supervisor.slurm import parse
 from supervisor.slurm.box import Box
-from tests.conftest import REPO, free_port, port_open, wait_for
-from tests.e2e.conftest import EXAMPLE, ctl, db_rows, env, summary_of, trainer_processes, tsup
+from tests.conftest import REPO, free_port, wait_for
+from tests.e2e.conftest import EXAMPLE, Serve, db_rows, env, summary_of, trainer_processes, tsup
 from tests.fake_tools.replay import make_tools
 
 pytestmark = pytest.mark.e2e
@@ -51,7 +50,7 @@ def test_kill_node_drains_it_and_resumes_on_the_spare_in_the_same_allocation(
                 "--chaos", "kill-node@50")
     s = summary_of(proc)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert s["state"] == "SUCCEEDED" and s["final_step"] == 120
+    assert s["state"] == "SUCCEEDED" and s["final_step"] == 80
     assert s["model_digest"] == fault_free["model_digest"], "the node loss changed the math"
 
     assert [(f["kind"], f["nodes"]) for f in s["faults"]] == [("node-lost", ["node2"])]
@@ -155,34 +154,15 @@ def test_specs_the_cluster_cannot_serve_are_refused_at_submit(
     assert slurm(slurm_box, "squeue", "-h") == "", "nothing was submitted"
 
 
-class SlurmServe:
-    def __init__(self, state: Path, port: int, box: Box) -> None:
-        self.state, self.port = state, port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(state.parent / f"serve-{port}.log", "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.cli", "serve", "--state-dir", str(state), "--launcher", "slurm",
-             "--api-bind", f"127.0.0.1:{port}"], stdout=self.log, stderr=subprocess.STDOUT,
-            env={**env(), "SLURM_CONF": str(box.conf)}, cwd=REPO)
-        wait_for(lambda: port_open(port) or self.proc.poll() is not None, 30, "the API to listen")
-        assert self.proc.poll() is None, (state.parent / f"serve-{port}.log").read_text()
-
-    def kill(self, sig: int) -> int:
-        os.kill(self.proc.pid, sig)
-        return self.proc.wait(30)
-
-
-def ctl_json(url: str, *args: str) -> Any:
-    proc = ctl(url, "--json", *args)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+def slurm_serve(state: Path, port: int, box: Box) -> Serve:
+    return Serve(state, port, "--launcher", "slurm", extra_env={"SLURM_CONF": str(box.conf)})
 
 
 def test_sigkill_of_the_daemon_readopts_the_slurm_job_and_step(
         slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path) -> None:
     state = tmp_path / "state"
     port = free_port()
-    daemon = SlurmServe(state, port, slurm_box)
+    daemon = slurm_serve(state, port, slurm_box)
     seen_steps: list[set[str]] = []
     seen_jobs: list[set[str]] = []
 
@@ -193,8 +173,8 @@ def test_sigkill_of_the_daemon_readopts_the_slurm_job_and_step(
             slurm(slurm_box, "squeue", "-h", "-o", parse.SQUEUE_FORMAT))))
 
     try:
-        run_id = ctl_json(daemon.url, "submit", str(spec_for_slurm(tmp_path)))["run_id"]
-        wait_for(lambda: (look(), (ctl_json(daemon.url, "status", run_id)["step"] or 0) >= 30)[1], 180, "step 30")
+        run_id = daemon.ctl_json("submit", str(spec_for_slurm(tmp_path)))["run_id"]
+        wait_for(lambda: (look(), (daemon.ctl_json("status", run_id)["step"] or 0) >= 30)[1], 180, "step 30")
         trainers = trainer_processes(state)
         assert len(trainers) == 4
         assert daemon.kill(signal.SIGKILL) == -signal.SIGKILL
@@ -202,9 +182,9 @@ def test_sigkill_of_the_daemon_readopts_the_slurm_job_and_step(
         assert all(p.is_running() for p in trainers), "the step outlives the daemon"
         look()
 
-        daemon = SlurmServe(state, port, slurm_box)
+        daemon = slurm_serve(state, port, slurm_box)
         final = wait_for(
-            lambda: (look(), (d := ctl_json(daemon.url, "status", run_id))["state"] == "SUCCEEDED" and d)[1],
+            lambda: (look(), (d := daemon.ctl_json("status", run_id))["state"] == "SUCCEEDED" and d)[1],
             240, "the run to succeed under the restarted daemon")
     finally:
         daemon.kill(signal.SIGTERM)
@@ -217,7 +197,7 @@ def test_sigkill_of_the_daemon_readopts_the_slurm_job_and_step(
     assert db_rows(state, "SELECT count(*) FROM attempts")[0][0] == 1
     starts = db_rows(state, "SELECT message FROM events WHERE kind = 'daemon.started' ORDER BY id")
     assert len(starts) == 2 and f"{run_id}#1" in starts[1][0]
-    assert db_rows(state, "SELECT count(DISTINCT step) FROM metrics")[0][0] >= 100
+    assert db_rows(state, "SELECT count(DISTINCT step) FROM metrics")[0][0] >= 70
 
 
 def test_a_node_reporting_an_uncorrectable_hbm_error_is_drained_before_launch(
