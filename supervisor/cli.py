@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     advise.add_argument("--checkpoint-s", type=float, required=True, help="what one checkpoint costs the job")
     advise.add_argument("--step-time-s", type=float, default=None, help="also give the interval in steps")
     advise.add_argument("--failures-per-node-day", type=float,
-                        default=planning.LLAMA3_RATE_PER_NODE_S * 86_400,
+                        default=planning.LLAMA3_FAILURES_PER_NODE_DAY,
                         help="the cluster's interruption rate (default: Llama 3's, 419 in 54 days on 2,048 "
                              "nodes)")
     advise.add_argument("--json", action="store_true", help="print one JSON object")

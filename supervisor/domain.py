@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from supervisor.planning import LLAMA3_FAILURES_PER_NODE_DAY
+
 
 class RunState(StrEnum):
     PENDING = "PENDING"  # submitted, waiting for nodes or a first launch
@@ -150,6 +152,9 @@ class Policy:
     # repeating at the same step counts once) within lemon_window_s is drained.
     lemon_faults: int = 3
     lemon_window_s: float = 86_400.0
+    # The cluster's interruption rate, for a run whose checkpoint interval is "auto"
+    # (supervisor/planning.py: Young/Daly at each attempt); Llama 3's by default.
+    failures_per_node_day: float = LLAMA3_FAILURES_PER_NODE_DAY
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

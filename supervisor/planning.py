@@ -13,13 +13,17 @@ that wastes least is, to first order, sqrt(2 C MTBF) (Young 1974, Daly 2006).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import median
 
 LLAMA3_INTERRUPTIONS = 419
 LLAMA3_DAYS = 54.0
 LLAMA3_NODES = 2048  # 16,384 GPUs, 8 per node
 LLAMA3_HARDWARE_SHARE = 0.78
-# Interruptions per node per second.
+# Interruptions per node per second, and per node-day.
 LLAMA3_RATE_PER_NODE_S = LLAMA3_INTERRUPTIONS / (LLAMA3_DAYS * 86_400.0 * LLAMA3_NODES)
+LLAMA3_FAILURES_PER_NODE_DAY = LLAMA3_RATE_PER_NODE_S * 86_400.0
 
 
 def job_mtbf_s(nodes: int, rate_per_node_s: float = LLAMA3_RATE_PER_NODE_S) -> float:
@@ -43,3 +47,36 @@ def advise_every_steps(checkpoint_cost_s: float, step_time_s: float, nodes: int,
         raise ValueError("the step time must be positive")
     interval = young_daly_interval_s(checkpoint_cost_s, job_mtbf_s(nodes, rate_per_node_s))
     return max(1, round(interval / step_time_s))
+
+
+# A run whose spec says ``every_steps = "auto"`` checkpoints this often until its own
+# checkpoint cost and step time have been measured (the reference trainer's default).
+AUTO_FIRST_EVERY_STEPS = 50
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AutoInterval:
+    every_steps: int
+    why: str  # for the event log
+
+
+def auto_every_steps(checkpoint_costs_s: Sequence[float], step_times_s: Sequence[float], nodes: int,
+                     failures_per_node_day: float, total_steps: int) -> AutoInterval:
+    """The checkpoint interval for the next attempt of a run that asked for ``auto``:
+    Young/Daly from the medians of what the run measured so far (its blocking checkpoint
+    saves and its step times), within 1 and the run's length. Before anything was
+    measured: ``AUTO_FIRST_EVERY_STEPS``."""
+    cap = max(1, total_steps)
+    if not checkpoint_costs_s or not step_times_s:
+        every = min(AUTO_FIRST_EVERY_STEPS, cap)
+        return AutoInterval(every_steps=every,
+                            why=f"every {every} steps until a checkpoint and steps are timed")
+    cost, step = median(checkpoint_costs_s), median(step_times_s)
+    mtbf = job_mtbf_s(nodes, failures_per_node_day / 86_400.0)
+    ideal = advise_every_steps(cost, max(step, 1e-6), nodes, failures_per_node_day / 86_400.0)
+    every = min(ideal, cap)
+    capped = f"; the run has only {total_steps} steps" if ideal > cap else ""
+    return AutoInterval(every_steps=every, why=(
+        f"every {every} steps: Young/Daly sqrt(2 x {cost:.2f} s a checkpoint x MTBF {mtbf / 3600:.1f} h of "
+        f"{nodes} node(s) at {failures_per_node_day:g} failures per node-day) = {ideal} steps of {step:.3f} s"
+        f"{capped}"))

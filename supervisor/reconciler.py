@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 
-from supervisor import checkpoint_scan, node_health, trainer_cmd
+from supervisor import checkpoint_scan, node_health, planning, trainer_cmd
 from supervisor.domain import (
     LIVE_ATTEMPT_STATES,
     TERMINAL_RUN_STATES,
@@ -744,6 +744,17 @@ class Reconciler:
             allocation_info=allocation_info,
         )
 
+    def _checkpoint_interval(self, run: Run, spec: RunSpec, now: float) -> int:
+        """``every_steps = "auto"``: Young/Daly from what this run measured so far."""
+        with self.store.tx() as tx:
+            costs = [c.duration_s for c in tx.list_checkpoints(run.number) if c.duration_s]
+            steps = [m.step_time_s for m in tx.list_metrics(run.number)[-1000:]]
+            auto = planning.auto_every_steps(costs, steps, run.nodes, run.policy.failures_per_node_day,
+                                             spec.total_steps)
+            tx.add_event(run.number, "checkpoint.interval", f"checkpoint {auto.why}",
+                         {"every_steps": auto.every_steps}, now)
+        return auto.every_steps
+
     def _start(self, run: Run, spec: RunSpec, run_dir: Path, e: StartAttempt, now: float) -> None:
         attempt = Attempt(run_number=run.number, number=e.number, state=AttemptState.LAUNCHING,
                           nodes=e.nodes, resume_from=e.resume_from, resume_step=e.resume_step,
@@ -753,7 +764,8 @@ class Reconciler:
             with self.store.tx() as tx:  # the data windows spikes made the run skip
                 skips = [(int(x.data["start"]), int(x.data["end"]))
                          for x in tx.list_events(run.number, limit=100_000, kind="data.skip")]
-            trainer_cmd.write_attempt_config(spec, run_dir, e.number, launch.argv, skips)
+            every = self._checkpoint_interval(run, spec, now) if spec.auto_checkpoints else None
+            trainer_cmd.write_attempt_config(spec, run_dir, e.number, launch.argv, skips, every)
             info = self.launcher.start(launch)
         except (LaunchError, OSError) as err:  # a launch error counts against the budget
             with self.store.tx() as tx:

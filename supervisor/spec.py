@@ -11,7 +11,7 @@
     [trainer]              # the reference trainer's own config (trainer/README.md);
     steps = 120            # the supervisor reads `steps` and `checkpoint`, and fills in
     [trainer.checkpoint]   # checkpoint.dir and output_dir when the spec leaves them out
-    every_steps = 20
+    every_steps = 20       # or "auto": Young/Daly, set by the supervisor at each attempt
 
     [policy]               # decision rules (supervisor/policy.py)
     max_restarts = 10
@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from supervisor.domain import Policy
 from supervisor.errors import SpecError
+from supervisor.planning import LLAMA3_FAILURES_PER_NODE_DAY
 from trainer.protocol import parse_mqtt_url
 
 _Model = ConfigDict(extra="forbid", frozen=True)
@@ -83,6 +84,7 @@ class PolicySpec(BaseModel):
     straggler_restart: bool = False
     lemon_faults: Annotated[int, Field(ge=2, le=10_000)] = 3
     lemon_window_s: Annotated[float, Field(gt=0, le=365 * _DAY_S)] = _DAY_S
+    failures_per_node_day: Annotated[float, Field(gt=0, le=100)] = LLAMA3_FAILURES_PER_NODE_DAY
 
     def to_policy(self) -> Policy:
         return Policy(**self.model_dump())
@@ -109,6 +111,10 @@ class TelemetrySpec(BaseModel):
             parse_mqtt_url(v)
         return v
 
+
+# trainer.checkpoint.every_steps = "auto": the supervisor sets the interval at each
+# attempt by the Young/Daly rule (supervisor/planning.py, policy.failures_per_node_day).
+AUTO = "auto"
 
 CHECKPOINT_LAYOUTS = ("tsup", "nxd", "nemo", "hf", "megatron", "dcp")  # supervisor/checkpoint_scan.py
 
@@ -184,9 +190,16 @@ class RunSpec(BaseModel):
             raise ValueError("trainer.checkpoint: expected a table")
         if not isinstance(ck.get("dir", ""), str):
             raise ValueError("trainer.checkpoint.dir: expected a path (a string)")
+        if isinstance(ck.get("every_steps"), str) and ck["every_steps"] != AUTO:
+            raise ValueError(f"trainer.checkpoint.every_steps: expected a number of steps or {AUTO!r}")
         if not isinstance(self.trainer.get("output_dir", ""), str):
             raise ValueError("trainer.output_dir: expected a path (a string)")
         return self
+
+    @property
+    def auto_checkpoints(self) -> bool:
+        """The reference trainer's checkpoint interval is the supervisor's to set."""
+        return self.trainer is not None and self.trainer.get("checkpoint", {}).get("every_steps") == AUTO
 
     @property
     def total_steps(self) -> int:

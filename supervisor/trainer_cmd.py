@@ -23,6 +23,7 @@ from typing import Any
 
 from supervisor.domain import TrainerResult
 from supervisor.errors import SpecError
+from supervisor.planning import AUTO_FIRST_EVERY_STEPS
 from supervisor.spec import RunSpec
 
 CHECK_TIMEOUT_S = 60.0
@@ -48,13 +49,18 @@ def result_path(spec: RunSpec, run_dir: Path) -> Path | None:
     return Path(spec.trainer.get("output_dir", run_dir / "output")) / "result.json"
 
 
-def trainer_config(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
-    """The spec's [trainer] table with the run's own paths filled in."""
+def trainer_config(spec: RunSpec, run_dir: Path, every_steps: int | None = None) -> dict[str, Any]:
+    """The spec's [trainer] table with the run's own paths filled in, and the checkpoint
+    interval when the spec left it to the supervisor (``every_steps``; before one was
+    decided, the first attempt's)."""
     assert spec.trainer is not None
     path = result_path(spec, run_dir)
     assert path is not None
     config = copy.deepcopy(spec.trainer)
-    config.setdefault("checkpoint", {})["dir"] = str(checkpoint_dir(spec, run_dir))
+    checkpoint = config.setdefault("checkpoint", {})
+    checkpoint["dir"] = str(checkpoint_dir(spec, run_dir))
+    if spec.auto_checkpoints:
+        checkpoint["every_steps"] = every_steps or min(AUTO_FIRST_EVERY_STEPS, spec.total_steps)
     config["output_dir"] = str(path.parent)
     return config
 
@@ -70,14 +76,15 @@ def config_path(run_dir: Path, attempt: int) -> Path:
 
 
 def write_attempt_config(spec: RunSpec, run_dir: Path, attempt: int, argv: tuple[str, ...] = (),
-                         skips: list[tuple[int, int]] | None = None) -> Path:
+                         skips: list[tuple[int, int]] | None = None, every_steps: int | None = None) -> Path:
     """The attempt's trainer config; ``skips``: sample ranges the trainer steps over
-    (data.skip, for the reference trainer; a [command] trainer is not told)."""
+    (data.skip, for the reference trainer; a [command] trainer is not told);
+    ``every_steps``: the checkpoint interval, for a spec that asked for ``auto``."""
     path = config_path(run_dir, attempt)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     content: dict[str, Any] = ({"command": list(argv)} if spec.command is not None
-                               else trainer_config(spec, run_dir))
+                               else trainer_config(spec, run_dir, every_steps))
     if skips and spec.command is None:
         data = content.setdefault("data", {})
         data["skip"] = [list(r) for r in sorted({*map(tuple, data.get("skip", [])), *skips})]

@@ -408,3 +408,32 @@ def test_a_drain_the_cluster_refuses_is_reported_and_recorded_nowhere_else(world
     assert result == f"rejected: cannot drain {node}: scontrol: Invalid node name specified"
     with store.tx() as tx:
         assert tx.get_node(node).state is NodeState.ALLOCATED
+
+
+def test_an_auto_checkpoint_interval_is_set_at_each_attempt_from_what_was_measured(world, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    store, clock, launcher, telemetry, rec, service = world
+    spec = {**SPEC, "trainer": {"steps": 10_000, "checkpoint": {"every_steps": "auto"}},
+            "policy": {"fault_settle_s": 0.5, "failures_per_node_day": 50}}
+    service.submit(parse_spec(spec))
+    rec.tick()
+    rec.tick()
+    [a1] = attempts(store)
+    config = json.loads((tmp_path / "runs" / "run-1" / "attempts" / "1" / "trainer.json").read_text())
+    assert config["checkpoint"]["every_steps"] == 50, "nothing measured yet: the first attempt's interval"
+    with store.tx() as tx:
+        for n in range(1, 31):
+            tx.add_metric(1, attempt=1, step=n, loss=1.0, grad_norm=1.0, lr=0.1, step_time_s=0.1,
+                          tokens_per_s=1.0, now=clock())
+        tx.record_checkpoint(1, step=20, path="/ck/20", complete=True, duration_s=0.5, attempt=1, now=clock())
+    launcher.procs[a1.launch_info][0] = (ProcState.EXITED, 1)
+    for _ in range(3):
+        clock.t += 1
+        rec.tick()
+    assert len(attempts(store)) == 2
+    config = json.loads((tmp_path / "runs" / "run-1" / "attempts" / "2" / "trainer.json").read_text())
+    # 2 nodes at 50 failures a node-day: MTBF 864 s; sqrt(2 x 0.5 s x 864 s) = 29.4 s = 294 steps of 0.1 s
+    assert config["checkpoint"]["every_steps"] == 294
+    with store.tx() as tx:
+        said = [e.message for e in tx.list_events(1, kind="checkpoint.interval")]
+    assert said[0] == "checkpoint every 50 steps until a checkpoint and steps are timed"
+    assert said[1].startswith("checkpoint every 294 steps: Young/Daly sqrt(2 x 0.50 s a checkpoint x MTBF 0.2 h")

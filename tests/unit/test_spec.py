@@ -17,7 +17,7 @@ GOOD = {"name": "t", "trainer": {"steps": 10}}
 def test_the_example_spec_loads() -> None:
     spec = load_spec(REPO / "examples" / "tiny-llama.toml")
     assert (spec.resources.nodes, spec.resources.ranks_per_node, spec.resources.spares) == (2, 2, 1)
-    assert spec.total_steps == 120
+    assert spec.total_steps == 80
     assert spec.trainer["checkpoint"]["every_steps"] == 20
     assert spec.policy.to_policy().max_restarts == 5
 
@@ -59,3 +59,16 @@ def test_mqtt_urls() -> None:
     assert parse_mqtt_url("mqtt://broker") == ("broker", 1883)
     with pytest.raises(ValueError, match="bad port"):
         parse_mqtt_url("mqtt://h:99999")
+
+
+def test_an_auto_checkpoint_interval_is_the_supervisors_to_set(tmp_path: Path) -> None:
+    from supervisor import trainer_cmd
+
+    base = {"name": "a", "trainer": {"steps": 30, "checkpoint": {"every_steps": "auto"}}}
+    spec = parse_spec(base)
+    assert spec.auto_checkpoints and not parse_spec({"name": "b", "trainer": {"steps": 3}}).auto_checkpoints
+    assert trainer_cmd.trainer_config(spec, tmp_path)["checkpoint"]["every_steps"] == 30, "at most the run's length"
+    assert trainer_cmd.trainer_config(spec, tmp_path, every_steps=7)["checkpoint"]["every_steps"] == 7
+    trainer_cmd.check_trainer_config(spec, tmp_path)  # the trainer accepts what it is given
+    with pytest.raises(SpecError, match="every_steps: expected a number of steps or 'auto'"):
+        parse_spec({"name": "c", "trainer": {"steps": 3, "checkpoint": {"every_steps": "often"}}})
