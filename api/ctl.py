@@ -109,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, parents=[common])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, text: str, handler: Callable[[Client, argparse.Namespace], int],
+    def command(name: str, text: str, handler: Handler,
                 **defaults: Any) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text, description=text, parents=[common])
         p.set_defaults(handler=handler, **defaults)
@@ -223,24 +223,37 @@ def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2))
 
 
-def _runs(c: Client, args: argparse.Namespace) -> int:
-    runs = c.get("/v1/runs")
-    if args.json:
-        _print_json(runs)
-    elif args.quiet:
-        print("\n".join(r["run_id"] for r in runs))
-    else:
-        print(report.runs_table([RunSummary.model_validate(r) for r in runs]))
-    return EXIT_OK
+Handler = Callable[[Client, argparse.Namespace], int]
 
 
-def _status(c: Client, args: argparse.Namespace) -> int:
-    run = c.get(f"/v1/runs/{_segment(args.run)}")
-    if args.json:
-        _print_json(run)
-    else:
-        print(report.run_detail(RunDetail.model_validate(run)))
-    return EXIT_OK
+def _show(path: Callable[[argparse.Namespace], str], render: Callable[[Any, argparse.Namespace], str],
+          names: Callable[[Any], list[str]] | None = None) -> Handler:
+    """A read command: GET ``path``, then print it as JSON, as names (-q), or rendered."""
+    def handler(c: Client, args: argparse.Namespace) -> int:
+        data = c.get(path(args))
+        if args.json:
+            _print_json(data)
+        elif names is not None and args.quiet:
+            print("\n".join(names(data)))
+        else:
+            print(render(data, args))
+        return EXIT_OK
+
+    return handler
+
+
+_runs = _show(lambda a: "/v1/runs",
+              lambda d, a: report.runs_table([RunSummary.model_validate(r) for r in d]),
+              lambda d: [r["run_id"] for r in d])
+_status = _show(lambda a: f"/v1/runs/{_segment(a.run)}",
+                lambda d, a: report.run_detail(RunDetail.model_validate(d)))
+_checkpoints = _show(lambda a: f"/v1/runs/{_segment(a.run)}/checkpoints",
+                     lambda d, a: report.checkpoints_table([CheckpointView.model_validate(x) for x in d]))
+_goodput = _show(lambda a: f"/v1/runs/{_segment(a.run)}/goodput",
+                 lambda d, a: f"{a.run}: {report.goodput_line(GoodputView.model_validate(d))}")
+_nodes = _show(lambda a: "/v1/nodes",
+               lambda d, a: report.nodes_table([NodeView.model_validate(n) for n in d]),
+               lambda d: [n["name"] for n in d])
 
 
 def _events(c: Client, args: argparse.Namespace) -> int:
@@ -341,35 +354,6 @@ def _await_command(c: Client, args: argparse.Namespace, accepted: dict[str, Any]
     else:
         print(f"{target}: {args.kind} {outcome['result']}")
     return EXIT_ERROR if result is not None and result.startswith("rejected") else EXIT_OK
-
-
-def _checkpoints(c: Client, args: argparse.Namespace) -> int:
-    checkpoints = c.get(f"/v1/runs/{_segment(args.run)}/checkpoints")
-    if args.json:
-        _print_json(checkpoints)
-    else:
-        print(report.checkpoints_table([CheckpointView.model_validate(x) for x in checkpoints]))
-    return EXIT_OK
-
-
-def _goodput(c: Client, args: argparse.Namespace) -> int:
-    g = c.get(f"/v1/runs/{_segment(args.run)}/goodput")
-    if args.json:
-        _print_json(g)
-    else:
-        print(f"{args.run}: {report.goodput_line(GoodputView.model_validate(g))}")
-    return EXIT_OK
-
-
-def _nodes(c: Client, args: argparse.Namespace) -> int:
-    nodes = c.get("/v1/nodes")
-    if args.json:
-        _print_json(nodes)
-    elif args.quiet:
-        print("\n".join(n["name"] for n in nodes))
-    else:
-        print(report.nodes_table([NodeView.model_validate(n) for n in nodes]))
-    return EXIT_OK
 
 
 def _probe(c: Client, args: argparse.Namespace) -> int:

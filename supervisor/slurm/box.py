@@ -321,8 +321,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def down(directory: Path, timeout_s: float = 15.0) -> list[int]:
-    """Stop what ``up`` started in ``directory``, by pid; returns the pids signalled."""
+def down(directory: Path, timeout_s: float = 3.0) -> list[int]:
+    """Stop what ``up`` started in ``directory``, by pid; returns the pids signalled.
+    SIGTERM, then SIGKILL after ``timeout_s``: a box is thrown away, and slurmctld, a
+    slurmd and its slurmstepd can each wait many seconds on a node that was killed."""
     box = load(directory)
     if box is None:
         return []

@@ -68,6 +68,15 @@ def trainer_processes(marker: Path) -> list[psutil.Process]:
     return found
 
 
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[Path]:
+    """A state directory for one test; no trainer of it outlives the test, whatever failed."""
+    d = tmp_path / "state"
+    yield d
+    for p in trainer_processes(d):
+        p.kill()
+
+
 @pytest.fixture(scope="session")
 def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The example run with no fault: the reference every faulty run must match."""

@@ -13,7 +13,6 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +25,6 @@ from tests.conftest import REPO, free_port, require, wait_for
 from tests.e2e.conftest import EXAMPLE, FakeSystemd, Serve, db_rows, env, trainer_processes, tsup
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def state(tmp_path: Path) -> Iterator[Path]:
-    d = tmp_path / "state"
-    yield d
-    for p in trainer_processes(d):  # never leave training behind, whatever failed
-        p.kill()
 
 
 def rank_process(state: Path, rank: int) -> psutil.Process:
@@ -118,7 +109,15 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
         assert lines and {"ts", "level", "logger", "message"} <= set(lines[0])
         assert any(line["message"].startswith("stopped:") for line in lines)
 
-        # The next daemon takes over and the run ends with the fault-free model.
+        # The next daemon takes over; SIGKILLed mid-run, it loses nothing either.
+        daemon = Serve(state, port)
+        at = quick_json(daemon, "status", run_id)["step"] or 0
+        wait_for(lambda: (quick_json(daemon, "status", run_id)["step"] or 0) > at + 2, 60, "steps under daemon 2")
+        before = quick_json(daemon, "events", run_id)
+        assert daemon.kill(signal.SIGKILL) == -signal.SIGKILL
+        assert all(p.is_running() for p in trainers), "the trainers outlive a killed daemon"
+
+        # The third daemon finishes the run with the fault-free model.
         daemon = Serve(state, port)
         # Every read, human and --json.
         for args, expect in ((["runs"], "tiny-llama"), (["runs", "-q"], run_id), (["status", run_id], "faults:   1"),
@@ -150,7 +149,25 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
                          240, "the run to succeed under the next daemon")
         assert final["attempts"] == 4 and final["model_digest"] == fault_free["model_digest"]
         assert [a["outcome"] for a in final["attempt_history"]] == ["FAILED", "STOPPED", "STOPPED", "SUCCEEDED"]
+        after = quick_json(daemon, "events", run_id)
+        assert after[: len(before)] == before, "every event from before the SIGKILL is still there"
+        ids = [e["id"] for e in after]
+        assert ids == sorted(set(ids))
+        starts = db_rows(state, "SELECT message FROM events WHERE kind = 'daemon.started' ORDER BY id")
+        assert len(starts) == 3 and all(f"{run_id}#4" in m for (m,) in starts[1:]), "each took over attempt 4"
+        assert db_rows(state, "SELECT count(*) FROM attempts")[0][0] == 4, "no duplicate attempt"
         wait_for(lambda: db_rows(state, "SELECT COUNT(*) FROM outbox") == [(0,)], 30, "every event published")
+
+        # Cancel: refused for a finished run; a second run is cancelled as it starts.
+        refused = quick(daemon, "cancel", run_id)
+        assert refused.returncode == 1 and f"{run_id}: cancel rejected: run is SUCCEEDED" in refused.stdout
+        second_run = quick_json(daemon, "submit", str(EXAMPLE))["run_id"]
+        wait_for(lambda: quick_json(daemon, "status", second_run)["attempts"] == 1, 30, "run 2's first attempt")
+        assert quick_json(daemon, "cancel", second_run)["result"] == "accepted"
+        wait_for(lambda: (d := quick_json(daemon, "status", second_run))["state"] == "CANCELLED"
+                 and d["attempt_state"] == "ENDED", 60, "run 2 cancelled")
+        wait_for(lambda: trainer_processes(state) == [], 30, "no trainer left")
+        assert "rejected: run is CANCELLED" in quick(daemon, "resume", second_run).stdout
 
         out, err = follow.communicate(timeout=60)  # ends by itself once the run has ended
         assert follow.returncode == 0, err
@@ -162,7 +179,7 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
 
         # Fuzzing the API from its own OpenAPI schema: no request makes it fail (5xx).
         fuzz(daemon, run_id, tmp_path)
-        assert db_rows(state, "SELECT state FROM runs WHERE number = 1") == [("SUCCEEDED",)]
+        assert db_rows(state, "SELECT state FROM runs ORDER BY number") == [("SUCCEEDED",), ("CANCELLED",)]
     finally:
         if follow is not None and follow.poll() is None:
             follow.kill()
