@@ -372,6 +372,12 @@ class Reconciler:
             tx.add_metric(number, attempt=msg.attempt, step=msg.step, loss=msg.loss,
                           grad_norm=msg.grad_norm, lr=msg.lr, step_time_s=msg.step_time_s,
                           tokens_per_s=msg.tokens_per_s, now=item.at)
+        elif isinstance(msg, p.FaultInjected):  # a drill's fault, injected by the trainer itself
+            tx.add_event(number, "chaos.injected",
+                         f"chaos {msg.action} fired in the trainer at step {msg.step}: {msg.detail} "
+                         f"(rank {msg.rank})",
+                         {"action": msg.action, "step": msg.step, "attempt": msg.attempt, "rank": msg.rank},
+                         item.at)
         elif tx.record_checkpoint(number, step=msg.step, path=msg.path, complete=True,
                                   duration_s=msg.duration_s, attempt=msg.attempt, now=item.at):
             tx.add_event(number, "checkpoint.committed",
@@ -531,7 +537,7 @@ class Reconciler:
         and a command the cluster refused says why."""
         with self.store.tx() as tx:
             commands = tx.pending_node_commands()
-            nodes = {n.name: n for n in tx.list_nodes()}
+            nodes = {n.name: n for n in tx.list_nodes()} if commands else {}
         for cmd in commands:
             node = nodes.get(cmd.node)
             if node is None:  # a node the store forgot: nothing to do

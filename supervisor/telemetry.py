@@ -58,7 +58,7 @@ class RankTelemetry:
 class Received:
     """A message to persist, with its receipt time."""
 
-    msg: p.StepMetrics | p.CheckpointCommitted
+    msg: p.StepMetrics | p.CheckpointCommitted | p.FaultInjected
     at: float
 
 
@@ -70,6 +70,7 @@ class TelemetryView:
     _durable: deque[Received] = field(default_factory=deque)
     _checkpoint_s: dict[str, deque[float]] = field(default_factory=dict)  # run -> recent save times
     _recent: dict[tuple[str, int], deque[StepSample]] = field(default_factory=dict)  # rank 0's steps
+    _injected: set[tuple[str, int, str]] = field(default_factory=set)  # (run, attempt, chaos action)
 
     def link_up(self, now: float) -> None:
         self.up_since = now
@@ -120,6 +121,11 @@ class TelemetryView:
                 self._queue(Received(msg, now))
                 if math.isfinite(msg.duration_s) and msg.duration_s >= 0:
                     self._checkpoint_s.setdefault(msg.run, deque(maxlen=20)).append(msg.duration_s)
+            case p.FaultInjected():
+                key = (msg.run, msg.attempt, msg.action)
+                if key not in self._injected:  # every rank may say so: the first one counts
+                    self._injected.add(key)
+                    self._queue(Received(msg, now))
             case p.Exit():
                 rank.exit_code, rank.exit_reason, rank.exit_at = msg.exit_code, msg.reason, now
                 self._progress(rank, msg.final_step, now)
@@ -170,6 +176,7 @@ class TelemetryView:
     def forget(self, run_id: str, attempt: int) -> None:
         self._ranks.pop((run_id, attempt), None)
         self._recent.pop((run_id, attempt), None)
+        self._injected = {k for k in self._injected if k[:2] != (run_id, attempt)}
 
 
 class MqttLink:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +56,18 @@ class Fault:
     step: int
     rank: int | None  # None: every rank; for spike, the window's length in steps
 
+    def __str__(self) -> str:
+        return f"{self.action}@{self.step}" + (f":{self.rank}" if self.rank is not None else "")
+
+
+# Told of every fault as it fires (the trainer publishes it: protocol.FaultInjected):
+# report(fault, detail).
+Report = Callable[[Fault, str], None]
+
+
+def _ignore(_fault: Fault, _detail: str) -> None:
+    pass
+
 
 @dataclass(frozen=True, slots=True)
 class FaultPlan:
@@ -69,14 +81,18 @@ class FaultPlan:
         state = environ.get("TSUP_FAULT_STATE", "").strip()
         return cls(plan.faults, Path(state)) if state else plan
 
-    def spike_factor(self, first_sample: int, global_batch: int) -> float:
-        """The loss scale for the batch that starts at ``first_sample`` (1.0: clean data)."""
+    def spike_fault(self, first_sample: int, global_batch: int) -> Fault | None:
+        """The ``spike`` whose bad data the batch that starts at ``first_sample`` is."""
         for f in self.faults:
             if f.action == "spike":
                 start = (f.step - 1) * global_batch
                 if start <= first_sample < start + (f.rank or 1) * global_batch:
-                    return SPIKE_FACTOR
-        return 1.0
+                    return f
+        return None
+
+    def spike_factor(self, first_sample: int, global_batch: int) -> float:
+        """The loss scale for the batch that starts at ``first_sample`` (1.0: clean data)."""
+        return SPIKE_FACTOR if self.spike_fault(first_sample, global_batch) else 1.0
 
     def slowdown(self, step: int, rank: int, node: str) -> float:
         """How much slower this rank computes at this step (1.0: normal speed, ``slow``).
@@ -93,14 +109,13 @@ class FaultPlan:
                 return SLOW_FACTOR
         return 1.0
 
-    def poisons(self, step: int) -> bool:
-        """Whether this step's loss becomes NaN (``nan@STEP``): on the first rank to claim
-        the run's marker only; the gradients' all-reduce carries it to every rank."""
-        if not any(f.action == "nan" and f.step == step for f in self.faults):
-            return False
-        if self.state_dir is None:
-            return True
-        return _claim(self.state_dir / f"nan@{step}", "")
+    def poisons(self, step: int) -> Fault | None:
+        """The ``nan@STEP`` that turns this step's loss NaN, if any: on the first rank to
+        claim the run's marker only; the gradients' all-reduce carries it to every rank."""
+        fault = next((f for f in self.faults if f.action == "nan" and f.step == step), None)
+        if fault is None or (self.state_dir is not None and not _claim(self.state_dir / f"nan@{step}", "")):
+            return None
+        return fault
 
     @classmethod
     def parse(cls, spec: str) -> FaultPlan:
@@ -120,18 +135,24 @@ class FaultPlan:
             faults.append(Fault(action, step, rank))
         return cls(tuple(faults))
 
-    def after_step(self, step: int, rank: int) -> None:
-        """Act on the faults planned for this step and rank (may never return)."""
+    def after_step(self, step: int, rank: int, report: Report = _ignore) -> None:
+        """Act on the faults planned for this step and rank (may never return), telling
+        ``report`` first."""
         for fault in self.faults:
             if fault.step != step or fault.rank not in (None, rank) or fault.action not in _AFTER_STEP:
                 continue
             if fault.action == "crash":
-                raise InjectedFault(f"injected crash after step {step} on rank {rank}")
+                error: Exception = InjectedFault(f"injected crash after step {step} on rank {rank}")
+                report(fault, str(error))
+                raise error
             if fault.action == "device":
                 if self.state_dir is None or _claim(self.state_dir / f"device@{step}", str(rank)):
-                    raise DeviceFault(f"injected: CUDA error: uncorrectable ECC error encountered "
-                                      f"after step {step} on rank {rank}")
+                    error = DeviceFault(f"injected: CUDA error: uncorrectable ECC error encountered "
+                                        f"after step {step} on rank {rank}")
+                    report(fault, str(error))
+                    raise error
                 continue
+            report(fault, f"rank {rank} hangs after step {step}")
             while True:  # hang: the training thread sleeps, the heartbeat thread goes on
                 time.sleep(3600)
 

@@ -133,17 +133,28 @@ class Exit(Header):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class FaultInjected(Header):
+    """A chaos drill's fault, injected by this rank (trainer/faults.py): when it happened,
+    so that the time to detect it can be measured."""
+
+    kind: ClassVar[str] = "fault"
+    action: str  # as TSUP_FAULT spells it, e.g. "nan@60"
+    step: int
+    detail: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Lost(Header):
     """The MQTT last will: the broker publishes it when the rank's connection dies."""
 
     kind: ClassVar[str] = "lost"
 
 
-Message = Register | Heartbeat | StepMetrics | PhaseChange | CheckpointCommitted | Exit | Lost
+Message = Register | Heartbeat | StepMetrics | PhaseChange | CheckpointCommitted | Exit | FaultInjected | Lost
 
 _TYPES: dict[str, type[Any]] = {
     cls.kind: cls
-    for cls in (Register, Heartbeat, StepMetrics, PhaseChange, CheckpointCommitted, Exit, Lost)
+    for cls in (Register, Heartbeat, StepMetrics, PhaseChange, CheckpointCommitted, Exit, FaultInjected, Lost)
 }
 KINDS = frozenset(_TYPES)
 

@@ -186,6 +186,12 @@ class Telemetry:
         self._put(protocol.CheckpointCommitted(**self._header(), step=step, path=path,
                                                duration_s=duration_s))
 
+    def fault_injected(self, *, action: str, step: int, detail: str) -> None:
+        """A chaos drill's fault fired on this rank."""
+        if self._broker is None:
+            return
+        self._put(protocol.FaultInjected(**self._header(), action=action, step=step, detail=detail[:500]))
+
     def close(self, *, exit_code: int, final_step: int, reason: str,
               timeout_s: float = 3.0) -> None:
         """Publish ``Exit``, disconnect cleanly, stop the sender; waits at most timeout_s."""

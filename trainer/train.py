@@ -36,7 +36,7 @@ from trainer.config import TrainConfig, config_digest
 from trainer.data import BatchReader, open_source
 from trainer.digest import model_digest
 from trainer.errors import EXIT_OK, UsageError, exit_code_for
-from trainer.faults import FaultPlan
+from trainer.faults import SPIKE_FACTOR, Fault, FaultPlan
 from trainer.model import Transformer
 from trainer.optim import build_optimizer, lr_at, set_lr
 from trainer.protocol import Phase
@@ -126,6 +126,7 @@ class _Runner:
         # all-reduce, so all of them save together.
         self._save_asked = False
         self._save_asked_now = False
+        self._injected: set[str] = set()  # chaos faults this rank has reported (once each)
         if threading.current_thread() is threading.main_thread():  # the only place handlers may be set
             signal.signal(signal.SIGUSR1, self._on_usr1)
         torch.manual_seed(config.seed)  # nothing should draw from it; pin it regardless
@@ -163,7 +164,8 @@ class _Runner:
                 if self._save_asked_now and not self._checkpoint_due():
                     self._say(f"checkpoint at step {self.step} asked for by SIGUSR1 (a time limit ahead)")
                 self._save()
-            self.faults.after_step(self.step, self.ctx.rank)
+            self.faults.after_step(self.step, self.ctx.rank,
+                                   lambda fault, detail: self._fault_fired(fault, self.step, detail))
         self.telemetry.set_phase(Phase.DONE, self.step)
         digest = model_digest(self.model, is_main=self.ctx.is_main)
         result = TrainResult(
@@ -225,7 +227,11 @@ class _Runner:
         model, config = self.model, self.config
         self._skip_data()
         first_sample = self.consumed
-        scale = self.faults.spike_factor(first_sample, config.global_batch_size)
+        spike = self.faults.spike_fault(first_sample, config.global_batch_size)
+        scale = SPIKE_FACTOR if spike else 1.0
+        if spike and self.ctx.is_main:
+            self._fault_fired(spike, step, f"the data of step {step} (samples from {first_sample}) is bad: "
+                                           f"loss x {SPIKE_FACTOR:g}")
         rows = torch.from_numpy(self.reader.rank_batch(self.consumed)).to(self.ctx.device)
         lr = lr_at(step, config=config.optimizer, total_steps=config.steps)
         set_lr(self.optimizer, lr)
@@ -237,7 +243,8 @@ class _Runner:
             logits = model(micro[:, :-1])
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                    micro[:, 1:].reshape(-1))
-            if i == 0 and self.faults.poisons(step):
+            if i == 0 and (nan := self.faults.poisons(step)):
+                self._fault_fired(nan, step, f"the loss of step {step} turns NaN on rank {self.ctx.rank}")
                 loss = loss * float("nan")
             if scale != 1.0:
                 loss = loss * scale
@@ -245,6 +252,10 @@ class _Runner:
             loss_sum += loss.detach()
         slowdown = self.faults.slowdown(step, self.ctx.rank, self.telemetry.identity.node)
         if slowdown != 1.0:  # a straggler drill: compute this step's work slowdown times over
+            slow = next((f for f in self.faults.faults if f.action == "slow"),
+                        Fault("slow", step, self.ctx.rank))
+            self._fault_fired(slow, step,
+                              f"node {self.telemetry.identity.node} computes at 1/{slowdown:g} speed")
             _burn_cpu((slowdown - 1.0) * (time.process_time() - cpu_started))
         # max_norm=inf measures the norm without clipping (scales gradients by exactly 1).
         max_norm = config.optimizer.grad_clip or float("inf")
@@ -311,6 +322,16 @@ class _Runner:
             self._say(f"checkpoint step {self.step} committed to {saved.path} "
                       f"in {saved.duration_s:.3f} s{pruned}")
         self.telemetry.set_phase(Phase.TRAIN, self.step)
+
+    def _fault_fired(self, fault: Fault, step: int, detail: str) -> None:
+        """A chaos drill's fault fired here: said in the log and on telemetry, once per
+        fault and attempt (a spike's bad data is read step after step)."""
+        key = fault.action if fault.action in ("spike", "slow") else str(fault)
+        if key in self._injected:
+            return
+        self._injected.add(key)
+        print(f"chaos: {fault} fired at step {step} on rank {self.ctx.rank}: {detail}", flush=True)
+        self.telemetry.fault_injected(action=str(fault), step=step, detail=detail)
 
     def _say(self, line: str) -> None:
         if self.ctx.is_main:

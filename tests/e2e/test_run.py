@@ -78,6 +78,8 @@ def test_a_trainer_that_crashes_at_the_same_step_every_time_ends_in_a_crash_loop
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert s["state"] == "FAILED" and s["reason"].startswith("crash loop: rank-exit at step 25 in 3 attempts")
     assert s["attempts"] == 3 and [f["step"] for f in s["faults"]] == [25, 25, 25]
+    # the trainer said when it injected each crash: detection is measured from there
+    assert all(0 < f["detected_at"] - f["injected_at"] < 5 for f in s["faults"]), s["faults"]
     assert all("InjectedFault" in f["summary"] for f in s["faults"])
     assert s["drained_nodes"] == [], "a crash the code makes is no node's fault"
     assert trainer_processes(tmp_path) == []
@@ -91,6 +93,7 @@ def test_a_nan_loss_rolls_back_to_the_checkpoint_before_it_and_ends_with_the_sam
     assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
     [fault] = s["faults"]
     assert fault["kind"] == "nonfinite" and fault["step"] == 60 and fault["nodes"] == []
+    assert 0 < fault["detected_at"] - fault["injected_at"] < 5, fault
     assert [a["resume_step"] for a in s["attempt_history"]] == [0, 40], "rolled back to before step 60"
     assert s["drained_nodes"] == []
     log = (tmp_path / "runs" / "run-1" / "attempts" / "1" / "rank-0000.local-1.log").read_text()
@@ -106,6 +109,7 @@ def test_a_persistent_loss_spike_rolls_back_before_it_and_skips_its_data(tmp_pat
     assert s["state"] == "SUCCEEDED" and s["final_step"] == 80
     [fault] = s["faults"]
     assert fault["kind"] == "spike" and fault["step"] == 60, fault
+    assert 0 < fault["detected_at"] - fault["injected_at"] < 10, "5 spiked steps, then the verdict"
     assert [a["resume_step"] for a in s["attempt_history"]] == [0, 40], "rolled back to before the spike"
     [(message, data)] = [(m, json.loads(d)) for m, d in db_rows(
         tmp_path, "SELECT message, data FROM events WHERE kind = 'data.skip'")]
@@ -168,6 +172,7 @@ def test_a_device_fault_reported_by_the_trainer_drains_its_node(fault_free: dict
     assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
     [fault] = s["faults"]
     assert (fault["kind"], fault["nodes"], fault["ranks"]) == ("device", ["local-2"], [3])
+    assert 0 < fault["detected_at"] - fault["injected_at"] < 5, fault
     assert s["drained_nodes"] == ["local-2"]
     [(reason,)] = db_rows(tmp_path, "SELECT reason FROM nodes WHERE state = 'DRAINED'")
     assert reason.startswith("training-supervisor: device fault reported by the trainer: DeviceFault: "
