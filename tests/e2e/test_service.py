@@ -32,7 +32,8 @@ def rank_process(state: Path, rank: int) -> psutil.Process:
     return p
 
 
-def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_path: Path) -> None:
+def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_path: Path,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
     port = free_port()
     config = tmp_path / "config.toml"
     config.write_text(f'state_dir = "{state}"\napi_bind = "127.0.0.1:{port}"\nlog_format = "text"\n'
@@ -53,8 +54,12 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
         assert second.returncode == 2 and f"pid {daemon.proc.pid}" in second.stderr
 
         # Writes need the token; reads on this host do not.
-        anonymous = daemon.ctl("submit", str(EXAMPLE), token=False)
+        # (where supervisorctl looks for a token by default: nowhere with one, here)
+        monkeypatch.setattr("api.ctl.SYSTEM_TOKEN_FILE", tmp_path / "no-such-token")
+        monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "no-state"))
+        anonymous = quick(daemon, "submit", str(EXAMPLE), token=False)
         assert anonymous.returncode == 4 and "needs the API token" in anonymous.stderr
+        assert "no token found (looked in" in anonymous.stderr
         r = httpx.post(f"{daemon.url}/v1/runs", json={"spec": {}})
         assert r.status_code == 401 and r.json()["error"] == "Unauthorized"
         r = httpx.post(f"{daemon.url}/v1/runs", json={"spec": {}}, headers={"Authorization": "Bearer nope"})
