@@ -249,7 +249,7 @@ def _check_field(kind: str, name: str, annotation: Any, value: Any) -> Any:
     if annotation in ("str", str):
         if not isinstance(value, str):
             raise ProtocolError(f"{where}: expected a string, got {value!r}")
-        limit = _MAX_TEXT_LEN if name in ("reason", "path") else _MAX_ID_LEN
+        limit = _MAX_TEXT_LEN if name in ("reason", "path", "detail") else _MAX_ID_LEN
         if len(value) > limit:
             raise ProtocolError(f"{where}: longer than {limit} characters")
         if name == "run" and not _is_id(value):

@@ -18,8 +18,14 @@ SAMPLES: list[p.Message] = [
     p.PhaseChange(**H, phase=p.Phase.CHECKPOINT, step=20),
     p.CheckpointCommitted(**H, step=20, path="/ck/step_00000020", duration_s=0.12),
     p.Exit(**H, exit_code=1, final_step=17, reason="RuntimeError: boom"),
+    # a detail as long as the trainer sends (500): one longer than an id's 64 must pass
+    p.FaultInjected(**H, action="device@50:3", step=50, detail="injected: CUDA error: " + "x" * 478),
     p.Lost(**H),
 ]
+
+
+def test_every_kind_has_a_sample() -> None:
+    assert {m.kind for m in SAMPLES} == p.KINDS
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: m.kind)
