@@ -19,6 +19,7 @@ a second copy.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -68,7 +69,7 @@ from supervisor.domain import (
     StragglerReport,
     TrainerResult,
 )
-from supervisor.errors import LaunchError
+from supervisor.errors import LaunchError, NotFound
 from supervisor.launchers.base import AllocationRequest, Grant, Launcher, LaunchSpec
 from supervisor.policy import decide, resume_before, transient_spikes, unreadable_checkpoints
 from supervisor.spec import RunSpec, spec_from_json
@@ -537,9 +538,10 @@ class Reconciler:
         and a command the cluster refused says why."""
         with self.store.tx() as tx:
             commands = tx.pending_node_commands()
-            nodes = {n.name: n for n in tx.list_nodes()} if commands else {}
         for cmd in commands:
-            node = nodes.get(cmd.node)
+            node: Node | None = None
+            with self.store.tx() as tx, contextlib.suppress(NotFound):
+                node = tx.get_node(cmd.node)  # as the command before it left it
             if node is None:  # a node the store forgot: nothing to do
                 result = "rejected: no such node"
             elif cmd.kind is NodeCommandKind.DRAIN:

@@ -437,3 +437,18 @@ def test_an_auto_checkpoint_interval_is_set_at_each_attempt_from_what_was_measur
         said = [e.message for e in tx.list_events(1, kind="checkpoint.interval")]
     assert said[0] == "checkpoint every 50 steps until a checkpoint and steps are timed"
     assert said[1].startswith("checkpoint every 294 steps: Young/Daly sqrt(2 x 0.50 s a checkpoint x MTBF 0.2 h")
+
+
+def test_a_drain_and_an_undrain_queued_together_are_carried_out_in_order(world) -> None:  # type: ignore[no-untyped-def]
+    store, clock, launcher, telemetry, rec, service = world
+    service.submit(parse_spec(SPEC))
+    rec.tick()
+    node = "node-3"  # the spare
+    drain = service.request_node(node, NodeCommandKind.DRAIN, "reseat the cable")
+    undrain = service.request_node(node, NodeCommandKind.UNDRAIN, "done")
+    rec.tick()
+    assert (service.command_result(drain.command_id), service.command_result(undrain.command_id)) == (
+        "accepted", "accepted")
+    assert launcher.drains == [(node, "operator: reseat the cable")] and launcher.undrains == [node]
+    with store.tx() as tx:
+        assert tx.get_node(node).state is NodeState.IDLE
