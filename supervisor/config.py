@@ -36,9 +36,6 @@ from supervisor.errors import SpecError
 from trainer.protocol import parse_mqtt_url
 
 ENV_PREFIX = "TSUP_"
-# Environment variables of the daemon that are not config keys (the trainer's, the
-# tests'): never read as overrides.
-_NOT_CONFIG = frozenset({"TSUP_CONFIG", "TSUP_API_TOKEN", "TSUP_URL"})
 
 
 def default_state_dir() -> Path:
@@ -108,11 +105,11 @@ def load_service_config(path: Path | None, environ: Mapping[str, str]) -> Servic
         source.update(dict.fromkeys(data, str(path)))
     fields = ServiceConfig.model_fields
     for name, text in environ.items():
-        if not name.startswith(ENV_PREFIX) or name in _NOT_CONFIG:
+        if not name.startswith(ENV_PREFIX):
             continue
         key = name[len(ENV_PREFIX):].lower()
         if key not in fields:
-            continue  # the trainer's TSUP_ variables share the prefix
+            continue  # TSUP_CONFIG, supervisorctl's and the trainer's variables share the prefix
         values[key] = _from_env(key, text)
         source[key] = f"environment {name}"
     try:

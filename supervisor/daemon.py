@@ -65,7 +65,7 @@ EVENTS_TOPIC_ROOT = "tsup/v1/events"
 # the daemon instead of spinning: systemd restarts it and the operator sees why.
 _MAX_FAILED_TICKS = 100
 _STALLED_AFTER_S = 30.0  # /healthz answers 503 when no tick finished for this long
-_OUTBOX_BATCH = 100  # events per outbox read (Tx.unpublished_events' default)
+_OUTBOX_BATCH = 100  # events per outbox read
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -258,7 +258,7 @@ class Daemon:
         if not self.link.connected:
             return 0, False
         with self.store.tx() as tx:
-            events = tx.unpublished_events()
+            events = tx.unpublished_events(limit=_OUTBOX_BATCH)
         published = []
         for e in events:
             topic = f"{EVENTS_TOPIC_ROOT}/{f'run-{e.run_number}' if e.run_number else 'daemon'}"

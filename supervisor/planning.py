@@ -54,6 +54,11 @@ def advise_every_steps(checkpoint_cost_s: float, step_time_s: float, nodes: int,
 AUTO_FIRST_EVERY_STEPS = 50
 
 
+def first_auto_every_steps(total_steps: int) -> int:
+    """An ``auto`` run's interval before anything was measured."""
+    return min(AUTO_FIRST_EVERY_STEPS, max(1, total_steps))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AutoInterval:
     every_steps: int
@@ -68,7 +73,7 @@ def auto_every_steps(checkpoint_costs_s: Sequence[float], step_times_s: Sequence
     measured: ``AUTO_FIRST_EVERY_STEPS``."""
     cap = max(1, total_steps)
     if not checkpoint_costs_s or not step_times_s:
-        every = min(AUTO_FIRST_EVERY_STEPS, cap)
+        every = first_auto_every_steps(total_steps)
         return AutoInterval(every_steps=every,
                             why=f"every {every} steps until a checkpoint and steps are timed")
     cost, step = median(checkpoint_costs_s), median(step_times_s)

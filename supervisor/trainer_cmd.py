@@ -23,7 +23,7 @@ from typing import Any
 
 from supervisor.domain import TrainerResult
 from supervisor.errors import SpecError
-from supervisor.planning import AUTO_FIRST_EVERY_STEPS
+from supervisor.planning import first_auto_every_steps
 from supervisor.spec import RunSpec
 
 CHECK_TIMEOUT_S = 60.0
@@ -60,7 +60,7 @@ def trainer_config(spec: RunSpec, run_dir: Path, every_steps: int | None = None)
     checkpoint = config.setdefault("checkpoint", {})
     checkpoint["dir"] = str(checkpoint_dir(spec, run_dir))
     if spec.auto_checkpoints:
-        checkpoint["every_steps"] = every_steps or min(AUTO_FIRST_EVERY_STEPS, spec.total_steps)
+        checkpoint["every_steps"] = every_steps or first_auto_every_steps(spec.total_steps)
     config["output_dir"] = str(path.parent)
     return config
 

@@ -90,10 +90,6 @@ class FaultPlan:
                     return f
         return None
 
-    def spike_factor(self, first_sample: int, global_batch: int) -> float:
-        """The loss scale for the batch that starts at ``first_sample`` (1.0: clean data)."""
-        return SPIKE_FACTOR if self.spike_fault(first_sample, global_batch) else 1.0
-
     def slowdown(self, step: int, rank: int, node: str) -> float:
         """How much slower this rank computes at this step (1.0: normal speed, ``slow``).
 
