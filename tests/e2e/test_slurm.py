@@ -270,4 +270,10 @@ def test_a_drained_node_is_probed_inside_a_reservation_and_stays_drained_until_r
     launcher.undrain("node3")
     node3 = parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", "node3"))["node3"]
     assert "DRAIN" not in node3.flags
-    assert "node3" in launcher.probe(["node3"], argv, allocation_info=None, timeout_s=30)
+    # Slurm may take a scheduling pass to offer the returned node (under load, the probe
+    # job of a moment ago can still be completing there): a sweep would simply try again
+    # at its next period, so the test tries again too, for at most a minute.
+    def probed() -> bool:
+        return "node3" in launcher.probe(["node3"], argv, allocation_info=None, timeout_s=30)
+    wait_for(probed, 60, "a probe of the returned node3: " + slurm(slurm_box, "scontrol", "-o", "show", "node", "node3"),
+             interval_s=1)
