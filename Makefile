@@ -1,6 +1,8 @@
 # make run   create .venv, install, run the supervised tiny training with one fault
 # make test  create .venv, install what the tests need (mosquitto, Slurm and munge
 #            from Debian's packages when root), then lint, type-check and run the suite
+#            (with a seeded subset of the chaos scenarios)
+# make chaos every chaos scenario (tests/chaos); SEED=N picks the mixed-fault scenario's mix
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -33,6 +35,9 @@ unit: $(STAMP)
 
 test: $(STAMP) system-deps lint typecheck
 	$(BIN)/pytest
+
+chaos: $(STAMP) system-deps
+	$(BIN)/pytest tests/chaos --chaos-all $(if $(SEED),--seed $(SEED))
 
 clean:
 	rm -rf $(VENV) .state .pytest_cache .mypy_cache .ruff_cache

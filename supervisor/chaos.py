@@ -8,6 +8,10 @@
                       its network, found only by its silence
     hang-rank@40      SIGSTOP one rank (the highest, or rank TARGET): the others wait for it
                       in the next collective, and no rank makes progress (a hang)
+    corrupt-ckpt@50   truncate the largest shard of the newest complete checkpoint to
+                      half its size, as a torn write would: it still looks complete, so
+                      only the trainer's load finds out (exit code 3). Pair it with a
+                      fault at the same step to make the next attempt resume from it
 
 Trainer-side faults go to the reference trainer itself (``TSUP_FAULT``, trainer/faults.py),
 in every attempt of the run:
@@ -19,6 +23,9 @@ in every attempt of the run:
                       attempt that reads that data (until the supervisor skips it)
     device@50[:RANK]  rank RANK's accelerator fails after step 50 (the trainer exits with
                       code 4, "device fault"), once per run
+    kill-in-save@40[:RANK]
+                      rank RANK (every rank if left out) SIGKILLs itself in the middle of
+                      the checkpoint save of step 40, shards written but not committed
     slow@40[:RANK]    from step 40 on, the node of rank RANK (default 0) computes at half
                       speed for the rest of the run: a straggler
 
@@ -31,11 +38,14 @@ tests) can compare detection times with the moment of injection.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
+from supervisor import checkpoint_scan
 from supervisor.domain import AttemptState, run_id_of
 from supervisor.errors import LaunchError, SpecError
 from supervisor.launchers.base import Launcher
@@ -45,12 +55,12 @@ from supervisor.telemetry import TelemetryView
 
 log = logging.getLogger(__name__)
 
-_KINDS = "kill-rank|kill-node|freeze-node|hang-rank|crash|nan|spike|slow|device"
+_KINDS = "kill-rank|kill-node|freeze-node|hang-rank|corrupt-ckpt|crash|nan|spike|slow|device|kill-in-save"
 _SYNTAX = re.compile(rf"^({_KINDS})@([0-9]+)(?::([0-9]+))?$")
-ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "hang-rank", "crash", "nan", "spike", "slow",
-                    "device"]
+ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "hang-rank", "corrupt-ckpt", "crash", "nan",
+                    "spike", "slow", "device", "kill-in-save"]
 # Injected by the trainer itself, not by signals from outside.
-TRAINER_KINDS = frozenset({"crash", "nan", "spike", "slow", "device"})
+TRAINER_KINDS = frozenset({"crash", "nan", "spike", "slow", "device", "kill-in-save"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,7 +79,7 @@ def parse_chaos(text: str) -> ChaosAction:
     if m is None:
         raise SpecError(
             f"--chaos {text!r}: expected KIND@STEP[:TARGET] with KIND kill-rank, kill-node, freeze-node, "
-            "hang-rank, crash, nan, spike, slow or device, "
+            "hang-rank, corrupt-ckpt, crash, nan, spike, slow, device or kill-in-save, "
             "for example kill-rank@50"
         )
     kind: ChaosKind = m.group(1)  # type: ignore[assignment]
@@ -82,7 +92,7 @@ def parse_chaos(text: str) -> ChaosAction:
 class ChaosMonkey:
     def __init__(
         self, actions: list[ChaosAction], run_number: int, store: SqlStore, launcher: Launcher,
-        telemetry: TelemetryView, reconciler: Reconciler,
+        telemetry: TelemetryView, reconciler: Reconciler, checkpoint_dir: Path | None = None,
     ) -> None:
         self.pending = sorted(actions, key=lambda a: a.step)
         self.run_number = run_number
@@ -90,6 +100,7 @@ class ChaosMonkey:
         self.launcher = launcher
         self.telemetry = telemetry
         self.reconciler = reconciler
+        self.checkpoint_dir = checkpoint_dir
 
     def poll(self) -> None:
         if not self.pending:
@@ -103,7 +114,9 @@ class ChaosMonkey:
         while self.pending and self.pending[0].step <= step:
             action = self.pending.pop(0)
             try:
-                if action.kind in ("kill-rank", "hang-rank"):
+                if action.kind == "corrupt-ckpt":
+                    what = self._corrupt_newest_checkpoint()
+                elif action.kind in ("kill-rank", "hang-rank"):
                     world = len(live.nodes) * _ranks_per_node(self.store, self.run_number)
                     rank = action.target if action.target is not None else world - 1
                     sig = signal.SIGKILL if action.kind == "kill-rank" else signal.SIGSTOP
@@ -113,13 +126,25 @@ class ChaosMonkey:
                     node = live.nodes[index]
                     what = (self.launcher.kill_node(live.launch_info, node) if action.kind == "kill-node"
                             else self.launcher.freeze_node(live.launch_info, node))
-            except (LaunchError, IndexError) as e:
+            except (LaunchError, IndexError, OSError) as e:
                 log.warning("chaos %s not injected: %s", action, e)
                 continue
             self.reconciler.post_event(
                 self.run_number, "chaos.injected", f"chaos {action} at step {step}: {what}",
                 {"action": str(action), "step": step, "attempt": live.number},
             )
+
+
+    def _corrupt_newest_checkpoint(self) -> str:
+        newest, _ = checkpoint_scan.pick(self.checkpoint_dir) if self.checkpoint_dir else (None, [])
+        if newest is None:
+            raise LaunchError(f"no complete checkpoint in {self.checkpoint_dir} to corrupt")
+        shard = max(newest.path.glob("*.distcp"), key=lambda p: p.stat().st_size, default=None)
+        if shard is None:
+            raise LaunchError(f"{newest.path} holds no shard file")
+        size = shard.stat().st_size
+        os.truncate(shard, size // 2)
+        return f"truncated {shard} from {size} to {size // 2} bytes"
 
 
 def _ranks_per_node(store: SqlStore, run_number: int) -> int:

@@ -70,9 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--state-dir", type=Path, default=None,
                      help=f"SQLite, checkpoints and logs (default {default_state_dir()})")
     run.add_argument("--chaos", action="append", default=[], metavar="KIND@STEP[:TARGET]",
-                     help="inject a fault (repeatable): kill-rank, kill-node, freeze-node, hang-rank@STEP "
-                          "from outside; crash@STEP, nan@STEP, spike@STEP:LEN, slow@STEP[:RANK], "
-                          "device@STEP[:RANK] in the trainer")
+                     help="inject a fault (repeatable): kill-rank, kill-node, freeze-node, hang-rank@STEP, "
+                          "corrupt-ckpt@STEP from outside; crash@STEP, nan@STEP, spike@STEP:LEN, "
+                          "slow@STEP[:RANK], device@STEP[:RANK], kill-in-save@STEP[:RANK] in the trainer")
     run.add_argument("--json", action="store_true", help="print one JSON summary object on stdout")
     run.add_argument("--quiet", action="store_true", help="no progress on stderr")
     run.add_argument("--launcher", choices=("local", "slurm"), default=None,
@@ -215,7 +215,8 @@ async def _run(args: argparse.Namespace) -> int:
         if spec.trainer is None:
             raise SpecError(f"--chaos {', '.join(in_trainer)}: only the reference trainer ([trainer]) "
                             "injects these")
-        spec = spec.model_copy(update={"chaos": [*spec.chaos, *in_trainer]})
+        # validated again, as a stored spec will be when the reconciler reads it back
+        spec = type(spec).model_validate({**spec.model_dump(), "chaos": [*spec.chaos, *in_trainer]})
     state_dir: Path = args.state_dir or default_state_dir()
     trainer_cmd.check_trainer_config(spec, state_dir / "runs" / "run-check")
     settings = DaemonSettings(
@@ -233,7 +234,8 @@ async def _run(args: argparse.Namespace) -> int:
                 + (f"; API on {daemon.api_url}" if daemon.api_url else ""))
         outside = [c for c in chaos if c.kind not in TRAINER_KINDS]
         monkey = ChaosMonkey(outside, number, daemon.store, daemon.launcher, daemon.telemetry,
-                             daemon.reconciler)
+                             daemon.reconciler,
+                             trainer_cmd.checkpoint_dir(spec, state_dir / "runs" / run_id))
         stop = asyncio.Event()
         interrupted = asyncio.Event()
 

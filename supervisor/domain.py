@@ -79,6 +79,7 @@ class FaultKind(StrEnum):
     DEVICE = "device"  # a rank exited with code 4: its accelerator failed
     CHECKPOINT = "checkpoint"  # a rank exited with code 3: the checkpoint it resumed from is unreadable
     STRAGGLER = "straggler"  # a rank far slower than the others (acted on only with straggler_restart)
+    STORAGE = "storage"  # a rank exited with code 5: no checkpoint can be written (disk full)
 
 
 _RUN_ID = re.compile(r"^run-([1-9][0-9]{0,17})$")

@@ -21,7 +21,7 @@ Run transitions (state, condition -> next state: effects):
     STARTING, RUNNING
                     result written, ranks gone -> SUCCEEDED: EndAttempt, FinishRun
                     a fault                  -> RECOVERING:  RecordFault, StopAttempt, DrainNode*
-                    a fault, exit code 2     -> FAILED:      RecordFault, StopAttempt (do not retry)
+                    a fault, exit code 2 or 5 -> FAILED:     RecordFault, StopAttempt (do not retry)
 
 Attempts: LAUNCHING -> RUNNING (the reconciler, once processes exist) -> STOPPING
 (StopAttempt) -> ENDED (EndAttempt, once no process of it is left, or abandoned with its
@@ -110,6 +110,7 @@ from supervisor.domain import (
 EXIT_DO_NOT_RETRY = frozenset({2})  # configuration or usage error: a restart cannot fix it -> FAILED
 EXIT_CHECKPOINT_UNREADABLE = 3  # resume from the checkpoint before the one that failed to load
 EXIT_DEVICE_FAULT = 4  # the rank's accelerator failed: drain its node, restart on a spare
+EXIT_STORAGE_FULL = 5  # no checkpoint can be written (disk full): FAILED until an operator frees space
 
 _ACTIVE = frozenset({RunState.PENDING, RunState.STARTING, RunState.RUNNING, RunState.RECOVERING})
 _LAUNCHABLE = frozenset({RunState.PENDING, RunState.STARTING, RunState.RECOVERING})
@@ -527,6 +528,13 @@ def _attribute(
         record = RecordFault(kind=FaultKind.DEVICE, attempt=live.number, ranks=tuple(r.rank for r in broken),
                              nodes=tuple(nodes), summary=summary, step=step)
         return record, drains, False
+    full = [r for r in dead if _exit_code(r) == EXIT_STORAGE_FULL]
+    if full:  # every later save would fail the same way: stop, keep what is saved, say why
+        summary = (f"checkpoint storage full (exit code 5): {_describe_exit(full[0])}; "
+                   f"free space, then resume the run")
+        record = RecordFault(kind=FaultKind.STORAGE, attempt=live.number, ranks=tuple(r.rank for r in full),
+                             nodes=(), summary=summary, step=step)
+        return record, [], True
     unreadable = [r for r in dead if _exit_code(r) == EXIT_CHECKPOINT_UNREADABLE]
     if unreadable and live.resume_from is not None:
         summary = (f"the checkpoint at step {live.resume_step} cannot be read "

@@ -173,7 +173,7 @@ class RunSpec(BaseModel):
     health: HealthSpec = HealthSpec()
     # Trainer-side faults for chaos drills (``--chaos crash@25``), handed to the reference
     # trainer as TSUP_FAULT in every attempt (trainer/faults.py).
-    chaos: list[Annotated[str, Field(pattern=r"^[a-z]+@[0-9]+(:[0-9]+)?$")]] = []
+    chaos: list[Annotated[str, Field(pattern=r"^[a-z][a-z-]*@[0-9]+(:[0-9]+)?$")]] = []
 
     @model_validator(mode="after")
     def _trainer_keys_the_supervisor_reads(self) -> RunSpec:

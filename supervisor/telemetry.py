@@ -31,7 +31,10 @@ log = logging.getLogger(__name__)
 # Step metrics and checkpoint commits waiting to be persisted; beyond this many (a
 # reconciler stalled for minutes) the oldest are dropped and counted.
 _DURABLE_QUEUE_MAX = 100_000
-STEP_TIMES_KEPT = 200  # per rank: the window the adaptive hang timeout is drawn from
+# Per attempt, over all its ranks: the window the adaptive hang timeout is drawn from.
+# One pooled window, not one per rank, so that its p99 costs the same at 4 ranks and at
+# 32,768 (a sort of every rank's window on every tick did not scale).
+STEP_TIMES_KEPT = 2048
 RECENT_STEPS_KEPT = 400  # rank 0's steps per attempt: the window spikes are judged on
 BUSY_TIMES_KEPT = 100  # per rank: the longest window stragglers may be judged on
 
@@ -49,7 +52,6 @@ class RankTelemetry:
     exit_at: float | None = None
     lost: bool = False
     lost_at: float | None = None
-    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_TIMES_KEPT))
     busy_times: deque[float] = field(default_factory=lambda: deque(maxlen=BUSY_TIMES_KEPT))
     nonfinite_step: int | None = None  # the first step whose loss or grad norm was NaN or infinite
 
@@ -70,6 +72,7 @@ class TelemetryView:
     _durable: deque[Received] = field(default_factory=deque)
     _checkpoint_s: dict[str, deque[float]] = field(default_factory=dict)  # run -> recent save times
     _recent: dict[tuple[str, int], deque[StepSample]] = field(default_factory=dict)  # rank 0's steps
+    _step_times: dict[tuple[str, int], deque[float]] = field(default_factory=dict)  # every rank's, pooled
     _injected: set[tuple[str, int, str]] = field(default_factory=set)  # (run, attempt, chaos action)
 
     def link_up(self, now: float) -> None:
@@ -106,7 +109,7 @@ class TelemetryView:
             case p.StepMetrics():
                 self._progress(rank, msg.step, now)
                 if math.isfinite(msg.step_time_s) and msg.step_time_s > 0:
-                    rank.step_times.append(msg.step_time_s)
+                    self.add_step_time(msg.run, msg.attempt, msg.step_time_s)
                 if math.isfinite(msg.busy_s) and msg.busy_s >= 0:
                     rank.busy_times.append(msg.busy_s)
                 finite = all(x is None or math.isfinite(x) for x in (msg.loss, msg.grad_norm))
@@ -158,9 +161,16 @@ class TelemetryView:
     def max_step(self, run_id: str, attempt: int) -> int:
         return max((r.last_step for r in self.ranks(run_id, attempt).values()), default=0)
 
+    def add_step_time(self, run_id: str, attempt: int, seconds: float) -> None:
+        key = (run_id, attempt)
+        window = self._step_times.get(key)
+        if window is None:
+            window = self._step_times[key] = deque(maxlen=STEP_TIMES_KEPT)
+        window.append(seconds)
+
     def step_time_p99(self, run_id: str, attempt: int) -> tuple[float | None, int]:
         """(the 99th percentile of the attempt's recent step times over all ranks, how many)."""
-        times = sorted(t for r in self.ranks(run_id, attempt).values() for t in r.step_times)
+        times = sorted(self._step_times.get((run_id, attempt), ()))
         if not times:
             return None, 0
         return times[min(len(times) - 1, math.ceil(0.99 * len(times)) - 1)], len(times)
@@ -176,6 +186,7 @@ class TelemetryView:
     def forget(self, run_id: str, attempt: int) -> None:
         self._ranks.pop((run_id, attempt), None)
         self._recent.pop((run_id, attempt), None)
+        self._step_times.pop((run_id, attempt), None)
         self._injected = {k for k in self._injected if k[:2] != (run_id, attempt)}
 
 

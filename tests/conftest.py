@@ -119,6 +119,17 @@ def mosquitto_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Brok
 # --- Slurm ---------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="session")
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The example run with no fault: the reference every faulty run must match."""
+    from tests.e2e.conftest import EXAMPLE, summary_of, tsup
+
+    state = tmp_path_factory.mktemp("fault-free")
+    proc = tsup("run", EXAMPLE, "--state-dir", state, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    yield summary_of(proc)
+
+
 def slurm_installed() -> bool:
     return all(os.path.exists(f"/usr/sbin/{b}") for b in ("munged", "slurmctld", "slurmd")) and bool(
         shutil.which("sinfo") and shutil.which("srun"))
@@ -145,3 +156,39 @@ def slurm_box() -> Iterator[Any]:
     finally:
         slurm_box_mod.down(directory)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+# --- the chaos suite: a seeded subset in `make test`, every scenario in `make chaos` ----
+
+CHAOS_SUBSET = 5  # scenarios `make test` runs out of tests/chaos
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("chaos", "chaos scenarios (tests/chaos)")
+    group.addoption("--chaos-all", action="store_true",
+                    help="run every chaos scenario (make chaos); without it, a seeded subset of "
+                         f"{CHAOS_SUBSET} when more are collected")
+    group.addoption("--seed", type=int, default=int(os.environ.get("TSUP_CHAOS_SEED", "0")),
+                    help="seed of the chaos subset and of the mixed-fault scenario "
+                         "(default $TSUP_CHAOS_SEED, else 0)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep a seeded subset of the chaos scenarios (deselected, not skipped: `make chaos`
+    runs the rest), unless --chaos-all or only a few were collected (one named on the
+    command line always runs)."""
+    import random
+
+    chaos = sorted((i for i in items if i.get_closest_marker("chaos")), key=lambda i: i.nodeid)
+    if config.getoption("--chaos-all") or len(chaos) <= CHAOS_SUBSET:
+        return
+    seed = config.getoption("--seed")
+    chosen = set(random.Random(seed).sample(chaos, CHAOS_SUBSET))
+    dropped = [i for i in chaos if i not in chosen]
+    items[:] = [i for i in items if i not in dropped]
+    config.hook.pytest_deselected(items=dropped)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        names = ", ".join(i.name for i in sorted(chosen, key=lambda i: i.nodeid))
+        reporter.write_line(f"chaos: seed {seed}, {CHAOS_SUBSET} of {len(chaos)} scenarios ({names}); "
+                            "`make chaos` runs them all")

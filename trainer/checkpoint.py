@@ -12,7 +12,9 @@ for a resumed run to continue bit for bit.
 
 from __future__ import annotations
 
+import errno
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +27,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from trainer import checkpoint_layout as layout
 from trainer import distributed
-from trainer.errors import CheckpointUnreadable
+from trainer.errors import CheckpointStorageFull, CheckpointUnreadable
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +38,51 @@ class SaveResult:
 
 
 def save(root: Path, meta: layout.TrainerMeta, model: nn.Module,
-         optimizer: torch.optim.Optimizer, *, keep: int, is_main: bool) -> SaveResult:
-    """Write the state after step ``meta.step`` and commit it as ``root/step_N``."""
+         optimizer: torch.optim.Optimizer, *, keep: int, is_main: bool,
+         before_commit: Callable[[], None] | None = None) -> SaveResult:
+    """Write the state after step ``meta.step`` and commit it as ``root/step_N``.
+
+    ``before_commit`` runs on every rank once its shards are written (a chaos drill's
+    hook). A write that fails for lack of space, quota or a read-only file system
+    raises CheckpointStorageFull, after rank 0 removed the partial directory."""
+    try:
+        return _save(root, meta, model, optimizer, keep=keep, is_main=is_main, before_commit=before_commit)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        error = _storage_error(e)
+        if error is None:
+            raise
+        if is_main:
+            layout.clear_tmp(root, meta.step)  # give back what the partial save took
+        raise CheckpointStorageFull(f"cannot write the checkpoint of step {meta.step} to {root}: "
+                                    f"{error}") from e
+
+
+def _storage_error(e: BaseException) -> OSError | None:
+    """The out-of-space (or quota, or read-only) error behind a failed save, if that is
+    what it was: DCP wraps each rank's error in a CheckpointException."""
+    seen: list[BaseException] = [e]
+    visited: set[int] = set()
+    while seen:
+        err = seen.pop()
+        if id(err) in visited:
+            continue
+        visited.add(id(err))
+        if isinstance(err, OSError) and err.errno in _STORAGE_ERRNOS:
+            return err
+        if isinstance(err, CheckpointException):
+            seen.extend(failure[0] if isinstance(failure, tuple) else failure
+                        for failure in err.failures.values())
+        for linked in (err.__cause__, err.__context__):
+            if linked is not None:
+                seen.append(linked)
+    return None
+
+
+_STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
+def _save(root: Path, meta: layout.TrainerMeta, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+          keep: int, is_main: bool, before_commit: Callable[[], None] | None) -> SaveResult:
     started = time.monotonic()
     tmp = layout.tmp_dir_for(root, meta.step)
     if is_main:
@@ -47,6 +92,8 @@ def save(root: Path, meta: layout.TrainerMeta, model: nn.Module,
     dcp_save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
     if is_main:
         meta.write(tmp)
+    if before_commit is not None:
+        before_commit()
     distributed.barrier()  # every rank's shards and the meta file are on storage
     deleted: list[Path] = []
     final = tmp.parent / layout.checkpoint_name(meta.step)

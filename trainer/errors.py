@@ -11,8 +11,10 @@
         │   └── DataError         a token file that is missing, empty or out of vocab range
         ├── CheckpointUnreadable  exit 3: the checkpoint to resume from cannot be read
         │                         (a truncated or corrupt shard): resume from an older one
-        └── DeviceFault           exit 4: this rank's accelerator failed (an uncorrectable
-                                  ECC error, a Neuron hardware error): drain its node
+        ├── DeviceFault           exit 4: this rank's accelerator failed (an uncorrectable
+        │                         ECC error, a Neuron hardware error): drain its node
+        └── CheckpointStorageFull exit 5: a checkpoint cannot be written (no space, quota,
+                                  read-only): stop until an operator frees space
 
 Any other exception exits 1, unless its message carries a device failure's signature
 (``DEVICE_SIGNATURES``): then 4. The table lives here so that ``__main__`` (the process
@@ -27,6 +29,7 @@ EXIT_UNEXPECTED = 1  # a traceback is on stderr; the supervisor may retry
 EXIT_DO_NOT_RETRY = 2  # configuration or usage error; retrying cannot help
 EXIT_CHECKPOINT_UNREADABLE = 3  # the checkpoint to resume from is corrupt: resume from an older one
 EXIT_DEVICE_FAULT = 4  # this rank's device failed: its node must not be used again before repair
+EXIT_STORAGE_FULL = 5  # no checkpoint can be written: a restart cannot help until space is freed
 EXIT_INTERRUPTED = 130  # SIGINT / KeyboardInterrupt, the shell convention 128 + 2
 
 
@@ -80,6 +83,12 @@ class DeviceFault(TrainerError):
     """The rank's accelerator reported a hardware failure."""
 
     exit_code = EXIT_DEVICE_FAULT
+
+
+class CheckpointStorageFull(TrainerError):
+    """A checkpoint could not be written: no space left, over quota, or read-only."""
+
+    exit_code = EXIT_STORAGE_FULL
 
 
 # Words in an error message that only a failing device produces: CUDA's

@@ -18,6 +18,10 @@ after its checkpoint, if one was due):
     device@50:1    rank 1's accelerator fails after step 50: it raises DeviceFault (exit
                    code 4). Once per run (a marker in ``TSUP_FAULT_STATE``): the device is
                    broken, not the step, so a rerun of step 50 on another node is clean
+    kill-in-save@40:1
+                   rank 1 SIGKILLs itself in the middle of the checkpoint save of step
+                   40: its shards are written, the checkpoint is not committed yet. Once
+                   per run (a marker in ``TSUP_FAULT_STATE``): a fault during a save
     slow@40:1      from step 40 on, the node of rank 1 computes at half speed: each of
                    its ranks burns as much CPU again as its step took (SLOW_FACTOR), a
                    straggler. The node stays slow for the rest of the run (a marker in
@@ -32,6 +36,7 @@ that resumes from a checkpoint before STEP meets it again unless TSUP_FAULT is c
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,7 +44,7 @@ from pathlib import Path
 
 from trainer.errors import DeviceFault, UsageError
 
-_ACTIONS = ("hang", "crash", "nan", "spike", "slow", "device")
+_ACTIONS = ("hang", "crash", "nan", "spike", "slow", "device", "kill-in-save")
 SPIKE_FACTOR = 8.0
 _AFTER_STEP = ("crash", "hang", "device")  # the actions after_step takes
 SLOW_FACTOR = 2.0
@@ -130,6 +135,18 @@ class FaultPlan:
                                  f"of {', '.join(_ACTIONS)}, got {item!r}")
             faults.append(Fault(action, step, rank))
         return cls(tuple(faults))
+
+    def in_save(self, step: int, rank: int, report: Report = _ignore) -> None:
+        """Called by the save of step ``step`` between writing this rank's shards and the
+        commit: a ``kill-in-save`` for this step and rank SIGKILLs the process here."""
+        for fault in self.faults:
+            if fault.action != "kill-in-save" or fault.step != step or fault.rank not in (None, rank):
+                continue
+            if self.state_dir is not None and not _claim(self.state_dir / f"kill-in-save@{step}", str(rank)):
+                continue
+            report(fault, f"rank {rank} is killed (SIGKILL) in the middle of the save of step {step}")
+            time.sleep(0.5)  # the telemetry thread publishes the report before the process goes
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def after_step(self, step: int, rank: int, report: Report = _ignore) -> None:
         """Act on the faults planned for this step and rank (may never return), telling

@@ -313,7 +313,7 @@ class _Runner:
             config_digest=config_digest(config), last_loss=self.last_loss)
         saved = checkpoint.save(Path(config.checkpoint.dir).absolute(), meta, self.model,
                                 self.optimizer, keep=config.checkpoint.keep,
-                                is_main=self.ctx.is_main)
+                                is_main=self.ctx.is_main, before_commit=self._in_save)
         self.last_checkpoint = str(saved.path)
         if self.ctx.is_main:
             self.telemetry.checkpoint_committed(step=self.step, path=str(saved.path),
@@ -322,6 +322,10 @@ class _Runner:
             self._say(f"checkpoint step {self.step} committed to {saved.path} "
                       f"in {saved.duration_s:.3f} s{pruned}")
         self.telemetry.set_phase(Phase.TRAIN, self.step)
+
+    def _in_save(self) -> None:
+        self.faults.in_save(self.step, self.ctx.rank,
+                            lambda fault, detail: self._fault_fired(fault, self.step, detail))
 
     def _fault_fired(self, fault: Fault, step: int, detail: str) -> None:
         """A chaos drill's fault fired here: said in the log and on telemetry, once per

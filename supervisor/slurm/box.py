@@ -179,13 +179,22 @@ def _start(box: Box, directory: Path, key: Path, timeout_s: float) -> None:
     )
     box.munged_pid = _read_pid(m / "munged.pid")
     _save(box)
-    subprocess.run([str(SBIN / "slurmctld"), "-c", "-f", str(box.conf)], env=box.env, check=True,
-                   capture_output=True, timeout=timeout_s)
-    box.ctld_pid = _read_pid(directory / "run" / "slurmctld.pid")
-    _save(box)
+    start_ctld(box, clear=True, timeout_s=timeout_s)
     for node in box.nodes:
         start_node(box, node, timeout_s=timeout_s)
     wait_idle(box, timeout_s)
+
+
+def start_ctld(box: Box, *, clear: bool = False, timeout_s: float = 30.0) -> int:
+    """Start slurmctld: with ``clear``, a new cluster; else it recovers the jobs and
+    nodes from its saved state, as after a crash of the controller."""
+    pid_file = Path(box.dir) / "run" / "slurmctld.pid"
+    pid_file.unlink(missing_ok=True)
+    subprocess.run([str(SBIN / "slurmctld"), *(["-c"] if clear else []), "-f", str(box.conf)], env=box.env,
+                   check=True, capture_output=True, timeout=timeout_s)
+    box.ctld_pid = _read_pid(pid_file)
+    _save(box)
+    return box.ctld_pid
 
 
 def start_node(box: Box, node: str, *, timeout_s: float = 30.0) -> int:

@@ -197,8 +197,15 @@ def parse_squeue_json(text: str) -> dict[str, JobInfo]:
         jobs = doc["jobs"]
         if not isinstance(jobs, list):
             raise TypeError("jobs is not a list")
-    except (ValueError, KeyError, TypeError) as e:
+        errors = doc.get("errors") or []
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise SlurmParseError(f"squeue --json: {e}") from e
+    if errors:
+        # squeue exits 0 with an empty job list and an error when slurmctld cannot be
+        # reached: that list says nothing about which jobs exist.
+        first = errors[0] if isinstance(errors[0], dict) else {"error": str(errors[0])}
+        words = "; ".join(str(first[k]) for k in ("source", "description", "error") if first.get(k))
+        raise SlurmParseError(f"squeue --json reported an error: {words or first}")
     out: dict[str, JobInfo] = {}
     for j in jobs:
         try:

@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
+from supervisor.slurm.box import Box
 from tests.conftest import REPO, port_open, wait_for
 
 EXAMPLE = REPO / "examples" / "tiny-llama.toml"
@@ -38,6 +39,22 @@ def ctl(url: str, *args: str, timeout_s: float = 60,
     environ = {**env(), "TSUP_CTL_CONFIG": os.devnull, **(extra_env or {})}
     return subprocess.run([sys.executable, "-m", "api.ctl", "--url", url, *args], capture_output=True,
                           text=True, timeout=timeout_s, env=environ, cwd=REPO, check=False)
+
+
+def slurm(box: Box, *argv: str) -> str:
+    """A Slurm command against ``box``, its stdout (it must succeed)."""
+    out = subprocess.run(list(argv), env=box.env, capture_output=True, text=True, timeout=30, check=True)
+    return out.stdout
+
+
+def spec_for_slurm(tmp_path: Path, **resources: Any) -> Path:
+    """The example spec on the Slurm launcher, with extra ``[resources]`` keys."""
+    text = EXAMPLE.read_text().replace('launcher = "local"', 'launcher = "slurm"')
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in resources.items())
+    text = text.replace("[resources]\n", "[resources]\n" + extra)
+    path = tmp_path / "spec.toml"
+    path.write_text(text)
+    return path
 
 
 def summary_of(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -77,15 +94,6 @@ def state(tmp_path: Path) -> Iterator[Path]:
         p.kill()
 
 
-@pytest.fixture(scope="session")
-def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The example run with no fault: the reference every faulty run must match."""
-    state = tmp_path_factory.mktemp("fault-free")
-    proc = tsup("run", EXAMPLE, "--state-dir", state, "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    yield summary_of(proc)
-
-
 class Serve:
     """One `training-supervisor serve` process on a state directory: with --state-dir and
     --api-bind flags, or, given ``config``, only --config (which must name both)."""
@@ -119,6 +127,11 @@ class Serve:
         proc = self.ctl("--json", *args)
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout)
+
+
+def slurm_serve(state: Path, port: int, box: Box) -> Serve:
+    """`training-supervisor serve` with the Slurm launcher on ``box``."""
+    return Serve(state, port, "--launcher", "slurm", extra_env={"SLURM_CONF": str(box.conf)})
 
 
 class FakeSystemd:

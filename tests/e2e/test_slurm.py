@@ -1,19 +1,9 @@
-"""The supervisor on a real Slurm cluster (three slurmd posing as nodes on this host).
-
-A run of 2 nodes + 1 spare holds one allocation of 3 nodes and trains as a job step on
-two of them. Killing a node (its slurmd and every process it started, as a power loss
-would) must drain exactly that node with a readable reason and resume on the spare in a
-new step of the same allocation, ending with the fault-free model.
-"""
+"""The supervisor on a real Slurm cluster (three slurmd posing as nodes on this host):
+what it refuses at submit, and how it probes and drains nodes. The faults a run
+survives on Slurm are in tests/chaos/test_slurm.py."""
 
 from __future__ import annotations
 
-import json
-import signal
-import sqlite3
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,122 +11,11 @@ import pytest
 
 from supervisor.slurm import parse
 from supervisor.slurm.box import Box
-from tests.conftest import REPO, free_port, wait_for
-from tests.e2e.conftest import EXAMPLE, Serve, db_rows, env, summary_of, trainer_processes, tsup
+from tests.conftest import REPO, wait_for
+from tests.e2e.conftest import db_rows, slurm, spec_for_slurm, summary_of, tsup
 from tests.fake_tools.replay import make_tools
 
 pytestmark = pytest.mark.e2e
-
-
-def slurm(box: Box, *argv: str) -> str:
-    out = subprocess.run(list(argv), env=box.env, capture_output=True, text=True, timeout=30, check=True)
-    return out.stdout
-
-
-def spec_for_slurm(tmp_path: Path, **resources: Any) -> Path:
-    text = EXAMPLE.read_text().replace('launcher = "local"', 'launcher = "slurm"')
-    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in resources.items())
-    text = text.replace("[resources]\n", "[resources]\n" + extra)
-    path = tmp_path / "spec.toml"
-    path.write_text(text)
-    return path
-
-
-def test_kill_node_drains_it_and_resumes_on_the_spare_in_the_same_allocation(
-        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
-    state = tmp_path / "state"
-    proc = tsup("run", EXAMPLE, "--launcher", "slurm", "--state-dir", state, "--json",
-                "--chaos", "kill-node@50")
-    s = summary_of(proc)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert s["state"] == "SUCCEEDED" and s["final_step"] == 80
-    assert s["model_digest"] == fault_free["model_digest"], "the node loss changed the math"
-
-    assert [(f["kind"], f["nodes"]) for f in s["faults"]] == [("node-lost", ["node2"])]
-    assert s["drained_nodes"] == ["node2"], "exactly the killed node is drained"
-    history = s["attempt_history"]
-    assert [a["nodes"] for a in history] == [["node1", "node2"], ["node1", "node3"]], "the spare steps in"
-    assert [a["resume_step"] for a in history] == [0, 40]
-
-    # Both attempts were steps of one allocation: no second trip through the queue.
-    infos = [json.loads(i) for (i,) in db_rows(state, "SELECT launch_info FROM attempts ORDER BY number")]
-    assert infos[0]["job"] == infos[1]["job"]
-    submitted = [m for (m,) in db_rows(state, "SELECT message FROM events WHERE kind = 'nodes.short'")]
-    assert len(submitted) == 1 and "submitted" in submitted[0]
-
-    # Slurm itself says why the node is out of service.
-    node2 = parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", "node2"))["node2"]
-    assert "DRAIN" in node2.flags
-    assert node2.reason.startswith("training-supervisor: node lost, all its ranks vanished at once (run-1")
-
-    # The run is over: its allocation is given back and nothing is left running.
-    wait_for(lambda: parse.parse_squeue_text(
-        slurm(slurm_box, "squeue", "-h", "-o", parse.SQUEUE_FORMAT)) == {}, 30, "the allocation to end")
-    assert trainer_processes(state) == []
-
-    # The number for the note: from the kill to the first step of the resumed attempt.
-    times = dict(db_rows(state, "SELECT kind, ts FROM events WHERE kind IN "
-                                "('chaos.injected', 'fault.detected', 'run.recovered') ORDER BY id"))
-    print(json.dumps({"kill_to_detect_s": round(times["fault.detected"] - times["chaos.injected"], 2),
-                      "kill_to_first_resumed_step_s": round(times["run.recovered"] - times["chaos.injected"], 2)}))
-
-
-def test_without_spares_a_lost_node_gets_a_new_allocation_that_excludes_it(
-        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
-    spec = spec_for_slurm(tmp_path)
-    spec.write_text(spec.read_text().replace("spares = 1", "spares = 0"))
-    state = tmp_path / "state"
-    proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "kill-node@50")
-    s = summary_of(proc)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
-    assert s["drained_nodes"] == ["node2"]
-    assert [a["nodes"] for a in s["attempt_history"]] == [["node1", "node2"], ["node1", "node3"]]
-    jobs = [json.loads(i)["job"] for (i,) in db_rows(state, "SELECT launch_info FROM attempts ORDER BY number")]
-    assert jobs[0] != jobs[1], "one node short: a second allocation"
-    second = parse.parse_key_values(slurm(slurm_box, "scontrol", "-o", "show", "job", jobs[1]))
-    assert second["ExcNodeList"] == "node2", "the new allocation excludes the drained node"
-    # Given back: scancelled. With one of its nodes dead it may sit in COMPLETING (the
-    # cancel done, the dead node's cleanup pending) before it reads CANCELLED.
-    first = parse.parse_key_values(slurm(slurm_box, "scontrol", "-o", "show", "job", jobs[0]))
-    assert first["JobState"] in ("CANCELLED", "COMPLETING"), "the old allocation was given back"
-
-
-def test_an_allocation_ended_by_slurm_is_replaced_and_the_run_resumes(
-        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path) -> None:
-    """Preemption, a time limit, or an operator's scancel: the allocation is gone, the
-    supervisor asks for a new one and resumes from the newest checkpoint."""
-    state = tmp_path / "state"
-    out = open(tmp_path / "run.out", "w+")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", str(EXAMPLE), "--launcher", "slurm",
-                             "--state-dir", str(state), "--json"], stdout=out, stderr=subprocess.STDOUT,
-                            env={**env(), "SLURM_CONF": str(slurm_box.conf)}, cwd=REPO)
-    try:
-        def step() -> int:
-            try:
-                return int(db_rows(state, "SELECT coalesce(max(step), 0) FROM metrics")[0][0])
-            except sqlite3.Error:  # the database may not exist yet
-                return 0
-
-        wait_for(lambda: step() >= 45, 180, "step 45")
-        [job] = parse.parse_squeue_text(slurm(slurm_box, "squeue", "-h", "-o", parse.SQUEUE_FORMAT))
-        slurm(slurm_box, "scancel", job)
-        assert proc.wait(300) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out.seek(0)
-    text = out.read()
-    s = json.loads(text[text.index("{\n"):])
-    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
-    assert s["attempts"] == 2 and s["attempt_history"][1]["resume_step"] == 40
-    infos = [json.loads(i) for (i,) in db_rows(state, "SELECT launch_info FROM attempts ORDER BY number")]
-    assert infos[0]["job"] == job and infos[1]["job"] != job, "a new allocation for the second attempt"
-    released = db_rows(state, "SELECT message FROM events WHERE kind = 'nodes.released'")
-    assert released, "the supervisor noticed the allocation was gone"
-    assert s["drained_nodes"] == [], "an ended allocation is no node's fault"
 
 
 def test_specs_the_cluster_cannot_serve_are_refused_at_submit(
@@ -152,52 +31,6 @@ def test_specs_the_cluster_cannot_serve_are_refused_at_submit(
     assert refused.returncode == 2
     assert "resources.nodes: 4 nodes asked, partition 'train' has 3" in refused.stderr
     assert slurm(slurm_box, "squeue", "-h") == "", "nothing was submitted"
-
-
-def slurm_serve(state: Path, port: int, box: Box) -> Serve:
-    return Serve(state, port, "--launcher", "slurm", extra_env={"SLURM_CONF": str(box.conf)})
-
-
-def test_sigkill_of_the_daemon_readopts_the_slurm_job_and_step(
-        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    port = free_port()
-    daemon = slurm_serve(state, port, slurm_box)
-    seen_steps: list[set[str]] = []
-    seen_jobs: list[set[str]] = []
-
-    def look() -> None:
-        steps = parse.parse_steps_text(slurm(slurm_box, "squeue", "--steps", "-h", "-o", parse.STEPS_FORMAT))
-        seen_steps.append({f"{s.job_id}.{s.step_id}" for s in steps if s.step_id.isdigit()})
-        seen_jobs.append(set(parse.parse_squeue_text(
-            slurm(slurm_box, "squeue", "-h", "-o", parse.SQUEUE_FORMAT))))
-
-    try:
-        run_id = daemon.ctl_json("submit", str(spec_for_slurm(tmp_path)))["run_id"]
-        wait_for(lambda: (look(), (daemon.ctl_json("status", run_id)["step"] or 0) >= 30)[1], 180, "step 30")
-        trainers = trainer_processes(state)
-        assert len(trainers) == 4
-        assert daemon.kill(signal.SIGKILL) == -signal.SIGKILL
-        time.sleep(1)
-        assert all(p.is_running() for p in trainers), "the step outlives the daemon"
-        look()
-
-        daemon = slurm_serve(state, port, slurm_box)
-        final = wait_for(
-            lambda: (look(), (d := daemon.ctl_json("status", run_id))["state"] == "SUCCEEDED" and d)[1],
-            240, "the run to succeed under the restarted daemon")
-    finally:
-        daemon.kill(signal.SIGTERM)
-        for p in trainer_processes(state):
-            p.kill()
-    assert final["attempts"] == 1 and final["faults"] == [], "the step was adopted, not relaunched"
-    assert final["model_digest"] == fault_free["model_digest"]
-    assert max(len(s) for s in seen_steps) == 1, f"never two trainer steps at once: {seen_steps}"
-    assert max(len(j) for j in seen_jobs) == 1, f"never a second allocation: {seen_jobs}"
-    assert db_rows(state, "SELECT count(*) FROM attempts")[0][0] == 1
-    starts = db_rows(state, "SELECT message FROM events WHERE kind = 'daemon.started' ORDER BY id")
-    assert len(starts) == 2 and f"{run_id}#1" in starts[1][0]
-    assert db_rows(state, "SELECT count(DISTINCT step) FROM metrics")[0][0] >= 70
 
 
 def test_a_node_reporting_an_uncorrectable_hbm_error_is_drained_before_launch(

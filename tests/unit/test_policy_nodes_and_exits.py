@@ -14,6 +14,7 @@ from supervisor.domain import (
     Emit,
     FaultKind,
     FaultRecord,
+    FinishRun,
     NodeState,
     Policy,
     ProcState,
@@ -215,6 +216,21 @@ def test_exit_code_3_blames_the_checkpoint_not_a_node_and_it_is_never_used_again
     recorded = FaultRecord(id=1, run_number=7, attempt=1, kind=fault.kind, ranks=fault.ranks, nodes=(),
                            step=60, summary="", detected_at=NOW, recovered_at=None)
     assert unreadable_checkpoints([recorded]) == {60}
+
+
+def test_exit_code_5_stops_the_run_for_want_of_checkpoint_storage_and_blames_no_node() -> None:
+    o = obs(*(rank(i, ProcState.EXITED, exit_code=5, reported_exit_code=5,
+                   reported_reason="CheckpointStorageFull: cannot write the checkpoint of step 60 to /ck: "
+                                   "[Errno 28] No space left on device") for i in range(4)))
+    effects = decide(view(run(), (attempt(),)), o, NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.STORAGE and fault.nodes == ()
+    assert not of(effects, DrainNode)
+    [finish] = of(effects, FinishRun)
+    assert finish.state is RunState.FAILED
+    assert finish.reason.startswith("not retrying: checkpoint storage full (exit code 5): rank 0 (node n1) exited "
+                                    "with code 5: CheckpointStorageFull: ")
+    assert finish.reason.endswith("No space left on device; free space, then resume the run")
 
 
 def test_exit_code_3_of_a_fresh_start_is_an_ordinary_rank_exit() -> None:

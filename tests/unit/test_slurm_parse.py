@@ -156,6 +156,13 @@ def test_squeue_json_22_05_fixture() -> None:
                                 nodes=(), reason="Resources")
 
 
+def test_squeue_json_with_the_controller_down_is_an_error_not_an_empty_queue() -> None:
+    """Real output of squeue --json (22.05) a second after slurmctld was killed: exit
+    code 0, no jobs, and an error. Read as "no jobs", it made a run give up its allocation."""
+    with pytest.raises(SlurmParseError, match="slurm_load_jobs; Failed while looking for jobs"):
+        parse_squeue_json(fixture("squeue-22.05-controller-down.json"))
+
+
 def test_squeue_json_cancelled_jobs_are_ended_and_hold_no_nodes() -> None:
     jobs = parse_squeue_json(fixture("squeue-22.05-running-pending-cancelled.json"))
     for job_id in ("1", "2"):

@@ -65,6 +65,8 @@ def test_malformed_messages_are_counted_and_ignored() -> None:
 def test_chaos_syntax() -> None:
     assert parse_chaos("kill-rank@50") == ChaosAction(kind="kill-rank", step=50)
     assert parse_chaos("kill-node@90:1") == ChaosAction(kind="kill-node", step=90, target=1)
+    assert parse_chaos("corrupt-ckpt@50") == ChaosAction(kind="corrupt-ckpt", step=50)
+    assert parse_chaos("kill-in-save@40:3") == ChaosAction(kind="kill-in-save", step=40, target=3)
     for bad in ("kill-rank", "kill-rank@x", "explode@5", "kill-node@0"):
         try:
             parse_chaos(bad)

@@ -64,3 +64,43 @@ def test_device_fails_once_with_exit_code_4(tmp_path) -> None:  # type: ignore[n
 ])
 def test_exit_codes_of_errors_with_and_without_a_device_signature(error: Exception, code: int) -> None:
     assert exit_code_for(error) == code
+
+
+def test_kill_in_save_sigkills_its_rank_once_per_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """In a child process (the fault SIGKILLs whoever calls it): the named rank dies at
+    the save of its step, and a rerun of that save lives."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from trainer.faults import FaultPlan\n"
+        f"plan = FaultPlan.from_env({{'TSUP_FAULT': 'kill-in-save@40:1', 'TSUP_FAULT_STATE': {str(tmp_path)!r}}})\n"
+        "plan.in_save(20, rank=1)\n"
+        "plan.in_save(40, rank=0)\n"
+        "plan.in_save(40, rank=1, report=lambda f, d: print('report:', f, d, flush=True))\n"
+        "print('alive')\n"
+    )
+    first = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert first.returncode == -9 and "report: kill-in-save@40:1 rank 1 is killed (SIGKILL)" in first.stdout
+    again = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and again.stdout.strip() == "alive", "once per run"
+
+
+def test_storage_errors_are_recognised_inside_dcp_failures() -> None:
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from trainer.checkpoint import _storage_error
+    from trainer.errors import EXIT_STORAGE_FULL, CheckpointStorageFull
+
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError as e:
+        full = CheckpointException("save failed", {2: _wrap_exception(e)})
+    found = _storage_error(full)
+    assert found is not None and found.errno == errno.ENOSPC
+    assert _storage_error(CheckpointException("save failed", {0: _wrap_exception(ValueError("x"))})) is None
+    assert _storage_error(RuntimeError("wrapped")) is None
+    assert exit_code_for(CheckpointStorageFull("no room")) == EXIT_STORAGE_FULL == 5

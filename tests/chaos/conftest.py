@@ -1,0 +1,90 @@
+"""What every chaos scenario checks besides its own verdict.
+
+A scenario breaks a real run (real processes, real signals, a real broker or Slurm box)
+and asserts its own outcome: the run completes, or stops with the right reason; the
+model digest equals the fault-free run's wherever the fault is invisible to the math;
+exactly the nodes to blame are drained. Then ``assert_records`` checks that SQLite
+holds the whole story, and ``Watch`` that no attempt ever ran twice at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.e2e.conftest import db_rows, trainer_processes
+
+
+def assert_records(state: Path, s: dict[str, Any], *, injected: int | None = None) -> None:
+    """SQLite holds every attempt and event of the run the summary ``s`` describes."""
+    attempts = db_rows(state, "SELECT number, state, outcome FROM attempts ORDER BY number")
+    assert [a[0] for a in attempts] == list(range(1, s["attempts"] + 1)), attempts
+    assert all(a[1] == "ENDED" for a in attempts), f"an attempt was left open: {attempts}"
+    if s["state"] == "SUCCEEDED":
+        assert attempts[-1][2] == "SUCCEEDED" and all(a[2] != "SUCCEEDED" for a in attempts[:-1]), attempts
+    kinds = [k for (k,) in db_rows(state, "SELECT kind FROM events ORDER BY id")]
+    assert kinds.count("attempt.launching") == len(attempts) == kinds.count("attempt.ended")
+    faults = db_rows(state, "SELECT kind, detected_at, recovered_at FROM faults ORDER BY id")
+    assert [f[0] for f in faults] == [f["kind"] for f in s["faults"]]
+    assert kinds.count("fault.detected") == len(faults)
+    assert all(f[1] is not None for f in faults)
+    if s["state"] == "SUCCEEDED":
+        assert all(f[2] is not None and f[2] >= f[1] for f in faults), f"a fault never recovered: {faults}"
+    if injected is not None:
+        assert kinds.count("chaos.injected") == injected, "every injection is on record, once"
+    assert trainer_processes(state) == [], "nothing of the run is left running"
+
+
+class Watch:
+    """Samples the trainer processes of a state directory four times a second, grouped
+    by attempt: two attempts alive at once would be a duplicate launch."""
+
+    def __init__(self, state: Path) -> None:
+        self.state = state
+        self.overlaps: list[set[str]] = []
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.25):
+            attempts: set[str] = set()
+            for p in trainer_processes(self.state):
+                try:
+                    attempts.add(p.environ().get("TSUP_ATTEMPT", "?"))
+                except psutil.Error:
+                    continue
+            self.samples += 1
+            if len(attempts) > 1:
+                self.overlaps.append(attempts)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def assert_no_duplicates(self) -> None:
+        assert self.samples > 0
+        assert self.overlaps == [], f"trainers of two attempts alive at once: {self.overlaps[:5]}"
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Path:
+    """The state directory of the scenario's run."""
+    return tmp_path / "state"
+
+
+@pytest.fixture(autouse=True)
+def watch(state: Path) -> Iterator[Watch]:
+    """Every scenario is watched for duplicate attempts; no trainer outlives it."""
+    w = Watch(state)
+    yield w
+    w.stop()
+    for p in trainer_processes(state):
+        p.kill()
+    w.assert_no_duplicates()
