@@ -464,9 +464,10 @@ class Reconciler:
             case AllocateNodes():
                 self._allocate(run, spec, e.count, now)
             case ReleaseNodes():
-                self.launcher.release(run.run_id, run.allocation_info)
-                with self.store.tx() as tx:
-                    tx.update_run(run.number, allocation_info=None)
+                if self.launcher.release(run.run_id, run.allocation_info):
+                    with self.store.tx() as tx:
+                        tx.update_run(run.number, allocation_info=None)
+                # else the record stays, and the next tick asks to release again
             case StartAttempt():
                 self._start(run, spec, run_dir, e, now)
             case StopAttempt() | EnsureStopped():

@@ -18,6 +18,7 @@
 
     [telemetry]
     mqtt_url = "mqtt://127.0.0.1:1883"   # absent: the daemon's broker (embedded by default)
+    aggregate = "rank"     # or "node": one message per node, not per rank (reference trainer)
 
 The trainer table itself is checked by the trainer (``python -m trainer --check-config``,
 see supervisor/trainer_cmd.py), so that the daemon never imports torch.
@@ -103,6 +104,9 @@ class HealthSpec(BaseModel):
 class TelemetrySpec(BaseModel):
     model_config = _Model
     mqtt_url: str | None = None
+    # "node": the reference trainer's ranks of a node report through its local rank 0, one
+    # message a heartbeat interval (trainer/telemetry.py, TSUP_TELEMETRY_AGGREGATE).
+    aggregate: Literal["rank", "node"] = "rank"
 
     @field_validator("mqtt_url")
     @classmethod

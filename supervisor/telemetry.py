@@ -8,6 +8,13 @@ never the trainer's clock. Malformed messages are counted and dropped.
 Rank 0's step metrics and checkpoint commits are also queued for the reconciler to
 persist, so the loss curve and the goodput accounting survive a restart.
 
+A ``node`` message (``NodeReport``, sent by a node's local rank 0 when the run aggregates
+per node) stands for one message from each rank it lists, dated ``age`` seconds before
+its receipt: it updates each listed rank as a heartbeat would, and as a step message
+would where the rank's step advanced (a step time for the pooled window, a busy time for
+the straggler rule). A rank whose slot stops being written grows older in each report:
+it is not seen again, so the silence and hang rules judge it as if its messages stopped.
+
 The view knows whether the broker link is up (``up_since``). While it is down no
 telemetry arrives, and the policy must not read silence as a hang.
 """
@@ -132,8 +139,37 @@ class TelemetryView:
             case p.Exit():
                 rank.exit_code, rank.exit_reason, rank.exit_at = msg.exit_code, msg.reason, now
                 self._progress(rank, msg.final_step, now)
+            case p.NodeReport():
+                self._apply_node_report(msg, now)
             case p.Lost():
                 rank.lost, rank.lost_at = True, now
+
+    def _apply_node_report(self, msg: p.NodeReport, now: float) -> None:
+        """Fan one node's report out to its ranks (see the module docstring)."""
+        ranks = self._ranks[(msg.run, msg.attempt)]
+        entries = zip(msg.ranks, msg.steps, msg.phases, msg.ages, msg.step_times, msg.busy, strict=True)
+        for number, step, phase, age, step_time, busy in entries:
+            rank = ranks.get(number)
+            if rank is None:
+                rank = ranks[number] = RankTelemetry()
+            if rank.node is None:
+                rank.node = msg.node
+            written_at = now - age  # when the rank last wrote its slot
+            if rank.last_seen_at is None or written_at > rank.last_seen_at:
+                rank.last_seen_at = written_at
+            if rank.lost and rank.lost_at is not None and written_at > rank.lost_at:
+                rank.lost = False  # alive after its last will: the connection blipped
+            rank.phase = phase.value
+            if step > rank.last_step or rank.progress_at is None:
+                # Never back: rank 0's step metrics may have dated it later (on receipt).
+                known = rank.progress_at
+                rank.progress_at = written_at if known is None else max(known, written_at)
+                if step > rank.last_step:
+                    if math.isfinite(step_time) and step_time > 0:
+                        self.add_step_time(msg.run, msg.attempt, step_time)
+                    if math.isfinite(busy) and busy >= 0:
+                        rank.busy_times.append(busy)
+            rank.last_step = max(rank.last_step, step)
 
     @staticmethod
     def _progress(rank: RankTelemetry, step: int, now: float) -> None:

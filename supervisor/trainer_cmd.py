@@ -110,10 +110,12 @@ def attempt_argv(spec: RunSpec, run_dir: Path, attempt: int, resume_from: str | 
 
 
 def attempt_env(spec: RunSpec, run_dir: Path) -> dict[str, str]:
+    """The variables every rank of an attempt gets beyond the launcher's and the run's ids."""
     if spec.command is None:
-        if not spec.chaos:
-            return {}
-        return {"TSUP_FAULT": ",".join(spec.chaos), "TSUP_FAULT_STATE": str(run_dir / "chaos-fired")}
+        env: dict[str, str] = {"TSUP_TELEMETRY_AGGREGATE": spec.telemetry.aggregate}
+        if spec.chaos:
+            env |= {"TSUP_FAULT": ",".join(spec.chaos), "TSUP_FAULT_STATE": str(run_dir / "chaos-fired")}
+        return env
     names = {"run_dir": str(run_dir), "checkpoint_dir": str(checkpoint_dir(spec, run_dir))}
     return {k: v.format(**names) for k, v in spec.command.env.items()}
 

@@ -21,6 +21,11 @@ plus the fields of its kind (the dataclasses below). Floats that are not finite
 (a NaN loss, an infinite grad norm) travel as the strings "nan", "inf" and "-inf",
 because JSON has no literal for them.
 
+With ``[telemetry] aggregate = "node"`` (trainer/telemetry.py) most ranks publish no
+heartbeats and no step metrics of their own: each node's local rank 0 sends one ``node``
+message a heartbeat interval (``NodeReport``) with the state of every rank of its node,
+equal-length lists indexed alike, at most ``MAX_NODE_RANKS`` long.
+
 The ``lost`` kind is never published by a live rank: each rank registers it as its
 MQTT last will, so the broker publishes it when the rank's connection dies without a
 clean disconnect (process killed, node gone).
@@ -43,6 +48,7 @@ TOPIC_FILTER_ALL = TOPIC_ROOT + "/#"
 _MAX_ID_LEN = 64
 _MAX_TEXT_LEN = 2000
 _MAX_INT = 2**63 - 1  # what SQLite and every receiver can store
+MAX_NODE_RANKS = 1024  # ranks in one NodeReport: far more than any node holds
 
 
 class ProtocolError(ValueError):
@@ -144,17 +150,37 @@ class FaultInjected(Header):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class NodeReport(Header):
+    """A node's local rank 0, once a heartbeat interval: every rank of its node at once,
+    read from the node's slot file (trainer/slots.py). Entry i of each list is about rank
+    ``ranks[i]``; ``rank`` in the header is the sender's."""
+
+    kind: ClassVar[str] = "node"
+    node: str
+    ranks: tuple[int, ...]
+    steps: tuple[int, ...]  # last completed step
+    phases: tuple[Phase, ...]
+    # Seconds (finite, >= 0) since the rank last wrote its slot: it writes at each step and
+    # phase change, and its telemetry thread rewrites it every heartbeat interval.
+    ages: tuple[float, ...]
+    step_times: tuple[float, ...]  # its last step's step_time_s (NaN before its first step)
+    busy: tuple[float, ...]  # its last step's busy_s, as in StepMetrics (NaN where unmeasured)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Lost(Header):
     """The MQTT last will: the broker publishes it when the rank's connection dies."""
 
     kind: ClassVar[str] = "lost"
 
 
-Message = Register | Heartbeat | StepMetrics | PhaseChange | CheckpointCommitted | Exit | FaultInjected | Lost
+Message = (Register | Heartbeat | StepMetrics | PhaseChange | CheckpointCommitted | Exit | FaultInjected
+           | NodeReport | Lost)
 
 _TYPES: dict[str, type[Any]] = {
     cls.kind: cls
-    for cls in (Register, Heartbeat, StepMetrics, PhaseChange, CheckpointCommitted, Exit, FaultInjected, Lost)
+    for cls in (Register, Heartbeat, StepMetrics, PhaseChange, CheckpointCommitted, Exit, FaultInjected,
+                NodeReport, Lost)
 }
 KINDS = frozenset(_TYPES)
 
@@ -182,14 +208,19 @@ def encode(msg: Message) -> tuple[str, bytes]:
     """Return (topic, payload) for a message."""
     body: dict[str, Any] = {"v": VERSION, "kind": msg.kind}
     for name, value in asdict(msg).items():
-        if isinstance(value, Enum):
-            body[name] = value.value
-        elif isinstance(value, float) and not math.isfinite(value):
-            body[name] = _NONFINITE_OUT[str(value)]
-        else:
-            body[name] = value
+        body[name] = _to_json(value)
     payload = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
     return topic_for(msg.run, msg.attempt, msg.rank, msg.kind), payload
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, float) and not math.isfinite(value):
+        return _NONFINITE_OUT[str(value)]
+    if isinstance(value, tuple):
+        return [_to_json(v) for v in value]
+    return value
 
 
 _NONFINITE_OUT = {"nan": "nan", "inf": "inf", "-inf": "-inf"}
@@ -225,6 +256,8 @@ def decode(payload: bytes | str, topic: str | None = None) -> Message:
     if body:
         raise ProtocolError(f"{kind}: unknown field(s) {sorted(body)}")
     msg: Message = cls(**values)
+    if isinstance(msg, NodeReport):
+        _check_node_report(msg)
     if topic is not None and topic != topic_for(msg.run, msg.attempt, msg.rank, msg.kind):
         raise ProtocolError(f"topic {topic!r} does not match the message header")
     return msg
@@ -232,6 +265,13 @@ def decode(payload: bytes | str, topic: str | None = None) -> Message:
 
 def _check_field(kind: str, name: str, annotation: Any, value: Any) -> Any:
     where = f"{kind}.{name}"
+    if isinstance(annotation, str) and annotation.startswith("tuple[") and annotation.endswith(", ...]"):
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a list, got {value!r}")
+        if len(value) > MAX_NODE_RANKS:
+            raise ProtocolError(f"{where}: longer than {MAX_NODE_RANKS} entries")
+        item = annotation.removeprefix("tuple[").removesuffix(", ...]")
+        return tuple(_check_field(kind, name, item, v) for v in value)
     if annotation in ("int", int):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ProtocolError(f"{where}: expected an integer, got {value!r}")
@@ -261,6 +301,19 @@ def _check_field(kind: str, name: str, annotation: Any, value: Any) -> Any:
         except ValueError as e:
             raise ProtocolError(f"{where}: unknown phase {value!r}") from e
     raise AssertionError(f"unhandled field type {annotation!r} for {where}")
+
+
+def _check_node_report(msg: NodeReport) -> None:
+    """What field checks alone cannot say: the lists are parallel, ranks unique, ages finite."""
+    lists = {"steps": msg.steps, "phases": msg.phases, "ages": msg.ages, "step_times": msg.step_times,
+             "busy": msg.busy}
+    for name, values in lists.items():
+        if len(values) != len(msg.ranks):
+            raise ProtocolError(f"node.{name}: {len(values)} entries for {len(msg.ranks)} ranks")
+    if len(set(msg.ranks)) != len(msg.ranks):
+        raise ProtocolError("node.ranks: a rank is listed twice")
+    if not all(math.isfinite(a) and a >= 0 for a in msg.ages):
+        raise ProtocolError("node.ages: expected finite numbers >= 0")
 
 
 def _is_id(value: str) -> bool:

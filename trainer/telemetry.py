@@ -15,12 +15,27 @@ fresh ``Register`` goes out on every (re)connect so the supervisor can rebuild i
 rank-to-node map after a broker restart. ``close`` publishes ``Exit`` and disconnects
 cleanly, which tells the broker to discard the will.
 
+Aggregation (``TSUP_TELEMETRY_AGGREGATE``): ``rank`` (the default) is all of the above,
+one heartbeat a second and one StepMetrics a step from every rank. ``node`` cuts the
+supervisor's load by the ranks per node: every rank keeps its state (step, phase, last
+step time and busy time) in its slot of the node's slot file (trainer/slots.py; the
+training thread writes it with one pwrite, the sender rewrites it every heartbeat
+interval), and only the node's local rank 0 publishes, once a heartbeat interval, a
+``NodeReport`` of every slot instead of its heartbeat. No rank sends Heartbeat or
+PhaseChange then, and only global rank 0 sends StepMetrics (the loss, which the
+supervisor stores and judges). Register, CheckpointCommitted, FaultInjected, Exit and
+the will (``Lost``) stay per rank, each on the rank's own connection. If the slot file
+cannot be opened, the rank logs why and falls back to ``rank``.
+
 Configuration comes from the environment the supervisor sets:
 
     TSUP_MQTT_URL   mqtt://host:port (port defaults to 1883); unset or empty: no telemetry
     TSUP_RUN_ID     run id in topics and messages (default "run-local")
     TSUP_ATTEMPT    attempt number, >= 1 (default 1)
     TSUP_NODE       node name for the rank-to-node map (default: this host's name)
+    TSUP_TELEMETRY_AGGREGATE  "rank" (default) or "node"
+    TSUP_SLOTS_DIR  node-local directory of the slot files (trainer/slots.py); default
+                    /dev/shm if it exists, else the temporary directory
 """
 
 from __future__ import annotations
@@ -35,6 +50,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -43,6 +59,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from trainer import protocol
 from trainer.errors import UsageError
 from trainer.protocol import Phase
+from trainer.slots import AGGREGATE_MODES, NodeSlots, Slot, default_slots_dir, slot_path
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +79,15 @@ class Identity:
     local_rank: int
     world_size: int
     node: str
+    local_world_size: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Aggregation:
+    """``TSUP_TELEMETRY_AGGREGATE=node``: where this node's slot file goes."""
+
+    slots_dir: Path
+    job: str = ""  # MASTER_PORT, in the slot file's name (trainer/slots.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +104,26 @@ def parse_mqtt_url(url: str) -> Broker:
         raise UsageError(f"TSUP_MQTT_URL: {e}") from None
 
 
+def aggregation_from_env(environ: Mapping[str, str], *, local_rank: int,
+                         local_world_size: int) -> Aggregation | None:
+    """``TSUP_TELEMETRY_AGGREGATE``: None for ``rank`` (or unset), an Aggregation for ``node``."""
+    mode = environ.get("TSUP_TELEMETRY_AGGREGATE") or "rank"
+    if mode not in AGGREGATE_MODES:
+        raise UsageError(f"TSUP_TELEMETRY_AGGREGATE: expected one of {', '.join(AGGREGATE_MODES)}, "
+                         f"got {mode!r}")
+    if mode == "rank":
+        return None
+    if local_world_size > protocol.MAX_NODE_RANKS:
+        raise UsageError(f"TSUP_TELEMETRY_AGGREGATE=node: at most {protocol.MAX_NODE_RANKS} ranks a node, "
+                         f"LOCAL_WORLD_SIZE is {local_world_size}")
+    if not 0 <= local_rank < local_world_size:
+        raise UsageError(f"TSUP_TELEMETRY_AGGREGATE=node: LOCAL_RANK {local_rank} is not within "
+                         f"LOCAL_WORLD_SIZE {local_world_size}")
+    return Aggregation(slots_dir=default_slots_dir(environ), job=environ.get("MASTER_PORT", ""))
+
+
 def settings_from_env(environ: Mapping[str, str], *, rank: int, local_rank: int,
-                      world_size: int) -> tuple[Identity, Broker | None]:
+                      world_size: int, local_world_size: int = 1) -> tuple[Identity, Broker | None]:
     """Read the TSUP_* variables; UsageError on values the protocol would reject."""
     run = environ.get("TSUP_RUN_ID", "run-local")
     if not run or len(run) > 64 or not all(c.isalnum() or c in "-_." for c in run):
@@ -95,7 +139,7 @@ def settings_from_env(environ: Mapping[str, str], *, rank: int, local_rank: int,
     url = environ.get("TSUP_MQTT_URL", "")
     broker = parse_mqtt_url(url) if url else None
     identity = Identity(run=run, attempt=attempt, rank=rank, local_rank=local_rank,
-                        world_size=world_size, node=node[:64])
+                        world_size=world_size, node=node[:64], local_world_size=local_world_size)
     return identity, broker
 
 
@@ -103,9 +147,14 @@ class Telemetry:
     """This rank's publisher. With ``broker=None`` every method is a cheap no-op."""
 
     def __init__(self, identity: Identity, broker: Broker | None, *,
-                 heartbeat_interval_s: float, queue_size: int = QUEUE_SIZE) -> None:
+                 heartbeat_interval_s: float, queue_size: int = QUEUE_SIZE,
+                 aggregation: Aggregation | None = None) -> None:
         self._id = identity
         self._broker = broker
+        self._aggregation = aggregation
+        # Node aggregation, set up by start(); None: this rank publishes its own state.
+        self._slots: NodeSlots | None = None
+        self._next_slot_write = 0.0  # time.monotonic() of the sender's next rewrite
         self._heartbeat_interval_s = heartbeat_interval_s
         self._queue: queue.Queue[protocol.Message | None] = queue.Queue(maxsize=queue_size)
         # Written by the training thread, read by the sender for heartbeats. Plain
@@ -127,10 +176,11 @@ class Telemetry:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], *, rank: int, local_rank: int,
-                 world_size: int, heartbeat_interval_s: float) -> Telemetry:
+                 world_size: int, heartbeat_interval_s: float, local_world_size: int = 1) -> Telemetry:
         identity, broker = settings_from_env(environ, rank=rank, local_rank=local_rank,
-                                             world_size=world_size)
-        return cls(identity, broker, heartbeat_interval_s=heartbeat_interval_s)
+                                             world_size=world_size, local_world_size=local_world_size)
+        aggregation = aggregation_from_env(environ, local_rank=local_rank, local_world_size=local_world_size)
+        return cls(identity, broker, heartbeat_interval_s=heartbeat_interval_s, aggregation=aggregation)
 
     @property
     def identity(self) -> Identity:
@@ -144,6 +194,11 @@ class Telemetry:
     def connected(self) -> bool:
         return self._connected.is_set()
 
+    @property
+    def aggregated(self) -> bool:
+        """This rank's step and phase go through its node's slot file (see the docstring)."""
+        return self._slots is not None
+
     def stats(self) -> dict[str, int]:
         return {"sent": self.sent, "dropped_queue_full": self.dropped_queue_full,
                 "dropped_not_connected": self.dropped_not_connected}
@@ -154,15 +209,31 @@ class Telemetry:
         """Start the sender thread (it connects in the background)."""
         if self._broker is None or self._thread is not None:
             return
+        if self._aggregation is not None:
+            self._open_slots(self._aggregation)
         self._thread = threading.Thread(target=self._run_sender, name="telemetry-sender",
                                         daemon=True)
         self._thread.start()
-        self._put(protocol.PhaseChange(**self._header(), phase=self._phase, step=self._step))
+        if self._slots is None:
+            self._put(protocol.PhaseChange(**self._header(), phase=self._phase, step=self._step))
+
+    def _open_slots(self, aggregation: Aggregation) -> None:
+        ident = self._id
+        path = slot_path(aggregation.slots_dir, ident.run, ident.attempt, ident.node, aggregation.job)
+        try:
+            self._slots = NodeSlots(path, rank=ident.rank, local_rank=ident.local_rank,
+                                    local_world_size=ident.local_world_size)
+        except OSError as e:
+            log.warning("telemetry: cannot open the node slot file %s (%s); publishing per rank", path, e)
+            return
+        self._slots.update(step=self._step, phase=self._phase)
 
     def set_phase(self, phase: Phase, step: int) -> None:
         if phase != self._phase:
             self._phase = phase
-            if self._broker is not None:
+            if self._slots is not None:
+                self._slots.update(phase=phase)
+            elif self._broker is not None:
                 self._put(protocol.PhaseChange(**self._header(), phase=phase, step=step))
 
     def step_completed(self, *, step: int, loss: float, grad_norm: float, lr: float,
@@ -171,6 +242,10 @@ class Telemetry:
         self._step = step
         if self._broker is None:
             return
+        if self._slots is not None:
+            self._slots.update(step=step, step_time_s=step_time_s, busy_s=busy_s)
+            if self._id.rank != 0:  # global rank 0's metrics carry the loss: always sent
+                return
         self._put(protocol.StepMetrics(**self._header(), step=step, loss=loss,
                                        grad_norm=grad_norm, lr=lr, step_time_s=step_time_s,
                                        tokens_per_s=tokens_per_s, first_sample=first_sample,
@@ -179,6 +254,8 @@ class Telemetry:
     def restored(self, step: int) -> None:
         """The run continues after ``step`` (from a checkpoint): heartbeats say so."""
         self._step = step
+        if self._slots is not None:
+            self._slots.update(step=step)
 
     def checkpoint_committed(self, *, step: int, path: str, duration_s: float) -> None:
         if self._broker is None:
@@ -204,6 +281,8 @@ class Telemetry:
         self._put(None, count_drop=False)  # wake the sender if it is waiting
         self._thread.join(timeout_s)
         self._thread = None
+        if self._slots is not None:
+            self._slots.close()
 
     def _header(self) -> dict[str, Any]:
         return {"run": self._id.run, "attempt": self._id.attempt, "rank": self._id.rank,
@@ -270,6 +349,7 @@ class Telemetry:
         next_heartbeat = time.monotonic()
         held: protocol.Message | None = None  # dequeued, waiting for a connection
         while not self._stopping.is_set():
+            self._rewrite_slot_when_due()  # connected or not: local rank 0 reads it
             if not self._connected.wait(timeout=0.2):
                 # Disconnected: leave messages queued for the next connection (the queue
                 # bound turns a long outage into counted drops). No heartbeats: a stale
@@ -277,12 +357,12 @@ class Telemetry:
                 continue
             now = time.monotonic()
             if now >= next_heartbeat:
-                self._try_publish(protocol.Heartbeat(**self._header(), step=self._step,
-                                                     phase=self._phase))
+                self._heartbeat()
                 next_heartbeat = now + self._heartbeat_interval_s
             if held is None:
+                wake_at = min(next_heartbeat, self._next_slot_write) if self._slots else next_heartbeat
                 try:
-                    held = self._queue.get(timeout=max(0.0, next_heartbeat - time.monotonic()))
+                    held = self._queue.get(timeout=max(0.0, wake_at - time.monotonic()))
                 except queue.Empty:
                     continue
             if held is None:  # close()'s wake-up call
@@ -294,6 +374,33 @@ class Telemetry:
                 # the next connection, and do not spin until paho notices the drop.
                 self._stopping.wait(0.05)
         return held
+
+    def _heartbeat(self) -> None:
+        """Per rank: a Heartbeat. Aggregated: local rank 0 reports its node, the others nothing."""
+        if self._slots is None:
+            self._try_publish(protocol.Heartbeat(**self._header(), step=self._step, phase=self._phase))
+        elif self._id.local_rank == 0:
+            self._try_publish(self.node_report())
+
+    def _rewrite_slot_when_due(self) -> None:
+        if self._slots is not None and time.monotonic() >= self._next_slot_write:
+            self._slots.touch()
+            self._next_slot_write = time.monotonic() + self._heartbeat_interval_s
+
+    def node_report(self) -> protocol.NodeReport:
+        """Every slot of this node as one message (aggregated mode, local rank 0)."""
+        assert self._slots is not None
+        now = time.time()
+        newest: dict[int, Slot] = {}
+        for slot in self._slots.read_all():  # a rank twice (a stale slot): the newest counts
+            if slot.rank not in newest or slot.written_at > newest[slot.rank].written_at:
+                newest[slot.rank] = slot
+        slots = list(newest.values())
+        return protocol.NodeReport(
+            **self._header(), node=self._id.node, ranks=tuple(s.rank for s in slots),
+            steps=tuple(s.step for s in slots), phases=tuple(s.phase for s in slots),
+            ages=tuple(max(0.0, now - s.written_at) for s in slots),
+            step_times=tuple(s.step_time_s for s in slots), busy=tuple(s.busy_s for s in slots))
 
     def _finish(self, held: protocol.Message | None) -> None:
         """Flush what is queued, publish Exit, and wait (bounded) until it is written."""

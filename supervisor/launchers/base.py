@@ -87,8 +87,9 @@ class Launcher(Protocol):
         recent answer (before a launch)."""
         ...
 
-    def release(self, run_id: str, info: str | None) -> None:
-        """The run is over: give its nodes back to the cluster. Idempotent."""
+    def release(self, run_id: str, info: str | None) -> bool:
+        """The run is over: give its nodes back to the cluster. Idempotent. False when the
+        cluster could not be told (its controller down): the caller tries again later."""
         ...
 
     def start(self, spec: LaunchSpec) -> str:

@@ -79,8 +79,9 @@ class LocalLauncher:
     def held(self, run_id: str, info: str | None, *, fresh: bool = False) -> Grant | None:
         return None  # the store's record is the whole truth for simulated nodes
 
-    def release(self, run_id: str, info: str | None) -> None:
+    def release(self, run_id: str, info: str | None) -> bool:
         """Nothing to give back: the store marks the nodes idle."""
+        return True
 
     def drain(self, node: str, reason: str) -> None:
         """Local nodes are simulated: the store's record is the whole drain."""

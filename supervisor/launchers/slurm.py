@@ -235,13 +235,18 @@ class SlurmLauncher:
         nodes = self.nodes() or {}
         return tuple(n for n in names if n not in drained and (n not in nodes or nodes[n].usable))
 
-    def release(self, run_id: str, info: str | None) -> None:
-        if info is None:
-            return
-        job = _load_alloc(info)["job"]
-        if job is not None:
-            self.commands.fire(["scancel", job])
-            self._forget_polls()
+    def release(self, run_id: str, info: str | None) -> bool:
+        job = _load_alloc(info)["job"] if info is not None else None
+        if job is None:
+            return True
+        # Waited for, not fired: with slurmctld down scancel fails, and an allocation
+        # forgotten then would hold its nodes until its time limit.
+        reply = self.commands.run(["scancel", job])
+        self._forget_polls()
+        if reply.ok or "Invalid job id" in reply.why:  # already gone is given back too
+            return True
+        log.warning("cannot give back allocation %s yet: %s", job, reply.why)
+        return False
 
     def drain(self, node: str, reason: str) -> None:
         reply = self.commands.run(

@@ -463,3 +463,23 @@ def test_a_seeded_mix_of_faults(request: pytest.FixtureRequest, fault_free: dict
     assert s["drained_nodes"] == drained, (chaos, s["faults"])
     assert len(s["faults"]) == len(chaos), (chaos, s["faults"])
     assert_records(state, s, injected=len(chaos))
+
+
+@pytest.mark.parametrize(("chaos", "kind"), [("kill-rank@50", "rank-exit"), ("hang-rank@40", "hang")])
+def test_node_aggregated_telemetry_finds_the_fault_and_recovers_to_the_same_digest(
+        fault_free: dict[str, Any], tmp_path: Path, state: Path, chaos: str, kind: str) -> None:
+    """[telemetry] aggregate = "node": heartbeats and all step metrics but rank 0's go
+    through each node's local rank 0. A killed rank, and a stopped one whose slot goes
+    stale, are still found and blamed; rank 0's loss curve is whole."""
+    spec = tmp_path / "node.toml"
+    spec.write_text(EXAMPLE.read_text() + '\n[telemetry]\naggregate = "node"\n')
+    proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", chaos)
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    [fault] = s["faults"]
+    assert fault["kind"] == kind and fault["ranks"] == [3] and fault["nodes"] == ["local-2"], fault
+    assert s["drained_nodes"] == []
+    steps = [r[0] for r in db_rows(state, "SELECT DISTINCT step FROM metrics ORDER BY step")]
+    assert steps == list(range(1, 81)), "global rank 0 still sends every step's metrics"
+    assert_records(state, s, injected=1)

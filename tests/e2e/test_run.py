@@ -124,3 +124,4 @@ def test_preflight_and_diagnosis_probes_on_the_local_launcher(tmp_path: Path,
     assert probes.count(("local-2", "preflight", "unhealthy")) == 2
     assert {p for p in probes if p[1] == "diagnosis"} == {("local-1", "diagnosis", "healthy"),
                                                           ("local-3", "diagnosis", "healthy")}
+

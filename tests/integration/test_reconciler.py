@@ -61,8 +61,8 @@ class ScriptedLauncher:
     def held(self, run_id: str, info: str | None, *, fresh: bool = False) -> Grant | None:
         return None
 
-    def release(self, run_id: str, info: str | None) -> None:
-        pass
+    def release(self, run_id: str, info: str | None) -> bool:
+        return True
 
     def start(self, spec: LaunchSpec) -> str:
         self.started.append(spec)

@@ -8,6 +8,7 @@ import pytest
 
 from supervisor.errors import SpecError
 from supervisor.spec import load_spec, parse_spec
+from supervisor.trainer_cmd import attempt_env
 from tests.conftest import REPO
 from trainer.protocol import parse_mqtt_url
 
@@ -35,6 +36,7 @@ def test_the_example_spec_loads() -> None:
         ({"name": "t", "trainer": {"steps": 0}}, "trainer.steps: expected a positive integer"),
         ({"name": "has space", "trainer": {"steps": 1}}, "name: String should match pattern"),
         ({**GOOD, "telemetry": {"mqtt_url": "http://x"}}, "expected mqtt://HOST:PORT"),
+        ({**GOOD, "telemetry": {"aggregate": "host"}}, "telemetry.aggregate: Input should be 'rank' or 'node'"),
         ({**GOOD, "surprise": 1}, "unknown key 'surprise'"),
     ],
 )
@@ -43,6 +45,16 @@ def test_spec_errors_name_the_key(data: dict[str, object], complaint: str) -> No
         parse_spec(data, "my.toml")
     assert str(e.value).startswith("my.toml: ")
     assert complaint in str(e.value)
+
+
+def test_telemetry_aggregation_reaches_the_reference_trainer_only(tmp_path: Path) -> None:
+    assert parse_spec(GOOD).telemetry.aggregate == "rank"
+    spec = parse_spec({**GOOD, "telemetry": {"aggregate": "node"}})
+    assert attempt_env(spec, tmp_path) == {"TSUP_TELEMETRY_AGGREGATE": "node"}
+    assert attempt_env(parse_spec(GOOD), tmp_path) == {"TSUP_TELEMETRY_AGGREGATE": "rank"}
+    command = parse_spec({"name": "t", "command": {"argv": ["true"], "checkpoint_dir": "ck"},
+                          "telemetry": {"aggregate": "node"}})
+    assert "TSUP_TELEMETRY_AGGREGATE" not in attempt_env(command, tmp_path)
 
 
 def test_unreadable_and_invalid_files_are_spec_errors(tmp_path: Path) -> None:

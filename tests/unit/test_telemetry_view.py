@@ -3,7 +3,23 @@
 from __future__ import annotations
 
 from supervisor.chaos import ChaosAction, parse_chaos
+from supervisor.domain import (
+    Attempt,
+    AttemptObs,
+    AttemptState,
+    FaultKind,
+    Node,
+    NodeState,
+    Policy,
+    ProcState,
+    RankObs,
+    RecordFault,
+    Run,
+    RunState,
+    RunView,
+)
 from supervisor.errors import SpecError
+from supervisor.policy import decide
 from supervisor.telemetry import TelemetryView
 from trainer import protocol as p
 
@@ -74,3 +90,109 @@ def test_chaos_syntax() -> None:
             assert "--chaos" in str(e)
         else:
             raise AssertionError(f"{bad!r} was accepted")
+
+
+def node_report(node: str, ranks: tuple[int, ...], steps: tuple[int, ...], ages: tuple[float, ...],
+                busy: float = 0.5, phase: p.Phase = p.Phase.TRAIN) -> p.NodeReport:
+    n = len(ranks)
+    return p.NodeReport(**H, rank=ranks[0], node=node, ranks=ranks, steps=steps, phases=(phase,) * n,
+                        ages=ages, step_times=(1.0,) * n, busy=(busy,) * n)
+
+
+def test_a_node_report_updates_every_rank_it_lists() -> None:
+    v = TelemetryView()
+    feed(v, p.Register(**H, rank=2, local_rank=0, world_size=4, node="n2", pid=9, hostname="h"), 1.0)
+    feed(v, node_report("n2", (2, 3), (4, 5), (0.0, 0.5), phase=p.Phase.CHECKPOINT), 10.0)
+    assert v.counts["node"] == 1 and v.counts["received"] == 2
+    r2, r3 = v.ranks("run-1", 1)[2], v.ranks("run-1", 1)[3]
+    assert (r2.node, r2.pid, r2.last_step, r2.phase, r2.last_seen_at, r2.progress_at) == (
+        "n2", 9, 4, "checkpoint", 10.0, 10.0)
+    assert (r3.node, r3.last_step, r3.last_seen_at, r3.progress_at) == ("n2", 5, 9.5, 9.5), \
+        "an unregistered rank is known from the report; times are receipt minus age"
+    assert v.max_step("run-1", 1) == 5
+    assert v.step_time_p99("run-1", 1) == (1.0, 2)
+    assert list(r3.busy_times) == [0.5]
+    # The same steps again: seen later, but no progress and no new step or busy time.
+    feed(v, node_report("n2", (2, 3), (4, 5), (0.0, 0.2)), 11.0)
+    assert (r3.last_seen_at, r3.progress_at, list(r3.busy_times)) == (10.8, 9.5, [0.5])
+    assert v.step_time_p99("run-1", 1)[1] == 2
+    # A step further: progress dated by the age; NaN step and busy times are not kept.
+    nan = float("nan")
+    feed(v, p.NodeReport(**H, rank=2, node="n2", ranks=(3,), steps=(6,), phases=(p.Phase.TRAIN,), ages=(0.1,),
+                         step_times=(nan,), busy=(nan,)), 12.0)
+    assert (r3.last_step, r3.progress_at, list(r3.busy_times)) == (6, 11.9, [0.5])
+    assert v.step_time_p99("run-1", 1)[1] == 2
+
+
+def test_a_rank_whose_slot_stops_being_written_goes_silent_and_stops_progressing() -> None:
+    """Rank 3 froze at 10.0: its slot keeps its last state and grows older in every report."""
+    v = TelemetryView()
+    for now in range(10, 31):
+        frozen_age = now - 10.0
+        feed(v, node_report("n2", (2, 3), (now, 7), (0.0, frozen_age)), float(now))
+    r2, r3 = v.ranks("run-1", 1)[2], v.ranks("run-1", 1)[3]
+    assert (r2.last_seen_at, r2.progress_at) == (30.0, 30.0)
+    assert (r3.last_seen_at, r3.progress_at, r3.last_step) == (10.0, 10.0, 7), \
+        "silent for 20 s and no progress since 10.0, as if its heartbeats had stopped"
+
+
+def test_a_node_report_never_moves_a_rank_back_nor_undoes_a_last_will() -> None:
+    v = TelemetryView()
+    feed(v, p.StepMetrics(**H, rank=0, step=9, loss=2.0, grad_norm=1.0, lr=0.1, step_time_s=0.1,
+                          tokens_per_s=1.0), 20.0)
+    feed(v, p.Lost(**H, rank=1), 20.0)
+    feed(v, node_report("n1", (0, 1), (8, 3), (3.0, 5.0)), 21.0)  # older than what is known
+    r0, r1 = v.ranks("run-1", 1)[0], v.ranks("run-1", 1)[1]
+    assert (r0.last_step, r0.progress_at) == (9, 20.0)
+    assert r0.last_seen_at == 21.0, "the sender itself is heard now"
+    assert r1.lost, "its slot was written before its connection died"
+    feed(v, node_report("n1", (0, 1), (9, 3), (0.0, 0.0)), 22.0)
+    assert not r1.lost and r1.last_seen_at == 22.0, "written after its last will: it is alive"
+
+
+def judge(v: TelemetryView, now: float) -> list[RecordFault]:
+    """The policy's verdict on a 2-node x 2-rank attempt observed only through ``v`` (as
+    Reconciler._observe builds it: every rank's process UNKNOWN, as under Slurm)."""
+    run = Run(number=1, name="t", state=RunState.RUNNING, reason="", nodes=2, ranks_per_node=2, spares=0,
+              total_steps=1000, policy=Policy(hang_timeout_s=60), created_at=0.0)
+    attempt = Attempt(run_number=1, number=1, state=AttemptState.RUNNING, nodes=("n1", "n2"), resume_from=None,
+                      resume_step=0, created_at=0.0, started_at=0.0, first_step_at=1.0, launch_info="{}")
+    allocation = tuple(Node(name=n, state=NodeState.ALLOCATED, run_number=1) for n in ("n1", "n2"))
+    tele = v.ranks("run-1", 1)
+    ranks = tuple(RankObs(rank=r, node=t.node or "", proc=ProcState.UNKNOWN, last_step=t.last_step,
+                          progress_at=t.progress_at, phase=t.phase, last_seen_at=t.last_seen_at,
+                          busy_recent_s=tuple(t.busy_times)) for r, t in sorted(tele.items()))
+    p99, samples = v.step_time_p99("run-1", 1)
+    obs = AttemptObs(ranks=ranks, telemetry_up_since=0.0, step_time_p99_s=p99, step_time_samples=samples)
+    view = RunView(run=run, attempts=(attempt,), allocation=allocation, newest_checkpoint=None)
+    return [e for e in decide(view, obs, now) if isinstance(e, RecordFault)]
+
+
+def test_the_policy_finds_a_hang_and_a_lost_node_from_node_reports_alone() -> None:
+    # Steps 1..30, one a second on every rank; then rank 3 (n2) freezes at step 30: its
+    # slot is no longer written, and the other ranks wait for it in the next collective.
+    v = TelemetryView()
+    for now in range(1, 61):
+        step = min(now, 30)
+        feed(v, node_report("n1", (0, 1), (step, step), (0.0, 0.0)), float(now))
+        feed(v, node_report("n2", (2, 3), (step, step), (0.0, max(0.0, now - 30.0))), float(now))
+        faults = judge(v, float(now))
+        if faults:
+            break
+    [hang] = faults
+    assert hang.kind is FaultKind.HANG and hang.ranks == (3,) and hang.nodes == ("n2",), hang
+    assert 30 + 8 <= now <= 30 + 12, "the adaptive limit, max(hang floor, 3 x p99 step time 1 s), from step 30"
+
+    # A node whose reports stop (local rank 0 frozen, or the node gone): every rank of it
+    # silent while n1 is heard, judged by the silence rule.
+    v = TelemetryView()
+    for now in range(1, 61):
+        feed(v, node_report("n1", (0, 1), (now, now), (0.0, 0.0)), float(now))
+        if now <= 20:
+            feed(v, node_report("n2", (2, 3), (now, now), (0.0, 0.0)), float(now))
+        faults = [f for f in judge(v, float(now)) if f.kind is FaultKind.NODE_LOST]
+        if faults:
+            break
+    [lost] = faults
+    assert lost.nodes == ("n2",) and lost.ranks == (2, 3)
+    assert 20 + Policy().silence_timeout_s < now <= 20 + Policy().silence_timeout_s + 2
