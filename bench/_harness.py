@@ -36,7 +36,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -50,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import mqtt_broker
 import paho.mqtt.client as mqtt
 import psutil
 from paho.mqtt.enums import CallbackAPIVersion
@@ -64,7 +64,6 @@ from trainer import protocol
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_SPEC = REPO / "examples" / "tiny-llama.toml"
 PY = sys.executable
-MOSQUITTO_CANDIDATES = ("mosquitto", "/usr/sbin/mosquitto")
 T = TypeVar("T")
 _STARTED = time.monotonic()
 
@@ -81,12 +80,6 @@ def rounded(value: float | None, digits: int = 3) -> float | None:
 def median_of(rows: Sequence[Mapping[str, Any]], key: str) -> float | None:
     values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
     return rounded(statistics.median(values)) if values else None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(check: Callable[[], T | None], timeout_s: float, every_s: float = 0.05) -> T | None:
@@ -154,28 +147,9 @@ def workspace(prefix: str) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def mosquitto(root: Path) -> Iterator[str]:
-    """A private mosquitto on a free loopback port; yields its mqtt:// URL."""
-    binary = next((b for b in map(shutil.which, MOSQUITTO_CANDIDATES) if b), None)
-    if binary is None:
-        raise SystemExit("mosquitto not found (apt-get install mosquitto, or scripts/install-system-deps)")
-    port = free_port()
-    conf = root / "mosquitto.conf"
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
-    with open(root / "mosquitto.log", "wb") as log:
-        proc = subprocess.Popen([binary, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
-    try:
-        if wait_until(lambda: True if _port_open(port) else None, 10) is None:
-            raise SystemExit(f"mosquitto did not listen: {(root / 'mosquitto.log').read_text()[-500:]}")
-        yield f"mqtt://127.0.0.1:{port}"
-    finally:
-        kill_tree(proc)
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+    """A private mosquitto on a free loopback port (bench/mqtt_broker.py); yields its mqtt:// URL."""
+    with mqtt_broker.mosquitto(root) as broker:
+        yield broker.url
 
 
 class Tap:

@@ -134,7 +134,6 @@ class ChaosMonkey:
                 {"action": str(action), "step": step, "attempt": live.number},
             )
 
-
     def _corrupt_newest_checkpoint(self) -> str:
         newest, _ = checkpoint_scan.pick(self.checkpoint_dir) if self.checkpoint_dir else (None, [])
         if newest is None:

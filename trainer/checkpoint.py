@@ -70,8 +70,7 @@ def _storage_error(e: BaseException) -> OSError | None:
         if isinstance(err, OSError) and err.errno in _STORAGE_ERRNOS:
             return err
         if isinstance(err, CheckpointException):
-            seen.extend(failure[0] if isinstance(failure, tuple) else failure
-                        for failure in err.failures.values())
+            seen.extend(exc for exc, _trace in err.failures.values())
         for linked in (err.__cause__, err.__context__):
             if linked is not None:
                 seen.append(linked)
