@@ -73,7 +73,10 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
             [sys.executable, "-m", "api.ctl", "--url", daemon.url, "--json", "events", run_id, "--follow"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
             env={**env(), "TSUP_CTL_CONFIG": "/dev/null"})
-        wait_for(lambda: (quick_json(daemon, "status", run_id)["step"] or 0) >= 20, 120, "step 20")
+        # The checkpoint of step 20 committed, not only step 20 reached: a kill during
+        # its save would leave the run nothing to resume from (and this test no checkpoint).
+        wait_for(lambda: any(c["complete"] for c in quick_json(daemon, "checkpoints", run_id)), 120,
+                 "the checkpoint of step 20")
 
         # A rank killed by a real signal: found, recovered, and on /metrics.
         rank_process(state, 3).send_signal(signal.SIGKILL)
