@@ -2,7 +2,7 @@
 
 Pure data, no I/O. Records are what the store persists; observations are what the
 reconciler gathers each tick from the launcher and the trainer's telemetry; effects
-are what the policy (supervisor/policy.py) asks the reconciler to do. Times are unix
+are what the policy (supervisor/policy/) asks the reconciler to do. Times are unix
 seconds (float) from the supervisor's clock, never the trainer's.
 """
 
@@ -41,9 +41,12 @@ LIVE_ATTEMPT_STATES = frozenset({AttemptState.LAUNCHING, AttemptState.RUNNING, A
 
 class AttemptOutcome(StrEnum):
     SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"  # a fault ended it; counts against the restart budget
+    FAILED = "FAILED"  # a fault ended it (what it costs: supervisor/policy/recovery.py)
     STOPPED = "STOPPED"  # an operator paused, restarted or cancelled the run
     ABORTED = "ABORTED"  # never started (supervisor restarted before launch); not a fault
+    # The cluster took its nodes away (preemption, a time limit, an allocation cancelled
+    # outside the supervisor): the run's own outcome, not a failure, and costs nothing.
+    INTERRUPTED = "INTERRUPTED"
 
 
 class NodeState(StrEnum):
@@ -80,6 +83,7 @@ class FaultKind(StrEnum):
     CHECKPOINT = "checkpoint"  # a rank exited with code 3: the checkpoint it resumed from is unreadable
     STRAGGLER = "straggler"  # a rank far slower than the others (acted on only with straggler_restart)
     STORAGE = "storage"  # a rank exited with code 5: no checkpoint can be written (disk full)
+    ALLOCATION_ENDED = "allocation-ended"  # the cluster ended the allocation under the attempt
 
 
 _RUN_ID = re.compile(r"^run-([1-9][0-9]{0,17})$")
@@ -99,13 +103,22 @@ def parse_run_id(text: str) -> int | None:
 class Policy:
     """Per-run knobs of the decision rules (from the spec's [policy] table)."""
 
-    max_restarts: int = 10  # relaunches after failed attempts; one more failure fails the run
+    # The budget for failures without progress. An attempt made progress when the run
+    # got a newer complete checkpoint than the one it resumed from, or when it trained
+    # progress_steps steps beyond that point. failures_without_progress failed attempts
+    # in a row that made none: FAILED. A node lost and replaced, and an allocation the
+    # cluster ended, cost nothing (supervisor/policy/recovery.py).
+    failures_without_progress: int = 4
+    progress_steps: int = 100
+    # More than fault_rate_max faults within fault_rate_window_s (progress or not): the
+    # cluster or the job is broken beyond what restarts can fix, FAILED.
+    fault_rate_max: int = 30
+    fault_rate_window_s: float = 3600.0
     # The same fault (kind and step) ending this many attempts in a row: a crash loop, FAILED.
     crash_loop_attempts: int = 3
-    # This many failed attempts in a row that all resumed from the same checkpoint: FAILED.
-    no_progress_attempts: int = 4
-    # Before the n-th such attempt in a row (n >= 2): wait backoff_base_s x 2^(n-2), at
-    # most backoff_max_s. The first restart after progress is immediate (hot spares).
+    # Before the n-th failed attempt in a row that resumed from the same checkpoint (n >= 2):
+    # wait backoff_base_s x 2^(n-2), at most backoff_max_s. The first restart after
+    # progress is immediate (hot spares).
     backoff_base_s: float = 5.0
     backoff_max_s: float = 300.0
     # Spikes: a step whose loss exceeds the median of the spike_window steps before it by
@@ -174,8 +187,8 @@ class Run:
     ended_at: float | None = None
     final_step: int | None = None
     model_digest: str | None = None
-    # Failed attempts numbered at or below this do not count against the restart
-    # budget: an operator's `resume` starts the budget afresh.
+    # Failed attempts numbered at or below this do not count against the budget for
+    # failures (nor toward a crash loop): an operator's `resume` starts it afresh.
     budget_from_attempt: int = 0
     allocation_info: str | None = None  # the launcher's handle on the nodes held
 
@@ -375,7 +388,7 @@ class SetRunState:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ResumeRun:
-    """Back to PENDING after an operator's resume; the restart budget starts afresh."""
+    """Back to PENDING after an operator's resume; the budget for failures starts afresh."""
 
     reason: str
 

@@ -13,8 +13,8 @@
     [trainer.checkpoint]   # checkpoint.dir and output_dir when the spec leaves them out
     every_steps = 20       # or "auto": Young/Daly, set by the supervisor at each attempt
 
-    [policy]               # decision rules (supervisor/policy.py)
-    max_restarts = 10
+    [policy]               # decision rules (supervisor/policy/)
+    failures_without_progress = 4
 
     [telemetry]
     mqtt_url = "mqtt://127.0.0.1:1883"   # absent: the daemon's broker (embedded by default)
@@ -58,9 +58,11 @@ _DAY_S = 86_400.0
 
 class PolicySpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-    max_restarts: Annotated[int, Field(ge=0, le=10_000)] = 10
+    failures_without_progress: Annotated[int, Field(ge=1, le=10_000)] = 4
+    progress_steps: Annotated[int, Field(ge=1, le=10**12)] = 100
+    fault_rate_max: Annotated[int, Field(ge=1, le=1_000_000)] = 30
+    fault_rate_window_s: Annotated[float, Field(gt=0, le=365 * _DAY_S)] = 3600.0
     crash_loop_attempts: Annotated[int, Field(ge=2, le=10_000)] = 3
-    no_progress_attempts: Annotated[int, Field(ge=2, le=10_000)] = 4
     backoff_base_s: Annotated[float, Field(ge=0, le=_DAY_S)] = 5.0
     backoff_max_s: Annotated[float, Field(ge=0, le=_DAY_S)] = 300.0
     spike_window: Annotated[int, Field(ge=2, le=100_000)] = 20

@@ -17,7 +17,7 @@ import math
 import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -509,10 +509,19 @@ def _run(r: Row[Any]) -> Run:
     return Run(
         number=r.number, name=r.name, state=RunState(r.state), reason=r.reason, nodes=r.nodes,
         ranks_per_node=r.ranks_per_node, spares=r.spares, total_steps=r.total_steps,
-        policy=Policy(**json.loads(r.policy)), created_at=r.created_at, started_at=r.started_at,
+        policy=_policy(r.policy), created_at=r.created_at, started_at=r.started_at,
         ended_at=r.ended_at, final_step=r.final_step, model_digest=r.model_digest,
         budget_from_attempt=r.budget_from_attempt, allocation_info=r.allocation_info,
     )
+
+
+_POLICY_KEYS = frozenset(f.name for f in fields(Policy))
+
+
+def _policy(text: str) -> Policy:
+    """A run's stored policy; keys an older release knew and this one does not are left
+    out (the run's spec is validated on its own: supervisor/spec.py)."""
+    return Policy(**{k: v for k, v in json.loads(text).items() if k in _POLICY_KEYS})
 
 
 def _attempt_values(a: Attempt) -> dict[str, Any]:

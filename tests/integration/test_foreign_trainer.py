@@ -84,7 +84,7 @@ def write_spec(tmp_path: Path, name: str, crash_at: int) -> Path:
         checkpoint_layout = "dcp"
         steps = 40
         [policy]
-        max_restarts = 2
+        failures_without_progress = 3
     """))
     return spec
 

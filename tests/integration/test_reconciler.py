@@ -289,14 +289,14 @@ def test_an_os_error_at_launch_is_a_launch_fault_within_the_budget(tmp_path: Pat
     rec = Reconciler(store, FailingLauncher(), TelemetryView(), ReconcilerConfig(mqtt_url=None), clock)
     service = SupervisorService(store, tmp_path / "runs", mqtt_url=None, launcher=LocalLauncher(max_nodes=8), check_trainer=False,
                                 clock=clock)
-    service.submit(parse_spec({**SPEC, "policy": {"max_restarts": 2, "crash_loop_attempts": 5}}))
+    service.submit(parse_spec({**SPEC, "policy": {"failures_without_progress": 3, "crash_loop_attempts": 5}}))
     for _ in range(12):
         rec.tick()
         clock.t += 20  # past the backoff between attempts that made no progress
     with store.tx() as tx:
         run = tx.get_run(1)
         faults = tx.list_faults(1)
-    assert run.state is RunState.FAILED and "restart budget exhausted" in run.reason
+    assert run.state is RunState.FAILED and run.reason.startswith("no progress: 3 failed attempts in a row")
     assert len(faults) == 3 and all("No space left" in f.summary for f in faults)
     store.close()
 

@@ -35,7 +35,7 @@ def store(tmp_path: Path) -> SqlStore:
 def new_run(store: SqlStore, tmp_path: Path, name: str = "t") -> int:
     with store.tx() as tx:
         run = tx.create_run(name=name, spec_json="{}", run_dir_root=tmp_path / "runs", nodes=2, ranks_per_node=2,
-                            spares=1, total_steps=10, policy=Policy(max_restarts=2), now=1.0)
+                            spares=1, total_steps=10, policy=Policy(failures_without_progress=2), now=1.0)
     return run.number
 
 
@@ -43,7 +43,7 @@ def test_runs_get_sequential_ids_and_their_own_directories(store: SqlStore, tmp_
     assert [new_run(store, tmp_path), new_run(store, tmp_path)] == [1, 2]
     with store.tx() as tx:
         run = tx.get_run(2)
-        assert run.run_id == "run-2" and run.state is RunState.PENDING and run.policy.max_restarts == 2
+        assert run.run_id == "run-2" and run.state is RunState.PENDING and run.policy.failures_without_progress == 2
         assert tx.run_spec_and_dir(2)[1] == tmp_path / "runs" / "run-2"
         with pytest.raises(NotFound, match="run-9"):
             tx.get_run(9)

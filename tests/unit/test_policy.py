@@ -1,4 +1,4 @@
-"""The decision rules (supervisor/policy.py), one behaviour per test, with plain values."""
+"""The decision rules (supervisor/policy/), one behaviour per test, with plain values."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ SIGKILL = -int(signal.SIGKILL)
 
 def run(state: RunState = RunState.RUNNING, **kw: object) -> Run:
     base = Run(number=7, name="t", state=state, reason="", nodes=2, ranks_per_node=2, spares=1,
-               total_steps=100, policy=Policy(max_restarts=3, hang_timeout_s=60, startup_timeout_s=300,
+               total_steps=100, policy=Policy(failures_without_progress=3, hang_timeout_s=60, startup_timeout_s=300,
                                               stop_grace_s=10),
                created_at=0.0)
     return replace(base, **kw)  # type: ignore[arg-type]
@@ -128,28 +128,29 @@ def test_too_few_healthy_nodes_asks_for_more_instead_of_launching() -> None:
     assert not of(effects, StartAttempt)
 
 
-def test_restart_budget_exhausted_fails_the_run() -> None:
-    failed = tuple(attempt(i, AttemptState.ENDED, outcome=AttemptOutcome.FAILED, resume_step=10 * i)
-                   for i in range(1, 5))  # each made checkpoint progress: no other stop rule
-    effects = decide(view(run(RunState.RECOVERING), failed), None, NOW)
-    [finish] = of(effects, FinishRun)
-    assert finish.state is RunState.FAILED and "restart budget exhausted" in finish.reason
-    assert not of(effects, StartAttempt)
+def test_aborted_and_interrupted_attempts_cost_nothing() -> None:
+    """Three failures without progress would stop the run; those that never ran or whose
+    allocation the cluster ended are passed over, neither counted nor breaking the run."""
+    history = tuple(attempt(i, AttemptState.ENDED, outcome=outcome, ended_at=NOW - 1000)
+                    for i, outcome in enumerate((AttemptOutcome.FAILED, AttemptOutcome.ABORTED,
+                                                 AttemptOutcome.INTERRUPTED, AttemptOutcome.FAILED), 1))
+    assert of(decide(view(run(RunState.RECOVERING), history), None, NOW), StartAttempt)
+    third = attempt(5, AttemptState.ENDED, outcome=AttemptOutcome.FAILED, ended_at=NOW - 1000)
+    [finish] = of(decide(view(run(RunState.RECOVERING), (*history, third)), None, NOW), FinishRun)
+    assert finish.reason.startswith("no progress: 3 failed attempts in a row (attempts 1, 4, 5")
 
 
-def test_aborted_and_stopped_attempts_do_not_count_against_the_budget() -> None:
-    history = (
-        attempt(1, AttemptState.ENDED, outcome=AttemptOutcome.FAILED),
-        attempt(2, AttemptState.ENDED, outcome=AttemptOutcome.ABORTED),
-        attempt(3, AttemptState.ENDED, outcome=AttemptOutcome.STOPPED),
-        attempt(4, AttemptState.ENDED, outcome=AttemptOutcome.ABORTED),
-        attempt(5, AttemptState.ENDED, outcome=AttemptOutcome.FAILED),
-    )
+def test_an_operator_stop_ends_a_run_of_failures() -> None:
+    history = tuple(attempt(i, AttemptState.ENDED, ended_at=NOW - 1000,
+                            outcome=AttemptOutcome.STOPPED if i == 3 else AttemptOutcome.FAILED)
+                    for i in range(1, 6))
     assert of(decide(view(run(RunState.RECOVERING), history), None, NOW), StartAttempt)
 
 
 def test_budget_counts_only_failures_after_the_last_resume() -> None:
-    failed = tuple(attempt(i, AttemptState.ENDED, outcome=AttemptOutcome.FAILED) for i in range(1, 5))
+    failed = tuple(attempt(i, AttemptState.ENDED, outcome=AttemptOutcome.FAILED, ended_at=NOW - 1000)
+                   for i in range(1, 5))
+    assert of(decide(view(run(RunState.RECOVERING), failed), None, NOW), FinishRun)
     r = run(RunState.PENDING, budget_from_attempt=4)
     assert of(decide(view(r, failed), None, NOW), StartAttempt)
 
@@ -316,9 +317,12 @@ def test_nodes_the_allocation_no_longer_holds_are_never_drained() -> None:
     released = nodes(NodeState.IDLE, NodeState.IDLE, NodeState.IDLE)
     effects = decide(view(run(), (attempt(),), alloc=released), obs(*ranks), NOW)
     [fault] = of(effects, RecordFault)
-    assert fault.kind is FaultKind.RANK_EXIT and "the allocation ended under the attempt" in fault.summary
+    assert fault.kind is FaultKind.ALLOCATION_ENDED
+    assert "the cluster ended the allocation under the attempt" in fault.summary
     assert not of(effects, DrainNode)
     assert of(effects, SetRunState)[0].state is RunState.RECOVERING
+    [stop] = of(effects, StopAttempt)
+    assert stop.outcome is AttemptOutcome.INTERRUPTED, "the cluster's doing: no failure of the run"
 
 
 def test_ranks_that_ended_unobserved_while_the_daemon_was_down_drain_nothing() -> None:
@@ -541,9 +545,10 @@ def test_restart_stops_the_live_attempt_gracefully_and_the_next_starts_from_the_
     assert (start.number, start.resume_step) == (2, 60)
 
 
-def test_an_operator_restart_costs_no_restart_budget() -> None:
-    """max_restarts=3: three failures and any number of operator restarts still launch."""
-    failed = tuple(attempt(n, AttemptState.ENDED, outcome=AttemptOutcome.FAILED) for n in (1, 2, 3))
+def test_an_operator_restart_costs_no_budget() -> None:
+    """Two failures without progress and any number of operator restarts still launch."""
+    failed = tuple(attempt(n, AttemptState.ENDED, outcome=AttemptOutcome.FAILED, ended_at=NOW - 1000)
+                   for n in (1, 2))
     restarted = tuple(attempt(n, AttemptState.ENDED, outcome=AttemptOutcome.STOPPED) for n in (4, 5, 6, 7))
     effects = decide(view(run(RunState.RECOVERING), failed + restarted), None, NOW)
     assert of(effects, StartAttempt) and not of(effects, FinishRun)
@@ -690,11 +695,93 @@ def test_different_faults_or_steps_are_no_crash_loop() -> None:
         assert not of(decide(v, None, NOW), FinishRun)
 
 
-def test_failed_attempts_that_resume_from_one_checkpoint_stop_the_run() -> None:
-    attempts = tuple(ended(i, 40) for i in range(1, 5))
-    faults = tuple(fault_of(a, step=40 + a) for a in range(1, 5))  # no crash loop: other steps
-    [finish] = of(decide(replace(view(run(RunState.RECOVERING), attempts), faults=faults), None, NOW), FinishRun)
-    assert finish.reason == "no checkpoint progress: 4 attempts in a row resumed from step 40 and failed"
+def test_failed_attempts_that_make_no_progress_stop_the_run() -> None:
+    attempts = tuple(replace(ended(i, 40), final_step=40 + i) for i in range(1, 4))
+    faults = tuple(fault_of(a, step=40 + a) for a in range(1, 4))  # no crash loop: other steps
+    v = replace(view(run(RunState.RECOVERING), attempts, ck=CheckpointRef(step=40, path="c40")), faults=faults)
+    [finish] = of(decide(v, None, NOW), FinishRun)
+    assert finish.reason == ("no progress: 3 failed attempts in a row (attempts 1, 2, 3, resumed from step 40) "
+                             "made no newer checkpoint and fewer than 100 steps each "
+                             "(failures_without_progress = 3)")
+    assert not of(decide(replace(v, attempts=attempts[1:], faults=faults[1:]), None, NOW), FinishRun)
+
+
+@pytest.mark.parametrize(("trained", "newer_checkpoint", "stops"), [
+    (99, False, True),  # one step short of progress_steps, and no newer checkpoint
+    (100, False, False),  # progress_steps beyond its resume point: progress
+    (5, True, False),  # the run checkpointed beyond where it resumed from: progress
+])
+def test_progress_is_a_newer_checkpoint_or_progress_steps_trained(trained: int, newer_checkpoint: bool,
+                                                                   stops: bool) -> None:
+    attempts = (ended(1, 40), ended(2, 40), replace(ended(3, 40), final_step=40 + trained))
+    faults = tuple(fault_of(a, step=41 + a) for a in (1, 2, 3))
+    ck = CheckpointRef(step=60 if newer_checkpoint else 40, path="c")
+    v = replace(view(run(RunState.RECOVERING), attempts, ck=ck), faults=faults)
+    assert bool(of(decide(v, None, NOW), FinishRun)) is stops
+
+
+def test_hardware_faults_whose_nodes_were_replaced_cost_nothing() -> None:
+    """A node lost, or a device failed, drained and replaced by a spare: not the run's failure,
+    however many in a row (thousands of nodes make that bad luck, not a loop)."""
+    attempts = tuple(ended(i, 40, nodes=("n1", f"n{i + 1}")) for i in range(1, 7))
+    faults = tuple(fault_of(a, FaultKind.NODE_LOST if a % 2 else FaultKind.DEVICE, step=41 + a)
+                   for a in range(1, 7))
+    v = replace(view(run(RunState.RECOVERING), attempts, ck=CheckpointRef(step=40, path="c")), faults=faults)
+    effects = decide(v, None, NOW)
+    assert of(effects, StartAttempt) and not of(effects, FinishRun)
+
+
+def test_a_lost_node_is_no_part_of_a_crash_loop() -> None:
+    attempts = tuple(ended(i, 20 if i > 1 else 0) for i in range(1, 5))
+    lost_thrice = tuple(fault_of(a, FaultKind.NODE_LOST) for a in (1, 2, 3))
+    v = replace(view(run(RunState.RECOVERING), attempts[:3]), faults=lost_thrice)
+    assert not of(decide(v, None, NOW), FinishRun), "the same node loss three times is bad luck, not a loop"
+    # Crashes at step 25 around a lost node are still one crash loop.
+    faults = (fault_of(1), fault_of(2), fault_of(3, FaultKind.NODE_LOST), fault_of(4))
+    v = replace(view(run(RunState.RECOVERING), attempts), faults=faults)
+    [finish] = of(decide(v, None, NOW), FinishRun)
+    assert finish.reason.startswith("crash loop: rank-exit at step 25 in 3 attempts in a row")
+
+
+def test_faults_arriving_faster_than_the_limit_stop_the_run_whatever_the_progress() -> None:
+    policy = replace(run().policy, fault_rate_max=5, fault_rate_window_s=600.0)
+    attempts = tuple(ended(i, 20 * i) for i in range(1, 7))  # each resumed further: progress every time
+    faults = tuple(replace(fault_of(a, step=20 * a + 5), detected_at=NOW - 60 * (6 - a)) for a in range(1, 7))
+    v = replace(view(run(RunState.RECOVERING, policy=policy), attempts, ck=CheckpointRef(step=140, path="c")),
+                faults=faults)
+    [finish] = of(decide(v, None, NOW), FinishRun)
+    assert finish.reason.startswith("faults too frequent: 6 in the last 0.166667 h (fault_rate_max = 5)")
+    old = tuple(replace(f, detected_at=f.detected_at - 601) if f.attempt == 1 else f for f in faults)
+    assert not of(decide(replace(v, faults=old), None, NOW), FinishRun), "5 within the window: the limit"
+
+
+def test_a_dozen_faults_each_followed_by_a_new_checkpoint_never_stop_a_run_under_the_default_policy() -> None:
+    """A run of 400 steps, checkpointing every 20, meets a crash 15 steps after every
+    resume: twelve faults, each followed by a newer checkpoint. It finishes."""
+    r = run(RunState.PENDING, total_steps=400, policy=Policy())
+    attempts: list[Attempt] = []
+    faults: list[FaultRecord] = []
+    ck: CheckpointRef | None = None
+    t, state = NOW, RunState.PENDING
+    for _ in range(40):
+        t += 100.0
+        v = replace(view(replace(r, state=state), tuple(attempts), ck=ck), faults=tuple(faults))
+        effects = decide(v, None, t)
+        assert not of(effects, FinishRun), of(effects, FinishRun)
+        [start] = of(effects, StartAttempt)
+        state = RunState.STARTING
+        a = attempt(start.number, AttemptState.ENDED, resume_step=start.resume_step, started_at=t,
+                    ended_at=t + 50, nodes=start.nodes)
+        if len(faults) == 12:  # the last attempt runs to the end
+            attempts.append(replace(a, outcome=AttemptOutcome.SUCCEEDED, final_step=400))
+            break
+        crash_at = start.resume_step + 15
+        attempts.append(replace(a, outcome=AttemptOutcome.FAILED, final_step=crash_at))
+        faults.append(replace(fault_of(start.number, step=crash_at), detected_at=t + 50))
+        # Its checkpoint at the next multiple of 20 landed before the crash, from the second on
+        if len(faults) > 1:
+            ck = CheckpointRef(step=start.resume_step + 20, path=f"c{start.resume_step + 20}")
+    assert len(faults) == 12 and attempts[-1].outcome is AttemptOutcome.SUCCEEDED
 
 
 def test_restarts_without_progress_back_off_exponentially() -> None:
@@ -704,7 +791,7 @@ def test_restarts_without_progress_back_off_exponentially() -> None:
         for _ in range(40):  # the smallest delay after the last end at which it launches
             mid = (lo + hi) / 2
             last = replace(attempts[-1], ended_at=NOW - mid)
-            p = replace(run().policy, no_progress_attempts=99, max_restarts=99)
+            p = replace(run().policy, failures_without_progress=99)
             v = view(run(RunState.RECOVERING, policy=p),
                      (*attempts[:-1], last))
             lo, hi = (mid, hi) if not of(decide(v, None, NOW), StartAttempt) else (lo, mid)

@@ -1,4 +1,4 @@
-"""Stragglers, lemon nodes and the trainer exit codes with a meaning (supervisor/policy.py)."""
+"""Stragglers, lemon nodes and the trainer exit codes with a meaning (supervisor/policy/)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ def test_the_example_spec_loads() -> None:
     assert (spec.resources.nodes, spec.resources.ranks_per_node, spec.resources.spares) == (2, 2, 1)
     assert spec.total_steps == 80
     assert spec.trainer["checkpoint"]["every_steps"] == 20
-    assert spec.policy.to_policy().max_restarts == 5
+    assert spec.policy.to_policy().failures_without_progress == 4
 
 
 @pytest.mark.parametrize(
@@ -31,7 +31,7 @@ def test_the_example_spec_loads() -> None:
         ({**GOOD, "resources": {"nodes": 0}}, "resources.nodes: Input should be greater than 0"),
         ({**GOOD, "resources": {"nodes": "two"}}, "resources.nodes: Input should be a valid integer"),
         ({**GOOD, "resources": {"launcher": "k8s"}}, "resources.launcher"),
-        ({**GOOD, "policy": {"max_restarts": -1}}, "policy.max_restarts"),
+        ({**GOOD, "policy": {"failures_without_progress": 0}}, "policy.failures_without_progress"),
         ({"name": "t", "trainer": {}}, "trainer.steps: expected a positive integer"),
         ({"name": "t", "trainer": {"steps": 0}}, "trainer.steps: expected a positive integer"),
         ({"name": "has space", "trainer": {"steps": 1}}, "name: String should match pattern"),

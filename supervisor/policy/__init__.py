@@ -1,0 +1,72 @@
+"""The decision core: every rule that decides what happens to a run or a node.
+
+``decide(view, obs, now)`` takes one run's recorded state (``RunView``), what was
+observed of its live attempt this tick (``AttemptObs``), and the time, and returns the
+effects to persist and carry out; ``decide_nodes`` does the same for the cluster's nodes
+(probe results, operators' drains). Nothing here does I/O or reads a clock (import-linter
+checks it: ``make lint``), so every rule is unit-tested with plain values.
+
+    lifecycle.py    decide(): operator commands, stopping, judging the live attempt
+    detection.py    deaths, NaN, spikes, silent nodes, hangs, stragglers
+    attribution.py  whom a fault blames, which nodes it drains, lemons
+    recovery.py     the next attempt: placement, rollback, the budget, backoff
+    nodes.py        node health: probes, lemons' return, operators' drains
+    transitions.py  the table of run and attempt states; an illegal change raises
+
+Run transitions (state, condition -> next state: effects):
+
+    any active      cancel command           -> CANCELLED:   StopAttempt
+    any active      pause command            -> PAUSED:      StopAttempt
+    PAUSED, FAILED  resume command           -> PENDING     (the budget starts afresh)
+    STARTING, RUNNING, RECOVERING with a live attempt
+                    restart command          -> RECOVERING:  StopAttempt (not a failure: no budget)
+    PENDING, STARTING, RECOVERING with no live attempt:
+                    nodes being probed       -> (same): nothing until their results are in
+                    a stop rule holds        -> FAILED (crash loop, faults too frequent,
+                                                failures without progress: recovery.py)
+                    fewer healthy nodes than needed -> (same):  AllocateNodes
+                    otherwise                -> STARTING:    StartAttempt (newest complete checkpoint)
+    STARTING, RECOVERING  first step seen    -> RUNNING:     MarkAttemptRunning, MarkFaultsRecovered
+    STARTING, RUNNING
+                    result written, ranks gone -> SUCCEEDED: EndAttempt, FinishRun
+                    a fault                  -> RECOVERING:  RecordFault, StopAttempt, DrainNode*
+                    a fault, exit code 2 or 5 -> FAILED:     RecordFault, StopAttempt (do not retry)
+                    the cluster ended the allocation -> RECOVERING: the attempt ends INTERRUPTED
+
+Attempts: LAUNCHING -> RUNNING (processes exist: started, or adopted after a daemon
+restart) -> STOPPING (StopAttempt) -> ENDED (EndAttempt, once no process of it is left,
+or abandoned with its nodes drained when processes outlive SIGKILL by
+``abandon_after_s``). With ``[health] diagnose``, a FAILED attempt's nodes that the run
+still holds are probed (ProbeNodes) before the next launch. A terminal run with no live
+attempt gives its nodes back (ReleaseNodes).
+
+Attribution (attribution.py): a node is drained only on evidence: every rank of it
+vanished at once, or fell silent while the others are heard, or its device failed
+(exit code 4), or a probe confirmed it bad, or it is a lemon (blamed in
+``lemon_faults`` distinct faults within ``lemon_window_s``). A straggler is reported,
+and left out of the next attempt when a spare can take its place; only
+``straggler_restart`` makes it a fault.
+"""
+
+from supervisor.policy.detection import (
+    find_spike,
+    find_stragglers,
+    hang_limit,
+    stalled_first,
+    transient_spikes,
+)
+from supervisor.policy.lifecycle import decide
+from supervisor.policy.recovery import backoff, resume_before, skip_window, unreadable_checkpoints
+
+__all__ = [
+    "backoff",
+    "decide",
+    "find_spike",
+    "find_stragglers",
+    "hang_limit",
+    "resume_before",
+    "skip_window",
+    "stalled_first",
+    "transient_spikes",
+    "unreadable_checkpoints",
+]

@@ -1,0 +1,238 @@
+"""Attribution: which ranks and nodes a fault blames, and which nodes it drains.
+
+The rules (the header of supervisor/policy/__init__.py lists them all):
+
+- a node is blamed, and drained, only when EVERY rank on it vanished abruptly in the
+  same observation: killed by SIGKILL, or gone with no exit report of its own. One
+  rank's crash never drains a node;
+- a node the run no longer holds (the cluster ended or shrank the allocation) is never
+  blamed; when the cluster took every node, the attempt was interrupted, not failed;
+- a rank the launcher cannot see (UNKNOWN: a Slurm step's rank) is dead when its last
+  will arrived or it reported a failed exit, and gone when it reported any exit;
+- trainer exit codes with a meaning: 2 do not retry, 3 the checkpoint it resumed from is
+  unreadable, 4 its device failed (drain its node), 5 checkpoint storage full;
+- otherwise the fault blames the ranks that died first: those killed by a signal or
+  gone without a report; failing that, the earliest self-reported exit;
+- a node blamed in ``lemon_faults`` distinct faults (of any run) within
+  ``lemon_window_s`` is a lemon, and drained.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from supervisor.domain import (
+    Attempt,
+    AttemptObs,
+    FaultKind,
+    NodeState,
+    ProcState,
+    RankObs,
+    RecordFault,
+    RunView,
+    run_id_of,
+)
+
+# Trainer exit codes with a meaning (trainer/README.md, trainer/errors.py). Any other
+# failure is retried from the newest checkpoint.
+EXIT_DO_NOT_RETRY = frozenset({2})  # configuration or usage error: a restart cannot fix it -> FAILED
+EXIT_CHECKPOINT_UNREADABLE = 3  # resume from the checkpoint before the one that failed to load
+EXIT_DEVICE_FAULT = 4  # the rank's accelerator failed: drain its node, restart on a spare
+EXIT_STORAGE_FULL = 5  # no checkpoint can be written (disk full): FAILED until an operator frees space
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """A fault found in the live attempt: what to record, whom to drain, and how it ends."""
+
+    record: RecordFault
+    drains: list[tuple[str, str]] = field(default_factory=list)  # (node, Reason)
+    do_not_retry: bool = False
+    interrupted: bool = False  # the cluster took the nodes away: not a failure
+
+
+def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list[RankObs],
+              step: int) -> Finding:
+    by = by_node(ranks)
+    # A node the run no longer holds (Slurm ended or shrank the allocation: preemption,
+    # a time limit, scancel) is not to blame: its ranks died because the allocation did.
+    held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
+    lost_nodes = sorted(n for n, rs in by.items() if n in held and all(vanished_abruptly(r) for r in rs))
+    released = sorted(n for n in by if n not in held)
+    do_not_retry = any(exit_code(r) in EXIT_DO_NOT_RETRY for r in dead)
+    where = f"{view.run.run_id}, attempt {live.number}, step {step}"
+
+    if lost_nodes:
+        blamed = [r for r in dead if r.node in lost_nodes]
+        summary = (f"every rank of node {', '.join(lost_nodes)} vanished at once "
+                   f"(ranks {ranks_text(blamed)}): node lost")
+        why = f"training-supervisor: node lost, all its ranks vanished at once ({where})"
+        record = RecordFault(kind=FaultKind.NODE_LOST, attempt=live.number, nodes=tuple(lost_nodes),
+                             ranks=tuple(r.rank for r in blamed), summary=summary, step=step)
+        return Finding(record, [(n, why) for n in lost_nodes], do_not_retry)
+
+    broken = [r for r in dead if exit_code(r) == EXIT_DEVICE_FAULT]
+    if broken:  # the trainer's own word that a device failed: evidence enough to drain
+        nodes = sorted({r.node for r in broken if r.node in held})
+        drains = []
+        for n in nodes:
+            words = "; ".join(r.reported_reason for r in broken if r.node == n) or "exit code 4"
+            why = f"training-supervisor: device fault reported by the trainer: {words} ({where})"
+            drains.append((n, why[:500]))
+        summary = "device fault (exit code 4): " + "; ".join(describe_exit(r) for r in broken)
+        record = RecordFault(kind=FaultKind.DEVICE, attempt=live.number, ranks=tuple(r.rank for r in broken),
+                             nodes=tuple(nodes), summary=summary, step=step)
+        return Finding(record, drains)
+    full = [r for r in dead if exit_code(r) == EXIT_STORAGE_FULL]
+    if full:  # every later save would fail the same way: stop, keep what is saved, say why
+        summary = (f"checkpoint storage full (exit code 5): {describe_exit(full[0])}; "
+                   "free space, then resume the run")
+        record = RecordFault(kind=FaultKind.STORAGE, attempt=live.number, ranks=tuple(r.rank for r in full),
+                             nodes=(), summary=summary, step=step)
+        return Finding(record, do_not_retry=True)
+    unreadable = [r for r in dead if exit_code(r) == EXIT_CHECKPOINT_UNREADABLE]
+    if unreadable and live.resume_from is not None:
+        summary = (f"the checkpoint at step {live.resume_step} cannot be read "
+                   f"({describe_exit(unreadable[0])}): resuming from an older one")
+        return Finding(RecordFault(kind=FaultKind.CHECKPOINT, attempt=live.number, nodes=(), summary=summary,
+                                   ranks=tuple(r.rank for r in unreadable), step=live.resume_step))
+
+    first = _died_first(dead)
+    summary = "; ".join(describe_exit(r) for r in first)
+    if len(dead) > len(first):
+        summary += f" (then {len(dead) - len(first)} more rank(s) exited)"
+    if released and len(released) == len(by) and not do_not_retry:
+        summary = (f"the cluster ended the allocation under the attempt (nodes {', '.join(released)} "
+                   f"released): {summary}")
+        return Finding(RecordFault(kind=FaultKind.ALLOCATION_ENDED, attempt=live.number, ranks=(), nodes=(),
+                                   summary=summary, step=step), interrupted=True)
+    if do_not_retry:
+        summary = f"trainer reported a configuration error (exit code 2): {summary}"
+    record = RecordFault(kind=FaultKind.RANK_EXIT, attempt=live.number, ranks=tuple(r.rank for r in first),
+                         nodes=tuple(sorted({r.node for r in first})), summary=summary, step=step)
+    return Finding(record, do_not_retry=do_not_retry)
+
+
+def _died_first(dead: list[RankObs]) -> list[RankObs]:
+    """Of those killed, the ones seen dead first; failing that, the earliest self-reported exit."""
+    killed = [r for r in dead if vanished_abruptly(r) or (exit_code(r) or 0) < 0]
+    if killed:
+        def seen(r: RankObs) -> float:
+            return r.dead_since if r.dead_since is not None else math.inf
+
+        t0 = min(seen(r) for r in killed)
+        return [r for r in killed if seen(r) == t0]
+    reported = [r for r in dead if r.reported_exit_at is not None]
+    if reported:
+        t0 = min(r.reported_exit_at for r in reported if r.reported_exit_at is not None)
+        return [r for r in reported if r.reported_exit_at == t0]
+    return dead
+
+
+def lemons(view: RunView, record: RecordFault, draining: set[str], now: float) -> list[tuple[str, str]]:
+    """Nodes that the new fault blames and that were blamed in enough other faults lately.
+
+    One attempt's fault proves little about a node (a rank crash may be the code's), but a
+    node that keeps turning up in faults of different steps and runs is a lemon. A fault
+    repeating at the same step of the same run (a crash loop) counts once: it follows the
+    step, not the node."""
+    policy = view.run.policy
+    since = now - policy.lemon_window_s
+    out = []
+    for node in record.nodes:
+        if node in draining:
+            continue
+        blamed = [f for f in view.cluster_faults if node in f.nodes and f.detected_at >= since]
+        distinct = {(f.run_number, f.kind, f.step): f for f in blamed}
+        distinct.pop((view.run.number, record.kind, record.step), None)
+        if len(distinct) + 1 < policy.lemon_faults:
+            continue
+        earlier = "; ".join(f"{run_id_of(f.run_number)} {f.kind} at step {f.step}"
+                            for f in sorted(distinct.values(), key=lambda f: f.detected_at))
+        hours = policy.lemon_window_s / 3600
+        out.append((node, f"training-supervisor: lemon: blamed in {len(distinct) + 1} faults in {hours:g} h "
+                          f"({earlier}; now {record.kind} at step {record.step}) ({view.run.run_id})"))
+    return out
+
+
+# --- what a rank's observation says ------------------------------------------------
+
+
+def exit_code(r: RankObs) -> int | None:
+    return r.exit_code if r.exit_code is not None else r.reported_exit_code
+
+
+def gone(r: RankObs) -> bool:
+    """The rank's process has ended. When the launcher cannot see it (UNKNOWN: a Slurm
+    step's rank, whose step may linger in Slurm until a dead node is declared down,
+    SlurmdTimeout later), its own exit report or its last will says so."""
+    if r.proc in (ProcState.EXITED, ProcState.VANISHED):
+        return True
+    return r.proc is ProcState.UNKNOWN and (r.lost or r.reported_exit_code is not None)
+
+
+def is_dead(r: RankObs) -> bool:
+    """Died unsuccessfully. A clean exit 0 is not a death; UNKNOWN is never a death
+    unless the rank's last will says its connection broke or it reported a failed exit."""
+    if r.proc is ProcState.EXITED:
+        return r.exit_code != 0
+    if r.proc is ProcState.VANISHED:
+        return r.reported_exit_code != 0
+    if r.proc is ProcState.UNKNOWN:
+        # The launcher cannot see the process (a Slurm step's ranks): the rank's own
+        # exit report, or its last will, is the evidence.
+        return r.lost or (r.reported_exit_code is not None and r.reported_exit_code != 0)
+    return False
+
+
+def vanished_abruptly(r: RankObs) -> bool:
+    """Killed outright: SIGKILL seen, or its connection died with no exit report.
+
+    A VANISHED rank (adopted after a daemon restart, so no exit code) counts only with
+    its last will as evidence: ranks that ended while the daemon was down left no
+    trace of how, and that is no reason to drain their nodes.
+    """
+    if r.proc is ProcState.EXITED:
+        return r.exit_code == -signal.SIGKILL
+    if r.proc in (ProcState.VANISHED, ProcState.UNKNOWN):
+        return r.lost and r.reported_exit_code is None
+    return False
+
+
+def describe_exit(r: RankObs) -> str:
+    who = f"rank {r.rank} (node {r.node})"
+    code = exit_code(r)
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"{who} killed by {name}"
+    if code is not None:
+        text = f"{who} exited with code {code}"
+        return f"{text}: {r.reported_reason}" if r.reported_reason else text
+    return f"{who} vanished without an exit report"
+
+
+def by_node(ranks: Iterable[RankObs]) -> dict[str, list[RankObs]]:
+    out: dict[str, list[RankObs]] = {}
+    for r in ranks:
+        out.setdefault(r.node, []).append(r)
+    return out
+
+
+def numbers_text(numbers: Iterable[int]) -> str:
+    return ", ".join(str(n) for n in sorted(numbers))
+
+
+def ranks_text(rs: Iterable[RankObs]) -> str:
+    return numbers_text(r.rank for r in rs)
+
+
+def all_gone(obs: AttemptObs | None) -> bool:
+    if obs is None:
+        return False
+    return obs.never_started or all(gone(r) for r in obs.ranks)

@@ -1,0 +1,290 @@
+"""Detection: what is wrong with the live attempt, from one tick's observation.
+
+In the order they are judged (the first that holds is the fault):
+
+- a rank died (``attribute`` says whom it blames), once every rank is gone or
+  ``fault_settle_s`` after the first death was seen: processes of one node killed
+  together are not reaped together;
+- a loss or grad norm that is not finite;
+- a loss or grad-norm spike that has lasted ``spike_persist_steps`` steps;
+- every rank of a node silent for ``silence_timeout_s`` while other nodes are heard;
+- every rank exited 0 and no result was written;
+- no step progress for ``hang_limit`` (never while the broker link is down).
+
+Stragglers are found here too (``find_stragglers``); what is done about them is the
+recovery module's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from statistics import median, median_low
+
+from supervisor.domain import (
+    Attempt,
+    AttemptObs,
+    FaultKind,
+    NodeState,
+    Policy,
+    ProcState,
+    RankObs,
+    RecordFault,
+    RunView,
+    StepSample,
+)
+from supervisor.policy.attribution import Finding, all_gone, attribute, by_node, is_dead, ranks_text
+
+
+def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Finding | None:
+    step = max((r.last_step for r in obs.ranks), default=live.resume_step)
+    dead = [r for r in obs.ranks if is_dead(r)]
+    if dead:
+        first_seen = min(r.dead_since if r.dead_since is not None else now for r in dead)
+        if now - first_seen < view.run.policy.fault_settle_s and not all_gone(obs):
+            return None  # let ranks that die together (a node) show themselves first
+        return attribute(view, live, obs.ranks, dead, step)
+    poisoned = [r for r in obs.ranks if r.nonfinite_step is not None]
+    if poisoned:
+        at = min(r.nonfinite_step for r in poisoned if r.nonfinite_step is not None)
+        again = any(f.kind is FaultKind.NONFINITE and f.step == at and f.attempt < live.number
+                    for f in view.faults)
+        summary = (f"loss or grad norm not finite at step {at} (ranks {ranks_text(poisoned)}): rolling back "
+                   f"to the newest checkpoint before step {at}"
+                   + ("; again at this step: skipping its data" if again else ""))
+        return Finding(RecordFault(kind=FaultKind.NONFINITE, attempt=live.number, ranks=(), nodes=(), step=at,
+                                   summary=summary))
+    spike = find_spike(obs.recent, view.run.policy)
+    if spike is not None:
+        return Finding(RecordFault(kind=FaultKind.SPIKE, attempt=live.number, ranks=(), nodes=(),
+                                   step=spike.step, summary=spike.summary))
+    silent = _find_silent_node(view, live, obs, now, step)
+    if silent is not None:
+        return silent
+    if obs.ranks and all(r.proc in (ProcState.EXITED, ProcState.VANISHED) for r in obs.ranks):
+        return Finding(RecordFault(kind=FaultKind.NO_RESULT, attempt=live.number, ranks=(), nodes=(),
+                                   step=step, summary="every rank exited 0 but the trainer wrote no result"))
+    return _find_hang(view, live, obs, now, step)
+
+
+# --- silence and hangs --------------------------------------------------------------
+
+
+def _find_silent_node(view: RunView, live: Attempt, obs: AttemptObs, now: float, step: int) -> Finding | None:
+    """Every rank of a node silent past the limit while other nodes' ranks are heard.
+
+    Judged only while the supervisor's own broker link has been up for longer than the
+    limit (after a reconnect, heartbeats need time to arrive again), and never when
+    every node is silent: that is the broker or the link, not the nodes.
+    """
+    limit_s = view.run.policy.silence_timeout_s
+    if obs.telemetry_up_since is None or now - obs.telemetry_up_since <= limit_s:
+        return None
+
+    def silent(r: RankObs) -> bool:
+        return (r.last_seen_at is not None and now - r.last_seen_at > limit_s
+                and r.reported_exit_code is None and r.proc not in (ProcState.EXITED, ProcState.VANISHED))
+
+    by = by_node(obs.ranks)
+    held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
+    quiet = sorted(n for n, rs in by.items() if n in held and all(silent(r) for r in rs))
+    if not quiet or len(quiet) == len(by):
+        return None
+    blamed = [r for r in obs.ranks if r.node in quiet]
+    heard_s = now - max(r.last_seen_at or now for r in blamed)
+    where = f"{view.run.run_id}, attempt {live.number}, step {step}"
+    summary = (f"every rank of node {', '.join(quiet)} silent for {heard_s:.0f} s while the others are heard "
+               f"(ranks {ranks_text(blamed)}): node lost")
+    record = RecordFault(kind=FaultKind.NODE_LOST, attempt=live.number, ranks=tuple(r.rank for r in blamed),
+                         nodes=tuple(quiet), summary=summary, step=step)
+    why = f"training-supervisor: node silent, no heartbeat from any rank for {heard_s:.0f} s ({where})"
+    return Finding(record, [(n, why) for n in quiet])
+
+
+def hang_limit(policy: Policy, obs: AttemptObs, first_step_seen: bool) -> tuple[float, str]:
+    """How long without step progress is a hang, and why that long.
+
+    - a rank in a slow phase it announced gets that phase's allowance: init, compile and
+      restore ``startup_timeout_s`` (also before the first step); checkpoint save
+      max(``hang_floor_s``, ``hang_k`` x the slowest recent save) once a save was timed,
+      ``checkpoint_timeout_s`` before (and at most); evaluation ``eval_timeout_s``;
+    - while training, once ``hang_min_samples`` step times are known: max(``hang_floor_s``,
+      ``hang_k`` x the p99 step time), at most ``hang_timeout_s``;
+    - before that, ``hang_timeout_s``.
+    """
+    phases = {r.phase for r in obs.ranks}
+    if not first_step_seen or phases & {"init", "compile", "restore"}:
+        return policy.startup_timeout_s, "startup allowance"
+    if "checkpoint" in phases:
+        saved = obs.checkpoint_p99_s
+        if saved is None:
+            return policy.checkpoint_timeout_s, "checkpoint allowance"
+        limit = min(policy.checkpoint_timeout_s, max(policy.hang_floor_s, policy.hang_k * saved))
+        k, floor = policy.hang_k, policy.hang_floor_s
+        return limit, f"checkpoint allowance: max({floor:g} s, {k:g} x slowest save {saved:.2f} s)"
+    if "eval" in phases:
+        return policy.eval_timeout_s, "evaluation allowance"
+    p99 = obs.step_time_p99_s
+    if p99 is not None and obs.step_time_samples >= policy.hang_min_samples:
+        limit = min(policy.hang_timeout_s, max(policy.hang_floor_s, policy.hang_k * p99))
+        return limit, f"adaptive hang timeout: max({policy.hang_floor_s:g} s, {policy.hang_k:g} x p99 step " \
+                      f"time {p99:.3f} s)"
+    return policy.hang_timeout_s, "hang timeout"
+
+
+def _find_hang(view: RunView, live: Attempt, obs: AttemptObs, now: float, step: int) -> Finding | None:
+    """No progress for too long (``hang_limit``), judged only while telemetry flows.
+
+    While the broker link is down no verdict is given, and after it comes back the
+    clock starts again from the moment it did: a broker outage is never a hang. The
+    fault names the ranks that stalled first (``stalled_first``) and their nodes, and
+    drains nothing: a stalled rank is no evidence against its node.
+    """
+    if obs.telemetry_up_since is None or live.started_at is None:
+        return None
+    limit_s, what = hang_limit(view.run.policy, obs, live.first_step_at is not None)
+    progress = [r.progress_at for r in obs.ranks if r.progress_at is not None]
+    since = max([live.started_at, obs.telemetry_up_since, *progress])
+    if live.first_step_at is not None:
+        since = max(since, live.first_step_at)
+    idle_s = now - since
+    if idle_s <= limit_s or _node_going_silent(view, obs, now):
+        return None
+    first = stalled_first(obs.ranks)
+    nodes = tuple(sorted({r.node for r in first}))
+    who = f"; stalled first: ranks {ranks_text(first)} on {', '.join(nodes)}" if first else ""
+    return Finding(RecordFault(
+        kind=FaultKind.HANG, attempt=live.number, ranks=tuple(r.rank for r in first), nodes=nodes, step=step,
+        summary=f"no step progress for {idle_s:.0f} s ({what} {limit_s:.0f} s), last step {step}{who}",
+    ))
+
+
+STALL_GAP_S = 5.0  # a rank unheard this much longer than the most recently heard one stalled first
+
+
+def _node_going_silent(view: RunView, obs: AttemptObs, now: float) -> bool:
+    """Every rank of some node unheard for STALL_GAP_S while other nodes are heard, for
+    less than the silence limit (and a grace): the silence rule will judge it a lost node
+    and drain it; a hang verdict now would blame no one."""
+    by = by_node(obs.ranks)
+    if len(by) < 2:
+        return False
+    quiet_for = {n: now - max(r.last_seen_at or 0.0 for r in rs) for n, rs in by.items()}
+    heard = [n for n, q in quiet_for.items() if q <= STALL_GAP_S]
+    limit = view.run.policy.silence_timeout_s + STALL_GAP_S
+    return bool(heard) and any(STALL_GAP_S < q <= limit for q in quiet_for.values())
+
+
+def stalled_first(ranks: Iterable[RankObs]) -> list[RankObs]:
+    """The ranks a hang began with: those behind the others in steps; failing that, those
+    that fell silent (no heartbeat) well before the rest. Empty when all stalled together."""
+    rs = list(ranks)
+    if not rs:
+        return []
+    behind = min(r.last_step for r in rs)
+    laggards = [r for r in rs if r.last_step == behind]
+    if len(laggards) < len(rs):
+        return laggards
+    heard = [r.last_seen_at for r in rs if r.last_seen_at is not None]
+    if not heard:
+        return []
+    newest = max(heard)
+    silent = [r for r in rs if r.last_seen_at is None or newest - r.last_seen_at > STALL_GAP_S]
+    return silent if len(silent) < len(rs) else []
+
+
+# --- spikes -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Spike:
+    step: int  # the first step of it
+    steps: int  # how many steps in a row, from it, are above the threshold
+    summary: str
+
+
+def _spikes(recent: tuple[StepSample, ...], policy: Policy) -> list[Spike]:
+    """Every run of spiking steps in ``recent`` (consecutive steps, oldest first), each
+    judged against the median of the ``spike_window`` steps before its first step."""
+    w = policy.spike_window
+    found: list[Spike] = []
+    i = w
+    while i < len(recent):
+        before = recent[i - w:i]
+        if any(b.step != recent[i].step - w + k for k, b in enumerate(before)):
+            i += 1
+            continue  # a gap in what was received: no judgement on a broken window
+        loss_m = median([b.loss for b in before if math.isfinite(b.loss)] or [math.inf])
+        grad_m = median([b.grad_norm for b in before if math.isfinite(b.grad_norm)] or [math.inf])
+        limits = (loss_m * (1 + policy.spike_loss_rel), grad_m * policy.spike_grad_factor)
+        if not _above(recent[i], limits):
+            i += 1
+            continue
+        j = i
+        while (j + 1 < len(recent) and recent[j + 1].step == recent[j].step + 1
+               and _above(recent[j + 1], limits)):
+            j += 1
+        x = recent[i]
+        found.append(Spike(step=x.step, steps=j - i + 1, summary=(
+            f"loss spike from step {x.step}: loss {x.loss:.4g} (median of the {w} steps before: "
+            f"{loss_m:.4g}), grad norm {x.grad_norm:.4g} (median {grad_m:.4g}), for {j - i + 1} steps")))
+        i = j + 1
+    return found
+
+
+def _above(x: StepSample, limits: tuple[float, float]) -> bool:
+    return x.loss > limits[0] or x.grad_norm > limits[1]
+
+
+def find_spike(recent: tuple[StepSample, ...], policy: Policy) -> Spike | None:
+    """The first spike that has lasted ``spike_persist_steps`` steps: act on it."""
+    for s in _spikes(recent, policy):
+        if s.steps >= policy.spike_persist_steps:
+            return Spike(step=s.step, steps=s.steps, summary=(
+                f"{s.summary}: rolling back to the newest checkpoint before step {s.step} and skipping "
+                f"{policy.spike_skip_steps} steps of data from it"))
+    return None
+
+
+def transient_spikes(recent: tuple[StepSample, ...], policy: Policy) -> list[Spike]:
+    """Spikes that ended before ``spike_persist_steps``: counted and reported, never acted on."""
+    last = recent[-1].step if recent else 0
+    return [s for s in _spikes(recent, policy)
+            if s.steps < policy.spike_persist_steps and s.step + s.steps <= last]
+
+
+# --- stragglers ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Straggler:
+    rank: int
+    node: str
+    busy_s: float  # its median busy time per step over the window
+    typical_s: float  # the typical rank's: the lower median of every judged rank's median
+
+    @property
+    def slower(self) -> float:
+        """How much slower than typical: 0.5 is 50 % slower."""
+        return self.busy_s / self.typical_s - 1.0 if self.typical_s > 0 else math.inf
+
+
+def find_stragglers(ranks: Iterable[RankObs], policy: Policy) -> list[Straggler]:
+    """Ranks whose own compute per step stays above the typical rank's by the margin.
+
+    In a synchronous job every rank's wall-clock step time is the same (the fast ones
+    wait for the slow one in the collectives), so the judgement is on busy time, which
+    leaves the waits out. Each rank with a full window is summarised by its median over
+    the window (one slow step is not a straggler); "typical" is the lower median of those
+    medians, so that with two ranks the slower is compared with the faster, and a
+    majority of slow ranks is the new normal rather than a crowd of stragglers.
+    """
+    window = policy.straggler_window
+    judged = [(r, median(r.busy_recent_s[-window:])) for r in ranks if len(r.busy_recent_s) >= window]
+    if len(judged) < 2:
+        return []
+    typical = median_low(m for _, m in judged)
+    return [Straggler(rank=r.rank, node=r.node, busy_s=m, typical_s=typical)
+            for r, m in judged
+            if m > typical * (1.0 + policy.straggler_margin) and m - typical >= policy.straggler_min_s]

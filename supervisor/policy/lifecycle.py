@@ -1,0 +1,235 @@
+"""The run's lifecycle: ``decide`` and the operator's commands.
+
+``decide(view, obs, now)`` is the one entry point of the core for a run. It applies the
+operator's commands, follows a stopping attempt until its processes are gone, judges the
+live attempt (detection.py, attribution.py), and launches the next one when the run
+wants one (recovery.py). Every state change goes through the table in transitions.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from supervisor.domain import (
+    TERMINAL_RUN_STATES,
+    Attempt,
+    AttemptObs,
+    AttemptOutcome,
+    AttemptState,
+    Command,
+    CommandHandled,
+    CommandKind,
+    DrainNode,
+    Effect,
+    Emit,
+    EndAttempt,
+    EnsureStopped,
+    FaultKind,
+    FinishRun,
+    MarkAttemptRunning,
+    MarkFaultsRecovered,
+    NodeState,
+    ProcState,
+    RecordFault,
+    ReleaseNodes,
+    ResumeRun,
+    RunState,
+    RunView,
+    StopAttempt,
+)
+from supervisor.policy.attribution import all_gone, lemons
+from supervisor.policy.detection import find_fault
+from supervisor.policy.recovery import data_to_skip, diagnose, judge_stragglers, launch, set_state
+from supervisor.policy.transitions import check_run
+
+_ACTIVE = frozenset({RunState.PENDING, RunState.STARTING, RunState.RUNNING, RunState.RECOVERING})
+_LAUNCHABLE = frozenset({RunState.PENDING, RunState.STARTING, RunState.RECOVERING})
+
+
+def decide(view: RunView, obs: AttemptObs | None, now: float) -> list[Effect]:
+    out: list[Effect] = []
+    state = view.run.state
+    live = view.current if view.current and view.current.state is not AttemptState.ENDED else None
+
+    for cmd in view.commands:
+        state, live = _apply_command(view, cmd, state, live, out)
+
+    if any(isinstance(e, StopAttempt) for e in out):
+        pass  # an operator's command stopped it this tick: nothing more to judge
+    elif live is not None and live.state is not AttemptState.STOPPING and state not in _ACTIVE:
+        # A run that is over (or paused) keeps no attempt training: stop what is left.
+        out.append(_stop(live, AttemptOutcome.STOPPED, f"run is {state}", force=False))
+        live = _stopping(live)
+    elif live is not None and live.state is AttemptState.STOPPING:
+        live = _finish_stopping(view, live, obs, now, out)
+    elif live is not None:
+        state, live = _judge_live_attempt(view, live, obs, state, now, out)
+
+    drained_now = {e.node for e in out if isinstance(e, DrainNode)}
+    diagnosing = diagnose(view, drained_now, out)
+    if live is None and state in _LAUNCHABLE and not diagnosing and not view.probing:
+        state = launch(view, state, drained_now, out, now)
+
+    holds_nodes = (any(n.state is NodeState.ALLOCATED for n in view.allocation)
+                   or view.run.allocation_info is not None)  # a queued allocation holds no node yet
+    if live is None and state in TERMINAL_RUN_STATES and holds_nodes:
+        out.append(ReleaseNodes())
+    return out
+
+
+def _finish_stopping(
+    view: RunView, live: Attempt, obs: AttemptObs | None, now: float, out: list[Effect]
+) -> Attempt | None:
+    """End a stopping attempt once its processes are gone; escalate, then abandon."""
+    if all_gone(obs):
+        out.append(_end(live, live.outcome or AttemptOutcome.FAILED, live.reason, obs))
+        return None
+    policy = view.run.policy
+    waited_s = now - (live.stop_requested_at or now)
+    if waited_s >= policy.stop_grace_s + policy.abandon_after_s:
+        # Processes that outlive SIGKILL this long are stuck in the kernel (a hung
+        # filesystem or driver): their nodes cannot train, and the run must go on.
+        alive = (ProcState.RUNNING, ProcState.UNKNOWN)
+        stuck = sorted({r.node for r in obs.ranks if r.proc in alive}) if obs else []
+        why = f"processes survived SIGKILL for {waited_s:.0f} s on {', '.join(stuck) or 'unknown nodes'}"
+        out.append(Emit(kind="attempt.abandoned", message=f"attempt {live.number}: {why}; abandoning it",
+                        data={"attempt": live.number, "nodes": stuck}))
+        for node in stuck:
+            out.append(DrainNode(node=node, reason=f"training-supervisor: {why} ({view.run.run_id})"))
+        out.append(_end(live, live.outcome or AttemptOutcome.FAILED, f"{live.reason}; abandoned: {why}", obs))
+        return None
+    # A fault's stop is SIGKILL from the start; an operator's is SIGTERM, then SIGKILL
+    # after the grace. Re-sent while processes live, so a stop lost in a crash recurs.
+    if live.outcome is not AttemptOutcome.STOPPED or waited_s >= policy.stop_grace_s:
+        out.append(EnsureStopped(number=live.number, force=True))
+    return live
+
+
+# --- operator commands --------------------------------------------------------------
+
+
+def _apply_command(
+    view: RunView, cmd: Command, state: RunState, live: Attempt | None, out: list[Effect]
+) -> tuple[RunState, Attempt | None]:
+    def reject(why: str) -> tuple[RunState, Attempt | None]:
+        out.append(CommandHandled(command_id=cmd.id, result=f"rejected: {why}"))
+        out.append(Emit(kind="command.rejected", message=f"{cmd.kind} rejected: {why}"))
+        return state, live
+
+    def accept() -> None:
+        out.append(CommandHandled(command_id=cmd.id, result="accepted"))
+        out.append(Emit(kind="command.accepted", message=f"{cmd.kind} accepted"))
+
+    if cmd.kind in (CommandKind.CANCEL, CommandKind.PAUSE):
+        if state not in _ACTIVE and not (cmd.kind is CommandKind.CANCEL and state is RunState.PAUSED):
+            return reject(f"run is {state}")
+        accept()
+        if cmd.kind is CommandKind.CANCEL:
+            new_state, verb = RunState.CANCELLED, "cancelled"
+            check_run(state, new_state)
+            out.append(FinishRun(state=new_state, reason="cancelled by operator"))
+        else:
+            verb = "paused"
+            new_state = set_state(state, RunState.PAUSED, "paused by operator", out)
+        if live is not None and live.state is not AttemptState.STOPPING:
+            out.append(_stop(live, AttemptOutcome.STOPPED, f"run {verb} by operator", force=False))
+            live = _stopping(live)
+        return new_state, live
+
+    if cmd.kind is CommandKind.RESTART:
+        if state in (RunState.PAUSED, RunState.FAILED):
+            return reject(f"run is {state}; resume it instead")
+        if state in TERMINAL_RUN_STATES:
+            return reject(f"run is {state}; submit it again as a new run")
+        if live is None or live.state is AttemptState.STOPPING:
+            return reject(f"no attempt is running (run is {state}); the next one starts by itself")
+        accept()
+        state = set_state(state, RunState.RECOVERING, "restarted by operator", out)
+        out.append(_stop(live, AttemptOutcome.STOPPED, "restarted by operator", force=False))
+        return state, _stopping(live)
+
+    # RESUME
+    if state not in (RunState.PAUSED, RunState.FAILED):
+        if state in TERMINAL_RUN_STATES:
+            return reject(f"run is {state}; submit it again as a new run")
+        return reject(f"run is already {state}")
+    accept()
+    check_run(state, RunState.PENDING)
+    out.append(ResumeRun(reason="resumed by operator"))
+    return RunState.PENDING, live
+
+
+# --- the live attempt ---------------------------------------------------------------
+
+
+def _judge_live_attempt(
+    view: RunView, live: Attempt, obs: AttemptObs | None, state: RunState, now: float, out: list[Effect],
+) -> tuple[RunState, Attempt | None]:
+    if obs is None:  # launched this very tick, or not observable yet
+        return state, live
+    if obs.never_started:
+        if obs.launch_error is None:
+            reason = "launch interrupted: no process of this attempt exists (supervisor restarted)"
+            out.append(_end(live, AttemptOutcome.ABORTED, reason, obs))
+            out.append(Emit(kind="attempt.aborted", message=f"attempt {live.number}: {reason}"))
+            return state, None
+        out.append(RecordFault(kind=FaultKind.LAUNCH, attempt=live.number, ranks=(), nodes=(),
+                               summary=obs.launch_error, step=live.resume_step))
+        out.append(Emit(kind="fault.detected", message=f"launch: {obs.launch_error}",
+                        data={"attempt": live.number}))
+        out.append(_end(live, AttemptOutcome.FAILED, f"launch failed: {obs.launch_error}", obs))
+        return set_state(state, RunState.RECOVERING, f"launch failed: {obs.launch_error}", out), None
+
+    if obs.result is not None and all_gone(obs):
+        res = obs.result
+        out.append(_end(live, AttemptOutcome.SUCCEEDED, "trainer finished", obs))
+        check_run(state, RunState.SUCCEEDED)
+        out.append(FinishRun(state=RunState.SUCCEEDED, reason=f"trainer finished at step {res.final_step}",
+                             final_step=res.final_step, model_digest=res.model_digest))
+        return RunState.SUCCEEDED, None
+
+    found = find_fault(view, live, obs, now)
+    if found is not None:
+        record = found.record
+        out.append(record)
+        out.append(Emit(kind="fault.detected", message=f"{record.kind}: {record.summary}",
+                        data={"attempt": live.number, "step": record.step, "ranks": list(record.ranks),
+                              "nodes": list(record.nodes)}))
+        for node, reason in [*found.drains, *lemons(view, record, {n for n, _ in found.drains}, now)]:
+            out.append(DrainNode(node=node, reason=reason))
+        skip = data_to_skip(view, live, obs, record)
+        if skip is not None:
+            out.append(skip)
+        outcome = AttemptOutcome.INTERRUPTED if found.interrupted else AttemptOutcome.FAILED
+        out.append(_stop(live, outcome, f"{record.kind}: {record.summary}", force=True))
+        if found.do_not_retry:
+            check_run(state, RunState.FAILED)
+            out.append(FinishRun(state=RunState.FAILED, reason=f"not retrying: {record.summary}",
+                                 final_step=record.step))
+            return RunState.FAILED, _stopping(live)
+        if state in _ACTIVE:
+            state = set_state(state, RunState.RECOVERING, f"{record.kind}: {record.summary}", out)
+        return state, _stopping(live)
+
+    if live.first_step_at is None and any(r.last_step > live.resume_step for r in obs.ranks):
+        out.append(MarkAttemptRunning(number=live.number))
+        if view.open_faults:
+            out.append(MarkFaultsRecovered())
+        if state in (RunState.STARTING, RunState.RECOVERING):
+            step = max(r.last_step for r in obs.ranks)
+            state = set_state(state, RunState.RUNNING, f"training at step {step}", out)
+    return judge_stragglers(view, live, obs, state, out)
+
+
+def _stop(live: Attempt, outcome: AttemptOutcome, reason: str, *, force: bool) -> StopAttempt:
+    return StopAttempt(number=live.number, outcome=outcome, reason=reason, force=force)
+
+
+def _stopping(live: Attempt) -> Attempt:
+    return replace(live, state=AttemptState.STOPPING)
+
+
+def _end(live: Attempt, outcome: AttemptOutcome, reason: str, obs: AttemptObs | None) -> EndAttempt:
+    steps = [r.last_step for r in obs.ranks] if obs else []
+    final = max(steps) if steps else live.final_step
+    return EndAttempt(number=live.number, outcome=outcome, reason=reason, final_step=final)

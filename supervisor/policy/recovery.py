@@ -1,0 +1,390 @@
+"""Recovery: where and from what the next attempt starts, and when to stop trying.
+
+The budget is for failures without progress, not for faults: a run that lasts weeks
+at thousands of nodes meets a fault every few hours and must never be stopped by
+their count (Llama 3: 419 interruptions in 54 days on 2,048 nodes). So:
+
+- an attempt made progress when the run has a newer complete checkpoint than the one
+  it resumed from, or it trained ``progress_steps`` steps beyond that point;
+- ``failures_without_progress`` failed attempts in a row that made none: FAILED;
+- a node lost and replaced (``node-lost``, ``device``: the hardware, drained), an
+  attempt the cluster interrupted (its allocation ended) and one that never started
+  cost nothing, and neither count nor break a run of failures;
+- more than ``fault_rate_max`` faults within ``fault_rate_window_s``: FAILED (the
+  cluster or the job is broken beyond what restarts fix), whatever the progress;
+- a crash loop (the same fault kind at the same step ending ``crash_loop_attempts``
+  failed attempts in a row; a lost node is no part of one): FAILED;
+- the n-th failed attempt in a row resumed from one checkpoint waits
+  ``backoff_base_s`` x 2^(n-2), at most ``backoff_max_s`` (tenacity's exponential wait);
+- an operator's ``resume`` starts all of this afresh (``Run.budget_from_attempt``).
+
+Placement keeps the previous attempt's healthy nodes in their places and fills up with
+spares; a node that straggled goes last. Rollback: after a NaN or a persistent spike the
+next attempt resumes from a checkpoint before it, skipping the spike's data window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+import tenacity
+
+from supervisor.domain import (
+    AllocateNodes,
+    Attempt,
+    AttemptObs,
+    AttemptOutcome,
+    AttemptState,
+    Effect,
+    Emit,
+    EndAttempt,
+    FaultKind,
+    FaultRecord,
+    FinishRun,
+    NodeState,
+    ProbeNodes,
+    RecordFault,
+    RunState,
+    RunView,
+    SetRunState,
+    SkipData,
+    StartAttempt,
+    StepSample,
+    StopAttempt,
+)
+from supervisor.policy.attribution import numbers_text
+from supervisor.policy.detection import find_stragglers
+from supervisor.policy.transitions import check_run
+
+# Faults of the hardware, whose nodes were drained and replaced: they cost no budget.
+HARDWARE_KINDS = frozenset({FaultKind.NODE_LOST, FaultKind.DEVICE})
+_ROLLBACK_KINDS = frozenset({FaultKind.NONFINITE, FaultKind.SPIKE})
+_NOT_COUNTED = frozenset({AttemptOutcome.ABORTED, AttemptOutcome.INTERRUPTED})
+
+
+def set_state(state: RunState, new: RunState, reason: str, out: list[Effect]) -> RunState:
+    """Move the run to ``new`` (nothing when it is there already), as the table allows."""
+    if new is not state:
+        check_run(state, new)
+        out.append(SetRunState(state=new, reason=reason))
+    return new
+
+
+def launch(view: RunView, state: RunState, drained_now: set[str], out: list[Effect], now: float) -> RunState:
+    """The next attempt, unless a stop rule ends the run, a backoff is due, or nodes are short."""
+    run = view.run
+    ended_now = {e.number: e for e in out if isinstance(e, EndAttempt)}  # this very tick
+    view = replace(view, attempts=tuple(
+        replace(a, state=AttemptState.ENDED, outcome=ended_now[a.number].outcome, ended_at=now,
+                final_step=ended_now[a.number].final_step) if a.number in ended_now else a
+        for a in view.attempts))
+    faults = [*view.faults, *_recorded_now(view, out, now)]
+    stop = stop_reason(view, faults, now)
+    if stop is not None:
+        check_run(state, RunState.FAILED)
+        out.append(FinishRun(state=RunState.FAILED, reason=stop))
+        return RunState.FAILED
+    streak = failed_streak(view, faults)
+    wait_s, stuck = backoff(view, streak)
+    if wait_s > 0:
+        last = streak[-1]
+        if last.number in ended_now:  # said once, when the attempt ends
+            out.append(Emit(kind="attempt.backoff",
+                            message=f"{stuck} failed attempts in a row resumed from step {last.resume_step}: "
+                                    f"waiting {wait_s:.0f} s before the next",
+                            data={"wait_s": wait_s, "failures_in_a_row": stuck}))
+        if now < (last.ended_at if last.ended_at is not None else now) + wait_s:
+            return state
+
+    healthy = [n.name for n in view.allocation
+               if n.state is NodeState.ALLOCATED and n.name not in drained_now]
+    if len(healthy) < run.nodes:
+        # Level 2 of recovery: not enough healthy nodes in hand, ask for more.
+        out.append(AllocateNodes(count=run.nodes + run.spares - len(healthy)))
+        return state
+
+    nodes = _place(view, healthy, out)
+    ck = view.newest_checkpoint
+    number = len(view.attempts) + 1
+    out.append(StartAttempt(number=number, nodes=nodes, resume_from=ck.path if ck else None,
+                            resume_step=ck.step if ck else 0))
+    origin = f"checkpoint at step {ck.step}" if ck else "scratch"
+    out.append(Emit(kind="attempt.launching", message=f"attempt {number} on {', '.join(nodes)} from {origin}",
+                    data={"attempt": number, "nodes": list(nodes), "resume_step": ck.step if ck else 0}))
+    if state in (RunState.STARTING, RunState.RECOVERING):
+        return state
+    return set_state(state, RunState.STARTING, f"attempt {number} launching", out)
+
+
+def _place(view: RunView, healthy: list[str], out: list[Effect]) -> tuple[str, ...]:
+    """Keep the previous attempt's healthy nodes in their places, fill up with spares; a
+    node that straggled in it goes last (a spare again), unless it is needed."""
+    previous = view.current.nodes if view.current else ()
+    slow = straggled_last(view)
+    healthy_set, previous_set = set(healthy), set(previous)  # thousands of nodes: no quadratic scans
+    order = [n for n in previous if n in healthy_set] + [n for n in healthy if n not in previous_set]
+    order = [n for n in order if n not in slow] + [n for n in order if n in slow]
+    nodes = tuple(order[: view.run.nodes])
+    if slow & healthy_set:
+        chosen, prev = set(nodes), view.current.number if view.current else 0
+        left_out = sorted(n for n in slow & healthy_set if n not in chosen)
+        kept = sorted(n for n in slow if n in chosen)
+        if left_out:
+            out.append(Emit(kind="straggler.left-out",
+                            message=f"leaving out {', '.join(left_out)}: it straggled in attempt {prev}",
+                            data={"attempt": prev, "nodes": left_out}))
+        if kept:
+            out.append(Emit(kind="straggler.kept",
+                            message=f"keeping {', '.join(kept)} though it straggled in attempt {prev}: "
+                                    "no other node is free", data={"attempt": prev, "nodes": kept}))
+    return nodes
+
+
+def _recorded_now(view: RunView, out: list[Effect], now: float) -> list[FaultRecord]:
+    """This tick's new faults, as the store will hold them."""
+    return [FaultRecord(id=-1, run_number=view.run.number, attempt=e.attempt, kind=e.kind, ranks=e.ranks,
+                        nodes=e.nodes, step=e.step, summary=e.summary, detected_at=now, recovered_at=None)
+            for e in out if isinstance(e, RecordFault)]
+
+
+# --- stop rules ---------------------------------------------------------------------
+
+
+def stop_reason(view: RunView, faults: list[FaultRecord], now: float) -> str | None:
+    """Why the run must stop instead of launching again, or None."""
+    return (_crash_loop(view, failed_streak(view, faults), faults)
+            or _too_frequent(view, faults, now)
+            or _no_progress(view, faults))
+
+
+def _first_fault(faults: Iterable[FaultRecord]) -> dict[int, FaultRecord]:
+    """Each attempt's first fault (the one that ended it)."""
+    first: dict[int, FaultRecord] = {}
+    for f in faults:
+        first.setdefault(f.attempt, f)
+    return first
+
+
+def failed_streak(view: RunView, faults: Iterable[FaultRecord]) -> list[Attempt]:
+    """The FAILED attempts at the end of the run's history (since the budget began), oldest
+    first; an attempt that ended any other way ends it, except those that never ran or
+    that the cluster interrupted (no evidence either way), and a lost node (bad luck at
+    scale, not a loop), which are passed over."""
+    kinds = {n: f.kind for n, f in _first_fault(faults).items()}
+    streak: list[Attempt] = []
+    for a in reversed(view.attempts):
+        if a.number <= view.run.budget_from_attempt:
+            break
+        outcome = a.outcome
+        if outcome in _NOT_COUNTED or kinds.get(a.number) is FaultKind.NODE_LOST:
+            continue
+        if outcome is not AttemptOutcome.FAILED:
+            break
+        streak.append(a)
+    return streak[::-1]
+
+
+def _crash_loop(view: RunView, streak: list[Attempt], faults: list[FaultRecord]) -> str | None:
+    """The same fault (kind and step) ended the last ``crash_loop_attempts`` attempts."""
+    k = view.run.policy.crash_loop_attempts
+    if len(streak) < k:
+        return None
+    first = _first_fault(faults)
+    seen = [first.get(a.number) for a in streak[-k:]]
+    if any(f is None for f in seen) or len({(f.kind, f.step) for f in seen if f}) != 1:
+        return None
+    f0 = seen[0]
+    assert f0 is not None
+    nodes = sorted({n for a in streak[-k:] for n in a.nodes})
+    return (f"crash loop: {f0.kind} at step {f0.step} in {k} attempts in a row "
+            f"(on nodes {', '.join(nodes)}); a restart will not fix it")
+
+
+def _too_frequent(view: RunView, faults: list[FaultRecord], now: float) -> str | None:
+    """More faults in the window than the policy allows, progress or not."""
+    policy = view.run.policy
+    since = now - policy.fault_rate_window_s
+    counted = [f for f in faults if f.detected_at >= since and f.attempt > view.run.budget_from_attempt
+               and f.kind is not FaultKind.ALLOCATION_ENDED]
+    if len(counted) <= policy.fault_rate_max:
+        return None
+    return (f"faults too frequent: {len(counted)} in the last {policy.fault_rate_window_s / 3600:g} h "
+            f"(fault_rate_max = {policy.fault_rate_max}); the cluster or the job is broken beyond restarts")
+
+
+def made_progress(view: RunView, attempt: Attempt) -> bool:
+    """The run checkpointed beyond where ``attempt`` resumed from, or it trained
+    ``progress_steps`` steps beyond it."""
+    later = [a.resume_step for a in view.attempts if a.number > attempt.number]
+    newest = view.newest_checkpoint.step if view.newest_checkpoint else 0
+    checkpointed = max([newest, *later]) > attempt.resume_step
+    trained = (attempt.final_step or 0) - attempt.resume_step >= view.run.policy.progress_steps
+    return checkpointed or trained
+
+
+def without_progress(view: RunView, faults: Iterable[FaultRecord]) -> list[Attempt]:
+    """The failed attempts at the end of the history that made no progress, oldest first:
+    what the budget charges. A hardware fault (the node was replaced) costs nothing."""
+    kinds = {n: f.kind for n, f in _first_fault(faults).items()}
+    charged: list[Attempt] = []
+    for a in reversed(view.attempts):
+        if a.number <= view.run.budget_from_attempt:
+            break
+        outcome = a.outcome
+        if outcome in _NOT_COUNTED or kinds.get(a.number) in HARDWARE_KINDS:
+            continue
+        if outcome is not AttemptOutcome.FAILED or made_progress(view, a):
+            break
+        charged.append(a)
+    return charged[::-1]
+
+
+def _no_progress(view: RunView, faults: list[FaultRecord]) -> str | None:
+    charged = without_progress(view, faults)
+    k = view.run.policy.failures_without_progress
+    if len(charged) < k:
+        return None
+    steps = sorted({a.resume_step for a in charged})
+    return (f"no progress: {len(charged)} failed attempts in a row (attempts "
+            f"{numbers_text(a.number for a in charged)}, resumed from step {', '.join(map(str, steps))}) "
+            f"made no newer checkpoint and fewer than {view.run.policy.progress_steps} steps each "
+            f"(failures_without_progress = {k})")
+
+
+def backoff(view: RunView, streak: list[Attempt]) -> tuple[float, int]:
+    """(seconds to wait before the next attempt, failed attempts in a row that resumed from
+    the same checkpoint). The first restart after progress is immediate; the n-th in a row
+    (n >= 2) waits backoff_base_s x 2^(n-2), at most backoff_max_s (tenacity's
+    exponential wait)."""
+    if not streak:
+        return 0.0, 0
+    same = 0
+    for a in reversed(streak):
+        if a.resume_step != streak[-1].resume_step:
+            break
+        same += 1
+    policy = view.run.policy
+    if same < 2 or policy.backoff_base_s <= 0:
+        return 0.0, same
+    wait = tenacity.wait_exponential(multiplier=policy.backoff_base_s, min=policy.backoff_base_s,
+                                     max=policy.backoff_max_s)
+    state = tenacity.RetryCallState(retry_object=tenacity.Retrying(), fn=None, args=(), kwargs={})
+    state.attempt_number = same - 1
+    return float(wait(state)), same
+
+
+# --- rollback and data skips --------------------------------------------------------
+
+
+def unreadable_checkpoints(faults: Iterable[FaultRecord]) -> frozenset[int]:
+    """Steps of the run's checkpoints that a trainer could not read (exit code 3): never
+    resumed from again, though their markers say complete."""
+    return frozenset(f.step for f in faults if f.kind is FaultKind.CHECKPOINT)
+
+
+def resume_before(attempts: Iterable[Attempt], faults: Iterable[FaultRecord]) -> int | None:
+    """The next attempt must resume from a checkpoint older than this step (None: the
+    newest will do): after an attempt whose loss went NaN or infinite at step S, any
+    checkpoint from step S on may hold the poisoned model; likewise after a loss spike that
+    began at step S."""
+    done = [a for a in attempts if a.state in (AttemptState.ENDED, AttemptState.STOPPING)]
+    if not done or done[-1].outcome is not AttemptOutcome.FAILED:  # a stopping one may end this tick
+        return None
+    bad = [f.step for f in faults if f.attempt == done[-1].number and f.kind in _ROLLBACK_KINDS]
+    return min(bad) if bad else None
+
+
+def data_to_skip(view: RunView, live: Attempt, obs: AttemptObs, record: RecordFault) -> SkipData | None:
+    """A persistent spike skips ``spike_skip_steps`` steps of data from its first step; a
+    NaN that recurs at the step it hit before skips that one step's data."""
+    policy = view.run.policy
+    if record.kind is FaultKind.SPIKE:
+        steps, why = policy.spike_skip_steps, f"loss spike from step {record.step}"
+    elif record.kind is FaultKind.NONFINITE and any(
+            f.kind is FaultKind.NONFINITE and f.step == record.step and f.attempt < live.number
+            for f in view.faults):
+        steps, why = 1, f"loss not finite at step {record.step} again"
+    else:
+        return None
+    window = skip_window(obs.recent, record.step, steps)
+    if window is None:
+        return None
+    return SkipData(start=window[0], end=window[1], reason=f"{why} (attempt {live.number})")
+
+
+def skip_window(recent: tuple[StepSample, ...], from_step: int, steps: int) -> tuple[int, int] | None:
+    """The samples of ``steps`` steps of data from ``from_step`` on: [start, end), from the
+    stream positions rank 0 reported (None when that step was not seen)."""
+    at = {x.step: x.first_sample for x in recent}
+    if from_step not in at:
+        return None
+    per_step = [at[k + 1] - at[k] for k in at if k + 1 in at and at[k + 1] > at[k]]
+    if not per_step:
+        return None
+    return at[from_step], at[from_step] + steps * min(per_step)
+
+
+# --- diagnosis and stragglers -------------------------------------------------------
+
+
+def diagnose(view: RunView, drained_now: set[str], out: list[Effect]) -> bool:
+    """After a failed attempt ends, probe its nodes that the run still holds (and has not
+    just drained) before anything launches on them. True when a probe was asked for."""
+    if not view.diagnose:
+        return False
+    failed = {e.number for e in out if isinstance(e, EndAttempt) and e.outcome is AttemptOutcome.FAILED}
+    held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
+    suspects = sorted({node for a in view.attempts if a.number in failed for node in a.nodes
+                       if node in held and node not in drained_now})
+    if suspects:
+        out.append(ProbeNodes(nodes=tuple(suspects), kind="diagnosis"))
+    return bool(suspects)
+
+
+def judge_stragglers(view: RunView, live: Attempt, obs: AttemptObs, state: RunState,
+                     out: list[Effect]) -> tuple[RunState, Attempt | None]:
+    """Report each new straggler once per attempt; with ``straggler_restart`` and a free
+    spare, stop the attempt so that the next one runs without the straggling node."""
+    policy = view.run.policy
+    said = {(s.attempt, s.rank) for s in view.stragglers}
+    found = [s for s in find_stragglers(obs.ranks, policy) if (live.number, s.rank) not in said]
+    for s in found:
+        out.append(Emit(
+            kind="straggler",
+            message=f"rank {s.rank} on {s.node} straggles: {s.busy_s:.3f} s of compute per step against "
+                    f"{s.typical_s:.3f} s typical ({s.slower:+.0%}) over {policy.straggler_window} steps",
+            data={"attempt": live.number, "rank": s.rank, "node": s.node, "busy_s": round(s.busy_s, 6),
+                  "typical_s": round(s.typical_s, 6), "window": policy.straggler_window}))
+    if not found or not policy.straggler_restart:
+        return state, live
+    slow_nodes = sorted({s.node for s in found})
+    if not _spares_for(view, live.nodes, set(slow_nodes)):
+        out.append(Emit(kind="straggler.kept",
+                        message=f"not restarting without {', '.join(slow_nodes)}: no free spare",
+                        data={"attempt": live.number, "nodes": slow_nodes}))
+        return state, live
+    step = max((r.last_step for r in obs.ranks), default=live.resume_step)
+    summary = (f"{', '.join(slow_nodes)} straggling (ranks {numbers_text(s.rank for s in found)}): "
+               "restarting without it (straggler_restart)")
+    out.append(RecordFault(kind=FaultKind.STRAGGLER, attempt=live.number, ranks=tuple(s.rank for s in found),
+                           nodes=tuple(slow_nodes), summary=summary, step=step))
+    out.append(Emit(kind="fault.detected", message=f"{FaultKind.STRAGGLER}: {summary}",
+                    data={"attempt": live.number, "step": step, "nodes": slow_nodes}))
+    out.append(StopAttempt(number=live.number, outcome=AttemptOutcome.FAILED,
+                           reason=f"{FaultKind.STRAGGLER}: {summary}", force=True))
+    state = set_state(state, RunState.RECOVERING, f"{FaultKind.STRAGGLER}: {summary}", out)
+    return state, replace(live, state=AttemptState.STOPPING)
+
+
+def _spares_for(view: RunView, in_use: Iterable[str], leaving: set[str]) -> bool:
+    """Whether the run holds enough healthy idle nodes to replace ``leaving``."""
+    busy = set(in_use)
+    free = [n for n in view.allocation if n.state is NodeState.ALLOCATED and n.name not in busy]
+    return len(free) >= len(leaving)
+
+
+def straggled_last(view: RunView) -> set[str]:
+    """Nodes reported straggling in the run's latest attempt: left out of the next one."""
+    last = view.current.number if view.current else None
+    return {s.node for s in view.stragglers if s.attempt == last}

@@ -1,0 +1,57 @@
+"""Which run and attempt states may follow which: the one table, checked on every change.
+
+The core (``decide``) asks ``run_transition`` before it emits a state change, and the
+executor asks again before it writes one: an illegal transition raises
+``IllegalTransition`` and nothing is written, so a bug shows as an error in the log and
+a state left as it was, never as a run in a state no rule leads to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from supervisor.domain import AttemptState, RunState
+from supervisor.errors import Conflict
+
+_ACTIVE_EXITS = frozenset({RunState.PAUSED, RunState.CANCELLED, RunState.FAILED, RunState.SUCCEEDED})
+
+RUN_TRANSITIONS: Mapping[RunState, frozenset[RunState]] = {
+    # submitted -> the first launch; an operator's pause or cancel; a stop rule or a spec
+    # that no longer validates
+    RunState.PENDING: frozenset({RunState.STARTING, RunState.RECOVERING, RunState.PAUSED, RunState.CANCELLED,
+                                 RunState.FAILED}),
+    # launching -> the first step; a fault; a trainer that finished before a step was seen
+    RunState.STARTING: _ACTIVE_EXITS | {RunState.RUNNING, RunState.RECOVERING},
+    RunState.RUNNING: _ACTIVE_EXITS | {RunState.RECOVERING},
+    # tearing down and relaunching -> the first step of the next attempt
+    RunState.RECOVERING: _ACTIVE_EXITS | {RunState.RUNNING},
+    RunState.PAUSED: frozenset({RunState.PENDING, RunState.CANCELLED}),  # resume, cancel
+    RunState.FAILED: frozenset({RunState.PENDING}),  # an operator's resume
+    RunState.SUCCEEDED: frozenset(),
+    RunState.CANCELLED: frozenset(),
+}
+
+ATTEMPT_TRANSITIONS: Mapping[AttemptState, frozenset[AttemptState]] = {
+    # recorded before the launch -> processes exist (started or adopted); stopped or ended
+    # before they did (a launch error, a daemon killed mid-launch)
+    AttemptState.LAUNCHING: frozenset({AttemptState.RUNNING, AttemptState.STOPPING, AttemptState.ENDED}),
+    AttemptState.RUNNING: frozenset({AttemptState.STOPPING, AttemptState.ENDED}),
+    AttemptState.STOPPING: frozenset({AttemptState.ENDED}),
+    AttemptState.ENDED: frozenset(),
+}
+
+
+class IllegalTransition(Conflict):
+    """A state change the table forbids: a bug in a rule, never acted on."""
+
+
+def check_run(old: RunState, new: RunState) -> None:
+    if new not in RUN_TRANSITIONS[old]:
+        raise IllegalTransition(f"run state {old} -> {new} is not a transition "
+                                "(supervisor/policy/transitions.py)")
+
+
+def check_attempt(old: AttemptState, new: AttemptState) -> None:
+    if new not in ATTEMPT_TRANSITIONS[old]:
+        raise IllegalTransition(f"attempt state {old} -> {new} is not a transition "
+                                "(supervisor/policy/transitions.py)")
