@@ -96,6 +96,12 @@ class CommandResult(BaseModel):
     result: str | None  # None while the reconciler has not handled it yet
 
 
+def daemon_app(service: SupervisorService, token: str, token_file: FilePath,
+               metrics: SupervisorMetrics) -> FastAPI:
+    """The app the daemon serves (supervisor/daemon.py, ApiFactory)."""
+    return create_app(service, TokenAuth(token, token_file), metrics)
+
+
 def create_app(service: SupervisorService, auth: TokenAuth, metrics: SupervisorMetrics,
                *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="training-supervisor", version="1", summary="Keeps training runs training")

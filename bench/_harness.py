@@ -411,7 +411,7 @@ class Event:
 
 
 class SupervisorDb:
-    """Read-only views of a finished run's SQLite (supervisor/store_schema.py)."""
+    """Read-only views of a finished run's SQLite (supervisor/store/schema.py)."""
 
     def __init__(self, path: Path) -> None:
         self.events: list[Event] = []

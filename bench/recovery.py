@@ -83,7 +83,7 @@ def main() -> None:
     results: dict[str, list[dict[str, Any]]] = {}
     box_dir = None
     if args.launcher == "slurm" and "SLURM_CONF" not in os.environ:
-        from supervisor.slurm import box  # stdlib only
+        from slurmbox import box  # stdlib only
 
         box_dir = Path(tempfile.mkdtemp(prefix="tsup-bench-box-"))
     try:

@@ -37,6 +37,7 @@ tests) can compare detection times with the moment of injection.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
@@ -48,7 +49,7 @@ from typing import Literal
 from supervisor import checkpoint_scan
 from supervisor.domain import AttemptState, run_id_of
 from supervisor.errors import LaunchError, SpecError
-from supervisor.launchers.base import Launcher
+from supervisor.launchers.base import ChaosHooks
 from supervisor.reconciler import Reconciler
 from supervisor.store import SqlStore
 from supervisor.telemetry import TelemetryView
@@ -91,13 +92,13 @@ def parse_chaos(text: str) -> ChaosAction:
 
 class ChaosMonkey:
     def __init__(
-        self, actions: list[ChaosAction], run_number: int, store: SqlStore, launcher: Launcher,
+        self, actions: list[ChaosAction], run_number: int, store: SqlStore, hooks: ChaosHooks | None,
         telemetry: TelemetryView, reconciler: Reconciler, checkpoint_dir: Path | None = None,
     ) -> None:
         self.pending = sorted(actions, key=lambda a: a.step)
         self.run_number = run_number
         self.store = store
-        self.launcher = launcher
+        self.hooks = hooks
         self.telemetry = telemetry
         self.reconciler = reconciler
         self.checkpoint_dir = checkpoint_dir
@@ -116,16 +117,18 @@ class ChaosMonkey:
             try:
                 if action.kind == "corrupt-ckpt":
                     what = self._corrupt_newest_checkpoint()
+                elif self.hooks is None:
+                    raise LaunchError("no chaos hooks on this cluster")
                 elif action.kind in ("kill-rank", "hang-rank"):
                     world = len(live.nodes) * _ranks_per_node(self.store, self.run_number)
                     rank = action.target if action.target is not None else world - 1
                     sig = signal.SIGKILL if action.kind == "kill-rank" else signal.SIGSTOP
-                    what = self.launcher.kill_rank(live.launch_info, rank, sig)
+                    what = self.hooks.kill_rank(live.launch_info, rank, sig)
                 else:
                     index = action.target if action.target is not None else len(live.nodes) - 1
                     node = live.nodes[index]
-                    what = (self.launcher.kill_node(live.launch_info, node) if action.kind == "kill-node"
-                            else self.launcher.freeze_node(live.launch_info, node))
+                    what = (self.hooks.kill_node(live.launch_info, node) if action.kind == "kill-node"
+                            else self.hooks.freeze_node(live.launch_info, node))
             except (LaunchError, IndexError, OSError) as e:
                 log.warning("chaos %s not injected: %s", action, e)
                 continue
@@ -149,3 +152,15 @@ class ChaosMonkey:
 def _ranks_per_node(store: SqlStore, run_number: int) -> int:
     with store.tx() as tx:
         return tx.get_run(run_number).ranks_per_node
+
+
+def box_hooks(slurm_conf: str | None) -> ChaosHooks:
+    """The chaos hooks of a Slurm box on this host. The box is a development tool, not part
+    of the installed product (slurmbox/): it is loaded by name, from a source tree."""
+    try:
+        module = importlib.import_module("slurmbox.chaos")
+    except ImportError as e:
+        raise LaunchError("chaos on Slurm needs the development Slurm box (slurmbox/, a source "
+                          "checkout)") from e
+    hooks: ChaosHooks = module.BoxChaos(slurm_conf)
+    return hooks

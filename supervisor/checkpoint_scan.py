@@ -40,6 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LAYOUTS = ("tsup", "nxd", "nemo", "hf", "megatron", "dcp")
+# The largest step a checkpoint may name: what SQLite's INTEGER holds. A name beyond it
+# ("checkpoint-99999999999999999999") is no checkpoint of a real run: it is passed over.
+MAX_STEP = 2**63 - 1
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")  # tsup
 _NXD_DIR = re.compile(r"^step_(\d+)$")  # the tag run_llama_nxd.py uses, not zero-padded
@@ -261,8 +264,9 @@ def inspect(path: Path, layout: str | None = None) -> Verdict | None:
     return _inspect(path, _layouts(layout), functools.cache(lambda: _read_tracker(path.parent)))
 
 
-def scan(directory: Path, layout: str | None = None) -> list[Verdict]:
-    """Every checkpoint in ``directory``, newest first (an ok one first on a tie)."""
+def scan(directory: Path, layout: str | None = None, out_of_range: list[Path] | None = None) -> list[Verdict]:
+    """Every checkpoint in ``directory``, newest first (an ok one first on a tie). One whose
+    step is beyond ``MAX_STEP`` is left out (and added to ``out_of_range`` when given)."""
     layouts = _layouts(layout)
     try:
         entries = list(directory.iterdir())
@@ -270,15 +274,19 @@ def scan(directory: Path, layout: str | None = None) -> list[Verdict]:
         return []
     tracker = functools.cache(lambda: _read_tracker(directory))  # read once per scan, if at all
     found = [v for p in entries if (v := _inspect(p, layouts, tracker)) is not None]
+    if out_of_range is not None:
+        out_of_range.extend(v.path for v in found if v.step > MAX_STEP)
+    found = [v for v in found if v.step <= MAX_STEP]
     return sorted(found, key=lambda v: (v.step, v.ok, v.path.name), reverse=True)
 
 
 def pick(directory: Path, layout: str | None = None, before_step: int | None = None,
-         exclude: Collection[int] = ()) -> tuple[Verdict | None, list[Verdict]]:
+         exclude: Collection[int] = (), out_of_range: list[Path] | None = None,
+         ) -> tuple[Verdict | None, list[Verdict]]:
     """The newest checkpoint that passes verification (older than ``before_step`` when
     given, and not at a step in ``exclude``), and the newer ones that failed."""
     rejected: list[Verdict] = []
-    for v in scan(directory, layout):
+    for v in scan(directory, layout, out_of_range):
         if (before_step is not None and v.step >= before_step) or v.step in exclude:
             continue
         if v.ok:

@@ -24,8 +24,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from api.app import daemon_app
 from supervisor import logs, planning, report, trainer_cmd
-from supervisor.chaos import TRAINER_KINDS, ChaosAction, ChaosMonkey, parse_chaos
+from supervisor.chaos import TRAINER_KINDS, ChaosAction, ChaosMonkey, box_hooks, parse_chaos
 from supervisor.config import ServiceConfig, default_state_dir, load_service_config, parse_bind
 from supervisor.daemon import Daemon, DaemonSettings
 from supervisor.domain import TERMINAL_RUN_STATES, CommandKind
@@ -193,7 +194,7 @@ async def _serve(args: argparse.Namespace) -> int:
     logs.configure(log_format, logging.DEBUG if args.verbose else logging.INFO)
     stop = asyncio.Event()
     _on_signals(stop.set, stop.set)
-    async with Daemon(settings) as daemon:
+    async with Daemon(settings, api=daemon_app) as daemon:
         print(f"training-supervisor: serving {settings.state_dir}"
               + (f", API on {daemon.api_url}" if daemon.api_url else "")
               + f", MQTT {daemon.mqtt_url}", file=sys.stderr, flush=True)
@@ -224,7 +225,7 @@ async def _run(args: argparse.Namespace) -> int:
         api_port=None if args.api_port < 0 else args.api_port, check_trainer_config=False,
         launcher=spec.resources.launcher,
     )
-    async with Daemon(settings) as daemon:
+    async with Daemon(settings, api=daemon_app) as daemon:
         assert daemon.service is not None and daemon.reconciler is not None
         summary = daemon.service.submit(spec)
         run_id = summary.run_id
@@ -233,9 +234,13 @@ async def _run(args: argparse.Namespace) -> int:
         out.say(f"{run_id} submitted; state in {state_dir}"
                 + (f"; API on {daemon.api_url}" if daemon.api_url else ""))
         outside = [c for c in chaos if c.kind not in TRAINER_KINDS]
-        monkey = ChaosMonkey(outside, number, daemon.store, daemon.launcher, daemon.telemetry,
-                             daemon.reconciler,
+        hooks = None
+        if any(c.kind != "corrupt-ckpt" for c in outside):
+            slurm = daemon.cluster.slurm
+            hooks = box_hooks(slurm.commands.slurm_conf) if slurm is not None else daemon.cluster.chaos
+        monkey = ChaosMonkey(outside, number, daemon.store, hooks, daemon.telemetry, daemon.reconciler,
                              trainer_cmd.checkpoint_dir(spec, state_dir / "runs" / run_id))
+        daemon.reconciler.hooks.append(monkey.poll)  # on the reconciler's thread, before each tick
         stop = asyncio.Event()
         interrupted = asyncio.Event()
 
@@ -252,7 +257,6 @@ async def _run(args: argparse.Namespace) -> int:
         task = asyncio.create_task(daemon.run(stop), name="daemon")
         try:
             while not task.done():
-                monkey.poll()
                 if out.poll():
                     break
                 await asyncio.sleep(0.2)

@@ -33,6 +33,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -44,14 +45,13 @@ from sqlalchemy.exc import SQLAlchemyError
 from supervisor.broker import EmbeddedBroker
 from supervisor.domain import LIVE_ATTEMPT_STATES
 from supervisor.errors import StateDirLocked, StoreError, SupervisorError
-from supervisor.launchers.base import Launcher
+from supervisor.launchers.base import ChaosHooks, Launcher, NodeAdmin
 from supervisor.launchers.local import LocalLauncher
-from supervisor.launchers.slurm import SlurmLauncher
 from supervisor.metrics import SupervisorMetrics
 from supervisor.reconciler import Reconciler, ReconcilerConfig
 from supervisor.sdnotify import Notifier
 from supervisor.service import SupervisorService
-from supervisor.slurm.commands import SlurmCommands
+from supervisor.slurm.cluster import SlurmCluster, slurm_cluster
 from supervisor.store import SqlStore
 from supervisor.telemetry import MqttLink, TelemetryView
 from supervisor.token_file import TOKEN_FILE_NAME, ensure_token
@@ -92,19 +92,41 @@ class DaemonSettings:
         return self.api_token_file or self.state_dir / TOKEN_FILE_NAME
 
 
-def _make_launcher(settings: DaemonSettings) -> Launcher:
+# Builds the HTTP API for the daemon to serve (api/app.py: daemon_app): the API layer sits
+# above this module, so the caller (the CLI) hands it down.
+ApiFactory = Callable[[SupervisorService, str, Path, SupervisorMetrics], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """The adapters of the cluster runs go to: launching, node administration, chaos."""
+
+    launcher: Launcher
+    nodes: NodeAdmin
+    chaos: ChaosHooks | None = None  # local nodes are process groups here: drills signal them
+    slurm: SlurmCluster | None = None  # its poll is started with the daemon
+
+
+def make_cluster(settings: DaemonSettings) -> Cluster:
     if settings.launcher == "slurm":
-        return SlurmLauncher(SlurmCommands(slurm_conf=settings.slurm_conf), state_dir=settings.state_dir)
-    return LocalLauncher(max_nodes=settings.max_local_nodes)
+        slurm = slurm_cluster(slurm_conf=settings.slurm_conf, state_dir=settings.state_dir)
+        return Cluster(slurm.launcher, slurm.nodes, slurm=slurm)
+    local = LocalLauncher(max_nodes=settings.max_local_nodes)
+    return Cluster(local, local, chaos=local)
 
 
 class Daemon:
-    def __init__(self, settings: DaemonSettings, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, settings: DaemonSettings, clock: Callable[[], float] = time.time, *,
+                 api: ApiFactory | None = None) -> None:
         self.settings = settings
         self.clock = clock
         self.store = SqlStore(settings.state_dir / "supervisor.db")
-        self.launcher = _make_launcher(settings)
+        self.cluster = make_cluster(settings)
+        self.launcher = self.cluster.launcher
         self.telemetry = TelemetryView()
+        self._api_factory = api
+        # The reconciler's tick runs here, never on the event loop (supervisor/reconciler.py).
+        self._tick_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reconciler")
         self.broker = EmbeddedBroker(settings.state_dir) if settings.mqtt_url is None else None
         self.api_url: str | None = None
         self._lock: StateDirLock | None = None
@@ -133,18 +155,20 @@ class Daemon:
             host, port = parse_mqtt_url(self.mqtt_url)
             self.link = MqttLink(host, port, self.telemetry, self.clock,
                                  client_id=f"training-supervisor-{os.getpid()}")
-            self.reconciler = Reconciler(self.store, self.launcher, self.telemetry,
-                                         ReconcilerConfig(mqtt_url=self.mqtt_url,
-                                                          sweep_every_s=self.settings.sweep_every_s,
-                                                          sweep_args=self.settings.sweep_args,
-                                                          return_after=self.settings.return_after),
-                                         self.clock)
+            config = ReconcilerConfig(mqtt_url=self.mqtt_url, sweep_every_s=self.settings.sweep_every_s,
+                                      sweep_args=self.settings.sweep_args,
+                                      return_after=self.settings.return_after)
+            self.reconciler = Reconciler(self.store, self.telemetry, config, launcher=self.launcher,
+                                         nodes=self.cluster.nodes, clock=self.clock)
             self.service = SupervisorService(
                 self.store, self.settings.state_dir / "runs", mqtt_url=self.mqtt_url,
-                launcher=self.launcher, check_trainer=self.settings.check_trainer_config,
+                launcher=self.launcher, nodes=self.cluster.nodes,
+                check_trainer=self.settings.check_trainer_config,
                 clock=self.clock, health=self.health,
             )
-            if self.settings.api_port is not None:
+            if self.cluster.slurm is not None:
+                self.cluster.slurm.state.start()
+            if self.settings.api_port is not None and self._api_factory is not None:
                 self.api_token = _api_token(self.settings.token_file)
                 self._api_socket = _listen(self.settings.api_host, self.settings.api_port)
                 bound = self._api_socket.getsockname()
@@ -175,6 +199,9 @@ class Daemon:
     async def _close(self) -> None:
         if self.reconciler is not None:
             self.reconciler.close()
+        self._tick_thread.shutdown(wait=True)
+        if self.cluster.slurm is not None:
+            self.cluster.slurm.state.stop()
         if self._api_socket is not None:
             self._api_socket.close()
         if self.broker is not None:
@@ -215,13 +242,23 @@ class Daemon:
             err = t.exception() if not t.cancelled() else None
             raise SupervisorError(f"root task {t.get_name()!r} stopped: {err!r}") from err
 
-    async def _reconcile_forever(self) -> None:
+    async def _tick(self) -> None:
+        """One tick on the reconciler's thread; cancelled, it still finishes the tick."""
         assert self.reconciler is not None
+        done = asyncio.get_running_loop().run_in_executor(self._tick_thread, self.reconciler.tick)
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await done
+            raise
+
+    async def _reconcile_forever(self) -> None:
         failures, ready = 0, False
         while True:
             began = time.monotonic()
             try:
-                self.reconciler.tick()
+                await self._tick()
                 self._last_tick_at = time.monotonic()
                 self.metrics.tick_seconds.observe(self._last_tick_at - began)
                 failures = 0
@@ -280,11 +317,8 @@ class Daemon:
                 return total
 
     async def _serve_api(self, sock: socket.socket) -> None:
-        from api.app import create_app  # the API layer sits above this module
-        from api.auth import TokenAuth
-
-        assert self.service is not None and self.api_token is not None
-        app = create_app(self.service, TokenAuth(self.api_token, self.settings.token_file), self.metrics)
+        assert self.service is not None and self.api_token is not None and self._api_factory is not None
+        app = self._api_factory(self.service, self.api_token, self.settings.token_file, self.metrics)
         tls = self.settings
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
                                 ssl_certfile=str(tls.tls_cert) if tls.tls_cert else None,

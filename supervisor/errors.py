@@ -7,6 +7,8 @@
     ├── StateDirLocked              another daemon holds the state directory
     ├── StoreError                  the database is unusable (schema too new, corrupt)
     └── LaunchError                 the launcher could not start or control processes
+        └── CannotExecute           the command itself cannot be run (no such program, not
+                                    executable, a NUL byte in an argument): no retry helps
 
 The API maps these to HTTP statuses in one handler (api/app.py) and the CLIs map
 them to exit codes (supervisor/cli.py, api/ctl.py). Adapters translate foreign
@@ -41,4 +43,8 @@ class StoreError(SupervisorError):
 
 
 class LaunchError(SupervisorError):
+    pass
+
+
+class CannotExecute(LaunchError):
     pass

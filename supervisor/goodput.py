@@ -25,8 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from supervisor.domain import Attempt, FaultRecord, Run
-from supervisor.store import CheckpointRecord, MetricRecord
+from supervisor.domain import Attempt, CheckpointRecord, FaultRecord, MetricRecord, Run
 
 
 def injected_at(attempt: int, detected_at: float, injections: Iterable[tuple[int, float]]) -> float | None:

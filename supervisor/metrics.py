@@ -150,7 +150,7 @@ class _StoreCollector(Collector):
 
         yield GaugeMetricFamily("tsup_mqtt_connected", "1 while the telemetry link is up",
                                 value=1.0 if self.mqtt_connected() else 0.0)
-        counts = dict(self.telemetry.counts)
+        counts = self.telemetry.counts_now()
         c = CounterMetricFamily("tsup_mqtt_messages", "Trainer messages received, by kind", labels=["kind"])
         for kind, count in sorted(counts.items()):
             if kind not in _DROPS and kind != "received":

@@ -14,7 +14,7 @@ from pathlib import Path
 from supervisor import goodput, node_health, trainer_cmd
 from supervisor.domain import CommandKind, NodeCommandKind, NodeState, parse_run_id
 from supervisor.errors import NotFound, SpecError
-from supervisor.launchers.base import Launcher
+from supervisor.launchers.base import Launcher, NodeAdmin
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore
 from supervisor.views import (
@@ -42,7 +42,7 @@ from supervisor.views import (
 
 class SupervisorService:
     def __init__(
-        self, store: SqlStore, runs_dir: Path, *, mqtt_url: str | None, launcher: Launcher,
+        self, store: SqlStore, runs_dir: Path, *, mqtt_url: str | None, launcher: Launcher, nodes: NodeAdmin,
         check_trainer: bool = True, clock: Callable[[], float] = time.time,
         health: Callable[[], DaemonHealth] | None = None,
     ) -> None:
@@ -50,6 +50,7 @@ class SupervisorService:
         self.runs_dir = runs_dir
         self.mqtt_url = mqtt_url
         self.launcher = launcher  # for submit-time checks of what the cluster can give
+        self.node_admin = nodes  # for an operator's probe of one node
         self.check_trainer = check_trainer
         self.clock = clock
         self._health = health
@@ -112,8 +113,8 @@ class SupervisorService:
             latest = tx.latest_metric(number)
             injected = [(int(e.data.get("attempt", 0)), e.ts)
                         for e in tx.list_events(number, limit=10_000, kind="chaos.injected")]
-            stragglers = [StragglerView.model_validate({k: e.data.get(k) for k in StragglerView.model_fields})
-                          for e in tx.list_events(number, limit=10_000, kind="straggler")]
+            stragglers = [StragglerView(attempt=x.attempt, rank=x.rank, node=x.node, busy_s=x.busy_s,
+                                        typical_s=x.typical_s) for x in tx.list_stragglers(number)]
             transient_spikes = tx.count_events(number, "spike.transient")
         g = goodput.account(run, attempts, metrics, faults, checkpoints, now)
         summary = run_summary(run, attempts, latest)
@@ -144,7 +145,7 @@ class SupervisorService:
         with self.store.tx() as tx:
             node = tx.get_node(name)  # NotFound for a node nobody knows
             info = tx.get_run(node.run_number).allocation_info if node.run_number is not None else None
-        answers = self.launcher.probe([name], node_health.probe_argv(), allocation_info=info,
+        answers = self.node_admin.probe([name], node_health.probe_argv(), allocation_info=info,
                                       timeout_s=timeout_s)
         record = node_health.record(name, answers.get(name), "manual", node.run_number, self.clock())
         with self.store.tx() as tx:

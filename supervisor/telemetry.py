@@ -17,6 +17,10 @@ it is not seen again, so the silence and hang rules judge it as if its messages 
 
 The view knows whether the broker link is up (``up_since``). While it is down no
 telemetry arrives, and the policy must not read silence as a hang.
+
+Messages arrive on the event loop; the reconciler reads on its own thread. One lock
+guards the view: readers get copies (``ranks`` hands back frozen ``RankSeen``), never
+the structures ingestion is changing.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 
 import aiomqtt
 
@@ -63,6 +69,24 @@ class RankTelemetry:
     nonfinite_step: int | None = None  # the first step whose loss or grad norm was NaN or infinite
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankSeen:
+    """A copy of one rank's telemetry, for the reconciler's thread."""
+
+    node: str | None
+    pid: int | None
+    last_seen_at: float | None
+    last_step: int
+    progress_at: float | None
+    phase: str | None
+    exit_code: int | None
+    exit_reason: str
+    exit_at: float | None
+    lost: bool
+    nonfinite_step: int | None
+    busy_recent: tuple[float, ...]  # its newest busy times, oldest first
+
+
 @dataclass(frozen=True, slots=True)
 class Received:
     """A message to persist, with its receipt time."""
@@ -81,6 +105,7 @@ class TelemetryView:
     _recent: dict[tuple[str, int], deque[StepSample]] = field(default_factory=dict)  # rank 0's steps
     _step_times: dict[tuple[str, int], deque[float]] = field(default_factory=dict)  # every rank's, pooled
     _injected: set[tuple[str, int, str]] = field(default_factory=set)  # (run, attempt, chaos action)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def link_up(self, now: float) -> None:
         self.up_since = now
@@ -95,11 +120,24 @@ class TelemetryView:
             self.counts["malformed"] += 1
             log.debug("dropped a malformed message on %s: %s", topic, e)
             return
-        self.counts["received"] += 1
-        self.counts[msg.kind] += 1
-        self.apply(msg, now)
+        with self._lock:
+            self.counts["received"] += 1
+            self.counts[msg.kind] += 1
+            self._apply(msg, now)
 
     def apply(self, msg: p.Message, now: float) -> None:
+        with self._lock:
+            self._apply(msg, now)
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[key] += n
+
+    def counts_now(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
+
+    def _apply(self, msg: p.Message, now: float) -> None:
         rank = self._ranks.setdefault((msg.run, msg.attempt), {}).setdefault(msg.rank, RankTelemetry())
         if not isinstance(msg, p.Lost):
             rank.last_seen_at = now
@@ -116,7 +154,7 @@ class TelemetryView:
             case p.StepMetrics():
                 self._progress(rank, msg.step, now)
                 if math.isfinite(msg.step_time_s) and msg.step_time_s > 0:
-                    self.add_step_time(msg.run, msg.attempt, msg.step_time_s)
+                    self._add_step_time(msg.run, msg.attempt, msg.step_time_s)
                 if math.isfinite(msg.busy_s) and msg.busy_s >= 0:
                     rank.busy_times.append(msg.busy_s)
                 finite = all(x is None or math.isfinite(x) for x in (msg.loss, msg.grad_norm))
@@ -166,7 +204,7 @@ class TelemetryView:
                 rank.progress_at = written_at if known is None else max(known, written_at)
                 if step > rank.last_step:
                     if math.isfinite(step_time) and step_time > 0:
-                        self.add_step_time(msg.run, msg.attempt, step_time)
+                        self._add_step_time(msg.run, msg.attempt, step_time)
                     if math.isfinite(busy) and busy >= 0:
                         rank.busy_times.append(busy)
             rank.last_step = max(rank.last_step, step)
@@ -184,20 +222,35 @@ class TelemetryView:
         self._durable.append(item)
 
     def peek_durable(self) -> list[Received]:
-        return list(self._durable)
+        with self._lock:
+            return list(self._durable)
 
     def drop_durable(self, count: int) -> None:
         """Forget the oldest ``count`` items, once they are safely stored."""
-        for _ in range(min(count, len(self._durable))):
-            self._durable.popleft()
+        with self._lock:
+            for _ in range(min(count, len(self._durable))):
+                self._durable.popleft()
 
-    def ranks(self, run_id: str, attempt: int) -> dict[int, RankTelemetry]:
-        return self._ranks.get((run_id, attempt), {})
+    def ranks(self, run_id: str, attempt: int, busy_window: int = BUSY_TIMES_KEPT) -> dict[int, RankSeen]:
+        """A copy of every rank's telemetry, with its newest ``busy_window`` busy times."""
+        with self._lock:
+            return {number: RankSeen(
+                node=r.node, pid=r.pid, last_seen_at=r.last_seen_at, last_step=r.last_step,
+                progress_at=r.progress_at, phase=r.phase, exit_code=r.exit_code, exit_reason=r.exit_reason,
+                exit_at=r.exit_at, lost=r.lost,
+                nonfinite_step=r.nonfinite_step,
+                busy_recent=tuple(islice(r.busy_times, max(0, len(r.busy_times) - busy_window), None)))
+                for number, r in self._ranks.get((run_id, attempt), {}).items()}
 
     def max_step(self, run_id: str, attempt: int) -> int:
-        return max((r.last_step for r in self.ranks(run_id, attempt).values()), default=0)
+        with self._lock:
+            return max((r.last_step for r in self._ranks.get((run_id, attempt), {}).values()), default=0)
 
     def add_step_time(self, run_id: str, attempt: int, seconds: float) -> None:
+        with self._lock:
+            self._add_step_time(run_id, attempt, seconds)
+
+    def _add_step_time(self, run_id: str, attempt: int, seconds: float) -> None:
         key = (run_id, attempt)
         window = self._step_times.get(key)
         if window is None:
@@ -206,24 +259,29 @@ class TelemetryView:
 
     def step_time_p99(self, run_id: str, attempt: int) -> tuple[float | None, int]:
         """(the 99th percentile of the attempt's recent step times over all ranks, how many)."""
-        times = sorted(self._step_times.get((run_id, attempt), ()))
+        with self._lock:
+            times = sorted(self._step_times.get((run_id, attempt), ()))
         if not times:
             return None, 0
         return times[min(len(times) - 1, math.ceil(0.99 * len(times)) - 1)], len(times)
 
     def recent_steps(self, run_id: str, attempt: int) -> tuple[StepSample, ...]:
-        return tuple(sorted(self._recent.get((run_id, attempt), ()), key=lambda x: x.step))
+        with self._lock:
+            recent = tuple(self._recent.get((run_id, attempt), ()))
+        return tuple(sorted(recent, key=lambda x: x.step))
 
     def checkpoint_p99(self, run_id: str) -> float | None:
         """The slowest of the run's recent checkpoint saves (its p99 at this sample size)."""
-        times = self._checkpoint_s.get(run_id)
-        return max(times) if times else None
+        with self._lock:
+            times = self._checkpoint_s.get(run_id)
+            return max(times) if times else None
 
     def forget(self, run_id: str, attempt: int) -> None:
-        self._ranks.pop((run_id, attempt), None)
-        self._recent.pop((run_id, attempt), None)
-        self._step_times.pop((run_id, attempt), None)
-        self._injected = {k for k in self._injected if k[:2] != (run_id, attempt)}
+        with self._lock:
+            self._ranks.pop((run_id, attempt), None)
+            self._recent.pop((run_id, attempt), None)
+            self._step_times.pop((run_id, attempt), None)
+            self._injected = {k for k in self._injected if k[:2] != (run_id, attempt)}
 
 
 class MqttLink:

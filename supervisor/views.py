@@ -8,9 +8,17 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from supervisor.domain import Attempt, FaultRecord, Node, ProbeRecord, Run
+from supervisor.domain import (
+    Attempt,
+    CheckpointRecord,
+    EventRecord,
+    FaultRecord,
+    MetricRecord,
+    Node,
+    ProbeRecord,
+    Run,
+)
 from supervisor.goodput import Goodput
-from supervisor.store import CheckpointRecord, EventRecord, MetricRecord
 
 
 class RunSummary(BaseModel):
@@ -76,7 +84,7 @@ class GoodputView(BaseModel):
 
 
 class StragglerView(BaseModel):
-    """A rank reported straggling (the ``straggler`` event's data)."""
+    """A rank reported straggling (a row of the stragglers table)."""
 
     attempt: int
     rank: int

@@ -143,7 +143,7 @@ def slurm_box() -> Iterator[Any]:
     socket paths are limited to 108 bytes) and removed afterwards.
     """
     require("Slurm (slurmctld, slurmd, munge, slurm-client)", slurm_installed())
-    from supervisor.slurm import box as slurm_box_mod
+    from slurmbox import box as slurm_box_mod
 
     directory = Path(tempfile.mkdtemp(prefix="tsup-box-"))
     try:

@@ -1,8 +1,14 @@
-"""The launcher port: how the reconciler starts, watches and stops an attempt's processes.
+"""The ports to a cluster: launching, node administration, and chaos hooks.
 
-A launcher owns one kind of cluster (local processes today, Slurm steps next). Every
-method is called from the reconciler's tick and must return quickly; none may treat a
-failed observation as a dead process (it reports ProcState.UNKNOWN instead).
+- ``Launcher``: holds a run's nodes and starts, watches and stops an attempt's processes;
+- ``NodeAdmin``: drains and returns nodes, and runs probes on them;
+- ``ChaosHooks``: real signals to real processes, for drills and tests (``--chaos``).
+
+An adapter owns one kind of cluster (local process groups: launchers/local.py; Slurm:
+supervisor/slurm/) and may implement several ports. Every method is called from the
+reconciler's tick (off the event loop) and must return quickly: reads come from what
+the adapter last learnt, never from a command that may hang. None may treat a failed
+observation as a dead process (it reports ProcState.UNKNOWN instead).
 
 ``launch_info`` is the launcher's own handle for a started attempt, serialized as a
 string so that the store can keep it and a restarted daemon can re-adopt the attempt.
@@ -12,7 +18,8 @@ nothing for local nodes, whose only record is the store's).
 Node allocation is level-triggered: ``allocate`` is called on every tick on which the
 run holds too few healthy nodes and must not ask the cluster twice for the same
 nodes; ``held`` tells each tick what the run holds now (an allocation can shrink
-or end under us: a node failure, a time limit, preemption).
+or end under us: a node failure, a time limit, preemption). So are drains: the
+shell sends a drain until ``drained`` shows it.
 """
 
 from __future__ import annotations
@@ -77,14 +84,19 @@ class Launcher(Protocol):
         """At submit time: raise SpecError when the cluster can never give this."""
         ...
 
+    def answered_since(self, t: float) -> bool:
+        """Whether what the adapter knows of the cluster was learnt at or after ``t`` (wall
+        clock): False while its controller does not answer, and the supervisor then decides
+        nothing that needs it."""
+        ...
+
     def allocate(self, req: AllocationRequest) -> Grant:
         """Get the run up to ``req.count`` healthy nodes; may hold fewer for now."""
         ...
 
-    def held(self, run_id: str, info: str | None, *, fresh: bool = False) -> Grant | None:
+    def held(self, run_id: str, info: str | None) -> Grant | None:
         """What the run holds now; None when the launcher cannot tell or keeps no record
-        of its own (the store's record stands). ``fresh``: ask the cluster now, not a
-        recent answer (before a launch)."""
+        of its own (the store's record stands)."""
         ...
 
     def release(self, run_id: str, info: str | None) -> bool:
@@ -110,12 +122,25 @@ class Launcher(Protocol):
         """The attempt has ended: release whatever was kept to observe it."""
         ...
 
-    def drain(self, node: str, reason: str) -> None: ...
+
+class NodeAdmin(Protocol):
+    def drain(self, node: str, reason: str) -> None:
+        """Ask the cluster to take ``node`` out of service. Raises LaunchError."""
+        ...
+
+    def undrain(self, node: str) -> None:
+        """Ask the cluster to return a drained node to service. Raises LaunchError."""
+        ...
+
+    def drained(self, node: str) -> bool | None:
+        """Whether the cluster shows ``node`` drained now (None: it cannot tell)."""
+        ...
 
     def probe(self, nodes: Sequence[str], argv: Sequence[str], *, allocation_info: str | None,
               timeout_s: float) -> dict[str, str]:
         """Run ``argv`` (``python -m health``) once on each node; its output per node.
-        A node missing from the answer gave none (the caller records "probe failed")."""
+        A node missing from the answer gave none (the caller records "probe failed").
+        Called on a worker thread: it may take as long as ``timeout_s``."""
         ...
 
     def probe_drained(self, nodes: Mapping[str, str], argv: Sequence[str], *,
@@ -124,11 +149,10 @@ class Launcher(Protocol):
         same Reason afterwards."""
         ...
 
-    def undrain(self, node: str) -> None:
-        """Return a drained node to service."""
-        ...
 
-    # Fault injection for --chaos: real signals to real processes.
+class ChaosHooks(Protocol):
+    """Fault injection for ``--chaos``: real signals to real processes."""
+
     def kill_rank(self, launch_info: str, rank: int, sig: int = 9) -> str:
         """Send ``sig`` (SIGKILL; SIGSTOP for a hung rank) to one rank's process."""
         ...

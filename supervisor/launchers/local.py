@@ -15,6 +15,7 @@ rank as VANISHED and the policy reads the rank's own exit report from telemetry.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ from dataclasses import asdict, dataclass
 import psutil
 
 from supervisor.domain import ProcState
-from supervisor.errors import LaunchError, SpecError
+from supervisor.errors import CannotExecute, LaunchError, SpecError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
 
 # psutil's create_time is a float rounded differently across calls on some kernels;
@@ -51,6 +52,7 @@ class LocalLauncher:
         self.max_nodes = max_nodes
         self.node_prefix = node_prefix
         self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._drained: set[str] = set()  # simulated nodes' own drain state (the executor confirms by it)
 
     # --- nodes ----------------------------------------------------------------------
 
@@ -76,7 +78,10 @@ class LocalLauncher:
         return Grant(nodes=req.held + tuple(names), info=None,
                      note=f"at most {self.max_nodes} local nodes" if short else "")
 
-    def held(self, run_id: str, info: str | None, *, fresh: bool = False) -> Grant | None:
+    def answered_since(self, t: float) -> bool:
+        return True  # this machine is the whole cluster, and always answers
+
+    def held(self, run_id: str, info: str | None) -> Grant | None:
         return None  # the store's record is the whole truth for simulated nodes
 
     def release(self, run_id: str, info: str | None) -> bool:
@@ -84,10 +89,14 @@ class LocalLauncher:
         return True
 
     def drain(self, node: str, reason: str) -> None:
-        """Local nodes are simulated: the store's record is the whole drain."""
+        """Local nodes are simulated: a drain is the store's record, and this one."""
+        self._drained.add(node)
 
     def undrain(self, node: str) -> None:
-        """The store's record is the whole drain, and the whole return."""
+        self._drained.discard(node)
+
+    def drained(self, node: str) -> bool | None:
+        return node in self._drained
 
     def probe_drained(self, nodes: Mapping[str, str], argv: Sequence[str], *,
                       timeout_s: float) -> dict[str, str]:
@@ -144,11 +153,16 @@ class LocalLauncher:
                     if leader == 0:
                         leader = p.pid
                     ranks.append(_Rank(rank, local_rank, node, p.pid, leader, _create_time(p.pid)))
-        except OSError as e:
+        except (OSError, ValueError) as e:
             for r in ranks:  # no half-started world: kill and reap what did start
                 _signal_group(r.pgid, signal.SIGKILL)
                 self._children.pop(r.pid).wait()
-            raise LaunchError(f"cannot start {spec.argv[0]}: {e}") from e
+            # ValueError: what Popen says of an argument or a variable it cannot pass (a NUL
+            # byte, a name with "="). Neither that nor a missing or unexecutable program
+            # gets better with a retry.
+            cannot = isinstance(e, ValueError) or e.errno in (errno.ENOENT, errno.EACCES, errno.ENOEXEC,
+                                                              errno.ENOTDIR)
+            raise (CannotExecute if cannot else LaunchError)(f"cannot start {spec.argv[0]!r}: {e}") from e
         return _dump(ranks, port)
 
     def find(self, spec: LaunchSpec) -> str | None:

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from supervisor.domain import (
     TERMINAL_RUN_STATES,
+    AdoptAttempt,
     Attempt,
     AttemptObs,
     AttemptOutcome,
@@ -26,6 +27,7 @@ from supervisor.domain import (
     EnsureStopped,
     FaultKind,
     FinishRun,
+    KillOrphans,
     MarkAttemptRunning,
     MarkFaultsRecovered,
     NodeState,
@@ -38,8 +40,8 @@ from supervisor.domain import (
     StopAttempt,
 )
 from supervisor.policy.attribution import all_gone, lemons
-from supervisor.policy.detection import find_fault
-from supervisor.policy.recovery import data_to_skip, diagnose, judge_stragglers, launch, set_state
+from supervisor.policy.detection import find_fault, transient_spikes
+from supervisor.policy.recovery import data_to_skip, judge_stragglers, launch, probes_wanted, set_state
 from supervisor.policy.transitions import check_run
 
 _ACTIVE = frozenset({RunState.PENDING, RunState.STARTING, RunState.RUNNING, RunState.RECOVERING})
@@ -47,10 +49,17 @@ _LAUNCHABLE = frozenset({RunState.PENDING, RunState.STARTING, RunState.RECOVERIN
 
 
 def decide(view: RunView, obs: AttemptObs | None, now: float) -> list[Effect]:
+    if not view.cluster_answering:
+        return []  # every decision may need the cluster (a stop, a drain, a launch): wait for it
     out: list[Effect] = []
     state = view.run.state
     live = view.current if view.current and view.current.state is not AttemptState.ENDED else None
 
+    if view.spec_error is not None and state not in TERMINAL_RUN_STATES:
+        reason = f"the run's stored spec no longer validates: {view.spec_error}"
+        check_run(state, RunState.FAILED)
+        out.append(FinishRun(state=RunState.FAILED, reason=reason[:2000]))
+        state = RunState.FAILED
     for cmd in view.commands:
         state, live = _apply_command(view, cmd, state, live, out)
 
@@ -66,8 +75,8 @@ def decide(view: RunView, obs: AttemptObs | None, now: float) -> list[Effect]:
         state, live = _judge_live_attempt(view, live, obs, state, now, out)
 
     drained_now = {e.node for e in out if isinstance(e, DrainNode)}
-    diagnosing = diagnose(view, drained_now, out)
-    if live is None and state in _LAUNCHABLE and not diagnosing and not view.probing:
+    probing = probes_wanted(view, drained_now, out)
+    if live is None and state in _LAUNCHABLE and not probing and not view.probing:
         state = launch(view, state, drained_now, out, now)
 
     holds_nodes = (any(n.state is NodeState.ALLOCATED for n in view.allocation)
@@ -95,7 +104,8 @@ def _finish_stopping(
         out.append(Emit(kind="attempt.abandoned", message=f"attempt {live.number}: {why}; abandoning it",
                         data={"attempt": live.number, "nodes": stuck}))
         for node in stuck:
-            out.append(DrainNode(node=node, reason=f"training-supervisor: {why} ({view.run.run_id})"))
+            out.append(DrainNode(node=node, reason=f"training-supervisor: {why} ({view.run.run_id})",
+                                 run_number=view.run.number))
         out.append(_end(live, live.outcome or AttemptOutcome.FAILED, f"{live.reason}; abandoned: {why}", obs))
         return None
     # A fault's stop is SIGKILL from the start; an operator's is SIGTERM, then SIGKILL
@@ -167,6 +177,12 @@ def _judge_live_attempt(
 ) -> tuple[RunState, Attempt | None]:
     if obs is None:  # launched this very tick, or not observable yet
         return state, live
+    if obs.orphans is not None:
+        out.append(KillOrphans(number=live.number, launch_info=obs.orphans))
+    if obs.found is not None:
+        out.append(AdoptAttempt(number=live.number, launch_info=obs.found))
+        out.append(Emit(kind="attempt.adopted", data={"attempt": live.number},
+                        message=f"attempt {live.number}: found its processes running, adopted them"))
     if obs.never_started:
         if obs.launch_error is None:
             reason = "launch interrupted: no process of this attempt exists (supervisor restarted)"
@@ -178,6 +194,12 @@ def _judge_live_attempt(
         out.append(Emit(kind="fault.detected", message=f"launch: {obs.launch_error}",
                         data={"attempt": live.number}))
         out.append(_end(live, AttemptOutcome.FAILED, f"launch failed: {obs.launch_error}", obs))
+        if obs.launch_fatal:  # what cannot be executed will not be by a restart
+            check_run(state, RunState.FAILED)
+            out.append(FinishRun(state=RunState.FAILED,
+                                 reason=f"not retrying: the command cannot be executed: "
+                                                               f"{obs.launch_error}"))
+            return RunState.FAILED, None
         return set_state(state, RunState.RECOVERING, f"launch failed: {obs.launch_error}", out), None
 
     if obs.result is not None and all_gone(obs):
@@ -196,7 +218,7 @@ def _judge_live_attempt(
                         data={"attempt": live.number, "step": record.step, "ranks": list(record.ranks),
                               "nodes": list(record.nodes)}))
         for node, reason in [*found.drains, *lemons(view, record, {n for n, _ in found.drains}, now)]:
-            out.append(DrainNode(node=node, reason=reason))
+            out.append(DrainNode(node=node, reason=reason, run_number=view.run.number))
         skip = data_to_skip(view, live, obs, record)
         if skip is not None:
             out.append(skip)
@@ -218,7 +240,18 @@ def _judge_live_attempt(
         if state in (RunState.STARTING, RunState.RECOVERING):
             step = max(r.last_step for r in obs.ranks)
             state = set_state(state, RunState.RUNNING, f"training at step {step}", out)
+    _report_transient_spikes(view, live, obs, out)
     return judge_stragglers(view, live, obs, state, out)
+
+
+def _report_transient_spikes(view: RunView, live: Attempt, obs: AttemptObs, out: list[Effect]) -> None:
+    """Spikes too short to act on are counted and reported: an event each, once."""
+    persist = view.run.policy.spike_persist_steps
+    for spike in transient_spikes(obs.recent, view.run.policy):
+        if spike.step not in view.spikes_said:
+            out.append(Emit(kind="spike.transient",
+                            message=f"{spike.summary}: not acted on (shorter than {persist} steps)",
+                            data={"attempt": live.number, "step": spike.step, "steps": spike.steps}))
 
 
 def _stop(live: Attempt, outcome: AttemptOutcome, reason: str, *, force: bool) -> StopAttempt:

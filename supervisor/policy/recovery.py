@@ -45,6 +45,7 @@ from supervisor.domain import (
     NodeState,
     ProbeNodes,
     RecordFault,
+    ReportStraggler,
     RunState,
     RunView,
     SetRunState,
@@ -328,18 +329,23 @@ def skip_window(recent: tuple[StepSample, ...], from_step: int, steps: int) -> t
 # --- diagnosis and stragglers -------------------------------------------------------
 
 
-def diagnose(view: RunView, drained_now: set[str], out: list[Effect]) -> bool:
-    """After a failed attempt ends, probe its nodes that the run still holds (and has not
-    just drained) before anything launches on them. True when a probe was asked for."""
+def probes_wanted(view: RunView, drained_now: set[str], out: list[Effect]) -> bool:
+    """Nodes to probe before anything launches on them: with ``[health] preflight``, those
+    the run just got; with ``[health] diagnose``, a failed attempt's that the run still
+    holds (and has not just drained). True when a probe was asked for."""
+    asked = False
+    if view.preflight and view.newly_allocated:
+        out.append(ProbeNodes(nodes=tuple(view.newly_allocated), kind="preflight"))
+        asked = True
     if not view.diagnose:
-        return False
+        return asked
     failed = {e.number for e in out if isinstance(e, EndAttempt) and e.outcome is AttemptOutcome.FAILED}
     held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
     suspects = sorted({node for a in view.attempts if a.number in failed for node in a.nodes
                        if node in held and node not in drained_now})
     if suspects:
         out.append(ProbeNodes(nodes=tuple(suspects), kind="diagnosis"))
-    return bool(suspects)
+    return asked or bool(suspects)
 
 
 def judge_stragglers(view: RunView, live: Attempt, obs: AttemptObs, state: RunState,
@@ -350,12 +356,8 @@ def judge_stragglers(view: RunView, live: Attempt, obs: AttemptObs, state: RunSt
     said = {(s.attempt, s.rank) for s in view.stragglers}
     found = [s for s in find_stragglers(obs.ranks, policy) if (live.number, s.rank) not in said]
     for s in found:
-        out.append(Emit(
-            kind="straggler",
-            message=f"rank {s.rank} on {s.node} straggles: {s.busy_s:.3f} s of compute per step against "
-                    f"{s.typical_s:.3f} s typical ({s.slower:+.0%}) over {policy.straggler_window} steps",
-            data={"attempt": live.number, "rank": s.rank, "node": s.node, "busy_s": round(s.busy_s, 6),
-                  "typical_s": round(s.typical_s, 6), "window": policy.straggler_window}))
+        out.append(ReportStraggler(attempt=live.number, rank=s.rank, node=s.node, busy_s=round(s.busy_s, 6),
+                                   typical_s=round(s.typical_s, 6), window=policy.straggler_window))
     if not found or not policy.straggler_restart:
         return state, live
     slow_nodes = sorted({s.node for s in found})

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from supervisor.slurm import box as slurm_box_mod
+from slurmbox import box as slurm_box_mod
+from slurmbox.box import Box
 from supervisor.slurm import parse
-from supervisor.slurm.box import Box
 from tests.chaos.conftest import assert_records
 from tests.conftest import REPO, free_port, wait_for
 from tests.e2e.conftest import (

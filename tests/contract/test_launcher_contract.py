@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 
+from slurmbox.chaos import BoxChaos
 from supervisor.domain import ProcState
-from supervisor.launchers.base import AllocationRequest, Launcher, LaunchSpec, RankProc
+from supervisor.launchers.base import AllocationRequest, ChaosHooks, Launcher, LaunchSpec, NodeAdmin, RankProc
 from supervisor.launchers.local import LocalLauncher
-from supervisor.launchers.slurm import SlurmLauncher
-from supervisor.slurm.commands import SlurmCommands
+from supervisor.slurm.cluster import slurm_cluster
+from supervisor.slurm.launcher import SlurmLauncher
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.contract
@@ -48,6 +49,8 @@ GONE = (ProcState.EXITED, ProcState.VANISHED)
 @dataclass
 class Cluster:
     launcher: Launcher
+    admin: NodeAdmin
+    chaos: ChaosHooks
     make: Any  # () -> a fresh launcher on the same cluster: a restarted daemon's
     nodes: tuple[str, ...]
     allocation_info: str | None
@@ -59,15 +62,16 @@ def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]
         launcher = LocalLauncher(max_nodes=4)
         grant = launcher.allocate(AllocationRequest(run_id="run-1", count=2, minimum=2, held=(),
                                                     drained=frozenset(), idle=(), known=frozenset(), info=None))
-        yield Cluster(launcher, lambda: LocalLauncher(max_nodes=4), grant.nodes, None)
+        yield Cluster(launcher, launcher, launcher, lambda: LocalLauncher(max_nodes=4), grant.nodes, None)
         return
     box = request.getfixturevalue("slurm_box")
     state = tmp_path / "state"
 
     def make() -> SlurmLauncher:
-        return SlurmLauncher(SlurmCommands(slurm_conf=str(box.conf)), state_dir=state, poll_interval_s=0.0)
+        return slurm_cluster(slurm_conf=str(box.conf), state_dir=state, poll_interval_s=0.0).launcher
 
-    slurm = make()
+    adapters = slurm_cluster(slurm_conf=str(box.conf), state_dir=state, poll_interval_s=0.0)
+    slurm = adapters.launcher
     req = AllocationRequest(run_id="run-1", count=2, minimum=2, held=(), drained=frozenset(), idle=(),
                             known=frozenset(), info=None)
     grant = slurm.allocate(req)
@@ -75,7 +79,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]
     held = wait_for(lambda: (g := slurm.held("run-1", info)) is not None and len(g.nodes) == 2 and g, 30,
                     "the allocation to start")
     try:
-        yield Cluster(slurm, make, held.nodes, info)
+        yield Cluster(slurm, adapters.nodes, BoxChaos(str(box.conf)), make, held.nodes, info)
     finally:
         slurm.release("run-1", info)
 
@@ -151,7 +155,7 @@ def test_kill_node_kills_that_nodes_ranks_only(cluster: Cluster, tmp_path: Path)
     by_rank = observe(cluster.launcher, info)
     victim = by_rank[3].node
     envs = [json.loads(p.read_text()) for p in (tmp_path / "out-1").glob("env-*.json")]
-    cluster.launcher.kill_node(info, victim)
+    cluster.chaos.kill_node(info, victim)
     survivors = [int(e["RANK"]) for e in envs if e["TSUP_NODE"] != victim]
     time.sleep(1.0)
     ranks = observe(cluster.launcher, info)

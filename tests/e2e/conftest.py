@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
-from supervisor.slurm.box import Box
+from slurmbox.box import Box
 from tests.conftest import REPO, port_open, wait_for
 
 EXAMPLE = REPO / "examples" / "tiny-llama.toml"

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from slurmbox.box import Box
 from supervisor.slurm import parse
-from supervisor.slurm.box import Box
 from tests.conftest import REPO, wait_for
 from tests.e2e.conftest import db_rows, slurm, spec_for_slurm, summary_of, tsup
 from tests.fake_tools.replay import make_tools
@@ -75,8 +75,7 @@ def test_a_drained_node_is_probed_inside_a_reservation_and_stays_drained_until_r
     """The sweep's path for drained nodes: Slurm runs no job on a drained node, so the
     launcher reserves it, resumes it, probes it and drains it again with the same Reason."""
     from supervisor import node_health
-    from supervisor.launchers.slurm import SlurmLauncher
-    from supervisor.slurm.commands import SlurmCommands
+    from supervisor.slurm.cluster import slurm_cluster
 
     fixtures = REPO / "tests" / "fixtures" / "health" / "neuron"
     hw = tmp_path / "hw" / "default"
@@ -88,7 +87,7 @@ def test_a_drained_node_is_probed_inside_a_reservation_and_stays_drained_until_r
     monkeypatch.setenv("TSUP_FAKE_HW", str(tmp_path / "hw"))
     reason = "training-supervisor: probe: neuron-monitor: mem_ecc_uncorrected=1 (run-1, preflight)"
     slurm(slurm_box, "scontrol", "update", "NodeName=node3", "State=DRAIN", f"Reason={reason}")
-    launcher = SlurmLauncher(SlurmCommands(slurm_conf=str(slurm_box.conf)), state_dir=tmp_path / "state")
+    launcher = slurm_cluster(slurm_conf=str(slurm_box.conf), state_dir=tmp_path / "state").nodes
     argv = node_health.probe_argv(["--instance-type", "trn1.32xlarge", "--min-free-gib", "0.1"])
 
     answers = launcher.probe_drained({"node3": reason}, argv, timeout_s=60)

@@ -28,7 +28,7 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
     store.open()
     health = {"ok": True}
     service = SupervisorService(
-        store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1", launcher=LocalLauncher(max_nodes=4),
+        store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1", launcher=(local := LocalLauncher(max_nodes=4)), nodes=local,
         check_trainer=False,
         health=lambda: DaemonHealth(ok=health["ok"], last_tick_age_s=0.1, mqtt_connected=True))
     app = create_app(service, TokenAuth(TOKEN, tmp_path / "api-token"),
@@ -226,7 +226,7 @@ def test_metrics_for_prometheus(tmp_path: Path) -> None:
     store = SqlStore(tmp_path / "supervisor.db")
     store.open()
     service = SupervisorService(store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1",
-                                launcher=LocalLauncher(max_nodes=4), check_trainer=False)
+                                launcher=(local := LocalLauncher(max_nodes=4)), nodes=local, check_trainer=False)
     metrics = SupervisorMetrics(store, TelemetryView(), lambda: True)
     metrics.tick_seconds.observe(0.004)
     client = TestClient(create_app(service, TokenAuth(TOKEN), metrics),

@@ -67,7 +67,7 @@ def test_rank_telemetry_malformed_messages_and_last_will(mosquitto: Broker) -> N
             assert view.max_step("run-3", 2) == 3  # and ignored
 
             os.kill(proc.pid, signal.SIGKILL)
-            await until(lambda: rank.lost, 20, "the rank's last will")
+            await until(lambda: view.ranks("run-3", 2)[1].lost, 20, "the rank's last will")
             assert view.peek_durable() == []  # rank 1's steps are not persisted
         finally:
             if proc is not None and proc.poll() is None:

@@ -17,6 +17,7 @@ from supervisor.domain import (
     AttemptOutcome,
     AttemptState,
     CommandKind,
+    Node,
     NodeCommandKind,
     NodeState,
     ProcState,
@@ -44,6 +45,7 @@ class ScriptedLauncher:
         self.drains: list[tuple[str, str]] = []
         self.undrains: list[str] = []
         self.refuse: set[str] = set()  # nodes the cluster will not drain
+        self.drained_now: set[str] = set()  # what the cluster shows drained
 
     kind = "local"
 
@@ -58,7 +60,10 @@ class ScriptedLauncher:
             names.append(f"node-{k}")
         return Grant(nodes=req.held + tuple(names), info=None)
 
-    def held(self, run_id: str, info: str | None, *, fresh: bool = False) -> Grant | None:
+    def answered_since(self, t: float) -> bool:
+        return True
+
+    def held(self, run_id: str, info: str | None) -> Grant | None:
         return None
 
     def release(self, run_id: str, info: str | None) -> bool:
@@ -92,9 +97,14 @@ class ScriptedLauncher:
         if node in self.refuse:
             raise LaunchError(f"cannot drain {node}: scontrol: Invalid node name specified")
         self.drains.append((node, reason))
+        self.drained_now.add(node)
 
     def undrain(self, node: str) -> None:
         self.undrains.append(node)
+        self.drained_now.discard(node)
+
+    def drained(self, node: str) -> bool | None:
+        return node in self.drained_now
 
     def kill_rank(self, launch_info: str, rank: int, sig: int = 9) -> str:
         self.procs[launch_info][rank] = (ProcState.EXITED, -sig)
@@ -131,9 +141,10 @@ def world(tmp_path: Path):  # type: ignore[no-untyped-def]
     launcher = ScriptedLauncher()
     telemetry = TelemetryView()
     telemetry.link_up(clock())
-    rec = Reconciler(store, launcher, telemetry, ReconcilerConfig(mqtt_url="mqtt://127.0.0.1:1"), clock)
+    rec = Reconciler(store, telemetry, ReconcilerConfig(mqtt_url="mqtt://127.0.0.1:1"), launcher=launcher,
+                     nodes=launcher, clock=clock)
     service = SupervisorService(store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1",
-                                launcher=LocalLauncher(max_nodes=8),
+                                launcher=(local := LocalLauncher(max_nodes=8)), nodes=local,
                                 check_trainer=False, clock=clock)
     yield store, clock, launcher, telemetry, rec, service
     store.close()
@@ -235,7 +246,7 @@ def test_restart_with_an_unrecorded_launch_adopts_instead_of_launching_again(wor
     with store.tx() as tx:
         tx.update_attempt(1, 1, state=AttemptState.LAUNCHING, launch_info=None)
     launcher.findable[launcher.started[0].marker] = a1.launch_info
-    fresh = Reconciler(store, launcher, telemetry, rec.config, clock)
+    fresh = Reconciler(store, telemetry, rec.config, launcher=launcher, nodes=launcher, clock=clock)
     fresh.tick()
     [a1] = attempts(store)
     assert a1.state is AttemptState.RUNNING and a1.launch_info is not None
@@ -252,7 +263,7 @@ def test_restart_with_a_launch_that_never_happened_aborts_it_and_relaunches_from
     make_checkpoint(tmp_path, 8)
     with store.tx() as tx:
         tx.update_attempt(1, 1, state=AttemptState.LAUNCHING, launch_info=None)
-    fresh = Reconciler(store, launcher, telemetry, rec.config, clock)
+    fresh = Reconciler(store, telemetry, rec.config, launcher=launcher, nodes=launcher, clock=clock)
     fresh.tick()
     a1, a2 = attempts(store)
     assert a1.outcome is AttemptOutcome.ABORTED and a2.state is AttemptState.RUNNING
@@ -271,7 +282,7 @@ def test_a_partly_started_world_is_killed_not_adopted(world) -> None:  # type: i
     launcher.findable[launcher.started[0].marker] = half
     with store.tx() as tx:
         tx.update_attempt(1, 1, state=AttemptState.LAUNCHING, launch_info=None)
-    Reconciler(store, launcher, telemetry, rec.config, clock).tick()
+    Reconciler(store, telemetry, rec.config, launcher=launcher, nodes=launcher, clock=clock).tick()
     assert (half, True) in launcher.stops
     a1, a2 = attempts(store)
     assert a1.outcome is AttemptOutcome.ABORTED and a2.state is AttemptState.RUNNING
@@ -286,9 +297,10 @@ def test_an_os_error_at_launch_is_a_launch_fault_within_the_budget(tmp_path: Pat
     store = SqlStore(tmp_path / "supervisor.db")
     store.open()
     clock = Clock()
-    rec = Reconciler(store, FailingLauncher(), TelemetryView(), ReconcilerConfig(mqtt_url=None), clock)
-    service = SupervisorService(store, tmp_path / "runs", mqtt_url=None, launcher=LocalLauncher(max_nodes=8), check_trainer=False,
-                                clock=clock)
+    failing = FailingLauncher()
+    rec = Reconciler(store, TelemetryView(), ReconcilerConfig(mqtt_url=None), launcher=failing, nodes=failing, clock=clock)
+    service = SupervisorService(store, tmp_path / "runs", mqtt_url=None, launcher=(local := LocalLauncher(max_nodes=8)),
+                                nodes=local, check_trainer=False, clock=clock)
     service.submit(parse_spec({**SPEC, "policy": {"failures_without_progress": 3, "crash_loop_attempts": 5}}))
     for _ in range(12):
         rec.tick()
@@ -395,7 +407,9 @@ def test_an_operator_drains_a_node_in_use_and_the_next_attempt_leaves_it_out(wor
     assert service.command_result(nope.command_id) == f"rejected: {drained} is IDLE, not drained"
 
 
-def test_a_drain_the_cluster_refuses_is_reported_and_recorded_nowhere_else(world) -> None:  # type: ignore[no-untyped-def]
+def test_a_drain_the_cluster_refuses_is_sent_again_every_tick_until_it_shows(world) -> None:  # type: ignore[no-untyped-def]
+    """The intent protocol: recorded with the decision, sent, and sent again (at most every
+    RESEND_S) until the cluster shows it; the failure is said once, not every tick."""
     store, clock, launcher, telemetry, rec, service = world
     service.submit(parse_spec(SPEC))
     rec.tick()
@@ -404,10 +418,49 @@ def test_a_drain_the_cluster_refuses_is_reported_and_recorded_nowhere_else(world
     launcher.refuse.add(node)
     accepted = service.request_node(node, NodeCommandKind.DRAIN, "suspect")
     rec.tick()
-    result = service.command_result(accepted.command_id)
-    assert result == f"rejected: cannot drain {node}: scontrol: Invalid node name specified"
+    assert service.command_result(accepted.command_id) == "accepted"
     with store.tx() as tx:
-        assert tx.get_node(node).state is NodeState.ALLOCATED
+        assert tx.get_node(node).state is NodeState.DRAINED, "the supervisor's own record: drained at once"
+        intent = tx.intent(node)
+        assert intent is not None and intent.confirmed_at is None and intent.sent == 1
+        assert intent.last_error == f"cannot drain {node}: scontrol: Invalid node name specified"
+    for _ in range(3):  # within RESEND_S: not sent again
+        clock.t += 0.25
+        rec.tick()
+    with store.tx() as tx:
+        assert tx.intent(node).sent == 1  # type: ignore[union-attr]
+    clock.t += 1.0
+    rec.tick()
+    with store.tx() as tx:
+        assert tx.intent(node).sent == 2  # type: ignore[union-attr]
+    assert launcher.drains == []
+    launcher.refuse.clear()  # the controller takes it now
+    clock.t += 1.0
+    rec.tick()
+    assert launcher.drains == [(node, "operator: suspect")] and launcher.drained(node)
+    with store.tx() as tx:
+        intent = tx.intent(node)
+        assert intent is not None and intent.confirmed_at == clock.t and intent.sent == 3
+        failures = tx.list_events(1, kind="node.drain_failed")
+    assert len(failures) == 1, "said once, not at every send"
+    clock.t += 5
+    rec.tick()
+    assert launcher.drains == [(node, "operator: suspect")], "confirmed: never sent again"
+
+
+def test_a_drain_lost_with_the_daemon_is_sent_by_the_next(world) -> None:  # type: ignore[no-untyped-def]
+    """Recorded before it is sent: a daemon killed in between leaves the intent, and the next
+    daemon sends it (and confirms one the cluster already shows, sending nothing)."""
+    store, clock, launcher, telemetry, rec, service = world
+    with store.tx() as tx:
+        for name in ("n1", "n2"):
+            tx.put_node(Node(name=name, state=NodeState.DRAINED, reason="training-supervisor: probe: bad"), clock())
+            tx.want(name, "drain", "training-supervisor: probe: bad", clock())
+    launcher.drained_now.add("n2")  # sent before the crash, and applied
+    Reconciler(store, telemetry, rec.config, launcher=launcher, nodes=launcher, clock=clock).tick()
+    assert launcher.drains == [("n1", "training-supervisor: probe: bad")]
+    with store.tx() as tx:
+        assert tx.pending_intents() == []
 
 
 def test_an_auto_checkpoint_interval_is_set_at_each_attempt_from_what_was_measured(world, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -449,6 +502,9 @@ def test_a_drain_and_an_undrain_queued_together_are_carried_out_in_order(world) 
     rec.tick()
     assert (service.command_result(drain.command_id), service.command_result(undrain.command_id)) == (
         "accepted", "accepted")
-    assert launcher.drains == [(node, "operator: reseat the cable")] and launcher.undrains == [node]
     with store.tx() as tx:
         assert tx.get_node(node).state is NodeState.IDLE
+        assert tx.pending_intents() == []
+    # Level-triggered: the newest wish (in service) is what the cluster already shows; the
+    # drain that it replaced before anything was sent never reaches the cluster.
+    assert not launcher.drained(node) and launcher.drains == []

@@ -68,9 +68,11 @@ class ProbedLauncher(ScriptedLauncher):
 
     def drain(self, node: str, reason: str) -> None:
         self.drains.append((node, reason))
+        self.drained_now.add(node)
 
     def undrain(self, node: str) -> None:
         self.undrained.append(node)
+        self.drained_now.discard(node)
 
 
 def make(tmp_path: Path, launcher: ProbedLauncher, **config: Any) -> tuple[SqlStore, Clock, Reconciler,
@@ -81,8 +83,8 @@ def make(tmp_path: Path, launcher: ProbedLauncher, **config: Any) -> tuple[SqlSt
     telemetry = TelemetryView()
     telemetry.link_up(clock())
     pool = HeldExecutor()
-    rec = Reconciler(store, launcher, telemetry, ReconcilerConfig(mqtt_url="mqtt://127.0.0.1:1", **config),
-                     clock, probe_pool=pool)
+    rec = Reconciler(store, telemetry, ReconcilerConfig(mqtt_url="mqtt://127.0.0.1:1", **config),
+                     launcher=launcher, nodes=launcher, clock=clock, probe_pool=pool)
     return store, clock, rec, pool
 
 
@@ -96,9 +98,10 @@ def test_preflight_holds_the_launch_until_the_nodes_are_judged_and_drains_a_conf
     launcher = ProbedLauncher({"node-2": ["unhealthy", "unhealthy"]})
     store, clock, rec, pool = make(tmp_path, launcher)
     service = SupervisorService(store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1",
-                                launcher=LocalLauncher(max_nodes=8), check_trainer=False, clock=clock)
+                                launcher=(local := LocalLauncher(max_nodes=8)), nodes=local, check_trainer=False, clock=clock)
     service.submit(parse_spec({**SPEC, "health": {"preflight": True}}))
-    rec.tick()  # allocates node-1..3; their preflight round is in flight
+    rec.tick()  # allocates node-1..3
+    rec.tick()  # the core sees them new: their preflight round is in flight
     assert len(pool.held) == 1 and launcher.started == []
     for _ in range(3):  # however long the probes take, nothing launches meanwhile
         clock.t += 5
@@ -123,8 +126,9 @@ def test_one_flaky_preflight_result_drains_nothing(tmp_path: Path) -> None:
     launcher = ProbedLauncher({"node-1": ["unknown"]})
     store, clock, rec, pool = make(tmp_path, launcher)
     service = SupervisorService(store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1",
-                                launcher=LocalLauncher(max_nodes=8), check_trainer=False, clock=clock)
+                                launcher=(local := LocalLauncher(max_nodes=8)), nodes=local, check_trainer=False, clock=clock)
     service.submit(parse_spec({**SPEC, "health": {"preflight": True}}))
+    rec.tick()
     rec.tick()
     pool.finish()
     rec.tick()
@@ -147,6 +151,7 @@ def test_the_sweep_drains_a_bad_idle_node_and_returns_a_clean_one_it_drained(tmp
     seed(store, Node(name="idle-1", state=NodeState.IDLE), Node(name="idle-2", state=NodeState.IDLE),
          Node(name="drained-1", state=NodeState.DRAINED, reason=ours),
          Node(name="by-hand", state=NodeState.DRAINED, reason="memory upgrade"))
+    launcher.drained_now |= {"drained-1", "by-hand"}  # what the cluster shows
     rec.tick()
     assert pool.held == []  # the first sweep comes one interval after start
     clock.t += 61
@@ -176,6 +181,7 @@ def test_without_return_after_a_drained_node_stays_drained_however_clean(tmp_pat
     launcher = ProbedLauncher({})
     store, clock, rec, pool = make(tmp_path, launcher, sweep_every_s=60.0)
     seed(store, Node(name="d", state=NodeState.DRAINED, reason=ours))
+    launcher.drained_now.add("d")
     for _ in range(4):
         clock.t += 61
         rec.tick()

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 from sqlalchemy import update
 
-from supervisor import store_schema
 from supervisor.domain import (
     Attempt,
     AttemptState,
@@ -22,6 +21,7 @@ from supervisor.domain import (
 )
 from supervisor.errors import NotFound, StoreError
 from supervisor.store import SqlStore
+from supervisor.store import schema as store_schema
 
 
 @pytest.fixture

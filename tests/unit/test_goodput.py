@@ -8,14 +8,15 @@ from supervisor.domain import (
     Attempt,
     AttemptOutcome,
     AttemptState,
+    CheckpointRecord,
     FaultKind,
     FaultRecord,
+    MetricRecord,
     Policy,
     Run,
     RunState,
 )
 from supervisor.goodput import account
-from supervisor.store import CheckpointRecord, MetricRecord
 
 
 def metric(attempt: int, step: int, at: float) -> MetricRecord:

@@ -39,7 +39,8 @@ def test_progress_exit_and_last_will_per_rank() -> None:
     r = v.ranks("run-1", 1)[1]
     assert (r.node, r.pid, r.last_step, r.phase, r.progress_at, r.last_seen_at) == ("n1", 9, 3, "train", 2.0, 5.0)
     feed(v, p.Lost(**H, rank=1), 6.0)
-    assert r.lost and r.lost_at == 6.0 and r.last_seen_at == 5.0
+    r = v.ranks("run-1", 1)[1]  # a copy: read again
+    assert r.lost and r.last_seen_at == 5.0
     feed(v, p.Exit(**H, rank=0, exit_code=1, final_step=3, reason="boom"), 7.0)
     r0 = v.ranks("run-1", 1)[0]
     assert (r0.exit_code, r0.exit_reason, r0.exit_at) == (1, "boom", 7.0)
@@ -111,16 +112,18 @@ def test_a_node_report_updates_every_rank_it_lists() -> None:
         "an unregistered rank is known from the report; times are receipt minus age"
     assert v.max_step("run-1", 1) == 5
     assert v.step_time_p99("run-1", 1) == (1.0, 2)
-    assert list(r3.busy_times) == [0.5]
+    assert r3.busy_recent == (0.5,)
     # The same steps again: seen later, but no progress and no new step or busy time.
     feed(v, node_report("n2", (2, 3), (4, 5), (0.0, 0.2)), 11.0)
-    assert (r3.last_seen_at, r3.progress_at, list(r3.busy_times)) == (10.8, 9.5, [0.5])
+    r3 = v.ranks("run-1", 1)[3]
+    assert (r3.last_seen_at, r3.progress_at, r3.busy_recent) == (10.8, 9.5, (0.5,))
     assert v.step_time_p99("run-1", 1)[1] == 2
     # A step further: progress dated by the age; NaN step and busy times are not kept.
     nan = float("nan")
     feed(v, p.NodeReport(**H, rank=2, node="n2", ranks=(3,), steps=(6,), phases=(p.Phase.TRAIN,), ages=(0.1,),
                          step_times=(nan,), busy=(nan,)), 12.0)
-    assert (r3.last_step, r3.progress_at, list(r3.busy_times)) == (6, 11.9, [0.5])
+    r3 = v.ranks("run-1", 1)[3]
+    assert (r3.last_step, r3.progress_at, r3.busy_recent) == (6, 11.9, (0.5,))
     assert v.step_time_p99("run-1", 1)[1] == 2
 
 
@@ -147,12 +150,13 @@ def test_a_node_report_never_moves_a_rank_back_nor_undoes_a_last_will() -> None:
     assert r0.last_seen_at == 21.0, "the sender itself is heard now"
     assert r1.lost, "its slot was written before its connection died"
     feed(v, node_report("n1", (0, 1), (9, 3), (0.0, 0.0)), 22.0)
+    r1 = v.ranks("run-1", 1)[1]  # a copy: read again
     assert not r1.lost and r1.last_seen_at == 22.0, "written after its last will: it is alive"
 
 
 def judge(v: TelemetryView, now: float) -> list[RecordFault]:
     """The policy's verdict on a 2-node x 2-rank attempt observed only through ``v`` (as
-    Reconciler._observe builds it: every rank's process UNKNOWN, as under Slurm)."""
+    supervisor/observe.py builds it: every rank's process UNKNOWN, as under Slurm)."""
     run = Run(number=1, name="t", state=RunState.RUNNING, reason="", nodes=2, ranks_per_node=2, spares=0,
               total_steps=1000, policy=Policy(hang_timeout_s=60), created_at=0.0)
     attempt = Attempt(run_number=1, number=1, state=AttemptState.RUNNING, nodes=("n1", "n2"), resume_from=None,
@@ -161,7 +165,7 @@ def judge(v: TelemetryView, now: float) -> list[RecordFault]:
     tele = v.ranks("run-1", 1)
     ranks = tuple(RankObs(rank=r, node=t.node or "", proc=ProcState.UNKNOWN, last_step=t.last_step,
                           progress_at=t.progress_at, phase=t.phase, last_seen_at=t.last_seen_at,
-                          busy_recent_s=tuple(t.busy_times)) for r, t in sorted(tele.items()))
+                          busy_recent_s=t.busy_recent) for r, t in sorted(tele.items()))
     p99, samples = v.step_time_p99("run-1", 1)
     obs = AttemptObs(ranks=ranks, telemetry_up_since=0.0, step_time_p99_s=p99, step_time_samples=samples)
     view = RunView(run=run, attempts=(attempt,), allocation=allocation, newest_checkpoint=None)

@@ -3,8 +3,10 @@
 The database records the supervisor's whole memory: a restarted daemon re-derives
 everything from these tables plus the launcher. ``SCHEMA_VERSION`` is stored in the
 ``schema_version`` table; ``MIGRATIONS[i]`` takes a database from version i to i + 1.
-Add a migration, never edit an old one (and when adding the second, freeze the first:
-today it creates the tables from the current ``metadata``).
+Add a migration, never edit an old one (``_v1`` creates the tables from the current
+``metadata``, so each later one checks before it adds). The store runs every
+migration of an upgrade in one transaction (an explicit BEGIN: supervisor/store.py), so
+one that fails midway leaves the database as it was.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ attempts = Table(
     Column("final_step", Integer),
     Column("launch_info", Text),
     Column("launch_error", Text),
+    Column("launch_fatal", Boolean, nullable=False, default=False),
 )
 
 nodes = Table(
@@ -183,6 +186,52 @@ commands = Table(
 )
 
 
+# The supervisor's wishes for a node that the cluster must carry out: a drain (with its
+# Reason) or a return to service. Recorded with the decision, sent, and sent again each
+# tick until the cluster shows it (confirmed_at); one row per node, the newest wish.
+node_intents = Table(
+    "node_intents",
+    metadata,
+    Column("node", String(128), primary_key=True),
+    Column("action", String(16), nullable=False),  # drain, undrain
+    Column("reason", Text, nullable=False, default=""),
+    Column("requested_at", Float, nullable=False),
+    Column("sent", Integer, nullable=False, default=0),  # how many times it was sent
+    Column("sent_at", Float),  # when last sent
+    Column("last_error", Text),
+    Column("confirmed_at", Float),
+)
+
+# Ranks reported straggling, one row per (run, attempt, rank): the policy leaves their
+# nodes out of the next attempt.
+stragglers = Table(
+    "stragglers",
+    metadata,
+    Column("run_number", Integer, ForeignKey("runs.number"), primary_key=True),
+    Column("attempt", Integer, primary_key=True),
+    Column("rank", Integer, primary_key=True),
+    Column("node", String(128), nullable=False),
+    Column("busy_s", Float, nullable=False),
+    Column("typical_s", Float, nullable=False),
+    Column("window", Integer, nullable=False),
+    Column("at", Float, nullable=False),
+)
+
+# Sample ranges of the data stream that every later attempt of the run steps over
+# (a persistent loss spike, a NaN that recurred at one step).
+data_skips = Table(
+    "data_skips",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_number", Integer, ForeignKey("runs.number"), nullable=False),
+    Column("start", Integer, nullable=False),
+    Column("end", Integer, nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("at", Float, nullable=False),
+    Index("data_skips_by_run", "run_number"),
+)
+
+
 def _v1(conn: Connection) -> None:
     metadata.create_all(conn)
 
@@ -222,5 +271,29 @@ def _v5(conn: Connection) -> None:
     conn.exec_driver_sql("DROP TABLE commands_v4")
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5]
+def _v6(conn: Connection) -> None:
+    """Node intents (every drain and return, sent until the cluster shows it), and their own
+    tables for stragglers and data skips, moved out of the event log: each event's data
+    becomes a row. A drained node's drain becomes an intent still to be confirmed.
+    attempts.launch_fatal: a launch that failed because the command cannot be executed."""
+    for table in (node_intents, stragglers, data_skips):
+        table.create(conn, checkfirst=True)
+    have = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(attempts)")}
+    if "launch_fatal" not in have:
+        conn.exec_driver_sql("ALTER TABLE attempts ADD COLUMN launch_fatal BOOLEAN NOT NULL DEFAULT 0")
+    conn.exec_driver_sql(
+        "INSERT OR IGNORE INTO stragglers (run_number, attempt, rank, node, busy_s, typical_s, window, at) "
+        "SELECT run_number, json_extract(data, '$.attempt'), json_extract(data, '$.rank'), "
+        "json_extract(data, '$.node'), json_extract(data, '$.busy_s'), json_extract(data, '$.typical_s'), "
+        "json_extract(data, '$.window'), ts FROM events WHERE kind = 'straggler' AND run_number IS NOT NULL")
+    conn.exec_driver_sql(
+        "INSERT INTO data_skips (run_number, start, \"end\", reason, at) "
+        "SELECT run_number, json_extract(data, '$.start'), json_extract(data, '$.end'), message, ts "
+        "FROM events WHERE kind = 'data.skip' AND run_number IS NOT NULL")
+    conn.exec_driver_sql(
+        "INSERT OR IGNORE INTO node_intents (node, action, reason, requested_at, sent) "
+        "SELECT name, 'drain', reason, updated_at, 0 FROM nodes WHERE state = 'DRAINED'")
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6]
 SCHEMA_VERSION = len(MIGRATIONS)

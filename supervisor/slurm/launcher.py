@@ -13,49 +13,47 @@ How a run maps onto Slurm (builders in supervisor/slurm/requests.py):
   (after a daemon restart). A rank whose step still runs is UNKNOWN to Slurm: its
   liveness comes from telemetry (heartbeats, last will).
 - ``held``: the allocation as squeue sees it, minus nodes Slurm calls unusable. A
-  failed poll means "unknown" (None), never "ended".
-- ``drain``: ``scontrol update NodeName=... State=DRAIN Reason=...``.
+  failed poll means "unknown", never "ended".
 
-Slurm is polled at most once per ``poll_interval_s`` for jobs, steps and nodes, shared
-by every run.
+What Slurm says of jobs, steps and nodes comes from ``SlurmState`` (supervisor/slurm/
+state.py): polled off the reconciler's path, shared with node administration
+(supervisor/slurm/nodes.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import getpass
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import signal
 import socket
-import subprocess
-import time
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psutil
 
-from health import wire
 from supervisor.domain import ProcState
 from supervisor.errors import LaunchError, SpecError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
-from supervisor.slurm import box as slurm_box
 from supervisor.slurm import parse
 from supervisor.slurm.commands import SlurmCommands
 from supervisor.slurm.requests import SbatchRequest, StepRequest, allocation_script, sbatch_argv, srun_argv
+from supervisor.slurm.state import SlurmState
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 # "srun: error: node1: task 1: Exited with exit code 3", "...: tasks 0-1: Killed"
 _TASK_LINE = re.compile(r"srun: error: (\S+): tasks? ([0-9,\-]+): (.+)$")
+
+
+def prefix_for(state_dir: Path) -> str:
+    """Job names carry the state directory's fingerprint: two daemons on one cluster never
+    adopt each other's jobs."""
+    return "tsup-" + hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:8]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,76 +67,22 @@ class SlurmOptions:
 class SlurmLauncher:
     kind = "slurm"
 
-    def __init__(self, commands: SlurmCommands, *, state_dir: Path, options: SlurmOptions | None = None,
-                 poll_interval_s: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, commands: SlurmCommands, state: SlurmState, *, state_dir: Path,
+                 options: SlurmOptions | None = None) -> None:
         self.commands = commands
+        self.state = state
         self.options = options or SlurmOptions()
         self.state_dir = state_dir
-        # Job names carry the state directory's fingerprint: two daemons on one
-        # cluster never adopt each other's jobs.
-        self.prefix = "tsup-" + hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:8]
-        self.poll_interval_s = poll_interval_s
-        self.clock = clock
-        self._cache: dict[str, tuple[float, Any]] = {}
-        self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self.prefix = prefix_for(state_dir)
+        self._children: dict[int, Any] = {}
 
-    # --- polls (cached, shared by every run) --------------------------------------
-
-    def _poll(self, key: str, fetch: Callable[[], T]) -> T | None:
-        hit = self._cache.get(key)
-        if hit is not None and self.clock() - hit[0] < self.poll_interval_s:
-            return hit[1]  # type: ignore[no-any-return]
-        try:
-            value = fetch()
-        except parse.SlurmParseError as e:
-            log.warning("Slurm poll %s: %s", key, e)
-            return None
-        self._cache[key] = (self.clock(), value)
-        return value
-
-    def _forget_polls(self) -> None:
-        self._cache.clear()
-
-    def jobs(self) -> dict[str, parse.JobInfo] | None:
-        def fetch() -> dict[str, parse.JobInfo]:
-            reply = self.commands.run(["squeue", "--json"])
-            if reply.ok:
-                return parse.parse_squeue_json(reply.stdout)
-            # Slurm without the openapi plugin (or before 21.08): the text form.
-            reply = self.commands.run(["squeue", "-h", "-o", parse.SQUEUE_FORMAT])
-            if not reply.ok:
-                raise parse.SlurmParseError(reply.describe())
-            return parse.parse_squeue_text(reply.stdout)
-        return self._poll("jobs", fetch)
-
-    def steps(self) -> list[parse.StepInfo] | None:
-        def fetch() -> list[parse.StepInfo]:
-            reply = self.commands.run(["squeue", "--steps", "-h", "-o", parse.STEPS_FORMAT])
-            if not reply.ok:
-                raise parse.SlurmParseError(reply.describe())
-            return parse.parse_steps_text(reply.stdout)
-        return self._poll("steps", fetch)
-
-    def nodes(self) -> dict[str, parse.NodeInfo] | None:
-        def fetch() -> dict[str, parse.NodeInfo]:
-            reply = self.commands.run(["scontrol", "-o", "show", "node"])
-            if not reply.ok:
-                raise parse.SlurmParseError(reply.describe())
-            return parse.parse_nodes(reply.stdout)
-        return self._poll("nodes", fetch)
-
-    def partitions(self) -> dict[str, parse.PartitionInfo] | None:
-        def fetch() -> dict[str, parse.PartitionInfo]:
-            reply = self.commands.run(["scontrol", "-o", "show", "partition"])
-            if not reply.ok:
-                raise parse.SlurmParseError(reply.describe())
-            return parse.parse_partitions(reply.stdout)
-        return self._poll("partitions", fetch)
+    def answered_since(self, t: float) -> bool:
+        return self.state.answered_since(t)
 
     # --- submit-time checks ---------------------------------------------------------
 
     def check_resources(self, nodes: int, spares: int, partition: str | None) -> None:
-        parts = self.partitions()
+        parts = self.state.partitions()
         if parts is None:
             raise SpecError("resources: cannot list Slurm's partitions (is SLURM_CONF right?)")
         name = partition or self.options.partition
@@ -175,8 +119,8 @@ class SlurmLauncher:
         )
 
     def allocate(self, req: AllocationRequest) -> Grant:
-        info = _load_alloc(req.info)
-        jobs = self.jobs()
+        info = load_alloc(req.info)
+        jobs = self.state.jobs()
         if jobs is None:
             return Grant(nodes=req.held, info=req.info, note="squeue failed; trying again")
         job = jobs.get(info["job"]) if info["job"] else None
@@ -208,19 +152,17 @@ class SlurmLauncher:
             job_id = parse.parse_sbatch_job_id(reply.stdout)
         except parse.SlurmParseError as e:
             return Grant(nodes=(), info=_dump_alloc(None, seq), note=str(e))
-        self._forget_polls()
+        self.state.refresh()
         log.info("submitted allocation %s (%s) for %d nodes", job_id, name, req.count)
         return Grant(nodes=(), info=_dump_alloc(job_id, seq), note=f"job {job_id} submitted")
 
-    def held(self, run_id: str, info: str | None, *, fresh: bool = False) -> Grant | None:
+    def held(self, run_id: str, info: str | None) -> Grant | None:
         if info is None:
             return None
-        alloc = _load_alloc(info)
+        alloc = load_alloc(info)
         if alloc["job"] is None:
             return None  # nothing submitted yet: allocate() deals with it
-        if fresh:
-            self._cache.pop("jobs", None)
-        jobs = self.jobs()
+        jobs = self.state.jobs()
         if jobs is None:
             return None
         job = jobs.get(alloc["job"])
@@ -232,87 +174,21 @@ class SlurmLauncher:
         return Grant(nodes=self._usable(job.nodes, frozenset()), info=info)
 
     def _usable(self, names: tuple[str, ...], drained: frozenset[str]) -> tuple[str, ...]:
-        nodes = self.nodes() or {}
+        nodes = self.state.nodes() or {}
         return tuple(n for n in names if n not in drained and (n not in nodes or nodes[n].usable))
 
     def release(self, run_id: str, info: str | None) -> bool:
-        job = _load_alloc(info)["job"] if info is not None else None
+        job = load_alloc(info)["job"] if info is not None else None
         if job is None:
             return True
         # Waited for, not fired: with slurmctld down scancel fails, and an allocation
         # forgotten then would hold its nodes until its time limit.
         reply = self.commands.run(["scancel", job])
-        self._forget_polls()
+        self.state.refresh()
         if reply.ok or "Invalid job id" in reply.why:  # already gone is given back too
             return True
         log.warning("cannot give back allocation %s yet: %s", job, reply.why)
         return False
-
-    def drain(self, node: str, reason: str) -> None:
-        reply = self.commands.run(
-            ["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"])
-        if not reply.ok:
-            raise LaunchError(f"cannot drain {node}: {reply.why}")
-        self._forget_polls()
-
-    # --- probes -----------------------------------------------------------------------
-
-    def undrain(self, node: str) -> None:
-        reply = self.commands.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
-        if not reply.ok:
-            raise LaunchError(f"cannot return {node} to service: {reply.why}")
-        self._forget_polls()
-
-    def probe(self, nodes: Sequence[str], argv: Sequence[str], *, allocation_info: str | None,
-              timeout_s: float, reservation: str | None = None) -> dict[str, str]:
-        """``srun`` one probe task per node: a step of the run's allocation when it holds
-        the nodes, else a job of its own that must start at once (``--immediate``). Each
-        task prints its verdict in short tagged lines (health/wire.py)."""
-        job = _load_alloc(allocation_info)["job"] if allocation_info else None
-        where = [f"--jobid={job}", "--overlap"] if job else ["--immediate=10", "--time=5"]
-        if reservation is not None:
-            where.append(f"--reservation={reservation}")
-        reply = self.commands.run(
-            ["srun", *where, f"--job-name={self.prefix}.probe", f"--nodes={len(nodes)}",
-             f"--nodelist={','.join(nodes)}", "--ntasks-per-node=1", "--kill-on-bad-exit=0", *argv],
-            timeout_s=timeout_s)
-        # srun exits non-zero when a probe says "unhealthy" (exit 2): read the output anyway.
-        out = {node: text for node, text in wire.answers(reply.stdout).items() if node in nodes}
-        if not reply.ok and not out:
-            log.warning("probe of %s: %s", ",".join(nodes), reply.why)
-        return out
-
-    def probe_drained(self, nodes: Mapping[str, str], argv: Sequence[str], *,
-                      timeout_s: float) -> dict[str, str]:
-        """Slurm starts no job on a drained node. So the nodes go into a maintenance
-        reservation for this user alone (nothing else can land on them), are resumed,
-        probed by a job in that reservation, and drained again with their Reasons; then
-        the reservation goes. It lasts only a few minutes, so a daemon killed in between
-        leaves nodes reserved briefly, and the next sweep drains them again."""
-        names = sorted(nodes)
-        resv = f"{self.prefix}-probe"
-        self.commands.run(["scontrol", "delete", f"ReservationName={resv}"])  # one a killed daemon left
-        minutes = math.ceil(timeout_s / 60) + 2
-        made = self.commands.run(
-            ["scontrol", "create", "reservation", f"ReservationName={resv}", f"Nodes={','.join(names)}",
-             f"Users={getpass.getuser()}", "StartTime=now", f"Duration={minutes}", "Flags=MAINT,IGNORE_JOBS"])
-        if not made.ok:
-            log.warning("probe of drained %s: cannot reserve them: %s", ",".join(names), made.why)
-            return {}
-        try:
-            resumed = self.commands.run(["scontrol", "update", f"NodeName={','.join(names)}", "State=RESUME"])
-            if not resumed.ok:
-                log.warning("probe of drained %s: cannot resume them: %s", ",".join(names), resumed.why)
-                return {}
-            return self.probe(names, argv, allocation_info=None, timeout_s=timeout_s, reservation=resv)
-        finally:
-            for node in names:
-                again = self.commands.run(
-                    ["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={nodes[node]}"])
-                if not again.ok:
-                    log.error("probe of drained %s: cannot drain it again: %s", node, again.why)
-            self.commands.run(["scontrol", "delete", f"ReservationName={resv}"])
-            self._forget_polls()
 
     # --- steps ------------------------------------------------------------------------
 
@@ -320,10 +196,10 @@ class SlurmLauncher:
         return f"{self.prefix}.{run_id}.a{attempt}"
 
     def start(self, spec: LaunchSpec) -> str:
-        job = _load_alloc(spec.allocation_info)["job"] if spec.allocation_info else None
+        job = load_alloc(spec.allocation_info)["job"] if spec.allocation_info else None
         if job is None:
             raise LaunchError("the run holds no Slurm allocation")
-        nodes_info = self.nodes() or {}
+        nodes_info = self.state.nodes() or {}
         order = list(nodes_info)
         nodes = sorted(spec.nodes, key=lambda n: order.index(n) if n in order else len(order))
         first = nodes_info.get(nodes[0])
@@ -343,7 +219,7 @@ class SlurmLauncher:
             raise LaunchError(f"cannot start srun: {e}") from e
         self._children[p.pid] = p
         ranks = _rank_map(nodes, spec.ranks_per_node)
-        self._forget_polls()
+        self.state.refresh()
         return json.dumps({"job": job, "step": name, "srun_pid": p.pid, "srun_ct": _create_time(p.pid),
                            "ranks": ranks, "log": str(spec.log_dir / "srun.log")})
 
@@ -352,11 +228,11 @@ class SlurmLauncher:
         between starting srun and writing it down)."""
         name = self.step_name(spec.run_id, spec.attempt)
         srun = _find_srun(name)
-        steps = self.steps()
+        steps = self.state.steps()
         step = next((s for s in steps or [] if s.name == name), None)
         if srun is None and step is None:
             return None
-        job = step.job_id if step else _load_alloc(spec.allocation_info)["job"]
+        job = step.job_id if step else load_alloc(spec.allocation_info)["job"]
         nodes = list(step.nodes) if step else list(spec.nodes)
         ranks = _rank_map(nodes, spec.ranks_per_node)
         return json.dumps({"job": job, "step": name, "srun_pid": srun.pid if srun else 0,
@@ -370,7 +246,7 @@ class SlurmLauncher:
         srun_code, srun_alive = self._srun_state(info)
         step_listed: bool | None = None
         if not srun_alive and srun_code is None:
-            steps = self.steps()
+            steps = self.state.steps()
             step_listed = None if steps is None else any(s.name == info["step"] for s in steps)
         out = []
         for rank, node in ranks:
@@ -424,7 +300,7 @@ class SlurmLauncher:
                     os.kill(int(info["srun_pid"]), signal.SIGTERM)
 
     def _step_id(self, info: dict[str, Any]) -> str | None:
-        steps = self.steps() or []
+        steps = self.state.steps() or []
         s = next((s for s in steps if s.name == info["step"]), None)
         return f"{s.job_id}.{s.step_id}" if s else None
 
@@ -433,45 +309,6 @@ class SlurmLauncher:
         child = self._children.get(pid)
         if child is not None and child.poll() is not None:
             del self._children[pid]
-
-    # --- chaos: only where the nodes' slurmd run on this host (a Slurm box) ------------
-
-    def _box(self) -> slurm_box.Box:
-        conf = self.commands.slurm_conf
-        b = slurm_box.load(Path(conf).parent) if conf else None
-        if b is None:
-            raise LaunchError("kill-node/kill-rank on Slurm need a Slurm box on this host "
-                              "(scripts/slurm-box)")
-        return b
-
-    def kill_node(self, launch_info: str, node: str) -> str:
-        pids = slurm_box.kill_node(self._box(), node)
-        if not pids:
-            raise LaunchError(f"node {node} runs no process")
-        return f"SIGKILL to {node}'s slurmd and every process it started ({len(pids)} processes)"
-
-    def freeze_node(self, launch_info: str, node: str) -> str:
-        pids = slurm_box.signal_node(self._box(), node, signal.SIGSTOP)
-        if not pids:
-            raise LaunchError(f"node {node} runs no process")
-        return f"SIGSTOP to {node}'s slurmd and every process it started ({len(pids)} processes)"
-
-    def kill_rank(self, launch_info: str, rank: int, sig: int = signal.SIGKILL) -> str:
-        info = json.loads(launch_info)
-        self._box()
-        for p in psutil.process_iter(["pid"]):
-            try:
-                env = p.environ()
-            except psutil.Error:
-                continue
-            if env.get("SLURM_STEP_ID") is None or env.get("SLURM_JOB_NAME") != info["step"]:
-                continue
-            if env.get("SLURM_PROCID") == str(rank) and env.get("TSUP_RUN_ID"):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, sig)
-                node = env.get("SLURMD_NODENAME")
-                return f"{signal.Signals(sig).name} to rank {rank} (pid {p.pid}, node {node})"
-        raise LaunchError(f"rank {rank} is not running")
 
 
 # --- helpers ---------------------------------------------------------------------------
@@ -482,7 +319,7 @@ def _rank_map(nodes: list[str], ranks_per_node: int) -> list[list[int | str]]:
     return [[k * ranks_per_node + i, n] for k, n in enumerate(nodes) for i in range(ranks_per_node)]
 
 
-def _load_alloc(info: str | None) -> dict[str, Any]:
+def load_alloc(info: str | None) -> dict[str, Any]:
     if not info:
         return {"job": None, "seq": 0}
     d = json.loads(info)

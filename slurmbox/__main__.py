@@ -1,0 +1,5 @@
+import sys
+
+from slurmbox.box import main
+
+sys.exit(main())

@@ -1,0 +1,57 @@
+"""Chaos hooks on a Slurm box: real signals to the processes of a node or a rank.
+
+On a real cluster the supervisor cannot kill a node; on a box every node's slurmd and
+what it started run on this host, so ``kill-node`` is a SIGKILL to all of them, as a
+power loss would be. ``training-supervisor run --chaos ... --launcher slurm`` loads this
+module by name (supervisor/chaos.py) when the cluster SLURM_CONF names is a box.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from pathlib import Path
+
+import psutil
+
+from slurmbox import box as slurm_box
+from supervisor.errors import LaunchError
+
+
+class BoxChaos:
+    def __init__(self, slurm_conf: str | None) -> None:
+        found = slurm_box.load(Path(slurm_conf).parent) if slurm_conf else None
+        if found is None:
+            raise LaunchError("kill-node, freeze-node and kill-rank on Slurm need a Slurm box on this host "
+                              "(scripts/slurm-box)")
+        self.box = found
+
+    def kill_node(self, launch_info: str, node: str) -> str:
+        pids = slurm_box.kill_node(self.box, node)
+        if not pids:
+            raise LaunchError(f"node {node} runs no process")
+        return f"SIGKILL to {node}'s slurmd and every process it started ({len(pids)} processes)"
+
+    def freeze_node(self, launch_info: str, node: str) -> str:
+        pids = slurm_box.signal_node(self.box, node, signal.SIGSTOP)
+        if not pids:
+            raise LaunchError(f"node {node} runs no process")
+        return f"SIGSTOP to {node}'s slurmd and every process it started ({len(pids)} processes)"
+
+    def kill_rank(self, launch_info: str, rank: int, sig: int = signal.SIGKILL) -> str:
+        step = json.loads(launch_info)["step"]
+        for p in psutil.process_iter(["pid"]):
+            try:
+                env = p.environ()
+            except psutil.Error:
+                continue
+            if env.get("SLURM_STEP_ID") is None or env.get("SLURM_JOB_NAME") != step:
+                continue
+            if env.get("SLURM_PROCID") == str(rank) and env.get("TSUP_RUN_ID"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, sig)
+                node = env.get("SLURMD_NODENAME")
+                return f"{signal.Signals(sig).name} to rank {rank} (pid {p.pid}, node {node})"
+        raise LaunchError(f"rank {rank} is not running")

@@ -1,0 +1,223 @@
+"""Effects: what the decision core asks the shell to persist and carry out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from supervisor.domain.records import ProbeRecord
+from supervisor.domain.states import AttemptOutcome, FaultKind, RunState
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Emit:
+    """Append an event to the audit log (and the outbox): the run's that was decided about,
+    or ``run_number``'s (a node's decision names the run holding the node, if any)."""
+
+    kind: str
+    message: str
+    data: dict[str, object] = field(default_factory=dict)
+    run_number: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SetRunState:
+    state: RunState
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResumeRun:
+    """Back to PENDING after an operator's resume; the budget for failures starts afresh."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllocateNodes:
+    count: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartAttempt:
+    number: int
+    nodes: tuple[str, ...]
+    resume_from: str | None
+    resume_step: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MarkAttemptRunning:
+    """The first training step of the attempt was seen."""
+
+    number: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopAttempt:
+    number: int
+    outcome: AttemptOutcome
+    reason: str
+    force: bool  # SIGKILL at once (a broken attempt) instead of SIGTERM first
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EnsureStopped:
+    """Re-send the stop (escalating to SIGKILL after the grace) while processes live."""
+
+    number: int
+    force: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EndAttempt:
+    number: int
+    outcome: AttemptOutcome
+    reason: str
+    final_step: int | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecordFault:
+    kind: FaultKind
+    attempt: int
+    ranks: tuple[int, ...]
+    nodes: tuple[str, ...]
+    summary: str
+    step: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MarkFaultsRecovered:
+    pass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DrainNode:
+    """Take a node out of service: recorded DRAINED at once, and a drain intent that the
+    shell sends to the cluster, and sends again, until the cluster shows it."""
+
+    node: str
+    reason: str
+    run_number: int | None = None  # the run the drained node stays recorded with
+    message: str = ""  # for the event log ("node N drained: REASON" when empty)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReturnNode:
+    """Back in service: recorded IDLE at once, and an undrain intent, sent until shown."""
+
+    node: str
+    message: str  # for the event log
+    operator: bool = False
+    run_number: int | None = None  # the run the event belongs to
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecordProbe:
+    """Keep one node's probe result."""
+
+    record: ProbeRecord
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProbeAgain:
+    """Probe these nodes once more, at once: a bad result not yet confirmed."""
+
+    nodes: tuple[str, ...]
+    kind: str
+    run_number: int | None  # None: the sweep's
+    round: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdoptAttempt:
+    """The launcher found this attempt's processes running, unrecorded (a daemon killed
+    between launching and recording them): they are the attempt's."""
+
+    number: int
+    launch_info: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KillOrphans:
+    """Processes of an attempt that never fully started (the daemon died part-way through
+    launching it): they wait for peers that never come. SIGKILL them."""
+
+    number: int
+    launch_info: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReportStraggler:
+    attempt: int
+    rank: int
+    node: str
+    busy_s: float
+    typical_s: float
+    window: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProbeNodes:
+    """Probe these nodes of the run (``python -m health``); the run launches nothing until
+    their results are in (``RunView.probing``)."""
+
+    nodes: tuple[str, ...]
+    kind: str  # "preflight": newly allocated; "diagnosis": after a failed attempt
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SkipData:
+    """From the next attempt on, the trainer steps over samples [start, end) of its data."""
+
+    start: int
+    end: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReleaseNodes:
+    """Give back every healthy node the run holds (drained ones stay drained)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FinishRun:
+    """Enter a terminal state (the only effect that does)."""
+
+    state: RunState
+    reason: str
+    final_step: int | None = None
+    model_digest: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommandHandled:
+    command_id: int
+    result: str
+
+
+Effect = (
+    Emit
+    | SetRunState
+    | ResumeRun
+    | AllocateNodes
+    | StartAttempt
+    | MarkAttemptRunning
+    | StopAttempt
+    | EnsureStopped
+    | EndAttempt
+    | RecordFault
+    | MarkFaultsRecovered
+    | DrainNode
+    | ProbeNodes
+    | SkipData
+    | ReleaseNodes
+    | FinishRun
+    | CommandHandled
+    | ReturnNode
+    | RecordProbe
+    | ProbeAgain
+    | AdoptAttempt
+    | KillOrphans
+    | ReportStraggler
+)

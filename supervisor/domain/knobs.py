@@ -1,0 +1,79 @@
+"""``Policy``: the per-run knobs of the decision rules (from the spec's [policy] table)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from supervisor.planning import LLAMA3_FAILURES_PER_NODE_DAY
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Policy:
+    """Per-run knobs of the decision rules (from the spec's [policy] table)."""
+
+    # The budget for failures without progress. An attempt made progress when the run
+    # got a newer complete checkpoint than the one it resumed from, or when it trained
+    # progress_steps steps beyond that point. failures_without_progress failed attempts
+    # in a row that made none: FAILED. A node lost and replaced, and an allocation the
+    # cluster ended, cost nothing (supervisor/policy/recovery.py).
+    failures_without_progress: int = 4
+    progress_steps: int = 100
+    # More than fault_rate_max faults within fault_rate_window_s (progress or not): the
+    # cluster or the job is broken beyond what restarts can fix, FAILED.
+    fault_rate_max: int = 30
+    fault_rate_window_s: float = 3600.0
+    # The same fault (kind and step) ending this many attempts in a row: a crash loop, FAILED.
+    crash_loop_attempts: int = 3
+    # Before the n-th failed attempt in a row that resumed from the same checkpoint (n >= 2):
+    # wait backoff_base_s x 2^(n-2), at most backoff_max_s. The first restart after
+    # progress is immediate (hot spares).
+    backoff_base_s: float = 5.0
+    backoff_max_s: float = 300.0
+    # Spikes: a step whose loss exceeds the median of the spike_window steps before it by
+    # more than spike_loss_rel (0.5: 50 %), or whose grad norm exceeds that median by a
+    # factor spike_grad_factor. Persisting for spike_persist_steps steps in a row: roll back
+    # to the newest checkpoint before it and skip spike_skip_steps steps of data from it.
+    # Shorter spikes are counted and reported, not acted on.
+    spike_window: int = 20
+    spike_loss_rel: float = 0.5
+    spike_grad_factor: float = 5.0
+    spike_persist_steps: int = 5
+    spike_skip_steps: int = 50
+    # Hang while training: no step progress for max(hang_floor_s, hang_k x p99 step time)
+    # once hang_min_samples step times are known, never more than hang_timeout_s (which is
+    # also the limit before enough steps were timed).
+    hang_timeout_s: float = 300.0
+    hang_floor_s: float = 8.0  # the 10 s detection target, less a tick and message latency
+    hang_k: float = 3.0
+    hang_min_samples: int = 20
+    startup_timeout_s: float = 900.0  # no first step for this long after launch (init, compile, restore)
+    checkpoint_timeout_s: float = 600.0  # a rank announcing a checkpoint save (before one was timed)
+    eval_timeout_s: float = 600.0  # a rank announcing an evaluation
+    stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this long
+    # After the first rank death is seen, wait this long (unless every rank is gone)
+    # before attributing the fault, so that ranks dying together are judged together.
+    fault_settle_s: float = 1.0
+    # Processes still alive this long after the SIGKILL are stuck in the kernel: the
+    # attempt is abandoned and their nodes drained.
+    abandon_after_s: float = 120.0
+    # Every rank of a node silent this long (no heartbeat, no message) while other nodes'
+    # ranks are heard: the node is lost (powered off, kernel hung, network gone), found
+    # without waiting for Slurm's SlurmdTimeout (300 s by default).
+    silence_timeout_s: float = 10.0
+    # Stragglers: a rank whose median busy time (its own compute per step, waits left
+    # out) over its last straggler_window steps exceeds the typical rank's by more than
+    # straggler_margin (0.25: 25 %) and by at least straggler_min_s is reported with its
+    # node, once per attempt; its node is left out of the next attempt when another held
+    # node can take its place. With straggler_restart the attempt is also stopped and
+    # relaunched without it at once, when a spare is free; never by default.
+    straggler_window: int = 20
+    straggler_margin: float = 0.25
+    straggler_min_s: float = 0.005
+    straggler_restart: bool = False
+    # Lemons: a node blamed in lemon_faults or more distinct faults (of any run; a fault
+    # repeating at the same step counts once) within lemon_window_s is drained.
+    lemon_faults: int = 3
+    lemon_window_s: float = 86_400.0
+    # The cluster's interruption rate, for a run whose checkpoint interval is "auto"
+    # (supervisor/planning.py: Young/Daly at each attempt); Llama 3's by default.
+    failures_per_node_day: float = LLAMA3_FAILURES_PER_NODE_DAY

@@ -1,0 +1,111 @@
+"""Observations: what the reconciler gathered this tick, and everything decide() may see."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from supervisor.domain.records import Attempt, CheckpointRef, Command, FaultRecord, Node, Run
+
+
+class ProcState(StrEnum):
+    RUNNING = "RUNNING"
+    EXITED = "EXITED"  # exited and we know the code (our own child)
+    VANISHED = "VANISHED"  # no longer exists; exit code unknown (adopted after a restart)
+    UNKNOWN = "UNKNOWN"  # could not be observed this tick: never treated as dead
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankObs:
+    rank: int
+    node: str
+    proc: ProcState
+    exit_code: int | None = None  # negative: killed by that signal (subprocess convention)
+    # From telemetry (None / False when no telemetry arrived):
+    reported_exit_code: int | None = None  # the rank's own Exit message
+    reported_reason: str = ""
+    reported_exit_at: float | None = None
+    lost: bool = False  # its MQTT last will arrived
+    dead_since: float | None = None  # when the supervisor first saw it dead
+    last_step: int = 0
+    progress_at: float | None = None  # when last_step last increased
+    phase: str | None = None
+    last_seen_at: float | None = None  # its last message of any kind (heartbeats included)
+    nonfinite_step: int | None = None  # the first step it reported a NaN/Inf loss or grad norm
+    busy_recent_s: tuple[float, ...] = ()  # its busy time in its recent steps, oldest first
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerResult:
+    final_step: int
+    model_digest: str | None  # None: a trainer that reports none (a [command] trainer)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepSample:
+    """One training step as rank 0 reported it."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    first_sample: int  # the data stream position its batch began at
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptObs:
+    """What the reconciler saw of the live attempt this tick."""
+
+    ranks: tuple[RankObs, ...]
+    result: TrainerResult | None = None
+    never_started: bool = False  # LAUNCHING, and no process of it exists
+    launch_error: str | None = None  # why it never started, when the launcher said so
+    launch_fatal: bool = False  # the command cannot be executed at all: no restart helps
+    telemetry_up_since: float | None = None  # None while the broker link is down
+    step_time_p99_s: float | None = None  # over the attempt's recent steps, all ranks
+    step_time_samples: int = 0
+    checkpoint_p99_s: float | None = None  # the run's recent checkpoint saves
+    recent: tuple[StepSample, ...] = ()  # rank 0's recent steps, oldest first
+    # A LAUNCHING attempt that was never recorded as started, whose processes the launcher
+    # found (a daemon killed between launching and recording): all of them (``found``: the
+    # ranks above are theirs), or only some (``orphans``: they wait for peers that never come).
+    found: str | None = None
+    orphans: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StragglerReport:
+    """A rank reported straggling in an attempt of the run (the stragglers table)."""
+
+    attempt: int
+    rank: int
+    node: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunView:
+    """Everything decide() may look at for one run."""
+
+    run: Run
+    attempts: tuple[Attempt, ...]
+    allocation: tuple[Node, ...]  # nodes this run holds, drained ones included
+    newest_checkpoint: CheckpointRef | None
+    commands: tuple[Command, ...] = ()
+    open_faults: int = 0  # faults not yet marked recovered
+    faults: tuple[FaultRecord, ...] = ()  # the run's faults, oldest first
+    probing: bool = False  # some of its nodes are being probed: launch nothing until they answer
+    diagnose: bool = False  # probe a failed attempt's nodes before the next launch ([health] diagnose)
+    stragglers: tuple[StragglerReport, ...] = ()  # the run's straggler reports, oldest first
+    # Every run's faults within the run's lemon window (for lemon nodes), oldest first.
+    cluster_faults: tuple[FaultRecord, ...] = ()
+    preflight: bool = False  # probe nodes newly allocated before launching on them ([health] preflight)
+    newly_allocated: tuple[str, ...] = ()  # nodes the run got since the last tick
+    spikes_said: frozenset[int] = frozenset()  # first steps of the live attempt's short spikes, reported
+    # False while the cluster's controller does not answer: nothing that needs it is decided.
+    cluster_answering: bool = True
+    # The run's stored spec no longer validates (an upgrade changed a rule): why. The run
+    # cannot be launched again and ends FAILED with this reason.
+    spec_error: str | None = None
+
+    @property
+    def current(self) -> Attempt | None:
+        return self.attempts[-1] if self.attempts else None

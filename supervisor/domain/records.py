@@ -1,0 +1,187 @@
+"""Records: what the store persists and hands back. Pure data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from supervisor.domain.knobs import Policy
+from supervisor.domain.states import (
+    AttemptOutcome,
+    AttemptState,
+    CommandKind,
+    FaultKind,
+    NodeCommandKind,
+    NodeState,
+    RunState,
+    run_id_of,
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Run:
+    number: int
+    name: str
+    state: RunState
+    reason: str
+    nodes: int  # nodes one attempt trains on
+    ranks_per_node: int
+    spares: int  # hot spares held beside them
+    total_steps: int
+    policy: Policy
+    created_at: float
+    started_at: float | None = None
+    ended_at: float | None = None
+    final_step: int | None = None
+    model_digest: str | None = None
+    # Failed attempts numbered at or below this do not count against the budget for
+    # failures (nor toward a crash loop): an operator's `resume` starts it afresh.
+    budget_from_attempt: int = 0
+    allocation_info: str | None = None  # the launcher's handle on the nodes held
+
+    @property
+    def run_id(self) -> str:
+        return run_id_of(self.number)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Attempt:
+    run_number: int
+    number: int  # 1, 2, ... within the run
+    state: AttemptState
+    nodes: tuple[str, ...]
+    resume_from: str | None  # checkpoint path, None for a fresh start
+    resume_step: int  # 0 for a fresh start
+    created_at: float
+    started_at: float | None = None  # processes started
+    first_step_at: float | None = None  # first training step observed
+    stop_requested_at: float | None = None
+    ended_at: float | None = None
+    outcome: AttemptOutcome | None = None
+    reason: str = ""
+    final_step: int | None = None
+    launch_info: str | None = None  # launcher-specific handle (JSON), for re-adoption
+    launch_error: str | None = None  # the launcher refused to start it
+    launch_fatal: bool = False  # ... because the command cannot be executed at all: no retry
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FaultRecord:
+    id: int
+    run_number: int
+    attempt: int
+    kind: FaultKind
+    ranks: tuple[int, ...]
+    nodes: tuple[str, ...]
+    step: int
+    summary: str
+    detected_at: float
+    recovered_at: float | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Node:
+    name: str
+    state: NodeState
+    reason: str = ""
+    run_number: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProbeRecord:
+    """One probe of one node, as stored (health/ produced it)."""
+
+    node: str
+    at: float
+    kind: str  # preflight, diagnosis, manual
+    status: str  # healthy, degraded, unhealthy, unknown
+    action: str  # none, restart, reboot, replace
+    reason: str
+    findings: list[dict[str, str]]
+    run_number: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointRef:
+    step: int
+    path: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Command:
+    id: int
+    run_number: int
+    kind: CommandKind
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeCommand:
+    id: int
+    node: str
+    kind: NodeCommandKind
+    reason: str
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EventRecord:
+    """One event of the audit log (published on MQTT through the outbox)."""
+
+    id: int
+    run_number: int | None
+    ts: float
+    kind: str
+    message: str
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetricRecord:
+    """Rank 0's step metrics of one step of one attempt."""
+
+    attempt: int
+    step: int
+    loss: float | None
+    grad_norm: float | None
+    lr: float | None
+    step_time_s: float
+    tokens_per_s: float | None
+    received_at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointRecord:
+    step: int
+    path: str
+    complete: bool
+    duration_s: float | None
+    attempt: int | None
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeIntent:
+    """What the supervisor wants the cluster to do with a node, until the cluster shows it."""
+
+    node: str
+    action: str  # "drain" (with its Reason) or "undrain"
+    reason: str
+    requested_at: float
+    sent: int  # times sent so far
+    sent_at: float | None  # when last sent
+    last_error: str | None
+    confirmed_at: float | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StragglerRecord:
+    """A rank reported straggling in one attempt, with the numbers that said so."""
+
+    attempt: int
+    rank: int
+    node: str
+    busy_s: float
+    typical_s: float
+    window: int
+    at: float

@@ -1,0 +1,414 @@
+"""Execute: record a decision and carry it out.
+
+``apply`` writes everything a run's decision says (its state changes, checked against
+the transition table, its records, its events and their outbox rows) and what was
+observed with it (the allocation granted, the checkpoints found) in one SQLite
+transaction, and then acts: starts and stops attempts, asks for nodes, gives them back,
+submits probes. ``apply_nodes`` does the same for decisions about nodes (probe results,
+operators' drains).
+
+Every effect on the outside world that must hold (a drain, a return to service) is an
+intent first: recorded with the decision, then sent by ``push_intents``, and sent again
+(at most every ``RESEND_S``) until the cluster shows it, whoever asked for it (the
+policy, a probe, an operator). A failed ``scontrol`` is therefore retried by the next
+tick, and a daemon killed between recording and sending sends it after its restart.
+While the cluster cannot tell what it shows, nothing is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from supervisor import node_health, planning, trainer_cmd
+from supervisor.domain import (
+    AdoptAttempt,
+    AllocateNodes,
+    Attempt,
+    AttemptState,
+    CommandHandled,
+    DrainNode,
+    Effect,
+    Emit,
+    EndAttempt,
+    EnsureStopped,
+    FinishRun,
+    KillOrphans,
+    MarkAttemptRunning,
+    MarkFaultsRecovered,
+    Node,
+    NodeState,
+    ProbeAgain,
+    ProbeNodes,
+    RecordFault,
+    RecordProbe,
+    ReleaseNodes,
+    ReportStraggler,
+    ResumeRun,
+    ReturnNode,
+    Run,
+    RunState,
+    SetRunState,
+    SkipData,
+    StartAttempt,
+    StopAttempt,
+    StragglerRecord,
+)
+from supervisor.errors import CannotExecute, LaunchError
+from supervisor.launchers.base import AllocationRequest, Launcher, NodeAdmin
+from supervisor.observe import GrantChanges, Observed, Observer, grant_changes
+from supervisor.policy.transitions import check_attempt, check_run
+from supervisor.probes import ProbeScheduler
+from supervisor.spec import RunSpec
+from supervisor.store import SqlStore, Tx
+from supervisor.telemetry import TelemetryView
+
+log = logging.getLogger(__name__)
+
+RESEND_S = 1.0  # an intent the cluster does not show yet is sent again after this long
+
+
+class Executor:
+    def __init__(self, store: SqlStore, launcher: Launcher, nodes: NodeAdmin, telemetry: TelemetryView,
+                 probes: ProbeScheduler, observer: Observer, clock: Callable[[], float]) -> None:
+        self.store = store
+        self.launcher = launcher
+        self.nodes = nodes
+        self.telemetry = telemetry
+        self.probes = probes
+        self.observer = observer
+        self.clock = clock
+        self._short: dict[int, tuple[int, int] | None] = {}  # run -> last (asked, got) shortage said
+
+    # --- a run's decision -----------------------------------------------------------
+
+    def apply(self, seen: Observed, effects: list[Effect], now: float) -> None:
+        run = seen.run
+        attempts = {a.number: a for a in seen.view.attempts}
+        with self.store.tx() as tx:
+            self._record_facts(tx, seen, now)
+            state = run.state
+            for e in effects:
+                state = self._record(tx, run, state, attempts, e, now)
+        for e in effects:
+            self._act(seen, attempts, e, now)
+
+    def _record_facts(self, tx: Tx, seen: Observed, now: float) -> None:
+        n = seen.run.number
+        if seen.facts.grant is not None:
+            self._record_grant(tx, n, seen.facts.grant, now)
+        for v in seen.facts.checkpoints:
+            changed = tx.record_checkpoint(n, step=v.step, path=str(v.path), complete=v.ok, duration_s=None,
+                                           attempt=None, now=now)
+            if changed and not v.ok:
+                tx.add_event(n, "checkpoint.rejected",
+                             f"checkpoint at step {v.step} fails verification: {v.why}",
+                             {"step": v.step, "path": str(v.path)}, now)
+        for path in seen.facts.out_of_range:
+            if self.observer.note_out_of_range(n, path):
+                tx.add_event(n, "checkpoint.skipped", f"{path}: its step is beyond what a run can reach; "
+                             "not a checkpoint of this run, passed over", {"path": str(path)}, now)
+
+    def _record_grant(self, tx: Tx, n: int, changes: GrantChanges, now: float) -> None:
+        if changes.info != tx.get_run(n).allocation_info:
+            tx.update_run(n, allocation_info=changes.info)
+        for node in changes.puts:
+            tx.put_node(node, now)
+        if changes.added:
+            tx.add_event(n, "nodes.allocated", f"allocated {', '.join(changes.added)}",
+                         {"nodes": list(changes.added)},
+                         now)
+        if changes.released:
+            tx.add_event(n, "nodes.released", f"no longer held: {', '.join(changes.released)}",
+                         {"nodes": list(changes.released)}, now)
+
+    def _record(self, tx: Tx, run: Run, state: RunState, attempts: dict[int, Attempt], e: Effect,
+                now: float) -> RunState:
+        """Persist one effect; returns the run's state after it."""
+        n = run.number
+        match e:
+            case Emit():
+                tx.add_event(e.run_number if e.run_number is not None else n, e.kind, e.message, e.data, now)
+            case SetRunState() | FinishRun() | ResumeRun():
+                return self._record_state(tx, run, state, e, now)
+            case StartAttempt():
+                attempts[e.number] = Attempt(run_number=n, number=e.number, state=AttemptState.LAUNCHING,
+                                             nodes=e.nodes,
+                                             resume_from=e.resume_from, resume_step=e.resume_step,
+                                             created_at=now)
+                tx.add_attempt(attempts[e.number])
+            case AdoptAttempt():
+                self._attempt_to(tx, attempts, e.number, AttemptState.RUNNING, launch_info=e.launch_info,
+                                 started_at=attempts[e.number].started_at or now)
+            case MarkAttemptRunning():
+                tx.update_attempt(n, e.number, first_step_at=now)
+            case StopAttempt():
+                self._attempt_to(tx, attempts, e.number, AttemptState.STOPPING, stop_requested_at=now,
+                                 outcome=e.outcome, reason=e.reason)
+                tx.add_event(n, "attempt.stopping", f"attempt {e.number}: stopping ({e.reason})",
+                             {"attempt": e.number}, now)
+            case EndAttempt():
+                self._attempt_to(tx, attempts, e.number, AttemptState.ENDED, ended_at=now, outcome=e.outcome,
+                                 reason=e.reason, final_step=e.final_step)
+                tx.add_event(n, "attempt.ended",
+                             f"attempt {e.number} ended {e.outcome} at step {e.final_step}: "
+                             f"{e.reason}", {"attempt": e.number, "outcome": e.outcome.value,
+                                             "final_step": e.final_step}, now)
+            case RecordFault():
+                tx.add_fault(n, attempt=e.attempt, kind=e.kind, ranks=e.ranks, nodes=e.nodes, step=e.step,
+                             summary=e.summary, now=now)
+            case MarkFaultsRecovered():
+                if tx.mark_faults_recovered(n, now):
+                    tx.add_event(n, "run.recovered", "training again after the fault", {}, now)
+            case ReleaseNodes():
+                for node in tx.allocation(n):  # a drained node keeps the run that drained it
+                    if node.state is NodeState.ALLOCATED:
+                        tx.put_node(Node(name=node.name, state=NodeState.IDLE), now)
+            case SkipData():
+                tx.add_data_skip(n, e.start, e.end, e.reason, now)
+                tx.add_event(n, "data.skip",
+                             f"skipping samples {e.start} to {e.end} from the next attempt on: "
+                             f"{e.reason}", {"start": e.start, "end": e.end}, now)
+            case ReportStraggler():
+                tx.add_straggler(n, StragglerRecord(attempt=e.attempt, rank=e.rank, node=e.node,
+                                                    busy_s=e.busy_s,
+                                                    typical_s=e.typical_s, window=e.window, at=now))
+                slower = e.busy_s / e.typical_s - 1.0 if e.typical_s > 0 else float("inf")
+                tx.add_event(n, "straggler",
+                             f"rank {e.rank} on {e.node} straggles: {e.busy_s:.3f} s of compute per step "
+                             f"against {e.typical_s:.3f} s typical ({slower:+.0%}) over {e.window} steps",
+                             {"attempt": e.attempt, "rank": e.rank, "node": e.node, "busy_s": e.busy_s,
+                              "typical_s": e.typical_s, "window": e.window}, now)
+            case _:
+                self._record_node_effect(tx, e, now)
+        return state
+
+    def _record_state(self, tx: Tx, run: Run, state: RunState, e: SetRunState | FinishRun | ResumeRun,
+                      now: float) -> RunState:
+        n = run.number
+        new = RunState.PENDING if isinstance(e, ResumeRun) else e.state
+        check_run(state, new)  # an illegal transition raises: the whole transaction rolls back
+        data: dict[str, object] = {"from": state.value, "to": new.value}
+        if isinstance(e, ResumeRun):
+            tx.update_run(n, state=new, reason=e.reason, ended_at=None,
+                          budget_from_attempt=len(tx.list_attempts(n)))
+        elif isinstance(e, FinishRun):
+            tx.update_run(n, state=new, reason=e.reason, ended_at=now, final_step=e.final_step,
+                          model_digest=e.model_digest)
+            data |= {"final_step": e.final_step, "model_digest": e.model_digest}
+        else:
+            tx.update_run(n, state=new, reason=e.reason)
+        tx.add_event(n, "run.state", f"{state} -> {new}: {e.reason}", data, now)
+        return new
+
+    @staticmethod
+    def _attempt_to(tx: Tx, attempts: dict[int, Attempt], number: int, new: AttemptState,
+                    **values: Any) -> None:
+        """Move an attempt to ``new``, as the table allows (it raises otherwise)."""
+        a = attempts[number]
+        check_attempt(a.state, new)
+        tx.update_attempt(a.run_number, number, state=new, **values)
+        attempts[number] = replace(a, state=new, **values)
+
+    def _act(self, seen: Observed, attempts: dict[int, Attempt], e: Effect, now: float) -> None:
+        run, spec = seen.run, seen.spec
+        match e:
+            case AllocateNodes() if spec is not None:
+                self._allocate(run, spec, e.count, now)
+            case ReleaseNodes():
+                if self.launcher.release(run.run_id, run.allocation_info):
+                    with self.store.tx() as tx:
+                        tx.update_run(run.number, allocation_info=None)
+                # else the record stays, and the next tick asks to release again
+            case StartAttempt() if spec is not None:
+                self._start(run, spec, seen.run_dir, e, now)
+            case StopAttempt() | EnsureStopped():
+                info = attempts[e.number].launch_info
+                if info:
+                    self.launcher.stop(info, force=e.force)
+            case KillOrphans():
+                self.launcher.stop(e.launch_info, force=True)
+            case ProbeNodes() if spec is not None:
+                with self.store.tx() as tx:
+                    info = tx.get_run(run.number).allocation_info
+                self.probes.submit(run_number=run.number, kind=e.kind, nodes=list(e.nodes),
+                                   argv=node_health.probe_argv(spec.health.args),
+                                   timeout_s=spec.health.timeout_s,
+                                   allocation_info=info)
+                self.post_event(run.number, "probe.started", f"{e.kind} probe of {', '.join(e.nodes)}",
+                                {"nodes": list(e.nodes), "kind": e.kind})
+            case EndAttempt():
+                info = attempts[e.number].launch_info
+                if info:
+                    self.launcher.forget(info)
+                self.telemetry.forget(run.run_id, e.number)
+                self.observer.forget_attempt(run.number, e.number)
+            case Emit(kind="spike.transient"):
+                self.observer.spikes_said.setdefault((run.number, int(str(e.data["attempt"]))), set()).add(
+                    int(str(e.data["step"])))
+            case _:
+                self._act_node_effect(e)
+
+    # --- decisions about nodes --------------------------------------------------------
+
+    def apply_nodes(self, effects: list[Effect], now: float) -> None:
+        """Record and carry out a decision about nodes (supervisor/policy/nodes.py)."""
+        with self.store.tx() as tx:
+            for e in effects:
+                self._record_node_effect(tx, e, now)
+        for e in effects:
+            self._act_node_effect(e)
+
+    def _record_node_effect(self, tx: Tx, e: Effect, now: float) -> None:
+        match e:
+            case Emit():
+                tx.add_event(e.run_number, e.kind, e.message, e.data, now)
+            case DrainNode():
+                tx.put_node(Node(name=e.node, state=NodeState.DRAINED, reason=e.reason,
+                                 run_number=e.run_number),
+                            now)
+                tx.want(e.node, "drain", e.reason, now)
+                tx.add_event(e.run_number, "node.drained", e.message or f"node {e.node} drained: {e.reason}",
+                             {"node": e.node}, now)
+            case ReturnNode():
+                # Idle again; a run whose allocation still has it takes it back at its next
+                # look at what it holds (launchers.base.Launcher.held).
+                tx.put_node(Node(name=e.node, state=NodeState.IDLE), now)
+                tx.want(e.node, "undrain", "", now)
+                tx.add_event(e.run_number, "node.returned", e.message, {"node": e.node,
+                                                                        "operator": e.operator}, now)
+            case RecordProbe():
+                tx.add_probe(e.record)
+            case CommandHandled():
+                tx.finish_command(e.command_id, e.result, now)
+            case AllocateNodes() | EnsureStopped() | ProbeNodes() | ProbeAgain() | KillOrphans():
+                pass  # nothing to record before acting
+            case _:
+                raise TypeError(f"not an effect the executor knows: {e!r}")
+
+    def _act_node_effect(self, e: Effect) -> None:
+        if isinstance(e, ProbeAgain):
+            info = None
+            drained: dict[str, str] = {}
+            with self.store.tx() as tx:
+                if e.run_number is not None:
+                    info = tx.get_run(e.run_number).allocation_info
+                else:
+                    drained = {x.name: x.reason for x in tx.list_nodes()
+                               if x.name in e.nodes and x.state is NodeState.DRAINED}
+            spec = self.observer.spec(e.run_number)[0] if e.run_number is not None else None
+            args = spec.health.args if isinstance(spec, RunSpec) else self.probes.sweep_args
+            timeout_s = spec.health.timeout_s if isinstance(spec, RunSpec) else self.probes.sweep_timeout_s
+            self.probes.submit(run_number=e.run_number, kind=e.kind, nodes=list(e.nodes),
+                               argv=node_health.probe_argv(args), timeout_s=timeout_s, round_=e.round,
+                               allocation_info=info, drained=drained)
+
+    # --- intents: drains and returns, sent until the cluster shows them ---------------
+
+    def push_intents(self, now: float) -> None:
+        with self.store.tx() as tx:
+            pending = tx.pending_intents()
+        for it in pending:
+            want_drained = it.action == "drain"
+            shown = self.nodes.drained(it.node)
+            if shown is None:
+                continue  # the cluster cannot tell now: send nothing blind
+            if shown == want_drained:
+                with self.store.tx() as tx:
+                    tx.confirm_intent(it.node, now)
+                continue
+            if it.sent_at is not None and now - it.sent_at < RESEND_S:
+                continue
+            error = None
+            try:
+                if want_drained:
+                    self.nodes.drain(it.node, it.reason)
+                else:
+                    self.nodes.undrain(it.node)
+            except LaunchError as err:
+                error = str(err)
+                log.error("%s", err)
+            with self.store.tx() as tx:
+                tx.intent_sent(it.node, error, now)
+                if error is None and self.nodes.drained(it.node) == want_drained:
+                    tx.confirm_intent(it.node, now)
+                if error is not None and error != it.last_error:  # said once, not every tick
+                    node = next((x for x in tx.list_nodes() if x.name == it.node), None)
+                    verb = "drain" if want_drained else "return"
+                    tx.add_event(node.run_number if node else None, f"node.{verb}_failed",
+                                 f"{error}; sending it again until the cluster shows it",
+                                 {"node": it.node, "sent": it.sent + 1}, now)
+
+    # --- acting ---------------------------------------------------------------------
+
+    def post_event(self, run_number: int | None, kind: str, message: str, data: dict[str, object]) -> None:
+        with self.store.tx() as tx:
+            tx.add_event(run_number, kind, message, dict(data), self.clock())
+
+    def _allocate(self, run: Run, spec: RunSpec, missing: int, now: float) -> None:
+        with self.store.tx() as tx:
+            nodes = tx.list_nodes()
+            current = tx.get_run(run.number)
+        held = tuple(x.name for x in nodes if x.run_number == run.number and x.state is NodeState.ALLOCATED)
+        count = len(held) + missing
+        req = AllocationRequest(
+            run_id=run.run_id, count=count, minimum=run.nodes, held=held,
+            drained=frozenset(x.name for x in nodes if x.state is NodeState.DRAINED),
+            idle=tuple(x.name for x in nodes if x.state is NodeState.IDLE),
+            known=frozenset(x.name for x in nodes), info=current.allocation_info,
+            partition=spec.resources.partition, time_limit_min=spec.resources.time_limit_min,
+        )
+        grant = self.launcher.allocate(req)
+        with self.store.tx() as tx:
+            changes = grant_changes(tx.list_nodes(), run.number, grant)
+            self._record_grant(tx, run.number, changes, now)
+            got = len([x for x in tx.allocation(run.number) if x.state is NodeState.ALLOCATED])
+            short = (count, got) if got < count else None
+            if short is not None and self._short.get(run.number) != short:  # say it once, not every tick
+                why = f" ({grant.note})" if grant.note else ""
+                tx.add_event(run.number, "nodes.short",
+                             f"asked for {count} nodes, holding {got}; waiting{why}",
+                             {"asked": count, "got": got, "note": grant.note}, now)
+            self._short[run.number] = short
+        self.observer.note_allocated(run.number, changes.added)
+
+    def _checkpoint_interval(self, run: Run, spec: RunSpec, now: float) -> int:
+        """``every_steps = "auto"``: Young/Daly from what this run measured so far."""
+        with self.store.tx() as tx:
+            costs = [c.duration_s for c in tx.list_checkpoints(run.number) if c.duration_s]
+            steps = [m.step_time_s for m in tx.list_metrics(run.number)[-1000:]]
+            auto = planning.auto_every_steps(costs, steps, run.nodes, run.policy.failures_per_node_day,
+                                             spec.total_steps)
+            tx.add_event(run.number, "checkpoint.interval", f"checkpoint {auto.why}",
+                         {"every_steps": auto.every_steps}, now)
+        return auto.every_steps
+
+    def _start(self, run: Run, spec: RunSpec, run_dir: Path, e: StartAttempt, now: float) -> None:
+        attempt = Attempt(run_number=run.number, number=e.number, state=AttemptState.LAUNCHING, nodes=e.nodes,
+                          resume_from=e.resume_from, resume_step=e.resume_step, created_at=now)
+        try:
+            with self.store.tx() as tx:  # this tick may have changed it (an allocation granted)
+                run = tx.get_run(run.number)
+                skips = tx.list_data_skips(run.number)  # the data windows spikes made the run skip
+            launch = self.observer.launch_spec(run, spec, run_dir, attempt)
+            every = self._checkpoint_interval(run, spec, now) if spec.auto_checkpoints else None
+            trainer_cmd.write_attempt_config(spec, run_dir, e.number, launch.argv, skips, every)
+            info = self.launcher.start(launch)
+        except (LaunchError, OSError) as err:  # a launch fault, judged next tick
+            fatal = isinstance(err, CannotExecute)  # no restart can run what cannot be executed
+            with self.store.tx() as tx:
+                tx.update_attempt(run.number, e.number, launch_error=str(err)[:2000] or type(err).__name__,
+                                  launch_fatal=fatal)
+            return
+        started = self.clock()
+        with self.store.tx() as tx:
+            tx.update_attempt(run.number, e.number, state=AttemptState.RUNNING, launch_info=info,
+                              started_at=started)
+            if run.started_at is None:
+                tx.update_run(run.number, started_at=started)
+            tx.add_event(run.number, "attempt.started",
+                         f"attempt {e.number} started: {len(e.nodes) * run.ranks_per_node} ranks on "
+                         f"{', '.join(e.nodes)}", {"attempt": e.number, "nodes": list(e.nodes)}, started)

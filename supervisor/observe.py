@@ -1,0 +1,333 @@
+"""Observe: what the reconciler sees of each run this tick. Read-only.
+
+It reads the store, asks the launcher what the live attempt's processes are doing and
+what the run's allocation holds, reads the telemetry view and scans the checkpoint
+directory, and hands the decision core one ``RunView`` and one ``AttemptObs`` per run.
+It changes nothing outside: what it learnt that must be kept (the allocation the
+cluster granted, the checkpoints it found) goes to the executor as ``Facts``, which
+records them with the decision's effects in one transaction. Adopting an unrecorded
+attempt and killing a half-started one are decisions of the core: this module only
+reports what it found.
+
+The caches here (when a rank was first seen dead, a [command] trainer's last scan)
+are observations of this process, rebuilt after a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from supervisor import checkpoint_scan, trainer_cmd
+from supervisor.checkpoint_scan import Verdict
+from supervisor.domain import (
+    LIVE_ATTEMPT_STATES,
+    TERMINAL_RUN_STATES,
+    Attempt,
+    AttemptObs,
+    AttemptState,
+    CheckpointRef,
+    Command,
+    FaultRecord,
+    Node,
+    NodeState,
+    ProcState,
+    RankObs,
+    Run,
+    RunState,
+    RunView,
+    StragglerReport,
+    TrainerResult,
+)
+from supervisor.launchers.base import Grant, Launcher, LaunchSpec
+from supervisor.policy import resume_before, unreadable_checkpoints
+from supervisor.probes import ProbeScheduler
+from supervisor.spec import RunSpec, spec_from_json
+from supervisor.store import SqlStore
+from supervisor.telemetry import TelemetryView
+
+log = logging.getLogger(__name__)
+
+_QUIET_SCAN_S = 2.0  # how often a [command] trainer's checkpoint directory is scanned for progress
+_LAUNCHABLE = (RunState.PENDING, RunState.STARTING, RunState.RECOVERING)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GrantChanges:
+    """What a grant changes in the store's node records for one run."""
+
+    info: str | None
+    puts: tuple[Node, ...]  # node records to write
+    added: tuple[str, ...]  # nodes the run holds now and did not before
+    released: tuple[str, ...]  # nodes it held and holds no more
+
+
+def grant_changes(known: list[Node], run_number: int, grant: Grant) -> GrantChanges:
+    """Make the node records say what ``grant`` says the run holds (pure). A drained node
+    stays drained; a node held no more is idle again."""
+    by_name = {x.name: x for x in known}
+    puts: list[Node] = []
+    added: list[str] = []
+    for name in grant.nodes:
+        node = by_name.get(name)
+        if node is not None and node.state is NodeState.DRAINED:
+            continue  # ours, but out of service: it stays drained
+        if node is None or node.run_number != run_number or node.state is not NodeState.ALLOCATED:
+            puts.append(Node(name=name, state=NodeState.ALLOCATED, run_number=run_number))
+            added.append(name)
+    granted = set(grant.nodes)
+    gone = [x for x in known if x.run_number == run_number and x.name not in granted
+            and x.state is NodeState.ALLOCATED]
+    puts.extend(Node(name=x.name, state=NodeState.IDLE) for x in gone)
+    return GrantChanges(info=grant.info, puts=tuple(puts), added=tuple(added),
+                        released=tuple(x.name for x in gone))
+
+
+def allocation_after(known: list[Node], run_number: int, changes: GrantChanges | None) -> tuple[Node, ...]:
+    """The run's nodes (drained ones included) once ``changes`` are recorded."""
+    nodes = {x.name: x for x in known}
+    for x in changes.puts if changes else ():
+        nodes[x.name] = x
+    return tuple(sorted((x for x in nodes.values() if x.run_number == run_number), key=lambda x: x.name))
+
+
+@dataclass(slots=True, kw_only=True)
+class Facts:
+    """What observing learnt that the executor records with the decision."""
+
+    grant: GrantChanges | None = None
+    checkpoints: list[Verdict] = field(default_factory=list)  # the newest ok one, and newer failed ones
+    out_of_range: list[Path] = field(default_factory=list)  # checkpoint directories no step column holds
+
+
+@dataclass(slots=True, kw_only=True)
+class Observed:
+    """One run, as seen this tick."""
+
+    run: Run
+    spec: RunSpec | None  # None: the stored spec no longer validates (view.spec_error says why)
+    run_dir: Path
+    view: RunView
+    obs: AttemptObs | None
+    facts: Facts
+
+
+class Observer:
+    def __init__(self, store: SqlStore, launcher: Launcher, telemetry: TelemetryView, probes: ProbeScheduler,
+                 *, mqtt_url: str | None, clock: Callable[[], float]) -> None:
+        self.store = store
+        self.launcher = launcher
+        self.telemetry = telemetry
+        self.probes = probes
+        self.mqtt_url = mqtt_url
+        self.clock = clock
+        self._specs: dict[int, tuple[RunSpec | str, Path]] = {}  # run -> its spec (or why it is invalid)
+        self._dead_since: dict[tuple[int, int, int], float] = {}  # (run, attempt, rank) -> first seen dead
+        # (run, attempt) -> (checkpoint step, when first seen, when scanned): [command] trainers
+        self._quiet: dict[tuple[int, int], tuple[int, float | None, float]] = {}
+        self.spikes_said: dict[tuple[int, int], set[int]] = {}  # (run, attempt) -> short spikes reported
+        self._allocated: dict[int, list[str]] = {}  # run -> nodes an allocation gave it since the last look
+        self._out_of_range: set[tuple[int, str]] = set()  # (run, path) of checkpoints said to be out of range
+        # A cluster whose newest answer is older than this is not answering (its controller
+        # is down or hung): a poll every 0.5 s, a command's timeout 10 s.
+        self.stale_after_s = 10.0
+
+    def runs(self) -> list[tuple[Run, list[Command]]]:
+        """Every run to reconcile this tick, with its queued commands: the active ones, and
+        finished ones that still hold something (or were sent a command)."""
+        with self.store.tx() as tx:
+            commands = tx.pending_commands()
+            runs = [r for r in tx.list_runs() if r.state not in TERMINAL_RUN_STATES]
+            busy = {r.number for r in runs}
+            for number in {c.run_number for c in commands} | tx.finished_runs_holding_resources():
+                if number not in busy:
+                    runs.append(tx.get_run(number))
+        for number in [n for n in self._specs if n not in {r.number for r in runs}]:
+            del self._specs[number]
+        return [(r, [c for c in commands if c.run_number == r.number]) for r in runs]
+
+    def note_allocated(self, run_number: int, nodes: tuple[str, ...]) -> None:
+        """Nodes an allocation just gave the run: newly allocated in its next view."""
+        self._allocated.setdefault(run_number, []).extend(nodes)
+
+    def note_out_of_range(self, run_number: int, path: Path) -> bool:
+        """True the first time ``path`` is seen out of range (to say so once)."""
+        key = (run_number, str(path))
+        if key in self._out_of_range:
+            return False
+        self._out_of_range.add(key)
+        return True
+
+    def forget_attempt(self, run_number: int, attempt: int) -> None:
+        for key in [k for k in self._dead_since if k[:2] == (run_number, attempt)]:
+            del self._dead_since[key]
+        self._quiet.pop((run_number, attempt), None)
+        self.spikes_said.pop((run_number, attempt), None)
+
+    def spec(self, number: int) -> tuple[RunSpec | str, Path]:
+        """The run's stored spec, validated once; or why it no longer validates."""
+        if number not in self._specs:
+            with self.store.tx() as tx:
+                text, run_dir = tx.run_spec_and_dir(number)
+            try:
+                self._specs[number] = (spec_from_json(text), run_dir)
+            except ValidationError as e:
+                self._specs[number] = ("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                                                 for err in e.errors()), run_dir)
+        return self._specs[number]
+
+    def observe(self, run: Run, commands: list[Command], now: float) -> Observed:
+        spec, run_dir = self.spec(run.number)
+        with self.store.tx() as tx:
+            attempts = tuple(tx.list_attempts(run.number))
+            known = tx.list_nodes()
+            open_faults = tx.count_open_faults(run.number)
+            faults = tuple(tx.list_faults(run.number))
+            stragglers = tuple(StragglerReport(attempt=s.attempt, rank=s.rank, node=s.node)
+                               for s in tx.list_stragglers(run.number))
+        live = attempts[-1] if attempts and attempts[-1].state in LIVE_ATTEMPT_STATES else None
+        cluster_faults: tuple[FaultRecord, ...] = ()
+        if live is not None:  # only a live attempt can have a fault that blames a node
+            with self.store.tx() as tx:
+                cluster_faults = tuple(tx.faults_since(now - run.policy.lemon_window_s))
+        facts = Facts()
+        obs = self._observe_attempt(run, spec if isinstance(spec, RunSpec) else None, run_dir, live, now) \
+            if live else None
+        # The allocation as the cluster has it; after a death, only an answer given since
+        # then may say whether the cluster took the nodes away (then no node is to blame).
+        first_death = min((r.dead_since for r in obs.ranks if r.dead_since is not None), default=None) \
+            if obs else None
+        since = now - self.stale_after_s if first_death is None else first_death
+        answering = self.launcher.answered_since(since)
+        grant = self.launcher.held(run.run_id, run.allocation_info) if run.allocation_info else None
+        facts.grant = grant_changes(known, run.number, grant) if grant is not None else None
+        allocation = allocation_after(known, run.number, facts.grant)
+        newest = None
+        # The checkpoint matters only when this tick may launch: no attempt training, and a
+        # run that wants one (or a command that may make it want one).
+        if isinstance(spec, RunSpec) and (commands or run.state in _LAUNCHABLE) and (
+                live is None or live.state is not AttemptState.RUNNING):
+            newest = self._newest_checkpoint(spec, run_dir, facts, resume_before(attempts, faults),
+                                             unreadable_checkpoints(faults))
+        view = RunView(
+            run=run, attempts=attempts, allocation=allocation, newest_checkpoint=newest,
+            commands=tuple(commands),
+            open_faults=open_faults, faults=faults, probing=self.probes.probing(run.number),
+            diagnose=isinstance(spec, RunSpec) and spec.health.diagnose, stragglers=stragglers,
+            cluster_faults=cluster_faults, preflight=isinstance(spec, RunSpec) and spec.health.preflight,
+            newly_allocated=(*self._allocated.pop(run.number, ()),
+                             *(facts.grant.added if facts.grant else ())),
+            spikes_said=frozenset(self.spikes_said.get((run.number, live.number),
+                                                       ())) if live else frozenset(),
+            cluster_answering=answering, spec_error=spec if isinstance(spec, str) else None)
+        return Observed(run=run, spec=spec if isinstance(spec, RunSpec) else None, run_dir=run_dir, view=view,
+                        obs=obs, facts=facts)
+
+    def _newest_checkpoint(self, spec: RunSpec, run_dir: Path, facts: Facts, before_step: int | None,
+                           exclude: frozenset[int]) -> CheckpointRef | None:
+        newest, rejected = checkpoint_scan.pick(trainer_cmd.checkpoint_dir(spec, run_dir),
+                                                trainer_cmd.checkpoint_layout(spec), before_step, exclude,
+                                                out_of_range=facts.out_of_range)
+        facts.checkpoints = [*rejected, *([newest] if newest else [])]
+        return None if newest is None else CheckpointRef(step=newest.step, path=str(newest.path))
+
+    # --- the live attempt -----------------------------------------------------------
+
+    def launch_spec(self, run: Run, spec: RunSpec, run_dir: Path, a: Attempt) -> LaunchSpec:
+        """What starts (or what to look for of) an attempt: one description for both."""
+        config_path = trainer_cmd.config_path(run_dir, a.number)
+        env = {**trainer_cmd.attempt_env(spec, run_dir), "TSUP_RUN_ID": run.run_id,
+               "TSUP_ATTEMPT": str(a.number)}
+        if self.mqtt_url:
+            env["TSUP_MQTT_URL"] = self.mqtt_url
+        return LaunchSpec(
+            run_id=run.run_id, attempt=a.number, nodes=a.nodes, ranks_per_node=run.ranks_per_node,
+            argv=trainer_cmd.attempt_argv(spec, run_dir, a.number, a.resume_from, a.resume_step), env=env,
+            log_dir=trainer_cmd.attempt_dir(run_dir, a.number), marker=str(config_path),
+            allocation_info=run.allocation_info,
+        )
+
+    def _observe_attempt(self, run: Run, spec: RunSpec | None, run_dir: Path, live: Attempt,
+                         now: float) -> AttemptObs | None:
+        launch_info = live.launch_info
+        found = None
+        if launch_info is None:
+            if live.launch_error is not None:
+                return AttemptObs(ranks=(), never_started=True, launch_error=live.launch_error,
+                                  launch_fatal=live.launch_fatal)
+            found = self.launcher.find(self.launch_spec(run, spec, run_dir, live)) if spec else None
+            if found is None:
+                return AttemptObs(ranks=(), never_started=True)
+            if len(self.launcher.observe(found)) < len(live.nodes) * run.ranks_per_node:
+                return AttemptObs(ranks=(), never_started=True, orphans=found)
+            launch_info = found
+        procs = self.launcher.observe(launch_info)
+        tele = self.telemetry.ranks(run.run_id, live.number, run.policy.straggler_window)
+        # A [command] trainer sends no telemetry: its progress is its checkpoints and output.
+        quiet = self._quiet_progress(spec, run_dir, live, now) if spec and spec.command is not None else None
+        ranks = []
+        for proc in procs:
+            t = tele.get(proc.rank)
+            dead_since = None
+            lost_unseen = proc.proc is ProcState.UNKNOWN and t is not None and t.lost
+            if proc.proc in (ProcState.EXITED, ProcState.VANISHED) or lost_unseen:
+                dead_since = self._dead_since.setdefault((run.number, live.number, proc.rank), now)
+            ranks.append(RankObs(
+                rank=proc.rank, node=proc.node, proc=proc.proc, exit_code=proc.exit_code,
+                reported_exit_code=t.exit_code if t else None,
+                reported_reason=t.exit_reason if t else "",
+                reported_exit_at=t.exit_at if t else None,
+                lost=t.lost if t else False,
+                dead_since=dead_since,
+                last_step=max(t.last_step if t else 0, quiet[0] if quiet else 0, live.resume_step),
+                progress_at=_latest(t.progress_at if t else None, quiet[1] if quiet else None),
+                phase=t.phase if t else None,
+                last_seen_at=t.last_seen_at if t else None,
+                nonfinite_step=t.nonfinite_step if t else None,
+                busy_recent_s=t.busy_recent if t else (),
+            ))
+        result = self._result(run, spec, run_dir, live, ranks) if spec else None
+        p99, samples = self.telemetry.step_time_p99(run.run_id, live.number)
+        return AttemptObs(ranks=tuple(ranks), result=result, telemetry_up_since=self.telemetry.up_since,
+                          step_time_p99_s=p99, step_time_samples=samples,
+                          checkpoint_p99_s=self.telemetry.checkpoint_p99(run.run_id),
+                          recent=self.telemetry.recent_steps(run.run_id, live.number), found=found)
+
+    @staticmethod
+    def _result(run: Run, spec: RunSpec, run_dir: Path, live: Attempt,
+                ranks: list[RankObs]) -> TrainerResult | None:
+        if not all(r.proc in (ProcState.EXITED, ProcState.VANISHED) for r in ranks):
+            return None
+        if spec.command is not None:
+            # A plain command has no result file: every rank exiting 0 is its success.
+            if all(r.proc is ProcState.EXITED and r.exit_code == 0 for r in ranks):
+                final = max([live.resume_step, *(r.last_step for r in ranks)])
+                return TrainerResult(final_step=max(final, spec.command.steps), model_digest=None)
+            return None
+        return trainer_cmd.read_result(trainer_cmd.result_path(spec, run_dir), run.run_id, live.number)
+
+    def _quiet_progress(self, spec: RunSpec, run_dir: Path, live: Attempt, now: float) -> tuple[int,
+                                                                                                float | None]:
+        """(newest complete checkpoint step, when progress was last seen) for a trainer
+        without telemetry: a new checkpoint is a step; new output is a sign of life."""
+        key = (live.run_number, live.number)
+        step, step_seen_at, scanned_at = self._quiet.get(key, (live.resume_step, None, 0.0))
+        if now - scanned_at >= _QUIET_SCAN_S:
+            newest, _ = checkpoint_scan.pick(trainer_cmd.checkpoint_dir(spec, run_dir),
+                                             trainer_cmd.checkpoint_layout(spec))
+            if newest is not None and newest.step > step:
+                step, step_seen_at = newest.step, now
+            self._quiet[key] = (step, step_seen_at, now)
+        logs = trainer_cmd.attempt_dir(run_dir, live.number).glob("*.log")
+        output_at = max((p.stat().st_mtime for p in logs if p.exists()), default=None)
+        return step, _latest(step_seen_at, output_at)
+
+
+def _latest(*times: float | None) -> float | None:
+    known = [t for t in times if t is not None]
+    return max(known) if known else None
+

@@ -1,0 +1,103 @@
+"""Node health: what a round of probe results, or an operator's command, does to nodes.
+
+Probes (``python -m health`` on a node; the debounce rule is supervisor/node_health.py):
+
+- every result is kept (``RecordProbe``) and logged;
+- a bad result (unhealthy, unknown) not yet confirmed probes the node again at once
+  (``ProbeAgain``, up to ``CONFIRMATIONS`` rounds); a confirmed one drains it with the
+  tool's own words;
+- the sweep (no run) judges only nodes nobody holds: one a run took while the sweep
+  probed it is that run's to judge;
+- a node this supervisor drained returns to service after ``return_after`` clean sweep
+  probes in a row (0: never; an operator returns it). A node an operator drained is
+  never returned by a probe.
+
+An operator's drain or undrain of a node is carried out here too, so that every drain
+(the policy's, a probe's, an operator's) is one effect with one protocol in the shell:
+recorded, sent, and sent again until the cluster shows it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from supervisor import node_health
+from supervisor.domain import (
+    CommandHandled,
+    DrainNode,
+    Effect,
+    Emit,
+    Node,
+    NodeCommand,
+    NodeCommandKind,
+    NodeState,
+    ProbeAgain,
+    ProbeRecord,
+    RecordProbe,
+    ReturnNode,
+    run_id_of,
+)
+
+DRAINED_BY_US = "training-supervisor:"  # how every drain Reason this supervisor writes begins
+
+
+def judge_probes(*, kind: str, run_number: int | None, round_: int, answers: Mapping[str, str | None],
+                 known: Mapping[str, Node], history: Mapping[str, Sequence[ProbeRecord]], return_after: int,
+                 now: float) -> list[Effect]:
+    """One finished round of probes of ``answers``' nodes (None: the node gave no answer).
+    ``history``: each node's earlier results, newest first."""
+    out: list[Effect] = []
+    again: list[str] = []
+    sweep = run_number is None
+    for node, answer in answers.items():
+        record = node_health.record(node, answer, kind, run_number, now)
+        out.append(RecordProbe(record=record))
+        recent = [record, *history.get(node, ())]
+        statuses, reasons = [p.status for p in recent], [p.reason for p in recent]
+        verdict = node_health.judge(statuses, reasons)
+        why = f" ({record.reason})" if record.reason else ""
+        out.append(Emit(kind=f"probe.{record.status}", run_number=run_number,
+                        message=f"{kind} probe of {node}: {record.status}{why}",
+                        data={"node": node, "status": record.status, "action": record.action}))
+        current = known.get(node)
+        if sweep and (current is None or current.state is NodeState.ALLOCATED):
+            continue  # taken by a run while the sweep probed it: that run's probes judge it
+        if current is not None and current.state is NodeState.DRAINED:
+            if sweep and current.reason.startswith(DRAINED_BY_US) and node_health.may_return(statuses,
+                                                                                               return_after):
+                out.append(ReturnNode(node=node, message=(
+                    f"node {node} returned to service: {return_after} clean probes in a row "
+                    f"(drained for: {current.reason})")))
+            continue
+        if verdict.drain:
+            where = f"{run_id_of(run_number)}, {kind}" if run_number is not None else kind
+            reason = f"{DRAINED_BY_US} probe: {verdict.reason[:200]} ({where})"
+            out.append(DrainNode(node=node, reason=reason, run_number=run_number))
+        elif verdict.confirm:
+            again.append(node)
+    if again and round_ < node_health.CONFIRMATIONS:
+        out.append(ProbeAgain(nodes=tuple(again), kind=kind, run_number=run_number, round=round_ + 1))
+    return out
+
+
+def node_command(cmd: NodeCommand, node: Node | None) -> list[Effect]:
+    """An operator's drain or undrain of ``node`` (None: a node the store does not know)."""
+    def rejected(why: str, run_number: int | None) -> list[Effect]:
+        return [CommandHandled(command_id=cmd.id, result=f"rejected: {why}"),
+                Emit(kind="command.rejected", message=f"{cmd.kind} {cmd.node} rejected: {why}",
+                     data={"node": cmd.node}, run_number=run_number)]
+
+    if node is None:
+        return rejected("no such node", None)
+    accepted = CommandHandled(command_id=cmd.id, result="accepted")
+    if cmd.kind is NodeCommandKind.DRAIN:
+        reason = f"operator: {cmd.reason}"
+        held = node.state is NodeState.ALLOCATED and node.run_number is not None
+        after = f"; run-{node.run_number} trains on, its next attempt leaves it out" if held else ""
+        return [accepted, DrainNode(node=node.name, reason=reason, run_number=node.run_number,
+                                    message=f"node {node.name} drained: {reason}{after}")]
+    if node.state is not NodeState.DRAINED:
+        return rejected(f"{node.name} is {node.state}, not drained", node.run_number)
+    why = f": {cmd.reason}" if cmd.reason else ""
+    return [accepted, ReturnNode(node=node.name, operator=True, run_number=node.run_number, message=(
+        f"node {node.name} returned to service by an operator{why} (drained for: {node.reason})"))]

@@ -1,0 +1,106 @@
+"""Node administration on Slurm: drains, returns to service, and probes on the nodes.
+
+- ``drain``: ``scontrol update NodeName=... State=DRAIN Reason=...``; ``drained`` reads
+  the node's state flags from the last ``scontrol show node`` (supervisor/slurm/
+  state.py), so the executor sends a drain until Slurm shows it;
+- ``probe``: ``srun`` one probe task per node, in the run's allocation when it holds
+  the nodes, else as a job of its own that must start at once;
+- ``probe_drained``: a drained node runs no job, so it is reserved, resumed, probed and
+  drained again with the same Reason.
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import math
+from collections.abc import Mapping, Sequence
+
+from health import wire
+from supervisor.errors import LaunchError
+from supervisor.slurm.commands import SlurmCommands
+from supervisor.slurm.launcher import load_alloc
+from supervisor.slurm.state import SlurmState
+
+log = logging.getLogger(__name__)
+
+
+class SlurmNodes:
+    def __init__(self, commands: SlurmCommands, state: SlurmState, *, prefix: str) -> None:
+        self.commands = commands
+        self.state = state
+        self.prefix = prefix  # job and reservation names: the daemon's own (launcher.prefix_for)
+
+    def drain(self, node: str, reason: str) -> None:
+        reply = self.commands.run(["scontrol", "update", f"NodeName={node}", "State=DRAIN",
+                                   f"Reason={reason}"])
+        if not reply.ok:
+            raise LaunchError(f"cannot drain {node}: {reply.why}")
+        self.state.refresh()
+
+    def undrain(self, node: str) -> None:
+        reply = self.commands.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
+        if not reply.ok:
+            raise LaunchError(f"cannot return {node} to service: {reply.why}")
+        self.state.refresh()
+
+    def drained(self, node: str) -> bool | None:
+        nodes = self.state.nodes()
+        if nodes is None:
+            return None
+        info = nodes.get(node)
+        if info is None:
+            return None  # a node Slurm does not list: it cannot say
+        return "DRAIN" in info.flags
+
+    def probe(self, nodes: Sequence[str], argv: Sequence[str], *, allocation_info: str | None,
+              timeout_s: float, reservation: str | None = None) -> dict[str, str]:
+        """``srun`` one probe task per node: a step of the run's allocation when it holds
+        the nodes, else a job of its own that must start at once (``--immediate``). Each
+        task prints its verdict in short tagged lines (health/wire.py)."""
+        job = load_alloc(allocation_info)["job"] if allocation_info else None
+        where = [f"--jobid={job}", "--overlap"] if job else ["--immediate=10", "--time=5"]
+        if reservation is not None:
+            where.append(f"--reservation={reservation}")
+        reply = self.commands.run(
+            ["srun", *where, f"--job-name={self.prefix}.probe", f"--nodes={len(nodes)}",
+             f"--nodelist={','.join(nodes)}", "--ntasks-per-node=1", "--kill-on-bad-exit=0", *argv],
+            timeout_s=timeout_s)
+        # srun exits non-zero when a probe says "unhealthy" (exit 2): read the output anyway.
+        out = {node: text for node, text in wire.answers(reply.stdout).items() if node in nodes}
+        if not reply.ok and not out:
+            log.warning("probe of %s: %s", ",".join(nodes), reply.why)
+        return out
+
+    def probe_drained(self, nodes: Mapping[str, str], argv: Sequence[str], *,
+                      timeout_s: float) -> dict[str, str]:
+        """Slurm starts no job on a drained node. So the nodes go into a maintenance
+        reservation for this user alone (nothing else can land on them), are resumed,
+        probed by a job in that reservation, and drained again with their Reasons; then
+        the reservation goes. It lasts only a few minutes, so a daemon killed in between
+        leaves nodes reserved briefly, and the next sweep drains them again."""
+        names = sorted(nodes)
+        resv = f"{self.prefix}-probe"
+        self.commands.run(["scontrol", "delete", f"ReservationName={resv}"])  # one a killed daemon left
+        minutes = math.ceil(timeout_s / 60) + 2
+        made = self.commands.run(
+            ["scontrol", "create", "reservation", f"ReservationName={resv}", f"Nodes={','.join(names)}",
+             f"Users={getpass.getuser()}", "StartTime=now", f"Duration={minutes}", "Flags=MAINT,IGNORE_JOBS"])
+        if not made.ok:
+            log.warning("probe of drained %s: cannot reserve them: %s", ",".join(names), made.why)
+            return {}
+        try:
+            resumed = self.commands.run(["scontrol", "update", f"NodeName={','.join(names)}", "State=RESUME"])
+            if not resumed.ok:
+                log.warning("probe of drained %s: cannot resume them: %s", ",".join(names), resumed.why)
+                return {}
+            return self.probe(names, argv, allocation_info=None, timeout_s=timeout_s, reservation=resv)
+        finally:
+            for node in names:
+                again = self.commands.run(
+                    ["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={nodes[node]}"])
+                if not again.ok:
+                    log.error("probe of drained %s: cannot drain it again: %s", node, again.why)
+            self.commands.run(["scontrol", "delete", f"ReservationName={resv}"])
+            self.state.refresh()
+

@@ -1,0 +1,91 @@
+"""The SQLite database: opening it, its pragmas, its transactions, its migrations.
+
+SQLite runs in WAL mode so that API readers never block the reconciler, with
+``synchronous=FULL`` so that a committed event survives a power cut, and a busy
+timeout so that the API's small writes (queued commands) wait instead of failing.
+
+Every transaction begins with an explicit BEGIN (SQLAlchemy's documented recipe for
+pysqlite, which otherwise commits DDL before the first DML): a migration that fails
+midway rolls back whole, and the next start finds the database as it was.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import Connection, Engine, create_engine, event, insert, select, update
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.pool import ConnectionPoolEntry
+
+from supervisor.errors import StoreError
+from supervisor.store import schema as t
+from supervisor.store.tx import Tx
+
+
+class SqlStore:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._engine: Engine | None = None
+
+    def open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(f"sqlite:///{self.path}", connect_args={"check_same_thread": False})
+        event.listen(engine, "connect", _on_connect)
+        event.listen(engine, "begin", _on_begin)
+        try:
+            with engine.begin() as conn:
+                migrate(conn)
+        except SQLAlchemyError as e:
+            engine.dispose()
+            raise StoreError(f"{self.path}: cannot open the database: {e}") from e
+        except BaseException:
+            engine.dispose()
+            raise
+        self._engine = engine
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None
+
+    @contextmanager
+    def tx(self) -> Iterator[Tx]:
+        if self._engine is None:
+            raise StoreError("store is not open")
+        with self._engine.begin() as conn:
+            yield Tx(conn)
+
+
+def _on_connect(dbapi_conn: sqlite3.Connection, _record: ConnectionPoolEntry) -> None:
+    # pysqlite must not issue BEGIN itself (it would commit DDL on its own): _on_begin does.
+    dbapi_conn.isolation_level = None
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=FULL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA busy_timeout=10000")
+    cur.close()
+
+
+def _on_begin(conn: Connection) -> None:
+    conn.exec_driver_sql("BEGIN")
+
+
+def migrate(conn: Connection) -> None:
+    """Bring the schema to ``SCHEMA_VERSION``, inside the caller's transaction."""
+    t.schema_version.create(conn, checkfirst=True)
+    current = conn.execute(select(t.schema_version.c.version)).scalar()
+    if current is None:
+        current = 0
+        conn.execute(insert(t.schema_version).values(version=0))
+    if current > t.SCHEMA_VERSION:
+        raise StoreError(
+            f"database schema v{current} is newer than this supervisor understands "
+            f"(v{t.SCHEMA_VERSION}); upgrade training-supervisor"
+        )
+    for version in range(current, t.SCHEMA_VERSION):
+        t.MIGRATIONS[version](conn)
+        conn.execute(update(t.schema_version).values(version=version + 1))

@@ -1,0 +1,123 @@
+"""Queries of a run's history: checkpoints, faults, stragglers and data skips."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Connection, Select, func, insert, select, update
+
+from supervisor.domain import CheckpointRecord, FaultKind, FaultRecord, StragglerRecord
+from supervisor.store import schema as t
+from supervisor.store.rows import new_id
+
+
+class HistoryQueries:
+    c: Connection
+
+    # --- checkpoints ----------------------------------------------------------------
+
+    def record_checkpoint(
+        self, run_number: int, *, step: int, path: str, complete: bool, duration_s: float | None,
+        attempt: int | None, now: float,
+    ) -> bool:
+        """Insert or refresh one checkpoint row; True if it is new or its completeness changed."""
+        key = (t.checkpoints.c.run_number == run_number, t.checkpoints.c.step == step)
+        was = self.c.execute(select(t.checkpoints).where(*key)).first()
+        if was is not None:
+            values: dict[str, Any] = {"path": path, "complete": complete}
+            if duration_s is not None:
+                values["duration_s"] = duration_s
+            if attempt is not None:
+                values["attempt"] = attempt
+            if any(getattr(was, k) != v for k, v in values.items()):  # no write (and fsync) for nothing
+                self.c.execute(update(t.checkpoints).where(*key).values(**values))
+            return bool(was.complete) != complete
+        self.c.execute(
+            insert(t.checkpoints).values(
+                run_number=run_number, step=step, path=path, complete=complete,
+                duration_s=duration_s, attempt=attempt, created_at=now,
+            )
+        )
+        return True
+
+    def list_checkpoints(self, run_number: int) -> list[CheckpointRecord]:
+        q = select(t.checkpoints).where(t.checkpoints.c.run_number == run_number).order_by(
+            t.checkpoints.c.step
+        )
+        return [
+            CheckpointRecord(step=r.step, path=r.path, complete=r.complete, duration_s=r.duration_s,
+                             attempt=r.attempt, created_at=r.created_at)
+            for r in self.c.execute(q)
+        ]
+
+    # --- faults ---------------------------------------------------------------------
+
+    def add_fault(
+        self, run_number: int, *, attempt: int, kind: FaultKind, ranks: Sequence[int],
+        nodes: Sequence[str], step: int, summary: str, now: float,
+    ) -> int:
+        res = self.c.execute(
+            insert(t.faults).values(
+                run_number=run_number, attempt=attempt, kind=kind.value, ranks=json.dumps(list(ranks)),
+                nodes=json.dumps(list(nodes)), step=step, summary=summary, detected_at=now,
+            )
+        )
+        return new_id(res)
+
+    def mark_faults_recovered(self, run_number: int, now: float) -> int:
+        res = self.c.execute(
+            update(t.faults)
+            .where(t.faults.c.run_number == run_number, t.faults.c.recovered_at.is_(None))
+            .values(recovered_at=now)
+        )
+        return int(res.rowcount)
+
+    def count_open_faults(self, run_number: int) -> int:
+        q = select(func.count()).select_from(t.faults).where(
+            t.faults.c.run_number == run_number, t.faults.c.recovered_at.is_(None)
+        )
+        return int(self.c.execute(q).scalar_one())
+
+    def list_faults(self, run_number: int) -> list[FaultRecord]:
+        return self._faults(select(t.faults).where(t.faults.c.run_number == run_number))
+
+    def faults_since(self, since: float) -> list[FaultRecord]:
+        """Every run's faults detected at or after ``since``, oldest first."""
+        return self._faults(select(t.faults).where(t.faults.c.detected_at >= since))
+
+    def _faults(self, q: Select[Any]) -> list[FaultRecord]:
+        q = q.order_by(t.faults.c.id)
+        return [
+            FaultRecord(
+                id=r.id, run_number=r.run_number, attempt=r.attempt, kind=FaultKind(r.kind),
+                ranks=tuple(json.loads(r.ranks)), nodes=tuple(json.loads(r.nodes)), step=r.step,
+                summary=r.summary, detected_at=r.detected_at, recovered_at=r.recovered_at,
+            )
+            for r in self.c.execute(q)
+        ]
+
+
+    # --- stragglers and data skips ------------------------------------------------------
+
+    def add_straggler(self, run_number: int, s: StragglerRecord) -> None:
+        self.c.execute(insert(t.stragglers).prefix_with("OR IGNORE").values(
+            run_number=run_number, attempt=s.attempt, rank=s.rank, node=s.node, busy_s=s.busy_s,
+            typical_s=s.typical_s, window=s.window, at=s.at))
+
+    def list_stragglers(self, run_number: int) -> list[StragglerRecord]:
+        q = select(t.stragglers).where(t.stragglers.c.run_number == run_number).order_by(
+            t.stragglers.c.at, t.stragglers.c.attempt, t.stragglers.c.rank)
+        return [StragglerRecord(attempt=r.attempt, rank=r.rank, node=r.node, busy_s=r.busy_s,
+                                typical_s=r.typical_s, window=r.window, at=r.at) for r in self.c.execute(q)]
+
+    def add_data_skip(self, run_number: int, start: int, end: int, reason: str, now: float) -> None:
+        self.c.execute(insert(t.data_skips).values(run_number=run_number, start=start, end=end, reason=reason,
+                                                   at=now))
+
+    def list_data_skips(self, run_number: int) -> list[tuple[int, int]]:
+        """Sample ranges [start, end) every later attempt of the run steps over, oldest first."""
+        q = select(t.data_skips.c.start, t.data_skips.c.end).where(
+            t.data_skips.c.run_number == run_number).order_by(t.data_skips.c.id)
+        return [(int(a), int(b)) for a, b in self.c.execute(q)]

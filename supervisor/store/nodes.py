@@ -1,0 +1,100 @@
+"""Queries of nodes, their probes, and the supervisor's intents for them."""
+
+from __future__ import annotations
+
+import json
+
+from sqlalchemy import Connection, func, insert, select, update
+
+from supervisor.domain import Node, NodeCommand, NodeCommandKind, NodeIntent, ProbeRecord
+from supervisor.errors import NotFound
+from supervisor.store import schema as t
+from supervisor.store.rows import intent_of, new_id, node_of
+
+
+class NodeQueries:
+    c: Connection
+
+    # --- nodes ----------------------------------------------------------------------
+
+    def list_nodes(self) -> list[Node]:
+        return [node_of(r) for r in self.c.execute(select(t.nodes).order_by(t.nodes.c.name))]
+
+    def get_node(self, name: str) -> Node:
+        row = self.c.execute(select(t.nodes).where(t.nodes.c.name == name)).first()
+        if row is None:
+            raise NotFound(f"no such node: {name}")
+        return node_of(row)
+
+    def allocation(self, run_number: int) -> list[Node]:
+        q = select(t.nodes).where(t.nodes.c.run_number == run_number).order_by(t.nodes.c.name)
+        return [node_of(r) for r in self.c.execute(q)]
+
+    def put_node(self, node: Node, now: float) -> None:
+        values = {"state": node.state.value, "reason": node.reason, "run_number": node.run_number,
+                  "updated_at": now}
+        done = self.c.execute(update(t.nodes).where(t.nodes.c.name == node.name).values(**values))
+        if done.rowcount == 0:
+            self.c.execute(insert(t.nodes).values(name=node.name, **values))
+
+    # --- probes ---------------------------------------------------------------------
+
+    def add_probe(self, p: ProbeRecord) -> None:
+        self.c.execute(insert(t.probes).values(
+            node=p.node, at=p.at, kind=p.kind, status=p.status, action=p.action, reason=p.reason,
+            findings=json.dumps(p.findings), run_number=p.run_number))
+
+    def probe_counts(self) -> dict[str, int]:
+        """How many probes ended with each status, over all time."""
+        q = select(t.probes.c.status, func.count()).group_by(t.probes.c.status)
+        return {str(status): int(count) for status, count in self.c.execute(q)}
+
+    def recent_probes(self, node: str, limit: int = 5) -> list[ProbeRecord]:
+        """The node's newest probes, newest first."""
+        q = select(t.probes).where(t.probes.c.node == node).order_by(t.probes.c.id.desc()).limit(limit)
+        return [ProbeRecord(node=r.node, at=r.at, kind=r.kind, status=r.status, action=r.action,
+                            reason=r.reason, findings=json.loads(r.findings), run_number=r.run_number)
+                for r in self.c.execute(q)]
+
+    def add_node_command(self, node: str, kind: NodeCommandKind, reason: str, now: float) -> int:
+        self.get_node(node)  # NotFound for a node nobody knows
+        res = self.c.execute(
+            insert(t.commands).values(node=node, kind=kind.value, reason=reason, created_at=now)
+        )
+        return new_id(res)
+
+    def pending_node_commands(self) -> list[NodeCommand]:
+        """Nodes' commands not yet carried out, oldest first."""
+        q = select(t.commands).where(t.commands.c.handled_at.is_(None), t.commands.c.node.is_not(None))
+        return [
+            NodeCommand(id=r.id, node=r.node, kind=NodeCommandKind(r.kind), reason=r.reason,
+                        created_at=r.created_at)
+            for r in self.c.execute(q.order_by(t.commands.c.id))
+        ]
+
+
+    # --- intents: what the cluster must be told, until it shows it --------------------
+
+    def want(self, node: str, action: str, reason: str, now: float) -> None:
+        """Record the newest wish for ``node`` (it replaces any earlier one)."""
+        values = {"action": action, "reason": reason, "requested_at": now, "sent": 0, "sent_at": None,
+                  "last_error": None, "confirmed_at": None}
+        done = self.c.execute(update(t.node_intents).where(t.node_intents.c.node == node).values(**values))
+        if done.rowcount == 0:
+            self.c.execute(insert(t.node_intents).values(node=node, **values))
+
+    def pending_intents(self) -> list[NodeIntent]:
+        q = select(t.node_intents).where(t.node_intents.c.confirmed_at.is_(None)).order_by(
+            t.node_intents.c.requested_at)
+        return [intent_of(r) for r in self.c.execute(q)]
+
+    def intent(self, node: str) -> NodeIntent | None:
+        row = self.c.execute(select(t.node_intents).where(t.node_intents.c.node == node)).first()
+        return intent_of(row) if row is not None else None
+
+    def intent_sent(self, node: str, error: str | None, now: float) -> None:
+        self.c.execute(update(t.node_intents).where(t.node_intents.c.node == node)
+                       .values(sent=t.node_intents.c.sent + 1, sent_at=now, last_error=error))
+
+    def confirm_intent(self, node: str, now: float) -> None:
+        self.c.execute(update(t.node_intents).where(t.node_intents.c.node == node).values(confirmed_at=now))
