@@ -31,6 +31,7 @@ from supervisor.config import ServiceConfig, default_state_dir, load_service_con
 from supervisor.daemon import Daemon, DaemonSettings
 from supervisor.domain import TERMINAL_RUN_STATES, CommandKind
 from supervisor.errors import SpecError, StateDirLocked, SupervisorError
+from supervisor.recorder import Retention
 from supervisor.spec import load_spec
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -184,6 +185,8 @@ def serve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> tupl
         api_port=port, launcher=config.launcher, slurm_conf=config.slurm_conf, tick_s=config.tick_s,
         sweep_every_s=config.sweep_every_s or None, sweep_args=tuple(config.sweep_args),
         return_after=config.return_after, api_token_file=config.api_token_file,
+        retention=Retention(metrics_days=config.retention_metrics_days,
+                            events_days=config.retention_events_days),
         tls_cert=config.tls_cert, tls_key=config.tls_key,
     )
     return settings, config.log_format

@@ -60,6 +60,10 @@ class ServiceConfig(BaseModel):
     api_token_file: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # Retention: raw step metrics and published events older than this are deleted (the
+    # per-attempt stats, the loss curve, runs, attempts, faults and checkpoints never are).
+    retention_metrics_days: Annotated[float, Field(gt=0, le=3650)] = 14.0
+    retention_events_days: Annotated[float, Field(gt=0, le=3650)] = 90.0
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServiceConfig:

@@ -34,7 +34,7 @@ import socket
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TextIO
@@ -49,6 +49,7 @@ from supervisor.launchers.base import ChaosHooks, Launcher, NodeAdmin
 from supervisor.launchers.local import LocalLauncher
 from supervisor.metrics import SupervisorMetrics
 from supervisor.reconciler import Reconciler, ReconcilerConfig
+from supervisor.recorder import Retention
 from supervisor.sdnotify import Notifier
 from supervisor.service import SupervisorService
 from supervisor.slurm.cluster import SlurmCluster, slurm_cluster
@@ -86,6 +87,7 @@ class DaemonSettings:
     api_token_file: Path | None = None  # None: <state_dir>/api-token (api/auth.py)
     tls_cert: Path | None = None  # both set: the API speaks HTTPS
     tls_key: Path | None = None
+    retention: Retention = field(default_factory=Retention)
 
     @property
     def token_file(self) -> Path:
@@ -155,9 +157,10 @@ class Daemon:
             host, port = parse_mqtt_url(self.mqtt_url)
             self.link = MqttLink(host, port, self.telemetry, self.clock,
                                  client_id=f"training-supervisor-{os.getpid()}")
-            config = ReconcilerConfig(mqtt_url=self.mqtt_url, sweep_every_s=self.settings.sweep_every_s,
-                                      sweep_args=self.settings.sweep_args,
-                                      return_after=self.settings.return_after)
+            st = self.settings
+            config = ReconcilerConfig(mqtt_url=self.mqtt_url, sweep_every_s=st.sweep_every_s,
+                                      sweep_args=st.sweep_args, return_after=st.return_after,
+                                      retention=st.retention)
             self.reconciler = Reconciler(self.store, self.telemetry, config, launcher=self.launcher,
                                          nodes=self.cluster.nodes, clock=self.clock)
             self.service = SupervisorService(

@@ -158,8 +158,10 @@ class Executor:
                              f"{e.reason}", {"attempt": e.number, "outcome": e.outcome.value,
                                              "final_step": e.final_step}, now)
             case RecordFault():
+                stats = tx.stats_of_attempt(n, e.attempt)
                 tx.add_fault(n, attempt=e.attempt, kind=e.kind, ranks=e.ranks, nodes=e.nodes, step=e.step,
-                             summary=e.summary, now=now)
+                             summary=e.summary, now=now, last_step_at=stats.last_at if stats else None,
+                             injected_at=tx.injected_at(n, e.attempt, now))
             case MarkFaultsRecovered():
                 if tx.mark_faults_recovered(n, now):
                     tx.add_event(n, "run.recovered", "training again after the fault", {}, now)
@@ -378,10 +380,14 @@ class Executor:
     def _checkpoint_interval(self, run: Run, spec: RunSpec, now: float) -> int:
         """``every_steps = "auto"``: Young/Daly from what this run measured so far."""
         with self.store.tx() as tx:
-            costs = [c.duration_s for c in tx.list_checkpoints(run.number) if c.duration_s]
-            steps = [m.step_time_s for m in tx.list_metrics(run.number)[-1000:]]
-            auto = planning.auto_every_steps(costs, steps, run.nodes, run.policy.failures_per_node_day,
-                                             spec.total_steps)
+            stats = list(tx.attempt_stats(run.number).values())
+            saves = sum(s.checkpoints for s in stats)
+            # Each attempt's first step is left out: it carries the warm-up (compile, caches).
+            steps = sum(s.steps - 1 for s in stats if s.steps > 1)
+            step_s = sum(s.step_time_s - (s.first_step_time_s or 0.0) for s in stats if s.steps > 1)
+            auto = planning.auto_every_steps(sum(s.checkpoint_s for s in stats) / saves if saves else None,
+                                             step_s / steps if steps else None, run.nodes,
+                                             run.policy.failures_per_node_day, spec.total_steps)
             tx.add_event(run.number, "checkpoint.interval", f"checkpoint {auto.why}",
                          {"every_steps": auto.every_steps}, now)
         return auto.every_steps

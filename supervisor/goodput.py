@@ -1,13 +1,16 @@
-"""Goodput accounting: where a run's wall-clock time went. Pure.
+"""Goodput accounting: where a run's wall-clock time went. Pure, and O(attempts + faults).
 
 ETTR (effective training time ratio) = kept training time / wall time, where
 
 - wall time runs from the first attempt's start to the run's end (or now);
-- kept training time is the step time of the steps that survive into the final
-  trajectory: for each step number, the copy run by the latest attempt that ran it.
-  Copies run by earlier attempts were thrown away by a rollback: lost work.
+- kept training time is the step time of the steps that survive into the trajectory:
+  an attempt's steps up to the point the next attempts rewound to (the oldest step a
+  later attempt resumed from). What a rollback or a restart threw away is lost work.
 
-The rest of the wall time is broken down as
+It is computed from per-attempt sums kept as the steps arrive (``AttemptStats``; the
+cut inside an attempt comes from the checkpoint it resumed from, which records its
+attempt's summed step time), never from the raw steps: its cost does not grow with the
+length of the run. The rest of the wall time is broken down as
 
 - checkpoint_s: blocking checkpoint saves (the trainer's reported durations);
 - startup_s:    from an attempt's start to its first step (process start, setup, restore);
@@ -22,18 +25,10 @@ The rest of the wall time is broken down as
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
-from supervisor.domain import Attempt, CheckpointRecord, FaultRecord, MetricRecord, Run
-
-
-def injected_at(attempt: int, detected_at: float, injections: Iterable[tuple[int, float]]) -> float | None:
-    """When chaos was injected into ``attempt`` before its fault was detected at
-    ``detected_at`` (the latest such time), from ``(attempt, time)`` pairs; None for a
-    fault nobody injected."""
-    times = [ts for a, ts in injections if a == attempt and ts <= detected_at]
-    return max(times) if times else None
+from supervisor.domain import Attempt, AttemptStats, CheckpointRecord, FaultRecord, MetricRecord, Run
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,55 +46,84 @@ class Goodput:
     lost_steps: int
 
 
-def account(
-    run: Run,
-    attempts: Sequence[Attempt],
-    metrics: Sequence[MetricRecord],
-    faults: Sequence[FaultRecord],
-    checkpoints: Sequence[CheckpointRecord],
-    now: float,
-) -> Goodput:
+def with_step(s: AttemptStats, m: MetricRecord) -> AttemptStats:
+    """``s`` with one more of rank 0's steps (received in order)."""
+    first = s.steps == 0
+    return replace(
+        s, steps=s.steps + 1, step_time_s=s.step_time_s + m.step_time_s,
+        first_step=m.step if first or s.first_step is None else min(s.first_step, m.step),
+        last_step=m.step if s.last_step is None else max(s.last_step, m.step),
+        first_at=m.received_at if first else s.first_at,
+        first_step_time_s=m.step_time_s if first else s.first_step_time_s,
+        last_at=m.received_at, last_loss=m.loss, last_grad_norm=m.grad_norm)
+
+
+def stats_from(metrics: Sequence[MetricRecord]) -> dict[int, AttemptStats]:
+    """Per-attempt stats of raw steps (what the store keeps up to date as they arrive)."""
+    out: dict[int, AttemptStats] = {}
+    for m in sorted(metrics, key=lambda m: (m.received_at, m.step)):
+        out[m.attempt] = with_step(out.get(m.attempt, AttemptStats(attempt=m.attempt)), m)
+    return out
+
+
+def checkpoint_times(checkpoints: Sequence[CheckpointRecord]) -> dict[tuple[int, int], float]:
+    """(attempt, step) -> that attempt's summed step time when it committed the checkpoint."""
+    return {(c.attempt, c.step): c.attempt_time_s for c in checkpoints
+            if c.attempt is not None and c.attempt_time_s is not None}
+
+
+def account(run: Run, attempts: Sequence[Attempt], stats: Mapping[int, AttemptStats],
+            faults: Sequence[FaultRecord], checkpoint_times: Mapping[tuple[int, int], float],
+            now: float) -> Goodput:
+    """``checkpoint_times``: (attempt, step) -> the attempt's summed step time when it
+    committed the checkpoint of that step."""
     started = [a.started_at for a in attempts if a.started_at is not None]
     if not started:
         return Goodput(wall_s=0.0, productive_s=0.0, lost_s=0.0, checkpoint_s=0.0, startup_s=0.0,
-                       detection_s=0.0, recovery_s=0.0, other_s=0.0, ettr=None, kept_steps=0,
-                       lost_steps=0)
-    t0 = min(started)
-    wall_s = max(0.0, (run.ended_at or now) - t0)
+                       detection_s=0.0, recovery_s=0.0, other_s=0.0, ettr=None, kept_steps=0, lost_steps=0)
+    wall_s = max(0.0, (run.ended_at or now) - min(started))
 
-    latest: dict[int, MetricRecord] = {}
-    for m in metrics:
-        if m.step not in latest or m.attempt > latest[m.step].attempt:
-            latest[m.step] = m
-    productive_s = sum(m.step_time_s for m in latest.values())
-    total_step_s = sum(m.step_time_s for m in metrics)
-    lost_s = total_step_s - productive_s
+    productive_s = lost_s = 0.0
+    kept_steps = lost_steps = 0
+    ordered = sorted(attempts, key=lambda a: a.number)
+    for i, a in enumerate(ordered):
+        s = stats.get(a.number)
+        if s is None or s.steps == 0 or s.last_step is None:
+            continue
+        later = [b.resume_step for b in ordered[i + 1:]]
+        cut = min(later) if later else s.last_step
+        if cut >= s.last_step:
+            kept_s, kept = s.step_time_s, s.steps
+        elif cut <= a.resume_step:
+            kept_s, kept = 0.0, 0
+        else:  # rewound to a step inside this attempt: its checkpoint says how much came before
+            span = max(1, s.last_step - a.resume_step)
+            kept = min(s.steps, cut - a.resume_step)
+            kept_s = checkpoint_times.get((a.number, cut), s.step_time_s * (cut - a.resume_step) / span)
+        productive_s += kept_s
+        lost_s += s.step_time_s - kept_s
+        kept_steps += kept
+        lost_steps += s.steps - kept
 
-    checkpoint_s = sum(c.duration_s or 0.0 for c in checkpoints)
-
-    by_attempt: dict[int, list[MetricRecord]] = {}
-    for m in metrics:
-        by_attempt.setdefault(m.attempt, []).append(m)
+    checkpoint_s = sum(s.checkpoint_s for s in stats.values())
     detected = {f.attempt: f.detected_at for f in reversed(faults)}  # first fault per attempt
     startup_s = 0.0
     for a in attempts:
         if a.started_at is None:
             continue
-        mine = by_attempt.get(a.number)
-        if mine:
-            first = min(mine, key=lambda m: m.received_at)
-            startup_s += max(0.0, first.received_at - first.step_time_s - a.started_at)
+        s = stats.get(a.number)
+        if s is not None and s.first_at is not None:
+            startup_s += max(0.0, s.first_at - (s.first_step_time_s or 0.0) - a.started_at)
         else:  # never reached a step: starting until it failed, ended, or now
             until = detected.get(a.number, a.ended_at if a.ended_at is not None else now)
             startup_s += max(0.0, until - a.started_at)
 
     detection_s = recovery_s = 0.0
     for f in faults:
-        before = [m.received_at for m in by_attempt.get(f.attempt, []) if m.received_at <= f.detected_at]
-        if before:  # (a fault before the first step is startup time, counted above)
-            detection_s += f.detected_at - max(before)
-        nxt = next((a for a in attempts if a.number > f.attempt and a.started_at is not None), None)
-        resumed_at = nxt.started_at if nxt is not None and nxt.started_at is not None else None
+        if f.last_step_at is not None:  # (a fault before the first step is startup time, counted above)
+            detection_s += max(0.0, f.detected_at - f.last_step_at)
+        nxt = next((a for a in ordered if a.number > f.attempt and a.started_at is not None), None)
+        resumed_at = nxt.started_at if nxt is not None else None
         recovery_s += max(0.0, (resumed_at or run.ended_at or now) - f.detected_at)
 
     accounted = productive_s + lost_s + checkpoint_s + startup_s + detection_s + recovery_s
@@ -107,5 +131,5 @@ def account(
         wall_s=wall_s, productive_s=productive_s, lost_s=lost_s, checkpoint_s=checkpoint_s,
         startup_s=startup_s, detection_s=detection_s, recovery_s=recovery_s,
         other_s=max(0.0, wall_s - accounted), ettr=productive_s / wall_s if wall_s > 0 else None,
-        kept_steps=len(latest), lost_steps=len(metrics) - len(latest),
+        kept_steps=kept_steps, lost_steps=lost_steps,
     )

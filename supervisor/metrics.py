@@ -76,21 +76,16 @@ class _StoreCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         now = self.clock()
-        with self.store.tx() as tx:
+        with self.store.tx() as tx:  # O(runs + attempts + faults): never the runs' steps
             runs = tx.list_runs()
             attempts = {r.number: tx.list_attempts(r.number) for r in runs}
             faults = tx.faults_since(0.0)
             nodes = tx.list_nodes()
             probes = tx.probe_counts()
             outbox = tx.outbox_size()
-            injected: dict[int | None, list[tuple[int, float]]] = {}
-            for e in tx.list_events(limit=1_000_000, kind="chaos.injected"):
-                injected.setdefault(e.run_number, []).append((int(e.data.get("attempt", 0)), e.ts))
-            last_step = {f.id: tx.last_step_before(f.run_number, f.attempt, f.detected_at) for f in faults}
             recent = [r for r in runs if r.state not in TERMINAL_RUN_STATES
                       or (r.ended_at is not None and now - r.ended_at <= RECENT_S)]
-            per_run = {r.number: (tx.list_metrics(r.number), tx.list_checkpoints(r.number),
-                                  tx.latest_metric(r.number)) for r in recent}
+            per_run = {r.number: (tx.attempt_stats(r.number), tx.list_checkpoints(r.number)) for r in recent}
 
         g = GaugeMetricFamily("tsup_runs", "Runs in each state", labels=["state"])
         for state in RunState:
@@ -108,9 +103,7 @@ class _StoreCollector(Collector):
 
         detection = []
         for f in faults:
-            since = goodput.injected_at(f.attempt, f.detected_at, injected.get(f.run_number, []))
-            if since is None:
-                since = last_step[f.id]
+            since = f.injected_at if f.injected_at is not None else f.last_step_at
             if since is not None:
                 detection.append(f.detected_at - since)
         yield _histogram("tsup_fault_detection_seconds",
@@ -124,13 +117,15 @@ class _StoreCollector(Collector):
         step = GaugeMetricFamily("tsup_run_step", "The newest step", labels=["run_id", "name"])
         tries = GaugeMetricFamily("tsup_run_attempts", "Attempts so far", labels=["run_id", "name"])
         for r in recent:
-            metrics, checkpoints, latest = per_run[r.number]
-            account = goodput.account(r, attempts[r.number], metrics,
-                                      [f for f in faults if f.run_number == r.number], checkpoints, now)
+            stats, checkpoints = per_run[r.number]
+            account = goodput.account(r, attempts[r.number], stats,
+                                      [f for f in faults if f.run_number == r.number],
+                                      goodput.checkpoint_times(checkpoints), now)
             labels = [r.run_id, r.name]
             if account.ettr is not None:
                 ettr.add_metric(labels, account.ettr)
-            newest = r.final_step if r.final_step is not None else (latest.step if latest else None)
+            latest = max((s.last_step for s in stats.values() if s.last_step is not None), default=None)
+            newest = r.final_step if r.final_step is not None else latest
             if newest is not None:
                 step.add_metric(labels, newest)
             tries.add_metric(labels, len(attempts[r.number]))

@@ -13,9 +13,7 @@ that wastes least is, to first order, sqrt(2 C MTBF) (Young 1974, Daly 2006).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from statistics import median
 
 LLAMA3_INTERRUPTIONS = 419
 LLAMA3_DAYS = 54.0
@@ -65,18 +63,18 @@ class AutoInterval:
     why: str  # for the event log
 
 
-def auto_every_steps(checkpoint_costs_s: Sequence[float], step_times_s: Sequence[float], nodes: int,
+def auto_every_steps(checkpoint_cost_s: float | None, step_time_s: float | None, nodes: int,
                      failures_per_node_day: float, total_steps: int) -> AutoInterval:
     """The checkpoint interval for the next attempt of a run that asked for ``auto``:
-    Young/Daly from the medians of what the run measured so far (its blocking checkpoint
-    saves and its step times), within 1 and the run's length. Before anything was
+    Young/Daly from what the run measured so far (the mean of its blocking checkpoint
+    saves and of its step times), within 1 and the run's length. Before both were
     measured: ``AUTO_FIRST_EVERY_STEPS``."""
     cap = max(1, total_steps)
-    if not checkpoint_costs_s or not step_times_s:
+    if checkpoint_cost_s is None or step_time_s is None:
         every = first_auto_every_steps(total_steps)
         return AutoInterval(every_steps=every,
                             why=f"every {every} steps until a checkpoint and steps are timed")
-    cost, step = median(checkpoint_costs_s), median(step_times_s)
+    cost, step = checkpoint_cost_s, step_time_s
     mtbf = job_mtbf_s(nodes, failures_per_node_day / 86_400.0)
     ideal = advise_every_steps(cost, max(step, 1e-6), nodes, failures_per_node_day / 86_400.0)
     every = min(ideal, cap)

@@ -6,7 +6,8 @@
                  intents (drains, returns) sent until the cluster shows them
     probes.py    ProbeScheduler: probe rounds on worker threads, the periodic sweep
 
-A tick: trainer telemetry that must survive a restart is recorded; finished probe
+A tick: trainer telemetry that must survive a restart is recorded (and, once a
+minute, what retention lets go is deleted); finished probe
 rounds and operators' node commands are judged and carried out; each run is observed,
 decided and executed; the node intents are pushed. A run whose reconciliation raises is
 logged and tried again next tick; it never stops the other runs.
@@ -28,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor as Pool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from supervisor import node_health
 from supervisor.domain import NodeState
@@ -39,7 +40,7 @@ from supervisor.observe import Observer
 from supervisor.policy import decide
 from supervisor.policy.nodes import DRAINED_BY_US, judge_probes, node_command
 from supervisor.probes import ProbeScheduler
-from supervisor.recorder import TelemetryRecorder
+from supervisor.recorder import Retention, TelemetryRecorder
 from supervisor.store import SqlStore
 from supervisor.telemetry import TelemetryView
 
@@ -56,6 +57,7 @@ class ReconcilerConfig:
     # A node this supervisor drained returns to service after this many clean sweep
     # probes in a row (0: never; an operator returns it by hand).
     return_after: int = 0
+    retention: Retention = field(default_factory=Retention)
 
 
 class Reconciler:
@@ -71,7 +73,7 @@ class Reconciler:
         self.observer = Observer(store, launcher, telemetry, self.probes, mqtt_url=config.mqtt_url,
                                  clock=clock)
         self.executor = Executor(store, launcher, nodes, telemetry, self.probes, self.observer, clock)
-        self.recorder = TelemetryRecorder(store, telemetry)
+        self.recorder = TelemetryRecorder(store, telemetry, config.retention)
         self.hooks: list[Callable[[], None]] = []  # run first in every tick, on its thread (chaos drills)
 
     def close(self) -> None:
@@ -96,6 +98,7 @@ class Reconciler:
                 # the others; the next tick tries again from what is recorded.
                 log.exception("%s: reconciliation failed; retrying next tick", run.run_id)
         self.executor.push_intents(now)
+        self.recorder.prune(now)
 
     def post_event(self, run_number: int | None, kind: str, message: str, data: dict[str, object]) -> None:
         """Record an event from outside the loop (chaos injection, operator notes)."""

@@ -12,7 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from supervisor import goodput, node_health, trainer_cmd
-from supervisor.domain import CommandKind, NodeCommandKind, NodeState, parse_run_id
+from supervisor.domain import (
+    AttemptStats,
+    CommandKind,
+    NodeCommandKind,
+    NodeState,
+    parse_run_id,
+)
 from supervisor.errors import NotFound, SpecError
 from supervisor.launchers.base import Launcher, NodeAdmin
 from supervisor.spec import RunSpec
@@ -89,40 +95,37 @@ class SupervisorService:
 
     def list_runs(self) -> list[RunSummary]:
         with self.store.tx() as tx:
-            return [
-                run_summary(r, tx.list_attempts(r.number), tx.latest_metric(r.number))
-                for r in tx.list_runs()
-            ]
+            return [run_summary(r, tx.list_attempts(r.number),
+                                tx.newest_stats(r.number)) for r in tx.list_runs()]
 
     def summary(self, run_id: str) -> RunSummary:
         """A run's state and progress, without the goodput accounting: cheap to poll."""
         number = _number(run_id)
         with self.store.tx() as tx:
-            return run_summary(tx.get_run(number), tx.list_attempts(number), tx.latest_metric(number))
+            return run_summary(tx.get_run(number), tx.list_attempts(number), tx.newest_stats(number))
 
     def get_run(self, run_id: str) -> RunDetail:
+        """Everything about a run; its cost grows with its attempts, faults and checkpoints,
+        never with its steps (the stats: supervisor/recorder.py)."""
         number = _number(run_id)
         now = self.clock()
         with self.store.tx() as tx:
             run = tx.get_run(number)
             attempts = tx.list_attempts(number)
-            metrics = tx.list_metrics(number)
+            stats = tx.attempt_stats(number)
             faults = tx.list_faults(number)
             checkpoints = tx.list_checkpoints(number)
             drained = [n.name for n in tx.allocation(number) if n.state is NodeState.DRAINED]
-            latest = tx.latest_metric(number)
-            injected = [(int(e.data.get("attempt", 0)), e.ts)
-                        for e in tx.list_events(number, limit=10_000, kind="chaos.injected")]
             stragglers = [StragglerView(attempt=x.attempt, rank=x.rank, node=x.node, busy_s=x.busy_s,
                                         typical_s=x.typical_s) for x in tx.list_stragglers(number)]
             transient_spikes = tx.count_events(number, "spike.transient")
-        g = goodput.account(run, attempts, metrics, faults, checkpoints, now)
-        summary = run_summary(run, attempts, latest)
+        g = goodput.account(run, attempts, stats, faults, goodput.checkpoint_times(checkpoints), now)
+        summary = run_summary(run, attempts, _newest(stats))
         return RunDetail(
             **summary.model_dump(), model_digest=run.model_digest, final_step=run.final_step,
             started_at=run.started_at, nodes=run.nodes, ranks_per_node=run.ranks_per_node,
             spares=run.spares, attempt_history=[attempt_view(a) for a in attempts],
-            faults=[fault_view(f, goodput.injected_at(f.attempt, f.detected_at, injected)) for f in faults],
+            faults=[fault_view(f) for f in faults],
             checkpoints=[checkpoint_view(c) for c in checkpoints],
             goodput=goodput_view(g), drained_nodes=drained, ettr=g.ettr,
             stragglers=stragglers, transient_spikes=transient_spikes,
@@ -166,22 +169,24 @@ class SupervisorService:
         number = _number(run_id)
         with self.store.tx() as tx:
             run = tx.get_run(number)
-            g = goodput.account(run, tx.list_attempts(number), tx.list_metrics(number),
-                                tx.list_faults(number), tx.list_checkpoints(number), self.clock())
+            g = goodput.account(run, tx.list_attempts(number), tx.attempt_stats(number),
+                                tx.list_faults(number),
+                                goodput.checkpoint_times(tx.list_checkpoints(number)), self.clock())
         return goodput_view(g)
 
     def step_metrics(self, run_id: str, max_points: int = 1000) -> list[StepMetricView]:
-        """Rank 0's step metrics (the loss curve), every attempt's, thinned evenly to at
-        most ``max_points`` (the first and the last step always kept)."""
+        """Rank 0's step metrics (the loss curve), every attempt's: the run's downsampled
+        curve (at most schema.CURVE_POINTS points, whatever the run's length), thinned
+        evenly to at most ``max_points`` (the first and the last point always kept)."""
         number = _number(run_id)
         with self.store.tx() as tx:
             tx.get_run(number)
-            metrics = tx.list_metrics(number)
-        if len(metrics) > max_points:
-            stride = (len(metrics) - 1) / (max_points - 1) if max_points > 1 else len(metrics)
-            metrics = [metrics[round(i * stride)] for i in range(max_points)]
+            points = tx.curve(number)
+        if len(points) > max_points:
+            stride = (len(points) - 1) / (max_points - 1) if max_points > 1 else len(points)
+            points = [points[round(i * stride)] for i in range(max_points)]
         return [StepMetricView(attempt=m.attempt, step=m.step, loss=m.loss, grad_norm=m.grad_norm,
-                               step_time_s=m.step_time_s, at=m.received_at) for m in metrics]
+                               step_time_s=m.step_time_s, at=m.at) for m in points]
 
     def request(self, run_id: str, kind: CommandKind) -> CommandAccepted:
         number = _number(run_id)
@@ -205,3 +210,8 @@ def _number(run_id: str) -> int:
     if number is None:
         raise NotFound(f"no such run: {run_id!r} (run ids look like run-42)")
     return number
+
+
+def _newest(stats: dict[int, AttemptStats]) -> AttemptStats | None:
+    """The newest attempt's stats that has a step: the run's latest step and loss."""
+    return next((stats[a] for a in sorted(stats, reverse=True) if stats[a].steps), None)

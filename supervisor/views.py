@@ -10,10 +10,10 @@ from pydantic import BaseModel
 
 from supervisor.domain import (
     Attempt,
+    AttemptStats,
     CheckpointRecord,
     EventRecord,
     FaultRecord,
-    MetricRecord,
     Node,
     ProbeRecord,
     Run,
@@ -156,11 +156,12 @@ class StepMetricView(BaseModel):
     at: float  # when the supervisor received it (Unix seconds)
 
 
-def run_summary(run: Run, attempts: list[Attempt], latest: MetricRecord | None) -> RunSummary:
+def run_summary(run: Run, attempts: list[Attempt], latest: AttemptStats | None) -> RunSummary:
+    """``latest``: the stats of the newest attempt that made a step."""
     return RunSummary(
         run_id=run.run_id, name=run.name, state=run.state.value, reason=run.reason,
-        step=run.final_step if run.final_step is not None else (latest.step if latest else None),
-        total_steps=run.total_steps, loss=latest.loss if latest else None, attempts=len(attempts),
+        step=run.final_step if run.final_step is not None else (latest.last_step if latest else None),
+        total_steps=run.total_steps, loss=latest.last_loss if latest else None, attempts=len(attempts),
         attempt_state=attempts[-1].state.value if attempts else None,
         created_at=run.created_at, ended_at=run.ended_at,
     )
@@ -181,9 +182,9 @@ def attempt_view(a: Attempt) -> AttemptView:
     )
 
 
-def fault_view(f: FaultRecord, injected_at: float | None = None) -> FaultView:
+def fault_view(f: FaultRecord) -> FaultView:
     return FaultView(kind=f.kind.value, attempt=f.attempt, step=f.step, ranks=list(f.ranks),
-                     nodes=list(f.nodes), summary=f.summary, injected_at=injected_at,
+                     nodes=list(f.nodes), summary=f.summary, injected_at=f.injected_at,
                      detected_at=f.detected_at, recovered_at=f.recovered_at)
 
 

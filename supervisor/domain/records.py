@@ -77,6 +77,8 @@ class FaultRecord:
     summary: str
     detected_at: float
     recovered_at: float | None
+    last_step_at: float | None = None  # when the attempt's last step before it was received
+    injected_at: float | None = None  # a drill's: when the fault was injected
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,6 +160,7 @@ class CheckpointRecord:
     duration_s: float | None
     attempt: int | None
     created_at: float
+    attempt_time_s: float | None = None  # its attempt's summed step time when it was committed
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -184,4 +187,34 @@ class StragglerRecord:
     busy_s: float
     typical_s: float
     window: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptStats:
+    """What rank 0's recorded steps of one attempt add up to (kept as they arrive)."""
+
+    attempt: int
+    steps: int = 0
+    first_step: int | None = None
+    last_step: int | None = None
+    first_at: float | None = None  # when its first step was received
+    first_step_time_s: float | None = None
+    last_at: float | None = None
+    step_time_s: float = 0.0  # summed over its steps
+    last_loss: float | None = None
+    last_grad_norm: float | None = None
+    checkpoints: int = 0
+    checkpoint_s: float = 0.0  # its blocking checkpoint saves, summed
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CurvePoint:
+    """One kept point of a run's (downsampled) loss curve."""
+
+    attempt: int
+    step: int
+    loss: float | None
+    grad_norm: float | None
+    step_time_s: float
     at: float

@@ -20,7 +20,7 @@ class HistoryQueries:
 
     def record_checkpoint(
         self, run_number: int, *, step: int, path: str, complete: bool, duration_s: float | None,
-        attempt: int | None, now: float,
+        attempt: int | None, now: float, attempt_time_s: float | None = None,
     ) -> bool:
         """Insert or refresh one checkpoint row; True if it is new or its completeness changed."""
         key = (t.checkpoints.c.run_number == run_number, t.checkpoints.c.step == step)
@@ -31,13 +31,15 @@ class HistoryQueries:
                 values["duration_s"] = duration_s
             if attempt is not None:
                 values["attempt"] = attempt
+            if attempt_time_s is not None:
+                values["attempt_time_s"] = attempt_time_s
             if any(getattr(was, k) != v for k, v in values.items()):  # no write (and fsync) for nothing
                 self.c.execute(update(t.checkpoints).where(*key).values(**values))
             return bool(was.complete) != complete
         self.c.execute(
             insert(t.checkpoints).values(
                 run_number=run_number, step=step, path=path, complete=complete,
-                duration_s=duration_s, attempt=attempt, created_at=now,
+                duration_s=duration_s, attempt=attempt, created_at=now, attempt_time_s=attempt_time_s,
             )
         )
         return True
@@ -48,7 +50,7 @@ class HistoryQueries:
         )
         return [
             CheckpointRecord(step=r.step, path=r.path, complete=r.complete, duration_s=r.duration_s,
-                             attempt=r.attempt, created_at=r.created_at)
+                             attempt=r.attempt, created_at=r.created_at, attempt_time_s=r.attempt_time_s)
             for r in self.c.execute(q)
         ]
 
@@ -56,12 +58,14 @@ class HistoryQueries:
 
     def add_fault(
         self, run_number: int, *, attempt: int, kind: FaultKind, ranks: Sequence[int],
-        nodes: Sequence[str], step: int, summary: str, now: float,
+        nodes: Sequence[str], step: int, summary: str, now: float, last_step_at: float | None = None,
+        injected_at: float | None = None,
     ) -> int:
         res = self.c.execute(
             insert(t.faults).values(
                 run_number=run_number, attempt=attempt, kind=kind.value, ranks=json.dumps(list(ranks)),
                 nodes=json.dumps(list(nodes)), step=step, summary=summary, detected_at=now,
+                last_step_at=last_step_at, injected_at=injected_at,
             )
         )
         return new_id(res)
@@ -94,6 +98,7 @@ class HistoryQueries:
                 id=r.id, run_number=r.run_number, attempt=r.attempt, kind=FaultKind(r.kind),
                 ranks=tuple(json.loads(r.ranks)), nodes=tuple(json.loads(r.nodes)), step=r.step,
                 summary=r.summary, detected_at=r.detected_at, recovered_at=r.recovered_at,
+                last_step_at=r.last_step_at, injected_at=r.injected_at,
             )
             for r in self.c.execute(q)
         ]

@@ -13,6 +13,7 @@ from supervisor.domain import (
     Attempt,
     AttemptOutcome,
     AttemptState,
+    AttemptStats,
     EventRecord,
     Node,
     NodeIntent,
@@ -88,3 +89,10 @@ def event_of(r: Row[Any]) -> EventRecord:
 def intent_of(r: Row[Any]) -> NodeIntent:
     return NodeIntent(node=r.node, action=r.action, reason=r.reason, requested_at=r.requested_at, sent=r.sent,
                       sent_at=r.sent_at, last_error=r.last_error, confirmed_at=r.confirmed_at)
+
+
+STATS_COLUMNS = tuple(f.name for f in fields(AttemptStats) if f.name != "attempt")
+
+
+def stats_of(r: Row[Any]) -> AttemptStats:
+    return AttemptStats(attempt=r.attempt, **{k: getattr(r, k) for k in STATS_COLUMNS})

@@ -54,6 +54,8 @@ runs = Table(
     # The launcher's handle on the nodes the run holds (a Slurm allocation's job id),
     # opaque here; see supervisor/launchers/base.py.
     Column("allocation_info", Text),
+    Column("curve_seq", Integer, nullable=False, default=0),  # rank 0's steps recorded so far
+    Column("curve_stride", Integer, nullable=False, default=1),  # loss_curve keeps every stride-th
 )
 
 attempts = Table(
@@ -114,6 +116,9 @@ checkpoints = Table(
     Column("duration_s", Float),
     Column("attempt", Integer),
     Column("created_at", Float, nullable=False),
+    # The attempt's summed step time when it committed this checkpoint (goodput: the
+    # work a later resume from here keeps of it).
+    Column("attempt_time_s", Float),
 )
 
 faults = Table(
@@ -129,6 +134,8 @@ faults = Table(
     Column("summary", Text, nullable=False),
     Column("detected_at", Float, nullable=False),
     Column("recovered_at", Float),
+    Column("last_step_at", Float),  # when the attempt's last step before the fault was received
+    Column("injected_at", Float),  # a drill's: when the fault was injected
     Index("faults_by_run", "run_number"),
     Index("faults_by_time", "detected_at"),
 )
@@ -147,6 +154,7 @@ metrics = Table(
     Column("step_time_s", Float, nullable=False),
     Column("tokens_per_s", Float),
     Column("received_at", Float, nullable=False),
+    Index("metrics_by_time", "received_at"),  # retention
 )
 
 events = Table(
@@ -160,6 +168,7 @@ events = Table(
     Column("data", Text, nullable=False, default="{}"),
     Index("events_by_run", "run_number", "id"),
     Index("events_by_run_kind", "run_number", "kind", "id"),
+    Index("events_by_time", "ts"),  # retention
 )
 
 # Events waiting to be published on MQTT: written in the same transaction as the event,
@@ -232,6 +241,44 @@ data_skips = Table(
 )
 
 
+# Per attempt, the sums the reads need, kept up to date as rank 0's steps are recorded:
+# every API read, /metrics scrape and policy input costs O(attempts), never O(steps).
+attempt_stats = Table(
+    "attempt_stats",
+    metadata,
+    Column("run_number", Integer, ForeignKey("runs.number"), primary_key=True),
+    Column("attempt", Integer, primary_key=True),
+    Column("steps", Integer, nullable=False, default=0),  # rank 0's steps recorded
+    Column("first_step", Integer),
+    Column("last_step", Integer),
+    Column("first_at", Float),  # when its first step was received
+    Column("first_step_time_s", Float),  # that step's own time (startup = first_at - it - started_at)
+    Column("last_at", Float),
+    Column("step_time_s", Float, nullable=False, default=0.0),  # the sum over its steps
+    Column("last_loss", Float),
+    Column("last_grad_norm", Float),
+    Column("checkpoints", Integer, nullable=False, default=0),
+    Column("checkpoint_s", Float, nullable=False, default=0.0),  # blocking saves, summed
+)
+
+# The loss curve, downsampled as it grows: rank 0's n-th step is kept when n is a multiple
+# of the run's stride (runs.curve_stride), which doubles (thinning what is kept) whenever
+# more than CURVE_POINTS would be. Never pruned by retention.
+loss_curve = Table(
+    "loss_curve",
+    metadata,
+    Column("run_number", Integer, ForeignKey("runs.number"), primary_key=True),
+    Column("seq", Integer, primary_key=True),  # rank 0's n-th step recorded in the run
+    Column("attempt", Integer, nullable=False),
+    Column("step", Integer, nullable=False),
+    Column("loss", Float),
+    Column("grad_norm", Float),
+    Column("step_time_s", Float, nullable=False),
+    Column("at", Float, nullable=False),
+)
+CURVE_POINTS = 1000
+
+
 def _v1(conn: Connection) -> None:
     metadata.create_all(conn)
 
@@ -295,5 +342,67 @@ def _v6(conn: Connection) -> None:
         "SELECT name, 'drain', reason, updated_at, 0 FROM nodes WHERE state = 'DRAINED'")
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6]
+def _add_columns(conn: Connection, table: str, columns: dict[str, str]) -> None:
+    have = {row[1] for row in conn.exec_driver_sql(f"PRAGMA table_info({table})")}
+    for name, sql in columns.items():
+        if name not in have:
+            conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {name} {sql}")
+
+
+def _v7(conn: Connection) -> None:
+    """Reads that do not grow with the run: per-attempt stats and a downsampled loss curve,
+    computed here from the metrics kept so far; a fault's last step and injection time;
+    a checkpoint's share of its attempt's work; time indexes for retention."""
+    _add_columns(conn, "runs", {"curve_seq": "INTEGER NOT NULL DEFAULT 0",
+                                "curve_stride": "INTEGER NOT NULL DEFAULT 1"})
+    _add_columns(conn, "faults", {"last_step_at": "FLOAT", "injected_at": "FLOAT"})
+    _add_columns(conn, "checkpoints", {"attempt_time_s": "FLOAT"})
+    for table in (attempt_stats, loss_curve):
+        table.create(conn, checkfirst=True)
+    for index in (*metrics.indexes, *events.indexes):
+        if index.name in ("metrics_by_time", "events_by_time"):
+            index.create(conn, checkfirst=True)
+    conn.exec_driver_sql(
+        "INSERT OR IGNORE INTO attempt_stats (run_number, attempt, steps, first_step, last_step, first_at, "
+        "last_at, step_time_s, checkpoints, checkpoint_s) "
+        "SELECT run_number, attempt, count(*), min(step), max(step), min(received_at), max(received_at), "
+        "sum(step_time_s), 0, 0.0 FROM metrics GROUP BY run_number, attempt")
+    conn.exec_driver_sql(
+        "UPDATE attempt_stats SET "
+        "first_step_time_s = (SELECT m.step_time_s FROM metrics m "
+        "WHERE m.run_number = attempt_stats.run_number AND m.attempt = attempt_stats.attempt "
+        "ORDER BY m.received_at, m.step LIMIT 1), "
+        "last_loss = (SELECT m.loss FROM metrics m WHERE m.run_number = attempt_stats.run_number "
+        "AND m.attempt = attempt_stats.attempt ORDER BY m.step DESC LIMIT 1), "
+        "last_grad_norm = (SELECT m.grad_norm FROM metrics m WHERE m.run_number = attempt_stats.run_number "
+        "AND m.attempt = attempt_stats.attempt ORDER BY m.step DESC LIMIT 1), "
+        "checkpoints = (SELECT count(*) FROM checkpoints c WHERE c.run_number = attempt_stats.run_number "
+        "AND c.attempt = attempt_stats.attempt AND c.duration_s IS NOT NULL), "
+        "checkpoint_s = coalesce((SELECT sum(c.duration_s) FROM checkpoints c "
+        "WHERE c.run_number = attempt_stats.run_number AND c.attempt = attempt_stats.attempt), 0.0)")
+    for run_number, count in conn.exec_driver_sql(
+            "SELECT run_number, count(*) FROM metrics GROUP BY run_number").fetchall():
+        stride = 1
+        while count // stride > CURVE_POINTS:
+            stride *= 2
+        conn.exec_driver_sql(
+            "INSERT OR IGNORE INTO loss_curve "
+            "(run_number, seq, attempt, step, loss, grad_norm, step_time_s, at) "
+            "SELECT run_number, seq, attempt, step, loss, grad_norm, step_time_s, received_at FROM "
+            "(SELECT *, row_number() OVER (ORDER BY attempt, step) AS seq FROM metrics WHERE run_number = ?) "
+            "WHERE seq % ? = 0", (run_number, stride))
+        conn.exec_driver_sql("UPDATE runs SET curve_seq = ?, curve_stride = ? WHERE number = ?",
+                             (count, stride, run_number))
+    conn.exec_driver_sql(
+        "UPDATE faults SET last_step_at = (SELECT max(m.received_at) FROM metrics m "
+        "WHERE m.run_number = faults.run_number AND m.attempt = faults.attempt "
+        "AND m.received_at <= faults.detected_at)")
+    conn.exec_driver_sql(
+        "UPDATE faults SET injected_at = (SELECT max(e.ts) FROM events e "
+        "WHERE e.run_number = faults.run_number "
+        "AND e.kind = 'chaos.injected' AND json_extract(e.data, '$.attempt') = faults.attempt "
+        "AND e.ts <= faults.detected_at)")
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7]
 SCHEMA_VERSION = len(MIGRATIONS)

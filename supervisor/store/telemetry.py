@@ -6,66 +6,98 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, delete, func, insert, select
+from sqlalchemy import Connection, Select, delete, func, insert, literal_column, select, update
 
-from supervisor.domain import EventRecord, MetricRecord
+from supervisor.domain import AttemptStats, CurvePoint, EventRecord, MetricRecord
 from supervisor.store import schema as t
-from supervisor.store.rows import event_of, finite, new_id
+from supervisor.store.rows import STATS_COLUMNS, event_of, finite, new_id, stats_of
 
 
 class TelemetryQueries:
     c: Connection
 
-    # --- metrics --------------------------------------------------------------------
+    # --- metrics: raw rows (pruned by retention), per-attempt stats, the loss curve ---------
 
     def add_metric(
         self, run_number: int, *, attempt: int, step: int, loss: float, grad_norm: float, lr: float,
         step_time_s: float, tokens_per_s: float, now: float,
-    ) -> None:
-        key = (t.metrics.c.run_number == run_number, t.metrics.c.attempt == attempt,
-               t.metrics.c.step == step)
-        if self.c.execute(select(t.metrics.c.step).where(*key)).first() is not None:
-            return  # a duplicate delivery
-        self.c.execute(
-            insert(t.metrics).values(
-                run_number=run_number, attempt=attempt, step=step, loss=finite(loss),
-                grad_norm=finite(grad_norm), lr=finite(lr), step_time_s=step_time_s,
-                tokens_per_s=finite(tokens_per_s), received_at=now,
-            )
-        )
+    ) -> bool:
+        """Keep one of rank 0's steps; False when it was kept already (a duplicate delivery)."""
+        res = self.c.execute(insert(t.metrics).prefix_with("OR IGNORE").values(
+            run_number=run_number, attempt=attempt, step=step, loss=finite(loss), grad_norm=finite(grad_norm),
+            lr=finite(lr), step_time_s=step_time_s, tokens_per_s=finite(tokens_per_s), received_at=now))
+        return bool(res.rowcount)
 
     def list_metrics(self, run_number: int) -> list[MetricRecord]:
+        """The raw steps still kept (retention prunes them): for tools and tests; every
+        read the daemon serves comes from the stats and the curve."""
         q = select(t.metrics).where(t.metrics.c.run_number == run_number).order_by(
-            t.metrics.c.attempt, t.metrics.c.step
-        )
-        return [
-            MetricRecord(attempt=r.attempt, step=r.step, loss=r.loss, grad_norm=r.grad_norm, lr=r.lr,
-                         step_time_s=r.step_time_s, tokens_per_s=r.tokens_per_s,
-                         received_at=r.received_at)
-            for r in self.c.execute(q)
-        ]
+            t.metrics.c.attempt, t.metrics.c.step)
+        return [MetricRecord(attempt=r.attempt, step=r.step, loss=r.loss, grad_norm=r.grad_norm, lr=r.lr,
+                             step_time_s=r.step_time_s, tokens_per_s=r.tokens_per_s,
+                             received_at=r.received_at) for r in self.c.execute(q)]
 
-    def last_step_before(self, run_number: int, attempt: int, at: float) -> float | None:
-        """When the attempt's last step before ``at`` was received (None: no step)."""
-        q = select(func.max(t.metrics.c.received_at)).where(
-            t.metrics.c.run_number == run_number, t.metrics.c.attempt == attempt,
-            t.metrics.c.received_at <= at)
-        value = self.c.execute(q).scalar()
-        return None if value is None else float(value)
+    def attempt_stats(self, run_number: int) -> dict[int, AttemptStats]:
+        q = select(t.attempt_stats).where(t.attempt_stats.c.run_number == run_number)
+        return {r.attempt: stats_of(r) for r in self.c.execute(q)}
 
-    def latest_metric(self, run_number: int) -> MetricRecord | None:
-        q = (
-            select(t.metrics)
-            .where(t.metrics.c.run_number == run_number)
-            .order_by(t.metrics.c.received_at.desc(), t.metrics.c.step.desc())
-            .limit(1)
-        )
-        r = self.c.execute(q).first()
-        if r is None:
-            return None
-        return MetricRecord(attempt=r.attempt, step=r.step, loss=r.loss, grad_norm=r.grad_norm, lr=r.lr,
-                            step_time_s=r.step_time_s, tokens_per_s=r.tokens_per_s,
-                            received_at=r.received_at)
+    def stats_of_attempt(self, run_number: int, attempt: int) -> AttemptStats | None:
+        row = self.c.execute(select(t.attempt_stats).where(t.attempt_stats.c.run_number == run_number,
+                                                           t.attempt_stats.c.attempt == attempt)).first()
+        return stats_of(row) if row is not None else None
+
+    def newest_stats(self, run_number: int) -> AttemptStats | None:
+        """The stats of the newest attempt that made a step: the run's latest step and loss."""
+        row = self.c.execute(select(t.attempt_stats).where(
+            t.attempt_stats.c.run_number == run_number, t.attempt_stats.c.steps > 0).order_by(
+            t.attempt_stats.c.attempt.desc()).limit(1)).first()
+        return stats_of(row) if row is not None else None
+
+    def put_attempt_stats(self, run_number: int, s: AttemptStats) -> None:
+        values = {k: getattr(s, k) for k in STATS_COLUMNS}
+        key = (t.attempt_stats.c.run_number == run_number, t.attempt_stats.c.attempt == s.attempt)
+        done = self.c.execute(update(t.attempt_stats).where(*key).values(**values))
+        if done.rowcount == 0:
+            self.c.execute(insert(t.attempt_stats).values(run_number=run_number, attempt=s.attempt, **values))
+
+    def extend_curve(self, run_number: int, points: Sequence[CurvePoint]) -> None:
+        """Rank 0's new steps, in order, into the run's downsampled loss curve."""
+        row = self.c.execute(select(t.runs.c.curve_seq, t.runs.c.curve_stride).where(
+            t.runs.c.number == run_number)).first()
+        if row is None or not points:
+            return
+        seq, stride = int(row.curve_seq), int(row.curve_stride)
+        for p in points:
+            seq += 1
+            if seq % stride == 0:
+                self.c.execute(insert(t.loss_curve).prefix_with("OR IGNORE").values(
+                    run_number=run_number, seq=seq, attempt=p.attempt, step=p.step, loss=finite(p.loss),
+                    grad_norm=finite(p.grad_norm), step_time_s=p.step_time_s, at=p.at))
+            if seq // stride > t.CURVE_POINTS:  # twice the points wanted: keep every other
+                stride *= 2
+                self.c.execute(delete(t.loss_curve).where(t.loss_curve.c.run_number == run_number,
+                                                          t.loss_curve.c.seq % stride != 0))
+        self.c.execute(update(t.runs).where(t.runs.c.number == run_number).values(curve_seq=seq,
+                                                                                 curve_stride=stride))
+
+    def curve(self, run_number: int) -> list[CurvePoint]:
+        q = select(t.loss_curve).where(t.loss_curve.c.run_number == run_number).order_by(t.loss_curve.c.seq)
+        return [CurvePoint(attempt=r.attempt, step=r.step, loss=r.loss, grad_norm=r.grad_norm,
+                           step_time_s=r.step_time_s, at=r.at) for r in self.c.execute(q)]
+
+    # --- retention --------------------------------------------------------------------
+
+    def prune_metrics(self, before: float, limit: int) -> int:
+        """Delete up to ``limit`` raw steps received before ``before``; how many went."""
+        old: Select[Any] = select(literal_column("rowid")).select_from(t.metrics).where(
+            t.metrics.c.received_at < before).limit(limit)
+        return int(self.c.execute(delete(t.metrics).where(literal_column("rowid").in_(old))).rowcount)
+
+    def prune_events(self, before: float, limit: int) -> int:
+        """Delete up to ``limit`` events older than ``before`` that have been published."""
+        old = select(t.events.c.id).where(t.events.c.ts < before,
+                                          t.events.c.id.not_in(select(t.outbox.c.event_id))).limit(limit)
+        return int(self.c.execute(delete(t.events).where(t.events.c.id.in_(old))).rowcount)
 
     # --- events and outbox ----------------------------------------------------------
 
@@ -89,6 +121,14 @@ class TelemetryQueries:
         if kind is not None:
             q = q.where(t.events.c.kind == kind)
         return [event_of(r) for r in self.c.execute(q)]
+
+    def injected_at(self, run_number: int, attempt: int, before: float) -> float | None:
+        """When a drill last injected a fault into ``attempt`` at or before ``before``."""
+        q = select(t.events.c.ts, t.events.c.data).where(
+            t.events.c.run_number == run_number, t.events.c.kind == "chaos.injected", t.events.c.ts <= before,
+        ).order_by(t.events.c.id.desc()).limit(50)
+        times = (float(ts) for ts, data in self.c.execute(q) if json.loads(data).get("attempt") == attempt)
+        return next(times, None)
 
     def count_events(self, run_number: int, kind: str) -> int:
         q = select(func.count()).select_from(t.events).where(t.events.c.run_number == run_number,

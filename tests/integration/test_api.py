@@ -13,10 +13,12 @@ from api.auth import TokenAuth
 from supervisor.domain import FaultKind, Node, NodeState, RunState
 from supervisor.launchers.local import LocalLauncher
 from supervisor.metrics import SupervisorMetrics
+from supervisor.recorder import TelemetryRecorder
 from supervisor.service import SupervisorService
 from supervisor.store import SqlStore
 from supervisor.telemetry import TelemetryView
 from supervisor.views import DaemonHealth
+from trainer import protocol as p
 
 SPEC = {"name": "api", "resources": {"nodes": 2, "ranks_per_node": 2, "spares": 1}, "trainer": {"steps": 5}}
 TOKEN = "a-token-for-the-tests-0123456789abcdefghijk"
@@ -191,11 +193,14 @@ def test_a_drain_reason_is_one_line_of_text(client: TestClient, reason: str) -> 
 
 def test_checkpoints_goodput_and_the_loss_curve(client: TestClient) -> None:
     client.post("/v1/runs", json={"spec": SPEC})
-    with client.store.tx() as tx:  # type: ignore[attr-defined]
-        for step in range(1, 51):
-            tx.add_metric(1, attempt=1, step=step, loss=5.0 - step / 20, grad_norm=0.5, lr=1e-3,
-                          step_time_s=0.1, tokens_per_s=1e4, now=1000.0 + step)
-        tx.record_checkpoint(1, step=20, path="/ck/20", complete=True, duration_s=0.3, attempt=1, now=1020.0)
+    telemetry = TelemetryView()  # rank 0's steps, recorded as the daemon records them
+    for step in range(1, 51):
+        telemetry.ingest(*p.encode(p.StepMetrics(run="run-1", attempt=1, rank=0, ts=0.0, step=step,
+                                                 loss=5.0 - step / 20, grad_norm=0.5, lr=1e-3, step_time_s=0.1,
+                                                 tokens_per_s=1e4)), 1000.0 + step)
+    telemetry.ingest(*p.encode(p.CheckpointCommitted(run="run-1", attempt=1, rank=0, ts=0.0, step=20,
+                                                     path="/ck/20", duration_s=0.3)), 1020.5)
+    TelemetryRecorder(client.store, telemetry).record()  # type: ignore[attr-defined]
     assert client.get("/v1/runs/run-1/checkpoints").json() == [
         {"step": 20, "path": "/ck/20", "complete": True, "duration_s": 0.3, "attempt": 1}]
     assert client.get("/v1/runs/run-1/goodput").json()["ettr"] is None, "no attempt has started"
@@ -232,11 +237,9 @@ def test_metrics_for_prometheus(tmp_path: Path) -> None:
     client = TestClient(create_app(service, TokenAuth(TOKEN), metrics),
                         headers={"Authorization": f"Bearer {TOKEN}"})
     client.post("/v1/runs", json={"spec": SPEC})
-    with store.tx() as tx:
-        tx.add_metric(1, attempt=1, step=1, loss=5.0, grad_norm=0.5, lr=1e-3, step_time_s=0.1,
-                      tokens_per_s=1e4, now=100.0)
+    with store.tx() as tx:  # as the executor records a fault: with the attempt's last step's time
         tx.add_fault(1, attempt=1, kind=FaultKind.RANK_EXIT, ranks=[3], nodes=["local-2"], step=1,
-                     summary="rank 3 killed", now=103.0)
+                     summary="rank 3 killed", now=103.0, last_step_at=100.0)
         tx.mark_faults_recovered(1, 112.0)
     text = client.get("/metrics").text
     store.close()

@@ -473,11 +473,11 @@ def test_an_auto_checkpoint_interval_is_set_at_each_attempt_from_what_was_measur
     [a1] = attempts(store)
     config = json.loads((tmp_path / "runs" / "run-1" / "attempts" / "1" / "trainer.json").read_text())
     assert config["checkpoint"]["every_steps"] == 50, "nothing measured yet: the first attempt's interval"
-    with store.tx() as tx:
-        for n in range(1, 31):
-            tx.add_metric(1, attempt=1, step=n, loss=1.0, grad_norm=1.0, lr=0.1, step_time_s=0.1,
-                          tokens_per_s=1.0, now=clock())
-        tx.record_checkpoint(1, step=20, path="/ck/20", complete=True, duration_s=0.5, attempt=1, now=clock())
+    for n in range(1, 31):  # what rank 0 reports, recorded by the next tick
+        telemetry.ingest(*p.encode(p.StepMetrics(run="run-1", attempt=1, rank=0, ts=0.0, step=n, loss=1.0,
+                                                 grad_norm=1.0, lr=0.1, step_time_s=0.1, tokens_per_s=1.0)), clock())
+    telemetry.ingest(*p.encode(p.CheckpointCommitted(run="run-1", attempt=1, rank=0, ts=0.0, step=20, path="/ck/20",
+                                                     duration_s=0.5)), clock())
     launcher.procs[a1.launch_info][0] = (ProcState.EXITED, 1)
     for _ in range(3):
         clock.t += 1

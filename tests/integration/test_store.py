@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from supervisor.domain import (
     Attempt,
     AttemptState,
     CommandKind,
+    CurvePoint,
     FaultKind,
     Node,
     NodeCommandKind,
@@ -34,7 +36,8 @@ def store(tmp_path: Path) -> SqlStore:
 
 def new_run(store: SqlStore, tmp_path: Path, name: str = "t") -> int:
     with store.tx() as tx:
-        run = tx.create_run(name=name, spec_json="{}", run_dir_root=tmp_path / "runs", nodes=2, ranks_per_node=2,
+        run = tx.create_run(name=name, spec_json="{}", run_dir_root=tmp_path / "runs", nodes=2,
+                            ranks_per_node=2,
                             spares=1, total_steps=10, policy=Policy(failures_without_progress=2), now=1.0)
     return run.number
 
@@ -147,7 +150,8 @@ def test_faults_and_nodes(store: SqlStore, tmp_path: Path) -> None:
         assert tx.mark_faults_recovered(number, 8.0) == 1
         [f] = tx.list_faults(number)
         assert (f.kind, f.ranks, f.nodes, f.recovered_at) == (FaultKind.NODE_LOST, (2, 3), ("b",), 8.0)
-        tx.add_fault(other, attempt=1, kind=FaultKind.HANG, ranks=(0,), nodes=("b",), step=3, summary="", now=9.0)
+        tx.add_fault(other, attempt=1, kind=FaultKind.HANG, ranks=(0,), nodes=("b",), step=3, summary="",
+                     now=9.0)
         assert [(g.run_number, g.kind) for g in tx.faults_since(5.0)] == [(number, FaultKind.NODE_LOST),
                                                                           (other, FaultKind.HANG)]
         assert [g.run_number for g in tx.faults_since(6.0)] == [other]
@@ -175,7 +179,8 @@ def test_a_version_3_database_gains_the_event_kind_and_fault_time_indexes(store:
     conn.close()
 
 
-def test_a_version_4_database_keeps_its_commands_and_gains_node_commands(store: SqlStore, tmp_path: Path) -> None:
+def test_a_version_4_database_keeps_its_commands_and_gains_node_commands(store: SqlStore,
+                                                                         tmp_path: Path) -> None:
     number = new_run(store, tmp_path)
     store.close()
     conn = sqlite3.connect(store.path)
@@ -199,4 +204,109 @@ def test_a_version_4_database_keeps_its_commands_and_gains_node_commands(store: 
         assert tx.pending_commands() == [old], "a node's command is not a run's"
         with pytest.raises(NotFound):
             tx.add_node_command("n9", NodeCommandKind.DRAIN, "x", 6.0)
+    again.close()
+
+
+def test_a_migration_that_fails_midway_leaves_the_database_as_it_was(store: SqlStore, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every migration of an upgrade runs in one transaction (an explicit BEGIN): DDL rolls
+    back with the rest. Here _v5 renames the commands table, then fails before rebuilding it;
+    the database must still open at version 4 with its commands, and upgrade once fixed."""
+    number = new_run(store, tmp_path)
+    with store.tx() as tx:
+        tx.add_command(number, CommandKind.PAUSE, 5.0)
+    store.close()
+    conn = sqlite3.connect(store.path)
+    conn.executescript(f"""
+        DROP TABLE commands;
+        CREATE TABLE commands (id INTEGER PRIMARY KEY AUTOINCREMENT,
+            run_number INTEGER NOT NULL REFERENCES runs (number), kind VARCHAR(16) NOT NULL,
+            created_at FLOAT NOT NULL, handled_at FLOAT, result TEXT);
+        INSERT INTO commands (run_number, kind, created_at) VALUES ({number}, 'pause', 5.0);
+        UPDATE schema_version SET version = 4;""")
+    conn.close()
+
+    def broken_v5(c: object) -> None:
+        c.exec_driver_sql("ALTER TABLE commands RENAME TO commands_v4")  # type: ignore[attr-defined]
+        raise RuntimeError("power cut in the middle of _v5")
+
+    broken = [*store_schema.MIGRATIONS[:4], broken_v5, *store_schema.MIGRATIONS[5:]]
+    with monkeypatch.context() as m:
+        m.setattr(store_schema, "MIGRATIONS", broken)
+        with pytest.raises(RuntimeError, match="power cut"):
+            SqlStore(store.path).open()
+    conn = sqlite3.connect(store.path)
+    tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert "commands" in tables and "commands_v4" not in tables, "the rename rolled back"
+    assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 4
+    conn.close()
+    again = SqlStore(store.path)
+    again.open()  # the real _v5 (and the rest) now upgrade it
+    with again.tx() as tx:
+        [old] = tx.pending_commands()
+        assert (old.run_number, old.kind) == (number, CommandKind.PAUSE)
+    again.close()
+
+
+def test_the_loss_curve_stays_bounded_and_spans_the_whole_run(store: SqlStore, tmp_path: Path) -> None:
+    number = new_run(store, tmp_path)
+    with store.tx() as tx:
+        for chunk in range(10):  # 5,000 steps in ten ticks
+            tx.extend_curve(number, [CurvePoint(attempt=1, step=s, loss=1.0, grad_norm=1.0, step_time_s=0.1,
+                                                at=s)
+                                     for s in range(chunk * 500 + 1, chunk * 500 + 501)])
+        points = tx.curve(number)
+    assert store_schema.CURVE_POINTS // 2 <= len(points) <= store_schema.CURVE_POINTS
+    steps = [p.step for p in points]
+    assert steps == sorted(steps) and steps[0] <= 10 and steps[-1] >= 4990, "evenly over the whole run"
+    assert len({b - a for a, b in itertools.pairwise(steps)}) == 1
+
+
+def test_retention_prunes_old_raw_steps_and_published_events_and_keeps_the_rest(store: SqlStore,
+                                                                               tmp_path: Path) -> None:
+    number = new_run(store, tmp_path)
+    with store.tx() as tx:
+        for step in range(1, 101):
+            assert tx.add_metric(number, attempt=1, step=step, loss=1.0, grad_norm=1.0, lr=0.1,
+                                 step_time_s=0.1,
+                                 tokens_per_s=1.0, now=float(step))
+        assert not tx.add_metric(number, attempt=1, step=7, loss=1.0, grad_norm=1.0, lr=0.1, step_time_s=0.1,
+                                 tokens_per_s=1.0, now=7.0), "a duplicate delivery is kept once"
+        old = [tx.add_event(number, "x", "old", {}, float(t)) for t in range(10)]
+        tx.mark_published(old[:5])  # the other five are still waiting to be published
+        tx.add_event(number, "x", "new", {}, 500.0)
+        assert tx.prune_metrics(before=51.0, limit=30) == 30
+        assert tx.prune_metrics(before=51.0, limit=30) == 20
+        assert [m.step for m in tx.list_metrics(number)] == list(range(51, 101))
+        assert tx.prune_events(before=100.0, limit=100) == 5
+        assert [e.message for e in tx.list_events(number, kind="x")] == ["old"] * 5 + ["new"]
+
+
+def test_a_version_6_database_gains_stats_and_a_curve_from_the_steps_it_kept(store: SqlStore,
+                                                                           tmp_path: Path) -> None:
+    number = new_run(store, tmp_path)
+    with store.tx() as tx:
+        for step in range(1, 2501):
+            tx.add_metric(number, attempt=1 + step // 2000, step=step, loss=3.0, grad_norm=1.0, lr=0.1,
+                          step_time_s=0.5, tokens_per_s=1.0, now=float(step))
+        tx.add_fault(number, attempt=1, kind=FaultKind.RANK_EXIT, ranks=[0], nodes=["n"], step=1999,
+                     summary="x",
+                     now=1999.5)
+    store.close()
+    conn = sqlite3.connect(store.path)
+    conn.executescript("DROP TABLE attempt_stats; DROP TABLE loss_curve; UPDATE runs SET curve_seq = 0, "
+                       "curve_stride = 1; UPDATE faults SET last_step_at = NULL; UPDATE schema_version SET version = 6;")
+    conn.close()
+    again = SqlStore(store.path)
+    again.open()
+    with again.tx() as tx:
+        stats = tx.attempt_stats(number)
+        assert (stats[1].steps, stats[1].first_step, stats[1].last_step, stats[1].step_time_s) == (1999, 1,
+                                                                                                   1999,
+                                                                                                   999.5)
+        assert (stats[2].steps, stats[2].last_at, stats[2].first_step_time_s) == (501, 2500.0, 0.5)
+        curve = tx.curve(number)
+        assert 500 <= len(curve) <= store_schema.CURVE_POINTS and curve[-1].step > 2400
+        [fault] = tx.list_faults(number)
+        assert fault.last_step_at == 1999.0
     again.close()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from supervisor.domain import (
     Attempt,
     AttemptOutcome,
     AttemptState,
-    CheckpointRecord,
+    AttemptStats,
     FaultKind,
     FaultRecord,
     MetricRecord,
@@ -16,7 +18,7 @@ from supervisor.domain import (
     Run,
     RunState,
 )
-from supervisor.goodput import account
+from supervisor.goodput import account, stats_from, with_step
 
 
 def metric(attempt: int, step: int, at: float) -> MetricRecord:
@@ -38,10 +40,10 @@ def test_breakdown_of_a_run_with_one_rollback() -> None:
     ]
     metrics = [metric(1, s, 4.0 + s) for s in range(1, 13)] + [metric(2, s, 13.0 + s) for s in range(11, 21)]
     faults = [FaultRecord(id=1, run_number=1, attempt=1, kind=FaultKind.RANK_EXIT, ranks=(0,), nodes=("a",),
-                          step=12, summary="", detected_at=17.0, recovered_at=24.0)]
-    checkpoints = [CheckpointRecord(step=10, path="/c", complete=True, duration_s=0.5, attempt=1,
-                                    created_at=14.0)]
-    g = account(run, attempts, metrics, faults, checkpoints, now=100.0)
+                          step=12, summary="", detected_at=17.0, recovered_at=24.0, last_step_at=16.0)]
+    stats = stats_from(metrics)
+    stats[1] = replace(stats[1], checkpoints=1, checkpoint_s=0.5)  # step 10's save, 10 steps in
+    g = account(run, attempts, stats, faults, {(1, 10): 10.0}, now=100.0)
     assert g.wall_s == 34.0
     assert (g.kept_steps, g.lost_steps) == (20, 2)  # steps 11 and 12 of attempt 1 were recomputed
     assert g.productive_s == 20.0 and g.lost_s == 2.0
@@ -57,4 +59,26 @@ def test_breakdown_of_a_run_with_one_rollback() -> None:
 def test_no_attempt_started_has_no_ettr() -> None:
     run = Run(number=1, name="t", state=RunState.PENDING, reason="", nodes=1, ranks_per_node=1, spares=0,
               total_steps=20, policy=Policy(), created_at=0.0)
-    assert account(run, [], [], [], [], now=5.0).ettr is None
+    assert account(run, [], {}, [], {}, now=5.0).ettr is None
+
+
+def test_without_the_checkpoint_s_record_the_kept_part_is_pro_rata() -> None:
+    run = Run(number=1, name="t", state=RunState.RUNNING, reason="", nodes=1, ranks_per_node=1, spares=0,
+              total_steps=100, policy=Policy(), created_at=0.0)
+    attempts = [Attempt(run_number=1, number=n, state=AttemptState.ENDED, nodes=("a",), resume_from=None,
+                        resume_step=r, created_at=0.0, started_at=0.0) for n, r in ((1, 0), (2, 30))]
+    stats = {1: AttemptStats(attempt=1, steps=40, first_step=1, last_step=40, step_time_s=80.0, first_at=2.0,
+                             last_at=82.0, first_step_time_s=2.0)}
+    g = account(run, attempts, stats, [], {}, now=100.0)
+    assert (g.productive_s, g.lost_s, g.kept_steps, g.lost_steps) == (60.0, 20.0, 30, 10)
+
+
+def test_stats_kept_as_steps_arrive_equal_stats_of_every_step() -> None:
+    """The recorder's running sums (with_step, one step at a time) and a whole recount agree."""
+    metrics = [metric(1, s, 4.0 + s) for s in range(1, 13)]
+    running = AttemptStats(attempt=1)
+    for m in metrics:
+        running = with_step(running, m)
+    assert stats_from(metrics) == {1: running}
+    assert (running.steps, running.first_step, running.last_step, running.step_time_s) == (12, 1, 12, 12.0)
+    assert (running.first_at, running.last_at, running.first_step_time_s) == (5.0, 16.0, 1.0)

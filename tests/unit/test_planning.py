@@ -24,16 +24,15 @@ def test_llama3_rate_and_the_young_daly_interval() -> None:
 
 
 def test_an_auto_interval_follows_what_the_run_measured() -> None:
-    first = planning.auto_every_steps([], [0.2], nodes=2, failures_per_node_day=1.0, total_steps=1000)
+    first = planning.auto_every_steps(None, 0.2, nodes=2, failures_per_node_day=1.0, total_steps=1000)
     assert first.every_steps == planning.AUTO_FIRST_EVERY_STEPS and "until a checkpoint" in first.why
     # 2 nodes failing once a day each: MTBF 12 h; 0.5 s checkpoints -> sqrt(2 x 0.5 x 43200) = 207.8 s
-    auto = planning.auto_every_steps([0.4, 0.5, 0.9], [0.1, 0.2, 0.2], nodes=2, failures_per_node_day=1.0,
-                                     total_steps=100_000)
+    auto = planning.auto_every_steps(0.5, 0.2, nodes=2, failures_per_node_day=1.0, total_steps=100_000)
     assert auto.every_steps == round(math.sqrt(2 * 0.5 * 43_200) / 0.2) == 1039
     assert "MTBF 12.0 h" in auto.why and "0.50 s a checkpoint" in auto.why
-    capped = planning.auto_every_steps([0.5], [0.2], nodes=2, failures_per_node_day=1.0, total_steps=80)
+    capped = planning.auto_every_steps(0.5, 0.2, nodes=2, failures_per_node_day=1.0, total_steps=80)
     assert capped.every_steps == 80 and "only 80 steps" in capped.why
-    often = planning.auto_every_steps([0.5], [0.2], nodes=2048, failures_per_node_day=1.0, total_steps=10**6)
+    often = planning.auto_every_steps(0.5, 0.2, nodes=2048, failures_per_node_day=1.0, total_steps=10**6)
     assert often.every_steps < auto.every_steps, "more nodes fail more often: checkpoint more often"
 
 
