@@ -17,7 +17,7 @@ unless they come from this host. ``/healthz`` is open. Bodies are limited to
     GET  /v1/runs/{run}                 one run: attempts, faults, goodput, ...
     GET  /v1/runs/{run}/events          its event log, a page at a time
     GET  /v1/runs/{run}/events/stream   the same as server-sent events, until the run ends
-    GET  /v1/runs/{run}/checkpoints     the checkpoints it made or found
+    GET  /v1/runs/{run}/checkpoints     the newest checkpoints it made or found (?newest=N)
     GET  /v1/runs/{run}/goodput         where its wall-clock time went
     GET  /v1/runs/{run}/metrics         rank 0's step metrics (the loss curve)
     POST /v1/runs/{run}/{pause|resume|restart|cancel}                             (token)
@@ -170,8 +170,9 @@ def create_app(service: SupervisorService, auth: TokenAuth, metrics: SupervisorM
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.get("/v1/runs/{run_id}/checkpoints", dependencies=read)
-    def checkpoints(run_id: RunId) -> list[CheckpointView]:
-        return service.checkpoints(run_id)
+    def checkpoints(run_id: RunId,
+                    newest: Annotated[int, Query(ge=1, le=100_000)] = 100) -> list[CheckpointView]:
+        return service.checkpoints(run_id, newest)
 
     @app.get("/v1/runs/{run_id}/goodput", dependencies=read)
     def goodput(run_id: RunId) -> GoodputView:

@@ -24,7 +24,7 @@ one mosquitto for all, started on a free port and stopped by its pid at the end)
 - the supervisor side, a child process of this script (``--role supervisor``) running
   what the daemon runs on its event loop: ``supervisor.telemetry.MqttLink`` feeding a
   ``TelemetryView``, and every ``tick_s`` (0.25 s, the daemon's default) the
-  reconciler's judgement of the live attempt: ``Reconciler._observe`` (the view turned
+  reconciler's judgement of the live attempt: ``Observer._observe_attempt`` (the view turned
   into one ``RankObs`` per rank, the launcher reporting every rank UNKNOWN as the Slurm
   launcher does for a running step) and then ``supervisor.policy.decide``, the function
   the reconciler calls. Both share one thread, as in the daemon, so a slow tick delays
@@ -95,9 +95,9 @@ Output: one JSON object on stdout (progress on stderr). Fields:
         cpu_us_per_message (its CPU over the messages ingested; null below 100 of them),
         ingest_pct (CPU in TelemetryView.ingest: decode and apply), tick_pct (CPU in
         the ticks), transport_pct (the rest: aiomqtt/paho reading packets, the event
-        loop), tick_ms {p50, max, observe_p50 (Reconciler._observe), decide_p50
+        loop), tick_ms {p50, max, observe_p50 (Observer._observe_attempt), decide_p50
         (policy.decide), step_time_p99_once (one TelemetryView.step_time_p99 call, which
-        every _observe makes)}, all CPU time; lag_ms {p50, p99, max} (receipt time
+        every observation makes)}, all CPU time; lag_ms {p50, p99, max} (receipt time
         minus the sender's ``ts``, sampled every 64th message), prefill_s
       load_generator: cpu_pct (its thread's CPU, of one core), late_slices (slices sent
         more than a slice behind schedule: the generator itself fell behind)
@@ -163,8 +163,8 @@ from supervisor.domain import (
     RunView,
 )
 from supervisor.launchers.base import RankProc
+from supervisor.observe import Observer
 from supervisor.policy import decide, hang_limit
-from supervisor.reconciler import Reconciler, ReconcilerConfig
 from supervisor.spec import RunSpec
 from supervisor.telemetry import STEP_TIMES_KEPT, MqttLink, TelemetryView
 from trainer import protocol as p
@@ -474,7 +474,7 @@ class TimedView(TelemetryView):
 
 
 class SlurmLikeLauncher:
-    """What Reconciler._observe asks of a launcher: every rank of a running Slurm step is
+    """What the observer asks of a launcher: every rank of a running Slurm step is
     UNKNOWN (not observable, never treated as dead); liveness comes from telemetry."""
 
     def __init__(self) -> None:
@@ -490,14 +490,15 @@ class Judge:
     def __init__(self, view: TimedView, mqtt_url: str, run_dir: Path) -> None:
         self.view = view
         self.launcher = SlurmLikeLauncher()
-        # Only _observe is used: it reads the launcher and the telemetry view, never the store.
-        config = ReconcilerConfig(mqtt_url=mqtt_url)
-        self.reconciler = Reconciler(None, self.launcher, view, config, time.time)  # type: ignore[arg-type]
+        # Only the live attempt's observation is used: it reads the launcher and the telemetry
+        # view, never the store nor the probes.
+        self.observer = Observer(None, self.launcher, view, None, mqtt_url=mqtt_url,  # type: ignore[arg-type]
+                                 clock=time.time)
         self.spec = RunSpec(name="scale", trainer={"steps": 10**9})
         self.run_dir = run_dir
         self.run_view: RunView | None = None
         self.said: set[tuple[str, tuple[str, ...]]] = set()  # (kind, nodes) of the faults reported
-        self.tick_times: list[tuple[float, float]] = []  # CPU seconds in (_observe, decide)
+        self.tick_times: list[tuple[float, float]] = []  # CPU seconds in (observe, decide)
 
     def setup(self, ranks: int, ranks_per_node: int, step_s: float, prefill: bool) -> dict[str, Any]:
         now = time.time()
@@ -518,7 +519,7 @@ class Judge:
         self.run_view = RunView(run=run, attempts=(attempt,), allocation=allocation, newest_checkpoint=None)
         prefill_s = time.perf_counter() - began
         began = time.thread_time()
-        self.view.step_time_p99(RUN_ID, ATTEMPT)  # what every tick's _observe computes
+        self.view.step_time_p99(RUN_ID, ATTEMPT)  # what every tick's observation computes
         return {"prefill_s": round(prefill_s, 2), "p99_cpu_s": time.thread_time() - began}
 
     def _prefill(self, layout: Layout, step_s: float, now: float) -> None:
@@ -547,13 +548,13 @@ class Judge:
 
     def tick(self) -> None:
         now = time.time()
-        # What _persist_telemetry would store in SQLite (rank 0's steps): dropped here.
+        # What the recorder would store in SQLite (rank 0's steps): dropped here.
         self.view.drop_durable(len(self.view.peek_durable()))
         if self.run_view is None:
             return
         began = time.thread_time()
         live = self.run_view.attempts[0]
-        obs = self.reconciler._observe(self.run_view.run, self.spec, self.run_dir, live, now)
+        obs = self.observer._observe_attempt(self.run_view.run, self.spec, self.run_dir, live, now)
         assert obs is not None
         observed = time.thread_time()
         effects = decide(self.run_view, obs, now)

@@ -119,11 +119,11 @@ def make_cluster(settings: DaemonSettings) -> Cluster:
 
 class Daemon:
     def __init__(self, settings: DaemonSettings, clock: Callable[[], float] = time.time, *,
-                 api: ApiFactory | None = None) -> None:
+                 api: ApiFactory | None = None, cluster: Cluster | None = None) -> None:
         self.settings = settings
         self.clock = clock
         self.store = SqlStore(settings.state_dir / "supervisor.db")
-        self.cluster = make_cluster(settings)
+        self.cluster = cluster or make_cluster(settings)
         self.launcher = self.cluster.launcher
         self.telemetry = TelemetryView()
         self._api_factory = api
@@ -352,7 +352,10 @@ def _api_token(path: Path) -> str:
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on accepted sockets that say TCP (with
+    # proto 0, a keep-alive request's response waited 40 ms for the client's delayed ACK).
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                         socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -86,12 +86,13 @@ def account(run: Run, attempts: Sequence[Attempt], stats: Mapping[int, AttemptSt
     productive_s = lost_s = 0.0
     kept_steps = lost_steps = 0
     ordered = sorted(attempts, key=lambda a: a.number)
+    rewound_to = _rewound_to(ordered)
     for i, a in enumerate(ordered):
         s = stats.get(a.number)
         if s is None or s.steps == 0 or s.last_step is None:
             continue
-        later = [b.resume_step for b in ordered[i + 1:]]
-        cut = min(later) if later else s.last_step
+        later = rewound_to[i]
+        cut = s.last_step if later is None else later
         if cut >= s.last_step:
             kept_s, kept = s.step_time_s, s.steps
         elif cut <= a.resume_step:
@@ -119,11 +120,11 @@ def account(run: Run, attempts: Sequence[Attempt], stats: Mapping[int, AttemptSt
             startup_s += max(0.0, until - a.started_at)
 
     detection_s = recovery_s = 0.0
+    started_after = _started_after(ordered)
     for f in faults:
         if f.last_step_at is not None:  # (a fault before the first step is startup time, counted above)
             detection_s += max(0.0, f.detected_at - f.last_step_at)
-        nxt = next((a for a in ordered if a.number > f.attempt and a.started_at is not None), None)
-        resumed_at = nxt.started_at if nxt is not None else None
+        resumed_at = started_after.get(f.attempt)
         recovery_s += max(0.0, (resumed_at or run.ended_at or now) - f.detected_at)
 
     accounted = productive_s + lost_s + checkpoint_s + startup_s + detection_s + recovery_s
@@ -133,3 +134,25 @@ def account(run: Run, attempts: Sequence[Attempt], stats: Mapping[int, AttemptSt
         other_s=max(0.0, wall_s - accounted), ettr=productive_s / wall_s if wall_s > 0 else None,
         kept_steps=kept_steps, lost_steps=lost_steps,
     )
+
+
+def _rewound_to(ordered: Sequence[Attempt]) -> list[int | None]:
+    """For each attempt, the oldest step a later attempt resumed from (None: no later one)."""
+    out: list[int | None] = [None] * len(ordered)
+    low: int | None = None
+    for i in range(len(ordered) - 1, -1, -1):
+        out[i] = low
+        low = ordered[i].resume_step if low is None else min(low, ordered[i].resume_step)
+    return out
+
+
+def _started_after(ordered: Sequence[Attempt]) -> dict[int, float]:
+    """Attempt number -> when the next attempt that started did so."""
+    out: dict[int, float] = {}
+    nxt: float | None = None
+    for a in reversed(ordered):
+        if nxt is not None:
+            out[a.number] = nxt
+        if a.started_at is not None:
+            nxt = a.started_at
+    return out

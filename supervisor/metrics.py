@@ -85,7 +85,8 @@ class _StoreCollector(Collector):
             outbox = tx.outbox_size()
             recent = [r for r in runs if r.state not in TERMINAL_RUN_STATES
                       or (r.ended_at is not None and now - r.ended_at <= RECENT_S)]
-            per_run = {r.number: (tx.attempt_stats(r.number), tx.list_checkpoints(r.number)) for r in recent}
+            per_run = {r.number: (tx.attempt_stats(r.number), tx.list_checkpoints(
+                r.number, steps={a.resume_step for a in attempts[r.number]})) for r in recent}
 
         g = GaugeMetricFamily("tsup_runs", "Runs in each state", labels=["state"])
         for state in RunState:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from supervisor.views import CheckpointView, EventView, GoodputView, NodeView, RunDetail, RunSummary
+from supervisor.views import (
+    CHECKPOINTS_SHOWN,
+    CheckpointView,
+    EventView,
+    GoodputView,
+    NodeView,
+    RunDetail,
+    RunSummary,
+)
 
 
 def _t(ts: float | None) -> str:
@@ -46,7 +54,8 @@ def run_detail(d: RunDetail) -> str:
         lines.append(f"  transient spikes: {d.transient_spikes} (reported, not acted on)")
     complete = [c for c in d.checkpoints if c.complete]
     if complete:
-        lines.append(f"  checkpoints: {len(complete)} complete, newest at step {complete[-1].step}")
+        shown = "" if len(d.checkpoints) < CHECKPOINTS_SHOWN else f" of the newest {CHECKPOINTS_SHOWN}"
+        lines.append(f"  checkpoints: {len(complete)}{shown} complete, newest at step {complete[-1].step}")
     if d.goodput.ettr is not None:
         lines.append(f"  goodput:  {goodput_line(d.goodput)}")
     if d.model_digest:

@@ -13,17 +13,21 @@ from pathlib import Path
 
 from supervisor import goodput, node_health, trainer_cmd
 from supervisor.domain import (
+    Attempt,
     AttemptStats,
     CommandKind,
+    FaultRecord,
     NodeCommandKind,
     NodeState,
+    Run,
     parse_run_id,
 )
 from supervisor.errors import NotFound, SpecError
 from supervisor.launchers.base import Launcher, NodeAdmin
 from supervisor.spec import RunSpec
-from supervisor.store import SqlStore
+from supervisor.store import SqlStore, Tx
 from supervisor.views import (
+    CHECKPOINTS_SHOWN,
     CheckpointView,
     CommandAccepted,
     DaemonHealth,
@@ -114,12 +118,12 @@ class SupervisorService:
             attempts = tx.list_attempts(number)
             stats = tx.attempt_stats(number)
             faults = tx.list_faults(number)
-            checkpoints = tx.list_checkpoints(number)
+            checkpoints = tx.list_checkpoints(number, newest=CHECKPOINTS_SHOWN)
+            g = _account(tx, run, attempts, stats, faults, now)
             drained = [n.name for n in tx.allocation(number) if n.state is NodeState.DRAINED]
             stragglers = [StragglerView(attempt=x.attempt, rank=x.rank, node=x.node, busy_s=x.busy_s,
                                         typical_s=x.typical_s) for x in tx.list_stragglers(number)]
             transient_spikes = tx.count_events(number, "spike.transient")
-        g = goodput.account(run, attempts, stats, faults, goodput.checkpoint_times(checkpoints), now)
         summary = run_summary(run, attempts, _newest(stats))
         return RunDetail(
             **summary.model_dump(), model_digest=run.model_digest, final_step=run.final_step,
@@ -159,19 +163,19 @@ class SupervisorService:
                          {"node": name, "status": record.status, "action": record.action}, self.clock())
         return probe_view(record)
 
-    def checkpoints(self, run_id: str) -> list[CheckpointView]:
+    def checkpoints(self, run_id: str, newest: int = 100) -> list[CheckpointView]:
+        """The run's ``newest`` checkpoints (by step), oldest of them first."""
         number = _number(run_id)
         with self.store.tx() as tx:
             tx.get_run(number)
-            return [checkpoint_view(c) for c in tx.list_checkpoints(number)]
+            return [checkpoint_view(c) for c in tx.list_checkpoints(number, newest=newest)]
 
     def goodput(self, run_id: str) -> GoodputView:
         number = _number(run_id)
         with self.store.tx() as tx:
             run = tx.get_run(number)
-            g = goodput.account(run, tx.list_attempts(number), tx.attempt_stats(number),
-                                tx.list_faults(number),
-                                goodput.checkpoint_times(tx.list_checkpoints(number)), self.clock())
+            g = _account(tx, run, tx.list_attempts(number), tx.attempt_stats(number), tx.list_faults(number),
+                         self.clock())
         return goodput_view(g)
 
     def step_metrics(self, run_id: str, max_points: int = 1000) -> list[StepMetricView]:
@@ -215,3 +219,10 @@ def _number(run_id: str) -> int:
 def _newest(stats: dict[int, AttemptStats]) -> AttemptStats | None:
     """The newest attempt's stats that has a step: the run's latest step and loss."""
     return next((stats[a] for a in sorted(stats, reverse=True) if stats[a].steps), None)
+
+
+def _account(tx: Tx, run: Run, attempts: list[Attempt], stats: dict[int, AttemptStats],
+             faults: list[FaultRecord], now: float) -> goodput.Goodput:
+    """The run's goodput, reading only the checkpoints its attempts resumed from."""
+    resumed_from = tx.list_checkpoints(run.number, steps={a.resume_step for a in attempts})
+    return goodput.account(run, attempts, stats, faults, goodput.checkpoint_times(resumed_from), now)

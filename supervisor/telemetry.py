@@ -221,6 +221,11 @@ class TelemetryView:
             self.counts["durable_dropped"] += 1
         self._durable.append(item)
 
+    def durable_backlog(self) -> int:
+        """Items waiting to be recorded."""
+        with self._lock:
+            return len(self._durable)
+
     def peek_durable(self) -> list[Received]:
         with self._lock:
             return list(self._durable)

@@ -20,6 +20,10 @@ from supervisor.domain import (
 )
 from supervisor.goodput import Goodput
 
+# A run's detail lists its newest checkpoints, not all of them: a run of weeks makes
+# thousands (GET /v1/runs/{id}/checkpoints lists more).
+CHECKPOINTS_SHOWN = 20
+
 
 class RunSummary(BaseModel):
     run_id: str
@@ -102,7 +106,7 @@ class RunDetail(RunSummary):
     spares: int
     attempt_history: list[AttemptView]
     faults: list[FaultView]
-    checkpoints: list[CheckpointView]
+    checkpoints: list[CheckpointView]  # the newest CHECKPOINTS_SHOWN, oldest of them first
     goodput: GoodputView
     drained_nodes: list[str]
     ettr: float | None

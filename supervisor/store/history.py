@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from sqlalchemy import Connection, Select, func, insert, select, update
@@ -44,10 +44,15 @@ class HistoryQueries:
         )
         return True
 
-    def list_checkpoints(self, run_number: int) -> list[CheckpointRecord]:
-        q = select(t.checkpoints).where(t.checkpoints.c.run_number == run_number).order_by(
-            t.checkpoints.c.step
-        )
+    def list_checkpoints(self, run_number: int, newest: int | None = None,
+                         steps: Collection[int] | None = None) -> list[CheckpointRecord]:
+        """The run's checkpoints in step order: all, the ``newest`` few, or those at ``steps``."""
+        q = select(t.checkpoints).where(t.checkpoints.c.run_number == run_number)
+        if steps is not None:
+            q = q.where(t.checkpoints.c.step.in_(list(steps)))
+        if newest is not None:
+            q = select(q.order_by(t.checkpoints.c.step.desc()).limit(newest).subquery())
+        q = q.order_by("step")
         return [
             CheckpointRecord(step=r.step, path=r.path, complete=r.complete, duration_s=r.duration_s,
                              attempt=r.attempt, created_at=r.created_at, attempt_time_s=r.attempt_time_s)

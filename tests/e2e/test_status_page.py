@@ -40,10 +40,12 @@ from supervisor.domain import (
 )
 from supervisor.launchers.local import LocalLauncher
 from supervisor.metrics import SupervisorMetrics
+from supervisor.recorder import TelemetryRecorder
 from supervisor.service import SupervisorService
 from supervisor.store import SqlStore
 from supervisor.telemetry import TelemetryView
 from tests.conftest import free_port, port_open, require, wait_for
+from trainer import protocol as p
 
 pytestmark = pytest.mark.e2e
 
@@ -71,9 +73,7 @@ def _record_run(store: SqlStore, tmp_path: Path) -> None:
         tx.add_attempt(Attempt(run_number=n, number=1, state=AttemptState.LAUNCHING, nodes=("node-a", "node-c"),
                                resume_from=None, resume_step=0, created_at=t0))
         tx.update_attempt(n, 1, state=AttemptState.RUNNING, started_at=t0 + 5, first_step_at=t0 + 30)
-        for step in STEPS_1:
-            tx.add_metric(n, attempt=1, step=step, loss=_loss(step, 1), grad_norm=1.0, lr=3e-4,
-                          step_time_s=5.0, tokens_per_s=1000.0, now=t0 + 25 + 5 * step)
+        steps = [(1, step, t0 + 25 + 5 * step) for step in STEPS_1]
         tx.record_checkpoint(n, step=RESUME_STEP, path=str(tmp_path / "ckpt" / "step-40"), complete=True,
                              duration_s=2.0, attempt=1, now=t0 + 25 + 5 * RESUME_STEP)
         tx.add_fault(n, attempt=1, kind=FaultKind.RANK_EXIT, ranks=[2], nodes=["node-c"], step=50,
@@ -85,9 +85,7 @@ def _record_run(store: SqlStore, tmp_path: Path) -> None:
         tx.add_attempt(Attempt(run_number=n, number=2, state=AttemptState.RUNNING, nodes=("node-a", "node-b"),
                                resume_from=str(tmp_path / "ckpt" / "step-40"), resume_step=RESUME_STEP,
                                created_at=t0 + 300, started_at=t0 + 305, first_step_at=t0 + 330))
-        for step in STEPS_2:
-            tx.add_metric(n, attempt=2, step=step, loss=_loss(step, 2), grad_norm=1.0, lr=3e-4,
-                          step_time_s=5.0, tokens_per_s=1000.0, now=t0 + 330 + 5 * (step - RESUME_STEP))
+        steps += [(2, step, t0 + 330 + 5 * (step - RESUME_STEP)) for step in STEPS_2]
         tx.put_node(Node(name="node-a", state=NodeState.ALLOCATED, run_number=n), now)
         tx.put_node(Node(name="node-b", state=NodeState.ALLOCATED, run_number=n), now)
         tx.put_node(Node(name="node-c", state=NodeState.DRAINED, reason=DRAIN_REASON), now)
@@ -98,6 +96,12 @@ def _record_run(store: SqlStore, tmp_path: Path) -> None:
                               ranks_per_node=1, spares=0, total_steps=10, policy=Policy(), now=t0 + 400)
         tx.update_run(other.number, state=RunState.CANCELLED, reason="cancelled by an operator",
                       ended_at=t0 + 410)
+    telemetry = TelemetryView()  # rank 0's steps, recorded as the daemon records them
+    for attempt, step, at in steps:
+        telemetry.ingest(*p.encode(p.StepMetrics(run="run-1", attempt=attempt, rank=0, ts=0.0, step=step,
+                                                 loss=_loss(step, attempt), grad_norm=1.0, lr=3e-4, step_time_s=5.0,
+                                                 tokens_per_s=1000.0)), at)
+    TelemetryRecorder(store, telemetry).record()
 
 
 @dataclass

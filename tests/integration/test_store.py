@@ -310,3 +310,15 @@ def test_a_version_6_database_gains_stats_and_a_curve_from_the_steps_it_kept(sto
         [fault] = tx.list_faults(number)
         assert fault.last_step_at == 1999.0
     again.close()
+
+
+def test_checkpoints_are_listed_whole_newest_first_few_or_at_given_steps(store: SqlStore, tmp_path: Path) -> None:
+    number = new_run(store, tmp_path)
+    with store.tx() as tx:
+        for step in range(10, 101, 10):
+            tx.record_checkpoint(number, step=step, path=f"/c/{step}", complete=True, duration_s=1.0, attempt=1,
+                                 now=float(step), attempt_time_s=step * 0.5)
+        assert [c.step for c in tx.list_checkpoints(number)] == list(range(10, 101, 10))
+        assert [c.step for c in tx.list_checkpoints(number, newest=3)] == [80, 90, 100]
+        assert [(c.step, c.attempt_time_s) for c in tx.list_checkpoints(number, steps={20, 70, 75})] == [
+            (20, 10.0), (70, 35.0)]
