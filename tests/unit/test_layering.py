@@ -1,10 +1,14 @@
-"""Dependencies point one way (DESIGN.md, "Top level"); checked on real imports."""
+"""Dependencies point one way (DESIGN.md, "Top level"): checked on real imports, and by the
+import-linter contracts in pyproject.toml that ``make lint`` runs (each shown to fail on a
+forbidden import)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +38,41 @@ def test_the_decision_core_does_no_io() -> None:
 ])
 def test_standalone_packages_import_nothing_of_the_others(package: str, forbidden: set[str]) -> None:
     assert not loaded_after(package) & forbidden
+
+
+LINTED = ("supervisor", "api", "trainer", "health", "slurmbox")
+
+
+def lint_copy(tmp_path: Path, edit: tuple[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``lint-imports`` (make lint's layering check) on a copy of the packages, with one
+    line appended to one module."""
+    for package in LINTED:
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    if edit is not None:
+        path, line = edit
+        with open(tmp_path / path, "a") as f:
+            f.write(f"\n{line}\n")
+    lint = Path(sys.executable).with_name("lint-imports")
+    return subprocess.run([str(lint), "--no-cache"], cwd=tmp_path, capture_output=True, text=True, check=False)
+
+
+@pytest.mark.parametrize(("path", "line", "contract"), [
+    ("supervisor/policy/detection.py", "import subprocess", "The decision core imports no I/O library"),
+    ("supervisor/domain/records.py", "import sqlalchemy", "The decision core imports no I/O library"),
+    ("supervisor/daemon.py", "import api.app", "Layers: CLI and API, daemon"),
+    ("supervisor/store/runs.py", "import supervisor.reconciler", "Layers: CLI and API, daemon"),
+    ("trainer/train.py", "import supervisor.spec", "The trainer stands alone"),
+    ("health/wire.py", "import trainer.protocol", "The node probes stand alone"),
+    ("supervisor/launchers/local.py", "import slurmbox.box", "The product never imports the development Slurm box"),
+])
+def test_make_lint_fails_on_a_forbidden_import(tmp_path: Path, path: str, line: str, contract: str) -> None:
+    out = lint_copy(tmp_path, (path, line))
+    assert out.returncode != 0, out.stdout
+    broken = [ln for ln in out.stdout.splitlines() if ln.endswith("BROKEN")]
+    assert len(broken) == 1 and broken[0].startswith(contract), out.stdout
+
+
+def test_the_tree_keeps_every_layering_contract(tmp_path: Path) -> None:
+    out = lint_copy(tmp_path)
+    assert out.returncode == 0 and "BROKEN" not in out.stdout, out.stdout
