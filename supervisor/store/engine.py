@@ -4,9 +4,13 @@ SQLite runs in WAL mode so that API readers never block the reconciler, with
 ``synchronous=FULL`` so that a committed event survives a power cut, and a busy
 timeout so that the API's small writes (queued commands) wait instead of failing.
 
-Every transaction begins with an explicit BEGIN (SQLAlchemy's documented recipe for
-pysqlite, which otherwise commits DDL before the first DML): a migration that fails
-midway rolls back whole, and the next start finds the database as it was.
+Migrations run on a connection of their own that begins with an explicit BEGIN
+(SQLAlchemy's documented recipe for pysqlite, which otherwise commits DDL before the
+first DML): a migration that fails midway rolls back whole, and the next start finds
+the database as it was. Every other transaction keeps pysqlite's way (BEGIN before the
+first write): with a reader's snapshot held from its start, a transaction that read and
+then wrote while another thread committed would fail at once ("database is locked",
+SQLITE_BUSY_SNAPSHOT) instead of waiting its turn.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 
 from sqlalchemy import Connection, Engine, create_engine, event, insert, select, update
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.pool import ConnectionPoolEntry
+from sqlalchemy.pool import ConnectionPoolEntry, NullPool
 
 from supervisor.errors import StoreError
 from supervisor.store import schema as t
@@ -32,18 +36,19 @@ class SqlStore:
 
     def open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(f"sqlite:///{self.path}", connect_args={"check_same_thread": False})
-        event.listen(engine, "connect", _on_connect)
-        event.listen(engine, "begin", _on_begin)
+        url = f"sqlite:///{self.path}"
+        migrating = create_engine(url, poolclass=NullPool)
+        event.listen(migrating, "connect", _on_connect_explicit)
+        event.listen(migrating, "begin", _on_begin)
         try:
-            with engine.begin() as conn:
+            with migrating.begin() as conn:
                 migrate(conn)
         except SQLAlchemyError as e:
-            engine.dispose()
             raise StoreError(f"{self.path}: cannot open the database: {e}") from e
-        except BaseException:
-            engine.dispose()
-            raise
+        finally:
+            migrating.dispose()
+        engine = create_engine(url, connect_args={"check_same_thread": False})
+        event.listen(engine, "connect", _on_connect)
         self._engine = engine
 
     def close(self) -> None:
@@ -59,9 +64,13 @@ class SqlStore:
             yield Tx(conn)
 
 
-def _on_connect(dbapi_conn: sqlite3.Connection, _record: ConnectionPoolEntry) -> None:
+def _on_connect_explicit(dbapi_conn: sqlite3.Connection, record: ConnectionPoolEntry) -> None:
     # pysqlite must not issue BEGIN itself (it would commit DDL on its own): _on_begin does.
     dbapi_conn.isolation_level = None
+    _on_connect(dbapi_conn, record)
+
+
+def _on_connect(dbapi_conn: sqlite3.Connection, _record: ConnectionPoolEntry) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=FULL")

@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,7 @@ class FakeSystemd:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.messages: list[bytes] = []
+        self.stamped: list[tuple[float, bytes]] = []  # (when received, the datagram)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(str(path))
         self.sock.settimeout(0.2)
@@ -151,7 +153,9 @@ class FakeSystemd:
     def _read(self) -> None:
         while not self._stop.is_set():
             try:
-                self.messages.append(self.sock.recv(4096))
+                message = self.sock.recv(4096)
+                self.stamped.append((time.time(), message))
+                self.messages.append(message)
             except TimeoutError:
                 continue
 

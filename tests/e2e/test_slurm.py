@@ -4,6 +4,8 @@ survives on Slurm are in tests/chaos/test_slurm.py."""
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +111,57 @@ def test_a_drained_node_is_probed_inside_a_reservation_and_stays_drained_until_r
         return "node3" in launcher.probe(["node3"], argv, allocation_info=None, timeout_s=30)
     wait_for(probed, 60, "a probe of the returned node3: " + slurm(slurm_box, "scontrol", "-o", "show", "node", "node3"),
              interval_s=1)
+
+
+def test_a_drain_whose_first_scontrol_fails_is_in_slurm_within_a_few_ticks(slurm_box: Box, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The intent protocol against real Slurm: the first `scontrol update ... State=DRAIN`
+    fails (as when slurmctld is briefly unreachable); the drain is sent again at the next
+    tick after RESEND_S and shows in Slurm, with the operator's reason."""
+    from supervisor.domain import Node, NodeCommandKind, NodeState
+    from supervisor.reconciler import Reconciler, ReconcilerConfig
+    from supervisor.service import SupervisorService
+    from supervisor.slurm.cluster import slurm_cluster
+    from supervisor.slurm.commands import Reply
+    from supervisor.store import SqlStore
+    from supervisor.telemetry import TelemetryView
+
+    adapters = slurm_cluster(slurm_conf=str(slurm_box.conf), state_dir=tmp_path / "state", poll_interval_s=0.0)
+    real_run = adapters.commands.run
+    refused: list[tuple[str, ...]] = []
+
+    def run(argv: Any, **kw: Any) -> Reply:
+        if list(argv[:2]) == ["scontrol", "update"] and "State=DRAIN" in argv and not refused:
+            refused.append(tuple(argv))
+            return Reply(tuple(argv), False, "", "", "exit 1: Unable to contact slurm controller (connect failure)")
+        return real_run(argv, **kw)
+
+    monkeypatch.setattr(adapters.commands, "run", run)
+    store = SqlStore(tmp_path / "state" / "supervisor.db")
+    store.open()
+    with store.tx() as tx:
+        tx.put_node(Node(name="node2", state=NodeState.IDLE), time.time())
+    rec = Reconciler(store, TelemetryView(), ReconcilerConfig(mqtt_url=None), launcher=adapters.launcher,
+                     nodes=adapters.nodes)
+    service = SupervisorService(store, tmp_path / "runs", mqtt_url=None, launcher=adapters.launcher,
+                                nodes=adapters.nodes, check_trainer=False)
+    service.request_node("node2", NodeCommandKind.DRAIN, "fan failure")
+    ticks = 0
+    try:
+        for ticks in range(1, 40):
+            rec.tick()
+            node2 = parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", "node2"))["node2"]
+            if "DRAIN" in node2.flags:
+                break
+            time.sleep(0.25)  # the daemon's tick
+        with store.tx() as tx:
+            intent = tx.intent("node2")
+            failed = tx.list_events(None, kind="node.drain_failed")
+    finally:
+        rec.close()
+        store.close()
+    print(json.dumps({"ticks_to_drain": ticks}))
+    assert len(refused) == 1 and "DRAIN" in node2.flags and node2.reason == "operator: fan failure"
+    assert ticks <= 8, f"in Slurm only after {ticks} ticks"
+    assert intent is not None and intent.sent == 2 and intent.last_error is None
+    assert [e.data["node"] for e in failed] == ["node2"], "the failure is said once"
