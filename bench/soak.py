@@ -21,6 +21,9 @@ step metrics, the other ranks a heartbeat every 5 s), a checkpoint every 500 ste
 rate for the job (419 in 54 days, 78 % hardware: every rank of a node SIGKILLed, drained
 and replaced; the rest one rank exiting 1). The policy is the default one.
 
+``--fault-scale 0`` runs without faults: one attempt, so that what a read costs is seen
+against the steps alone (with faults, the attempts grow too: the reads are O(attempts)).
+
 At each mark (default 0.1 M, 1 M and 5 M steps recorded) it measures the process's RSS,
 the database's size on disk (with its WAL), the rows of raw steps kept, and the latency
 of ``GET /v1/runs/run-1`` and ``GET /metrics`` over HTTP (p50, p99, max of
@@ -207,10 +210,11 @@ class Feeder:
         self.daemon, self.cluster, self.clock, self.state, self.args = daemon, cluster, clock, state, args
         self.token = token
         self.rng = random.Random(args.seed)
-        rate_s = planning.LLAMA3_INTERRUPTIONS / (planning.LLAMA3_DAYS * 86_400.0)  # the job's, per second
+        # the job's rate, per second (Llama 3's, times --fault-scale)
+        rate_s = args.fault_scale * planning.LLAMA3_INTERRUPTIONS / (planning.LLAMA3_DAYS * 86_400.0)
         self.faults: list[float] = []
         t = clock()
-        while len(self.faults) < 100_000 and t < clock() + args.steps * 2:
+        while rate_s > 0 and len(self.faults) < 100_000 and t < clock() + args.steps * 2:
             t += self.rng.expovariate(rate_s)
             self.faults.append(t)
         self.fed = 0
@@ -369,7 +373,7 @@ async def soak(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         if feeder.error is not None:
             raise feeder.error
         dropped = daemon.telemetry.counts_now().get("durable_dropped", 0)
-    return {"steps": args.steps, "sim_days": round((clock() - feeder.t0) / 86_400, 2), "wall_s": round(wall,
+    return {"steps": args.steps, "fault_scale": args.fault_scale, "sim_days": round((clock() - feeder.t0) / 86_400, 2), "wall_s": round(wall,
                                                                                                        1),
             "faults_injected": feeder.faults_injected, "durable_dropped": dropped,
             "retention_metrics_days": args.retention_days, "marks": feeder.marks}
@@ -384,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retention-days", type=float, default=14.0,
                     help="raw step metrics kept (simulated days)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--fault-scale", type=float, default=1.0,
+                    help="times Llama 3's fault rate (0: no fault: one attempt, to isolate the steps' share)")
     ap.add_argument("--quick", action="store_true", help="200,000 steps, marks at 10k, 100k and 200k")
     args = ap.parse_args(argv)
     if args.quick:

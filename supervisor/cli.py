@@ -312,7 +312,8 @@ def _summary_json(d: dict[str, object], chaos: list[ChaosAction]) -> dict[str, o
     out = {
         "run_id": d["run_id"], "name": d["name"], "state": d["state"], "reason": d["reason"],
         "final_step": d["final_step"], "model_digest": d["model_digest"],
-        "attempts": d["attempts"], "faults": d["faults"], "ettr": d["ettr"],
+        "attempts": d["attempts"], "faults": d["faults"], "faults_total": d["faults_total"],
+        "ettr": d["ettr"],
         "goodput": d["goodput"], "drained_nodes": d["drained_nodes"],
         "attempt_history": d["attempt_history"], "stragglers": d["stragglers"],
         "transient_spikes": d["transient_spikes"], "chaos": [str(c) for c in chaos],

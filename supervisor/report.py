@@ -39,7 +39,12 @@ def run_detail(d: RunDetail) -> str:
             f"  -> step {a.final_step if a.final_step is not None else '-'}"
             + (f"  ({a.reason})" if a.reason and a.outcome != "SUCCEEDED" else "")
         )
-    lines.append(f"  faults:   {len(d.faults)} ({sum(1 for f in d.faults if f.recovered_at)} recovered)")
+    recovered = sum(1 for f in d.faults if f.recovered_at)
+    if d.faults_total == len(d.faults):
+        lines.append(f"  faults:   {d.faults_total} ({recovered} recovered)")
+    else:
+        lines.append(f"  faults:   {d.faults_total}; the newest {len(d.faults)}, {recovered} of them "
+                     "recovered:")
     for f in d.faults:
         rec = (f"training again {f.recovered_at - f.detected_at:.1f} s after detection"
                if f.recovered_at else "not recovered")

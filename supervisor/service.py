@@ -28,6 +28,7 @@ from supervisor.spec import RunSpec
 from supervisor.store import SqlStore, Tx
 from supervisor.views import (
     CHECKPOINTS_SHOWN,
+    HISTORY_SHOWN,
     CheckpointView,
     CommandAccepted,
     DaemonHealth,
@@ -128,8 +129,8 @@ class SupervisorService:
         return RunDetail(
             **summary.model_dump(), model_digest=run.model_digest, final_step=run.final_step,
             started_at=run.started_at, nodes=run.nodes, ranks_per_node=run.ranks_per_node,
-            spares=run.spares, attempt_history=[attempt_view(a) for a in attempts],
-            faults=[fault_view(f) for f in faults],
+            spares=run.spares, attempt_history=[attempt_view(a) for a in attempts[-HISTORY_SHOWN:]],
+            faults=[fault_view(f) for f in faults[-HISTORY_SHOWN:]], faults_total=len(faults),
             checkpoints=[checkpoint_view(c) for c in checkpoints],
             goodput=goodput_view(g), drained_nodes=drained, ettr=g.ettr,
             stragglers=stragglers, transient_spikes=transient_spikes,

@@ -23,6 +23,9 @@ from supervisor.goodput import Goodput
 # A run's detail lists its newest checkpoints, not all of them: a run of weeks makes
 # thousands (GET /v1/runs/{id}/checkpoints lists more).
 CHECKPOINTS_SHOWN = 20
+# Likewise its newest attempts and faults: at Llama 3's failure rate a run of weeks makes
+# hundreds (the events, and GET .../goodput, cover them all).
+HISTORY_SHOWN = 100
 
 
 class RunSummary(BaseModel):
@@ -104,8 +107,9 @@ class RunDetail(RunSummary):
     nodes: int
     ranks_per_node: int
     spares: int
-    attempt_history: list[AttemptView]
-    faults: list[FaultView]
+    attempt_history: list[AttemptView]  # the newest HISTORY_SHOWN (``attempts`` counts them all)
+    faults: list[FaultView]  # the newest HISTORY_SHOWN
+    faults_total: int
     checkpoints: list[CheckpointView]  # the newest CHECKPOINTS_SHOWN, oldest of them first
     goodput: GoodputView
     drained_nodes: list[str]

@@ -158,9 +158,23 @@ def slurm_box() -> Iterator[Any]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-# --- the chaos suite: a seeded subset in `make test`, every scenario in `make chaos` ----
+# --- the chaos suite: a rotating subset in `make test`, every scenario in `make chaos` ---
 
 CHAOS_SUBSET = 5  # scenarios `make test` runs out of tests/chaos
+# Always in the subset: the daemon SIGKILLed at random points (nothing may be lost when the
+# supervisor itself dies); one scenario on the Slurm box is drawn besides.
+CHAOS_ALWAYS = ("test_sigkill_of_the_supervisor_at_random_points_loses_nothing",)
+
+
+def commit_seed() -> int:
+    """The seed a commit gets: its hash, so that each commit runs another subset, and the
+    same commit always the same one (0 outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10,
+                             check=True)
+        return int(out.stdout.strip()[:8], 16)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return 0
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -168,27 +182,45 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--chaos-all", action="store_true",
                     help="run every chaos scenario (make chaos); without it, a seeded subset of "
                          f"{CHAOS_SUBSET} when more are collected")
-    group.addoption("--seed", type=int, default=int(os.environ.get("TSUP_CHAOS_SEED", "0")),
+    group.addoption("--seed", type=int, default=None,
                     help="seed of the chaos subset and of the mixed-fault scenario "
-                         "(default $TSUP_CHAOS_SEED, else 0)")
+                         "(default $TSUP_CHAOS_SEED, else drawn from the commit's hash)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--seed", None) is None:
+        env_seed = os.environ.get("TSUP_CHAOS_SEED")
+        config.option.seed = int(env_seed) if env_seed else commit_seed()
+
+
+def choose_chaos(chaos: list[str], seed: int, size: int = CHAOS_SUBSET) -> list[str]:
+    """The subset of scenario node ids to run: the ones always run, one Slurm scenario, and
+    the rest drawn at random by ``seed``."""
+    import random
+
+    rng = random.Random(seed)
+    chosen = [c for c in chaos if any(c.endswith(f"::{name}") for name in CHAOS_ALWAYS)]
+    slurm = sorted(c for c in chaos if "test_slurm.py" in c and c not in chosen)
+    if slurm and not any("test_slurm.py" in c for c in chosen):
+        chosen.append(rng.choice(slurm))
+    rest = sorted(c for c in chaos if c not in chosen)
+    return chosen + rng.sample(rest, max(0, min(len(rest), size - len(chosen))))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep a seeded subset of the chaos scenarios (deselected, not skipped: `make chaos`
     runs the rest), unless --chaos-all or only a few were collected (one named on the
     command line always runs)."""
-    import random
-
     chaos = sorted((i for i in items if i.get_closest_marker("chaos")), key=lambda i: i.nodeid)
     if config.getoption("--chaos-all") or len(chaos) <= CHAOS_SUBSET:
         return
     seed = config.getoption("--seed")
-    chosen = set(random.Random(seed).sample(chaos, CHAOS_SUBSET))
-    dropped = [i for i in chaos if i not in chosen]
+    chosen_ids = set(choose_chaos([i.nodeid for i in chaos], seed))
+    dropped = [i for i in chaos if i.nodeid not in chosen_ids]
     items[:] = [i for i in items if i not in dropped]
     config.hook.pytest_deselected(items=dropped)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        names = ", ".join(i.name for i in sorted(chosen, key=lambda i: i.nodeid))
-        reporter.write_line(f"chaos: seed {seed}, {CHAOS_SUBSET} of {len(chaos)} scenarios ({names}); "
-                            "`make chaos` runs them all")
+        names = ", ".join(i.name for i in chaos if i.nodeid in chosen_ids)
+        reporter.write_line(f"chaos: seed {seed} (TSUP_CHAOS_SEED={seed} repeats it), {len(chosen_ids)} of "
+                            f"{len(chaos)} scenarios ({names}); `make chaos` runs them all")

@@ -9,6 +9,7 @@ holds the whole story, and ``Watch`` that no attempt ever ran twice at once.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +39,26 @@ def assert_records(state: Path, s: dict[str, Any], *, injected: int | None = Non
     if injected is not None:
         assert kinds.count("chaos.injected") == injected, "every injection is on record, once"
     assert trainer_processes(state) == [], "nothing of the run is left running"
+    assert_restored(state, s)
+
+
+def assert_restored(state: Path, s: dict[str, Any]) -> None:
+    """Every attempt that trained says, itself, where it began: its rank 0's log names the
+    checkpoint step it resumed from (or none, from scratch), and the first step it reported
+    on its own telemetry is the one after. The model digest cannot tell a resume from a
+    restart from scratch (both see the same batches): this can."""
+    firsts = dict(db_rows(state, "SELECT attempt, first_step FROM attempt_stats WHERE steps > 0"))
+    assert firsts, "no attempt reported a step"
+    for a in s["attempt_history"]:
+        if a["number"] not in firsts:
+            continue  # ended before its first step
+        n, resume = a["number"], a["resume_step"]
+        assert firsts[n] == resume + 1, f"attempt {n} was to resume from step {resume}, first reported {firsts[n]}"
+        logs = [p for p in (state / "runs" / s["run_id"] / "attempts" / str(n)).glob("rank-*.log")
+                if re.fullmatch(r"rank-0+(\..+)?\.log", p.name)]
+        assert len(logs) == 1, f"attempt {n}: rank 0's log: {logs}"
+        said = re.findall(r"resumed from \S+ at step (\d+) in ", logs[0].read_text(errors="replace"))
+        assert said == ([str(resume)] if resume else []), f"attempt {n} resumed from {said}, not step {resume}"
 
 
 class Watch:

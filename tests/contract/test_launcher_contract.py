@@ -1,10 +1,12 @@
-"""One suite of launcher behaviour, run against the local launcher and the Slurm adapter.
+"""One suite of cluster behaviour, run against the local launcher, the Slurm adapters on a
+real box, and the scripted cluster the reconciler's tests use (tests/fakes.py).
 
-Every launcher must: hand out nodes, give each rank the torchrun environment with the
-rank-to-node map it reports, report exit codes (or, where it cannot see a process,
-UNKNOWN and never a death), stop every rank, be observable from its launch_info by a
-fresh instance (a restarted daemon), find an unrecorded attempt by its marker, and kill
-one node's ranks and only those.
+Every cluster must: hand out nodes; report exit codes (or, where it cannot see a process,
+UNKNOWN and never a death); stop every rank; be observable from its launch_info by a
+fresh instance (a restarted daemon); find an unrecorded attempt by its marker, and only
+that one; kill one node's ranks, all of them and only those; drain a node until it
+shows drained and return it. The clusters that run real processes must also give each
+rank the torchrun environment with the rank-to-node map they report.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from slurmbox.chaos import BoxChaos
@@ -26,16 +29,17 @@ from supervisor.launchers.local import LocalLauncher
 from supervisor.slurm.cluster import slurm_cluster
 from supervisor.slurm.launcher import SlurmLauncher
 from tests.conftest import wait_for
+from tests.fakes import ScriptedLauncher
 
 pytestmark = pytest.mark.contract
 
-# Each rank records its environment, then exits with EXIT_<RANK> if set, or sleeps.
+# Each rank records its environment and pid, then exits with EXIT_<RANK> if set, or sleeps.
 PROGRAM = """
 import json, os, sys, time
 rank = os.environ["RANK"]
 keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TSUP_NODE", "MASTER_ADDR", "MASTER_PORT")
 with open(os.path.join(sys.argv[1], f"env-{rank}.json"), "w") as f:
-    json.dump({k: os.environ.get(k) for k in keys}, f)
+    json.dump({**{k: os.environ.get(k) for k in keys}, "PID": os.getpid()}, f)
 code = os.environ.get(f"EXIT_{rank}")
 if code is not None:
     time.sleep(0.5)
@@ -44,10 +48,12 @@ time.sleep(600)
 """
 
 GONE = (ProcState.EXITED, ProcState.VANISHED)
+ALIVE = (ProcState.RUNNING, ProcState.UNKNOWN)
 
 
 @dataclass
 class Cluster:
+    kind: str  # local, slurm, fake
     launcher: Launcher
     admin: NodeAdmin
     chaos: ChaosHooks
@@ -55,14 +61,24 @@ class Cluster:
     nodes: tuple[str, ...]
     allocation_info: str | None
 
+    @property
+    def real(self) -> bool:
+        """Runs the ranks as processes of this host (the program above really runs)."""
+        return self.kind != "fake"
 
-@pytest.fixture(params=["local", "slurm"])
+
+def _request(count: int) -> AllocationRequest:
+    return AllocationRequest(run_id="run-1", count=count, minimum=count, held=(), drained=frozenset(), idle=(),
+                             known=frozenset(), info=None)
+
+
+@pytest.fixture(params=["local", "slurm", "fake"])
 def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
-    if request.param == "local":
-        launcher = LocalLauncher(max_nodes=4)
-        grant = launcher.allocate(AllocationRequest(run_id="run-1", count=2, minimum=2, held=(),
-                                                    drained=frozenset(), idle=(), known=frozenset(), info=None))
-        yield Cluster(launcher, launcher, launcher, lambda: LocalLauncher(max_nodes=4), grant.nodes, None)
+    if request.param in ("local", "fake"):
+        launcher: Any = LocalLauncher(max_nodes=4) if request.param == "local" else ScriptedLauncher()
+        grant = launcher.allocate(_request(2))
+        make = (lambda: LocalLauncher(max_nodes=4)) if request.param == "local" else launcher.fresh
+        yield Cluster(request.param, launcher, launcher, launcher, make, grant.nodes, None)
         return
     box = request.getfixturevalue("slurm_box")
     state = tmp_path / "state"
@@ -72,14 +88,11 @@ def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]
 
     adapters = slurm_cluster(slurm_conf=str(box.conf), state_dir=state, poll_interval_s=0.0)
     slurm = adapters.launcher
-    req = AllocationRequest(run_id="run-1", count=2, minimum=2, held=(), drained=frozenset(), idle=(),
-                            known=frozenset(), info=None)
-    grant = slurm.allocate(req)
-    info = grant.info
+    info = slurm.allocate(_request(2)).info
     held = wait_for(lambda: (g := slurm.held("run-1", info)) is not None and len(g.nodes) == 2 and g, 30,
                     "the allocation to start")
     try:
-        yield Cluster(slurm, adapters.nodes, BoxChaos(str(box.conf)), make, held.nodes, info)
+        yield Cluster("slurm", slurm, adapters.nodes, BoxChaos(str(box.conf)), make, held.nodes, info)
     finally:
         slurm.release("run-1", info)
 
@@ -99,20 +112,33 @@ def observe(launcher: Launcher, info: str) -> dict[int, RankProc]:
 
 def all_gone(launcher: Launcher, info: str) -> dict[int, RankProc] | None:
     ranks = observe(launcher, info)
-    return ranks if all(r.proc in GONE for r in ranks.values()) else None
+    return ranks if ranks and all(r.proc in GONE for r in ranks.values()) else None
 
 
+def envs(tmp_path: Path, attempt: int = 1) -> dict[int, dict[str, Any]]:
+    return {int(p.stem.removeprefix("env-")): json.loads(p.read_text())
+            for p in (tmp_path / f"out-{attempt}").glob("env-*.json")}
+
+
+def started(c: Cluster, tmp_path: Path, info: str) -> None:
+    """Every rank is up: it wrote its environment (a real cluster), or is RUNNING (the fake)."""
+    if c.real:
+        wait_for(lambda: len(envs(tmp_path)) == 4, 60, "every rank to start")
+    assert sorted(observe(c.launcher, info)) == [0, 1, 2, 3], "every rank is observed"
+
+
+@pytest.mark.parametrize("cluster", ["local", "slurm"], indirect=True)  # the scripted one runs no program
 def test_ranks_get_the_torchrun_environment_and_the_reported_node_map(cluster: Cluster, tmp_path: Path) -> None:
     s = spec(cluster, tmp_path, env={f"EXIT_{r}": "0" for r in range(4)})
     info = cluster.launcher.start(s)
     ranks = wait_for(lambda: all_gone(cluster.launcher, info), 60, "every rank to exit")
     assert sorted(ranks) == [0, 1, 2, 3]
     assert {r.exit_code for r in ranks.values()} == {0}
-    envs = {r: json.loads((tmp_path / "out-1" / f"env-{r}.json").read_text()) for r in range(4)}
-    for r, e in envs.items():
+    got = envs(tmp_path)
+    for r, e in got.items():
         assert e["RANK"] == str(r) and e["WORLD_SIZE"] == "4" and e["LOCAL_RANK"] == str(r % 2)
         assert e["TSUP_NODE"] == ranks[r].node, "the launcher's rank-to-node map is where the rank ran"
-        assert e["MASTER_PORT"] == envs[0]["MASTER_PORT"]
+        assert e["MASTER_PORT"] == got[0]["MASTER_PORT"]
     assert {ranks[r].node for r in range(4)} == set(cluster.nodes)
 
 
@@ -126,21 +152,23 @@ def test_a_failed_rank_is_reported_with_its_exit_code(cluster: Cluster, tmp_path
 
 def test_running_ranks_are_never_reported_dead_and_stop_ends_them(cluster: Cluster, tmp_path: Path) -> None:
     info = cluster.launcher.start(spec(cluster, tmp_path))
-    wait_for(lambda: len(list((tmp_path / "out-1").glob("env-*.json"))) == 4, 60, "every rank to start")
+    started(cluster, tmp_path, info)
     for _ in range(3):
-        assert all(r.proc in (ProcState.RUNNING, ProcState.UNKNOWN) for r in cluster.launcher.observe(info))
+        assert all(r.proc in ALIVE for r in cluster.launcher.observe(info))
         time.sleep(0.3)
     cluster.launcher.stop(info, force=False)
     wait_for(lambda: all_gone(cluster.launcher, info), 60, "SIGTERM to end every rank")
+    cluster.launcher.stop(info, force=True)  # idempotent
     cluster.launcher.forget(info)
 
 
 def test_a_restarted_daemon_observes_and_finds_what_was_launched(cluster: Cluster, tmp_path: Path) -> None:
     s = spec(cluster, tmp_path)
     info = cluster.launcher.start(s)
-    wait_for(lambda: len(list((tmp_path / "out-1").glob("env-*.json"))) == 4, 60, "every rank to start")
+    started(cluster, tmp_path, info)
     fresh = cluster.make()
-    assert all(r.proc in (ProcState.RUNNING, ProcState.UNKNOWN) for r in fresh.observe(info))
+    assert sorted(observe(fresh, info)) == [0, 1, 2, 3]
+    assert all(r.proc in ALIVE for r in fresh.observe(info))
     found = wait_for(lambda: fresh.find(s), 30, "the unrecorded attempt to be found")
     assert {r.rank for r in fresh.observe(found)} == {0, 1, 2, 3}
     assert fresh.find(replace(s, attempt=9, marker=f"{tmp_path}/marker-9")) is None, "no false match"
@@ -149,15 +177,33 @@ def test_a_restarted_daemon_observes_and_finds_what_was_launched(cluster: Cluste
     cluster.launcher.stop(info, force=True)
 
 
-def test_kill_node_kills_that_nodes_ranks_only(cluster: Cluster, tmp_path: Path) -> None:
+def test_kill_node_kills_all_of_that_nodes_ranks_and_only_those(cluster: Cluster, tmp_path: Path) -> None:
     info = cluster.launcher.start(spec(cluster, tmp_path))
-    wait_for(lambda: len(list((tmp_path / "out-1").glob("env-*.json"))) == 4, 60, "every rank to start")
+    started(cluster, tmp_path, info)
     by_rank = observe(cluster.launcher, info)
     victim = by_rank[3].node
-    envs = [json.loads(p.read_text()) for p in (tmp_path / "out-1").glob("env-*.json")]
+    doomed = sorted(r for r, p in by_rank.items() if p.node == victim)
+    survivors = sorted(r for r, p in by_rank.items() if p.node != victim)
+    assert doomed and survivors, by_rank
     cluster.chaos.kill_node(info, victim)
-    survivors = [int(e["RANK"]) for e in envs if e["TSUP_NODE"] != victim]
+    if cluster.real:  # the processes themselves are gone, whatever the launcher can see of them
+        pids = [envs(tmp_path)[r]["PID"] for r in doomed]
+        wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                                 for p in pids), 30, f"the ranks of {victim} to die")
+    else:
+        assert all(observe(cluster.launcher, info)[r].proc in GONE for r in doomed)
     time.sleep(1.0)
     ranks = observe(cluster.launcher, info)
-    assert all(ranks[r].proc in (ProcState.RUNNING, ProcState.UNKNOWN) for r in survivors), ranks
+    assert sorted(ranks) == [0, 1, 2, 3]
+    assert all(ranks[r].proc in ALIVE for r in survivors), ranks
     cluster.launcher.stop(info, force=True)
+
+
+def test_a_drain_shows_until_the_node_is_returned(cluster: Cluster) -> None:
+    node = cluster.nodes[0]
+    assert cluster.admin.drained(node) is False
+    cluster.admin.drain(node, "training-supervisor: contract")
+    cluster.admin.drain(node, "training-supervisor: contract")  # idempotent
+    assert wait_for(lambda: cluster.admin.drained(node), 30, "the drain to show")
+    cluster.admin.undrain(node)
+    wait_for(lambda: cluster.admin.drained(node) is False, 30, "the return to show")

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import sqlite3
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -12,8 +16,8 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from tests.conftest import REPO, Broker
-from tests.e2e.conftest import EXAMPLE, db_rows, summary_of, tsup
+from tests.conftest import REPO, Broker, free_port, wait_for
+from tests.e2e.conftest import EXAMPLE, ctl, db_rows, env, summary_of, tsup
 from tests.fake_tools.replay import make_tools
 
 pytestmark = pytest.mark.e2e
@@ -125,3 +129,50 @@ def test_preflight_and_diagnosis_probes_on_the_local_launcher(tmp_path: Path,
     assert {p for p in probes if p[1] == "diagnosis"} == {("local-1", "diagnosis", "healthy"),
                                                           ("local-3", "diagnosis", "healthy")}
 
+
+
+def _long_run(tmp_path: Path, state: Path, *args: str) -> subprocess.Popen[str]:
+    spec = tmp_path / "long.toml"
+    spec.write_text(EXAMPLE.read_text().replace("steps = 80", "steps = 100000"))
+    return subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", str(spec), "--state-dir", str(state),
+                             "--json", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
+                            cwd=REPO)
+
+
+def _stepped(state: Path) -> bool:
+    try:
+        return bool(db_rows(state, "SELECT count(*) FROM attempt_stats WHERE steps >= 3")[0][0])
+    except sqlite3.OperationalError:  # not created yet
+        return False
+
+
+def test_run_exits_130_on_ctrl_c_and_1_when_an_operator_cancels(tmp_path: Path) -> None:
+    """README, "Exit codes": interrupted, the run is cancelled and `run` says 130; cancelled
+    by an operator through the API, it says 1 (the run did not succeed)."""
+    first = tmp_path / "interrupted"
+    run = _long_run(tmp_path, first, "--api-port", "-1")
+    try:
+        wait_for(lambda: _stepped(first), 120, "three steps")
+        run.send_signal(signal.SIGINT)
+        out, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 130, err[-3000:]
+    assert json.loads(out)["state"] == "CANCELLED" and "interrupted: cancelling the run" in err
+
+    second = tmp_path / "cancelled"
+    port = free_port()
+    run = _long_run(tmp_path, second, "--api-port", str(port))
+    try:
+        wait_for(lambda: _stepped(second), 120, "three steps")
+        cancel = ctl(f"http://127.0.0.1:{port}", "cancel", "run-1",
+                     extra_env={"TSUP_API_TOKEN_FILE": str(second / "api-token")})
+        assert cancel.returncode == 0, cancel.stderr
+        out, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 1, err[-3000:]
+    s = json.loads(out)
+    assert s["state"] == "CANCELLED" and s["reason"] == "cancelled by operator"

@@ -8,7 +8,6 @@ attempt nor launches a second copy of one.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -23,102 +22,15 @@ from supervisor.domain import (
     ProcState,
     RunState,
 )
-from supervisor.errors import LaunchError
-from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
+from supervisor.launchers.base import LaunchSpec
 from supervisor.launchers.local import LocalLauncher
 from supervisor.reconciler import Reconciler, ReconcilerConfig
 from supervisor.service import SupervisorService
 from supervisor.spec import parse_spec
 from supervisor.store import SqlStore
 from supervisor.telemetry import TelemetryView
+from tests.fakes import ScriptedLauncher
 from trainer import protocol as p
-
-
-class ScriptedLauncher:
-    """Processes that exist only as far as the test says."""
-
-    def __init__(self) -> None:
-        self.started: list[LaunchSpec] = []
-        self.procs: dict[str, dict[int, tuple[ProcState, int | None]]] = {}
-        self.stops: list[tuple[str, bool]] = []
-        self.findable: dict[str, str] = {}  # marker -> launch_info
-        self.drains: list[tuple[str, str]] = []
-        self.undrains: list[str] = []
-        self.refuse: set[str] = set()  # nodes the cluster will not drain
-        self.drained_now: set[str] = set()  # what the cluster shows drained
-
-    kind = "local"
-
-    def check_resources(self, nodes: int, spares: int, partition: str | None) -> None:
-        LocalLauncher(max_nodes=8).check_resources(nodes, spares, partition)
-
-    def allocate(self, req: AllocationRequest) -> Grant:
-        names = list(req.idle[: req.count - len(req.held)])
-        k = len(req.known)
-        while len(req.held) + len(names) < req.count:
-            k += 1
-            names.append(f"node-{k}")
-        return Grant(nodes=req.held + tuple(names), info=None)
-
-    def answered_since(self, t: float) -> bool:
-        return True
-
-    def held(self, run_id: str, info: str | None) -> Grant | None:
-        return None
-
-    def release(self, run_id: str, info: str | None) -> bool:
-        return True
-
-    def start(self, spec: LaunchSpec) -> str:
-        self.started.append(spec)
-        info = json.dumps({"attempt": spec.attempt, "nodes": list(spec.nodes), "rpn": spec.ranks_per_node})
-        world = len(spec.nodes) * spec.ranks_per_node
-        self.procs[info] = {r: (ProcState.RUNNING, None) for r in range(world)}
-        return info
-
-    def find(self, spec: LaunchSpec) -> str | None:
-        return self.findable.get(spec.marker)
-
-    def observe(self, launch_info: str) -> list[RankProc]:
-        d = json.loads(launch_info)
-        return [RankProc(rank=r, node=d["nodes"][r // d["rpn"]], proc=s, exit_code=c)
-                for r, (s, c) in sorted(self.procs[launch_info].items())]
-
-    def stop(self, launch_info: str, *, force: bool) -> None:
-        self.stops.append((launch_info, force))
-        code = -9 if force else -15
-        self.procs[launch_info] = {r: (ProcState.EXITED, s[1] if s[0] is ProcState.EXITED else code)
-                                   for r, s in self.procs[launch_info].items()}
-
-    def forget(self, launch_info: str) -> None:
-        pass
-
-    def drain(self, node: str, reason: str) -> None:
-        if node in self.refuse:
-            raise LaunchError(f"cannot drain {node}: scontrol: Invalid node name specified")
-        self.drains.append((node, reason))
-        self.drained_now.add(node)
-
-    def undrain(self, node: str) -> None:
-        self.undrains.append(node)
-        self.drained_now.discard(node)
-
-    def drained(self, node: str) -> bool | None:
-        return node in self.drained_now
-
-    def kill_rank(self, launch_info: str, rank: int, sig: int = 9) -> str:
-        self.procs[launch_info][rank] = (ProcState.EXITED, -sig)
-        return f"rank {rank}"
-
-    def kill_node(self, launch_info: str, node: str) -> str:
-        raise NotImplementedError
-
-    def freeze_node(self, launch_info: str, node: str) -> str:
-        raise NotImplementedError
-
-    def probe(self, nodes: Sequence[str], argv: Sequence[str], *, allocation_info: str | None,
-              timeout_s: float) -> dict[str, str]:
-        raise NotImplementedError
 
 
 class Clock:
@@ -245,7 +157,6 @@ def test_restart_with_an_unrecorded_launch_adopts_instead_of_launching_again(wor
     # Pretend the daemon died after launching but before recording the launch.
     with store.tx() as tx:
         tx.update_attempt(1, 1, state=AttemptState.LAUNCHING, launch_info=None)
-    launcher.findable[launcher.started[0].marker] = a1.launch_info
     fresh = Reconciler(store, telemetry, rec.config, launcher=launcher, nodes=launcher, clock=clock)
     fresh.tick()
     [a1] = attempts(store)
@@ -261,6 +172,8 @@ def test_restart_with_a_launch_that_never_happened_aborts_it_and_relaunches_from
     rec.tick()
     rec.tick()
     make_checkpoint(tmp_path, 8)
+    [a1] = attempts(store)
+    launcher.vanish(a1.launch_info)  # the daemon died before starting any process of it
     with store.tx() as tx:
         tx.update_attempt(1, 1, state=AttemptState.LAUNCHING, launch_info=None)
     fresh = Reconciler(store, telemetry, rec.config, launcher=launcher, nodes=launcher, clock=clock)
@@ -278,8 +191,9 @@ def test_a_partly_started_world_is_killed_not_adopted(world) -> None:  # type: i
     rec.tick()
     [a1] = attempts(store)
     half = json.dumps({"attempt": 1, "nodes": ["node-1"], "rpn": 1})  # 1 of the 2 ranks came up
+    launcher.vanish(a1.launch_info)
     launcher.procs[half] = {0: (ProcState.RUNNING, None)}
-    launcher.findable[launcher.started[0].marker] = half
+    launcher.cluster.markers[launcher.started[0].marker] = half
     with store.tx() as tx:
         tx.update_attempt(1, 1, state=AttemptState.LAUNCHING, launch_info=None)
     Reconciler(store, telemetry, rec.config, launcher=launcher, nodes=launcher, clock=clock).tick()

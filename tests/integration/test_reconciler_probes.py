@@ -17,7 +17,8 @@ from supervisor.service import SupervisorService
 from supervisor.spec import parse_spec
 from supervisor.store import SqlStore
 from supervisor.telemetry import TelemetryView
-from tests.integration.test_reconciler import SPEC, Clock, ScriptedLauncher, kinds
+from tests.fakes import ScriptedLauncher
+from tests.integration.test_reconciler import SPEC, Clock, kinds
 
 
 class HeldExecutor(Executor):
@@ -151,7 +152,7 @@ def test_the_sweep_drains_a_bad_idle_node_and_returns_a_clean_one_it_drained(tmp
     seed(store, Node(name="idle-1", state=NodeState.IDLE), Node(name="idle-2", state=NodeState.IDLE),
          Node(name="drained-1", state=NodeState.DRAINED, reason=ours),
          Node(name="by-hand", state=NodeState.DRAINED, reason="memory upgrade"))
-    launcher.drained_now |= {"drained-1", "by-hand"}  # what the cluster shows
+    launcher.drained_now.update({"drained-1", "by-hand"})  # what the cluster shows
     rec.tick()
     assert pool.held == []  # the first sweep comes one interval after start
     clock.t += 61

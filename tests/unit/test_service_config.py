@@ -100,3 +100,20 @@ def test_sd_notify_never_blocks_on_a_receiver_that_stopped_reading(tmp_path: Pat
         n = Notifier({"NOTIFY_SOCKET": str(tmp_path / "notify")})
         sent = [n.notify("WATCHDOG=1") for _ in range(2000)]
         assert sent[0] and not all(sent), "the queue fills up and later messages are dropped"
+
+
+def test_healthz_says_stalled_once_no_tick_finished_for_the_limit(tmp_path: Path) -> None:
+    """The daemon's health: unhealthy before the first tick, and once the last tick that
+    finished is older than _STALLED_AFTER_S (a wedged reconciler); the link is reported."""
+    import time
+
+    from supervisor import daemon as daemon_mod
+
+    d = daemon_mod.Daemon(daemon_mod.DaemonSettings(state_dir=tmp_path, api_port=None))
+    assert not d.health().ok and d.health().last_tick_age_s is None
+    d._last_tick_at = time.monotonic() - (daemon_mod._STALLED_AFTER_S - 1)
+    assert d.health().ok
+    d._last_tick_at = time.monotonic() - (daemon_mod._STALLED_AFTER_S + 1)
+    h = d.health()
+    assert not h.ok and h.last_tick_age_s is not None and h.last_tick_age_s > daemon_mod._STALLED_AFTER_S
+    assert h.mqtt_connected is False

@@ -1,0 +1,27 @@
+"""Which chaos scenarios `make test` runs (tests/conftest.py): a subset that rotates with
+the commit, always with the daemon SIGKILL and one scenario on the Slurm box."""
+
+from __future__ import annotations
+
+from tests.conftest import CHAOS_ALWAYS, CHAOS_SUBSET, choose_chaos
+
+LOCAL = [f"tests/chaos/test_local.py::test_local_{k}" for k in range(16)]
+SLURM = [f"tests/chaos/test_slurm.py::test_slurm_{k}" for k in range(6)]
+ALWAYS = [f"tests/chaos/test_local.py::{name}" for name in CHAOS_ALWAYS]
+ALL = sorted(LOCAL + SLURM + ALWAYS)
+
+
+def test_every_subset_has_the_daemon_sigkill_and_a_slurm_scenario() -> None:
+    for seed in range(200):
+        chosen = choose_chaos(ALL, seed)
+        assert len(chosen) == len(set(chosen)) == CHAOS_SUBSET
+        assert set(ALWAYS) <= set(chosen)
+        assert any("test_slurm.py" in c for c in chosen)
+
+
+def test_the_subset_rotates_with_the_seed_and_repeats_with_it() -> None:
+    subsets = {frozenset(choose_chaos(ALL, seed)) for seed in range(50)}
+    assert len(subsets) > 40, "nearly every commit runs another subset"
+    assert choose_chaos(ALL, 1234) == choose_chaos(ALL, 1234)
+    seen = set().union(*subsets)
+    assert seen == set(ALL), "over a few commits every scenario runs"
