@@ -373,8 +373,8 @@ async def soak(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         if feeder.error is not None:
             raise feeder.error
         dropped = daemon.telemetry.counts_now().get("durable_dropped", 0)
-    return {"steps": args.steps, "fault_scale": args.fault_scale, "sim_days": round((clock() - feeder.t0) / 86_400, 2), "wall_s": round(wall,
-                                                                                                       1),
+    return {"steps": args.steps, "fault_scale": args.fault_scale,
+            "sim_days": round((clock() - feeder.t0) / 86_400, 2), "wall_s": round(wall, 1),
             "faults_injected": feeder.faults_injected, "durable_dropped": dropped,
             "retention_metrics_days": args.retention_days, "marks": feeder.marks}
 
