@@ -4,15 +4,11 @@
 the transition table, its records, its events and their outbox rows) and what was
 observed with it (the allocation granted, the checkpoints found) in one SQLite
 transaction, and then acts: starts and stops attempts, asks for nodes, gives them back,
-submits probes. ``apply_nodes`` does the same for decisions about nodes (probe results,
-operators' drains).
+submits probes. Decisions about nodes (probe results, operators' drains) and the drains
+and returns of a run's decision go through ``NodeEffects`` (supervisor/execute_nodes.py).
 
-Every effect on the outside world that must hold (a drain, a return to service) is an
-intent first: recorded with the decision, then sent by ``push_intents``, and sent again
-(at most every ``RESEND_S``) until the cluster shows it, whoever asked for it (the
-policy, a probe, an operator). A failed ``scontrol`` is therefore retried by the next
-tick, and a daemon killed between recording and sending sends it after its restart.
-While the cluster cannot tell what it shows, nothing is sent.
+An attempt's state changes are checked against the transition table before they are
+written; an illegal one raises and the whole transaction rolls back.
 """
 
 from __future__ import annotations
@@ -29,8 +25,6 @@ from supervisor.domain import (
     AllocateNodes,
     Attempt,
     AttemptState,
-    CommandHandled,
-    DrainNode,
     Effect,
     Emit,
     EndAttempt,
@@ -41,14 +35,11 @@ from supervisor.domain import (
     MarkFaultsRecovered,
     Node,
     NodeState,
-    ProbeAgain,
     ProbeNodes,
     RecordFault,
-    RecordProbe,
     ReleaseNodes,
     ReportStraggler,
     ResumeRun,
-    ReturnNode,
     Run,
     RunState,
     SetRunState,
@@ -58,6 +49,7 @@ from supervisor.domain import (
     StragglerRecord,
 )
 from supervisor.errors import CannotExecute, LaunchError
+from supervisor.execute_nodes import NodeEffects
 from supervisor.launchers.base import AllocationRequest, Launcher, NodeAdmin
 from supervisor.observe import GrantChanges, Observed, Observer, grant_changes
 from supervisor.policy.transitions import check_attempt, check_run
@@ -67,8 +59,6 @@ from supervisor.store import SqlStore, Tx
 from supervisor.telemetry import TelemetryView
 
 log = logging.getLogger(__name__)
-
-RESEND_S = 1.0  # an intent the cluster does not show yet is sent again after this long
 
 
 class Executor:
@@ -82,6 +72,7 @@ class Executor:
         self.observer = observer
         self.clock = clock
         self._short: dict[int, tuple[int, int] | None] = {}  # run -> last (asked, got) shortage said
+        self.node_effects = NodeEffects(store, nodes, probes, observer)
 
     # --- a run's decision -----------------------------------------------------------
 
@@ -185,7 +176,7 @@ class Executor:
                              {"attempt": e.attempt, "rank": e.rank, "node": e.node, "busy_s": e.busy_s,
                               "typical_s": e.typical_s, "window": e.window}, now)
             case _:
-                self._record_node_effect(tx, e, now)
+                self.node_effects.record(tx, e, now)
         return state
 
     def _record_state(self, tx: Tx, run: Run, state: RunState, e: SetRunState | FinishRun | ResumeRun,
@@ -252,97 +243,7 @@ class Executor:
                 self.observer.spikes_said.setdefault((run.number, int(str(e.data["attempt"]))), set()).add(
                     int(str(e.data["step"])))
             case _:
-                self._act_node_effect(e)
-
-    # --- decisions about nodes --------------------------------------------------------
-
-    def apply_nodes(self, effects: list[Effect], now: float) -> None:
-        """Record and carry out a decision about nodes (supervisor/policy/nodes.py)."""
-        with self.store.tx() as tx:
-            for e in effects:
-                self._record_node_effect(tx, e, now)
-        for e in effects:
-            self._act_node_effect(e)
-
-    def _record_node_effect(self, tx: Tx, e: Effect, now: float) -> None:
-        match e:
-            case Emit():
-                tx.add_event(e.run_number, e.kind, e.message, e.data, now)
-            case DrainNode():
-                tx.put_node(Node(name=e.node, state=NodeState.DRAINED, reason=e.reason,
-                                 run_number=e.run_number),
-                            now)
-                tx.want(e.node, "drain", e.reason, now)
-                tx.add_event(e.run_number, "node.drained", e.message or f"node {e.node} drained: {e.reason}",
-                             {"node": e.node}, now)
-            case ReturnNode():
-                # Idle again; a run whose allocation still has it takes it back at its next
-                # look at what it holds (launchers.base.Launcher.held).
-                tx.put_node(Node(name=e.node, state=NodeState.IDLE), now)
-                tx.want(e.node, "undrain", "", now)
-                tx.add_event(e.run_number, "node.returned", e.message, {"node": e.node,
-                                                                        "operator": e.operator}, now)
-            case RecordProbe():
-                tx.add_probe(e.record)
-            case CommandHandled():
-                tx.finish_command(e.command_id, e.result, now)
-            case AllocateNodes() | EnsureStopped() | ProbeNodes() | ProbeAgain() | KillOrphans():
-                pass  # nothing to record before acting
-            case _:
-                raise TypeError(f"not an effect the executor knows: {e!r}")
-
-    def _act_node_effect(self, e: Effect) -> None:
-        if isinstance(e, ProbeAgain):
-            info = None
-            drained: dict[str, str] = {}
-            with self.store.tx() as tx:
-                if e.run_number is not None:
-                    info = tx.get_run(e.run_number).allocation_info
-                else:
-                    drained = {x.name: x.reason for x in tx.list_nodes()
-                               if x.name in e.nodes and x.state is NodeState.DRAINED}
-            spec = self.observer.spec(e.run_number)[0] if e.run_number is not None else None
-            args = spec.health.args if isinstance(spec, RunSpec) else self.probes.sweep_args
-            timeout_s = spec.health.timeout_s if isinstance(spec, RunSpec) else self.probes.sweep_timeout_s
-            self.probes.submit(run_number=e.run_number, kind=e.kind, nodes=list(e.nodes),
-                               argv=node_health.probe_argv(args), timeout_s=timeout_s, round_=e.round,
-                               allocation_info=info, drained=drained)
-
-    # --- intents: drains and returns, sent until the cluster shows them ---------------
-
-    def push_intents(self, now: float) -> None:
-        with self.store.tx() as tx:
-            pending = tx.pending_intents()
-        for it in pending:
-            want_drained = it.action == "drain"
-            shown = self.nodes.drained(it.node)
-            if shown is None:
-                continue  # the cluster cannot tell now: send nothing blind
-            if shown == want_drained:
-                with self.store.tx() as tx:
-                    tx.confirm_intent(it.node, now)
-                continue
-            if it.sent_at is not None and now - it.sent_at < RESEND_S:
-                continue
-            error = None
-            try:
-                if want_drained:
-                    self.nodes.drain(it.node, it.reason)
-                else:
-                    self.nodes.undrain(it.node)
-            except LaunchError as err:
-                error = str(err)
-                log.error("%s", err)
-            with self.store.tx() as tx:
-                tx.intent_sent(it.node, error, now)
-                if error is None and self.nodes.drained(it.node) == want_drained:
-                    tx.confirm_intent(it.node, now)
-                if error is not None and error != it.last_error:  # said once, not every tick
-                    node = next((x for x in tx.list_nodes() if x.name == it.node), None)
-                    verb = "drain" if want_drained else "return"
-                    tx.add_event(node.run_number if node else None, f"node.{verb}_failed",
-                                 f"{error}; sending it again until the cluster shows it",
-                                 {"node": it.node, "sent": it.sent + 1}, now)
+                self.node_effects.act(e)
 
     # --- acting ---------------------------------------------------------------------
 

@@ -97,7 +97,7 @@ class Reconciler:
                 # One run's trouble (a vanished directory, a full disk) must not stall
                 # the others; the next tick tries again from what is recorded.
                 log.exception("%s: reconciliation failed; retrying next tick", run.run_id)
-        self.executor.push_intents(now)
+        self.executor.node_effects.push_intents(now)
         self.recorder.prune(now)
 
     def post_event(self, run_number: int | None, kind: str, message: str, data: dict[str, object]) -> None:
@@ -110,7 +110,7 @@ class Reconciler:
                 known = {x.name: x for x in tx.list_nodes()}
                 history = {n: tx.recent_probes(n, max(node_health.CONFIRMATIONS, self.config.return_after))
                            for n in r.nodes}
-            self.executor.apply_nodes(judge_probes(
+            self.executor.node_effects.apply(judge_probes(
                 kind=r.kind, run_number=r.run_number, round_=r.round, answers=answers, known=known,
                 history=history, return_after=self.config.return_after, now=now), now)
 
@@ -137,4 +137,4 @@ class Reconciler:
             node = None
             with self.store.tx() as tx, contextlib.suppress(NotFound):
                 node = tx.get_node(cmd.node)
-            self.executor.apply_nodes(node_command(cmd, node), now)
+            self.executor.node_effects.apply(node_command(cmd, node), now)

@@ -1,0 +1,141 @@
+"""Execute the effects on nodes: drains, returns to service, probe results, probes again.
+
+``apply`` records a decision about nodes (supervisor/policy/nodes.py: a round of probe
+results, an operator's drain or undrain) in one transaction and acts on it; a run's
+decision records its drains through ``record`` in its own transaction.
+
+Every effect on the outside world that must hold is an intent first: a drain (with its
+Reason) or a return to service is recorded with the decision, then sent by
+``push_intents``, and sent again (at most every ``RESEND_S``) until the cluster shows it,
+whoever asked for it (the policy, a probe, an operator). A failed ``scontrol`` is
+therefore retried by the next tick, and a daemon killed between recording and sending
+sends it after its restart. While the cluster cannot tell what it shows, nothing is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from supervisor import node_health
+from supervisor.domain import (
+    AllocateNodes,
+    CommandHandled,
+    DrainNode,
+    Effect,
+    Emit,
+    EnsureStopped,
+    KillOrphans,
+    Node,
+    NodeState,
+    ProbeAgain,
+    ProbeNodes,
+    RecordProbe,
+    ReturnNode,
+)
+from supervisor.errors import LaunchError
+from supervisor.launchers.base import NodeAdmin
+from supervisor.observe import Observer
+from supervisor.probes import ProbeScheduler
+from supervisor.spec import RunSpec
+from supervisor.store import SqlStore, Tx
+
+log = logging.getLogger(__name__)
+
+RESEND_S = 1.0  # an intent the cluster does not show yet is sent again after this long
+
+
+class NodeEffects:
+    def __init__(self, store: SqlStore, nodes: NodeAdmin, probes: ProbeScheduler, observer: Observer) -> None:
+        self.store = store
+        self.nodes = nodes
+        self.probes = probes
+        self.observer = observer
+
+    def apply(self, effects: list[Effect], now: float) -> None:
+        """Record and carry out a decision about nodes (supervisor/policy/nodes.py)."""
+        with self.store.tx() as tx:
+            for e in effects:
+                self.record(tx, e, now)
+        for e in effects:
+            self.act(e)
+
+    def record(self, tx: Tx, e: Effect, now: float) -> None:
+        match e:
+            case Emit():
+                tx.add_event(e.run_number, e.kind, e.message, e.data, now)
+            case DrainNode():
+                tx.put_node(Node(name=e.node, state=NodeState.DRAINED, reason=e.reason,
+                                 run_number=e.run_number),
+                            now)
+                tx.want(e.node, "drain", e.reason, now)
+                tx.add_event(e.run_number, "node.drained", e.message or f"node {e.node} drained: {e.reason}",
+                             {"node": e.node}, now)
+            case ReturnNode():
+                # Idle again; a run whose allocation still has it takes it back at its next
+                # look at what it holds (launchers.base.Launcher.held).
+                tx.put_node(Node(name=e.node, state=NodeState.IDLE), now)
+                tx.want(e.node, "undrain", "", now)
+                tx.add_event(e.run_number, "node.returned", e.message, {"node": e.node,
+                                                                        "operator": e.operator}, now)
+            case RecordProbe():
+                tx.add_probe(e.record)
+            case CommandHandled():
+                tx.finish_command(e.command_id, e.result, now)
+            case AllocateNodes() | EnsureStopped() | ProbeNodes() | ProbeAgain() | KillOrphans():
+                pass  # nothing to record before acting
+            case _:
+                raise TypeError(f"not an effect the executor knows: {e!r}")
+
+    def act(self, e: Effect) -> None:
+        if isinstance(e, ProbeAgain):
+            info = None
+            drained: dict[str, str] = {}
+            with self.store.tx() as tx:
+                if e.run_number is not None:
+                    info = tx.get_run(e.run_number).allocation_info
+                else:
+                    drained = {x.name: x.reason for x in tx.list_nodes()
+                               if x.name in e.nodes and x.state is NodeState.DRAINED}
+            spec = self.observer.spec(e.run_number)[0] if e.run_number is not None else None
+            args = spec.health.args if isinstance(spec, RunSpec) else self.probes.sweep_args
+            timeout_s = spec.health.timeout_s if isinstance(spec, RunSpec) else self.probes.sweep_timeout_s
+            self.probes.submit(run_number=e.run_number, kind=e.kind, nodes=list(e.nodes),
+                               argv=node_health.probe_argv(args), timeout_s=timeout_s, round_=e.round,
+                               allocation_info=info, drained=drained)
+
+    # --- intents: drains and returns, sent until the cluster shows them ---------------
+
+    def push_intents(self, now: float) -> None:
+        with self.store.tx() as tx:
+            pending = tx.pending_intents()
+        for it in pending:
+            want_drained = it.action == "drain"
+            shown = self.nodes.drained(it.node)
+            if shown is None:
+                continue  # the cluster cannot tell now: send nothing blind
+            if shown == want_drained:
+                with self.store.tx() as tx:
+                    tx.confirm_intent(it.node, now)
+                continue
+            if it.sent_at is not None and now - it.sent_at < RESEND_S:
+                continue
+            error = None
+            try:
+                if want_drained:
+                    self.nodes.drain(it.node, it.reason)
+                else:
+                    self.nodes.undrain(it.node)
+            except LaunchError as err:
+                error = str(err)
+                log.error("%s", err)
+            with self.store.tx() as tx:
+                tx.intent_sent(it.node, error, now)
+                if error is None and self.nodes.drained(it.node) == want_drained:
+                    tx.confirm_intent(it.node, now)
+                if error is not None and error != it.last_error:  # said once, not every tick
+                    node = next((x for x in tx.list_nodes() if x.name == it.node), None)
+                    verb = "drain" if want_drained else "return"
+                    tx.add_event(node.run_number if node else None, f"node.{verb}_failed",
+                                 f"{error}; sending it again until the cluster shows it",
+                                 {"node": it.node, "sent": it.sent + 1}, now)
+
