@@ -9,7 +9,8 @@ retention) and its HTTP API on a socket. Only two things are not real:
 
 - the clock: simulated seconds, one per training step, advanced by the feeder; the
   daemon reads it for everything it dates (a 54-day run passes in minutes);
-- the cluster: ``SoakCluster`` hands out nodes and reports the ranks of each attempt
+- the cluster: the scripted one of the reconciler's tests (tests/fakes.py, held to the
+  same contract as the real ones) hands out nodes and reports the ranks of each attempt
   running until the feeder kills them; its telemetry is fed to the daemon's telemetry
   view as the MQTT link would (``TelemetryView.ingest`` on encoded messages), without the
   broker's round trip, at up to a hundred thousand messages a second.
@@ -39,14 +40,12 @@ import math
 import os
 import random
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +58,9 @@ from api.app import daemon_app  # noqa: E402
 from supervisor import planning  # noqa: E402
 from supervisor.daemon import Cluster, Daemon, DaemonSettings  # noqa: E402
 from supervisor.domain import AttemptState, ProcState  # noqa: E402
-from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc  # noqa: E402
 from supervisor.recorder import Retention  # noqa: E402
 from supervisor.spec import parse_spec  # noqa: E402
+from tests.fakes import ScriptedLauncher  # noqa: E402
 from trainer import protocol as p  # noqa: E402
 
 RUN = "run-1"
@@ -90,88 +89,6 @@ class SimClock:
         with self._lock:
             self.t += seconds
             return self.t
-
-
-class SoakCluster:
-    """Nodes on demand (a failed one is replaced by a new name, as a repaired host would
-    be) and processes that run until the feeder kills them: the launching and node
-    administration ports, with nothing behind them."""
-
-    kind = "local"
-
-    def __init__(self) -> None:
-        self.procs: dict[str, dict[int, tuple[ProcState, int | None]]] = {}
-        self.started: list[tuple[int, str]] = []  # (attempt, launch_info)
-        self._next_node = 0
-        self._drained: set[str] = set()
-        self._lock = threading.Lock()
-
-    def check_resources(self, nodes: int, spares: int, partition: str | None) -> None:
-        return None
-
-    def answered_since(self, t: float) -> bool:
-        return True
-
-    def allocate(self, req: AllocationRequest) -> Grant:
-        names = list(req.idle[: req.count - len(req.held)])
-        while len(req.held) + len(names) < req.count:
-            self._next_node += 1
-            names.append(f"soak-{self._next_node}")
-        return Grant(nodes=req.held + tuple(names), info=None)
-
-    def held(self, run_id: str, info: str | None) -> Grant | None:
-        return None
-
-    def release(self, run_id: str, info: str | None) -> bool:
-        return True
-
-    def start(self, spec: LaunchSpec) -> str:
-        info = json.dumps({"attempt": spec.attempt, "nodes": list(spec.nodes), "rpn": spec.ranks_per_node})
-        with self._lock:
-            self.procs[info] = {r: (ProcState.RUNNING,
-                                    None) for r in range(len(spec.nodes) * spec.ranks_per_node)}
-            self.started.append((spec.attempt, info))
-        return info
-
-    def find(self, spec: LaunchSpec) -> str | None:
-        return None
-
-    def observe(self, launch_info: str) -> list[RankProc]:
-        d = json.loads(launch_info)
-        with self._lock:
-            return [RankProc(rank=r, node=d["nodes"][r // d["rpn"]], proc=s, exit_code=c)
-                    for r, (s, c) in sorted(self.procs[launch_info].items())]
-
-    def stop(self, launch_info: str, *, force: bool) -> None:
-        with self._lock:
-            self.procs[launch_info] = {r: (ProcState.EXITED, c if s is ProcState.EXITED else -signal.SIGKILL)
-                                       for r, (s, c) in self.procs[launch_info].items()}
-
-    def forget(self, launch_info: str) -> None:
-        with self._lock:
-            self.procs.pop(launch_info, None)
-
-    def kill(self, launch_info: str, ranks: Sequence[int], code: int) -> None:
-        with self._lock:
-            for r in ranks:
-                self.procs[launch_info][r] = (ProcState.EXITED, code)
-
-    def drain(self, node: str, reason: str) -> None:
-        self._drained.add(node)
-
-    def undrain(self, node: str) -> None:
-        self._drained.discard(node)
-
-    def drained(self, node: str) -> bool | None:
-        return node in self._drained
-
-    def probe(self, nodes: Sequence[str], argv: Sequence[str], *, allocation_info: str | None,
-              timeout_s: float) -> dict[str, str]:
-        return {}
-
-    def probe_drained(self, nodes: Mapping[str, str], argv: Sequence[str], *, timeout_s: float) -> dict[str,
-                                                                                                        str]:
-        return {}
 
 
 _CLIENT = """
@@ -204,7 +121,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
 class Feeder:
     """The trainer's side: steps, heartbeats, checkpoints and faults, in simulated time."""
 
-    def __init__(self, daemon: Daemon, cluster: SoakCluster, clock: SimClock, state: Path,
+    def __init__(self, daemon: Daemon, cluster: ScriptedLauncher, clock: SimClock, state: Path,
                  args: argparse.Namespace,
                  token: str) -> None:
         self.daemon, self.cluster, self.clock, self.state, self.args = daemon, cluster, clock, state, args
@@ -233,10 +150,9 @@ class Feeder:
         Meanwhile simulated time passes (recovery takes time), 2 s per 20 ms."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            with self.cluster._lock:
-                started = [x for x in self.cluster.started if x[0] > after]
+            started = [x for x in list(self.cluster.started) if x.attempt > after]
             if started:
-                number, info = started[-1]
+                number, info = started[-1].attempt, self.cluster.cluster.markers[started[-1].marker]
                 with self.daemon.store.tx() as tx:
                     a = next(a for a in tx.list_attempts(1) if a.number == number)
                 if a.state is AttemptState.RUNNING:
@@ -303,13 +219,12 @@ class Feeder:
 
     def inject(self, info: str) -> None:
         d = json.loads(info)
-        if self.rng.random() < planning.LLAMA3_HARDWARE_SHARE:
+        if self.rng.random() < planning.LLAMA3_HARDWARE_SHARE:  # the node is lost: all its ranks SIGKILLed
             self.faults_injected["hardware"] += 1
-            node = self.rng.randrange(len(d["nodes"]))
-            self.cluster.kill(info, range(node * d["rpn"], (node + 1) * d["rpn"]), -signal.SIGKILL)
-        else:
+            self.cluster.kill_node(info, self.rng.choice(d["nodes"]))
+        else:  # one rank exits 1
             self.faults_injected["software"] += 1
-            self.cluster.kill(info, [self.rng.randrange(len(d["nodes"]) * d["rpn"])], 1)
+            self.cluster.procs[info][self.rng.randrange(len(d["nodes"]) * d["rpn"])] = (ProcState.EXITED, 1)
 
     def measure(self, mark: int, began: float) -> None:
         api = self.daemon.api_url
@@ -350,7 +265,7 @@ SPEC = {
 
 async def soak(args: argparse.Namespace, state: Path) -> dict[str, Any]:
     clock = SimClock(1.8e9)
-    cluster = SoakCluster()
+    cluster = ScriptedLauncher()
     settings = DaemonSettings(state_dir=state, api_port=0, check_trainer_config=False, tick_s=0.1,
                               retention=Retention(metrics_days=args.retention_days))
     daemon = Daemon(settings, clock, api=daemon_app, cluster=Cluster(cluster, cluster))

@@ -179,19 +179,24 @@ def test_a_version_3_database_gains_the_event_kind_and_fault_time_indexes(store:
     conn.close()
 
 
-def test_a_version_4_database_keeps_its_commands_and_gains_node_commands(store: SqlStore,
-                                                                         tmp_path: Path) -> None:
-    number = new_run(store, tmp_path)
-    store.close()
+def as_version_4(store: SqlStore, run_number: int) -> None:
+    """Make the (closed) database a version 4 one: commands of runs only, one queued."""
     conn = sqlite3.connect(store.path)
     conn.executescript(f"""
         DROP TABLE commands;
         CREATE TABLE commands (id INTEGER PRIMARY KEY AUTOINCREMENT,
             run_number INTEGER NOT NULL REFERENCES runs (number), kind VARCHAR(16) NOT NULL,
             created_at FLOAT NOT NULL, handled_at FLOAT, result TEXT);
-        INSERT INTO commands (run_number, kind, created_at) VALUES ({number}, 'pause', 5.0);
+        INSERT INTO commands (run_number, kind, created_at) VALUES ({run_number}, 'pause', 5.0);
         UPDATE schema_version SET version = 4;""")
     conn.close()
+
+
+def test_a_version_4_database_keeps_its_commands_and_gains_node_commands(store: SqlStore,
+                                                                         tmp_path: Path) -> None:
+    number = new_run(store, tmp_path)
+    store.close()
+    as_version_4(store, number)
     again = SqlStore(store.path)
     again.open()
     with again.tx() as tx:
@@ -213,18 +218,8 @@ def test_a_migration_that_fails_midway_leaves_the_database_as_it_was(store: SqlS
     back with the rest. Here _v5 renames the commands table, then fails before rebuilding it;
     the database must still open at version 4 with its commands, and upgrade once fixed."""
     number = new_run(store, tmp_path)
-    with store.tx() as tx:
-        tx.add_command(number, CommandKind.PAUSE, 5.0)
     store.close()
-    conn = sqlite3.connect(store.path)
-    conn.executescript(f"""
-        DROP TABLE commands;
-        CREATE TABLE commands (id INTEGER PRIMARY KEY AUTOINCREMENT,
-            run_number INTEGER NOT NULL REFERENCES runs (number), kind VARCHAR(16) NOT NULL,
-            created_at FLOAT NOT NULL, handled_at FLOAT, result TEXT);
-        INSERT INTO commands (run_number, kind, created_at) VALUES ({number}, 'pause', 5.0);
-        UPDATE schema_version SET version = 4;""")
-    conn.close()
+    as_version_4(store, number)
 
     def broken_v5(c: object) -> None:
         c.exec_driver_sql("ALTER TABLE commands RENAME TO commands_v4")  # type: ignore[attr-defined]
