@@ -207,6 +207,7 @@ def choose_chaos(chaos: list[str], seed: int, size: int = CHAOS_SUBSET) -> list[
     return chosen + rng.sample(rest, max(0, min(len(rest), size - len(chosen))))
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m have chosen: a scenario named that way runs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep a seeded subset of the chaos scenarios (deselected, not skipped: `make chaos`
     runs the rest), unless --chaos-all or only a few were collected (one named on the
