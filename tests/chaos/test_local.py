@@ -414,13 +414,14 @@ def test_sigkill_of_the_supervisor_at_random_points_loses_nothing(
         daemon.kill(signal.SIGTERM)
     assert final["state"] == "SUCCEEDED", (kills, final)
     assert final["model_digest"] == fault_free["model_digest"]
-    # One fault, at the save of step 40. Its blame is rank 3 when its death left evidence
-    # (its exit seen by a daemon, or its last will). When it died while no daemon was up
-    # (the kill-in-save and a daemon kill can coincide, and the embedded broker, with the
-    # last will it held, dies with the daemon), rank 3 left no trace, and the rule blames
-    # the earliest exit a rank reported of its own, or, with none, every rank gone.
+    # One fault. Its blame is rank 3 when its death left evidence (its exit seen by a
+    # daemon, or its last will). When it died while no daemon was up (the kill-in-save and
+    # a daemon kill can coincide, and the embedded broker, with the last will it held,
+    # dies with the daemon), rank 3 left no trace: the rule blames the earliest exit a
+    # rank reported of its own, or, when the next daemon found every rank already gone
+    # with no report, every rank (at no known step).
     [fault] = final["faults"]
-    assert fault["kind"] == "rank-exit" and fault["step"] == 40, (kills, fault)
+    assert fault["kind"] == "rank-exit", (kills, fault)
     assert 3 in fault["ranks"] or "exited with code" in fault["summary"], (kills, fault)
     assert final["drained_nodes"] == [], "a daemon's death is no node's fault"
     assert db_rows(state, "SELECT count(*) FROM events WHERE kind = 'daemon.started'")[0][0] == 5
