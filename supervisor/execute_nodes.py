@@ -94,8 +94,8 @@ class NodeEffects:
                 if e.run_number is not None:
                     info = tx.get_run(e.run_number).allocation_info
                 else:
-                    drained = {x.name: x.reason for x in tx.list_nodes()
-                               if x.name in e.nodes and x.state is NodeState.DRAINED}
+                    drained = {x.name: x.reason for x in tx.nodes_named(e.nodes)
+                               if x.state is NodeState.DRAINED}
             spec = self.observer.spec(e.run_number)[0] if e.run_number is not None else None
             args = spec.health.args if isinstance(spec, RunSpec) else self.probes.sweep_args
             timeout_s = spec.health.timeout_s if isinstance(spec, RunSpec) else self.probes.sweep_timeout_s
@@ -133,7 +133,7 @@ class NodeEffects:
                 if error is None and self.nodes.drained(it.node) == want_drained:
                     tx.confirm_intent(it.node, now)
                 if error is not None and error != it.last_error:  # said once, not every tick
-                    node = next((x for x in tx.list_nodes() if x.name == it.node), None)
+                    node = next(iter(tx.nodes_named([it.node])), None)
                     verb = "drain" if want_drained else "return"
                     tx.add_event(node.run_number if node else None, f"node.{verb}_failed",
                                  f"{error}; sending it again until the cluster shows it",

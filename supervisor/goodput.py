@@ -58,14 +58,6 @@ def with_step(s: AttemptStats, m: MetricRecord) -> AttemptStats:
         last_at=m.received_at, last_loss=m.loss, last_grad_norm=m.grad_norm)
 
 
-def stats_from(metrics: Sequence[MetricRecord]) -> dict[int, AttemptStats]:
-    """Per-attempt stats of raw steps (what the store keeps up to date as they arrive)."""
-    out: dict[int, AttemptStats] = {}
-    for m in sorted(metrics, key=lambda m: (m.received_at, m.step)):
-        out[m.attempt] = with_step(out.get(m.attempt, AttemptStats(attempt=m.attempt)), m)
-    return out
-
-
 def checkpoint_times(checkpoints: Sequence[CheckpointRecord]) -> dict[tuple[int, int], float]:
     """(attempt, step) -> that attempt's summed step time when it committed the checkpoint."""
     return {(c.attempt, c.step): c.attempt_time_s for c in checkpoints

@@ -20,8 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from supervisor import checkpoint_scan, trainer_cmd
 from supervisor.checkpoint_scan import Verdict
 from supervisor.domain import (
@@ -43,6 +41,7 @@ from supervisor.domain import (
     StragglerReport,
     TrainerResult,
 )
+from supervisor.errors import SpecError
 from supervisor.launchers.base import Grant, Launcher, LaunchSpec
 from supervisor.policy import resume_before, unreadable_checkpoints
 from supervisor.probes import ProbeScheduler
@@ -175,16 +174,15 @@ class Observer:
                 text, run_dir = tx.run_spec_and_dir(number)
             try:
                 self._specs[number] = (spec_from_json(text), run_dir)
-            except ValidationError as e:
-                self._specs[number] = ("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
-                                                 for err in e.errors()), run_dir)
+            except SpecError as e:
+                self._specs[number] = (str(e), run_dir)
         return self._specs[number]
 
     def observe(self, run: Run, commands: list[Command], now: float) -> Observed:
         spec, run_dir = self.spec(run.number)
         with self.store.tx() as tx:
             attempts = tuple(tx.list_attempts(run.number))
-            known = tx.list_nodes()
+            known = tx.allocation(run.number)
             open_faults = tx.count_open_faults(run.number)
             faults = tuple(tx.list_faults(run.number))
             stragglers = tuple(StragglerReport(attempt=s.attempt, rank=s.rank, node=s.node)
@@ -204,7 +202,12 @@ class Observer:
         since = now - self.stale_after_s if first_death is None else first_death
         answering = self.launcher.answered_since(since)
         grant = self.launcher.held(run.run_id, run.allocation_info) if run.allocation_info else None
-        facts.grant = grant_changes(known, run.number, grant) if grant is not None else None
+        if grant is not None:
+            others = set(grant.nodes).difference(x.name for x in known)
+            if others:  # granted nodes the store has under another run, or not at all
+                with self.store.tx() as tx:
+                    known += tx.nodes_named(others)
+            facts.grant = grant_changes(known, run.number, grant)
         allocation = allocation_after(known, run.number, facts.grant)
         newest = None
         # The checkpoint matters only when this tick may launch: no attempt training, and a

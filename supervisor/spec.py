@@ -239,7 +239,11 @@ def load_spec(path: str | Path) -> RunSpec:
 
 
 def spec_from_json(text: str) -> RunSpec:
-    return RunSpec.model_validate_json(text)
+    """A spec as the store holds it; SpecError when it no longer validates (a rule changed)."""
+    try:
+        return RunSpec.model_validate_json(text)
+    except ValidationError as e:
+        raise SpecError("; ".join(_describe(err) for err in e.errors())) from e
 
 
 def _describe(err: Any) -> str:

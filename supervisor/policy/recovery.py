@@ -81,12 +81,12 @@ def launch(view: RunView, state: RunState, drained_now: set[str], out: list[Effe
                 final_step=ended_now[a.number].final_step) if a.number in ended_now else a
         for a in view.attempts))
     faults = [*view.faults, *_recorded_now(view, out, now)]
-    stop = stop_reason(view, faults, now)
+    streak = failed_streak(view, faults)
+    stop = stop_reason(view, faults, streak, now)
     if stop is not None:
         check_run(state, RunState.FAILED)
         out.append(FinishRun(state=RunState.FAILED, reason=stop))
         return RunState.FAILED
-    streak = failed_streak(view, faults)
     wait_s, stuck = backoff(view, streak)
     if wait_s > 0:
         last = streak[-1]
@@ -152,9 +152,9 @@ def _recorded_now(view: RunView, out: list[Effect], now: float) -> list[FaultRec
 # --- stop rules ---------------------------------------------------------------------
 
 
-def stop_reason(view: RunView, faults: list[FaultRecord], now: float) -> str | None:
-    """Why the run must stop instead of launching again, or None."""
-    return (_crash_loop(view, failed_streak(view, faults), faults)
+def stop_reason(view: RunView, faults: list[FaultRecord], streak: list[Attempt], now: float) -> str | None:
+    """Why the run must stop instead of launching again (``streak``: its failed_streak), or None."""
+    return (_crash_loop(view, streak, faults)
             or _too_frequent(view, faults, now)
             or _no_progress(view, faults))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 
 from sqlalchemy import Connection, func, insert, select, update
 
@@ -28,6 +29,11 @@ class NodeQueries:
 
     def allocation(self, run_number: int) -> list[Node]:
         q = select(t.nodes).where(t.nodes.c.run_number == run_number).order_by(t.nodes.c.name)
+        return [node_of(r) for r in self.c.execute(q)]
+
+    def nodes_named(self, names: Collection[str]) -> list[Node]:
+        """The records of those of ``names`` the store knows."""
+        q = select(t.nodes).where(t.nodes.c.name.in_(sorted(names))).order_by(t.nodes.c.name)
         return [node_of(r) for r in self.c.execute(q)]
 
     def put_node(self, node: Node, now: float) -> None:

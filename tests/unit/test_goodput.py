@@ -18,12 +18,24 @@ from supervisor.domain import (
     Run,
     RunState,
 )
-from supervisor.goodput import account, stats_from, with_step
+from supervisor.goodput import account, with_step
 
 
 def metric(attempt: int, step: int, at: float) -> MetricRecord:
     return MetricRecord(attempt=attempt, step=step, loss=1.0, grad_norm=1.0, lr=0.1, step_time_s=1.0,
                         tokens_per_s=1.0, received_at=at)
+
+
+def stats_from(metrics: list[MetricRecord]) -> dict[int, AttemptStats]:
+    """Per-attempt stats recounted from every raw step at once (not with with_step's fold)."""
+    out: dict[int, AttemptStats] = {}
+    for attempt in sorted({m.attempt for m in metrics}):
+        ms = sorted((m for m in metrics if m.attempt == attempt), key=lambda m: (m.received_at, m.step))
+        out[attempt] = AttemptStats(
+            attempt=attempt, steps=len(ms), first_step=min(m.step for m in ms), last_step=max(m.step for m in ms),
+            first_at=ms[0].received_at, first_step_time_s=ms[0].step_time_s, last_at=ms[-1].received_at,
+            step_time_s=sum(m.step_time_s for m in ms), last_loss=ms[-1].loss, last_grad_norm=ms[-1].grad_norm)
+    return out
 
 
 def test_breakdown_of_a_run_with_one_rollback() -> None:

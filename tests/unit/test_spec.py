@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.errors import SpecError
-from supervisor.spec import load_spec, parse_spec
+from supervisor.spec import load_spec, parse_spec, spec_from_json
 from supervisor.trainer_cmd import attempt_env
 from tests.conftest import REPO
 from trainer.protocol import parse_mqtt_url
@@ -64,6 +64,14 @@ def test_unreadable_and_invalid_files_are_spec_errors(tmp_path: Path) -> None:
     bad.write_text("name = \n")
     with pytest.raises(SpecError, match="not valid TOML"):
         load_spec(bad)
+
+
+def test_a_stored_spec_that_no_longer_validates_names_the_key() -> None:
+    """A spec stored before a rule changed: the same words as for a file, with no file."""
+    assert spec_from_json(parse_spec(GOOD).model_dump_json()).name == "t"
+    with pytest.raises(SpecError) as e:
+        spec_from_json('{"name": "t", "trainer": {"steps": 1}, "resources": {"nodse": 2}}')
+    assert str(e.value) == "unknown key 'resources.nodse'"
 
 
 def test_mqtt_urls() -> None:
