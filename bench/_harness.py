@@ -161,7 +161,7 @@ class Tap:
         self._msgs: list[protocol.Message] = []
         self._subscribed = threading.Event()
         self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"bench-tap-{os.getpid()}")
-        self._client.on_connect = lambda c, _u, _f, _r, _p: c.subscribe(protocol.TOPIC_FILTER_ALL)
+        self._client.on_connect = lambda c, _u, _f, _r, _p: c.subscribe(protocol.topic_filter())
         self._client.on_subscribe = lambda *_a: self._subscribed.set()
         self._client.on_message = self._on_message
         self._client.connect(host, port)

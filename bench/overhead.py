@@ -151,7 +151,7 @@ class TelemetryCounter:
         self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"bench-overhead-{os.getpid()}")
         self._client.on_message = self._on_message
         self._client.connect(broker.host, broker.port)
-        self._client.subscribe(protocol.TOPIC_FILTER_ALL)
+        self._client.subscribe(protocol.topic_filter())
         self._client.loop_start()
 
     def _on_message(self, _c: Any, _u: Any, message: mqtt.MQTTMessage) -> None:

@@ -618,7 +618,8 @@ async def supervise(port: int) -> None:
     view = TimedView()
     with tempfile.TemporaryDirectory(prefix="scale-sup-") as run_dir:
         judge = Judge(view, f"mqtt://127.0.0.1:{port}", Path(run_dir))
-        link = MqttLink("127.0.0.1", port, view, time.time, client_id=f"bench-supervisor-{os.getpid()}")
+        link = MqttLink(p.parse_broker_url(f"mqtt://127.0.0.1:{port}"), view, time.time,
+                        client_id=f"bench-supervisor-{os.getpid()}")
         tasks = [asyncio.create_task(link.run()), asyncio.create_task(judge.tick_forever())]
         threading.Thread(target=read_stdin, daemon=True).start()
         while view.up_since is None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from amqtt.broker import Broker
 
+from trainer.protocol import BrokerUrl
 from trainer.telemetry import Broker as BrokerAddress
 from trainer.telemetry import Identity, Telemetry
 
@@ -52,7 +53,7 @@ def amqtt_broker() -> Iterator[BrokerAddress]:
     }, loop=loop)
     asyncio.run_coroutine_threadsafe(broker.start(), loop).result(timeout=30)
     try:
-        yield BrokerAddress("127.0.0.1", port)
+        yield BrokerAddress(BrokerUrl("127.0.0.1", port))
     finally:
         asyncio.run_coroutine_threadsafe(broker.shutdown(), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)
@@ -64,7 +65,7 @@ def silent_listener() -> Iterator[BrokerAddress]:
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
-        yield BrokerAddress("127.0.0.1", listener.getsockname()[1])
+        yield BrokerAddress(BrokerUrl("127.0.0.1", listener.getsockname()[1]))
 
 
 def measure(address: BrokerAddress | None, messages: int, wait_connected: bool,
@@ -107,7 +108,7 @@ def main() -> None:
     results: dict[str, Any] = {"messages": args.messages, "pace_us": args.pace_us}
     with amqtt_broker() as address:
         results["up"] = measure(address, args.messages, True, pace_s)
-    refused = BrokerAddress("127.0.0.1", free_port())
+    refused = BrokerAddress(BrokerUrl("127.0.0.1", free_port()))
     results["absent"] = measure(refused, args.messages, False, pace_s)
     with silent_listener() as address:
         results["silent"] = measure(address, args.messages, False, pace_s)

@@ -1,14 +1,27 @@
-"""A real Slurm cluster on one host: munged, slurmctld, and N slurmd posing as nodes.
+"""A real Slurm cluster on one host: munged, slurmctld, and N slurmd posing as nodes,
+each node a host of its own on a private network.
 
 For development and tests (``scripts/slurm-box up --nodes 3``). Everything it starts
 lives in one directory of its own (config, munge key and socket, state, spool, logs,
 pid files), on ports picked free at start, so that several boxes can run side by side
 and ``down`` stops exactly what ``up`` started, by pid, never by name.
 
-The recipe (Slurm 22.05 from Debian): each ``slurmd -N nodeK`` gets its own ``Port``
-and ``%n`` in its spool and pid paths; ``NodeAddr`` is 127.0.0.1 and ``NodeHostname``
-the real host name. Slurm reaches the box's private munged through
-``AuthInfo=socket=...``, so the host's own munge, if any, is left alone.
+The network: a bridge on this host is the cluster network, and the controller (slurmctld,
+and the supervisor with its broker) is this host at the bridge's address ``10.77.N.1``.
+Each node's slurmd runs in a network namespace of its own, with one end of a veth pair
+on the bridge and the address ``10.77.N.(10+k)``: 127.0.0.1 on a node is that node
+alone, as on a real cluster, so whatever a rank reaches it reaches over the network. The
+file system, the process table and munge stay shared. ``partition_node`` takes a node's
+link down (its processes live on, cut off) and ``heal_node`` brings it back. Each box
+picks a subnet no other address of this host uses and names its bridge, links and
+namespaces after its slurmctld port; ``down`` deletes them.
+
+The Slurm recipe (22.05 from Debian): each ``slurmd -N nodeK`` gets its own ``Port``
+and ``%n`` in its spool and pid paths; ``NodeAddr`` is the node's address and
+``NodeHostname`` the real host name. Slurm reaches the box's private munged through
+``AuthInfo=socket=...``, so the host's own munge, if any, is left alone. slurmd starts
+through ``nsenter --net=...``: ``ip netns exec`` would also remount /sys, where slurmd
+finds no cgroup file system.
 
 Stdlib only: the script runs before any virtual environment exists.
 """
@@ -17,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
+import ipaddress
 import json
 import os
 import secrets
@@ -27,11 +42,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 DEFAULT_DIR = Path(tempfile.gettempdir()) / "tsup-slurm-box"
 SBIN = Path("/usr/sbin")
+NETWORK = ipaddress.ip_network("10.77.0.0/16")  # each box takes one /24 of it
+NETNS_DIR = Path("/var/run/netns")
+# Held while a box picks its subnet and makes its bridge: two boxes coming up at once
+# must not pick the same one.
+_NET_LOCK = Path(tempfile.gettempdir()) / "tsup-slurm-box.net.lock"
 
 
 @dataclass
@@ -41,6 +62,7 @@ class Box:
     partition: str
     ctld_port: int
     node_ports: dict[str, int]
+    subnet: str = ""  # the cluster network, "10.77.N.0/24"
     munged_pid: int = 0
     ctld_pid: int = 0
     slurmd_pids: dict[str, int] = field(default_factory=dict)
@@ -48,6 +70,27 @@ class Box:
     @property
     def conf(self) -> Path:
         return Path(self.dir) / "slurm.conf"
+
+    # --- the network: names derive from the slurmctld port, unique on this host --------
+
+    @property
+    def bridge(self) -> str:
+        return f"tsb{self.ctld_port}"
+
+    @property
+    def controller_addr(self) -> str:
+        """This host's address on the cluster network: what the nodes reach it by."""
+        return str(ipaddress.ip_network(self.subnet)[1])
+
+    def addr(self, node: str) -> str:
+        return str(ipaddress.ip_network(self.subnet)[10 + self.nodes.index(node) + 1])
+
+    def netns(self, node: str) -> str:
+        return f"tsup-{self.ctld_port}-{node}"
+
+    def link(self, node: str) -> str:
+        """The host's end of the node's link (the node's end is its eth0)."""
+        return f"tsb{self.ctld_port}n{self.nodes.index(node) + 1}"
 
     @property
     def env(self) -> dict[str, str]:
@@ -78,9 +121,10 @@ def _slurm_conf(box: Box, cpus: int, memory_mb: int) -> str:
     d = box.dir
     host = socket.gethostname()
     lines = [
-        "# Written by scripts/slurm-box: a Slurm cluster on one host, for development and tests.",
+        "# Written by scripts/slurm-box: a Slurm cluster on one host, each node in a network",
+        "# namespace of its own, for development and tests.",
         f"ClusterName=tsupbox{box.ctld_port}",
-        f"SlurmctldHost={host}(127.0.0.1)",
+        f"SlurmctldHost={host}({box.controller_addr})",
         f"SlurmctldPort={box.ctld_port}",
         f"SlurmdPort={box.node_ports[box.nodes[0]]}",
         "SlurmUser=root",
@@ -114,7 +158,7 @@ def _slurm_conf(box: Box, cpus: int, memory_mb: int) -> str:
     ]
     for node in box.nodes:
         lines.append(
-            f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={box.node_ports[node]} "
+            f"NodeName={node} NodeHostname={host} NodeAddr={box.addr(node)} Port={box.node_ports[node]} "
             f"CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN"
         )
     lines.append(f"PartitionName={box.partition} Nodes={','.join(box.nodes)} Default=YES "
@@ -142,9 +186,12 @@ def _run(argv: list[str], box: Box, timeout_s: float = 10.0) -> subprocess.Compl
 def up(directory: Path, nodes: int, *, cpus: int = 2, memory_mb: int = 4000, partition: str = "train",
        timeout_s: float = 60.0) -> Box:
     missing = [b for b in ("munged", "slurmctld", "slurmd") if not (SBIN / b).exists()]
-    if missing or shutil.which("sinfo") is None:
-        raise RuntimeError(f"Slurm box needs {', '.join(missing or ['slurm-client'])} "
+    missing += [tool for tool in ("sinfo", "ip", "nsenter") if shutil.which(tool) is None]
+    if missing:
+        raise RuntimeError(f"Slurm box needs {', '.join(missing)} "
                            "(scripts/install-system-deps installs them as root)")
+    if os.geteuid() != 0:
+        raise RuntimeError("Slurm box needs root: it runs slurmd and makes network namespaces")
     if (directory / "box.json").exists():
         raise RuntimeError(f"{directory} already holds a box: run `slurm-box down --dir {directory}` first")
     names = [f"node{k}" for k in range(1, nodes + 1)]
@@ -159,14 +206,92 @@ def up(directory: Path, nodes: int, *, cpus: int = 2, memory_mb: int = 4000, par
     key = directory / "munge" / "munge.key"
     key.write_bytes(secrets.token_bytes(1024))
     os.chmod(key, 0o600)
-    box.conf.write_text(_slurm_conf(box, cpus, memory_mb))
-    _save(box)  # from here on, `down` can clean up whatever got started
     try:
+        with _net_lock():
+            box.subnet = _free_subnet()
+            _save(box)  # from here on, `down` can clean up whatever got started
+            _make_network(box)
+        box.conf.write_text(_slurm_conf(box, cpus, memory_mb))
         _start(box, directory, key, timeout_s)
     except BaseException:
         down(directory)  # nothing half-started is left behind
         raise
     return box
+
+
+# --- the network --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _net_lock() -> Iterator[None]:
+    with open(_NET_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _ip(*args: str, check: bool = True) -> str:
+    out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=False)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip() or f'exit {out.returncode}'}")
+    return out.stdout
+
+
+def _free_subnet() -> str:
+    """A /24 of NETWORK that no address or route of this host touches."""
+    taken = []
+    for line in (_ip("-o", "-4", "addr", "show") + _ip("-4", "route", "show")).splitlines():
+        for word in line.split():
+            with contextlib.suppress(ValueError):
+                taken.append(ipaddress.ip_network(word, strict=False))
+    for subnet in NETWORK.subnets(new_prefix=24):
+        if not any(subnet.overlaps(t) for t in taken):
+            return str(subnet)
+    raise RuntimeError(f"no free /24 left in {NETWORK} for the box's network")
+
+
+def _make_network(box: Box) -> None:
+    prefix = ipaddress.ip_network(box.subnet).prefixlen
+    _ip("link", "add", box.bridge, "type", "bridge")
+    _ip("addr", "add", f"{box.controller_addr}/{prefix}", "dev", box.bridge)
+    _ip("link", "set", box.bridge, "up")
+    for node in box.nodes:
+        ns, link = box.netns(node), box.link(node)
+        _ip("netns", "add", ns)
+        _ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _ip("link", "set", link, "master", box.bridge)
+        _ip("link", "set", link, "up")
+        _ip("-n", ns, "addr", "add", f"{box.addr(node)}/{prefix}", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+
+
+def _remove_network(box: Box) -> None:
+    """Delete the box's namespaces, links and bridge; whatever is already gone is fine."""
+    if not box.subnet:
+        return
+    for node in box.nodes:
+        _ip("netns", "del", box.netns(node), check=False)
+        _ip("link", "del", box.link(node), check=False)  # gone with its namespace, unless a process holds it
+    _ip("link", "del", box.bridge, check=False)
+
+
+def partition_node(box: Box, node: str) -> None:
+    """Take the node's link down: it and its processes live on, cut off from everyone."""
+    _ip("link", "set", box.link(node), "down")
+
+
+def heal_node(box: Box, node: str) -> None:
+    _ip("link", "set", box.link(node), "up")
+
+
+def network_leftovers(box: Box) -> list[str]:
+    """The box's namespaces and links that still exist (none, after ``down``)."""
+    names = set(_ip("-o", "link", "show").replace("@", ":").replace(" ", ":").split(":"))
+    left = [n for n in (box.bridge, *(box.link(node) for node in box.nodes)) if n in names]
+    return left + [box.netns(node) for node in box.nodes if (NETNS_DIR / box.netns(node)).exists()]
 
 
 def _start(box: Box, directory: Path, key: Path, timeout_s: float) -> None:
@@ -198,12 +323,13 @@ def start_ctld(box: Box, *, clear: bool = False, timeout_s: float = 30.0) -> int
 
 
 def start_node(box: Box, node: str, *, timeout_s: float = 30.0) -> int:
-    """Start (or restart) the slurmd posing as ``node``."""
+    """Start (or restart) the slurmd posing as ``node``, inside the node's namespace."""
     box.spool(node).mkdir(parents=True, exist_ok=True)
     pid_file = box.slurmd_pid_file(node)
     pid_file.unlink(missing_ok=True)
-    subprocess.run([str(SBIN / "slurmd"), "-f", str(box.conf), "-N", node], env=box.env, check=True,
-                   capture_output=True, timeout=timeout_s)
+    argv = ["nsenter", f"--net={NETNS_DIR / box.netns(node)}", str(SBIN / "slurmd"), "-f", str(box.conf),
+            "-N", node]
+    subprocess.run(argv, env=box.env, check=True, capture_output=True, timeout=timeout_s)
     box.slurmd_pids[node] = _read_pid(pid_file)
     _save(box)
     return box.slurmd_pids[node]
@@ -255,11 +381,12 @@ def _descendants(roots: set[int], ppids: dict[int, int]) -> set[int]:
     return found
 
 
-def _unix_socket_paths() -> dict[str, str]:
-    """socket inode -> bound path, from /proc/net/unix."""
+def _unix_socket_paths(pid: int) -> dict[str, str]:
+    """socket inode -> bound path, in the network namespace of process ``pid`` (each
+    namespace has a table of its own: the host's /proc/net/unix lists no node's sockets)."""
     out: dict[str, str] = {}
     try:
-        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+        lines = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]
     except OSError:
         return out
     for line in lines:
@@ -275,15 +402,19 @@ def stepd_pids(spool: Path) -> set[int]:
     slurmstepd detaches from slurmd, so it is found by the unix socket it listens on in
     that node's spool directory.
     """
-    paths = _unix_socket_paths()
     prefix = str(spool) + "/"
     found: set[int] = set()
+    tables: dict[int, dict[str, str]] = {}  # network namespace inode -> its socket table
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             if (entry / "comm").read_text().strip() != "slurmstepd":
                 continue
+            netns = os.stat(entry / "ns" / "net").st_ino
+            if netns not in tables:
+                tables[netns] = _unix_socket_paths(int(entry.name))
+            paths = tables[netns]
             for fd in (entry / "fd").iterdir():
                 target = os.readlink(fd)
                 if target.startswith("socket:[") and paths.get(target[8:-1], "").startswith(prefix):
@@ -331,7 +462,8 @@ def _alive(pid: int) -> bool:
 
 
 def down(directory: Path, timeout_s: float = 3.0) -> list[int]:
-    """Stop what ``up`` started in ``directory``, by pid; returns the pids signalled.
+    """Stop what ``up`` started in ``directory``, by pid, and delete its network; returns
+    the pids signalled.
     SIGTERM, then SIGKILL after ``timeout_s``: a box is thrown away, and slurmctld, a
     slurmd and its slurmstepd can each wait many seconds on a node that was killed."""
     box = load(directory)
@@ -351,6 +483,10 @@ def down(directory: Path, timeout_s: float = 3.0) -> list[int]:
     for pid in [p for p in pids if _alive(p)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)  # a namespace goes only once its last process has
+    _remove_network(box)
     (Path(box.dir) / "box.json").unlink(missing_ok=True)
     return sorted(pids)
 
@@ -381,8 +517,12 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("node")
     r = sub.add_parser("start-node", help="start a node's slurmd again")
     r.add_argument("node")
-    sub.add_parser("env", help="print the export line for SLURM_CONF")
-    for p in (u, d, k, r):
+    c = sub.add_parser("partition-node", help="take a node's link down: it runs on, cut off")
+    c.add_argument("node")
+    h = sub.add_parser("heal-node", help="bring a partitioned node's link back")
+    h.add_argument("node")
+    e = sub.add_parser("env", help="print the export line for SLURM_CONF")
+    for p in (u, d, k, r, c, h, e):
         p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     args = ap.parse_args(argv)
     directory: Path = getattr(args, "dir", DEFAULT_DIR)
@@ -391,7 +531,9 @@ def main(argv: list[str] | None = None) -> int:
             if not 1 <= args.nodes <= 64:
                 raise RuntimeError("--nodes: expected 1 to 64")
             box = up(directory, args.nodes, cpus=args.cpus, partition=args.partition)
-            print(f"slurm-box: {len(box.nodes)} nodes up in {box.dir}", file=sys.stderr)
+            hosts = ", ".join(f"{n} {box.addr(n)}" for n in box.nodes)
+            print(f"slurm-box: {len(box.nodes)} nodes up in {box.dir}; network {box.subnet}, controller "
+                  f"{box.controller_addr}, {hosts}", file=sys.stderr)
             print(f"export SLURM_CONF={box.conf}")
             return 0
         if args.cmd == "down":
@@ -409,6 +551,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"slurm-box: SIGKILL to {len(killed)} process(es) of {args.node}", file=sys.stderr)
         elif args.cmd == "start-node":
             start_node(box_or_none, args.node)
+        elif args.cmd in ("partition-node", "heal-node"):
+            if args.node not in box_or_none.nodes:
+                known = ", ".join(box_or_none.nodes)
+                raise RuntimeError(f"no node {args.node!r} in the box (it has {known})")
+            (partition_node if args.cmd == "partition-node" else heal_node)(box_or_none, args.node)
         return 0
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         print(f"slurm-box: {e}", file=sys.stderr)

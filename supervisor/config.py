@@ -8,7 +8,15 @@ override that again (``cli.py``). Every error names the key and where it came fr
 
     state_dir = "/var/lib/training-supervisor"   # SQLite, run directories, lock, token
     api_bind = "127.0.0.1:8470"                  # HOST:PORT; "" for no API
-    mqtt_url = "mqtt://127.0.0.1:1883"           # absent: the embedded broker
+    mqtt_url = "mqtts://tsup:secret@broker:8883" # absent: the embedded broker
+    mqtt_bind = "10.0.0.5"                       # embedded broker: HOST[:PORT] it listens on
+                                                 # (absent: the address the nodes reach this
+                                                 # host by; loopback for the local launcher)
+    mqtt_advertise_url = "mqtt://10.0.0.5:1883"  # the URL ranks are told (absent: the
+                                                 # broker's own), with their credentials
+    mqtt_ca_file = "/etc/ssl/certs/broker-ca.pem"  # mqtts:// brokers: the CA (absent: system's)
+    cluster_id = "trn-west"                      # in every topic (absent: a fingerprint of
+                                                 # state_dir); two daemons on one broker differ
     launcher = "slurm"                           # or "local" (simulated nodes)
     slurm_conf = "/etc/slurm/slurm.conf"         # absent: SLURM_CONF or Slurm's default
     tick_s = 0.25                                # reconcile period
@@ -32,8 +40,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from supervisor.broker import check_bind
 from supervisor.errors import SpecError
-from trainer.protocol import parse_mqtt_url
+from trainer.protocol import check_cluster_id, parse_broker_url
 
 ENV_PREFIX = "TSUP_"
 
@@ -50,6 +59,10 @@ class ServiceConfig(BaseModel):
     state_dir: Path | None = None  # None: the user's default (default_state_dir)
     api_bind: str = "127.0.0.1:8470"
     mqtt_url: str | None = None
+    mqtt_bind: str | None = None
+    mqtt_advertise_url: str | None = None
+    mqtt_ca_file: Path | None = None
+    cluster_id: str | None = None
     launcher: Literal["local", "slurm"] = "local"
     slurm_conf: str | None = None
     tick_s: Annotated[float, Field(gt=0, le=60)] = 0.25
@@ -78,12 +91,28 @@ class ServiceConfig(BaseModel):
             parse_bind(v)
         return v
 
-    @field_validator("mqtt_url")
+    @field_validator("mqtt_url", "mqtt_advertise_url")
     @classmethod
     def _mqtt(cls, v: str | None) -> str | None:
         if v is not None:
-            parse_mqtt_url(v)
+            parse_broker_url(v)
         return v
+
+    @field_validator("mqtt_bind")
+    @classmethod
+    def _mqtt_bind(cls, v: str | None) -> str | None:
+        return None if v is None else check_bind(v)
+
+    @field_validator("cluster_id")
+    @classmethod
+    def _cluster(cls, v: str | None) -> str | None:
+        return None if v is None else check_cluster_id(v)
+
+    @model_validator(mode="after")
+    def _embedded_only(self) -> ServiceConfig:
+        if self.mqtt_bind is not None and self.mqtt_url is not None:
+            raise ValueError("mqtt_bind is where the embedded broker listens: leave it out with mqtt_url")
+        return self
 
 
 def parse_bind(text: str) -> tuple[str, int]:

@@ -39,10 +39,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TextIO
 
+import aiomqtt
 import uvicorn
 from sqlalchemy.exc import SQLAlchemyError
 
-from supervisor.broker import EmbeddedBroker
+from supervisor.broker import EmbeddedBroker, broker_addresses
 from supervisor.domain import LIVE_ATTEMPT_STATES
 from supervisor.errors import StateDirLocked, StoreError, SupervisorError
 from supervisor.launchers.base import ChaosHooks, Launcher, NodeAdmin
@@ -53,15 +54,15 @@ from supervisor.recorder import Retention
 from supervisor.sdnotify import Notifier
 from supervisor.service import SupervisorService
 from supervisor.slurm.cluster import SlurmCluster, slurm_cluster
+from supervisor.slurm.launcher import prefix_for
 from supervisor.store import SqlStore
 from supervisor.telemetry import MqttLink, TelemetryView
-from supervisor.token_file import TOKEN_FILE_NAME, ensure_token
+from supervisor.token_file import TELEMETRY_SECRET_NAME, TOKEN_FILE_NAME, ensure_token
 from supervisor.views import DaemonHealth
-from trainer.protocol import parse_mqtt_url
+from trainer.protocol import parse_broker_url
 
 log = logging.getLogger(__name__)
 
-EVENTS_TOPIC_ROOT = "tsup/v1/events"
 # A tick that keeps failing this many times in a row (database gone, disk full) ends
 # the daemon instead of spinning: systemd restarts it and the operator sees why.
 _MAX_FAILED_TICKS = 100
@@ -73,6 +74,13 @@ _OUTBOX_BATCH = 100  # events per outbox read
 class DaemonSettings:
     state_dir: Path
     mqtt_url: str | None = None  # None: start the embedded broker
+    # Where the embedded broker listens (None: the address the cluster's nodes reach this
+    # host by; loopback for the local launcher) and the URL ranks are told (None: the
+    # broker's own). See supervisor/broker.py.
+    mqtt_bind: str | None = None
+    mqtt_advertise_url: str | None = None
+    mqtt_ca_file: Path | None = None  # a CA bundle for an mqtts:// broker (None: the system's)
+    cluster_id: str | None = None  # in every topic; None: derived from the state directory
     api_host: str = "127.0.0.1"
     api_port: int | None = 8470  # None: no API; 0: any free port
     tick_s: float = 0.25
@@ -125,7 +133,10 @@ class Daemon:
         self.store = SqlStore(settings.state_dir / "supervisor.db")
         self.cluster = cluster or make_cluster(settings)
         self.launcher = self.cluster.launcher
-        self.telemetry = TelemetryView()
+        # Topics carry it, as Slurm job names carry the same fingerprint: two daemons on one
+        # broker or one cluster never see each other's runs.
+        self.cluster_id = settings.cluster_id or prefix_for(settings.state_dir)
+        self.telemetry = TelemetryView(cluster=self.cluster_id)
         self._api_factory = api
         # The reconciler's tick runs here, never on the event loop (supervisor/reconciler.py).
         self._tick_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reconciler")
@@ -135,7 +146,7 @@ class Daemon:
         self._last_tick_at: float | None = None  # time.monotonic() of the last good tick
         self._api_socket: socket.socket | None = None
         # Built in __aenter__, once the broker's address is known:
-        self.mqtt_url: str = settings.mqtt_url or ""
+        self.mqtt_url: str = ""  # what ranks are told (it may hold their credentials)
         self.link: MqttLink | None = None
         self.reconciler: Reconciler | None = None
         self.service: SupervisorService | None = None
@@ -151,12 +162,7 @@ class Daemon:
         try:
             self.store.open()
             self._record_start()
-            if self.broker is not None:
-                await self.broker.start()
-                self.mqtt_url = self.broker.url
-            host, port = parse_mqtt_url(self.mqtt_url)
-            self.link = MqttLink(host, port, self.telemetry, self.clock,
-                                 client_id=f"training-supervisor-{os.getpid()}")
+            await self._open_telemetry()
             st = self.settings
             config = ReconcilerConfig(mqtt_url=self.mqtt_url, sweep_every_s=st.sweep_every_s,
                                       sweep_args=st.sweep_args, return_after=st.return_after,
@@ -182,6 +188,33 @@ class Daemon:
             await self._close()
             raise
         return self
+
+    async def _open_telemetry(self) -> None:
+        """Start the embedded broker (or check the external one), and know what to tell ranks."""
+        st = self.settings
+        self.telemetry.secret = _secret(st.state_dir / TELEMETRY_SECRET_NAME).encode()
+        if self.broker is not None:
+            slurm = self.cluster.slurm
+            nodes = None if slurm is None else [n.addr for n in (slurm.state.nodes() or {}).values()]
+            own, port, advertised = broker_addresses(st.mqtt_bind, st.mqtt_advertise_url, nodes)
+            self.broker.host, self.broker.port = own, port or 0
+            await self.broker.start()
+            own_url = parse_broker_url(self.broker.url)
+            self.mqtt_url = advertised.format(port=self.broker.port)
+        else:
+            assert st.mqtt_url is not None
+            own_url = parse_broker_url(st.mqtt_url)
+            self.mqtt_url = st.mqtt_advertise_url or st.mqtt_url
+        self.link = MqttLink(own_url, self.telemetry, self.clock, ca_file=st.mqtt_ca_file,
+                             client_id=f"training-supervisor-{self.cluster_id}-{os.getpid()}")
+        # Both ends are tried once now: a bad address or credentials stop the start with
+        # the key to fix, rather than costing every run its telemetry.
+        await _try_broker(self.link, "mqtt_bind" if self.broker else "mqtt_url")
+        if parse_broker_url(self.mqtt_url) != own_url:
+            ranks = MqttLink(parse_broker_url(self.mqtt_url), TelemetryView(), self.clock,
+                             ca_file=st.mqtt_ca_file, client_id=f"training-supervisor-check-{os.getpid()}")
+            await _try_broker(ranks, "mqtt_advertise_url" if st.mqtt_advertise_url else "mqtt_bind",
+                              "ranks would be told ")
 
     def _record_start(self) -> None:
         """An audit line per start: which live attempts this daemon takes over."""
@@ -301,7 +334,7 @@ class Daemon:
             events = tx.unpublished_events(limit=_OUTBOX_BATCH)
         published = []
         for e in events:
-            topic = f"{EVENTS_TOPIC_ROOT}/{f'run-{e.run_number}' if e.run_number else 'daemon'}"
+            topic = f"tsup/v1/{self.cluster_id}/events/{f'run-{e.run_number}' if e.run_number else 'daemon'}"
             body = {"id": e.id, "ts": e.ts, "kind": e.kind, "message": e.message, "data": e.data}
             if not await self.link.publish(topic, json.dumps(body).encode()):
                 break
@@ -341,12 +374,25 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
+async def _try_broker(link: MqttLink, key: str, what: str = "") -> None:
+    try:
+        async with asyncio.timeout(10):
+            await link.check()
+    except (aiomqtt.MqttError, TimeoutError) as e:
+        why = str(e) or "no answer in 10 s"
+        raise SupervisorError(f"{key}: {what}{link.broker}, which does not answer: {why}") from e
+
+
 def _api_token(path: Path) -> str:
     """The API's token, made on the first start."""
+    return _secret(path, "API token")
+
+
+def _secret(path: Path, what: str = "telemetry secret") -> str:
     try:
-        return ensure_token(path)
+        return ensure_token(path, what)
     except OSError as e:
-        raise SupervisorError(f"{path}: cannot read or create the API token: {e.strerror}") from e
+        raise SupervisorError(f"{path}: cannot read or create the {what}: {e.strerror}") from e
     except ValueError as e:
         raise SupervisorError(str(e)) from e
 

@@ -19,8 +19,11 @@ link, the reconciler's ticks). Every name starts with ``tsup_``:
                                               are probe failures (counter)
     tsup_mqtt_connected                       1 while the telemetry link is up
     tsup_mqtt_messages_total{kind}            trainer messages received, by kind (counter)
-    tsup_mqtt_dropped_total{reason}           messages dropped: malformed, or over the
-                                              buffer while the store lagged (counter)
+    tsup_mqtt_dropped_total{reason}           messages dropped (counter): malformed; not
+                                              authentic (unsigned, bad_mac, replay,
+                                              will_unattributed: supervisor/telemetry.py);
+                                              of an attempt that has ended; or over the
+                                              buffer while the store lagged (buffer_full)
     tsup_outbox_events                        events not yet published on MQTT (gauge)
     tsup_reconcile_tick_seconds               reconciler tick duration (histogram)
 
@@ -46,13 +49,14 @@ from prometheus_client.registry import Collector
 from supervisor import goodput
 from supervisor.domain import TERMINAL_RUN_STATES, NodeState, RunState
 from supervisor.store import SqlStore
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry import DROP_REASONS, TelemetryView
 
 DETECTION_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RECOVERY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 TICK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 RECENT_S = 86_400.0  # per-run series: active runs and those ended this recently
-_DROPS = {"malformed": "malformed", "durable_dropped": "buffer_full"}  # TelemetryView.counts keys
+# TelemetryView.counts keys -> the reason label
+_DROPS = {**{reason: reason for reason in DROP_REASONS}, "durable_dropped": "buffer_full"}
 
 
 class SupervisorMetrics:

@@ -48,6 +48,7 @@ from supervisor.probes import ProbeScheduler
 from supervisor.spec import RunSpec, spec_from_json
 from supervisor.store import SqlStore
 from supervisor.telemetry import TelemetryView
+from trainer.protocol import KEY_ENV, attempt_key
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +248,10 @@ class Observer:
                "TSUP_ATTEMPT": str(a.number)}
         if self.mqtt_url:
             env["TSUP_MQTT_URL"] = self.mqtt_url
+            env["TSUP_CLUSTER"] = self.telemetry.cluster
+            if self.telemetry.secret is not None:  # the attempt's key: its ranks' environment only
+                env[KEY_ENV] = attempt_key(self.telemetry.secret, self.telemetry.cluster, run.run_id,
+                                           a.number).hex()
         return LaunchSpec(
             run_id=run.run_id, attempt=a.number, nodes=a.nodes, ranks_per_node=run.ranks_per_node,
             argv=trainer_cmd.attempt_argv(spec, run_dir, a.number, a.resume_from, a.resume_step), env=env,

@@ -15,6 +15,14 @@ would where the rank's step advanced (a step time for the pooled window, a busy 
 the straggler rule). A rank whose slot stops being written grows older in each report:
 it is not seen again, so the silence and hang rules judge it as if its messages stopped.
 
+Authenticity (trainer/protocol.py): the daemon's view holds the supervisor's secret and
+acts only on messages sealed with their attempt's key. It drops, and counts by reason,
+a message without a seal (``unsigned``), with a wrong one (``bad_mac``), one whose
+sequence number the rank has already passed (``replay``), and a last will that is not
+the rank's current connection's (``will_unattributed``: a forged or replayed will, or
+one of a connection the supervisor never heard). Each verified message names its
+connection, so a rank's current connection is that of its newest message.
+
 The view knows whether the broker link is up (``up_since``). While it is down no
 telemetry arrives, and the policy must not read silence as a hang.
 
@@ -26,13 +34,16 @@ the structures ingestion is changing.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import math
+import ssl
 import threading
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
+from pathlib import Path
 
 import aiomqtt
 
@@ -52,8 +63,15 @@ RECENT_STEPS_KEPT = 400  # rank 0's steps per attempt: the window spikes are jud
 BUSY_TIMES_KEPT = 100  # per rank: the longest window stragglers may be judged on
 
 
+# The reasons a message is dropped (TelemetryView.counts keys, tsup_mqtt_dropped_total).
+DROP_REASONS = ("malformed", "unsigned", "bad_mac", "replay", "will_unattributed", "ended")
+_ENDED_KEPT = 10_000  # ended attempts remembered, so that their messages stay dropped
+
+
 @dataclass(slots=True)
 class RankTelemetry:
+    conn: str | None = None  # the connection of its newest verified message (None: gone)
+    seq: int = 0  # the highest sequence number verified
     node: str | None = None
     pid: int | None = None
     last_seen_at: float | None = None
@@ -97,6 +115,10 @@ class Received:
 
 @dataclass(slots=True)
 class TelemetryView:
+    cluster: str = p.DEFAULT_CLUSTER
+    # The supervisor's secret, from which each attempt's key derives; None: messages are
+    # taken unsealed (tests and benches of what the view does with them).
+    secret: bytes | None = field(default=None, repr=False)
     up_since: float | None = None
     counts: Counter[str] = field(default_factory=Counter)
     _ranks: dict[tuple[str, int], dict[int, RankTelemetry]] = field(default_factory=dict)
@@ -105,6 +127,8 @@ class TelemetryView:
     _recent: dict[tuple[str, int], deque[StepSample]] = field(default_factory=dict)  # rank 0's steps
     _step_times: dict[tuple[str, int], deque[float]] = field(default_factory=dict)  # every rank's, pooled
     _injected: set[tuple[str, int, str]] = field(default_factory=set)  # (run, attempt, chaos action)
+    _keys: dict[tuple[str, int], bytes] = field(default_factory=dict, repr=False)
+    _ended: dict[tuple[str, int], None] = field(default_factory=dict)  # oldest first
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def link_up(self, now: float) -> None:
@@ -115,15 +139,48 @@ class TelemetryView:
 
     def ingest(self, topic: str, payload: bytes | str, now: float) -> None:
         try:
-            msg = p.decode(payload, topic)
+            sealed = p.decode_sealed(payload, topic, cluster=self.cluster)
         except p.ProtocolError as e:
-            self.counts["malformed"] += 1
+            self.count("malformed")
             log.debug("dropped a malformed message on %s: %s", topic, e)
             return
+        msg = sealed.msg
         with self._lock:
+            why = "ended" if (msg.run, msg.attempt) in self._ended else None
+            if why is None and self.secret is not None:
+                why = self._unsealed(topic, sealed)
+            if why is not None:
+                self.counts[why] += 1
+                log.debug("dropped a %s message on %s: %s", msg.kind, topic, why)
+                return
             self.counts["received"] += 1
             self.counts[msg.kind] += 1
             self._apply(msg, now)
+
+    def _unsealed(self, topic: str, sealed: p.Sealed) -> str | None:
+        """Why a message is not authentic (a DROP_REASONS entry), or None when it is."""
+        assert self.secret is not None
+        msg = sealed.msg
+        if sealed.mac is None or sealed.conn is None or sealed.seq is None:
+            return "unsigned"
+        key = self._keys.get((msg.run, msg.attempt))
+        if key is None:
+            if len(self._keys) > 10_000:  # forged attempt numbers must not grow it for ever
+                self._keys.clear()
+            key = p.attempt_key(self.secret, self.cluster, msg.run, msg.attempt)
+            self._keys[(msg.run, msg.attempt)] = key
+        if not hmac.compare_digest(p.mac_of(key, topic, sealed.signed), sealed.mac):
+            return "bad_mac"
+        rank = self._ranks.setdefault((msg.run, msg.attempt), {}).setdefault(msg.rank, RankTelemetry())
+        if isinstance(msg, p.Lost):
+            if sealed.seq != p.WILL_SEQ or rank.conn is None or sealed.conn != rank.conn:
+                return "will_unattributed"
+            rank.conn = None  # that connection is gone: its will cannot come twice
+            return None
+        if sealed.seq <= rank.seq:
+            return "replay"
+        rank.seq, rank.conn = sealed.seq, sealed.conn
+        return None
 
     def apply(self, msg: p.Message, now: float) -> None:
         with self._lock:
@@ -287,6 +344,10 @@ class TelemetryView:
             self._recent.pop((run_id, attempt), None)
             self._step_times.pop((run_id, attempt), None)
             self._injected = {k for k in self._injected if k[:2] != (run_id, attempt)}
+            self._keys.pop((run_id, attempt), None)
+            self._ended[(run_id, attempt)] = None
+            if len(self._ended) > _ENDED_KEPT:
+                del self._ended[next(iter(self._ended))]
 
 
 class MqttLink:
@@ -296,26 +357,39 @@ class MqttLink:
     """
 
     def __init__(
-        self, host: str, port: int, view: TelemetryView, clock: Callable[[], float],
-        *, client_id: str = "training-supervisor",
+        self, broker: p.BrokerUrl, view: TelemetryView, clock: Callable[[], float],
+        *, client_id: str = "training-supervisor", ca_file: Path | None = None,
     ) -> None:
-        self.host, self.port = host, port
+        self.broker = broker
         self.view = view
         self.clock = clock
         self.client_id = client_id
+        self.ca_file = ca_file
         self._client: aiomqtt.Client | None = None
+
+    def client(self) -> aiomqtt.Client:
+        """A client for the broker (not connected): credentials and TLS as its URL says."""
+        b = self.broker
+        tls = None
+        if b.tls:
+            tls = ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
+        return aiomqtt.Client(b.host, b.port, identifier=self.client_id, username=b.username,
+                              password=b.password, tls_context=tls, keepalive=10, timeout=5)
+
+    async def check(self) -> None:
+        """Connect once and hang up: MqttError (refused, unreachable, bad TLS) if it cannot."""
+        async with self.client():
+            pass
 
     async def run(self) -> None:
         backoff_s = 0.1
         while True:
             try:
-                async with aiomqtt.Client(
-                    self.host, self.port, identifier=self.client_id, keepalive=10, timeout=5,
-                ) as client:
-                    await client.subscribe(p.TOPIC_FILTER_ALL)
+                async with self.client() as client:
+                    await client.subscribe(p.topic_filter(self.view.cluster))
                     self._client = client
                     self.view.link_up(self.clock())
-                    log.info("telemetry link up (mqtt://%s:%d)", self.host, self.port)
+                    log.info("telemetry link up (%s)", self.broker)
                     backoff_s = 0.1
                     async for message in client.messages:
                         payload = message.payload

@@ -5,11 +5,21 @@ The launch contract is torchrun's: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 supervisor's local launcher set the same variables. With none of them set the trainer
 is one process: it still builds a one-rank process group (in memory, no port) so that
 FSDP2 and distributed checkpointing take the same code path at every scale.
+
+Gloo binds to the address this host's name resolves to, which on many clusters is a
+loopback or management address the other nodes cannot reach (the rendezvous works and
+the first collective then hangs). Unless ``GLOO_SOCKET_IFNAME`` says otherwise, the
+trainer gives gloo the interface its route to ``MASTER_ADDR`` leaves by.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import ipaddress
 import os
+import socket
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,6 +33,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainer.errors import ConfigError, UsageError
+from trainer.routes import route_source
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT")
@@ -111,6 +122,10 @@ def init(launch: LaunchEnv, device_request: str, timeout_s: float) -> DistContex
     backend = "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"
     timeout = timedelta(seconds=timeout_s)
     if launch.launched:
+        if "GLOO_SOCKET_IFNAME" not in os.environ:
+            ifname = interface_towards(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+            if ifname is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = ifname
         dist.init_process_group(backend=backend, rank=launch.rank,
                                 world_size=launch.world_size, timeout=timeout)
     else:
@@ -119,6 +134,22 @@ def init(launch: LaunchEnv, device_request: str, timeout_s: float) -> DistContex
                                 timeout=timeout)
     mesh = init_device_mesh(device.type, (launch.world_size,))
     return DistContext(launch=launch, device=device, mesh=mesh)
+
+
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
+def interface_towards(host: str, port: int) -> str | None:
+    """The name of the interface this host reaches ``host`` by (None: loopback, or unknown)."""
+    local = route_source(host, port)
+    if local is None or ipaddress.ip_address(local).is_loopback:
+        return None
+    for _, name in socket.if_nameindex():
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            request = struct.pack("256s", name.encode()[:15])
+            if socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, request)[20:24]) == local:
+                return name
+    return None
 
 
 def shutdown() -> None:

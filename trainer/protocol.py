@@ -4,9 +4,12 @@ This module is the one piece of code that both sides share, so it uses the stand
 library only: the supervisor imports it without importing torch, and the trainer
 imports nothing else from the supervisor.
 
-Transport: MQTT, QoS 0, one topic per (run, attempt, rank, kind)::
+Transport: MQTT, QoS 0, one topic per (cluster, run, attempt, rank, kind)::
 
-    tsup/v1/telemetry/<run_id>/<attempt>/<rank>/<kind>
+    tsup/v1/<cluster>/telemetry/<run_id>/<attempt>/<rank>/<kind>
+
+The cluster id is the supervisor's (``TSUP_CLUSTER``): two supervisors on one broker
+subscribe to their own topics only and never see each other's runs.
 
 Payload: a UTF-8 JSON object. Every message carries the header fields
 
@@ -29,21 +32,41 @@ equal-length lists indexed alike, at most ``MAX_NODE_RANKS`` long.
 The ``lost`` kind is never published by a live rank: each rank registers it as its
 MQTT last will, so the broker publishes it when the rank's connection dies without a
 clean disconnect (process killed, node gone).
+
+Authenticity. Anyone who can publish to the broker could otherwise make the supervisor
+act (a NaN loss rolls a run back, a last will drains a node), so every message is sealed
+with the attempt's key, which only the attempt's ranks hold (``TSUP_TELEMETRY_KEY``, in
+their environment): the payload gets three more fields,
+
+    conn     this MQTT connection's id, 16 hex characters, fresh for every connection
+    seq      the sender's message counter, rising across its connections; 0 is the
+             connection's last will, which the broker publishes at most once
+    mac      HMAC-SHA256 with the attempt's key over the topic, a NUL byte and the
+             payload up to ``mac`` (``mac`` is always the last field)
+
+so that a receiver holding the key rejects a forgery (no or a wrong ``mac``), a replay
+(a ``seq`` it has already passed) and a last will of a connection that is not the rank's
+current one. The keys derive from the supervisor's own secret (``attempt_key``): each
+attempt's key is new, and one attempt's ranks can compute no other attempt's.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
+import re
 from dataclasses import MISSING, asdict, dataclass, fields
 from enum import Enum, StrEnum
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 VERSION = 1
-TOPIC_ROOT = "tsup/v1/telemetry"
-# Subscribe to this to receive every rank's telemetry of every run.
-TOPIC_FILTER_ALL = TOPIC_ROOT + "/#"
+DEFAULT_CLUSTER = "default"
+KEY_ENV = "TSUP_TELEMETRY_KEY"  # the attempt's key, hex: in the ranks' environment only
+WILL_SEQ = 0  # a connection's last will; a sender's own messages count from 1
+_MAC = re.compile(rb',"mac":"([0-9a-f]{64})"}$')
 
 _MAX_ID_LEN = 64
 _MAX_TEXT_LEN = 2000
@@ -186,31 +209,105 @@ KINDS = frozenset(_TYPES)
 
 
 DEFAULT_PORT = 1883
+DEFAULT_TLS_PORT = 8883
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerUrl:
+    """``mqtt://[USER[:PASSWORD]@]HOST[:PORT]``, or ``mqtts://`` for TLS."""
+
+    host: str
+    port: int
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+
+    def __str__(self) -> str:
+        """The URL with its password left out: for logs and messages."""
+        user = f"{self.username}:***@" if self.password else f"{self.username}@" if self.username else ""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'mqtts' if self.tls else 'mqtt'}://{user}{host}:{self.port}"
+
+
+def check_cluster_id(value: str) -> str:
+    """A cluster id travels in every topic: the same rule as a run id."""
+    if not _is_id(value) or len(value) > _MAX_ID_LEN:
+        raise ValueError(f"expected up to {_MAX_ID_LEN} of [A-Za-z0-9._-], got {value!r}")
+    return value
+
+
+def parse_broker_url(url: str) -> BrokerUrl:
+    """The parts of a broker URL; ValueError naming the problem."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
+        raise ValueError(f"expected mqtt://HOST:PORT or mqtts://HOST:PORT, got {url!r}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"a broker URL has no path or query, got {url!r}")
+    tls = parts.scheme == "mqtts"
+    try:
+        port = parts.port or (DEFAULT_TLS_PORT if tls else DEFAULT_PORT)
+    except ValueError:
+        raise ValueError(f"bad port in {url!r}") from None
+    return BrokerUrl(host=parts.hostname, port=port, tls=tls, username=parts.username,
+                     password=parts.password)
 
 
 def parse_mqtt_url(url: str) -> tuple[str, int]:
     """'mqtt://host:port' (port defaults to 1883) -> (host, port); ValueError naming the problem."""
-    parts = urlsplit(url)
-    if parts.scheme != "mqtt" or not parts.hostname:
-        raise ValueError(f"expected mqtt://HOST:PORT, got {url!r}")
-    try:
-        port = parts.port or DEFAULT_PORT
-    except ValueError:
-        raise ValueError(f"bad port in {url!r}") from None
-    return parts.hostname, port
+    broker = parse_broker_url(url)
+    return broker.host, broker.port
 
 
-def topic_for(run: str, attempt: int, rank: int, kind: str) -> str:
-    return f"{TOPIC_ROOT}/{run}/{attempt}/{rank}/{kind}"
+def topic_for(run: str, attempt: int, rank: int, kind: str, cluster: str = DEFAULT_CLUSTER) -> str:
+    return f"tsup/v1/{cluster}/telemetry/{run}/{attempt}/{rank}/{kind}"
 
 
-def encode(msg: Message) -> tuple[str, bytes]:
-    """Return (topic, payload) for a message."""
+def topic_filter(cluster: str = DEFAULT_CLUSTER) -> str:
+    """Subscribe to this to receive every rank's telemetry of every run of ``cluster``."""
+    return f"tsup/v1/{cluster}/telemetry/#"
+
+
+@dataclass(frozen=True, slots=True)
+class Seal:
+    """What makes a message authentic: see the module docstring."""
+
+    key: bytes
+    conn: str
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Sealed:
+    """A decoded message with its seal's fields, for the receiver to check."""
+
+    msg: Message
+    conn: str | None
+    seq: int | None
+    mac: str | None
+    signed: bytes  # what ``mac`` was made over (with the topic)
+
+
+def attempt_key(secret: bytes, cluster: str, run: str, attempt: int) -> bytes:
+    """The attempt's key, derived from the supervisor's secret."""
+    label = f"tsup/v1/attempt-key/{cluster}/{run}/{attempt}".encode()
+    return hmac.new(secret, label, hashlib.sha256).digest()
+
+
+def mac_of(key: bytes, topic: str, signed: bytes) -> str:
+    return hmac.new(key, topic.encode() + b"\0" + signed, hashlib.sha256).hexdigest()
+
+
+def encode(msg: Message, *, cluster: str = DEFAULT_CLUSTER, seal: Seal | None = None) -> tuple[str, bytes]:
+    """Return (topic, payload) for a message, sealed with ``seal`` when given."""
     body: dict[str, Any] = {"v": VERSION, "kind": msg.kind}
     for name, value in asdict(msg).items():
         body[name] = _to_json(value)
-    payload = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
-    return topic_for(msg.run, msg.attempt, msg.rank, msg.kind), payload
+    topic = topic_for(msg.run, msg.attempt, msg.rank, msg.kind, cluster)
+    if seal is None:
+        return topic, json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    body["conn"], body["seq"] = seal.conn, seal.seq
+    signed = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    return topic, signed[:-1] + b',"mac":"' + mac_of(seal.key, topic, signed).encode() + b'"}'
 
 
 def _to_json(value: Any) -> Any:
@@ -227,18 +324,35 @@ _NONFINITE_OUT = {"nan": "nan", "inf": "inf", "-inf": "-inf"}
 _NONFINITE_IN = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
-def decode(payload: bytes | str, topic: str | None = None) -> Message:
+def decode(payload: bytes | str, topic: str | None = None, *, cluster: str = DEFAULT_CLUSTER) -> Message:
     """Parse and validate one message; raise ProtocolError on anything malformed.
 
     When ``topic`` is given it must agree with the payload's header, so that a rank
-    cannot publish on another rank's topic by mistake.
+    cannot publish on another rank's topic by mistake. A seal's fields are read and
+    not checked: ``decode_sealed`` hands them to a receiver that holds the key.
     """
+    return decode_sealed(payload, topic, cluster=cluster).msg
+
+
+def decode_sealed(payload: bytes | str, topic: str | None = None, *,
+                  cluster: str = DEFAULT_CLUSTER) -> Sealed:
+    raw = payload.encode() if isinstance(payload, str) else payload
     try:
-        body = json.loads(payload)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ProtocolError(f"not JSON: {e}") from e
     if not isinstance(body, dict):
         raise ProtocolError("payload is not a JSON object")
+    mac = body.pop("mac", None)
+    found = _MAC.search(raw) if mac is not None else None
+    if mac is not None and (found is None or found.group(1).decode() != mac):
+        raise ProtocolError("mac: expected 64 lowercase hex digits as the payload's last field")
+    signed = raw[:found.start()] + b"}" if found is not None else raw
+    conn, seq = body.pop("conn", None), body.pop("seq", None)
+    if conn is not None and not (isinstance(conn, str) and re.fullmatch(r"[0-9a-f]{16}", conn)):
+        raise ProtocolError(f"conn: expected 16 lowercase hex digits, got {conn!r}")
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= _MAX_INT):
+        raise ProtocolError(f"seq: expected an integer >= 0, got {seq!r}")
     version = body.pop("v", None)
     if version != VERSION:
         raise ProtocolError(f"unsupported protocol version {version!r} (this side speaks {VERSION})")
@@ -258,9 +372,9 @@ def decode(payload: bytes | str, topic: str | None = None) -> Message:
     msg: Message = cls(**values)
     if isinstance(msg, NodeReport):
         _check_node_report(msg)
-    if topic is not None and topic != topic_for(msg.run, msg.attempt, msg.rank, msg.kind):
+    if topic is not None and topic != topic_for(msg.run, msg.attempt, msg.rank, msg.kind, cluster):
         raise ProtocolError(f"topic {topic!r} does not match the message header")
-    return msg
+    return Sealed(msg=msg, conn=conn, seq=seq, mac=mac, signed=signed)
 
 
 def _check_field(kind: str, name: str, annotation: Any, value: Any) -> Any:

@@ -13,7 +13,15 @@ out in order after the reconnect; heartbeats are made fresh, never queued.
 Per connection: the ``Lost`` message is the MQTT last will on this rank's topic, and a
 fresh ``Register`` goes out on every (re)connect so the supervisor can rebuild its
 rank-to-node map after a broker restart. ``close`` publishes ``Exit`` and disconnects
-cleanly, which tells the broker to discard the will.
+cleanly, which tells the broker to discard the will. Reconnects back off from
+RECONNECT_MIN_DELAY_S to at most RECONNECT_MAX_DELAY_S, so that the supervisor hears the
+rank again within seconds of a broker's return, with what the queue kept meanwhile.
+
+Sealing (trainer/protocol.py): with the attempt's key every message carries this
+connection's id, a sequence number and a MAC. Each connection attempt gets a new id and
+a new will (paho's ``on_pre_connect``), so a will the broker published once cannot be
+replayed as a later connection's. One lock covers numbering and handing to paho, so that
+the numbers go on the wire in order.
 
 Aggregation (``TSUP_TELEMETRY_AGGREGATE``): ``rank`` (the default) is all of the above,
 one heartbeat a second and one StepMetrics a step from every rank. ``node`` cuts the
@@ -29,7 +37,12 @@ cannot be opened, the rank logs why and falls back to ``rank``.
 
 Configuration comes from the environment the supervisor sets:
 
-    TSUP_MQTT_URL   mqtt://host:port (port defaults to 1883); unset or empty: no telemetry
+    TSUP_MQTT_URL   mqtt://[user:password@]host:port (port defaults to 1883), or mqtts://
+                    for TLS (port 8883); unset or empty: no telemetry
+    TSUP_MQTT_CA_FILE  the CA bundle an mqtts:// broker's certificate is checked against
+                    (default: the system's)
+    TSUP_CLUSTER    the supervisor's cluster id, in every topic (default "default")
+    TSUP_TELEMETRY_KEY  the attempt's key (hex) that seals every message; unset: unsealed
     TSUP_RUN_ID     run id in topics and messages (default "run-local")
     TSUP_ATTEMPT    attempt number, >= 1 (default 1)
     TSUP_NODE       node name for the rank-to-node map (default: this host's name)
@@ -45,11 +58,12 @@ import logging
 import math
 import os
 import queue
+import secrets
 import socket
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +79,7 @@ log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 10  # the broker declares a silent connection dead after 1.5x this
 RECONNECT_MIN_DELAY_S = 1
-RECONNECT_MAX_DELAY_S = 8
+RECONNECT_MAX_DELAY_S = 2
 QUEUE_SIZE = 1024  # messages; at one StepMetrics per step this is minutes of outage
 
 
@@ -92,16 +106,40 @@ class Aggregation:
 
 @dataclass(frozen=True, slots=True)
 class Broker:
-    host: str
-    port: int
+    """Where and how this rank publishes (``TSUP_MQTT_URL`` and its companions)."""
+
+    url: protocol.BrokerUrl
+    cluster: str = protocol.DEFAULT_CLUSTER
+    key: bytes | None = field(default=None, repr=False)  # the attempt's key: None, unsealed
+    ca_file: str | None = None
 
 
-def parse_mqtt_url(url: str) -> Broker:
-    """``mqtt://host:port`` to a Broker; UsageError when malformed."""
+def parse_mqtt_url(url: str) -> protocol.BrokerUrl:
+    """``mqtt://host:port`` to its parts; UsageError when malformed."""
     try:
-        return Broker(*protocol.parse_mqtt_url(url))
+        return protocol.parse_broker_url(url)
     except ValueError as e:
         raise UsageError(f"TSUP_MQTT_URL: {e}") from None
+
+
+def broker_from_env(environ: Mapping[str, str]) -> Broker | None:
+    url = environ.get("TSUP_MQTT_URL", "")
+    if not url:
+        return None
+    cluster = environ.get("TSUP_CLUSTER") or protocol.DEFAULT_CLUSTER
+    try:
+        protocol.check_cluster_id(cluster)
+    except ValueError as e:
+        raise UsageError(f"TSUP_CLUSTER: {e}") from None
+    raw_key = environ.get(protocol.KEY_ENV, "")
+    try:
+        key = bytes.fromhex(raw_key) if raw_key else None
+    except ValueError:
+        key = b""
+    if key is not None and len(key) < 16:
+        raise UsageError(f"{protocol.KEY_ENV}: expected at least 32 hex digits")
+    return Broker(url=parse_mqtt_url(url), cluster=cluster, key=key,
+                  ca_file=environ.get("TSUP_MQTT_CA_FILE") or None)
 
 
 def aggregation_from_env(environ: Mapping[str, str], *, local_rank: int,
@@ -136,8 +174,7 @@ def settings_from_env(environ: Mapping[str, str], *, rank: int, local_rank: int,
     if attempt < 1:
         raise UsageError(f"TSUP_ATTEMPT: expected an integer >= 1, got {raw_attempt!r}")
     node = environ.get("TSUP_NODE") or socket.gethostname()
-    url = environ.get("TSUP_MQTT_URL", "")
-    broker = parse_mqtt_url(url) if url else None
+    broker = broker_from_env(environ)
     identity = Identity(run=run, attempt=attempt, rank=rank, local_rank=local_rank,
                         world_size=world_size, node=node[:64], local_world_size=local_world_size)
     return identity, broker
@@ -172,7 +209,11 @@ class Telemetry:
         self.dropped_queue_full = 0  # the queue was full (a long outage or a slow broker)
         self.dropped_not_connected = 0  # still unsent at close (no connection by then)
         self.sent = 0
-        self._count_lock = threading.Lock()
+        # Numbering a message and handing it to paho happen under this lock (the sender
+        # and paho's thread both publish), and so do the counters they write.
+        self._publish_lock = threading.Lock()
+        self._seq = protocol.WILL_SEQ  # the last number used
+        self._conn = ""  # this connection's id (a new one before each connection attempt)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], *, rank: int, local_rank: int,
@@ -303,7 +344,7 @@ class Telemetry:
         assert self._broker is not None
         client = self._make_client()
         self._client = client
-        client.connect_async(self._broker.host, self._broker.port, keepalive=KEEPALIVE_S)
+        client.connect_async(self._broker.url.host, self._broker.url.port, keepalive=KEEPALIVE_S)
         client.loop_start()  # paho's network thread: connects, retries with backoff
         try:
             held = self._send_until_stopped()
@@ -318,12 +359,24 @@ class Telemetry:
         ident = self._id
         client_id = f"tsup-{ident.run}-{ident.attempt}-{ident.rank}-{os.getpid()}"
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id)
-        lost_topic, lost_payload = protocol.encode(protocol.Lost(**self._header()))
-        client.will_set(lost_topic, lost_payload, qos=0, retain=False)
+        assert self._broker is not None
+        url = self._broker.url
+        if url.username:
+            client.username_pw_set(url.username, url.password)
+        if url.tls:
+            client.tls_set(ca_certs=self._broker.ca_file)
         client.reconnect_delay_set(RECONNECT_MIN_DELAY_S, RECONNECT_MAX_DELAY_S)
+        client.on_pre_connect = self._on_pre_connect
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         return client
+
+    def _on_pre_connect(self, client: mqtt.Client, _userdata: Any) -> None:
+        """Before each connection attempt: a new connection id, and a will that names it."""
+        with self._publish_lock:
+            self._conn = secrets.token_hex(8)
+            topic, payload = self._encode(protocol.Lost(**self._header()), protocol.WILL_SEQ)
+        client.will_set(topic, payload, qos=0, retain=False)
 
     def _on_connect(self, client: mqtt.Client, _userdata: Any, _flags: Any,
                     reason_code: Any, _properties: Any) -> None:
@@ -419,7 +472,7 @@ class Telemetry:
             in_time = time.monotonic() < self._close_deadline
             info = self._try_publish(msg) if in_time else None
             if info is None:
-                with self._count_lock:
+                with self._publish_lock:
                     self.dropped_not_connected += 1
         if self._final is not None and info is not None:  # wait until Exit is on the wire
             remaining = self._close_deadline - time.monotonic()
@@ -434,10 +487,17 @@ class Telemetry:
         return self._publish(self._client, msg)
 
     def _publish(self, client: mqtt.Client, msg: protocol.Message) -> mqtt.MQTTMessageInfo | None:
-        topic, payload = protocol.encode(msg)
-        info = client.publish(topic, payload, qos=0)
-        if info.rc != mqtt.MQTT_ERR_SUCCESS:
-            return None
-        with self._count_lock:
+        with self._publish_lock:
+            topic, payload = self._encode(msg, self._seq + 1)
+            info = client.publish(topic, payload, qos=0)
+            if info.rc != mqtt.MQTT_ERR_SUCCESS:
+                return None
+            self._seq += 1
             self.sent += 1
         return info
+
+    def _encode(self, msg: protocol.Message, seq: int) -> tuple[str, bytes]:
+        assert self._broker is not None
+        key = self._broker.key
+        seal = None if key is None else protocol.Seal(key=key, conn=self._conn, seq=seq)
+        return protocol.encode(msg, cluster=self._broker.cluster, seal=seal)

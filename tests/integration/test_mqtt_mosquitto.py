@@ -14,6 +14,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from supervisor.telemetry import MqttLink, TelemetryView
 from tests.conftest import Broker, start_mosquitto, stop_by_pid
+from trainer.protocol import StepMetrics, attempt_key, encode, parse_broker_url
 
 # One rank's publisher: registers, completes steps 1..3, then waits to be killed.
 PUBLISHER = """
@@ -37,15 +38,21 @@ async def until(predicate, timeout_s: float, what: str) -> None:  # type: ignore
         await asyncio.sleep(0.05)
 
 
+SECRET = b"the supervisor's secret"
+
+
 def publisher_env(broker: Broker) -> dict[str, str]:
     return {**os.environ, "TSUP_MQTT_URL": broker.url, "TSUP_RUN_ID": "run-3", "TSUP_ATTEMPT": "2",
-            "TSUP_NODE": "local-9", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+            "TSUP_NODE": "local-9", "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+            "TSUP_CLUSTER": "it", "TSUP_TELEMETRY_KEY": attempt_key(SECRET, "it", "run-3", 2).hex()}
 
 
 def test_rank_telemetry_malformed_messages_and_last_will(mosquitto: Broker) -> None:
+    """A rank sealing with its attempt's key, through a real broker: its messages and its
+    last will are taken; malformed ones and a well-formed forgery are dropped and counted."""
     async def scenario() -> None:
-        view = TelemetryView()
-        link = MqttLink(mosquitto.host, mosquitto.port, view, clock=lambda: asyncio.get_running_loop().time())
+        view = TelemetryView(cluster="it", secret=SECRET)
+        link = MqttLink(parse_broker_url(mosquitto.url), view, clock=lambda: asyncio.get_running_loop().time())
         task = asyncio.create_task(link.run())
         proc = None
         try:
@@ -59,12 +66,16 @@ def test_rank_telemetry_malformed_messages_and_last_will(mosquitto: Broker) -> N
             raw = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="vandal")
             raw.connect(mosquitto.host, mosquitto.port)
             raw.loop_start()
-            raw.publish("tsup/v1/telemetry/run-3/2/1/step", b"{not json").wait_for_publish(5)
-            raw.publish("tsup/v1/telemetry/run-3/2/1/step", b'{"v": 7}').wait_for_publish(5)
+            raw.publish("tsup/v1/it/telemetry/run-3/2/1/step", b"{not json").wait_for_publish(5)
+            raw.publish("tsup/v1/it/telemetry/run-3/2/1/step", b'{"v": 7}').wait_for_publish(5)
+            raw.publish(*encode(StepMetrics(run="run-3", attempt=2, rank=1, ts=0.0, step=9, loss=float("nan"),
+                                            grad_norm=1.0, lr=0.1, step_time_s=0.1, tokens_per_s=1.0),
+                                cluster="it")).wait_for_publish(5)
             raw.loop_stop()
             raw.disconnect()
-            await until(lambda: view.counts["malformed"] == 2, 10, "two malformed messages counted")
-            assert view.max_step("run-3", 2) == 3  # and ignored
+            await until(lambda: view.counts["malformed"] == 2 and view.counts["unsigned"] == 1, 10,
+                        "two malformed messages and a forgery counted")
+            assert view.max_step("run-3", 2) == 3 and view.ranks("run-3", 2)[1].nonfinite_step is None
 
             os.kill(proc.pid, signal.SIGKILL)
             await until(lambda: view.ranks("run-3", 2)[1].lost, 20, "the rank's last will")
@@ -86,7 +97,7 @@ def test_the_link_notices_a_broker_outage_and_reconnects(tmp_path: Path) -> None
     async def scenario() -> None:
         nonlocal proc
         view = TelemetryView()
-        link = MqttLink(broker.host, broker.port, view, clock=lambda: asyncio.get_running_loop().time())
+        link = MqttLink(parse_broker_url(broker.url), view, clock=lambda: asyncio.get_running_loop().time())
         task = asyncio.create_task(link.run())
         try:
             await until(lambda: view.up_since is not None, 10, "link up")
@@ -107,7 +118,7 @@ def test_the_link_notices_a_broker_outage_and_reconnects(tmp_path: Path) -> None
 def test_an_unreachable_broker_never_marks_the_link_up() -> None:
     async def scenario() -> None:
         view = TelemetryView()
-        link = MqttLink("127.0.0.1", 1, view, clock=lambda: 0.0)
+        link = MqttLink(parse_broker_url("mqtt://127.0.0.1:1"), view, clock=lambda: 0.0)
         task = asyncio.create_task(link.run())
         await asyncio.sleep(1.0)
         assert view.up_since is None and not link.connected

@@ -108,7 +108,7 @@ class Subscriber:
         assert self._subscribed.wait(30), "subscription not acknowledged"
 
     def _on_connect(self, client: mqtt.Client, *_: Any) -> None:
-        client.subscribe(protocol.TOPIC_FILTER_ALL)
+        client.subscribe(protocol.topic_filter())
 
     def _on_message(self, _client: mqtt.Client, _userdata: Any, msg: mqtt.MQTTMessage) -> None:
         decoded = protocol.decode(bytes(msg.payload), topic=msg.topic)  # must follow the protocol
@@ -425,7 +425,7 @@ def test_publisher_survives_a_network_cut() -> None:
     subscriber = Subscriber(broker.port)
     proxy = CuttableProxy(broker.port)
     identity = Identity(run="cut", attempt=1, rank=0, local_rank=0, world_size=1, node="n0")
-    telemetry = Telemetry(identity, BrokerAddress("127.0.0.1", proxy.port),
+    telemetry = Telemetry(identity, BrokerAddress(protocol.BrokerUrl("127.0.0.1", proxy.port)),
                           heartbeat_interval_s=0.1)
     try:
         telemetry.start()

@@ -33,7 +33,7 @@ def test_every_kind_has_a_sample() -> None:
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: m.kind)
 def test_every_kind_round_trips_on_its_own_topic(msg: p.Message) -> None:
     topic, payload = p.encode(msg)
-    assert topic == f"tsup/v1/telemetry/run-4/2/3/{msg.kind}"
+    assert topic == f"tsup/v1/default/telemetry/run-4/2/3/{msg.kind}"
     assert _same(p.decode(payload, topic), msg)
     body = json.loads(payload)
     assert body["v"] == p.VERSION and body["kind"] == msg.kind
@@ -143,3 +143,64 @@ def test_a_full_node_report_is_accepted() -> None:
     msg = p.NodeReport(**H, node="big", ranks=tuple(range(n)), steps=(5,) * n, phases=(p.Phase.TRAIN,) * n,
                        ages=(0.5,) * n, step_times=(1.0,) * n, busy=(0.9,) * n)
     assert p.decode(p.encode(msg)[1]) == msg
+
+
+# --- seals -------------------------------------------------------------------------
+
+KEY = p.attempt_key(b"supervisor-secret", "c1", "run-4", 2)
+
+
+def test_a_sealed_message_carries_its_connection_sequence_and_a_mac_over_topic_and_payload() -> None:
+    topic, payload = p.encode(SAMPLES[2], cluster="c1", seal=p.Seal(key=KEY, conn="0123456789abcdef", seq=7))
+    sealed = p.decode_sealed(payload, topic, cluster="c1")
+    assert _same(sealed.msg, SAMPLES[2]) and (sealed.conn, sealed.seq) == ("0123456789abcdef", 7)
+    assert sealed.mac == p.mac_of(KEY, topic, sealed.signed)
+    assert payload.endswith(b'"mac":"' + sealed.mac.encode() + b'"}')
+    # Any change to a signed byte, or the same bytes on another rank's topic, breaks the mac.
+    tampered = p.decode_sealed(payload.replace(b'"loss":2.5', b'"loss":"nan"'), topic, cluster="c1")
+    assert tampered.mac != p.mac_of(KEY, topic, tampered.signed)
+    assert p.mac_of(KEY, topic.replace("/3/", "/0/"), sealed.signed) != sealed.mac
+
+
+def test_keys_differ_per_attempt_run_cluster_and_secret() -> None:
+    keys = {p.attempt_key(b"s", "c1", "run-4", 2), p.attempt_key(b"s", "c1", "run-4", 3),
+            p.attempt_key(b"s", "c1", "run-5", 2), p.attempt_key(b"s", "c2", "run-4", 2),
+            p.attempt_key(b"t", "c1", "run-4", 2)}
+    assert len(keys) == 5 and all(len(k) == 32 for k in keys)
+
+
+@pytest.mark.parametrize("change", [
+    lambda b: b.replace(b'"mac":"', b'"mac":"x'),  # not 64 hex digits
+    lambda b: b[:-2] + b'",' + b'"x":1}',  # mac not the last field
+    lambda b: b.replace(b'"conn":"0123456789abcdef"', b'"conn":"short"'),
+    lambda b: b.replace(b'"seq":7', b'"seq":-1'),
+    lambda b: b.replace(b'"seq":7', b'"seq":true'),
+])
+def test_malformed_seals_are_protocol_errors(change: object) -> None:
+    _, payload = p.encode(SAMPLES[1], seal=p.Seal(key=KEY, conn="0123456789abcdef", seq=7))
+    with pytest.raises(p.ProtocolError):
+        p.decode_sealed(change(payload))  # type: ignore[operator]
+
+
+def test_topics_carry_the_cluster_and_a_topic_of_another_cluster_is_refused() -> None:
+    topic, payload = p.encode(SAMPLES[1], cluster="west")
+    assert topic.startswith("tsup/v1/west/telemetry/") and p.topic_filter("west") == "tsup/v1/west/telemetry/#"
+    with pytest.raises(p.ProtocolError, match="does not match"):
+        p.decode(payload, topic, cluster="east")
+
+
+@pytest.mark.parametrize(("url", "parts"), [
+    ("mqtt://h", ("h", 1883, False, None, None)),
+    ("mqtts://h", ("h", 8883, True, None, None)),
+    ("mqtts://u:p%40ss@h:9", ("h", 9, True, "u", "p%40ss")),
+])
+def test_broker_urls(url: str, parts: tuple[object, ...]) -> None:
+    b = p.parse_broker_url(url)
+    assert (b.host, b.port, b.tls, b.username, b.password) == parts
+    assert "ss" not in str(b).split("@")[0].split(":")[-1] or b.password is None  # the password is not shown
+
+
+@pytest.mark.parametrize("url", ["http://h", "mqtt://", "mqtt://h:x", "mqtt://h/path", "mqtt://h?q=1"])
+def test_bad_broker_urls_name_the_problem(url: str) -> None:
+    with pytest.raises(ValueError, match="mqtt"):
+        p.parse_broker_url(url)

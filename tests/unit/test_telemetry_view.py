@@ -200,3 +200,83 @@ def test_the_policy_finds_a_hang_and_a_lost_node_from_node_reports_alone() -> No
     [lost] = faults
     assert lost.nodes == ("n2",) and lost.ranks == (2, 3)
     assert 20 + Policy().silence_timeout_s < now <= 20 + Policy().silence_timeout_s + 2
+
+
+# --- authenticity: the daemon's view acts only on sealed messages --------------------
+
+SECRET = b"the-supervisor's-secret"
+
+
+class Rank:
+    """One rank's sealing, as trainer/telemetry.py does it: a connection id, rising numbers."""
+
+    def __init__(self, rank: int, key: bytes, conn: str = "00000000000000aa") -> None:
+        self.rank, self.key, self.conn, self.seq = rank, key, conn, 0
+
+    def seal(self, msg: p.Message) -> tuple[str, bytes]:
+        self.seq += 1
+        return p.encode(msg, cluster="c1", seal=p.Seal(key=self.key, conn=self.conn, seq=self.seq))
+
+    def will(self) -> tuple[str, bytes]:
+        return p.encode(p.Lost(**H, rank=self.rank), cluster="c1",
+                        seal=p.Seal(key=self.key, conn=self.conn, seq=p.WILL_SEQ))
+
+
+def sealed_view() -> tuple[TelemetryView, Rank]:
+    view = TelemetryView(cluster="c1", secret=SECRET)
+    return view, Rank(0, p.attempt_key(SECRET, "c1", "run-1", 1))
+
+
+def nan_step(step: int) -> p.StepMetrics:
+    return p.StepMetrics(**H, rank=0, step=step, loss=float("nan"), grad_norm=1.0, lr=0.1, step_time_s=0.1,
+                         tokens_per_s=1.0)
+
+
+def test_unsealed_and_wrongly_sealed_messages_are_dropped_and_counted() -> None:
+    view, rank = sealed_view()
+    view.ingest(*p.encode(nan_step(5), cluster="c1"), 1.0)
+    other_attempt = Rank(0, p.attempt_key(SECRET, "c1", "run-1", 2))  # a rank of another attempt
+    view.ingest(*other_attempt.seal(nan_step(5)), 1.0)
+    guessed = Rank(0, p.attempt_key(b"a guess", "c1", "run-1", 1))
+    view.ingest(*guessed.seal(nan_step(5)), 1.0)
+    counts = view.counts_now()
+    assert (counts.get("unsigned"), counts.get("bad_mac"), counts.get("received")) == (1, 2, None)
+    assert view.ranks("run-1", 1).get(0) is None or view.ranks("run-1", 1)[0].nonfinite_step is None
+    view.ingest(*rank.seal(nan_step(5)), 2.0)
+    assert view.ranks("run-1", 1)[0].nonfinite_step == 5, "a genuine message is acted on"
+
+
+def test_a_replayed_message_is_dropped_even_after_newer_ones() -> None:
+    view, rank = sealed_view()
+    captured = rank.seal(p.Heartbeat(**H, rank=0, step=3, phase=p.Phase.TRAIN))
+    view.ingest(*captured, 1.0)
+    view.ingest(*rank.seal(p.Heartbeat(**H, rank=0, step=4, phase=p.Phase.TRAIN)), 2.0)
+    view.ingest(*captured, 3.0)
+    assert view.counts_now()["replay"] == 1
+    assert view.ranks("run-1", 1)[0].last_seen_at == 2.0
+
+
+def test_a_last_will_counts_only_for_the_ranks_current_connection_and_only_once() -> None:
+    view, rank = sealed_view()
+    first_will = rank.will()
+    view.ingest(*first_will, 0.5)  # before anything was heard on that connection: not evidence
+    assert view.counts_now()["will_unattributed"] == 1 and not view.ranks("run-1", 1)[0].lost
+    view.ingest(*rank.seal(p.Heartbeat(**H, rank=0, step=3, phase=p.Phase.TRAIN)), 1.0)
+    view.ingest(*first_will, 2.0)  # the connection died: its will is evidence
+    assert view.ranks("run-1", 1)[0].lost
+    rank.conn = "00000000000000bb"  # it reconnects: a new connection, a new will
+    view.ingest(*rank.seal(p.Heartbeat(**H, rank=0, step=4, phase=p.Phase.TRAIN)), 3.0)
+    assert not view.ranks("run-1", 1)[0].lost
+    view.ingest(*first_will, 4.0)  # the old will, replayed
+    assert not view.ranks("run-1", 1)[0].lost and view.counts_now()["will_unattributed"] == 2
+    forged = Rank(0, b"x" * 32, conn=rank.conn).will()  # the right connection id, no key
+    view.ingest(*forged, 5.0)
+    assert not view.ranks("run-1", 1)[0].lost and view.counts_now()["bad_mac"] == 1
+
+
+def test_messages_of_an_ended_attempt_are_dropped() -> None:
+    view, rank = sealed_view()
+    view.ingest(*rank.seal(p.Heartbeat(**H, rank=0, step=3, phase=p.Phase.TRAIN)), 1.0)
+    view.forget("run-1", 1)
+    view.ingest(*rank.seal(nan_step(4)), 2.0)
+    assert view.ranks("run-1", 1) == {} and view.counts_now()["ended"] == 1

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from trainer.errors import UsageError
-from trainer.protocol import Phase
+from trainer.protocol import BrokerUrl, Phase
 from trainer.slots import SLOT_BYTES, NodeSlots, slot_path, unpack
 from trainer.telemetry import (
     Aggregation,
@@ -39,14 +39,22 @@ def test_settings_defaults_and_overrides() -> None:
     identity, broker = settings_from_env(
         {"TSUP_MQTT_URL": "mqtt://broker.example:1884", "TSUP_RUN_ID": "run-42",
          "TSUP_ATTEMPT": "3", "TSUP_NODE": "node7"}, rank=0, local_rank=0, world_size=1)
-    assert broker == Broker("broker.example", 1884)
+    assert broker == Broker(BrokerUrl("broker.example", 1884))
     assert (identity.run, identity.attempt, identity.node) == ("run-42", 3, "node7")
-    assert parse_mqtt_url("mqtt://h") == Broker("h", 1883)
+    assert parse_mqtt_url("mqtt://h") == BrokerUrl("h", 1883)
+    _, sealed = settings_from_env(
+        {"TSUP_MQTT_URL": "mqtts://tr:pw@b", "TSUP_CLUSTER": "c-1", "TSUP_TELEMETRY_KEY": "ab" * 32,
+         "TSUP_MQTT_CA_FILE": "/ca.pem"}, rank=0, local_rank=0, world_size=1)
+    assert sealed == Broker(BrokerUrl("b", 8883, tls=True, username="tr", password="pw"), cluster="c-1",
+                            key=bytes.fromhex("ab" * 32), ca_file="/ca.pem")
 
 
 @pytest.mark.parametrize("env", [
     {"TSUP_MQTT_URL": "http://h:1"}, {"TSUP_MQTT_URL": "mqtt://h:notaport"},
     {"TSUP_RUN_ID": "has/slash"}, {"TSUP_ATTEMPT": "0"}, {"TSUP_ATTEMPT": "x"},
+    {"TSUP_MQTT_URL": "mqtt://h", "TSUP_CLUSTER": "a/b"},
+    {"TSUP_MQTT_URL": "mqtt://h", "TSUP_TELEMETRY_KEY": "not hex"},
+    {"TSUP_MQTT_URL": "mqtt://h", "TSUP_TELEMETRY_KEY": "abcd"},
 ])
 def test_bad_settings_are_usage_errors(env: dict[str, str]) -> None:
     with pytest.raises(UsageError):
@@ -74,7 +82,7 @@ def unusable_broker(request: pytest.FixtureRequest) -> Iterator[Broker]:
         listener.close()
     else:
         listener.listen(8)  # the kernel completes handshakes; CONNACK never comes
-    yield Broker("127.0.0.1", port)
+    yield Broker(BrokerUrl("127.0.0.1", port))
     listener.close()
 
 
@@ -142,7 +150,7 @@ def test_the_local_rank_zero_reports_its_node_and_the_others_publish_less(tmp_pa
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
-    broker = Broker("127.0.0.1", listener.getsockname()[1])
+    broker = Broker(BrokerUrl("127.0.0.1", listener.getsockname()[1]))
     agg = Aggregation(slots_dir=tmp_path)
     ids = [Identity(run="run-1", attempt=1, rank=r, local_rank=r - 4, world_size=8, node="n2",
                     local_world_size=2) for r in (4, 5)]
@@ -177,7 +185,7 @@ def test_the_local_rank_zero_reports_its_node_and_the_others_publish_less(tmp_pa
 def test_global_rank_zero_still_sends_step_metrics_when_aggregated(tmp_path: Path) -> None:
     ident = Identity(run="run-1", attempt=1, rank=0, local_rank=0, world_size=2, node="n1",
                      local_world_size=2)
-    telemetry = Telemetry(ident, Broker("127.0.0.1", 9), heartbeat_interval_s=10,
+    telemetry = Telemetry(ident, Broker(BrokerUrl("127.0.0.1", 9)), heartbeat_interval_s=10,
                           aggregation=Aggregation(slots_dir=tmp_path))
     telemetry.start()
     try:
@@ -191,7 +199,7 @@ def test_global_rank_zero_still_sends_step_metrics_when_aggregated(tmp_path: Pat
 
 def test_an_unusable_slot_directory_falls_back_to_per_rank_messages(tmp_path: Path) -> None:
     agg = Aggregation(slots_dir=tmp_path / "missing")
-    telemetry = Telemetry(IDENTITY, Broker("127.0.0.1", 9), heartbeat_interval_s=10, aggregation=agg)
+    telemetry = Telemetry(IDENTITY, Broker(BrokerUrl("127.0.0.1", 9)), heartbeat_interval_s=10, aggregation=agg)
     telemetry.start()
     try:
         assert not telemetry.aggregated
