@@ -2,8 +2,9 @@
 
 On a real cluster the supervisor cannot kill a node; on a box every node's slurmd and
 what it started run on this host, so ``kill-node`` is a SIGKILL to all of them, as a
-power loss would be. ``training-supervisor run --chaos ... --launcher slurm`` loads this
-module by name (supervisor/chaos.py) when the cluster SLURM_CONF names is a box.
+power loss would be, and ``partition-node`` takes the node's link down.
+``training-supervisor run --chaos ... --launcher slurm`` loads this module by name
+(supervisor/chaos.py) when the cluster SLURM_CONF names is a box.
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ class BoxChaos:
         if not pids:
             raise LaunchError(f"node {node} runs no process")
         return f"SIGSTOP to {node}'s slurmd and every process it started ({len(pids)} processes)"
+
+    def partition_node(self, node: str, cut: bool) -> str:
+        if node not in self.box.nodes:
+            raise LaunchError(f"no node {node!r} in the box")
+        try:
+            (slurm_box.partition_node if cut else slurm_box.heal_node)(self.box, node)
+        except RuntimeError as e:
+            raise LaunchError(str(e)) from e
+        return f"{node}'s link {'down: cut off' if cut else 'up again'} ({self.box.link(node)})"
 
     def kill_rank(self, launch_info: str, rank: int, sig: int = signal.SIGKILL) -> str:
         step = json.loads(launch_info)["step"]

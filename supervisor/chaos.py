@@ -6,6 +6,12 @@
                       the node at index TARGET) at step 90; on a Slurm box, its slurmd too
     freeze-node@90    SIGSTOP every process of one node: a node that hangs hard or loses
                       its network, found only by its silence
+    partition-node@90[:TARGET][/SECONDS]
+                      take one node's network link down for SECONDS (20), then up again:
+                      its processes live on, cut off (a Slurm box only)
+    partition-all@90[/SECONDS]
+                      every node of the attempt cut off for SECONDS (30) at once: the
+                      network, not the nodes (a Slurm box only)
     hang-rank@40      SIGSTOP one rank (the highest, or rank TARGET): the others wait for it
                       in the next collective, and no rank makes progress (a hang)
     corrupt-ckpt@50   truncate the largest shard of the newest complete checkpoint to
@@ -42,6 +48,7 @@ import logging
 import os
 import re
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -56,10 +63,12 @@ from supervisor.telemetry import TelemetryView
 
 log = logging.getLogger(__name__)
 
-_KINDS = "kill-rank|kill-node|freeze-node|hang-rank|corrupt-ckpt|crash|nan|spike|slow|device|kill-in-save"
-_SYNTAX = re.compile(rf"^({_KINDS})@([0-9]+)(?::([0-9]+))?$")
-ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "hang-rank", "corrupt-ckpt", "crash", "nan",
-                    "spike", "slow", "device", "kill-in-save"]
+_KINDS = ("kill-rank|kill-node|freeze-node|partition-node|partition-all|hang-rank|corrupt-ckpt|crash|nan|"
+          "spike|slow|device|kill-in-save")
+_SYNTAX = re.compile(rf"^({_KINDS})@([0-9]+)(?::([0-9]+))?(?:/([0-9]+))?$")
+ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "partition-node", "partition-all", "hang-rank",
+                    "corrupt-ckpt", "crash", "nan", "spike", "slow", "device", "kill-in-save"]
+PARTITION_S = {"partition-node": 20, "partition-all": 30}  # how long a cut lasts unless /SECONDS says
 # Injected by the trainer itself, not by signals from outside.
 TRAINER_KINDS = frozenset({"crash", "nan", "spike", "slow", "device", "kill-in-save"})
 
@@ -69,25 +78,33 @@ class ChaosAction:
     kind: ChaosKind
     step: int
     target: int | None = None
+    seconds: int | None = None  # partition-*: how long the cut lasts
 
     def __str__(self) -> str:
         suffix = f":{self.target}" if self.target is not None else ""
-        return f"{self.kind}@{self.step}{suffix}"
+        lasting = f"/{self.seconds}" if self.seconds is not None else ""
+        return f"{self.kind}@{self.step}{suffix}{lasting}"
 
 
 def parse_chaos(text: str) -> ChaosAction:
     m = _SYNTAX.match(text.strip())
     if m is None:
         raise SpecError(
-            f"--chaos {text!r}: expected KIND@STEP[:TARGET] with KIND kill-rank, kill-node, freeze-node, "
-            "hang-rank, corrupt-ckpt, crash, nan, spike, slow, device or kill-in-save, "
-            "for example kill-rank@50"
+            f"--chaos {text!r}: expected KIND@STEP[:TARGET][/SECONDS] with KIND kill-rank, kill-node, "
+            "freeze-node, partition-node, partition-all, hang-rank, corrupt-ckpt, crash, nan, spike, slow, "
+            "device or kill-in-save, for example kill-rank@50"
         )
     kind: ChaosKind = m.group(1)  # type: ignore[assignment]
     step = int(m.group(2))
     if step <= 0:
         raise SpecError(f"--chaos {text!r}: STEP must be positive")
-    return ChaosAction(kind=kind, step=step, target=int(m.group(3)) if m.group(3) else None)
+    seconds = int(m.group(4)) if m.group(4) else None
+    if seconds is not None and kind not in PARTITION_S:
+        raise SpecError(f"--chaos {text!r}: /SECONDS is for partition-node and partition-all only")
+    if kind == "partition-all" and m.group(3):
+        raise SpecError(f"--chaos {text!r}: partition-all cuts every node; it takes no TARGET")
+    return ChaosAction(kind=kind, step=step, target=int(m.group(3)) if m.group(3) else None,
+                       seconds=PARTITION_S[kind] if kind in PARTITION_S and seconds is None else seconds)
 
 
 class ChaosMonkey:
@@ -102,8 +119,10 @@ class ChaosMonkey:
         self.telemetry = telemetry
         self.reconciler = reconciler
         self.checkpoint_dir = checkpoint_dir
+        self.heals: list[tuple[float, str]] = []  # (time.monotonic() when due, node) of cut links
 
     def poll(self) -> None:
+        self._heal_when_due()
         if not self.pending:
             return
         with self.store.tx() as tx:
@@ -124,6 +143,8 @@ class ChaosMonkey:
                     rank = action.target if action.target is not None else world - 1
                     sig = signal.SIGKILL if action.kind == "kill-rank" else signal.SIGSTOP
                     what = self.hooks.kill_rank(live.launch_info, rank, sig)
+                elif action.kind in PARTITION_S:
+                    what = self._partition(action, live.nodes)
                 else:
                     index = action.target if action.target is not None else len(live.nodes) - 1
                     node = live.nodes[index]
@@ -136,6 +157,34 @@ class ChaosMonkey:
                 self.run_number, "chaos.injected", f"chaos {action} at step {step}: {what}",
                 {"action": str(action), "step": step, "attempt": live.number},
             )
+
+    def _partition(self, action: ChaosAction, nodes: tuple[str, ...]) -> str:
+        assert self.hooks is not None and action.seconds is not None
+        if action.kind == "partition-all":
+            cut = list(nodes)
+        else:
+            cut = [nodes[action.target if action.target is not None else len(nodes) - 1]]
+        said = [self.hooks.partition_node(node, cut=True) for node in cut]
+        self.heals += [(time.monotonic() + action.seconds, node) for node in cut]
+        return f"{'; '.join(said)}; healed in {action.seconds} s"
+
+    def _heal_when_due(self) -> None:
+        due = [node for at, node in self.heals if at <= time.monotonic()]
+        if not due or self.hooks is None:
+            return
+        self.heals = [(at, node) for at, node in self.heals if node not in due]
+        for node in due:
+            try:
+                said = self.hooks.partition_node(node, cut=False)
+            except LaunchError as e:
+                log.warning("chaos: cannot heal %s: %s", node, e)
+                continue
+            self.reconciler.post_event(self.run_number, "chaos.healed", f"chaos: {said}", {"node": node})
+
+    def heal_all(self) -> None:
+        """Bring back every link still cut (the run ended before its heal was due)."""
+        self.heals = [(0.0, node) for _, node in self.heals]
+        self._heal_when_due()
 
     def _corrupt_newest_checkpoint(self) -> str:
         newest, _ = checkpoint_scan.pick(self.checkpoint_dir) if self.checkpoint_dir else (None, [])

@@ -269,6 +269,7 @@ async def _run(args: argparse.Namespace) -> int:
         finally:
             stop.set()
             await task
+            monkey.heal_all()  # no link is left cut behind the run
         detail = daemon.service.get_run(run_id)
     if args.json:
         print(json.dumps(_summary_json(detail.model_dump(), chaos), indent=2))

@@ -44,10 +44,11 @@ from supervisor.domain import (
 from supervisor.errors import SpecError
 from supervisor.launchers.base import Grant, Launcher, LaunchSpec
 from supervisor.policy import resume_before, unreadable_checkpoints
+from supervisor.policy.detection import STALL_GAP_S
 from supervisor.probes import ProbeScheduler
 from supervisor.spec import RunSpec, spec_from_json
 from supervisor.store import SqlStore
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry import RankSeen, TelemetryView
 from trainer.protocol import KEY_ENV, attempt_key
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,9 @@ class Observer:
         self.spikes_said: dict[tuple[int, int], set[int]] = {}  # (run, attempt) -> short spikes reported
         self._allocated: dict[int, list[str]] = {}  # run -> nodes an allocation gave it since the last look
         self._out_of_range: set[tuple[int, str]] = set()  # (run, path) of checkpoints said to be out of range
+        # (run, attempt) -> when any of its ranks was last heard; when heard again after all fell silent
+        self._heard: dict[tuple[int, int], float] = {}
+        self._back_at: dict[tuple[int, int], float] = {}
         # A cluster whose newest answer is older than this is not answering (its controller
         # is down or hung): a poll every 0.5 s, a command's timeout 10 s.
         self.stale_after_s = 10.0
@@ -166,6 +170,8 @@ class Observer:
         for key in [k for k in self._dead_since if k[:2] == (run_number, attempt)]:
             del self._dead_since[key]
         self._quiet.pop((run_number, attempt), None)
+        self._heard.pop((run_number, attempt), None)
+        self._back_at.pop((run_number, attempt), None)
         self.spikes_said.pop((run_number, attempt), None)
 
     def spec(self, number: int) -> tuple[RunSpec | str, Path]:
@@ -300,10 +306,26 @@ class Observer:
             ))
         result = self._result(run, spec, run_dir, live, ranks) if spec else None
         p99, samples = self.telemetry.step_time_p99(run.run_id, live.number)
-        return AttemptObs(ranks=tuple(ranks), result=result, telemetry_up_since=self.telemetry.up_since,
+        up_since = self._up_since(run, live, tele)
+        return AttemptObs(ranks=tuple(ranks), result=result, telemetry_up_since=up_since,
                           step_time_p99_s=p99, step_time_samples=samples,
                           checkpoint_p99_s=self.telemetry.checkpoint_p99(run.run_id),
                           recent=self.telemetry.recent_steps(run.run_id, live.number), found=found)
+
+    def _up_since(self, run: Run, live: Attempt, tele: dict[int, RankSeen]) -> float | None:
+        """Since when telemetry flows for this attempt: the broker link's up time, or the
+        moment its ranks were heard again after all of them fell silent together (a cut
+        between the nodes and the broker): for the policy, the link was down meanwhile."""
+        up = self.telemetry.up_since
+        heard = max((t.last_seen_at for t in tele.values() if t.last_seen_at is not None), default=None)
+        key = (run.number, live.number)
+        before = self._heard.get(key)
+        if heard is not None:
+            if before is not None and heard - before > STALL_GAP_S:
+                self._back_at[key] = heard
+            self._heard[key] = heard
+        back = self._back_at.get(key)
+        return up if up is None or back is None else max(up, back)
 
     @staticmethod
     def _result(run: Run, spec: RunSpec, run_dir: Path, live: Attempt,

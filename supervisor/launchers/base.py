@@ -162,3 +162,8 @@ class ChaosHooks(Protocol):
     def freeze_node(self, launch_info: str, node: str) -> str:
         """SIGSTOP every process of the node: alive, but silent."""
         ...
+
+    def partition_node(self, node: str, cut: bool) -> str:
+        """Take the node's network link down (``cut``) or bring it back: its processes
+        live on, cut off. Only where nodes are hosts of their own (a Slurm box)."""
+        ...

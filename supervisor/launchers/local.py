@@ -239,6 +239,10 @@ class LocalLauncher:
             _signal_group(pgid, signal.SIGSTOP)
         return f"SIGSTOP to every process of node {node} (process group {', '.join(map(str, groups))})"
 
+    def partition_node(self, node: str, cut: bool) -> str:
+        raise LaunchError("partition-node: local nodes share this host's loopback, which cannot be cut; "
+                          "use the Slurm box (scripts/slurm-box), whose nodes have links of their own")
+
     def _alive(self, r: _Rank) -> bool:
         return self._state(r)[0] is ProcState.RUNNING
 

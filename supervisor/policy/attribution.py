@@ -202,6 +202,18 @@ def vanished_abruptly(r: RankObs) -> bool:
     return False
 
 
+def cut_off_together(ranks: Iterable[RankObs]) -> bool:
+    """Last wills from every node of the attempt, and nothing else says a rank ended (no
+    exit code, no exit report, no process seen to end): the ranks lost the broker
+    together, which is the network or the broker, and no evidence against any node.
+    A node that really died leaves its ranks' processes to say so (Slurm ends its step)."""
+    by = by_node(ranks)
+    ended = (ProcState.EXITED, ProcState.VANISHED)
+    if not by or any(r.proc in ended or r.reported_exit_code is not None for rs in by.values() for r in rs):
+        return False
+    return all(any(r.proc is ProcState.UNKNOWN and r.lost for r in rs) for rs in by.values())
+
+
 def describe_exit(r: RankObs) -> str:
     who = f"rank {r.rank} (node {r.node})"
     code = exit_code(r)

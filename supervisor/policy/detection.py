@@ -11,6 +11,13 @@ In the order they are judged (the first that holds is the fault):
 - every rank exited 0 and no result was written;
 - no step progress for ``hang_limit`` (never while the broker link is down).
 
+The network is not the nodes: last wills from every node at once (``cut_off_together``)
+are not deaths, and while no rank of an attempt whose processes the launcher cannot see
+(Slurm steps) has been heard for ``STALL_GAP_S``, no hang is judged, for at most
+``hang_timeout_s``: the ranks lost the broker together (a partition between the nodes and
+the controller, a stalled broker), which says nothing of the nodes or of training. Once
+they are heard again the usual rules judge them.
+
 Stragglers are found here too (``find_stragglers``); what is done about them is the
 recovery module's.
 """
@@ -34,12 +41,22 @@ from supervisor.domain import (
     RunView,
     StepSample,
 )
-from supervisor.policy.attribution import Finding, all_gone, attribute, by_node, is_dead, ranks_text
+from supervisor.policy.attribution import (
+    Finding,
+    all_gone,
+    attribute,
+    by_node,
+    cut_off_together,
+    is_dead,
+    ranks_text,
+)
 
 
 def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Finding | None:
     step = max((r.last_step for r in obs.ranks), default=live.resume_step)
     dead = [r for r in obs.ranks if is_dead(r)]
+    if dead and cut_off_together(obs.ranks):
+        dead = []  # the network or the broker, not the nodes (see the module docstring)
     if dead:
         first_seen = min(r.dead_since if r.dead_since is not None else now for r in dead)
         if now - first_seen < view.run.policy.fault_settle_s and not all_gone(obs):
@@ -88,6 +105,11 @@ def _find_silent_node(view: RunView, live: Attempt, obs: AttemptObs, now: float,
 
     by = by_node(obs.ranks)
     held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
+    if held & set(live.nodes):
+        # A node cut off is soon one Slurm stops answering for, and leaves the allocation
+        # while the attempt's other nodes stay in it: still that node's fault. Only an
+        # allocation that let go of all of them is the cluster's doing (preemption).
+        held |= set(live.nodes)
     quiet = sorted(n for n, rs in by.items() if n in held and all(silent(r) for r in rs))
     if not quiet or len(quiet) == len(by):
         return None
@@ -149,7 +171,7 @@ def _find_hang(view: RunView, live: Attempt, obs: AttemptObs, now: float, step: 
     if live.first_step_at is not None:
         since = max(since, live.first_step_at)
     idle_s = now - since
-    if idle_s <= limit_s or _node_going_silent(view, obs, now):
+    if idle_s <= limit_s or _node_going_silent(view, obs, now) or _all_cut_off(view, obs, now):
         return None
     first = stalled_first(obs.ranks)
     nodes = tuple(sorted({r.node for r in first}))
@@ -174,6 +196,15 @@ def _node_going_silent(view: RunView, obs: AttemptObs, now: float) -> bool:
     heard = [n for n, q in quiet_for.items() if q <= STALL_GAP_S]
     limit = view.run.policy.silence_timeout_s + STALL_GAP_S
     return bool(heard) and any(STALL_GAP_S < q <= limit for q in quiet_for.values())
+
+
+def _all_cut_off(view: RunView, obs: AttemptObs, now: float) -> bool:
+    """No rank heard for STALL_GAP_S, none of them visible to the launcher, for less than
+    ``hang_timeout_s``: they lost the broker together; a hang cannot be told from that."""
+    if not obs.ranks or any(r.proc is not ProcState.UNKNOWN for r in obs.ranks):
+        return False
+    heard = max((r.last_seen_at for r in obs.ranks if r.last_seen_at is not None), default=None)
+    return heard is not None and STALL_GAP_S < now - heard < view.run.policy.hang_timeout_s
 
 
 def stalled_first(ranks: Iterable[RankObs]) -> list[RankObs]:

@@ -890,3 +890,52 @@ def test_a_nan_again_at_the_same_step_skips_that_steps_data() -> None:
     again = replace(view(run(), (ended(1, 0), live)), faults=(fault_of(1, FaultKind.NONFINITE, step=60),))
     [skip] = of(decide(again, o, NOW), SkipData)
     assert (skip.start, skip.end) == (59 * 16, 60 * 16)
+
+
+# --- the network is not the nodes ---------------------------------------------------
+
+
+def test_last_wills_from_every_node_at_once_are_the_network_not_the_nodes() -> None:
+    unknown = ProcState.UNKNOWN
+    every = [rank(r, unknown, lost=True, dead_since=NOW - 5) for r in range(4)]
+    assert decide(view(run(), (attempt(),)), obs(*every), NOW) == [], "no fault, no drain"
+    one_rank_each = [rank(0, unknown, lost=True), rank(1, unknown), rank(2, unknown), rank(3, unknown, lost=True)]
+    assert decide(view(run(), (attempt(),)), obs(*one_rank_each), NOW) == []
+    # one node's wills while the other is heard: that node is lost, as before
+    one_node = [rank(0, unknown), rank(1, unknown), rank(2, unknown, lost=True, dead_since=NOW - 5),
+                rank(3, unknown, lost=True, dead_since=NOW - 5)]
+    [fault] = of(decide(view(run(), (attempt(),)), obs(*one_node), NOW), RecordFault)
+    assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n2",)
+    # a process seen to end, or a rank's own exit report, is evidence again
+    exited = [*every[:3], rank(3, unknown, lost=True, reported_exit_code=1, dead_since=NOW - 5)]
+    assert of(decide(view(run(), (attempt(),)), obs(*exited), NOW), RecordFault)
+
+
+def test_while_no_rank_of_a_slurm_step_is_heard_no_hang_is_judged_for_up_to_the_hang_timeout() -> None:
+    live = attempt(started_at=NOW - 1000, first_step_at=NOW - 900)
+    o = timed(0.2)
+    cut = tuple(replace(x, proc=ProcState.UNKNOWN, last_seen_at=NOW - 30, progress_at=NOW - 30) for x in o.ranks)
+    assert decide(view(run(), (live,)), replace(o, ranks=cut), NOW) == [], "cut off together: no verdict"
+    longer = tuple(replace(x, last_seen_at=NOW - 301, progress_at=NOW - 301) for x in cut)
+    [fault] = of(decide(view(run(), (live,)), replace(o, ranks=longer), NOW), RecordFault)
+    assert fault.kind is FaultKind.HANG, "past hang_timeout_s the hang rule judges it"
+    # heard again but still no progress: the usual rule
+    back = tuple(replace(x, last_seen_at=NOW - 0.5) for x in cut)
+    [hang] = of(decide(view(run(), (live,)), replace(o, ranks=back), NOW), RecordFault)
+    assert hang.kind is FaultKind.HANG
+    # processes the launcher sees (the local launcher): silence of all is a hang as before
+    local = tuple(replace(x, proc=ProcState.RUNNING) for x in cut)
+    assert of(decide(view(run(), (live,)), replace(o, ranks=local), NOW), RecordFault)
+
+
+def test_a_silent_node_slurm_stopped_answering_for_is_still_lost_and_drained() -> None:
+    """Cut off, the node leaves the allocation (Slurm: not responding) before the silence
+    limit: it is still this node's fault while the attempt's other nodes are held."""
+    ranks = [heard(0, 0.5), heard(1, 0.5), heard(2, 12), heard(3, 11)]
+    v = view(run(), (attempt(),))
+    v = replace(v, allocation=tuple(replace(n, state=NodeState.IDLE) if n.name == "n2" else n
+                                    for n in v.allocation))
+    effects = decide(v, obs(*ranks), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n2",)
+    assert [d.node for d in of(effects, DrainNode)] == ["n2"]

@@ -84,7 +84,10 @@ def test_chaos_syntax() -> None:
     assert parse_chaos("kill-node@90:1") == ChaosAction(kind="kill-node", step=90, target=1)
     assert parse_chaos("corrupt-ckpt@50") == ChaosAction(kind="corrupt-ckpt", step=50)
     assert parse_chaos("kill-in-save@40:3") == ChaosAction(kind="kill-in-save", step=40, target=3)
-    for bad in ("kill-rank", "kill-rank@x", "explode@5", "kill-node@0"):
+    assert parse_chaos("partition-node@40:1") == ChaosAction(kind="partition-node", step=40, target=1, seconds=20)
+    assert parse_chaos("partition-all@40/45") == ChaosAction(kind="partition-all", step=40, seconds=45)
+    assert str(parse_chaos("partition-node@40/5")) == "partition-node@40/5"
+    for bad in ("kill-rank", "kill-rank@x", "explode@5", "kill-node@0", "kill-node@5/10", "partition-all@5:1"):
         try:
             parse_chaos(bad)
         except SpecError as e:
