@@ -46,7 +46,7 @@ def test_an_external_mosquitto_carries_telemetry_and_supervisor_events(mosquitto
     sub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="dashboard")
     sub.on_message = on_message
     sub.connect(mosquitto.host, mosquitto.port)
-    sub.subscribe("tsup/v1/events/#", qos=1)
+    sub.subscribe("tsup/v1/+/events/#", qos=1)  # events carry the daemon's cluster id
     sub.loop_start()
     try:
         proc = tsup("run", spec, "--state-dir", tmp_path / "state", "--json")

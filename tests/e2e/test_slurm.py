@@ -5,10 +5,13 @@ survives on Slurm are in tests/chaos/test_slurm.py."""
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from slurmbox.box import Box
@@ -165,3 +168,35 @@ def test_a_drain_whose_first_scontrol_fails_is_in_slurm_within_a_few_ticks(slurm
     assert ticks <= 8, f"in Slurm only after {ticks} ticks"
     assert intent is not None and intent.sent == 2 and intent.last_error is None
     assert [e.data["node"] for e in failed] == ["node2"], "the failure is said once"
+
+
+def test_two_boxes_run_side_by_side_each_node_a_host_of_its_own_and_down_leaves_nothing(tmp_path: Path) -> None:
+    """Each box has its own subnet, bridge and namespaces; a task on a node sees its own
+    address only, and 127.0.0.1 there is the node (the controller's slurmctld port does
+    not answer on it); `down` leaves no process, namespace or link behind."""
+    from slurmbox import box as slurm_box_mod
+    from tests.conftest import require, slurm_installed
+
+    require("Slurm (slurmctld, slurmd, munge, slurm-client)", slurm_installed())
+    boxes: list[Box] = []
+    try:
+        for name in ("a", "b"):
+            directory = Path(tempfile.mkdtemp(prefix=f"tsup-box{name}-"))
+            boxes.append(slurm_box_mod.up(directory, 2))
+        a, b = boxes
+        assert a.subnet != b.subnet and a.bridge != b.bridge and a.netns("node1") != b.netns("node1")
+        probe = (f"hostname -I; python3 -c \"import socket; s=socket.socket(); "
+                 f"print(s.connect_ex(('127.0.0.1', {b.ctld_port})), s.connect_ex(('{b.controller_addr}', "
+                 f"{b.ctld_port})))\"")
+        out = slurm(b, "srun", "-N1", "-w", "node2", "sh", "-c", probe).split()
+        assert out[0] == b.addr("node2"), out
+        assert out[1] != "0" and out[2] == "0", "loopback on the node is the node; the controller is on the bridge"
+        pids = [p for box in boxes for p in (box.ctld_pid, box.munged_pid, *box.slurmd_pids.values())]
+    finally:
+        for box in boxes:
+            slurm_box_mod.down(Path(box.dir))
+            shutil.rmtree(box.dir, ignore_errors=True)
+    assert len(boxes) == 2
+    for box in boxes:
+        assert slurm_box_mod.network_leftovers(box) == []
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
