@@ -35,10 +35,10 @@ log = logging.getLogger(__name__)
 
 
 class EmbeddedBroker:
-    def __init__(self, state_dir: Path, host: str = "127.0.0.1", port: int | None = None) -> None:
+    def __init__(self, state_dir: Path, host: str = "127.0.0.1") -> None:
         self.state_file = state_dir / "broker.json"
         self.host = host  # where it listens
-        self.port = port or 0  # 0: the remembered port, or a free one
+        self.port = 0  # 0: the remembered port, or a free one
         self._broker: Any = None
 
     @property
@@ -122,12 +122,13 @@ def broker_addresses(bind: str | None, advertise: str | None,
 
 
 def _split_bind(bind: str) -> tuple[str, int | None]:
-    """'10.0.0.5' or '10.0.0.5:1883' or '[::]:1883' -> (host, port or None)."""
+    """'10.0.0.5' or '10.0.0.5:1883' or '[::]:1883' -> (host, port or None); ValueError
+    when the port is not one (the config's validation, which names the key, calls it first)."""
     with_port = bind.startswith("[") or bind.count(":") == 1
     if with_port:
         host, _, port = bind.rpartition(":")
         if not port.isdigit() or not 0 < int(port) < 65536:
-            raise SupervisorError(f"mqtt_bind: expected HOST or HOST:PORT, got {bind!r}")
+            raise ValueError(f"expected HOST or HOST:PORT, got {bind!r}")
         return host.strip("[]"), int(port)
     return bind, None
 

@@ -210,9 +210,10 @@ class Daemon:
         # Both ends are tried once now: a bad address or credentials stop the start with
         # the key to fix, rather than costing every run its telemetry.
         await _try_broker(self.link, "mqtt_bind" if self.broker else "mqtt_url")
-        if parse_broker_url(self.mqtt_url) != own_url:
-            ranks = MqttLink(parse_broker_url(self.mqtt_url), TelemetryView(), self.clock,
-                             ca_file=st.mqtt_ca_file, client_id=f"training-supervisor-check-{os.getpid()}")
+        ranks_url = parse_broker_url(self.mqtt_url)
+        if ranks_url != own_url:
+            ranks = MqttLink(ranks_url, TelemetryView(), self.clock, ca_file=st.mqtt_ca_file,
+                             client_id=f"training-supervisor-check-{os.getpid()}")
             await _try_broker(ranks, "mqtt_advertise_url" if st.mqtt_advertise_url else "mqtt_bind",
                               "ranks would be told ")
 

@@ -276,17 +276,23 @@ def test_a_hung_slurmctld_for_60_s_stalls_neither_api_nor_telemetry_nor_watchdog
     assert not any("DRAIN" in n.flags for n in slurm_nodes.values()), "nothing drained in Slurm either"
 
 
+def succeeds_on_the_box(box: Box, state: Path, fault_free: dict[str, Any], chaos: str,
+                        monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The example on ``box`` with one chaos action: it succeeds with the fault-free model."""
+    monkeypatch.setenv("SLURM_CONF", str(box.conf))
+    proc = tsup("run", EXAMPLE, "--launcher", "slurm", "--state-dir", state, "--json", "--chaos", chaos)
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    return s
+
+
 def test_a_node_cut_off_from_the_network_is_found_by_silence_drained_and_replaced(
         slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """node2's link goes down for 20 s at step 40: its processes live on, cut off. The
     other node is heard, so node2's silence is its own: drained, resumed on the spare."""
-    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
     state = tmp_path / "state"
-    proc = tsup("run", EXAMPLE, "--launcher", "slurm", "--state-dir", state, "--json",
-                "--chaos", "partition-node@40/20")
-    s = summary_of(proc)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    s = succeeds_on_the_box(slurm_box, state, fault_free, "partition-node@40/20", monkeypatch)
     [fault] = s["faults"]
     assert fault["kind"] == "node-lost" and fault["nodes"] == ["node2"] and "silent" in fault["summary"]
     assert s["drained_nodes"] == ["node2"]
@@ -301,13 +307,8 @@ def test_every_node_cut_off_briefly_is_the_network_nothing_is_drained_and_traini
     shorter than Slurm's own SlurmdTimeout on the box): no rank is heard, which says
     nothing of the nodes. Nothing is drained, no hang is judged, and training continues
     in the same attempt once the links are back."""
-    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
     state = tmp_path / "state"
-    proc = tsup("run", EXAMPLE, "--launcher", "slurm", "--state-dir", state, "--json",
-                "--chaos", "partition-all@40/8")
-    s = summary_of(proc)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    s = succeeds_on_the_box(slurm_box, state, fault_free, "partition-all@40/8", monkeypatch)
     assert s["faults"] == [] and s["attempts"] == 1 and s["drained_nodes"] == []
     injected = db_rows(state, "SELECT message FROM events WHERE kind = 'chaos.injected'")
     assert len(injected) == 1 and "node1's link down" in injected[0][0] and "node2's link down" in injected[0][0]
