@@ -108,7 +108,7 @@ def _free_ports(count: int) -> list[int]:
     try:
         for _ in range(count):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
+            s.bind(("0.0.0.0", 0))  # noqa: S104 - free on every address: slurmctld listens on all of them
             socks.append(s)
             ports.append(int(s.getsockname()[1]))
     finally:
@@ -348,7 +348,11 @@ def wait_idle(box: Box, timeout_s: float) -> None:
         except (subprocess.TimeoutExpired, ValueError):
             pass
         time.sleep(0.3)
-    raise RuntimeError(f"nodes not idle after {timeout_s:.0f} s; sinfo says: {last}")
+    log = Path(box.dir) / "log" / "slurmctld.log"
+    tail = log.read_text(errors="replace").splitlines()[-5:] if log.exists() else []
+    raise RuntimeError(f"nodes not idle after {timeout_s:.0f} s; sinfo says: {last}; slurmctld "
+                       f"(pid {box.ctld_pid}, {'alive' if _alive(box.ctld_pid) else 'gone'}) logged last: "
+                       + " | ".join(tail))
 
 
 # --- processes ----------------------------------------------------------------------
