@@ -452,6 +452,25 @@ def signal_node(box: Box, node: str, sig: signal.Signals) -> list[int]:
     return pids
 
 
+def _sruns_of(box: Box) -> set[int]:
+    """srun processes of this host that talk to the box (their SLURM_CONF is its config).
+    Once the box's network is deleted their connections to the nodes vanish without a
+    reset, and an srun still waiting on them would wait for ever."""
+    found = set()
+    conf = f"SLURM_CONF={box.conf}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "comm").read_text().strip() != "srun":
+                continue
+            if conf in (entry / "environ").read_bytes().split(b"\0"):
+                found.add(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -466,8 +485,8 @@ def _alive(pid: int) -> bool:
 
 
 def down(directory: Path, timeout_s: float = 3.0) -> list[int]:
-    """Stop what ``up`` started in ``directory``, by pid, and delete its network; returns
-    the pids signalled.
+    """Stop what ``up`` started in ``directory``, by pid, and any srun still talking to it,
+    and delete its network; returns the pids signalled.
     SIGTERM, then SIGKILL after ``timeout_s``: a box is thrown away, and slurmctld, a
     slurmd and its slurmstepd can each wait many seconds on a node that was killed."""
     box = load(directory)
@@ -477,6 +496,7 @@ def down(directory: Path, timeout_s: float = 3.0) -> list[int]:
     for node in box.nodes:
         pids |= node_processes(box, node)
     pids |= {p for p in (box.ctld_pid, box.munged_pid) if p}
+    pids |= _sruns_of(box)
     pids = {p for p in pids if _alive(p)}
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
