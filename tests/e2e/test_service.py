@@ -117,13 +117,20 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
         assert lines and {"ts", "level", "logger", "message"} <= set(lines[0])
         assert any(line["message"].startswith("stopped:") for line in lines)
 
-        # The next daemon takes over; SIGKILLed mid-run, it loses nothing either.
+        # The next daemon takes over; SIGKILLed mid-run, it loses nothing either. The
+        # trainers are held (SIGSTOP) while it starts: on a loaded machine they could
+        # otherwise finish all 80 steps before it serves, and there would be no run to take over.
+        for p in trainers:
+            p.suspend()
         daemon = Serve(state, port)
         at = quick_json(daemon, "status", run_id)["step"] or 0
+        for p in trainers:
+            p.resume()
         wait_for(lambda: (quick_json(daemon, "status", run_id)["step"] or 0) > at + 2, 60, "steps under daemon 2")
         before = quick_json(daemon, "events", run_id)
         assert daemon.kill(signal.SIGKILL) == -signal.SIGKILL
-        assert all(p.is_running() for p in trainers), "the trainers outlive a killed daemon"
+        gone = [p.pid for p in trainers if not p.is_running()]
+        assert not gone, f"the trainers outlive a killed daemon: {gone} did not ({before[-3:]})"
 
         # The third daemon finishes the run with the fault-free model.
         daemon = Serve(state, port)
