@@ -164,7 +164,8 @@ class Daemon:
             self._record_start()
             await self._open_telemetry()
             st = self.settings
-            config = ReconcilerConfig(mqtt_url=self.mqtt_url, sweep_every_s=st.sweep_every_s,
+            config = ReconcilerConfig(mqtt_url=self.mqtt_url, mqtt_ca_file=st.mqtt_ca_file,
+                                      sweep_every_s=st.sweep_every_s,
                                       sweep_args=st.sweep_args, return_after=st.return_after,
                                       retention=st.retention)
             self.reconciler = Reconciler(self.store, self.telemetry, config, launcher=self.launcher,

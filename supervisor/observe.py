@@ -119,12 +119,14 @@ class Observed:
 
 class Observer:
     def __init__(self, store: SqlStore, launcher: Launcher, telemetry: TelemetryView, probes: ProbeScheduler,
-                 *, mqtt_url: str | None, clock: Callable[[], float]) -> None:
+                 *, mqtt_url: str | None, clock: Callable[[], float],
+                 mqtt_ca_file: Path | None = None) -> None:
         self.store = store
         self.launcher = launcher
         self.telemetry = telemetry
         self.probes = probes
         self.mqtt_url = mqtt_url
+        self.mqtt_ca_file = mqtt_ca_file
         self.clock = clock
         self._specs: dict[int, tuple[RunSpec | str, Path]] = {}  # run -> its spec (or why it is invalid)
         self._dead_since: dict[tuple[int, int, int], float] = {}  # (run, attempt, rank) -> first seen dead
@@ -255,6 +257,8 @@ class Observer:
         if self.mqtt_url:
             env["TSUP_MQTT_URL"] = self.mqtt_url
             env["TSUP_CLUSTER"] = self.telemetry.cluster
+            if self.mqtt_ca_file is not None:
+                env["TSUP_MQTT_CA_FILE"] = str(self.mqtt_ca_file)
             if self.telemetry.secret is not None:  # the attempt's key: its ranks' environment only
                 env[KEY_ENV] = attempt_key(self.telemetry.secret, self.telemetry.cluster, run.run_id,
                                            a.number).hex()
@@ -281,8 +285,11 @@ class Observer:
             launch_info = found
         procs = self.launcher.observe(launch_info)
         tele = self.telemetry.ranks(run.run_id, live.number, run.policy.straggler_window)
-        # A [command] trainer sends no telemetry: its progress is its checkpoints and output.
-        quiet = self._quiet_progress(spec, run_dir, live, now) if spec and spec.command is not None else None
+        # A [command] trainer sends no telemetry, and ranks that cannot reach the broker
+        # send none that arrives: then progress is the checkpoints and the output.
+        unheard = not any(t.last_seen_at is not None for t in tele.values())
+        quiet = (self._quiet_progress(spec, run_dir, live, now)
+                 if spec and (spec.command is not None or unheard) else None)
         ranks = []
         for proc in procs:
             t = tele.get(proc.rank)

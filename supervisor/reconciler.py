@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor as Pool
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from supervisor import node_health
 from supervisor.domain import NodeState
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReconcilerConfig:
     mqtt_url: str | None  # what the trainers publish to; None: no telemetry
+    mqtt_ca_file: Path | None = None  # the CA the trainers check an mqtts:// broker with (None: the system's)
     # The periodic sweep of idle nodes and of nodes this supervisor drained (None: off):
     sweep_every_s: float | None = None
     sweep_args: tuple[str, ...] = ()  # extra arguments to python -m health
@@ -71,7 +73,7 @@ class Reconciler:
                                      sweep_args=config.sweep_args,
                                      sweep_timeout_s=config.sweep_timeout_s, pool=probe_pool)
         self.observer = Observer(store, launcher, telemetry, self.probes, mqtt_url=config.mqtt_url,
-                                 clock=clock)
+                                 mqtt_ca_file=config.mqtt_ca_file, clock=clock)
         self.executor = Executor(store, launcher, nodes, telemetry, self.probes, self.observer, clock)
         self.recorder = TelemetryRecorder(store, telemetry, config.retention)
         self.hooks: list[Callable[[], None]] = []  # run first in every tick, on its thread (chaos drills)

@@ -350,6 +350,10 @@ class TelemetryView:
                 del self._ended[next(iter(self._ended))]
 
 
+# A broker that comes back is heard again within this (a local reconnect attempt is cheap).
+LINK_MAX_BACKOFF_S = 1.0
+
+
 class MqttLink:
     """One aiomqtt connection: subscribes to all telemetry, publishes supervisor events.
 
@@ -404,7 +408,7 @@ class MqttLink:
                 self._client = None
                 self.view.link_down()
             await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, 5.0)
+            backoff_s = min(backoff_s * 2, LINK_MAX_BACKOFF_S)
 
     @property
     def connected(self) -> bool:

@@ -74,18 +74,74 @@ def _mosquitto_binary() -> str | None:
                                           else None)
 
 
-def start_mosquitto(workdir: Path, port: int | None = None) -> tuple[Broker, subprocess.Popen[bytes]]:
+def start_mosquitto(workdir: Path, port: int | None = None,
+                    settings: str = "allow_anonymous true\n") -> tuple[Broker, subprocess.Popen[bytes]]:
+    """mosquitto on 127.0.0.1: one listener with ``settings`` (mosquitto.conf lines)."""
     binary = _mosquitto_binary()
     require("mosquitto", binary is not None)
     assert binary is not None
     port = port or free_port()
     conf = workdir / f"mosquitto-{port}.conf"
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+    # `user root`: started as root, mosquitto would read the files below as user mosquitto
+    conf.write_text(f"user root\nlistener {port} 127.0.0.1\n{settings}persistence false\n")
     log = open(workdir / f"mosquitto-{port}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen([binary, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
     wait_for(lambda: port_open(port) or proc.poll() is not None, 10, "mosquitto to listen")
     assert proc.poll() is None, (workdir / f"mosquitto-{port}.log").read_text()
     return Broker("127.0.0.1", port, proc.pid), proc
+
+
+@dataclass(frozen=True)
+class SecuredBroker:
+    """A mosquitto as a site runs one: TLS, a password file and an ACL (see secure_mosquitto)."""
+
+    broker: Broker
+    ca_file: Path
+    proc: subprocess.Popen[bytes]
+
+    def url(self, user: str, password: str | None = None) -> str:
+        """The mqtts:// URL for one of SECURED_USERS (its own password unless given)."""
+        return f"mqtts://{user}:{password or SECURED_USERS[user]}@127.0.0.1:{self.broker.port}"
+
+
+# The site's accounts: the supervisor reads telemetry and writes events; ranks may only
+# write telemetry (a rank cannot read another's messages, or subscribe at all).
+SECURED_USERS = {"supervisor": "sup-pass", "rank": "rank-pass"}
+SECURED_ACL = """user supervisor
+topic read tsup/+/+/telemetry/#
+topic write tsup/+/+/events/#
+user rank
+topic write tsup/+/+/telemetry/#
+"""
+
+
+def secure_mosquitto(workdir: Path, port: int | None = None) -> SecuredBroker:
+    """A mosquitto with a TLS listener (a CA made here; the server certificate names
+    127.0.0.1), a password file (mosquitto_passwd) and SECURED_ACL."""
+    openssl = shutil.which("openssl")
+    require("openssl", openssl is not None)
+    require("mosquitto_passwd", shutil.which("mosquitto_passwd") is not None)
+    d = workdir / "mqtt-tls"
+    d.mkdir(exist_ok=True)
+
+    def run(*argv: str) -> None:
+        subprocess.run(argv, check=True, capture_output=True, cwd=d)
+
+    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=tsup test CA",
+        "-keyout", "ca.key", "-out", "ca.crt")
+    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key",
+        "-out", "server.csr")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("openssl", "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-days", "2", "-extfile", "san.ext", "-out", "server.crt")
+    (d / "passwd").touch()
+    for user, password in SECURED_USERS.items():
+        run("mosquitto_passwd", "-b", "passwd", user, password)
+    (d / "acl").write_text(SECURED_ACL)
+    broker, proc = start_mosquitto(workdir, port, settings=(
+        f"certfile {d / 'server.crt'}\nkeyfile {d / 'server.key'}\nallow_anonymous false\n"
+        f"password_file {d / 'passwd'}\nacl_file {d / 'acl'}\n"))
+    return SecuredBroker(broker, d / "ca.crt", proc)
 
 
 def stop_by_pid(proc: subprocess.Popen[bytes]) -> None:

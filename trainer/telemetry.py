@@ -204,6 +204,7 @@ class Telemetry:
         self._connected = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: mqtt.Client | None = None
+        self._unreachable_said = False  # paho's thread alone: "cannot reach" logged this outage
         # Counters, read by anyone. The training thread alone writes dropped_queue_full;
         # the other two are written by the sender and paho's thread, hence the lock.
         self.dropped_queue_full = 0  # the queue was full (a long outage or a slow broker)
@@ -368,6 +369,7 @@ class Telemetry:
         client.reconnect_delay_set(RECONNECT_MIN_DELAY_S, RECONNECT_MAX_DELAY_S)
         client.on_pre_connect = self._on_pre_connect
         client.on_connect = self._on_connect
+        client.on_connect_fail = self._on_connect_fail
         client.on_disconnect = self._on_disconnect
         return client
 
@@ -378,11 +380,21 @@ class Telemetry:
             topic, payload = self._encode(protocol.Lost(**self._header()), protocol.WILL_SEQ)
         client.will_set(topic, payload, qos=0, retain=False)
 
+    def _on_connect_fail(self, _client: mqtt.Client, _userdata: Any) -> None:
+        """A connection attempt found no broker (refused, unreachable, TLS): said once an outage."""
+        if self._unreachable_said:
+            return
+        self._unreachable_said = True
+        assert self._broker is not None
+        log.warning("telemetry: cannot reach the broker at %s; training goes on, telemetry is kept "
+                    "(up to %d messages) and sent once it answers", self._broker.url, self._queue.maxsize)
+
     def _on_connect(self, client: mqtt.Client, _userdata: Any, _flags: Any,
                     reason_code: Any, _properties: Any) -> None:
         if getattr(reason_code, "is_failure", False):
             log.warning("telemetry: broker refused the connection: %s", reason_code)
             return
+        self._unreachable_said = False
         ident = self._id
         register = protocol.Register(
             **self._header(), local_rank=ident.local_rank, world_size=ident.world_size,

@@ -1,0 +1,119 @@
+"""An external broker as a site runs one (tests/conftest.py: secure_mosquitto: TLS, a
+password file, an ACL): two daemons share it with a run each and never mix telemetry;
+bad credentials or an advertised address nobody answers on stop `serve` with one line
+naming the key; ranks that cannot reach their broker train on, and the supervisor
+follows them from their processes, output and checkpoints."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import SecuredBroker, free_port, secure_mosquitto, start_mosquitto, stop_by_pid, wait_for
+from tests.e2e.conftest import EXAMPLE, Serve, tsup
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def secured(tmp_path: Path) -> Any:
+    broker = secure_mosquitto(tmp_path)
+    try:
+        yield broker
+    finally:
+        stop_by_pid(broker.proc)
+
+
+def config(path: Path, state: Path, port: int, **keys: str) -> Path:
+    lines = [f'state_dir = "{state}"', f'api_bind = "127.0.0.1:{port}"', "tick_s = 0.25", "sweep_every_s = 0",
+             *(f'{k} = "{v}"' for k, v in keys.items())]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def site_daemon(tmp_path: Path, name: str, secured: SecuredBroker) -> Serve:
+    """A daemon on the site's broker: its own account, and the ranks' account handed to its ranks."""
+    state, port = tmp_path / name, free_port()
+    state.mkdir()
+    conf = config(tmp_path / f"{name}.toml", state, port, mqtt_url=secured.url("supervisor"),
+                  mqtt_advertise_url=secured.url("rank"), mqtt_ca_file=str(secured.ca_file))
+    return Serve(state, port, config=conf)
+
+
+def metrics(daemon: Serve) -> dict[str, float]:
+    text = httpx.get(f"{daemon.url}/metrics").text
+    return {f"{m.group(1)}:{m.group(2)}": float(m.group(3))
+            for m in re.finditer(r'tsup_mqtt_(messages|dropped)_total\{(?:kind|reason)="([a-z_]+)"\} (\S+)', text)}
+
+
+def test_two_daemons_share_a_tls_broker_with_passwords_and_an_acl(
+        tmp_path: Path, secured: SecuredBroker, fault_free: dict[str, Any]) -> None:
+    daemons = [site_daemon(tmp_path, name, secured) for name in ("west", "east")]
+    try:
+        runs = [d.ctl_json("submit", str(EXAMPLE))["run_id"] for d in daemons]
+        assert runs == ["run-1", "run-1"], "the same run id, attempt and ranks on both: only the cluster differs"
+        finals = [wait_for(lambda d=d, r=r: (s := d.ctl_json("status", r))["state"] in ("SUCCEEDED", "FAILED") and s,
+                           400, "both runs to end", interval_s=1.0) for d, r in zip(daemons, runs, strict=True)]
+        for final in finals:
+            assert final["state"] == "SUCCEEDED" and final["attempts"] == 1 and final["faults"] == [], final
+            assert final["model_digest"] == fault_free["model_digest"]
+        for d in daemons:
+            seen = metrics(d)
+            assert seen["messages:step"] >= 80 * 4, seen  # every rank's every step, over TLS
+            assert not {k: v for k, v in seen.items() if k.startswith("dropped:") and v}, \
+                f"a daemon received (and dropped) the other's telemetry: {seen}"
+    finally:
+        for d in daemons:
+            d.kill(15)
+
+
+def test_bad_broker_credentials_or_an_unreachable_advertised_url_stop_serve(
+        tmp_path: Path, secured: SecuredBroker) -> None:
+    state = tmp_path / "state"
+    wrong = config(tmp_path / "wrong.toml", state, free_port(), mqtt_url=secured.url("supervisor", "wrong"),
+                   mqtt_ca_file=str(secured.ca_file))
+    out = tsup("serve", "--config", wrong, timeout_s=60)
+    assert out.returncode != 0
+    [line] = out.stderr.strip().splitlines()
+    assert line.startswith("training-supervisor: mqtt_url: ") and "sup-pass" not in line and "wrong" not in line, line
+
+    nobody = config(tmp_path / "nobody.toml", state, free_port(), mqtt_url=secured.url("supervisor"),
+                    mqtt_ca_file=str(secured.ca_file), mqtt_advertise_url=f"mqtt://127.0.0.1:{free_port()}")
+    out = tsup("serve", "--config", nobody, timeout_s=60)
+    assert out.returncode != 0
+    [line] = out.stderr.strip().splitlines()
+    assert line.startswith("training-supervisor: mqtt_advertise_url: ranks would be told "), line
+
+
+def test_ranks_that_cannot_reach_the_broker_train_on(tmp_path: Path, fault_free: dict[str, Any]) -> None:
+    """The ranks are told a broker that is gone by the time they start: each says so in
+    its log and trains on; the supervisor, hearing nothing, follows the processes, the
+    output and the checkpoints, and the run ends as the fault-free one does."""
+    own, own_proc = start_mosquitto(tmp_path)
+    told, told_proc = start_mosquitto(tmp_path)
+    state, port = tmp_path / "state", free_port()
+    state.mkdir()
+    daemon = Serve(state, port, config=config(tmp_path / "c.toml", state, port, mqtt_url=own.url,
+                                              mqtt_advertise_url=told.url))
+    try:
+        stop_by_pid(told_proc)  # after serve's start-up check: gone before any rank starts
+        # Allowances shorter than the run: judged by telemetry alone, it would be a hang.
+        spec = tmp_path / "spec.toml"
+        spec.write_text(EXAMPLE.read_text().replace("hang_timeout_s = 60", "hang_timeout_s = 15")
+                        .replace("startup_timeout_s = 300", "startup_timeout_s = 15"))
+        run_id = daemon.ctl_json("submit", str(spec))["run_id"]
+        final = wait_for(lambda: (s := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and s,
+                         300, "the run to end", interval_s=1.0)
+        assert final["state"] == "SUCCEEDED" and final["attempts"] == 1 and final["faults"] == [], final
+        assert final["model_digest"] == fault_free["model_digest"]
+        assert metrics(daemon).get("messages:step", 0) == 0, "nothing reached the supervisor's broker"
+        logs = list((state / "runs" / run_id).rglob("rank-*.log"))
+        said = [p for p in logs if "telemetry: cannot reach the broker at mqtt://127.0.0.1" in p.read_text()]
+        assert len(said) == 4, [str(p) for p in logs]
+    finally:
+        daemon.kill(15)
+        stop_by_pid(own_proc)
