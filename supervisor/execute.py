@@ -263,6 +263,7 @@ class Executor:
             idle=tuple(x.name for x in nodes if x.state is NodeState.IDLE),
             known=frozenset(x.name for x in nodes), info=current.allocation_info,
             partition=spec.resources.partition, time_limit_min=spec.resources.time_limit_min,
+            handles_usr1=spec.handles_usr1,
         )
         grant = self.launcher.allocate(req)
         with self.store.tx() as tx:

@@ -80,6 +80,7 @@ class PolicySpec(BaseModel):
     stop_grace_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
     fault_settle_s: Annotated[float, Field(ge=0, le=60)] = 1.0
     abandon_after_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 120.0
+    pause_release_s: Annotated[float, Field(ge=0, le=365 * _DAY_S)] = 300.0
     silence_timeout_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 10.0
     straggler_window: Annotated[int, Field(ge=3, le=100)] = 20  # telemetry keeps 100 per rank
     straggler_margin: Annotated[float, Field(gt=0, le=100)] = 0.25
@@ -141,6 +142,9 @@ class CommandSpec(BaseModel):
     checkpoint_layout: str | None = None  # None: recognise any layout
     steps: Annotated[int, Field(ge=0, le=10**12)] = 0  # the run's length, for progress (0: unknown)
     env: dict[str, str] = {}
+    # The command saves a checkpoint on SIGUSR1, which Slurm then sends ahead of the
+    # allocation's time limit. Off by default: SIGUSR1 ends a process that ignores it.
+    handles_usr1: bool = False
 
     @field_validator("checkpoint_layout")
     @classmethod
@@ -206,6 +210,12 @@ class RunSpec(BaseModel):
     def auto_checkpoints(self) -> bool:
         """The reference trainer's checkpoint interval is the supervisor's to set."""
         return self.trainer is not None and self.trainer.get("checkpoint", {}).get("every_steps") == AUTO
+
+    @property
+    def handles_usr1(self) -> bool:
+        """The trainer saves a checkpoint on SIGUSR1: the reference trainer does; a
+        command only when it says so."""
+        return self.command.handles_usr1 if self.command is not None else True
 
     @property
     def total_steps(self) -> int:

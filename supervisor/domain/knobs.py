@@ -56,6 +56,9 @@ class Policy:
     # Processes still alive this long after the SIGKILL are stuck in the kernel: the
     # attempt is abandoned and their nodes drained.
     abandon_after_s: float = 120.0
+    # A paused run gives its nodes back (Slurm: cancels its allocation) once they have
+    # been idle this long since its last attempt ended; `resume` asks for new ones.
+    pause_release_s: float = 300.0
     # Every rank of a node silent this long (no heartbeat, no message) while other nodes'
     # ranks are heard: the node is lost (powered off, kernel hung, network gone), found
     # without waiting for Slurm's SlurmdTimeout (300 s by default).

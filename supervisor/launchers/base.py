@@ -68,6 +68,7 @@ class AllocationRequest:
     info: str | None  # the run's allocation_info from last time
     partition: str | None = None  # from the spec (Slurm)
     time_limit_min: int | None = None  # from the spec (Slurm): the allocation's time limit
+    handles_usr1: bool = False  # the trainer saves on SIGUSR1 (Slurm: signalled before the limit)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -18,6 +18,7 @@ Run transitions (state, condition -> next state: effects):
     any active      cancel command           -> CANCELLED:   StopAttempt
     any active      pause command            -> PAUSED:      StopAttempt
     PAUSED, FAILED  resume command           -> PENDING     (the budget starts afresh)
+    PAUSED          nodes idle pause_release_s -> (same):    ReleaseNodes (resume allocates anew)
     STARTING, RUNNING, RECOVERING with a live attempt
                     restart command          -> RECOVERING:  StopAttempt (not a failure: no budget)
     PENDING, STARTING, RECOVERING with no live attempt:

@@ -81,9 +81,24 @@ def decide(view: RunView, obs: AttemptObs | None, now: float) -> list[Effect]:
 
     holds_nodes = (any(n.state is NodeState.ALLOCATED for n in view.allocation)
                    or view.run.allocation_info is not None)  # a queued allocation holds no node yet
-    if live is None and state in TERMINAL_RUN_STATES and holds_nodes:
+    if live is None and holds_nodes and state in TERMINAL_RUN_STATES:
         out.append(ReleaseNodes())
+    elif live is None and holds_nodes and _paused_long(view, state, now):
+        out.append(ReleaseNodes())
+        grace = view.run.policy.pause_release_s
+        out.append(Emit(kind="allocation.released", message=f"paused for {grace:g} s or more: its nodes go "
+                        "back to the cluster; a resume asks for new ones"))
     return out
+
+
+def _paused_long(view: RunView, state: RunState, now: float) -> bool:
+    """Paused, with its nodes idle for ``pause_release_s`` since the last attempt ended:
+    on a shared cluster they go back to the queue, and `resume` asks for new ones."""
+    stopping = view.current is not None and view.current.state is not AttemptState.ENDED
+    if state is not RunState.PAUSED or stopping:
+        return False  # (an attempt that ends this tick leaves its nodes idle from now)
+    idle_since = max([view.run.created_at, *(a.ended_at for a in view.attempts if a.ended_at is not None)])
+    return now - idle_since >= view.run.policy.pause_release_s
 
 
 def _finish_stopping(

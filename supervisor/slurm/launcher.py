@@ -114,7 +114,8 @@ class SlurmLauncher:
             job_name=f"{self.prefix}.{run_id}.{seq}", nodes=req.count, min_nodes=req.minimum,
             partition=req.partition or self.options.partition,
             time_limit_min=req.time_limit_min or self.options.time_limit_min,
-            signal_before_s=self.options.signal_before_s, exclude=tuple(sorted(req.drained)),
+            signal_before_s=self.options.signal_before_s if req.handles_usr1 else None,
+            exclude=tuple(sorted(req.drained)),
             output=self.state_dir / "slurm" / f"{run_id}.alloc-{seq}.out", extra=self.options.sbatch_extra,
         )
 

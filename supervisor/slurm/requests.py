@@ -13,8 +13,11 @@ Choices, and why:
   ending it, so the steps that follow can use the nodes that are left.
 - ``--no-requeue``: the supervisor, not Slurm, decides where the run goes next; a
   requeued allocation would hold a job id that no longer holds nodes.
-- ``--signal=USR1@S`` (with a time limit): S seconds before the limit every step gets
-  SIGUSR1, and the reference trainer saves a checkpoint at its next step.
+- ``--signal=USR1@S`` (with a time limit, and only for a trainer that handles SIGUSR1:
+  the reference trainer, or a ``[command]`` with ``handles_usr1 = true``): S seconds
+  before the limit every step gets SIGUSR1, and the reference trainer saves a checkpoint
+  at its next step. SIGUSR1's default action ends a process: a user's torchrun or bash
+  script would die of it, so it gets no signal.
 - ``--overlap`` on steps: a step stopped because one of its nodes died stays "running"
   in Slurm until the node is declared down (up to SlurmdTimeout); the next step must not
   wait for its CPUs. The supervisor itself keeps one trainer step per allocation.
@@ -43,7 +46,7 @@ class SbatchRequest:
     min_nodes: int  # an attempt's nodes: the job may start with only these
     partition: str | None = None
     time_limit_min: int | None = None
-    signal_before_s: int = 120
+    signal_before_s: int | None = 120  # None: no --signal (the trainer does not handle SIGUSR1)
     exclude: tuple[str, ...] = ()
     output: Path = Path("/dev/null")
     workdir: Path | None = None
@@ -59,7 +62,8 @@ def sbatch_argv(req: SbatchRequest) -> list[str]:
         argv.append(f"--partition={req.partition}")
     if req.time_limit_min is not None:
         argv.append(f"--time={req.time_limit_min}")
-        argv.append(f"--signal=USR1@{req.signal_before_s}")
+        if req.signal_before_s is not None:
+            argv.append(f"--signal=USR1@{req.signal_before_s}")
     if req.exclude:
         argv.append(f"--exclude={','.join(sorted(req.exclude))}")
     if req.workdir is not None:
@@ -105,11 +109,13 @@ def describe(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str:
 
 
 def dry_run(*, job_name: str, nodes: int, spares: int, ranks_per_node: int, argv: Sequence[str],
-            partition: str | None, time_limit_min: int | None, log_dir: Path) -> dict[str, object]:
+            partition: str | None, time_limit_min: int | None, log_dir: Path,
+            handles_usr1: bool) -> dict[str, object]:
     """What a run would ask of Slurm, before any node is known: the allocation request,
     its batch script, and the srun of the first step (``<...>`` marks what Slurm decides)."""
     sreq = SbatchRequest(job_name=job_name, nodes=nodes + spares, min_nodes=nodes, partition=partition,
-                         time_limit_min=time_limit_min, output=log_dir / "alloc.out")
+                         time_limit_min=time_limit_min, output=log_dir / "alloc.out",
+                         signal_before_s=120 if handles_usr1 else None)
     step = StepRequest(job_id="<allocation job id>", step_name=job_name.rsplit(".", 1)[0] + ".a1",
                        nodes=tuple(f"<node {k + 1} of the allocation>" for k in range(nodes)),
                        ranks_per_node=ranks_per_node, argv=tuple(argv), log_dir=log_dir / "attempts" / "1")

@@ -16,8 +16,8 @@ import pytest
 
 from slurmbox.box import Box
 from supervisor.slurm import parse
-from tests.conftest import REPO, wait_for
-from tests.e2e.conftest import db_rows, slurm, spec_for_slurm, summary_of, tsup
+from tests.conftest import REPO, free_port, wait_for
+from tests.e2e.conftest import db_rows, slurm, slurm_serve, spec_for_slurm, summary_of, tsup
 from tests.fake_tools.replay import make_tools
 
 pytestmark = pytest.mark.e2e
@@ -200,3 +200,37 @@ def test_two_boxes_run_side_by_side_each_node_a_host_of_its_own_and_down_leaves_
     for box in boxes:
         assert slurm_box_mod.network_leftovers(box) == []
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_paused_run_gives_its_allocation_back_and_resume_asks_for_a_new_one(
+        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path) -> None:
+    """A shared cluster: after `pause_release_s` a paused run holds no job in squeue;
+    `resume` submits a new allocation and trains on from the newest checkpoint."""
+    spec = spec_for_slurm(tmp_path)
+    spec.write_text(spec.read_text().replace("[policy]\n", "[policy]\npause_release_s = 5\n"))
+    state = tmp_path / "state"
+    daemon = slurm_serve(state, free_port(), slurm_box)
+    try:
+        run_id = daemon.ctl_json("submit", str(spec))["run_id"]
+        wait_for(lambda: any(c["complete"] for c in daemon.ctl_json("checkpoints", run_id)), 240,
+                 "a committed checkpoint")
+        [first_job] = slurm(slurm_box, "squeue", "-h", "-o", "%i").split()
+        assert daemon.ctl_json("pause", run_id)["result"] == "accepted"
+        wait_for(lambda: daemon.ctl_json("status", run_id)["attempt_state"] == "ENDED", 60, "the pause")
+        wait_for(lambda: slurm(slurm_box, "squeue", "-h") == "", 60, "the allocation given back")
+        assert daemon.ctl_json("status", run_id)["state"] == "PAUSED"
+        newest = max(c["step"] for c in daemon.ctl_json("checkpoints", run_id) if c["complete"])
+        released = [e for e in daemon.ctl_json("events", run_id) if e["kind"] == "allocation.released"]
+        assert len(released) == 1, released
+
+        assert daemon.ctl_json("resume", run_id)["result"] == "accepted"
+        second_job = wait_for(lambda: slurm(slurm_box, "squeue", "-h", "-o", "%i").split(), 60, "a new allocation")
+        assert second_job != [first_job]
+        final = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
+                         300, "the resumed run to end", interval_s=1.0)
+        assert final["state"] == "SUCCEEDED" and final["model_digest"] == fault_free["model_digest"], final
+        resumed = final["attempt_history"][-1]
+        assert final["attempts"] == 2 and resumed["resume_step"] == newest, final["attempt_history"]
+        wait_for(lambda: slurm(slurm_box, "squeue", "-h") == "", 60, "the finished run's allocation given back")
+    finally:
+        daemon.kill(15)

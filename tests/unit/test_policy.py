@@ -527,6 +527,22 @@ def test_pause_stops_the_attempt_and_does_not_relaunch() -> None:
     assert not of(effects, StartAttempt)
 
 
+def test_a_paused_run_gives_its_nodes_back_after_pause_release_s() -> None:
+    """Idle since its last attempt ended: held until the grace is up, then given back
+    (Slurm: the allocation cancelled); a resume then asks for new nodes."""
+    r = run(RunState.PAUSED, policy=replace(run().policy, pause_release_s=300), allocation_info='{"job": "12"}')
+    ended = attempt(state=AttemptState.ENDED, outcome=AttemptOutcome.STOPPED, ended_at=NOW)
+    assert not of(decide(view(r, (ended,)), None, NOW + 299), ReleaseNodes)
+    effects = decide(view(r, (ended,)), None, NOW + 300)
+    assert of(effects, ReleaseNodes) and not of(effects, StartAttempt | AllocateNodes)
+    stopping = attempt(state=AttemptState.STOPPING, outcome=AttemptOutcome.STOPPED, stop_requested_at=NOW)
+    assert not of(decide(view(r, (stopping,)), obs(), NOW + 1000), ReleaseNodes), "not while it stops"
+    # given back: the resume allocates anew
+    free = replace(r, allocation_info=None)
+    resumed = decide(view(free, (ended,), alloc=(), commands=(cmd(CommandKind.RESUME),)), None, NOW + 400)
+    assert of(resumed, ResumeRun) and of(resumed, AllocateNodes)
+
+
 def test_restart_stops_the_live_attempt_gracefully_and_the_next_starts_from_the_newest_checkpoint() -> None:
     ck = CheckpointRef(step=60, path="/c60")
     effects = decide(view(run(), (attempt(),), ck=ck, commands=(cmd(CommandKind.RESTART),)), obs(), NOW)

@@ -62,6 +62,28 @@ def test_sbatch_argv_default_signal_lead() -> None:
     assert argv[-2:] == ["--time=60", "--signal=USR1@120"]
 
 
+def test_sbatch_argv_no_signal_for_a_trainer_that_does_not_handle_usr1() -> None:
+    argv = sbatch_argv(SbatchRequest(job_name="j", nodes=2, min_nodes=2, time_limit_min=60, signal_before_s=None))
+    assert argv[-1] == "--time=60" and not any(a.startswith("--signal") for a in argv)
+
+
+def test_dry_run_signals_only_trainers_that_handle_usr1(tmp_path: Path) -> None:
+    """The reference trainer handles SIGUSR1; a user's torchrun or train.sh would die of
+    it, so a [command] is signalled only with handles_usr1 = true."""
+    def signalled(table: str) -> bool:
+        spec = tmp_path / "spec.toml"
+        spec.write_text('name = "x"\n[resources]\nlauncher = "slurm"\ntime_limit_min = 60\n' + table)
+        out = subprocess.run([sys.executable, "-m", "api.ctl", "--json", "submit", "--dry-run", str(spec)],
+                             capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2],
+                             env={**os.environ, "TSUP_CTL_CONFIG": os.devnull})
+        return any(a.startswith("--signal=USR1@") for a in json.loads(out.stdout)["sbatch"])
+
+    command = '[command]\nargv = ["torchrun", "train.py"]\ncheckpoint_dir = "{run_dir}/ck"\n'
+    assert signalled("[trainer]\nsteps = 10\n")
+    assert not signalled(command)
+    assert signalled(command + "handles_usr1 = true\n")
+
+
 def test_sbatch_argv_always_has_the_allocation_flags() -> None:
     for req in (SbatchRequest(job_name="j", nodes=1, min_nodes=1),
                 SbatchRequest(job_name="j", nodes=4, min_nodes=2, partition="p", time_limit_min=5)):
