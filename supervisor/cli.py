@@ -187,7 +187,8 @@ def serve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> tupl
         return_after=config.return_after, api_token_file=config.api_token_file,
         mqtt_bind=config.mqtt_bind, mqtt_advertise_url=config.mqtt_advertise_url,
         mqtt_ca_file=config.mqtt_ca_file,
-        cluster_id=config.cluster_id,
+        cluster_id=config.cluster_id, run_as=config.run_as, allow_root_runs=config.allow_root_runs,
+        shared_dir=config.shared_dir, slurm_admin_prefix=tuple(config.slurm_admin_prefix),
         retention=Retention(metrics_days=config.retention_metrics_days,
                             events_days=config.retention_events_days),
         tls_cert=config.tls_cert, tls_key=config.tls_key,
@@ -230,6 +231,7 @@ async def _run(args: argparse.Namespace) -> int:
         state_dir=state_dir, mqtt_url=spec.telemetry.mqtt_url,
         api_port=None if args.api_port < 0 else args.api_port, check_trainer_config=False,
         launcher=spec.resources.launcher,
+        allow_root_runs=True,  # the trainer runs as whoever ran this (unless the spec names a user)
     )
     async with Daemon(settings, api=daemon_app) as daemon:
         assert daemon.service is not None and daemon.reconciler is not None

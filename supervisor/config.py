@@ -17,6 +17,11 @@ override that again (``cli.py``). Every error names the key and where it came fr
     mqtt_ca_file = "/etc/ssl/certs/broker-ca.pem"  # mqtts:// brokers: the CA (absent: system's)
     cluster_id = "trn-west"                      # in every topic (absent: a fingerprint of
                                                  # state_dir); two daemons on one broker differ
+    run_as = "train"                             # runs execute as (absent: the daemon's user)
+    allow_root_runs = false                      # a run executing as root is refused
+    shared_dir = "/fsx/training-supervisor"      # run logs and checkpoints, on every node
+                                                 # (absent: state_dir, one host only)
+    slurm_admin_prefix = ["sudo", "-n"]          # before scontrol drain/resume (README)
     launcher = "slurm"                           # or "local" (simulated nodes)
     slurm_conf = "/etc/slurm/slurm.conf"         # absent: SLURM_CONF or Slurm's default
     tick_s = 0.25                                # reconcile period
@@ -63,6 +68,14 @@ class ServiceConfig(BaseModel):
     mqtt_advertise_url: str | None = None
     mqtt_ca_file: Path | None = None
     cluster_id: str | None = None
+    # Least privilege (supervisor/users.py): who runs execute as when a spec names no one,
+    # whether one may execute as root, and where run directories (logs, checkpoints) go.
+    run_as: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_.-]{0,31}$")] | None = None
+    allow_root_runs: bool = False
+    shared_dir: Path | None = None  # None: the state directory (one host only)
+    # Put before the scontrol calls that need Slurm operator rights (drain, resume,
+    # reservations) when the daemon's user has none, e.g. ["sudo", "-n"] (README).
+    slurm_admin_prefix: list[Annotated[str, Field(min_length=1, max_length=200)]] = []
     launcher: Literal["local", "slurm"] = "local"
     slurm_conf: str | None = None
     tick_s: Annotated[float, Field(gt=0, le=60)] = 0.25

@@ -81,6 +81,10 @@ class DaemonSettings:
     mqtt_advertise_url: str | None = None
     mqtt_ca_file: Path | None = None  # a CA bundle for an mqtts:// broker (None: the system's)
     cluster_id: str | None = None  # in every topic; None: derived from the state directory
+    run_as: str | None = None  # runs execute as this user when their spec names none (users.py)
+    allow_root_runs: bool = False
+    shared_dir: Path | None = None  # run directories go under <shared_dir>/runs (None: the state dir)
+    slurm_admin_prefix: tuple[str, ...] = ()  # before scontrol's privileged calls, e.g. ("sudo", "-n")
     api_host: str = "127.0.0.1"
     api_port: int | None = 8470  # None: no API; 0: any free port
     tick_s: float = 0.25
@@ -101,6 +105,11 @@ class DaemonSettings:
     def token_file(self) -> Path:
         return self.api_token_file or self.state_dir / TOKEN_FILE_NAME
 
+    @property
+    def runs_dir(self) -> Path:
+        """Run directories (trainer logs, checkpoints): where every node and the run's user can reach."""
+        return (self.shared_dir or self.state_dir) / "runs"
+
 
 # Builds the HTTP API for the daemon to serve (api/app.py: daemon_app): the API layer sits
 # above this module, so the caller (the CLI) hands it down.
@@ -119,7 +128,8 @@ class Cluster:
 
 def make_cluster(settings: DaemonSettings) -> Cluster:
     if settings.launcher == "slurm":
-        slurm = slurm_cluster(slurm_conf=settings.slurm_conf, state_dir=settings.state_dir)
+        slurm = slurm_cluster(slurm_conf=settings.slurm_conf, state_dir=settings.state_dir,
+                              admin_prefix=settings.slurm_admin_prefix)
         return Cluster(slurm.launcher, slurm.nodes, slurm=slurm)
     local = LocalLauncher(max_nodes=settings.max_local_nodes)
     return Cluster(local, local, chaos=local)
@@ -171,9 +181,10 @@ class Daemon:
             self.reconciler = Reconciler(self.store, self.telemetry, config, launcher=self.launcher,
                                          nodes=self.cluster.nodes, clock=self.clock)
             self.service = SupervisorService(
-                self.store, self.settings.state_dir / "runs", mqtt_url=self.mqtt_url,
+                self.store, self.settings.runs_dir, mqtt_url=self.mqtt_url,
                 launcher=self.launcher, nodes=self.cluster.nodes,
-                check_trainer=self.settings.check_trainer_config,
+                check_trainer=self.settings.check_trainer_config, run_as=st.run_as,
+                allow_root_runs=st.allow_root_runs,
                 clock=self.clock, health=self.health,
             )
             if self.cluster.slurm is not None:

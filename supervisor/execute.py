@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from supervisor import node_health, planning, trainer_cmd
+from supervisor import node_health, planning, trainer_cmd, users
 from supervisor.domain import (
     AdoptAttempt,
     AllocateNodes,
@@ -263,7 +263,7 @@ class Executor:
             idle=tuple(x.name for x in nodes if x.state is NodeState.IDLE),
             known=frozenset(x.name for x in nodes), info=current.allocation_info,
             partition=spec.resources.partition, time_limit_min=spec.resources.time_limit_min,
-            handles_usr1=spec.handles_usr1,
+            handles_usr1=spec.handles_usr1, user=spec.user,
         )
         grant = self.launcher.allocate(req)
         with self.store.tx() as tx:
@@ -303,7 +303,12 @@ class Executor:
                 skips = tx.list_data_skips(run.number)  # the data windows spikes made the run skip
             launch = self.observer.launch_spec(run, spec, run_dir, attempt)
             every = self._checkpoint_interval(run, spec, now) if spec.auto_checkpoints else None
-            trainer_cmd.write_attempt_config(spec, run_dir, e.number, launch.argv, skips, every)
+            config = trainer_cmd.write_attempt_config(spec, run_dir, e.number, launch.argv, skips, every)
+            run_as = users.for_launch(spec.user)
+            if run_as is not None:  # its trainers write logs, checkpoints and results there
+                ck = trainer_cmd.checkpoint_dir(spec, run_dir)
+                users.hand_over(run_as, run_dir, config.parent.parent, config.parent, config,
+                                *([ck] if ck.is_relative_to(run_dir) else []))
             info = self.launcher.start(launch)
         except (LaunchError, OSError) as err:  # a launch fault, judged next tick
             fatal = isinstance(err, CannotExecute)  # no restart can run what cannot be executed

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from supervisor import goodput, node_health, trainer_cmd
+from supervisor import goodput, node_health, trainer_cmd, users
 from supervisor.domain import (
     Attempt,
     AttemptStats,
@@ -56,9 +56,12 @@ class SupervisorService:
         self, store: SqlStore, runs_dir: Path, *, mqtt_url: str | None, launcher: Launcher, nodes: NodeAdmin,
         check_trainer: bool = True, clock: Callable[[], float] = time.time,
         health: Callable[[], DaemonHealth] | None = None,
+        run_as: str | None = None, allow_root_runs: bool = False,
     ) -> None:
         self.store = store
         self.runs_dir = runs_dir
+        self.run_as = run_as  # who a run executes as when its spec names no one (supervisor/users.py)
+        self.allow_root_runs = allow_root_runs
         self.mqtt_url = mqtt_url
         self.launcher = launcher  # for submit-time checks of what the cluster can give
         self.node_admin = nodes  # for an operator's probe of one node
@@ -84,6 +87,7 @@ class SupervisorService:
             )
         if self.check_trainer:
             trainer_cmd.check_trainer_config(spec, self.runs_dir / "run-check")
+        spec = self._as_user(spec)
         now = self.clock()
         with self.store.tx() as tx:
             run = tx.create_run(
@@ -97,6 +101,18 @@ class SupervisorService:
                          f"{spec.resources.ranks_per_node} ranks + {spec.resources.spares} spare(s), "
                          f"{spec.total_steps} steps", {"name": spec.name}, now)
         return run_summary(run, [], None)
+
+    def _as_user(self, spec: RunSpec) -> RunSpec:
+        """The spec with the user its run executes as; SpecError when it must not (root)
+        or cannot (this daemon cannot become that user; a checkpoint directory outside
+        the run directory that the user cannot write)."""
+        user = users.resolve(spec.user, self.run_as, allow_root=self.allow_root_runs)
+        run_dir = self.runs_dir / "run-check"
+        ck = trainer_cmd.checkpoint_dir(spec, run_dir)
+        if not ck.is_relative_to(run_dir) and not users.writable_by(ck, user):
+            key = "command.checkpoint_dir" if spec.command is not None else "trainer.checkpoint.dir"
+            raise SpecError(f"{key}: {ck} is not writable by {user.name}, the user this run executes as")
+        return spec.model_copy(update={"user": user.name})
 
     def list_runs(self) -> list[RunSummary]:
         with self.store.tx() as tx:

@@ -1,6 +1,7 @@
 """Run specs: the TOML file a user submits, validated with errors that name the key.
 
     name = "tiny-llama"
+    user = "alice"         # the trainers execute as (absent: the daemon's run_as, or its own user)
 
     [resources]            # what one attempt trains on, plus hot spares
     launcher = "local"     # or "slurm": the cluster SLURM_CONF names (partition, time_limit_min)
@@ -175,6 +176,9 @@ class CommandSpec(BaseModel):
 class RunSpec(BaseModel):
     model_config = _Model
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+    # The user the trainers execute as (absent: the daemon config's run_as, else the
+    # daemon's own user; supervisor/users.py). Filled in at submit.
+    user: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_.-]{0,31}$")] | None = None
     resources: ResourcesSpec = ResourcesSpec()
     trainer: dict[str, Any] | None = None  # the reference trainer's config ...
     command: CommandSpec | None = None  # ... or a trainer the supervisor did not write

@@ -46,6 +46,7 @@ class LaunchSpec:
     # yet recorded.
     marker: str
     allocation_info: str | None = None  # the run's, when the launcher keeps one (Slurm)
+    user: str | None = None  # the ranks execute as (supervisor/users.py); None: as the daemon
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,6 +70,7 @@ class AllocationRequest:
     partition: str | None = None  # from the spec (Slurm)
     time_limit_min: int | None = None  # from the spec (Slurm): the allocation's time limit
     handles_usr1: bool = False  # the trainer saves on SIGUSR1 (Slurm: signalled before the limit)
+    user: str | None = None  # the allocation's owner (Slurm: its sbatch runs as this user)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
+from supervisor import users
 from supervisor.domain import ProcState
 from supervisor.errors import CannotExecute, LaunchError, SpecError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
@@ -119,6 +120,8 @@ class LocalLauncher:
     # --- processes ------------------------------------------------------------------
 
     def start(self, spec: LaunchSpec) -> str:
+        run_as = users.for_launch(spec.user)
+        uid, gid, groups = users.popen_ids(run_as)
         spec.log_dir.mkdir(parents=True, exist_ok=True)
         world = len(spec.nodes) * spec.ranks_per_node
         port = _free_port()
@@ -130,6 +133,7 @@ class LocalLauncher:
                     rank = node_index * spec.ranks_per_node + local_rank
                     env = {
                         **os.environ,
+                        **users.login_env(run_as),
                         **spec.env,
                         "RANK": str(rank),
                         "LOCAL_RANK": str(local_rank),
@@ -148,6 +152,7 @@ class LocalLauncher:
                         p = subprocess.Popen(
                             list(spec.argv), env=env, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, process_group=leader, close_fds=True,
+                            user=uid, group=gid, extra_groups=groups,
                         )
                     self._children[p.pid] = p
                     if leader == 0:

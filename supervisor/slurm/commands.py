@@ -8,6 +8,11 @@ what that means (for a poll: "state unknown", never "job failed").
 starts it in a session of its own, so that it survives the daemon (a restarted daemon
 re-adopts the step by its name), and returns the ``Popen``.
 
+Slurm's privileged calls (drain, resume, reservations) go through ``admin``, which puts
+the config's ``slurm_admin_prefix`` (``sudo -n``) before them when the daemon's user is
+no Slurm operator. ``user`` starts a command as a run's user (supervisor/users.py): the
+allocation's ``sbatch`` and a step's ``srun``, so that its processes are that user's.
+
 Commands that need not be awaited (``scancel`` of a step whose node is dead can block
 for Slurm's MessageTimeout) go through ``fire``: started now, reaped by later calls.
 """
@@ -22,6 +27,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from supervisor.users import RunAs, popen_ids
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +48,10 @@ class Reply:
 
 
 class SlurmCommands:
-    def __init__(self, *, slurm_conf: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, *, slurm_conf: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 admin_prefix: tuple[str, ...] = ()) -> None:
         self.timeout_s = timeout_s
+        self.admin_prefix = admin_prefix
         self._env = dict(os.environ)
         if slurm_conf:
             self._env["SLURM_CONF"] = slurm_conf
@@ -54,13 +63,15 @@ class SlurmCommands:
     def slurm_conf(self) -> str | None:
         return self._env.get("SLURM_CONF")
 
-    def run(self, argv: Sequence[str], *, timeout_s: float | None = None, stdin: str | None = None) -> Reply:
+    def run(self, argv: Sequence[str], *, timeout_s: float | None = None, stdin: str | None = None,
+            user: RunAs | None = None) -> Reply:
         self._reap()
         self.calls += 1
         limit = timeout_s or self.timeout_s
+        uid, gid, groups = popen_ids(user)
         try:
             done = subprocess.run(list(argv), env=self._env, capture_output=True, text=True, input=stdin,
-                                  timeout=limit, check=False)
+                                  timeout=limit, check=False, user=uid, group=gid, extra_groups=groups)
         except subprocess.TimeoutExpired:
             return Reply(tuple(argv), False, "", "", f"timed out after {limit:g} s")
         except OSError as e:
@@ -69,6 +80,10 @@ class SlurmCommands:
             err = " ".join(done.stderr.split())[:400] or "(no message)"
             return Reply(tuple(argv), False, done.stdout, done.stderr, f"exit {done.returncode}: {err}")
         return Reply(tuple(argv), True, done.stdout, done.stderr, "")
+
+    def admin(self, argv: Sequence[str], *, timeout_s: float | None = None) -> Reply:
+        """A call that needs Slurm operator rights, after ``admin_prefix``."""
+        return self.run([*self.admin_prefix, *argv], timeout_s=timeout_s)
 
     def fire(self, argv: Sequence[str]) -> None:
         """Start a command and do not wait for it (its outcome is observed later)."""
@@ -84,14 +99,15 @@ class SlurmCommands:
             self._fired.append((p, time.monotonic()))
 
     def start_step(
-        self, argv: Sequence[str], *, env: Mapping[str, str], log_path: Path
+        self, argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, user: RunAs | None = None,
     ) -> subprocess.Popen[bytes]:
-        """Start ``srun`` for a step; raises OSError when it cannot be started."""
+        """Start ``srun`` for a step (as ``user``); raises OSError when it cannot be started."""
         self.calls += 1
+        uid, gid, groups = popen_ids(user)
         with open(log_path, "ab") as out:
             return subprocess.Popen(list(argv), env={**self._env, **env}, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    close_fds=True)
+                                    close_fds=True, user=uid, group=gid, extra_groups=groups)
 
     def _reap(self) -> None:
         with self._lock:

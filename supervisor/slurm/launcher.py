@@ -30,12 +30,13 @@ import os
 import re
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from supervisor import users
 from supervisor.domain import ProcState
 from supervisor.errors import LaunchError, SpecError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
@@ -145,8 +146,13 @@ class SlurmLauncher:
             log.info("adopted allocation %s (%s)", found[0].job_id, name)
             return self.held(req.run_id, new_info) or Grant(nodes=(), info=new_info)
         sreq = self.sbatch_request(req, seq)
+        owner = users.for_launch(req.user)
+        if owner is not None and not owner.is_me:
+            # The batch script only sleeps, and the daemon's private state directory is
+            # no place the run's user may write: its output goes nowhere.
+            sreq = replace(sreq, output=Path("/dev/null"))
         sreq.output.parent.mkdir(parents=True, exist_ok=True)
-        reply = self.commands.run(sbatch_argv(sreq), stdin=allocation_script(sreq))
+        reply = self.commands.run(sbatch_argv(sreq), stdin=allocation_script(sreq), user=owner)
         if not reply.ok:
             return Grant(nodes=(), info=_dump_alloc(None, seq), note=f"sbatch failed: {reply.why}")
         try:
@@ -214,8 +220,11 @@ class SlurmLauncher:
                "LOCAL_WORLD_SIZE": str(spec.ranks_per_node), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                "TSUP_MARKER": spec.marker}
         spec.log_dir.mkdir(parents=True, exist_ok=True)
+        run_as = users.for_launch(spec.user)
+        env |= users.login_env(run_as)
         try:
-            p = self.commands.start_step(srun_argv(req), env=env, log_path=spec.log_dir / "srun.log")
+            p = self.commands.start_step(srun_argv(req), env=env, log_path=spec.log_dir / "srun.log",
+                                         user=run_as)
         except OSError as e:
             raise LaunchError(f"cannot start srun: {e}") from e
         self._children[p.pid] = p

@@ -32,14 +32,14 @@ class SlurmNodes:
         self.prefix = prefix  # job and reservation names: the daemon's own (launcher.prefix_for)
 
     def drain(self, node: str, reason: str) -> None:
-        reply = self.commands.run(["scontrol", "update", f"NodeName={node}", "State=DRAIN",
+        reply = self.commands.admin(["scontrol", "update", f"NodeName={node}", "State=DRAIN",
                                    f"Reason={reason}"])
         if not reply.ok:
             raise LaunchError(f"cannot drain {node}: {reply.why}")
         self.state.refresh()
 
     def undrain(self, node: str) -> None:
-        reply = self.commands.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
+        reply = self.commands.admin(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
         if not reply.ok:
             raise LaunchError(f"cannot return {node} to service: {reply.why}")
         self.state.refresh()
@@ -81,26 +81,27 @@ class SlurmNodes:
         leaves nodes reserved briefly, and the next sweep drains them again."""
         names = sorted(nodes)
         resv = f"{self.prefix}-probe"
-        self.commands.run(["scontrol", "delete", f"ReservationName={resv}"])  # one a killed daemon left
+        self.commands.admin(["scontrol", "delete", f"ReservationName={resv}"])  # one a killed daemon left
         minutes = math.ceil(timeout_s / 60) + 2
-        made = self.commands.run(
+        made = self.commands.admin(
             ["scontrol", "create", "reservation", f"ReservationName={resv}", f"Nodes={','.join(names)}",
              f"Users={getpass.getuser()}", "StartTime=now", f"Duration={minutes}", "Flags=MAINT,IGNORE_JOBS"])
         if not made.ok:
             log.warning("probe of drained %s: cannot reserve them: %s", ",".join(names), made.why)
             return {}
         try:
-            resumed = self.commands.run(["scontrol", "update", f"NodeName={','.join(names)}", "State=RESUME"])
+            resumed = self.commands.admin(["scontrol", "update", f"NodeName={','.join(names)}",
+                                           "State=RESUME"])
             if not resumed.ok:
                 log.warning("probe of drained %s: cannot resume them: %s", ",".join(names), resumed.why)
                 return {}
             return self.probe(names, argv, allocation_info=None, timeout_s=timeout_s, reservation=resv)
         finally:
             for node in names:
-                again = self.commands.run(
+                again = self.commands.admin(
                     ["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={nodes[node]}"])
                 if not again.ok:
                     log.error("probe of drained %s: cannot drain it again: %s", node, again.why)
-            self.commands.run(["scontrol", "delete", f"ReservationName={resv}"])
+            self.commands.admin(["scontrol", "delete", f"ReservationName={resv}"])
             self.state.refresh()
 

@@ -24,7 +24,9 @@ EXAMPLE = REPO / "examples" / "tiny-llama.toml"
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    # The suite runs as root (it starts Slurm and network namespaces), and so do the runs
+    # its daemons start, unless a test says otherwise (tests/e2e/test_least_privilege.py).
+    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "TSUP_ALLOW_ROOT_RUNS": "true"}
 
 
 def tsup(*args: str | Path, timeout_s: float = 400) -> subprocess.CompletedProcess[str]:

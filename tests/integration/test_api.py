@@ -31,7 +31,7 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
     health = {"ok": True}
     service = SupervisorService(
         store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1", launcher=(local := LocalLauncher(max_nodes=4)), nodes=local,
-        check_trainer=False,
+        check_trainer=False, allow_root_runs=True,
         health=lambda: DaemonHealth(ok=health["ok"], last_tick_age_s=0.1, mqtt_connected=True))
     app = create_app(service, TokenAuth(TOKEN, tmp_path / "api-token"),
                      SupervisorMetrics(store, TelemetryView(), lambda: True))
@@ -230,7 +230,7 @@ def test_metrics_for_prometheus(tmp_path: Path) -> None:
     """With the daemon's registry: runs by state, faults and their latencies."""
     store = SqlStore(tmp_path / "supervisor.db")
     store.open()
-    service = SupervisorService(store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1",
+    service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
                                 launcher=(local := LocalLauncher(max_nodes=4)), nodes=local, check_trainer=False)
     metrics = SupervisorMetrics(store, TelemetryView(), lambda: True)
     metrics.tick_seconds.observe(0.004)

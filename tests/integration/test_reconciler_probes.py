@@ -98,7 +98,7 @@ def test_preflight_holds_the_launch_until_the_nodes_are_judged_and_drains_a_conf
         tmp_path: Path) -> None:
     launcher = ProbedLauncher({"node-2": ["unhealthy", "unhealthy"]})
     store, clock, rec, pool = make(tmp_path, launcher)
-    service = SupervisorService(store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1",
+    service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
                                 launcher=(local := LocalLauncher(max_nodes=8)), nodes=local, check_trainer=False, clock=clock)
     service.submit(parse_spec({**SPEC, "health": {"preflight": True}}))
     rec.tick()  # allocates node-1..3
@@ -126,7 +126,7 @@ def test_preflight_holds_the_launch_until_the_nodes_are_judged_and_drains_a_conf
 def test_one_flaky_preflight_result_drains_nothing(tmp_path: Path) -> None:
     launcher = ProbedLauncher({"node-1": ["unknown"]})
     store, clock, rec, pool = make(tmp_path, launcher)
-    service = SupervisorService(store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1",
+    service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
                                 launcher=(local := LocalLauncher(max_nodes=8)), nodes=local, check_trainer=False, clock=clock)
     service.submit(parse_spec({**SPEC, "health": {"preflight": True}}))
     rec.tick()

@@ -42,7 +42,7 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("text", "env", "complaint"), [
-    ("api_bnd = '1'\n", {}, "config.toml: api_bnd: unknown key (known: api_bind,"),
+    ("api_bnd = '1'\n", {}, "config.toml: api_bnd: unknown key (known: allow_root_runs, api_bind,"),
     ("api_bind = '8470'\n", {}, "config.toml: api_bind: expected HOST:PORT"),
     ("tick_s = -1\n", {}, "config.toml: tick_s: Input should be greater than 0"),
     ("launcher = 'slurm'\n", {"TSUP_LAUNCHER": "pbs"}, "environment TSUP_LAUNCHER: launcher: Input should be"),

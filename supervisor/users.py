@@ -1,0 +1,139 @@
+"""Who a run's trainers execute as, and the checks that keep them from running as root.
+
+A run executes as one user: the spec's ``user``, else the daemon config's ``run_as``,
+else the user the daemon runs as (``training-supervisor run``: whoever invoked it). The
+daemon switches to that user when it starts the trainer's processes (the local
+launcher's ranks, Slurm's ``sbatch`` and ``srun``), which only a daemon running as root
+can do; a daemon running as a dedicated user starts runs as that user only. Either way:
+
+- ``serve`` refuses a run that would execute as root unless its config sets
+  ``allow_root_runs``: the reference trainer loads pickles (DCP metadata) from its
+  checkpoint directory, and a user's trainer is whatever its script does;
+- a run's checkpoint directory must be writable by the run's user (checked at submit,
+  from the mode bits of the directory or of its nearest existing parent), so that a
+  spec cannot point a run at a directory it could not save in, or at one of root's;
+- the run directory, the attempt directories and the checkpoint directory the daemon
+  creates are handed to the run's user (``hand_over``).
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor.errors import CannotExecute, SpecError
+
+
+@dataclass(frozen=True, slots=True)
+class RunAs:
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]  # every group the user is in, the primary one included
+    home: str
+
+    @property
+    def is_root(self) -> bool:
+        return self.uid == 0
+
+    @property
+    def is_me(self) -> bool:
+        """The daemon's own user: nothing to switch."""
+        return self.uid == os.geteuid()
+
+
+
+def login_env(user: RunAs | None) -> dict[str, str]:
+    """HOME, USER and LOGNAME of ``user`` for a process started as it (empty: as the daemon)."""
+    if user is None or user.is_me:
+        return {}
+    return {"HOME": user.home, "USER": user.name, "LOGNAME": user.name}
+
+
+def popen_ids(user: RunAs | None) -> tuple[int | None, int | None, list[int] | None]:
+    """``subprocess.Popen``'s (user, group, extra_groups) that start a process as ``user``
+    (all None: as the daemon itself)."""
+    if user is None or user.is_me:
+        return None, None, None
+    return user.uid, user.gid, list(user.groups)
+
+
+def lookup(name: str) -> RunAs:
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        raise SpecError(f"user: no user {name!r} on this host") from None
+    groups = {pw.pw_gid, *(g.gr_gid for g in grp.getgrall() if name in g.gr_mem)}
+    return RunAs(name=name, uid=pw.pw_uid, gid=pw.pw_gid, groups=tuple(sorted(groups)), home=pw.pw_dir)
+
+
+def for_launch(name: str | None) -> RunAs | None:
+    """The user a launch starts processes as (None: the daemon's own); CannotExecute when
+    that user is gone from this host since the run was submitted."""
+    if name is None:
+        return None
+    try:
+        return lookup(name)
+    except SpecError as e:
+        raise CannotExecute(f"cannot start the trainer as {name}: {e}") from None
+
+
+def daemon_user() -> RunAs:
+    return lookup(pwd.getpwuid(os.geteuid()).pw_name)
+
+
+def resolve(spec_user: str | None, run_as: str | None, *, allow_root: bool) -> RunAs:
+    """The user a run executes as; SpecError naming the key when it cannot or must not."""
+    key = "user" if spec_user else "run_as (config)" if run_as else None
+    name = spec_user or run_as
+    user = lookup(name) if name else daemon_user()
+    if user.is_root and not allow_root:
+        where = (f"{key} names root" if key else
+                 "the daemon runs as root and neither the spec (user) nor the config (run_as) names a user")
+        raise SpecError(f"user: this run would execute as root ({where}); name another user, or set "
+                        "allow_root_runs = true in the daemon's config")
+    me = daemon_user()
+    if not user.is_me and not me.is_root:
+        raise SpecError(f"{key or 'user'}: this daemon runs as {me.name} and can start trainers as "
+                        f"{me.name} only, not as {user.name} (that needs a daemon running as root)")
+    return user
+
+
+def writable_by(path: Path, user: RunAs) -> bool:
+    """Whether ``user`` may create files in ``path`` (or, while it does not exist, in its
+    nearest existing parent, where it would be made), by the mode bits (ACLs not read)."""
+    if user.is_root:
+        return True
+    here = path
+    while not here.exists():
+        if here.parent == here:
+            return False
+        here = here.parent
+    for part in [*reversed(here.parents), here]:  # every directory on the way must be searchable
+        if not _may(part.stat(), user, stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH):
+            return False
+    st = here.stat()
+    return stat.S_ISDIR(st.st_mode) and _may(st, user, stat.S_IWUSR, stat.S_IWGRP, stat.S_IWOTH)
+
+
+def _may(st: os.stat_result, user: RunAs, u: int, g: int, o: int) -> bool:
+    if st.st_uid == user.uid:
+        return bool(st.st_mode & u)
+    if st.st_gid in user.groups:
+        return bool(st.st_mode & g)
+    return bool(st.st_mode & o)
+
+
+def hand_over(user: RunAs, *paths: Path) -> None:
+    """Make each directory (created if missing) and file the run's user's: its trainers
+    write there. Only a root daemon starting another user's run changes anything."""
+    if user.is_me:
+        return
+    for path in paths:
+        if not path.exists():
+            path.mkdir(parents=True, exist_ok=True)
+        os.chown(path, user.uid, user.gid)

@@ -1,0 +1,98 @@
+"""supervisor/users.py: who a run executes as, the refusal of root, and whether a user
+may write a checkpoint directory (from mode bits). No process is started."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from supervisor import users
+from supervisor.errors import CannotExecute, SpecError
+from supervisor.users import RunAs
+
+NOBODY = users.lookup("nobody")
+
+
+def test_the_spec_names_the_user_then_the_config_then_the_daemon() -> None:
+    assert users.resolve("nobody", "root", allow_root=False).name == "nobody"
+    assert users.resolve(None, "nobody", allow_root=False).name == "nobody"
+    assert users.resolve(None, None, allow_root=True) == users.daemon_user()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root: the refusal of root runs")
+def test_a_run_as_root_is_refused_unless_the_config_allows_it() -> None:
+    with pytest.raises(SpecError) as e:
+        users.resolve(None, None, allow_root=False)
+    assert str(e.value).startswith("user: this run would execute as root (the daemon runs as root and neither")
+    with pytest.raises(SpecError, match=r"^user: this run would execute as root \(user names root\)"):
+        users.resolve("root", None, allow_root=False)
+    with pytest.raises(SpecError, match=r"\(run_as \(config\) names root\)"):
+        users.resolve(None, "root", allow_root=False)
+    assert users.resolve("root", None, allow_root=True).is_root
+
+
+def test_an_unknown_user_is_named() -> None:
+    with pytest.raises(SpecError, match=r"^user: no user 'no-such-user-x' on this host$"):
+        users.resolve("no-such-user-x", None, allow_root=False)
+    with pytest.raises(CannotExecute, match="cannot start the trainer as no-such-user-x"):
+        users.for_launch("no-such-user-x")
+
+
+def test_a_daemon_not_running_as_root_starts_runs_as_itself_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: NOBODY.uid)
+    assert users.resolve(None, None, allow_root=False).name == "nobody"
+    with pytest.raises(SpecError, match=r"^user: this daemon runs as nobody and can start trainers as nobody "
+                                        r"only, not as root"):
+        users.resolve("root", None, allow_root=True)
+    assert users.popen_ids(users.lookup("nobody")) == (None, None, None), "nothing to switch"
+
+
+def test_popen_ids_and_login_env_switch_to_another_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert users.popen_ids(NOBODY) == (NOBODY.uid, NOBODY.gid, list(NOBODY.groups))
+    assert users.login_env(NOBODY) == {"HOME": NOBODY.home, "USER": "nobody", "LOGNAME": "nobody"}
+    assert users.popen_ids(None) == (None, None, None) and users.login_env(None) == {}
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory every user can search (pytest's own are root's alone: 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="tsup-users-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+def test_writable_by_reads_the_mode_bits_of_the_nearest_existing_directory(open_dir: Path) -> None:
+    other = RunAs(name="other", uid=54321, gid=54321, groups=(54321,), home="/")
+    member = RunAs(name="member", uid=54322, gid=54322, groups=(54322, 4242), home="/")
+    tmp_path = open_dir
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o775)
+    os.chown(shared, 0, 4242)
+    shared.chmod(0o775)
+    assert users.writable_by(shared / "ck" / "deeper", member), "its group may create there"
+    assert not users.writable_by(shared / "ck", other), "others may not"
+    shared.chmod(0o777)
+    assert users.writable_by(shared / "ck", other)
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "inner").mkdir(mode=0o777)
+    assert not users.writable_by(private / "inner", other), "a directory on the way it cannot search"
+    (tmp_path / "file").write_text("")
+    assert users.writable_by(tmp_path / "private" / "inner", users.lookup("root")), "root may, always"
+    assert not users.writable_by(tmp_path / "file", other), "not a directory"
+
+
+def test_hand_over_gives_the_users_directories_and_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("chown needs root")
+    (tmp_path / "config.json").write_text("{}")
+    users.hand_over(NOBODY, tmp_path / "run", tmp_path / "run" / "checkpoints", tmp_path / "config.json")
+    for p in (tmp_path / "run", tmp_path / "run" / "checkpoints", tmp_path / "config.json"):
+        assert (p.stat().st_uid, p.stat().st_gid) == (NOBODY.uid, NOBODY.gid), p
