@@ -3,7 +3,9 @@
 #            from Debian's packages when root), then lint, type-check and run the suite
 #            (with a seeded subset of the chaos scenarios)
 # make chaos every chaos scenario (tests/chaos); SEED=N picks the mixed-fault scenario's mix
-PYTHON ?= python3
+# Debian's interpreter when there is one: the environment must be usable by the users
+# runs execute as and by the daemon's own user, and a Python under root's home is not.
+PYTHON ?= $(shell test -x /usr/bin/python3 && echo /usr/bin/python3 || echo python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed

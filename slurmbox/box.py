@@ -202,7 +202,10 @@ def up(directory: Path, nodes: int, *, cpus: int = 2, memory_mb: int = 4000, par
         shutil.rmtree(directory / sub, ignore_errors=True)
     for sub in ("munge", "state", "spool", "log", "run"):
         (directory / sub).mkdir(parents=True, exist_ok=True)
-    os.chmod(directory / "munge", 0o700)
+    # The cluster's users (not only root) may read slurm.conf and reach munged's socket;
+    # the key stays root's alone.
+    os.chmod(directory, 0o755)  # noqa: S103
+    os.chmod(directory / "munge", 0o755)  # noqa: S103
     key = directory / "munge" / "munge.key"
     key.write_bytes(secrets.token_bytes(1024))
     os.chmod(key, 0o600)

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from slurmbox.box import Box
+from supervisor.users import RunAs, login_env, popen_ids
 from tests.conftest import REPO, port_open, wait_for
 
 EXAMPLE = REPO / "examples" / "tiny-llama.toml"
@@ -102,15 +103,17 @@ class Serve:
     --api-bind flags, or, given ``config``, only --config (which must name both)."""
 
     def __init__(self, state: Path, port: int, *args: str, config: Path | None = None, scheme: str = "http",
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, user: RunAs | None = None) -> None:
         self.state, self.port = state, port
         self.url = f"{scheme}://127.0.0.1:{port}"
         self.log_path = state.parent / f"serve-{port}.log"
         self.log = open(self.log_path, "ab")  # noqa: SIM115
         where = ["--config", str(config)] if config else ["--state-dir", str(state), "--api-bind", f"127.0.0.1:{port}"]
+        uid, gid, groups = popen_ids(user)  # ``user``: the daemon runs as that user, not root
         self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "serve", *where, *args],
                                      stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**env(), **(extra_env or {})}, cwd=REPO)
+                                     env={**env(), **login_env(user), **(extra_env or {})}, cwd=REPO,
+                                     user=uid, group=gid, extra_groups=groups)
         wait_for(lambda: port_open(port) or self.proc.poll() is not None, 30, "the API to listen")
         assert self.proc.poll() is None, self.log_path.read_text()
 

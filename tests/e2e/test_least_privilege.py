@@ -1,0 +1,168 @@
+"""Least privilege, with real users of this host: `serve` refuses a run that would
+execute as root, starts a run as the user its spec names (the trainer processes are
+that user's, read from /proc), and refuses a checkpoint directory that user cannot
+write. On the Slurm box, the daemon itself runs as an unprivileged user: its runs
+execute as that user, and it drains a lost node through the `sudo` rule the README
+gives for a cluster without Slurm accounting."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from slurmbox import box as box_mod
+from slurmbox.box import Box
+from supervisor import users
+from supervisor.slurm import parse
+from supervisor.users import RunAs
+from tests.conftest import free_port, require, wait_for
+from tests.e2e.conftest import EXAMPLE, Serve, slurm, spec_for_slurm, trainer_processes
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory other users can reach (pytest's own are root's alone: 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="tsup-lp-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def system_user(name: str, home_in: Path) -> RunAs:
+    require("useradd", shutil.which("useradd") is not None)
+    if os.geteuid() != 0:
+        pytest.skip("creating users needs root")
+    subprocess.run(["userdel", name], capture_output=True, check=False)  # one a killed run left
+    subprocess.run(["useradd", "--system", "--create-home", "--home-dir", str(home_in / name), "--shell",
+                    "/usr/sbin/nologin", name], check=True, capture_output=True)
+    return users.lookup(name)
+
+
+def remove_user(user: RunAs) -> None:
+    for p in psutil.process_iter(["uids"]):
+        if p.info["uids"] and p.info["uids"].real == user.uid:
+            p.kill()
+    subprocess.run(["userdel", user.name], capture_output=True, check=False)
+
+
+@pytest.fixture
+def alice(open_dir: Path) -> Iterator[RunAs]:
+    user = system_user("tsup-alice", open_dir)
+    try:
+        yield user
+    finally:
+        remove_user(user)
+
+
+def spec_as(spec: Path, user: str, out: Path, checkpoint_dir: Path | None = None) -> Path:
+    """``spec`` with ``user = USER`` (and a checkpoint directory), written to ``out``."""
+    text = spec.read_text().replace('name = "tiny-llama"\n', f'name = "tiny-llama"\nuser = "{user}"\n', 1)
+    if checkpoint_dir is not None:
+        text = text.replace("[trainer.checkpoint]\n", f'[trainer.checkpoint]\ndir = "{checkpoint_dir}"\n', 1)
+    out.write_text(text)
+    return out
+
+
+def uids_of(procs: list[psutil.Process]) -> set[int]:
+    return {p.uids().real for p in procs} | {p.uids().effective for p in procs}
+
+
+def test_serve_refuses_root_runs_and_starts_a_run_as_the_user_its_spec_names(
+        tmp_path: Path, open_dir: Path, alice: RunAs, fault_free: dict[str, Any]) -> None:
+    state, port, shared = tmp_path / "state", free_port(), open_dir / "shared"
+    shared.mkdir(mode=0o755)
+    conf = tmp_path / "config.toml"
+    conf.write_text(f'state_dir = "{state}"\napi_bind = "127.0.0.1:{port}"\nshared_dir = "{shared}"\n'
+                    "tick_s = 0.25\nsweep_every_s = 0\n")
+    daemon = Serve(state, port, config=conf, extra_env={"TSUP_ALLOW_ROOT_RUNS": "false"})
+    try:
+        refused = daemon.ctl("submit", str(EXAMPLE))
+        assert refused.returncode != 0 and "this run would execute as root" in refused.stderr, refused.stderr
+        private = state / "ck"  # under the daemon's state directory: root's alone
+        elsewhere = spec_as(EXAMPLE, alice.name, tmp_path / "private-ck.toml", checkpoint_dir=private)
+        refused = daemon.ctl("submit", str(elsewhere))
+        assert refused.returncode != 0, refused.stdout
+        assert f"trainer.checkpoint.dir: {private} is not writable by tsup-alice" in refused.stderr, refused.stderr
+
+        spec = spec_as(EXAMPLE, alice.name, tmp_path / "alice.toml")
+        run_id = daemon.ctl_json("submit", str(spec))["run_id"]
+        wait_for(lambda: (daemon.ctl_json("status", run_id)["step"] or 0) >= 5, 120, "training as alice")
+        ranks = trainer_processes(shared)
+        assert len(ranks) == 4 and uids_of(ranks) == {alice.uid}, "every rank is alice's, none root's"
+        final = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
+                         240, "the run to end", interval_s=1.0)
+        assert final["state"] == "SUCCEEDED" and final["model_digest"] == fault_free["model_digest"], final
+        saved = list((shared / "runs" / run_id / "checkpoints").rglob("*"))
+        assert saved and {p.stat().st_uid for p in saved} == {alice.uid}, "alice's checkpoints, in shared_dir"
+        assert not (state / "runs").exists(), "nothing of the run in the daemon's private state"
+    finally:
+        daemon.kill(15)
+
+
+# The README's rule for a cluster without Slurm accounting: the daemon's user may run
+# scontrol as root, and nothing else (SLURM_CONF kept: the box's is not the default one).
+SUDOERS = """Defaults:{user} env_keep += "SLURM_CONF"
+{user} ALL=(root) NOPASSWD: /usr/bin/scontrol
+"""
+
+
+@pytest.fixture
+def operator(open_dir: Path) -> Iterator[RunAs]:
+    """A dedicated user for the daemon, with the sudo rule for scontrol."""
+    require("sudo", shutil.which("sudo") is not None and shutil.which("visudo") is not None)
+    user = system_user("tsup-op", open_dir)
+    rule = Path("/etc/sudoers.d/tsup-test-op")
+    try:
+        rule.write_text(SUDOERS.format(user=user.name))
+        rule.chmod(0o440)
+        subprocess.run(["visudo", "-cf", str(rule)], check=True, capture_output=True)
+        yield user
+    finally:
+        rule.unlink(missing_ok=True)
+        remove_user(user)
+
+
+def test_on_the_box_the_daemon_runs_as_its_own_user_and_drains_through_sudo(
+        slurm_box: Box, open_dir: Path, operator: RunAs, tmp_path: Path, fault_free: dict[str, Any]) -> None:
+    """The daemon as `tsup-op` (not root), on the multi-host box: its run executes as
+    tsup-op on the nodes (from /proc), survives a node killed mid-run (the drain goes
+    through `sudo -n scontrol`), and ends with the fault-free model."""
+    state, shared, port = open_dir / "state", open_dir / "shared", free_port()
+    for d in (state, shared):
+        d.mkdir()
+        os.chown(d, operator.uid, operator.gid)
+    conf = open_dir / "config.toml"
+    conf.write_text(f'state_dir = "{state}"\napi_bind = "127.0.0.1:{port}"\nshared_dir = "{shared}"\n'
+                    f'launcher = "slurm"\nslurm_conf = "{slurm_box.conf}"\nslurm_admin_prefix = ["sudo", "-n"]\n'
+                    "tick_s = 0.25\nsweep_every_s = 0\n")
+    daemon = Serve(state, port, config=conf, user=operator, extra_env={"TSUP_ALLOW_ROOT_RUNS": "false"})
+    try:
+        assert psutil.Process(daemon.proc.pid).uids().real == operator.uid, "the daemon is not root"
+        run_id = daemon.ctl_json("submit", str(spec_for_slurm(tmp_path)))["run_id"]
+        status = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["step"] and d["step"] >= 20 and d,
+                          240, "step 20 on the box")
+        ranks = trainer_processes(shared)
+        assert len(ranks) == 4 and uids_of(ranks) == {operator.uid}, "every rank is tsup-op's, none root's"
+        victim = status["attempt_history"][-1]["nodes"][1]
+        assert box_mod.kill_node(slurm_box, victim)
+
+        final = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
+                         300, "the run to end", interval_s=1.0)
+        assert final["state"] == "SUCCEEDED" and final["model_digest"] == fault_free["model_digest"], final
+        assert final["drained_nodes"] == [victim]
+        node = parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", victim))[victim]
+        assert "DRAIN" in node.flags and node.reason.startswith("training-supervisor:"), node
+    finally:
+        daemon.kill(15)
