@@ -5,8 +5,8 @@ Handlers are plain functions (FastAPI runs them in its thread pool) over
 ``_ERROR_STATUS``. Every error body is ``{"error": <kind>, "detail": <message>}``
 (FastAPI's own 422 for a malformed request keeps its list of problems as ``detail``).
 
-Access (api/auth.py): every write needs the daemon's bearer token; reads need it
-unless they come from this host. ``/healthz`` is open. Bodies are limited to
+Access (api/auth.py): every write needs the daemon's API token; every read that or its
+read-only token. ``/healthz`` and the status page's HTML are open. Bodies are limited to
 ``max_body_bytes``.
 
     GET  /healthz                       is the reconciler ticking (503 when stalled)
@@ -49,6 +49,7 @@ from supervisor.errors import Conflict, NotFound, SpecError, StateDirLocked, Sup
 from supervisor.metrics import SupervisorMetrics
 from supervisor.service import SupervisorService
 from supervisor.spec import parse_spec
+from supervisor.token_file import ApiTokens
 from supervisor.views import (
     CheckpointView,
     CommandAccepted,
@@ -96,10 +97,11 @@ class CommandResult(BaseModel):
     result: str | None  # None while the reconciler has not handled it yet
 
 
-def daemon_app(service: SupervisorService, token: str, token_file: FilePath,
-               metrics: SupervisorMetrics) -> FastAPI:
+def daemon_app(service: SupervisorService, tokens: ApiTokens, metrics: SupervisorMetrics) -> FastAPI:
     """The app the daemon serves (supervisor/daemon.py, ApiFactory)."""
-    return create_app(service, TokenAuth(token, token_file), metrics)
+    auth = TokenAuth(tokens.token, tokens.token_file, read_token=tokens.read_token,
+                     read_token_file=tokens.read_token_file)
+    return create_app(service, auth, metrics)
 
 
 def create_app(service: SupervisorService, auth: TokenAuth, metrics: SupervisorMetrics,
@@ -129,7 +131,7 @@ def create_app(service: SupervisorService, auth: TokenAuth, metrics: SupervisorM
     def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/", dependencies=read, response_class=HTMLResponse, include_in_schema=False)
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)  # its data: read, with a token
     def status_page() -> HTMLResponse:
         return HTMLResponse(page)
 

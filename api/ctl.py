@@ -15,10 +15,11 @@
 
 Every command takes --json (one JSON document; with events --follow, one object per
 line). The daemon's address: --url, else $TSUP_URL, else the config file's ``url``,
-else http://127.0.0.1:8470. Writes need the daemon's API token: --token-file, else
-$TSUP_API_TOKEN (the token itself), else $TSUP_API_TOKEN_FILE, else the config file's
-``token_file``, else the first readable of /var/lib/training-supervisor/api-token and
-the default state directory's. The config file is $TSUP_CTL_CONFIG or
+else http://127.0.0.1:8470. Every command but completion needs a token: writes the
+daemon's API token, reads that or its read-only token. The token is --token-file's,
+else $TSUP_API_TOKEN (the token itself), else $TSUP_API_TOKEN_FILE's, else the config
+file's ``token_file``'s, else the first readable of api-token and then api-read-token in
+/var/lib/training-supervisor and in the default state directory. The config file is $TSUP_CTL_CONFIG or
 ~/.config/training-supervisor/supervisorctl.toml (keys: url, token_file, ca_file; a CA
 bundle for an HTTPS daemon with its own certificate; also $TSUP_CA_FILE).
 
@@ -45,7 +46,7 @@ from supervisor.config import default_state_dir
 from supervisor.errors import SpecError
 from supervisor.slurm import requests
 from supervisor.spec import parse_spec
-from supervisor.token_file import TOKEN_FILE_NAME, read_token
+from supervisor.token_file import READ_TOKEN_FILE_NAME, TOKEN_FILE_NAME, read_token
 from supervisor.views import CheckpointView, EventView, GoodputView, NodeView, RunDetail, RunSummary
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNAUTHORIZED = 0, 1, 2, 3, 4
@@ -53,6 +54,7 @@ _PAGE = 1000
 _STATUS_EXIT = {404: EXIT_NOT_FOUND, 401: EXIT_UNAUTHORIZED, 403: EXIT_UNAUTHORIZED, 413: EXIT_USAGE,
                 422: EXIT_USAGE}
 SYSTEM_TOKEN_FILE = Path("/var/lib/training-supervisor") / TOKEN_FILE_NAME
+SYSTEM_READ_TOKEN_FILE = SYSTEM_TOKEN_FILE.with_name(READ_TOKEN_FILE_NAME)
 RUN_COMMANDS = {"pause": "pause a run (its attempt stops; resume goes on from the newest checkpoint)",
                 "resume": "resume a paused or failed run",
                 "restart": "stop the live attempt and start another from the newest checkpoint",
@@ -198,7 +200,7 @@ def _read_config(path: Path, *, explicit: bool) -> dict[str, str]:
 
 def _token(args: argparse.Namespace, env: Mapping[str, str],
            config: Mapping[str, str]) -> tuple[str | None, str]:
-    """The token (or None: reads from this host need none) and where it was looked for."""
+    """The token (None: none found) and where it was looked for."""
     explicit = getattr(args, "token_file", None) or env.get("TSUP_API_TOKEN_FILE") or config.get("token_file")
     if env.get("TSUP_API_TOKEN"):
         return env["TSUP_API_TOKEN"].strip(), "$TSUP_API_TOKEN"
@@ -207,7 +209,9 @@ def _token(args: argparse.Namespace, env: Mapping[str, str],
             return read_token(Path(explicit)), str(explicit)
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot use the API token file {explicit}: {e}") from e
-    candidates = [SYSTEM_TOKEN_FILE, default_state_dir() / TOKEN_FILE_NAME]
+    # An operator's own: the API token; a watcher's: the read-only one.
+    candidates = [SYSTEM_TOKEN_FILE, default_state_dir() / TOKEN_FILE_NAME,
+                  SYSTEM_READ_TOKEN_FILE, default_state_dir() / READ_TOKEN_FILE_NAME]
     for candidate in candidates:
         try:
             return read_token(candidate), str(candidate)

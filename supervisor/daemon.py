@@ -57,7 +57,13 @@ from supervisor.slurm.cluster import SlurmCluster, slurm_cluster
 from supervisor.slurm.launcher import prefix_for
 from supervisor.store import SqlStore
 from supervisor.telemetry import MqttLink, TelemetryView
-from supervisor.token_file import TELEMETRY_SECRET_NAME, TOKEN_FILE_NAME, ensure_token
+from supervisor.token_file import (
+    READ_TOKEN_FILE_NAME,
+    TELEMETRY_SECRET_NAME,
+    TOKEN_FILE_NAME,
+    ApiTokens,
+    ensure_token,
+)
 from supervisor.views import DaemonHealth
 from trainer.protocol import parse_broker_url
 
@@ -113,7 +119,7 @@ class DaemonSettings:
 
 # Builds the HTTP API for the daemon to serve (api/app.py: daemon_app): the API layer sits
 # above this module, so the caller (the CLI) hands it down.
-ApiFactory = Callable[[SupervisorService, str, Path, SupervisorMetrics], Any]
+ApiFactory = Callable[[SupervisorService, ApiTokens, SupervisorMetrics], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +169,7 @@ class Daemon:
         self.notifier = Notifier()
         self.metrics = SupervisorMetrics(self.store, self.telemetry,
                                          lambda: self.link is not None and self.link.connected, clock)
-        self.api_token: str | None = None
+        self.api_tokens: ApiTokens | None = None
 
     async def __aenter__(self) -> Daemon:
         self.settings.state_dir.mkdir(parents=True, exist_ok=True)
@@ -190,7 +196,11 @@ class Daemon:
             if self.cluster.slurm is not None:
                 self.cluster.slurm.state.start()
             if self.settings.api_port is not None and self._api_factory is not None:
-                self.api_token = _api_token(self.settings.token_file)
+                read_file = self.settings.state_dir / READ_TOKEN_FILE_NAME
+                self.api_tokens = ApiTokens(
+                    token=_secret(self.settings.token_file, "API token"), token_file=self.settings.token_file,
+                    read_token=_secret(read_file, "read-only API token", group_may_read=True),
+                    read_token_file=read_file)
                 self._api_socket = _listen(self.settings.api_host, self.settings.api_port)
                 bound = self._api_socket.getsockname()
                 scheme = "https" if self.settings.tls_cert else "http"
@@ -366,8 +376,8 @@ class Daemon:
                 return total
 
     async def _serve_api(self, sock: socket.socket) -> None:
-        assert self.service is not None and self.api_token is not None and self._api_factory is not None
-        app = self._api_factory(self.service, self.api_token, self.settings.token_file, self.metrics)
+        assert self.service is not None and self.api_tokens is not None and self._api_factory is not None
+        app = self._api_factory(self.service, self.api_tokens, self.metrics)
         tls = self.settings
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
                                 ssl_certfile=str(tls.tls_cert) if tls.tls_cert else None,
@@ -396,14 +406,10 @@ async def _try_broker(link: MqttLink, key: str, what: str = "") -> None:
         raise SupervisorError(f"{key}: {what}{link.broker}, which does not answer: {why}") from e
 
 
-def _api_token(path: Path) -> str:
-    """The API's token, made on the first start."""
-    return _secret(path, "API token")
-
-
-def _secret(path: Path, what: str = "telemetry secret") -> str:
+def _secret(path: Path, what: str = "telemetry secret", *, group_may_read: bool = False) -> str:
+    """A token or secret kept in ``path`` (supervisor/token_file.py), made on the first start."""
     try:
-        return ensure_token(path, what)
+        return ensure_token(path, what, group_may_read=group_may_read)
     except OSError as e:
         raise SupervisorError(f"{path}: cannot read or create the {what}: {e.strerror}") from e
     except ValueError as e:

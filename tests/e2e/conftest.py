@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import pytest
 
@@ -124,6 +125,17 @@ class Serve:
     @property
     def token_file(self) -> Path:
         return self.state / "api-token"
+
+    @property
+    def read_token_file(self) -> Path:
+        return self.state / "api-read-token"
+
+    def metrics(self) -> str:
+        """/metrics, scraped as Prometheus would be: with the read-only token."""
+        r = httpx.get(f"{self.url}/metrics",
+                      headers={"Authorization": f"Bearer {self.read_token_file.read_text().strip()}"})
+        r.raise_for_status()
+        return r.text
 
     def ctl(self, *args: str, token: bool = True) -> subprocess.CompletedProcess[str]:
         """`supervisorctl` against this daemon, with its API token unless ``token=False``."""

@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.conftest import SecuredBroker, free_port, secure_mosquitto, start_mosquitto, stop_by_pid, wait_for
@@ -45,7 +44,7 @@ def site_daemon(tmp_path: Path, name: str, secured: SecuredBroker) -> Serve:
 
 
 def metrics(daemon: Serve) -> dict[str, float]:
-    text = httpx.get(f"{daemon.url}/metrics").text
+    text = daemon.metrics()
     return {f"{m.group(1)}:{m.group(2)}": float(m.group(3))
             for m in re.finditer(r'tsup_mqtt_(messages|dropped)_total\{(?:kind|reason)="([a-z_]+)"\} (\S+)', text)}
 

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from slurmbox.box import Box
@@ -38,7 +37,7 @@ def forge(state: Path, run_id: str, ranks: int, nodes: list[str]) -> dict[str, A
 
 
 def _dropped(daemon: Serve) -> dict[str, float]:
-    text = httpx.get(f"{daemon.url}/metrics").text
+    text = daemon.metrics()
     return {m.group(1): float(m.group(2))
             for m in re.finditer(r'tsup_mqtt_dropped_total\{reason="([a-z_]+)"\} (\S+)', text)}
 

@@ -22,7 +22,7 @@ import pytest
 
 from api.ctl import main as ctl_main
 from tests.conftest import REPO, free_port, require, wait_for
-from tests.e2e.conftest import EXAMPLE, FakeSystemd, Serve, db_rows, env, trainer_processes, tsup
+from tests.e2e.conftest import EXAMPLE, FakeSystemd, Serve, ctl, db_rows, env, trainer_processes, tsup
 
 pytestmark = pytest.mark.e2e
 
@@ -53,7 +53,7 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
         second = tsup("serve", "--config", config, "--api-bind", f"127.0.0.1:{free_port()}", timeout_s=60)
         assert second.returncode == 2 and f"pid {daemon.proc.pid}" in second.stderr
 
-        # Writes need the token; reads on this host do not.
+        # Writes need the API token; reads that or the read-only one, from this host too.
         # (where supervisorctl looks for a token by default: nowhere with one, here)
         monkeypatch.setattr("api.ctl.SYSTEM_TOKEN_FILE", tmp_path / "no-such-token")
         monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "no-state"))
@@ -64,7 +64,13 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
         assert r.status_code == 401 and r.json()["error"] == "Unauthorized"
         r = httpx.post(f"{daemon.url}/v1/runs", json={"spec": {}}, headers={"Authorization": "Bearer nope"})
         assert r.status_code == 403
-        assert daemon.ctl("runs", token=False).returncode == 0
+        assert stat.S_IMODE(daemon.read_token_file.stat().st_mode) == 0o600
+        unread = daemon.ctl("runs", token=False)
+        assert unread.returncode == 4 and "api-read-token" in unread.stderr, unread.stderr
+        watcher = {"TSUP_API_TOKEN_FILE": str(daemon.read_token_file)}
+        assert ctl(daemon.url, "runs", extra_env=watcher).returncode == 0
+        refused = ctl(daemon.url, "drain", "local-1", "--reason", "x", extra_env=watcher)
+        assert refused.returncode == 4 and "the read-only token cannot change anything" in refused.stderr
         dry = daemon.ctl("submit", "--dry-run", str(EXAMPLE), token=False)
         assert dry.returncode == 0 and "4 rank(s) on this machine" in dry.stdout
 
@@ -72,7 +78,7 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
         follow = subprocess.Popen(
             [sys.executable, "-m", "api.ctl", "--url", daemon.url, "--json", "events", run_id, "--follow"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-            env={**env(), "TSUP_CTL_CONFIG": "/dev/null"})
+            env={**env(), "TSUP_CTL_CONFIG": "/dev/null", "TSUP_API_TOKEN_FILE": str(daemon.read_token_file)})
         # The checkpoint of step 20 committed, not only step 20 reached: a kill during
         # its save would leave the run nothing to resume from (and this test no checkpoint).
         wait_for(lambda: any(c["complete"] for c in quick_json(daemon, "checkpoints", run_id)), 120,
@@ -83,7 +89,8 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
         detail = wait_for(lambda: (d := quick_json(daemon, "status", run_id))["faults"]
                           and d["faults"][0]["recovered_at"] and d, 120, "recovery from the kill")
         assert detail["faults"][0]["kind"] == "rank-exit" and detail["faults"][0]["ranks"] == [3]
-        scrape = httpx.get(f"{daemon.url}/metrics")
+        scrape = httpx.get(f"{daemon.url}/metrics",
+                           headers={"Authorization": f"Bearer {daemon.read_token_file.read_text().strip()}"})
         assert scrape.status_code == 200 and scrape.headers["content-type"].startswith("text/plain")
         text = scrape.text
         assert 'tsup_faults_total{kind="rank-exit"} 1.0' in text
@@ -260,10 +267,13 @@ def test_the_api_over_https(tmp_path: Path) -> None:
     try:
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{daemon.url}/v1/runs")  # a certificate nobody vouched for
-        assert httpx.get(f"{daemon.url}/v1/runs", verify=ssl.create_default_context(cafile=cert)).json() == []
+        watcher = {"Authorization": f"Bearer {daemon.read_token_file.read_text().strip()}"}
+        assert httpx.get(f"{daemon.url}/v1/runs", verify=ssl.create_default_context(cafile=cert),
+                         headers=watcher).json() == []
         trusted = subprocess.run([sys.executable, "-m", "api.ctl", "--url", daemon.url, "--json", "nodes"],
                                  capture_output=True, text=True, timeout=60, cwd=REPO, check=False,
-                                 env={**env(), "TSUP_CA_FILE": str(cert), "TSUP_CTL_CONFIG": "/dev/null"})
+                                 env={**env(), "TSUP_CA_FILE": str(cert), "TSUP_CTL_CONFIG": "/dev/null",
+                                      "TSUP_API_TOKEN_FILE": str(daemon.read_token_file)})
         assert trusted.returncode == 0 and json.loads(trusted.stdout) == []
         assert "API on https://127.0.0.1" in daemon.log_path.read_text()
     finally:

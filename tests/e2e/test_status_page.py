@@ -170,6 +170,9 @@ def _parse(html: str) -> _Element:
     return tree.root
 
 
+READ_TOKEN = "r" * 43
+
+
 @contextmanager
 def _serve(tmp_path: Path, record: bool) -> Iterator[str]:
     """The app over a real store (with the recorded run, or empty) on a free port; its URL."""
@@ -179,7 +182,7 @@ def _serve(tmp_path: Path, record: bool) -> Iterator[str]:
         _record_run(store, tmp_path)
     service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url=None, launcher=(local := LocalLauncher(max_nodes=4)), nodes=local,
                                 check_trainer=False)
-    app = create_app(service, TokenAuth("t" * 43),
+    app = create_app(service, TokenAuth("t" * 43, read_token=READ_TOKEN),
                      metrics=SupervisorMetrics(store, TelemetryView(), lambda: True))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
@@ -189,7 +192,7 @@ def _serve(tmp_path: Path, record: bool) -> Iterator[str]:
     try:
         wait_for(lambda: port_open(port) or not thread.is_alive(), 20, "the API to listen")
         assert thread.is_alive(), "uvicorn exited before listening"
-        yield f"http://127.0.0.1:{port}/"
+        yield f"http://127.0.0.1:{port}/#token={READ_TOKEN}"  # a link with the read-only token
     finally:
         server.should_exit = True
         thread.join(10)
@@ -294,3 +297,14 @@ def test_with_no_runs_the_page_says_so(tmp_path: Path) -> None:
     assert "hidden" in doc.one("section", id="run-detail").attrs
     assert doc.one("table", id="runs").one("tbody").find("tr") == []
     assert "no nodes known yet" in doc.one("table", id="nodes").all_text()
+
+
+def test_without_the_read_only_token_the_page_asks_for_it_and_shows_nothing(tmp_path: Path) -> None:
+    with _serve(tmp_path, record=True) as url:
+        bare = url.split("#", 1)[0]
+        for page in (bare, bare + "#token=" + "x" * 43):
+            doc = _parse(_chromium(tmp_path, "--dump-dom", page).stdout)
+            assert "hidden" not in doc.one("form", id="login").attrs, "the login form is shown"
+            assert "read-only token" in doc.one(id="message").all_text()
+            assert doc.one("table", id="runs").one("tbody").find("tr") == [], "no run is shown"
+            assert "hidden" in doc.one("section", id="run-detail").attrs

@@ -22,6 +22,7 @@ from trainer import protocol as p
 
 SPEC = {"name": "api", "resources": {"nodes": 2, "ranks_per_node": 2, "spares": 1}, "trainer": {"steps": 5}}
 TOKEN = "a-token-for-the-tests-0123456789abcdefghijk"
+READ_TOKEN = "a-read-only-token-for-the-tests-0123456789"
 
 
 @pytest.fixture
@@ -33,7 +34,8 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
         store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1", launcher=(local := LocalLauncher(max_nodes=4)), nodes=local,
         check_trainer=False, allow_root_runs=True,
         health=lambda: DaemonHealth(ok=health["ok"], last_tick_age_s=0.1, mqtt_connected=True))
-    app = create_app(service, TokenAuth(TOKEN, tmp_path / "api-token"),
+    app = create_app(service, TokenAuth(TOKEN, tmp_path / "api-token", read_token=READ_TOKEN,
+                                        read_token_file=tmp_path / "api-read-token"),
                      SupervisorMetrics(store, TelemetryView(), lambda: True))
     with TestClient(app, headers={"Authorization": f"Bearer {TOKEN}"}) as c:
         c.health = health  # type: ignore[attr-defined]
@@ -140,14 +142,23 @@ def test_every_write_needs_the_token_even_from_this_host(client: TestClient, met
     assert client.get("/v1/runs").json() == [], "nothing was written"
 
 
-def test_reads_are_open_on_loopback_only(client: TestClient) -> None:
+def test_reads_need_a_token_from_anywhere_and_the_read_only_one_changes_nothing(client: TestClient) -> None:
+    """No client is trusted for its address (a tunnel or a proxy makes everyone local)."""
     client.post("/v1/runs", json={"spec": SPEC})
-    for host in ("127.0.0.1", "::1"):
-        assert _without_token(client, host).get("/v1/runs/run-1").status_code == 200
-    remote = _without_token(client, "10.1.2.3")
-    assert remote.get("/v1/runs").status_code == 401 and remote.get("/metrics").status_code == 401
-    assert remote.get("/v1/runs", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
-    assert remote.get("/healthz").status_code == 200, "health checks need no token"
+    for host in ("127.0.0.1", "::1", "10.1.2.3"):
+        anonymous = _without_token(client, host)
+        for path in ("/v1/runs", "/v1/runs/run-1", "/v1/nodes", "/metrics"):
+            r = anonymous.get(path)
+            assert r.status_code == 401 and "api-read-token" in r.json()["detail"], (host, path)
+        assert anonymous.get("/healthz").status_code == 200, "health checks need no token"
+        assert anonymous.get("/").text.startswith("<!DOCTYPE html>"), "the page's HTML holds no data"
+    watcher = _without_token(client, "10.1.2.3")
+    read_only = {"Authorization": f"Bearer {READ_TOKEN}"}
+    assert watcher.get("/v1/runs/run-1", headers=read_only).json()["run_id"] == "run-1"
+    assert watcher.get("/metrics", headers=read_only).status_code == 200
+    refused = watcher.post("/v1/runs/run-1/cancel", headers=read_only)
+    assert refused.status_code == 403 and refused.json()["detail"] == "the read-only token cannot change anything"
+    assert watcher.get("/v1/runs", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
 
 
 def test_bodies_over_the_limit_are_413_announced_or_streamed(client: TestClient) -> None:
