@@ -59,6 +59,14 @@ def test_unit_is_a_notify_service_with_a_watchdog_that_leaves_trainers_alive_on_
     assert unit["Install"]["WantedBy"] == "multi-user.target"
 
 
+def test_the_daemon_runs_as_its_own_user_and_may_write_the_example_shared_dir() -> None:
+    service = parsed()["Service"]
+    assert (service["User"], service["Group"]) == ("training-supervisor", "training-supervisor")
+    config = load_service_config(REPO / "systemd" / "config.example.toml", {})
+    assert str(config.shared_dir) in service["ReadWritePaths"].split()
+    assert config.allow_root_runs is False
+
+
 def test_the_example_config_loads() -> None:
     config = load_service_config(REPO / "systemd" / "config.example.toml", {})
     assert config.launcher == "slurm" and config.api_bind == "127.0.0.1:8470" and config.log_format == "json"
