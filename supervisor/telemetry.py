@@ -34,6 +34,7 @@ the structures ingestion is changing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import math
@@ -377,8 +378,10 @@ class MqttLink:
         tls = None
         if b.tls:
             tls = ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
+        # Gone without a word (killed, cut off): the broker clears the presence for us.
+        will = aiomqtt.Will(p.presence_topic(self.view.cluster), b"", qos=1, retain=True)
         return aiomqtt.Client(b.host, b.port, identifier=self.client_id, username=b.username,
-                              password=b.password, tls_context=tls, keepalive=10, timeout=5)
+                              password=b.password, tls_context=tls, keepalive=10, timeout=5, will=will)
 
     async def check(self) -> None:
         """Connect once and hang up: MqttError (refused, unreachable, bad TLS) if it cannot."""
@@ -391,16 +394,22 @@ class MqttLink:
             try:
                 async with self.client() as client:
                     await client.subscribe(p.topic_filter(self.view.cluster))
+                    # Subscribed: the ranks may send what they buffered (trainer/protocol.py).
+                    await client.publish(p.presence_topic(self.view.cluster), p.PRESENCE_ONLINE, qos=1,
+                                         retain=True)
                     self._client = client
                     self.view.link_up(self.clock())
                     log.info("telemetry link up (%s)", self.broker)
                     backoff_s = 0.1
-                    async for message in client.messages:
-                        payload = message.payload
-                        if isinstance(payload, (bytes, str)):
-                            self.view.ingest(message.topic.value, payload, self.clock())
-                        else:
-                            self.view.counts["malformed"] += 1
+                    try:
+                        async for message in client.messages:
+                            self._take(message)
+                    except asyncio.CancelledError:  # the daemon stops: say so, briefly
+                        with contextlib.suppress(Exception):
+                            async with asyncio.timeout(1.0):
+                                await client.publish(p.presence_topic(self.view.cluster), b"", qos=1,
+                                                     retain=True)
+                        raise
             except aiomqtt.MqttError as e:
                 if self.view.up_since is not None:
                     log.warning("telemetry link down: %s", e)
@@ -409,6 +418,13 @@ class MqttLink:
                 self.view.link_down()
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, LINK_MAX_BACKOFF_S)
+
+    def _take(self, message: aiomqtt.Message) -> None:
+        payload = message.payload
+        if isinstance(payload, (bytes, str)):
+            self.view.ingest(message.topic.value, payload, self.clock())
+        else:
+            self.view.counts["malformed"] += 1
 
     @property
     def connected(self) -> bool:

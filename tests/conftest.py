@@ -52,10 +52,10 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05): 
         time.sleep(interval_s)
 
 
-def port_open(port: int) -> bool:
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        return s.connect_ex((host, port)) == 0
 
 
 @dataclass(frozen=True)
@@ -74,21 +74,21 @@ def _mosquitto_binary() -> str | None:
                                           else None)
 
 
-def start_mosquitto(workdir: Path, port: int | None = None,
-                    settings: str = "allow_anonymous true\n") -> tuple[Broker, subprocess.Popen[bytes]]:
-    """mosquitto on 127.0.0.1: one listener with ``settings`` (mosquitto.conf lines)."""
+def start_mosquitto(workdir: Path, port: int | None = None, settings: str = "allow_anonymous true\n",
+                    host: str = "127.0.0.1") -> tuple[Broker, subprocess.Popen[bytes]]:
+    """mosquitto on ``host``: one listener with ``settings`` (mosquitto.conf lines)."""
     binary = _mosquitto_binary()
     require("mosquitto", binary is not None)
     assert binary is not None
     port = port or free_port()
     conf = workdir / f"mosquitto-{port}.conf"
     # `user root`: started as root, mosquitto would read the files below as user mosquitto
-    conf.write_text(f"user root\nlistener {port} 127.0.0.1\n{settings}persistence false\n")
+    conf.write_text(f"user root\nlistener {port} {host}\n{settings}persistence false\n")
     log = open(workdir / f"mosquitto-{port}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen([binary, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
-    wait_for(lambda: port_open(port) or proc.poll() is not None, 10, "mosquitto to listen")
+    wait_for(lambda: port_open(port, host) or proc.poll() is not None, 10, "mosquitto to listen")
     assert proc.poll() is None, (workdir / f"mosquitto-{port}.log").read_text()
-    return Broker("127.0.0.1", port, proc.pid), proc
+    return Broker(host, port, proc.pid), proc
 
 
 @dataclass(frozen=True)
@@ -104,14 +104,17 @@ class SecuredBroker:
         return f"mqtts://{user}:{password or SECURED_USERS[user]}@127.0.0.1:{self.broker.port}"
 
 
-# The site's accounts: the supervisor reads telemetry and writes events; ranks may only
-# write telemetry (a rank cannot read another's messages, or subscribe at all).
+# The site's accounts: the supervisor reads telemetry and writes events and its presence;
+# ranks write telemetry and read the supervisor's presence, nothing else (no rank can
+# read another's messages).
 SECURED_USERS = {"supervisor": "sup-pass", "rank": "rank-pass"}
 SECURED_ACL = """user supervisor
 topic read tsup/+/+/telemetry/#
 topic write tsup/+/+/events/#
+topic write tsup/+/+/supervisor
 user rank
 topic write tsup/+/+/telemetry/#
+topic read tsup/+/+/supervisor
 """
 
 

@@ -11,6 +11,14 @@ Transport: MQTT, QoS 0, one topic per (cluster, run, attempt, rank, kind)::
 The cluster id is the supervisor's (``TSUP_CLUSTER``): two supervisors on one broker
 subscribe to their own topics only and never see each other's runs.
 
+Presence: the supervisor keeps a retained ``online`` on ``tsup/v1/<cluster>/supervisor``
+while it is subscribed (its last will, and a clean stop, clear it). A rank that comes
+back to a broker before the supervisor does (a restarted broker, a daemon restart)
+keeps what it buffered until it reads ``online``, or for at most ``PRESENCE_WAIT_S``,
+so that QoS 0 messages do not go out while nobody listens. Only what the ranks send
+depends on it, never what the supervisor believes: a forged presence can at worst lose
+buffered telemetry, as an outage does.
+
 Payload: a UTF-8 JSON object. Every message carries the header fields
 
     v        protocol version (int); a receiver rejects versions it does not know
@@ -260,6 +268,15 @@ def parse_mqtt_url(url: str) -> tuple[str, int]:
 
 def topic_for(run: str, attempt: int, rank: int, kind: str, cluster: str = DEFAULT_CLUSTER) -> str:
     return f"tsup/v1/{cluster}/telemetry/{run}/{attempt}/{rank}/{kind}"
+
+
+PRESENCE_ONLINE = b"online"
+PRESENCE_WAIT_S = 10.0  # a rank holds its buffer this long for a supervisor that says nothing
+
+
+def presence_topic(cluster: str = DEFAULT_CLUSTER) -> str:
+    """The supervisor's retained presence (see the module docstring)."""
+    return f"tsup/v1/{cluster}/supervisor"
 
 
 def topic_filter(cluster: str = DEFAULT_CLUSTER) -> str:

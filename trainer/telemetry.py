@@ -15,7 +15,11 @@ fresh ``Register`` goes out on every (re)connect so the supervisor can rebuild i
 rank-to-node map after a broker restart. ``close`` publishes ``Exit`` and disconnects
 cleanly, which tells the broker to discard the will. Reconnects back off from
 RECONNECT_MIN_DELAY_S to at most RECONNECT_MAX_DELAY_S, so that the supervisor hears the
-rank again within seconds of a broker's return, with what the queue kept meanwhile.
+rank again within seconds of a broker's return, with what the queue kept meanwhile. The
+queue is flushed once the supervisor says it is subscribed (its retained presence,
+trainer/protocol.py), or after PRESENCE_WAIT_S without a word: back before the
+supervisor, the rank would otherwise publish its buffer to nobody. Heartbeats go out at
+once either way.
 
 Sealing (trainer/protocol.py): with the attempt's key every message carries this
 connection's id, a sequence number and a MAC. Each connection attempt gets a new id and
@@ -205,6 +209,8 @@ class Telemetry:
         self._thread: threading.Thread | None = None
         self._client: mqtt.Client | None = None
         self._unreachable_said = False  # paho's thread alone: "cannot reach" logged this outage
+        # The supervisor's presence, as paho's thread last read it (see _may_flush).
+        self._presence_since, self._supervisor_online = time.monotonic(), False
         # Counters, read by anyone. The training thread alone writes dropped_queue_full;
         # the other two are written by the sender and paho's thread, hence the lock.
         self.dropped_queue_full = 0  # the queue was full (a long outage or a slow broker)
@@ -370,6 +376,7 @@ class Telemetry:
         client.on_pre_connect = self._on_pre_connect
         client.on_connect = self._on_connect
         client.on_connect_fail = self._on_connect_fail
+        client.on_message = self._on_presence
         client.on_disconnect = self._on_disconnect
         return client
 
@@ -395,12 +402,27 @@ class Telemetry:
             log.warning("telemetry: broker refused the connection: %s", reason_code)
             return
         self._unreachable_said = False
+        self._presence_since, self._supervisor_online = time.monotonic(), False
+        assert self._broker is not None
+        client.subscribe(protocol.presence_topic(self._broker.cluster), qos=0)
         ident = self._id
         register = protocol.Register(
             **self._header(), local_rank=ident.local_rank, world_size=ident.world_size,
             node=ident.node, pid=os.getpid(), hostname=socket.gethostname()[:64])
         self._publish(client, register)
         self._connected.set()  # after Register, so that it is this connection's first message
+
+    def _on_presence(self, _client: mqtt.Client, _userdata: Any, message: Any) -> None:
+        """The supervisor's presence: ``online`` lets the buffer go; anything else (its will
+        or clean stop cleared it) holds it again, for at most PRESENCE_WAIT_S."""
+        online = message.payload == protocol.PRESENCE_ONLINE
+        if not online:
+            self._presence_since = time.monotonic()
+        self._supervisor_online = online
+
+    def _may_flush(self) -> bool:
+        return (self._supervisor_online
+                or time.monotonic() - self._presence_since >= protocol.PRESENCE_WAIT_S)
 
     def _on_disconnect(self, _client: mqtt.Client, _userdata: Any, _flags: Any,
                        reason_code: Any, _properties: Any) -> None:
@@ -424,6 +446,9 @@ class Telemetry:
             if now >= next_heartbeat:
                 self._heartbeat()
                 next_heartbeat = now + self._heartbeat_interval_s
+            if not self._may_flush():  # nobody would hear it yet: keep the buffer
+                self._stopping.wait(0.05)
+                continue
             if held is None:
                 wake_at = min(next_heartbeat, self._next_slot_write) if self._slots else next_heartbeat
                 try:

@@ -130,12 +130,17 @@ class Serve:
     def read_token_file(self) -> Path:
         return self.state / "api-read-token"
 
-    def metrics(self) -> str:
-        """/metrics, scraped as Prometheus would be: with the read-only token."""
-        r = httpx.get(f"{self.url}/metrics",
-                      headers={"Authorization": f"Bearer {self.read_token_file.read_text().strip()}"})
+    def get(self, path: str) -> httpx.Response:
+        """GET ``path`` with the read-only token, as a watcher (or Prometheus) would."""
+        r = httpx.get(self.url + path, headers={"Authorization": f"Bearer {self.read_token_file.read_text().strip()}"})
         r.raise_for_status()
-        return r.text
+        return r
+
+    def get_json(self, path: str) -> Any:
+        return self.get(path).json()
+
+    def metrics(self) -> str:
+        return self.get("/metrics").text
 
     def ctl(self, *args: str, token: bool = True) -> subprocess.CompletedProcess[str]:
         """`supervisorctl` against this daemon, with its API token unless ``token=False``."""

@@ -7,13 +7,15 @@ follows them from their processes, output and checkpoints."""
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from slurmbox.box import Box
 from tests.conftest import SecuredBroker, free_port, secure_mosquitto, start_mosquitto, stop_by_pid, wait_for
-from tests.e2e.conftest import EXAMPLE, Serve, tsup
+from tests.e2e.conftest import EXAMPLE, Serve, spec_for_slurm, tsup
 
 pytestmark = pytest.mark.e2e
 
@@ -116,3 +118,42 @@ def test_ranks_that_cannot_reach_the_broker_train_on(tmp_path: Path, fault_free:
     finally:
         daemon.kill(15)
         stop_by_pid(own_proc)
+
+
+def test_the_broker_stopped_for_30_s_on_the_box_costs_nothing(slurm_box: Box, tmp_path: Path) -> None:
+    """The cluster's broker (a mosquitto on the controller's bridge address) stopped for
+    30 s in the middle of a run on the multi-host box, then started again on its port:
+    training goes on meanwhile (the steps made then arrive from the ranks' buffers), and
+    nothing is drained, no fault recorded, no attempt restarted."""
+    broker, mosquitto = start_mosquitto(tmp_path, host=slurm_box.controller_addr)
+    state, port = tmp_path / "state", free_port()
+    state.mkdir()
+    conf = config(tmp_path / "c.toml", state, port, mqtt_url=broker.url, launcher="slurm",
+                  slurm_conf=str(slurm_box.conf))
+    spec = spec_for_slurm(tmp_path)
+    steps = 600  # about 80 s here: the outage falls well inside the run
+    spec.write_text(spec.read_text().replace("steps = 80", f"steps = {steps}"))
+    daemon = Serve(state, port, config=conf)
+    try:
+        run_id = daemon.ctl_json("submit", str(spec))["run_id"]
+        wait_for(lambda: (daemon.ctl_json("status", run_id)["step"] or 0) >= 50, 240, "step 50")
+        stop_by_pid(mosquitto)
+        stopped_at = daemon.ctl_json("status", run_id)["step"]
+        time.sleep(30)
+        assert daemon.ctl_json("status", run_id)["attempt_state"] == "RUNNING"
+        _, mosquitto = start_mosquitto(tmp_path, port=broker.port, host=slurm_box.controller_addr)
+        back = wait_for(lambda: (s := daemon.ctl_json("status", run_id)["step"] or 0) > stopped_at and s, 10,
+                        "the ranks heard again")
+        assert back > stopped_at + 50, f"step {stopped_at} when the broker went, {back} when it was back: " \
+                                       "training went on meanwhile"
+        final = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
+                         300, "the run to end", interval_s=1.0)
+        assert final["state"] == "SUCCEEDED" and final["step"] == steps, final
+        assert final["attempts"] == 1 and final["faults"] == [] and final["drained_nodes"] == [], final
+        # Rank 0's step metrics, every one kept: those of the outage came from its buffer.
+        curve = {p["step"] for p in daemon.get_json(f"/v1/runs/{run_id}/metrics?max_points={2 * steps}")}
+        during = set(range(stopped_at + 1, back))
+        assert len(during & curve) >= len(during) - 2, f"{len(during - curve)} of the outage's steps missing"
+    finally:
+        daemon.kill(15)
+        stop_by_pid(mosquitto)

@@ -166,3 +166,47 @@ def test_an_unreachable_broker_never_marks_the_link_up() -> None:
         await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+def test_ranks_back_before_the_supervisor_keep_their_buffer_until_it_is_subscribed(tmp_path: Path) -> None:
+    """The broker returns and the rank reconnects at once, but the supervisor comes back
+    only 4 s later (a daemon restart): the rank holds what it buffered until the
+    supervisor's presence says it listens, so the steps of the outage are not published
+    to nobody (QoS 0 keeps nothing for an absent subscriber)."""
+    broker, proc = start_mosquitto(tmp_path)
+    steps = 150  # 15 s of training
+
+    async def scenario() -> None:
+        nonlocal proc
+        loop = asyncio.get_running_loop()
+        view = TelemetryView(cluster="it", secret=SECRET)
+        link = MqttLink(parse_broker_url(broker.url), view, clock=loop.time)
+        task = asyncio.create_task(link.run())
+        rank = None
+        try:
+            await until(lambda: link.connected, 10, "the supervisor to subscribe")
+            rank = subprocess.Popen([sys.executable, "-c", STEADY_PUBLISHER],
+                                    env={**publisher_env(broker), "STEPS": str(steps)})
+            await until(lambda: view.max_step("run-3", 2) >= 10, 30, "the rank's first steps")
+            task.cancel()  # the supervisor goes away, and the broker with it
+            await asyncio.gather(task, return_exceptions=True)
+            stop_by_pid(proc)
+            await asyncio.sleep(3)
+            _, proc = start_mosquitto(tmp_path, port=broker.port)
+            await asyncio.sleep(4)  # the rank reconnects meanwhile (its backoff is at most 2 s)
+            task = asyncio.create_task(link.run())
+            await until(lambda: rank.poll() is not None and view.ranks("run-3", 2)[0].exit_code == 0, 60,
+                        "the rank to finish")
+            counts = view.counts_now()
+            assert steps - 2 <= counts["step"] <= steps, f"{counts['step']} of {steps} steps arrived"
+        finally:
+            if rank is not None and rank.poll() is None:
+                rank.kill()
+                rank.wait()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        stop_by_pid(proc)
