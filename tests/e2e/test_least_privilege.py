@@ -166,3 +166,28 @@ def test_on_the_box_the_daemon_runs_as_its_own_user_and_drains_through_sudo(
         assert "DRAIN" in node.flags and node.reason.startswith("training-supervisor:"), node
     finally:
         daemon.kill(15)
+
+
+def test_on_the_box_a_root_daemon_starts_the_run_as_the_user_its_spec_names(
+        slurm_box: Box, open_dir: Path, alice: RunAs, tmp_path: Path, fault_free: dict[str, Any]) -> None:
+    """sbatch and srun run as alice: the allocation is hers in Slurm, and so are the ranks."""
+    state, shared, port = tmp_path / "state", open_dir / "shared", free_port()
+    shared.mkdir(mode=0o755)
+    conf = tmp_path / "config.toml"
+    conf.write_text(f'state_dir = "{state}"\napi_bind = "127.0.0.1:{port}"\nshared_dir = "{shared}"\n'
+                    f'launcher = "slurm"\nslurm_conf = "{slurm_box.conf}"\ntick_s = 0.25\nsweep_every_s = 0\n')
+    daemon = Serve(state, port, config=conf, extra_env={"TSUP_ALLOW_ROOT_RUNS": "false"})
+    try:
+        spec = spec_as(spec_for_slurm(tmp_path), alice.name, tmp_path / "alice.toml")
+        run_id = daemon.ctl_json("submit", str(spec))["run_id"]
+        wait_for(lambda: (daemon.ctl_json("status", run_id)["step"] or 0) >= 5, 240, "training as alice")
+        owners = slurm(slurm_box, "squeue", "-h", "-o", "%u").split()
+        assert owners == [alice.name], owners
+        ranks = trainer_processes(shared)
+        assert len(ranks) == 4 and uids_of(ranks) == {alice.uid}, "every rank is alice's, none root's"
+        final = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
+                         240, "the run to end", interval_s=1.0)
+        assert final["state"] == "SUCCEEDED" and final["model_digest"] == fault_free["model_digest"], final
+        wait_for(lambda: slurm(slurm_box, "squeue", "-h") == "", 60, "alice's allocation given back")
+    finally:
+        daemon.kill(15)
