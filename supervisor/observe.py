@@ -25,6 +25,7 @@ from supervisor.checkpoint_scan import Verdict
 from supervisor.domain import (
     LIVE_ATTEMPT_STATES,
     TERMINAL_RUN_STATES,
+    TSUP_EXIT_CODES,
     Attempt,
     AttemptObs,
     AttemptState,
@@ -235,7 +236,8 @@ class Observer:
                              *(facts.grant.added if facts.grant else ())),
             spikes_said=frozenset(self.spikes_said.get((run.number, live.number),
                                                        ())) if live else frozenset(),
-            cluster_answering=answering, spec_error=spec if isinstance(spec, str) else None)
+            cluster_answering=answering, spec_error=spec if isinstance(spec, str) else None,
+            exit_codes=spec.exit_meanings if isinstance(spec, RunSpec) else TSUP_EXIT_CODES)
         return Observed(run=run, spec=spec if isinstance(spec, RunSpec) else None, run_dir=run_dir, view=view,
                         obs=obs, facts=facts)
 

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import json
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from supervisor.domain import Policy
+from supervisor.domain import TSUP_EXIT_CODES, ExitMeaning, Policy
 from supervisor.errors import SpecError
 from supervisor.planning import LLAMA3_FAILURES_PER_NODE_DAY
 from trainer.protocol import parse_mqtt_url
@@ -146,6 +147,30 @@ class CommandSpec(BaseModel):
     # The command saves a checkpoint on SIGUSR1, which Slurm then sends ahead of the
     # allocation's time limit. Off by default: SIGUSR1 ends a process that ignores it.
     handles_usr1: bool = False
+    # What its exit codes mean: "none" (any failure is retried), "tsup" (the reference
+    # trainer's table: 2 do-not-retry, 3 checkpoint-unreadable, 4 device, 5 storage-full),
+    # or a table of its own ({"7" = "device"}).
+    exit_codes: str | dict[str, str] = "none"
+
+    @field_validator("exit_codes", mode="before")
+    @classmethod
+    def _exit_codes(cls, v: object) -> object:
+        if isinstance(v, str) and v not in ("none", "tsup"):
+            raise ValueError(f'expected "none", "tsup" or a table of codes, got {v!r}')
+        if isinstance(v, dict):
+            known = ", ".join(m.value for m in ExitMeaning)
+            for code, meaning in v.items():
+                if not str(code).isdigit() or not 1 <= int(code) <= 255:
+                    raise ValueError(f"{code!r}: an exit code is a number from 1 to 255")
+                if meaning not in {m.value for m in ExitMeaning}:
+                    raise ValueError(f"{code} = {meaning!r}: expected one of {known}")
+        return v
+
+    @property
+    def exit_meanings(self) -> Mapping[int, ExitMeaning]:
+        if isinstance(self.exit_codes, dict):
+            return {int(code): ExitMeaning(meaning) for code, meaning in self.exit_codes.items()}
+        return TSUP_EXIT_CODES if self.exit_codes == "tsup" else {}
 
     @field_validator("checkpoint_layout")
     @classmethod
@@ -214,6 +239,11 @@ class RunSpec(BaseModel):
     def auto_checkpoints(self) -> bool:
         """The reference trainer's checkpoint interval is the supervisor's to set."""
         return self.trainer is not None and self.trainer.get("checkpoint", {}).get("every_steps") == AUTO
+
+    @property
+    def exit_meanings(self) -> Mapping[int, ExitMeaning]:
+        """What the trainer means by its exit codes (supervisor/policy/attribution.py)."""
+        return self.command.exit_meanings if self.command is not None else TSUP_EXIT_CODES
 
     @property
     def handles_usr1(self) -> bool:

@@ -39,6 +39,8 @@ from supervisor.domain.effects import (
     StopAttempt,
 )
 from supervisor.domain.knobs import (
+    TSUP_EXIT_CODES,
+    ExitMeaning,
     Policy,
 )
 from supervisor.domain.observations import (
@@ -84,6 +86,7 @@ from supervisor.domain.states import (
 __all__ = [
     "LIVE_ATTEMPT_STATES",
     "TERMINAL_RUN_STATES",
+    "TSUP_EXIT_CODES",
     "AdoptAttempt",
     "AllocateNodes",
     "Attempt",
@@ -103,6 +106,7 @@ __all__ = [
     "EndAttempt",
     "EnsureStopped",
     "EventRecord",
+    "ExitMeaning",
     "FaultKind",
     "FaultRecord",
     "FinishRun",

@@ -1,8 +1,12 @@
-"""``Policy``: the per-run knobs of the decision rules (from the spec's [policy] table)."""
+"""``Policy``: the per-run knobs of the decision rules (from the spec's [policy] table),
+and ``ExitMeaning``: what a trainer's exit code says, for trainers that say anything."""
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from supervisor.planning import LLAMA3_FAILURES_PER_NODE_DAY
 
@@ -80,3 +84,22 @@ class Policy:
     # The cluster's interruption rate, for a run whose checkpoint interval is "auto"
     # (supervisor/planning.py: Young/Daly at each attempt); Llama 3's by default.
     failures_per_node_day: float = LLAMA3_FAILURES_PER_NODE_DAY
+
+
+class ExitMeaning(enum.StrEnum):
+    """What a trainer means by an exit code, when it declares a table of them (the
+    spec's ``exit_codes``). Any other failure is retried from the newest checkpoint."""
+
+    DO_NOT_RETRY = "do-not-retry"  # a configuration or usage error: a restart cannot fix it -> FAILED
+    CHECKPOINT_UNREADABLE = "checkpoint-unreadable"  # resume from the one before the checkpoint it failed on
+    DEVICE = "device"  # its accelerator failed: drain its node, restart on a spare
+    STORAGE_FULL = "storage-full"  # no checkpoint can be written: FAILED until an operator frees space
+
+
+# The reference trainer's table (trainer/README.md, trainer/errors.py). A trainer the
+# supervisor did not write means nothing by its codes unless its spec says so: torchrun
+# exits 1 for any child's failure, and a script's 2 may be anything.
+TSUP_EXIT_CODES: Mapping[int, ExitMeaning] = MappingProxyType({
+    2: ExitMeaning.DO_NOT_RETRY, 3: ExitMeaning.CHECKPOINT_UNREADABLE, 4: ExitMeaning.DEVICE,
+    5: ExitMeaning.STORAGE_FULL,
+})

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 
+from supervisor.domain.knobs import TSUP_EXIT_CODES, ExitMeaning
 from supervisor.domain.records import Attempt, CheckpointRef, Command, FaultRecord, Node, Run
 
 
@@ -105,6 +107,9 @@ class RunView:
     # The run's stored spec no longer validates (an upgrade changed a rule): why. The run
     # cannot be launched again and ends FAILED with this reason.
     spec_error: str | None = None
+    # What the trainer means by its exit codes: the reference trainer's table, or what a
+    # [command] spec declares (nothing by default).
+    exit_codes: Mapping[int, ExitMeaning] = field(default_factory=lambda: TSUP_EXIT_CODES)
 
     @property
     def current(self) -> Attempt | None:

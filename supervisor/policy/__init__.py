@@ -31,7 +31,9 @@ Run transitions (state, condition -> next state: effects):
     STARTING, RUNNING
                     result written, ranks gone -> SUCCEEDED: EndAttempt, FinishRun
                     a fault                  -> RECOVERING:  RecordFault, StopAttempt, DrainNode*
-                    a fault, exit code 2 or 5 -> FAILED:     RecordFault, StopAttempt (do not retry)
+                    a fault, an exit code the trainer declares do-not-retry or
+                    storage-full (the reference trainer: 2, 5; RunView.exit_codes)
+                                             -> FAILED:     RecordFault, StopAttempt (do not retry)
                     the cluster ended the allocation -> RECOVERING: the attempt ends INTERRUPTED
 
 Attempts: LAUNCHING -> RUNNING (processes exist: started, or adopted after a daemon
@@ -43,7 +45,8 @@ attempt gives its nodes back (ReleaseNodes).
 
 Attribution (attribution.py): a node is drained only on evidence: every rank of it
 vanished at once, or fell silent while the others are heard, or its device failed
-(exit code 4), or a probe confirmed it bad, or it is a lemon (blamed in
+(an exit code its trainer declares a device fault: the reference trainer's 4), or a
+probe confirmed it bad, or it is a lemon (blamed in
 ``lemon_faults`` distinct faults within ``lemon_window_s``). A straggler is reported,
 and left out of the next attempt when a spare can take its place; only
 ``straggler_restart`` makes it a fault.

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from supervisor.domain import (
     Attempt,
     AttemptObs,
+    ExitMeaning,
     FaultKind,
     NodeState,
     ProcState,
@@ -35,13 +36,6 @@ from supervisor.domain import (
     RunView,
     run_id_of,
 )
-
-# Trainer exit codes with a meaning (trainer/README.md, trainer/errors.py). Any other
-# failure is retried from the newest checkpoint.
-EXIT_DO_NOT_RETRY = frozenset({2})  # configuration or usage error: a restart cannot fix it -> FAILED
-EXIT_CHECKPOINT_UNREADABLE = 3  # resume from the checkpoint before the one that failed to load
-EXIT_DEVICE_FAULT = 4  # the rank's accelerator failed: drain its node, restart on a spare
-EXIT_STORAGE_FULL = 5  # no checkpoint can be written (disk full): FAILED until an operator frees space
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +56,13 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
     held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
     lost_nodes = sorted(n for n, rs in by.items() if n in held and all(vanished_abruptly(r) for r in rs))
     released = sorted(n for n in by if n not in held)
-    do_not_retry = any(exit_code(r) in EXIT_DO_NOT_RETRY for r in dead)
+    # What the trainer means by an exit code: only what its spec declares (view.exit_codes).
+    def meaning(r: RankObs) -> ExitMeaning | None:
+        code = exit_code(r)
+        return None if code is None else view.exit_codes.get(code)
+
+    refused = [r for r in dead if meaning(r) is ExitMeaning.DO_NOT_RETRY]
+    do_not_retry = bool(refused)
     where = f"{view.run.run_id}, attempt {live.number}, step {step}"
 
     if lost_nodes:
@@ -74,26 +74,27 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
                              ranks=tuple(r.rank for r in blamed), summary=summary, step=step)
         return Finding(record, [(n, why) for n in lost_nodes], do_not_retry)
 
-    broken = [r for r in dead if exit_code(r) == EXIT_DEVICE_FAULT]
+    broken = [r for r in dead if meaning(r) is ExitMeaning.DEVICE]
     if broken:  # the trainer's own word that a device failed: evidence enough to drain
+        code = exit_code(broken[0])
         nodes = sorted({r.node for r in broken if r.node in held})
         drains = []
         for n in nodes:
-            words = "; ".join(r.reported_reason for r in broken if r.node == n) or "exit code 4"
+            words = "; ".join(r.reported_reason for r in broken if r.node == n) or f"exit code {code}"
             why = f"training-supervisor: device fault reported by the trainer: {words} ({where})"
             drains.append((n, why[:500]))
-        summary = "device fault (exit code 4): " + "; ".join(describe_exit(r) for r in broken)
+        summary = f"device fault (exit code {code}): " + "; ".join(describe_exit(r) for r in broken)
         record = RecordFault(kind=FaultKind.DEVICE, attempt=live.number, ranks=tuple(r.rank for r in broken),
                              nodes=tuple(nodes), summary=summary, step=step)
         return Finding(record, drains)
-    full = [r for r in dead if exit_code(r) == EXIT_STORAGE_FULL]
+    full = [r for r in dead if meaning(r) is ExitMeaning.STORAGE_FULL]
     if full:  # every later save would fail the same way: stop, keep what is saved, say why
-        summary = (f"checkpoint storage full (exit code 5): {describe_exit(full[0])}; "
+        summary = (f"checkpoint storage full (exit code {exit_code(full[0])}): {describe_exit(full[0])}; "
                    "free space, then resume the run")
         record = RecordFault(kind=FaultKind.STORAGE, attempt=live.number, ranks=tuple(r.rank for r in full),
                              nodes=(), summary=summary, step=step)
         return Finding(record, do_not_retry=True)
-    unreadable = [r for r in dead if exit_code(r) == EXIT_CHECKPOINT_UNREADABLE]
+    unreadable = [r for r in dead if meaning(r) is ExitMeaning.CHECKPOINT_UNREADABLE]
     if unreadable and live.resume_from is not None:
         summary = (f"the checkpoint at step {live.resume_step} cannot be read "
                    f"({describe_exit(unreadable[0])}): resuming from an older one")
@@ -110,7 +111,7 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
         return Finding(RecordFault(kind=FaultKind.ALLOCATION_ENDED, attempt=live.number, ranks=(), nodes=(),
                                    summary=summary, step=step), interrupted=True)
     if do_not_retry:
-        summary = f"trainer reported a configuration error (exit code 2): {summary}"
+        summary = f"trainer reported a configuration error (exit code {exit_code(refused[0])}): {summary}"
     record = RecordFault(kind=FaultKind.RANK_EXIT, attempt=live.number, ranks=tuple(r.rank for r in first),
                          nodes=tuple(sorted({r.node for r in first})), summary=summary, step=step)
     return Finding(record, do_not_retry=do_not_retry)

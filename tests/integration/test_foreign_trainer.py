@@ -12,6 +12,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.e2e.conftest import summary_of, tsup
 
 SCRIPT = textwrap.dedent('''
@@ -136,3 +138,31 @@ def test_an_incomplete_newest_checkpoint_is_passed_over(tmp_path: Path) -> None:
     newest, rejected = pick(d, "dcp")
     assert newest is not None and newest.step == 10
     assert [v.step for v in rejected] == [20]
+
+
+# Exits 4 on its first attempt, then succeeds: "4" is whatever the script means by it.
+ONCE_4 = 'if [ -e "$1/failed-once" ]; then exit 0; fi; touch "$1/failed-once"; exit 4'
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_an_exit_code_means_a_device_fault_only_when_the_spec_declares_it(tmp_path: Path, declared: bool) -> None:
+    spec = tmp_path / "once4.toml"
+    spec.write_text(textwrap.dedent(f"""
+        name = "once4"
+        [resources]
+        nodes = 1
+        ranks_per_node = 1
+        spares = 1
+        [command]
+        argv = ["sh", "-c", {json.dumps(ONCE_4)}, "once4", "{{run_dir}}"]
+        checkpoint_dir = "{{run_dir}}/checkpoints"
+        {'exit_codes = "tsup"' if declared else ''}
+    """))
+    proc = tsup("run", spec, "--state-dir", tmp_path / "state", "--json", timeout_s=120)
+    s = summary_of(proc)
+    assert proc.returncode == 0 and s["state"] == "SUCCEEDED" and s["attempts"] == 2, s
+    [fault] = s["faults"]
+    if declared:  # the trainer's own word that its device failed: its node goes
+        assert fault["kind"] == "device" and s["drained_nodes"] == ["local-1"], s
+    else:  # a script's 4 is no evidence against the node
+        assert fault["kind"] == "rank-exit" and s["drained_nodes"] == [], s

@@ -12,6 +12,7 @@ from supervisor.domain import (
     CheckpointRef,
     DrainNode,
     Emit,
+    ExitMeaning,
     FaultKind,
     FaultRecord,
     FinishRun,
@@ -203,6 +204,30 @@ def test_exit_code_4_is_a_device_fault_that_drains_the_ranks_node() -> None:
         "training-supervisor: device fault reported by the trainer: DeviceFault: CUDA error: uncorrectable "
         "ECC error encountered (run-7, attempt 1, step 50)")
     assert of(effects, StopAttempt)[0].outcome is AttemptOutcome.FAILED
+
+
+@pytest.mark.parametrize("code", [2, 3, 4, 5])
+def test_a_trainer_that_declares_no_exit_codes_means_only_failed_by_any(code: int) -> None:
+    """A [command] trainer's codes mean nothing unless its spec says so (torchrun exits 1
+    for any child's failure; a script's 2 or 4 may be anything): a plain fault, retried,
+    no node drained."""
+    o = obs(rank(0), rank(1), rank(2), rank(3, ProcState.EXITED, exit_code=code))
+    live = attempt(resume_from="/ck/step_00000040", resume_step=40)
+    effects = decide(replace(view(run(), (live,)), exit_codes={}), o, NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.RANK_EXIT and fault.ranks == (3,), fault
+    assert of(effects, DrainNode) == [] and of(effects, FinishRun) == []
+
+
+def test_a_declared_table_of_its_own_gives_a_code_its_meaning() -> None:
+    o = obs(rank(0), rank(1), rank(2), rank(3, ProcState.EXITED, exit_code=7))
+    effects = decide(replace(view(run(), (attempt(),)), exit_codes={7: ExitMeaning.DEVICE}), o, NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.DEVICE and "exit code 7" in fault.summary
+    assert [d.node for d in of(effects, DrainNode)] == ["n2"]
+    refused = decide(replace(view(run(), (attempt(),)), exit_codes={7: ExitMeaning.DO_NOT_RETRY}), o, NOW)
+    [finish] = of(refused, FinishRun)
+    assert finish.state is RunState.FAILED and "configuration error (exit code 7)" in finish.reason
 
 
 def test_exit_code_3_blames_the_checkpoint_not_a_node_and_it_is_never_used_again() -> None:

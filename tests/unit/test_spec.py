@@ -92,3 +92,29 @@ def test_an_auto_checkpoint_interval_is_the_supervisors_to_set(tmp_path: Path) -
     trainer_cmd.check_trainer_config(spec, tmp_path)  # the trainer accepts what it is given
     with pytest.raises(SpecError, match="every_steps: expected a number of steps or 'auto'"):
         parse_spec({"name": "c", "trainer": {"steps": 3, "checkpoint": {"every_steps": "often"}}})
+
+
+COMMAND = {"argv": ["torchrun", "train.py"], "checkpoint_dir": "{run_dir}/ck"}
+
+
+def test_exit_codes_mean_something_only_where_declared() -> None:
+    from supervisor.domain import TSUP_EXIT_CODES, ExitMeaning
+
+    assert parse_spec(GOOD).exit_meanings == TSUP_EXIT_CODES, "the reference trainer's table"
+    assert parse_spec({"name": "t", "command": COMMAND}).exit_meanings == {}
+    assert parse_spec({"name": "t", "command": {**COMMAND, "exit_codes": "tsup"}}).exit_meanings == TSUP_EXIT_CODES
+    own = parse_spec({"name": "t", "command": {**COMMAND, "exit_codes": {"7": "device", "9": "do-not-retry"}}})
+    assert own.exit_meanings == {7: ExitMeaning.DEVICE, 9: ExitMeaning.DO_NOT_RETRY}
+
+
+@pytest.mark.parametrize(("exit_codes", "complaint"), [
+    ("tsupp", """command.exit_codes: expected "none", "tsup" or a table of codes, got 'tsupp'"""),
+    ({"seven": "device"}, "command.exit_codes: 'seven': an exit code is a number from 1 to 255"),
+    ({"0": "device"}, "'0': an exit code is a number from 1 to 255"),
+    ({"7": "fried"}, "command.exit_codes: 7 = 'fried': expected one of do-not-retry, checkpoint-unreadable, "
+                     "device, storage-full"),
+])
+def test_a_bad_exit_code_table_is_named(exit_codes: object, complaint: str) -> None:
+    with pytest.raises(SpecError) as e:
+        parse_spec({"name": "t", "command": {**COMMAND, "exit_codes": exit_codes}})
+    assert complaint in str(e.value), str(e.value)
