@@ -315,7 +315,8 @@ def _dry_run(args: argparse.Namespace, data: dict[str, Any]) -> int:
         plan: dict[str, Any] = {"launcher": "slurm", **requests.dry_run(
             job_name="tsup-<state-dir hash>.run-N.1", nodes=res.nodes, spares=res.spares,
             ranks_per_node=res.ranks_per_node, argv=argv, partition=res.partition,
-            time_limit_min=res.time_limit_min, log_dir=run_dir, handles_usr1=spec.handles_usr1)}
+            time_limit_min=res.time_limit_min, log_dir=run_dir, handles_usr1=spec.handles_usr1,
+            cwd=trainer_cmd.attempt_cwd(spec, run_dir), srun_args=trainer_cmd.attempt_srun_args(spec))}
     else:
         plan = {"launcher": "local", "ranks": res.nodes * res.ranks_per_node, "argv": list(argv)}
     if args.json:

@@ -268,7 +268,8 @@ class Observer:
             run_id=run.run_id, attempt=a.number, nodes=a.nodes, ranks_per_node=run.ranks_per_node,
             argv=trainer_cmd.attempt_argv(spec, run_dir, a.number, a.resume_from, a.resume_step), env=env,
             log_dir=trainer_cmd.attempt_dir(run_dir, a.number), marker=str(config_path),
-            allocation_info=run.allocation_info, user=spec.user,
+            allocation_info=run.allocation_info, user=spec.user, cwd=trainer_cmd.attempt_cwd(spec, run_dir),
+            srun_args=trainer_cmd.attempt_srun_args(spec),
         )
 
     def _observe_attempt(self, run: Run, spec: RunSpec | None, run_dir: Path, live: Attempt,

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from supervisor.domain import TSUP_EXIT_CODES, ExitMeaning, Policy
 from supervisor.errors import SpecError
 from supervisor.planning import LLAMA3_FAILURES_PER_NODE_DAY
+from supervisor.slurm.requests import SUPERVISOR_SRUN_OPTIONS
 from trainer.protocol import parse_mqtt_url
 
 _Model = ConfigDict(extra="forbid", frozen=True)
@@ -144,6 +145,10 @@ class CommandSpec(BaseModel):
     checkpoint_layout: str | None = None  # None: recognise any layout
     steps: Annotated[int, Field(ge=0, le=10**12)] = 0  # the run's length, for progress (0: unknown)
     env: dict[str, str] = {}
+    cwd: str | None = None  # the ranks' working directory ({run_dir}, {checkpoint_dir} allowed)
+    # Slurm: options of the user's own for the step's srun (-l, --container-image=...),
+    # after the supervisor's; those it sets itself (--nodes, --ntasks, ...) are refused.
+    srun_args: list[Annotated[str, Field(min_length=2, max_length=1000)]] = []
     # The command saves a checkpoint on SIGUSR1, which Slurm then sends ahead of the
     # allocation's time limit. Off by default: SIGUSR1 ends a process that ignores it.
     handles_usr1: bool = False
@@ -185,7 +190,8 @@ class CommandSpec(BaseModel):
         for where, items, allowed in (("argv", self.argv, paths),
                                       ("resume", self.resume, paths | {"checkpoint", "step"}),
                                       ("checkpoint_dir", [self.checkpoint_dir], {"run_dir"}),
-                                      ("env", list(self.env.values()), paths)):
+                                      ("env", list(self.env.values()), paths),
+                                      ("cwd", [self.cwd] if self.cwd else [], paths)):
             for item in items:
                 try:
                     item.format(**{k: "" for k in allowed})
@@ -195,6 +201,12 @@ class CommandSpec(BaseModel):
                                      f"({e}); allowed: {names}") from e
         if self.resume and not any("{checkpoint}" in r for r in self.resume):
             raise ValueError("resume: no item names {checkpoint}, the path to resume from")
+        for arg in self.srun_args:
+            if not arg.startswith("-"):
+                raise ValueError(f"srun_args: {arg!r} is not an option (srun's options start with '-')")
+            option = arg.split("=", 1)[0] if arg.startswith("--") else arg[:2]  # -N2 is -N
+            if option in SUPERVISOR_SRUN_OPTIONS:
+                raise ValueError(f"srun_args: {option} is the supervisor's to set, for every step")
         return self
 
 

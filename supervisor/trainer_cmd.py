@@ -109,6 +109,17 @@ def attempt_argv(spec: RunSpec, run_dir: Path, attempt: int, resume_from: str | 
     return tuple(argv)
 
 
+def attempt_cwd(spec: RunSpec, run_dir: Path) -> Path | None:
+    """A [command] trainer's working directory (None: the launcher's own)."""
+    if spec.command is None or spec.command.cwd is None:
+        return None
+    return Path(spec.command.cwd.format(run_dir=run_dir, checkpoint_dir=checkpoint_dir(spec, run_dir)))
+
+
+def attempt_srun_args(spec: RunSpec) -> tuple[str, ...]:
+    return tuple(spec.command.srun_args) if spec.command is not None else ()
+
+
 def attempt_env(spec: RunSpec, run_dir: Path) -> dict[str, str]:
     """The variables every rank of an attempt gets beyond the launcher's and the run's ids."""
     if spec.command is None:

@@ -47,6 +47,8 @@ class LaunchSpec:
     marker: str
     allocation_info: str | None = None  # the run's, when the launcher keeps one (Slurm)
     user: str | None = None  # the ranks execute as (supervisor/users.py); None: as the daemon
+    cwd: Path | None = None  # the ranks' working directory (None: the launcher's own)
+    srun_args: tuple[str, ...] = ()  # Slurm: the spec's own srun options (the local launcher has no srun)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

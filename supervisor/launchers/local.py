@@ -152,7 +152,7 @@ class LocalLauncher:
                         p = subprocess.Popen(
                             list(spec.argv), env=env, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, process_group=leader, close_fds=True,
-                            user=uid, group=gid, extra_groups=groups,
+                            user=uid, group=gid, extra_groups=groups, cwd=spec.cwd,
                         )
                     self._children[p.pid] = p
                     if leader == 0:

@@ -215,7 +215,7 @@ class SlurmLauncher:
         port = _free_port() if local else _port_for(spec.run_id, spec.attempt)
         name = self.step_name(spec.run_id, spec.attempt)
         req = StepRequest(job_id=job, step_name=name, nodes=tuple(nodes), ranks_per_node=spec.ranks_per_node,
-                          argv=spec.argv, log_dir=spec.log_dir)
+                          argv=spec.argv, log_dir=spec.log_dir, cwd=spec.cwd, extra=spec.srun_args)
         env = {**spec.env, "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
                "LOCAL_WORLD_SIZE": str(spec.ranks_per_node), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                "TSUP_MARKER": spec.marker}

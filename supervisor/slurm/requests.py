@@ -22,7 +22,12 @@ Choices, and why:
   in Slurm until the node is declared down (up to SlurmdTimeout); the next step must not
   wait for its CPUs. The supervisor itself keeps one trainer step per allocation.
 - Ranks get the torchrun environment from Slurm's by a fixed ``sh -c`` wrapper on the
-  node; the trainer's argv is passed as arguments, never pasted into shell text.
+  node; the trainer's argv is passed as arguments, never pasted into shell text. The
+  wrapper also makes the job-wide Slurm variables describe the step: inside a step,
+  ``SLURM_JOB_NODELIST`` is the whole allocation (spares and drained nodes included), so
+  a script taking its master from it would point outside the step.
+- A ``[command]``'s ``cwd`` is the step's ``--chdir``; its ``srun_args`` (``-l``,
+  ``--container-image=...``) go before the wrapper, after the supervisor's own options.
 """
 
 from __future__ import annotations
@@ -35,7 +40,17 @@ from pathlib import Path
 # Sets the torchrun variables from Slurm's, then runs the trainer's argv unchanged.
 RANK_WRAPPER = (
     'export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" WORLD_SIZE="$SLURM_NTASKS" '
-    'GROUP_RANK="$SLURM_NODEID" TSUP_NODE="$SLURMD_NODENAME"; exec "$@"'
+    'GROUP_RANK="$SLURM_NODEID" TSUP_NODE="$SLURMD_NODENAME" '
+    'SLURM_JOB_NODELIST="${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" '
+    'SLURM_NODELIST="${SLURM_STEP_NODELIST:-$SLURM_NODELIST}" '
+    'SLURM_JOB_NUM_NODES="${SLURM_STEP_NUM_NODES:-$SLURM_JOB_NUM_NODES}" '
+    'SLURM_NNODES="${SLURM_STEP_NUM_NODES:-$SLURM_NNODES}"; exec "$@"'
+)
+# srun options a [command] may not give: the supervisor sets them for every step.
+SUPERVISOR_SRUN_OPTIONS = (
+    "--jobid", "--job-name", "-J", "--nodes", "-N", "--nodelist", "-w", "--ntasks", "-n", "--ntasks-per-node",
+    "--distribution", "-m", "--overlap", "--kill-on-bad-exit", "-K", "--output", "-o", "--chdir", "-D",
+    "--exclude", "-x",
 )
 
 
@@ -90,6 +105,8 @@ class StepRequest:
     ranks_per_node: int
     argv: tuple[str, ...]
     log_dir: Path
+    cwd: Path | None = None  # the tasks' working directory (None: srun's own)
+    extra: tuple[str, ...] = ()  # the spec's srun_args
 
 
 def srun_argv(req: StepRequest) -> list[str]:
@@ -98,6 +115,7 @@ def srun_argv(req: StepRequest) -> list[str]:
         f"--nodelist={','.join(req.nodes)}", f"--ntasks={len(req.nodes) * req.ranks_per_node}",
         f"--ntasks-per-node={req.ranks_per_node}", "--distribution=block", "--overlap",
         "--kill-on-bad-exit=0", f"--output={req.log_dir}/rank-%t.log",
+        *([f"--chdir={req.cwd}"] if req.cwd is not None else []), *req.extra,
         "/bin/sh", "-c", RANK_WRAPPER, "tsup-rank", *req.argv,
     ]
 
@@ -110,7 +128,7 @@ def describe(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str:
 
 def dry_run(*, job_name: str, nodes: int, spares: int, ranks_per_node: int, argv: Sequence[str],
             partition: str | None, time_limit_min: int | None, log_dir: Path,
-            handles_usr1: bool) -> dict[str, object]:
+            handles_usr1: bool, cwd: Path | None = None, srun_args: Sequence[str] = ()) -> dict[str, object]:
     """What a run would ask of Slurm, before any node is known: the allocation request,
     its batch script, and the srun of the first step (``<...>`` marks what Slurm decides)."""
     sreq = SbatchRequest(job_name=job_name, nodes=nodes + spares, min_nodes=nodes, partition=partition,
@@ -118,5 +136,6 @@ def dry_run(*, job_name: str, nodes: int, spares: int, ranks_per_node: int, argv
                          signal_before_s=120 if handles_usr1 else None)
     step = StepRequest(job_id="<allocation job id>", step_name=job_name.rsplit(".", 1)[0] + ".a1",
                        nodes=tuple(f"<node {k + 1} of the allocation>" for k in range(nodes)),
-                       ranks_per_node=ranks_per_node, argv=tuple(argv), log_dir=log_dir / "attempts" / "1")
+                       ranks_per_node=ranks_per_node, argv=tuple(argv), log_dir=log_dir / "attempts" / "1",
+                       cwd=cwd, extra=tuple(srun_args))
     return {"sbatch": sbatch_argv(sreq), "batch_script": allocation_script(sreq), "srun": srun_argv(step)}

@@ -234,3 +234,40 @@ def test_a_paused_run_gives_its_allocation_back_and_resume_asks_for_a_new_one(
         wait_for(lambda: slurm(slurm_box, "squeue", "-h") == "", 60, "the finished run's allocation given back")
     finally:
         daemon.kill(15)
+
+
+# Each task writes what it sees: the job-wide node list and count, and where it runs.
+STEP_ENV = ('printf "%s %s %s\\n" "$SLURM_JOB_NODELIST" "$SLURM_JOB_NUM_NODES" "$(pwd)" > "$1/env-$SLURM_PROCID"; '
+            'echo hello')
+
+
+def test_a_command_sees_its_steps_nodes_as_the_job_and_runs_in_its_cwd_with_its_srun_args(
+        slurm_box: Box, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 nodes + 1 spare: inside the step, SLURM_JOB_NODELIST names the step's 2 nodes,
+    not the allocation's 3 (a script taking its master from it stays inside the step)."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
+    spec = tmp_path / "env.toml"
+    spec.write_text(f"""
+name = "step-env"
+[resources]
+launcher = "slurm"
+nodes = 2
+ranks_per_node = 1
+spares = 1
+[command]
+argv = ["sh", "-c", {json.dumps(STEP_ENV)}, "step-env", "{{run_dir}}"]
+checkpoint_dir = "{{run_dir}}/ck"
+cwd = "{{run_dir}}/attempts"
+srun_args = ["-l"]
+""")
+    state = tmp_path / "state"
+    s = summary_of(tsup("run", spec, "--state-dir", state, "--json", timeout_s=120))
+    assert s["state"] == "SUCCEEDED", s
+    [attempt] = s["attempt_history"]
+    run_dir = state / "runs" / "run-1"
+    for task in (0, 1):
+        nodelist, count, cwd = (run_dir / f"env-{task}").read_text().split()
+        hosts = slurm(slurm_box, "scontrol", "show", "hostnames", nodelist).split()
+        assert hosts == attempt["nodes"] and count == "2", (nodelist, count, attempt["nodes"])
+        assert cwd == str(run_dir / "attempts")
+    assert (run_dir / "attempts" / "1" / "rank-0.log").read_text().strip() == "0: hello", "srun -l labels"

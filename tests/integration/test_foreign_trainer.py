@@ -166,3 +166,19 @@ def test_an_exit_code_means_a_device_fault_only_when_the_spec_declares_it(tmp_pa
         assert fault["kind"] == "device" and s["drained_nodes"] == ["local-1"], s
     else:  # a script's 4 is no evidence against the node
         assert fault["kind"] == "rank-exit" and s["drained_nodes"] == [], s
+
+
+def test_a_command_runs_in_its_cwd_on_the_local_launcher(tmp_path: Path) -> None:
+    spec = tmp_path / "cwd.toml"
+    spec.write_text(textwrap.dedent("""
+        name = "cwd"
+        [command]
+        argv = ["sh", "-c", "pwd > \\"$1/cwd\\"", "cwd", "{run_dir}"]
+        checkpoint_dir = "{run_dir}/checkpoints"
+        cwd = "{run_dir}/attempts"
+    """))
+    state = tmp_path / "state"
+    s = summary_of(tsup("run", spec, "--state-dir", state, "--json", timeout_s=120))
+    assert s["state"] == "SUCCEEDED", s
+    run_dir = state / "runs" / "run-1"
+    assert (run_dir / "cwd").read_text().strip() == str(run_dir / "attempts")

@@ -167,6 +167,29 @@ def test_rank_wrapper_sets_torchrun_env_and_passes_argv_verbatim(tmp_path: Path)
     assert out["argv"] == list(TRICKY)
 
 
+def test_inside_a_step_the_job_wide_slurm_variables_describe_the_step(tmp_path: Path) -> None:
+    """SLURM_JOB_NODELIST is the whole allocation in a step (spares, drained nodes): a
+    script that takes its master from it must find the step's nodes there."""
+    names = ("SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+    probe = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {names!r}}}))"
+    command = srun_argv(step(argv=(sys.executable, "-c", probe)))
+    command = command[command.index("/bin/sh"):]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+           "SLURM_NTASKS": "2", "SLURM_NODEID": "0", "SLURMD_NODENAME": "node2",
+           "SLURM_JOB_NODELIST": "node[1-3]", "SLURM_NODELIST": "node[1-3]", "SLURM_JOB_NUM_NODES": "3",
+           "SLURM_NNODES": "3", "SLURM_STEP_NODELIST": "node[2-3]", "SLURM_STEP_NUM_NODES": "2"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(done.stdout) == {"SLURM_JOB_NODELIST": "node[2-3]", "SLURM_NODELIST": "node[2-3]",
+                                       "SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2"}
+
+
+def test_a_commands_cwd_and_srun_args_come_after_the_supervisors_options() -> None:
+    argv = srun_argv(step(cwd=Path("/fsx/job"), extra=("-l", "--container-image=nvcr.io/x:1")))
+    i = argv.index("/bin/sh")
+    assert argv[i - 3:i] == ["--chdir=/fsx/job", "-l", "--container-image=nvcr.io/x:1"]
+    assert argv.index("--overlap") < i - 3
+
+
 # --- describe ---------------------------------------------------------------------
 
 

@@ -118,3 +118,32 @@ def test_a_bad_exit_code_table_is_named(exit_codes: object, complaint: str) -> N
     with pytest.raises(SpecError) as e:
         parse_spec({"name": "t", "command": {**COMMAND, "exit_codes": exit_codes}})
     assert complaint in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(("command", "complaint"), [
+    ({"srun_args": ["--nodes=3"]}, "command: srun_args: --nodes is the supervisor's to set, for every step"),
+    ({"srun_args": ["-N2"]}, "srun_args: -N is the supervisor's to set"),
+    ({"srun_args": ["label"]}, "srun_args: 'label' is not an option"),
+    ({"cwd": "{workdir}/x"}, "cwd: '{workdir}/x' uses an unknown placeholder"),
+])
+def test_a_bad_cwd_or_srun_argument_is_named(command: dict[str, object], complaint: str) -> None:
+    with pytest.raises(SpecError) as e:
+        parse_spec({"name": "t", "command": {**COMMAND, **command}})
+    assert complaint in str(e.value), str(e.value)
+
+
+def test_cwd_and_srun_args_reach_the_dry_run(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    spec = tmp_path / "s.toml"
+    spec.write_text('name = "t"\n[resources]\nlauncher = "slurm"\n[command]\nargv = ["./train.sh"]\n'
+                    'checkpoint_dir = "{run_dir}/ck"\ncwd = "{run_dir}/work"\nsrun_args = ["-l"]\n')
+    out = subprocess.run([sys.executable, "-m", "api.ctl", "--json", "submit", "--dry-run", str(spec)],
+                         capture_output=True, text=True, check=True, cwd=REPO,
+                         env={**os.environ, "TSUP_CTL_CONFIG": os.devnull})
+    srun = json.loads(out.stdout)["srun"]
+    i = srun.index("/bin/sh")
+    assert srun[i - 2:i] == ["--chdir=<state-dir>/runs/run-N/work", "-l"] and srun[-1] == "./train.sh"
