@@ -146,7 +146,10 @@ class SlurmLauncher:
             log.info("adopted allocation %s (%s)", found[0].job_id, name)
             return self.held(req.run_id, new_info) or Grant(nodes=(), info=new_info)
         sreq = self.sbatch_request(req, seq)
-        owner = users.for_launch(req.user)
+        try:
+            owner = users.for_launch(req.user)
+        except LaunchError as e:  # the run's user is gone from this host: say why, and wait
+            return Grant(nodes=(), info=req.info, note=str(e))
         if owner is not None and not owner.is_me:
             # The batch script only sleeps, and the daemon's private state directory is
             # no place the run's user may write: its output goes nowhere.
