@@ -64,6 +64,9 @@ RECENT_STEPS_KEPT = 400  # rank 0's steps per attempt: the window spikes are jud
 BUSY_TIMES_KEPT = 100  # per rank: the longest window stragglers may be judged on
 
 
+# Last wills received this shortly before the broker link went down came with the
+# broker's own shutdown (see TelemetryView.link_down).
+WILLS_WITH_THE_BROKER_S = 2.0
 # The reasons a message is dropped (TelemetryView.counts keys, tsup_mqtt_dropped_total).
 DROP_REASONS = ("malformed", "unsigned", "bad_mac", "replay", "will_unattributed", "ended")
 _ENDED_KEPT = 10_000  # ended attempts remembered, so that their messages stay dropped
@@ -135,8 +138,17 @@ class TelemetryView:
     def link_up(self, now: float) -> None:
         self.up_since = now
 
-    def link_down(self) -> None:
-        self.up_since = None
+    def link_down(self, now: float) -> None:
+        """The link to the broker is gone. A broker that shuts down publishes every client's
+        last will first (mosquitto does): wills that came just before are the broker's
+        going, not the ranks' deaths, and are set aside. A rank that did die then is found
+        once the link is back, by its silence or by Slurm."""
+        with self._lock:
+            self.up_since = None
+            for ranks in self._ranks.values():
+                for rank in ranks.values():
+                    if rank.lost and rank.lost_at is not None and now - rank.lost_at <= WILLS_WITH_THE_BROKER_S:
+                        rank.lost = False
 
     def ingest(self, topic: str, payload: bytes | str, now: float) -> None:
         try:
@@ -379,7 +391,7 @@ class MqttLink:
         if b.tls:
             tls = ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
         # Gone without a word (killed, cut off): the broker clears the presence for us.
-        will = aiomqtt.Will(p.presence_topic(self.view.cluster), b"", qos=1, retain=True)
+        will = aiomqtt.Will(p.presence_topic(self.view.cluster), p.PRESENCE_CLEARED, qos=1, retain=True)
         return aiomqtt.Client(b.host, b.port, identifier=self.client_id, username=b.username,
                               password=b.password, tls_context=tls, keepalive=10, timeout=5, will=will)
 
@@ -407,15 +419,15 @@ class MqttLink:
                     except asyncio.CancelledError:  # the daemon stops: say so, briefly
                         with contextlib.suppress(Exception):
                             async with asyncio.timeout(1.0):
-                                await client.publish(p.presence_topic(self.view.cluster), b"", qos=1,
-                                                     retain=True)
+                                await client.publish(p.presence_topic(self.view.cluster), p.PRESENCE_CLEARED,
+                                                     qos=1, retain=True)
                         raise
             except aiomqtt.MqttError as e:
                 if self.view.up_since is not None:
                     log.warning("telemetry link down: %s", e)
             finally:
                 self._client = None
-                self.view.link_down()
+                self.view.link_down(self.clock())
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, LINK_MAX_BACKOFF_S)
 
@@ -424,7 +436,7 @@ class MqttLink:
         if isinstance(payload, (bytes, str)):
             self.view.ingest(message.topic.value, payload, self.clock())
         else:
-            self.view.counts["malformed"] += 1
+            self.view.count("malformed")
 
     @property
     def connected(self) -> bool:

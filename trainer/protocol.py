@@ -271,6 +271,7 @@ def topic_for(run: str, attempt: int, rank: int, kind: str, cluster: str = DEFAU
 
 
 PRESENCE_ONLINE = b"online"
+PRESENCE_CLEARED = b""  # an empty retained message deletes the retained one
 PRESENCE_WAIT_S = 10.0  # a rank holds its buffer this long for a supervisor that says nothing
 
 

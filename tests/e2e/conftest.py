@@ -52,6 +52,30 @@ def slurm(box: Box, *argv: str) -> str:
     return out.stdout
 
 
+def serve_config(path: Path, state: Path, port: int, **keys: Any) -> Path:
+    """A daemon config at ``path``: ``state``, the API on 127.0.0.1:``port``, a fast tick,
+    no sweep, and ``keys`` (written as JSON, which is TOML for strings and lists)."""
+    settings = {"state_dir": str(state), "api_bind": f"127.0.0.1:{port}", "tick_s": 0.25, "sweep_every_s": 0,
+                **keys}
+    path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items()))
+    return path
+
+
+def command_spec(path: Path, name: str, argv: list[str], *, resources: dict[str, Any] | None = None,
+                 policy: dict[str, Any] | None = None, **command: Any) -> Path:
+    """A spec for a trainer the supervisor did not write, at ``path``: ``[command]`` with
+    ``argv``, a checkpoint directory in the run directory unless given, and ``command``'s
+    other keys. Values are written as JSON, which is TOML for strings, numbers and lists."""
+    def table(title: str, keys: dict[str, Any]) -> list[str]:
+        return [f"[{title}]", *(f"{k} = {json.dumps(v)}" for k, v in keys.items())]
+
+    lines = [f"name = {json.dumps(name)}", *table("resources", resources or {}),
+             *table("command", {"argv": argv, "checkpoint_dir": "{run_dir}/checkpoints", **command}),
+             *(table("policy", policy) if policy else [])]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def spec_for_slurm(tmp_path: Path, **resources: Any) -> Path:
     """The example spec on the Slurm launcher, with extra ``[resources]`` keys."""
     text = EXAMPLE.read_text().replace('launcher = "local"', 'launcher = "slurm"')

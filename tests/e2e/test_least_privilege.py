@@ -24,7 +24,7 @@ from supervisor import users
 from supervisor.slurm import parse
 from supervisor.users import RunAs
 from tests.conftest import free_port, require, wait_for
-from tests.e2e.conftest import EXAMPLE, Serve, slurm, spec_for_slurm, trainer_processes
+from tests.e2e.conftest import EXAMPLE, Serve, serve_config, slurm, spec_for_slurm, trainer_processes
 
 pytestmark = pytest.mark.e2e
 
@@ -83,9 +83,7 @@ def test_serve_refuses_root_runs_and_starts_a_run_as_the_user_its_spec_names(
         tmp_path: Path, open_dir: Path, alice: RunAs, fault_free: dict[str, Any]) -> None:
     state, port, shared = tmp_path / "state", free_port(), open_dir / "shared"
     shared.mkdir(mode=0o755)
-    conf = tmp_path / "config.toml"
-    conf.write_text(f'state_dir = "{state}"\napi_bind = "127.0.0.1:{port}"\nshared_dir = "{shared}"\n'
-                    "tick_s = 0.25\nsweep_every_s = 0\n")
+    conf = serve_config(tmp_path / "config.toml", state, port, shared_dir=str(shared))
     daemon = Serve(state, port, config=conf, extra_env={"TSUP_ALLOW_ROOT_RUNS": "false"})
     try:
         refused = daemon.ctl("submit", str(EXAMPLE))
@@ -143,10 +141,8 @@ def test_on_the_box_the_daemon_runs_as_its_own_user_and_drains_through_sudo(
     for d in (state, shared):
         d.mkdir()
         os.chown(d, operator.uid, operator.gid)
-    conf = open_dir / "config.toml"
-    conf.write_text(f'state_dir = "{state}"\napi_bind = "127.0.0.1:{port}"\nshared_dir = "{shared}"\n'
-                    f'launcher = "slurm"\nslurm_conf = "{slurm_box.conf}"\nslurm_admin_prefix = ["sudo", "-n"]\n'
-                    "tick_s = 0.25\nsweep_every_s = 0\n")
+    conf = serve_config(open_dir / "config.toml", state, port, shared_dir=str(shared), launcher="slurm",
+                        slurm_conf=str(slurm_box.conf), slurm_admin_prefix=["sudo", "-n"])
     daemon = Serve(state, port, config=conf, user=operator, extra_env={"TSUP_ALLOW_ROOT_RUNS": "false"})
     try:
         assert psutil.Process(daemon.proc.pid).uids().real == operator.uid, "the daemon is not root"
@@ -173,9 +169,8 @@ def test_on_the_box_a_root_daemon_starts_the_run_as_the_user_its_spec_names(
     """sbatch and srun run as alice: the allocation is hers in Slurm, and so are the ranks."""
     state, shared, port = tmp_path / "state", open_dir / "shared", free_port()
     shared.mkdir(mode=0o755)
-    conf = tmp_path / "config.toml"
-    conf.write_text(f'state_dir = "{state}"\napi_bind = "127.0.0.1:{port}"\nshared_dir = "{shared}"\n'
-                    f'launcher = "slurm"\nslurm_conf = "{slurm_box.conf}"\ntick_s = 0.25\nsweep_every_s = 0\n')
+    conf = serve_config(tmp_path / "config.toml", state, port, shared_dir=str(shared), launcher="slurm",
+                        slurm_conf=str(slurm_box.conf))
     daemon = Serve(state, port, config=conf, extra_env={"TSUP_ALLOW_ROOT_RUNS": "false"})
     try:
         spec = spec_as(spec_for_slurm(tmp_path), alice.name, tmp_path / "alice.toml")

@@ -17,7 +17,7 @@ import pytest
 from slurmbox.box import Box
 from supervisor.slurm import parse
 from tests.conftest import REPO, free_port, wait_for
-from tests.e2e.conftest import db_rows, slurm, slurm_serve, spec_for_slurm, summary_of, tsup
+from tests.e2e.conftest import command_spec, db_rows, slurm, slurm_serve, spec_for_slurm, summary_of, tsup
 from tests.fake_tools.replay import make_tools
 
 pytestmark = pytest.mark.e2e
@@ -246,20 +246,9 @@ def test_a_command_sees_its_steps_nodes_as_the_job_and_runs_in_its_cwd_with_its_
     """2 nodes + 1 spare: inside the step, SLURM_JOB_NODELIST names the step's 2 nodes,
     not the allocation's 3 (a script taking its master from it stays inside the step)."""
     monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
-    spec = tmp_path / "env.toml"
-    spec.write_text(f"""
-name = "step-env"
-[resources]
-launcher = "slurm"
-nodes = 2
-ranks_per_node = 1
-spares = 1
-[command]
-argv = ["sh", "-c", {json.dumps(STEP_ENV)}, "step-env", "{{run_dir}}"]
-checkpoint_dir = "{{run_dir}}/ck"
-cwd = "{{run_dir}}/attempts"
-srun_args = ["-l"]
-""")
+    spec = command_spec(tmp_path / "env.toml", "step-env", ["sh", "-c", STEP_ENV, "step-env", "{run_dir}"],
+                        resources={"launcher": "slurm", "nodes": 2, "ranks_per_node": 1, "spares": 1},
+                        cwd="{run_dir}/attempts", srun_args=["-l"])
     state = tmp_path / "state"
     s = summary_of(tsup("run", spec, "--state-dir", state, "--json", timeout_s=120))
     assert s["state"] == "SUCCEEDED", s

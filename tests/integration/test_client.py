@@ -5,14 +5,13 @@ nothing."""
 
 from __future__ import annotations
 
-import json
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import summary_of, tsup
+from tests.e2e.conftest import command_spec, summary_of, tsup
 from trainer.client import Reporter
 
 SCRIPT = textwrap.dedent('''
@@ -59,19 +58,8 @@ def test_a_nan_reported_through_the_client_rolls_the_run_back(tmp_path: Path) ->
     script = tmp_path / "user_train.py"
     script.write_text(SCRIPT)
     argv = [sys.executable, str(script), "--steps", "40", "--save_dir", "{checkpoint_dir}", "--nan_at", "25"]
-    spec = tmp_path / "client.toml"
-    spec.write_text(textwrap.dedent(f"""
-        name = "client"
-        [resources]
-        nodes = 1
-        ranks_per_node = 2
-        [command]
-        argv = {json.dumps(argv)}
-        resume = ["--resume_from_checkpoint={{checkpoint}}"]
-        checkpoint_dir = "{{run_dir}}/checkpoints"
-        checkpoint_layout = "dcp"
-        steps = 40
-    """))
+    spec = command_spec(tmp_path / "client.toml", "client", argv, resources={"nodes": 1, "ranks_per_node": 2},
+                        resume=["--resume_from_checkpoint={checkpoint}"], checkpoint_layout="dcp", steps=40)
     s = summary_of(tsup("run", spec, "--state-dir", tmp_path / "state", "--json", timeout_s=180))
     assert s["state"] == "SUCCEEDED" and s["attempts"] == 2, s
     [fault] = s["faults"]

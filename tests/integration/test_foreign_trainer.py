@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import summary_of, tsup
+from tests.e2e.conftest import command_spec, summary_of, tsup
 
 SCRIPT = textwrap.dedent('''
     """A tiny data-parallel trainer, in the style of a user's torchrun script."""
@@ -73,22 +73,9 @@ def write_spec(tmp_path: Path, name: str, crash_at: int) -> Path:
     script.write_text(SCRIPT)
     argv = [sys.executable, str(script), "--steps", "40", "--every", "10", "--save_dir", "{checkpoint_dir}",
             "--out", "{run_dir}/final.json", "--crash_at", str(crash_at)]
-    spec = tmp_path / f"{name}.toml"
-    spec.write_text(textwrap.dedent(f"""
-        name = "{name}"
-        [resources]
-        nodes = 1
-        ranks_per_node = 2
-        [command]
-        argv = {json.dumps(argv)}
-        resume = ["--resume_from_checkpoint={{checkpoint}}"]
-        checkpoint_dir = "{{run_dir}}/checkpoints"
-        checkpoint_layout = "dcp"
-        steps = 40
-        [policy]
-        failures_without_progress = 3
-    """))
-    return spec
+    return command_spec(tmp_path / f"{name}.toml", name, argv, resources={"nodes": 1, "ranks_per_node": 2},
+                        policy={"failures_without_progress": 3}, checkpoint_layout="dcp", steps=40,
+                        resume=["--resume_from_checkpoint={checkpoint}"])
 
 
 def run(tmp_path: Path, name: str, crash_at: int) -> tuple[dict[str, Any], Path]:
@@ -146,18 +133,9 @@ ONCE_4 = 'if [ -e "$1/failed-once" ]; then exit 0; fi; touch "$1/failed-once"; e
 
 @pytest.mark.parametrize("declared", [False, True])
 def test_an_exit_code_means_a_device_fault_only_when_the_spec_declares_it(tmp_path: Path, declared: bool) -> None:
-    spec = tmp_path / "once4.toml"
-    spec.write_text(textwrap.dedent(f"""
-        name = "once4"
-        [resources]
-        nodes = 1
-        ranks_per_node = 1
-        spares = 1
-        [command]
-        argv = ["sh", "-c", {json.dumps(ONCE_4)}, "once4", "{{run_dir}}"]
-        checkpoint_dir = "{{run_dir}}/checkpoints"
-        {'exit_codes = "tsup"' if declared else ''}
-    """))
+    spec = command_spec(tmp_path / "once4.toml", "once4", ["sh", "-c", ONCE_4, "once4", "{run_dir}"],
+                        resources={"nodes": 1, "ranks_per_node": 1, "spares": 1},
+                        **({"exit_codes": "tsup"} if declared else {}))
     proc = tsup("run", spec, "--state-dir", tmp_path / "state", "--json", timeout_s=120)
     s = summary_of(proc)
     assert proc.returncode == 0 and s["state"] == "SUCCEEDED" and s["attempts"] == 2, s
@@ -169,14 +147,8 @@ def test_an_exit_code_means_a_device_fault_only_when_the_spec_declares_it(tmp_pa
 
 
 def test_a_command_runs_in_its_cwd_on_the_local_launcher(tmp_path: Path) -> None:
-    spec = tmp_path / "cwd.toml"
-    spec.write_text(textwrap.dedent("""
-        name = "cwd"
-        [command]
-        argv = ["sh", "-c", "pwd > \\"$1/cwd\\"", "cwd", "{run_dir}"]
-        checkpoint_dir = "{run_dir}/checkpoints"
-        cwd = "{run_dir}/attempts"
-    """))
+    spec = command_spec(tmp_path / "cwd.toml", "cwd", ["sh", "-c", 'pwd > "$1/cwd"', "cwd", "{run_dir}"],
+                        cwd="{run_dir}/attempts")
     state = tmp_path / "state"
     s = summary_of(tsup("run", spec, "--state-dir", state, "--json", timeout_s=120))
     assert s["state"] == "SUCCEEDED", s

@@ -106,6 +106,20 @@ t.close(exit_code=0, final_step=step, reason="done")
 OUTAGE_S = 30.0
 
 
+def steady_rank(broker: Broker, steps: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", STEADY_PUBLISHER],
+                            env={**publisher_env(broker), "STEPS": str(steps)})
+
+
+async def _stop(rank: subprocess.Popen[bytes] | None, link_task: asyncio.Task[None]) -> None:
+    """Kill the rank if it still runs, and stop the supervisor's link."""
+    if rank is not None and rank.poll() is None:
+        rank.kill()
+        rank.wait()
+    link_task.cancel()
+    await asyncio.gather(link_task, return_exceptions=True)
+
+
 def test_a_broker_down_for_30_s_hears_the_ranks_within_5_s_of_its_return(tmp_path: Path) -> None:
     """The broker stopped for 30 s under a live rank and started again on its port: the
     supervisor hears the rank again within 5 s, and gets the steps made meanwhile (the
@@ -122,8 +136,7 @@ def test_a_broker_down_for_30_s_hears_the_ranks_within_5_s_of_its_return(tmp_pat
         rank = None
         try:
             await until(lambda: link.connected, 10, "the supervisor to subscribe")
-            rank = subprocess.Popen([sys.executable, "-c", STEADY_PUBLISHER],
-                                    env={**publisher_env(broker), "STEPS": str(steps)})
+            rank = steady_rank(broker, steps)
             await until(lambda: view.max_step("run-3", 2) >= 20, 30, "the rank's first steps")
             stop_by_pid(proc)
             down_at_step = view.max_step("run-3", 2)
@@ -143,11 +156,7 @@ def test_a_broker_down_for_30_s_hears_the_ranks_within_5_s_of_its_return(tmp_pat
             assert steps - 2 <= counts["step"] <= steps, f"{counts['step']} of {steps} steps arrived"
             assert counts.get("replay", 0) == 0 and counts.get("bad_mac", 0) == 0
         finally:
-            if rank is not None and rank.poll() is None:
-                rank.kill()
-                rank.wait()
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await _stop(rank, task)
 
     try:
         asyncio.run(scenario())
@@ -185,8 +194,7 @@ def test_ranks_back_before_the_supervisor_keep_their_buffer_until_it_is_subscrib
         rank = None
         try:
             await until(lambda: link.connected, 10, "the supervisor to subscribe")
-            rank = subprocess.Popen([sys.executable, "-c", STEADY_PUBLISHER],
-                                    env={**publisher_env(broker), "STEPS": str(steps)})
+            rank = steady_rank(broker, steps)
             await until(lambda: view.max_step("run-3", 2) >= 10, 30, "the rank's first steps")
             task.cancel()  # the supervisor goes away, and the broker with it
             await asyncio.gather(task, return_exceptions=True)
@@ -200,11 +208,7 @@ def test_ranks_back_before_the_supervisor_keep_their_buffer_until_it_is_subscrib
             counts = view.counts_now()
             assert steps - 2 <= counts["step"] <= steps, f"{counts['step']} of {steps} steps arrived"
         finally:
-            if rank is not None and rank.poll() is None:
-                rank.kill()
-                rank.wait()
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await _stop(rank, task)
 
     try:
         asyncio.run(scenario())
