@@ -145,10 +145,9 @@ class TelemetryView:
         once the link is back, by its silence or by Slurm."""
         with self._lock:
             self.up_since = None
-            for ranks in self._ranks.values():
-                for rank in ranks.values():
-                    if rank.lost and rank.lost_at is not None and now - rank.lost_at <= WILLS_WITH_THE_BROKER_S:
-                        rank.lost = False
+            for rank in (r for ranks in self._ranks.values() for r in ranks.values()):
+                if rank.lost and rank.lost_at is not None and now - rank.lost_at <= WILLS_WITH_THE_BROKER_S:
+                    rank.lost = False
 
     def ingest(self, topic: str, payload: bytes | str, now: float) -> None:
         try:

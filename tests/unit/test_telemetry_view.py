@@ -283,3 +283,21 @@ def test_messages_of_an_ended_attempt_are_dropped() -> None:
     view.forget("run-1", 1)
     view.ingest(*rank.seal(nan_step(4)), 2.0)
     assert view.ranks("run-1", 1) == {} and view.counts_now()["ended"] == 1
+
+
+def test_last_wills_that_came_as_the_broker_went_away_are_set_aside() -> None:
+    """mosquitto publishes every client's will when it shuts down, just before the
+    supervisor's link goes: those wills are the broker's going, not the ranks' deaths.
+    A will well before the link went down stays evidence."""
+    view, rank = sealed_view()
+    view.ingest(*rank.seal(p.Heartbeat(**H, rank=rank.rank, step=3, phase=p.Phase.TRAIN)), 1.0)
+    view.ingest(*rank.will(), 10.0)
+    assert view.ranks("run-1", 1)[0].lost
+    view.link_down(10.5)
+    assert not view.ranks("run-1", 1)[0].lost, "it went with the broker"
+
+    view, rank = sealed_view()
+    view.ingest(*rank.seal(p.Heartbeat(**H, rank=rank.rank, step=3, phase=p.Phase.TRAIN)), 1.0)
+    view.ingest(*rank.will(), 10.0)
+    view.link_down(15.0)
+    assert view.ranks("run-1", 1)[0].lost, "a death seconds before an outage is still a death"
