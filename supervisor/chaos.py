@@ -36,7 +36,10 @@ in every attempt of the run:
                       speed for the rest of the run: a straggler
 
 Each action fires once per run, through the launcher, as real signals to real
-processes. The injector tells the reconciler nothing: the supervisor must detect the
+processes. An action at a later step than one that ends the attempt (a kill, a freeze,
+a hang) waits for the next attempt: with ``kill-rank@45 kill-node@48`` the node dies at
+step 48 of the attempt that resumed, even when the supervisor first hears of steps 45
+and 48 in one poll. The injector tells the reconciler nothing: the supervisor must detect the
 fault on its own. It records a ``chaos.injected`` event so that a reader (and the
 tests) can compare detection times with the moment of injection.
 """
@@ -71,6 +74,8 @@ ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "partition-node", "
 PARTITION_S = {"partition-node": 20, "partition-all": 30}  # how long a cut lasts unless /SECONDS says
 # Injected by the trainer itself, not by signals from outside.
 TRAINER_KINDS = frozenset({"crash", "nan", "spike", "slow", "device", "kill-in-save"})
+# Faults that end the attempt they hit: a later action waits for the attempt after it.
+ENDS_ATTEMPT = frozenset({"kill-rank", "kill-node", "freeze-node", "hang-rank"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,6 +125,7 @@ class ChaosMonkey:
         self.reconciler = reconciler
         self.checkpoint_dir = checkpoint_dir
         self.heals: list[tuple[float, str]] = []  # (time.monotonic() when due, node) of cut links
+        self.ended: tuple[int, int] | None = None  # (attempt, step) of the last fault that ends its attempt
 
     def poll(self) -> None:
         self._heal_when_due()
@@ -131,7 +137,8 @@ class ChaosMonkey:
         if live is None or live.state is not AttemptState.RUNNING or live.launch_info is None:
             return
         step = self.telemetry.max_step(run_id_of(self.run_number), live.number)
-        while self.pending and self.pending[0].step <= step:
+        while self.pending and self.pending[0].step <= step and not self._waits_for_next_attempt(
+                self.pending[0], live.number):
             action = self.pending.pop(0)
             try:
                 if action.kind == "corrupt-ckpt":
@@ -153,10 +160,18 @@ class ChaosMonkey:
             except (LaunchError, IndexError, OSError) as e:
                 log.warning("chaos %s not injected: %s", action, e)
                 continue
+            if action.kind in ENDS_ATTEMPT:
+                self.ended = (live.number, action.step)
             self.reconciler.post_event(
                 self.run_number, "chaos.injected", f"chaos {action} at step {step}: {what}",
                 {"action": str(action), "step": step, "attempt": live.number},
             )
+
+    def _waits_for_next_attempt(self, action: ChaosAction, attempt: int) -> bool:
+        if self.ended is None:
+            return False
+        ended_attempt, ended_step = self.ended
+        return attempt == ended_attempt and action.step > ended_step
 
     def _partition(self, action: ChaosAction, nodes: tuple[str, ...]) -> str:
         assert self.hooks is not None and action.seconds is not None
