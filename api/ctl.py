@@ -43,6 +43,7 @@ from typing import Any
 from api.client import DEFAULT_URL, ApiError, Client
 from supervisor import report, trainer_cmd
 from supervisor.config import default_state_dir
+from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import SpecError
 from supervisor.slurm import requests
 from supervisor.spec import parse_spec
@@ -311,14 +312,20 @@ def _dry_run(args: argparse.Namespace, data: dict[str, Any]) -> int:
     run_dir = Path("<state-dir>/runs/run-N")
     argv = trainer_cmd.attempt_argv(spec, run_dir, 1, None, 0)
     res = spec.resources
+    launch = trainer_cmd.launch_mode(spec)
     if res.launcher == "slurm":
         plan: dict[str, Any] = {"launcher": "slurm", **requests.dry_run(
             job_name="tsup-<state-dir hash>.run-N.1", nodes=res.nodes, spares=res.spares,
             ranks_per_node=res.ranks_per_node, argv=argv, partition=res.partition,
             time_limit_min=res.time_limit_min, log_dir=run_dir, handles_usr1=spec.handles_usr1,
-            cwd=trainer_cmd.attempt_cwd(spec, run_dir), srun_args=trainer_cmd.attempt_srun_args(spec))}
+            cwd=trainer_cmd.attempt_cwd(spec, run_dir), srun_args=trainer_cmd.attempt_srun_args(spec),
+            launch=launch, rdzv_id=rdzv_id("run-N", 1))}
     else:
-        plan = {"launcher": "local", "ranks": res.nodes * res.ranks_per_node, "argv": list(argv)}
+        step = Step(nnodes=res.nodes, nproc_per_node=res.ranks_per_node, master_addr="127.0.0.1",
+                    master_port="<free port>", rdzv_id=rdzv_id("run-N", 1))
+        argv = step.fill_all(argv)
+        plan = {"launcher": "local", "launch": launch, "argv": list(argv),
+                "processes": res.nodes * (1 if launch == "node" else res.ranks_per_node)}
     if args.json:
         _print_json(plan)
     elif res.launcher == "slurm":
@@ -328,7 +335,7 @@ def _dry_run(args: argparse.Namespace, data: dict[str, Any]) -> int:
         print(f"# each attempt: a job step on {res.nodes} healthy node(s) of the allocation")
         print(requests.describe(plan["srun"]))
     else:
-        print(f"# {plan['ranks']} rank(s) on this machine, each running:")
+        print(f"# {plan['processes']} process(es) on this machine, one per {launch}, each running:")
         print(requests.describe(argv))
     return EXIT_OK
 

@@ -32,6 +32,7 @@ verdict with the reason, never an exception.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -51,6 +52,7 @@ _HF_DIR = re.compile(r"^checkpoint-(\d+)$")
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")  # Megatron's iter_{:07d}
 _DCP_DIR = re.compile(r"^(?:.+-(\d+)steps|step[-_](\d+))$")  # the FSDP test case's, torchtitan's
 _TRACKER = "latest_checkpointed_iteration.txt"
+SET_ASIDE = ".set-aside"  # in a checkpoint directory: checkpoints moved out of a trainer's way (set_aside)
 
 # Megatron's tracker: (iteration, is "release") or why it cannot be trusted.
 _Tracker = tuple[int, bool] | str
@@ -272,12 +274,26 @@ def scan(directory: Path, layout: str | None = None, out_of_range: list[Path] | 
         entries = list(directory.iterdir())
     except (FileNotFoundError, NotADirectoryError):
         return []
+    if "nemo" in layouts:
+        entries += _per_job_entries(directory)
     tracker = functools.cache(lambda: _read_tracker(directory))  # read once per scan, if at all
     found = [v for p in entries if (v := _inspect(p, layouts, tracker)) is not None]
     if out_of_range is not None:
         out_of_range.extend(v.path for v in found if v.step > MAX_STEP)
     found = [v for v in found if v.step <= MAX_STEP]
     return sorted(found, key=lambda v: (v.step, v.ok, v.path.name), reverse=True)
+
+
+def _per_job_entries(directory: Path) -> list[Path]:
+    """Checkpoints in NxD Training's (NeMo exp_manager's) per-job directories below a
+    checkpoint directory: <dir>/<name>/checkpoints/ and <dir>/<name>/<version>/checkpoints/."""
+    out: list[Path] = []
+    for pattern in ("*/checkpoints", "*/*/checkpoints"):
+        for sub in directory.glob(pattern):
+            if SET_ASIDE not in sub.relative_to(directory).parts:
+                with contextlib.suppress(OSError):
+                    out.extend(sub.iterdir())
+    return out
 
 
 def pick(directory: Path, layout: str | None = None, before_step: int | None = None,
@@ -293,3 +309,23 @@ def pick(directory: Path, layout: str | None = None, before_step: int | None = N
             return v, rejected
         rejected.append(v)
     return None, rejected
+
+
+def set_aside(directory: Path, layout: str | None, keep: Path | None, keep_step: int,
+              into: Path) -> list[tuple[Path, Path]]:
+    """Move every checkpoint of ``directory`` at ``keep_step`` or later, except ``keep``, into
+    ``into``: for a trainer that searches the directory itself, so that it finds the one
+    the supervisor chose (a newer one may be unreadable, or past a rollback). Nothing is
+    deleted. Returns the moves made, (from, to)."""
+    moved: list[tuple[Path, Path]] = []
+    for v in scan(directory, layout):
+        if v.step < keep_step or (keep is not None and v.path == keep):
+            continue
+        into.mkdir(parents=True, exist_ok=True)
+        target = into / v.path.name
+        try:
+            v.path.rename(target)
+        except FileNotFoundError:
+            continue  # the trainer deleted it meanwhile
+        moved.append((v.path, target))
+    return moved

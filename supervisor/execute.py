@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from supervisor import node_health, planning, trainer_cmd, users
+from supervisor import checkpoint_scan, node_health, planning, trainer_cmd, users
 from supervisor.domain import (
     AdoptAttempt,
     AllocateNodes,
@@ -294,6 +294,26 @@ class Executor:
                          {"every_steps": auto.every_steps}, now)
         return auto.every_steps
 
+    def _clear_the_way(self, run: Run, spec: RunSpec, run_dir: Path, e: StartAttempt, now: float) -> None:
+        """A [command] trainer that picks its checkpoint itself (its resume arguments name a
+        directory, or nothing) must find the one chosen here: every newer one is moved out
+        of its way first (into .set-aside/ in the checkpoint directory; nothing deleted)."""
+        if spec.command is None or not spec.command.searches:
+            return
+        directory = trainer_cmd.checkpoint_dir(spec, run_dir)
+        keep = Path(e.resume_from) if e.resume_from is not None else None
+        moved = checkpoint_scan.set_aside(directory, trainer_cmd.checkpoint_layout(spec), keep,
+                                          e.resume_step if keep is not None else 0,
+                                          directory / checkpoint_scan.SET_ASIDE / f"attempt-{e.number}")
+        if moved:
+            names = ", ".join(src.name for src, _ in moved)
+            start = keep.name if keep is not None else "scratch"
+            with self.store.tx() as tx:
+                tx.add_event(run.number, "checkpoint.set-aside",
+                             f"attempt {e.number} resumes from {start}: moved {names} out of the trainer's "
+                             f"way into {moved[0][1].parent}",
+                             {"attempt": e.number, "moved": [str(src) for src, _ in moved]}, now)
+
     def _start(self, run: Run, spec: RunSpec, run_dir: Path, e: StartAttempt, now: float) -> None:
         attempt = Attempt(run_number=run.number, number=e.number, state=AttemptState.LAUNCHING, nodes=e.nodes,
                           resume_from=e.resume_from, resume_step=e.resume_step, created_at=now)
@@ -302,6 +322,7 @@ class Executor:
                 run = tx.get_run(run.number)
                 skips = tx.list_data_skips(run.number)  # the data windows spikes made the run skip
             launch = self.observer.launch_spec(run, spec, run_dir, attempt)
+            self._clear_the_way(run, spec, run_dir, e, now)
             every = self._checkpoint_interval(run, spec, now) if spec.auto_checkpoints else None
             config = trainer_cmd.write_attempt_config(spec, run_dir, e.number, launch.argv, skips, every)
             run_as = users.for_launch(spec.user)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor import checkpoint_scan, trainer_cmd
+from supervisor import checkpoint_scan, output_progress, trainer_cmd
 from supervisor.checkpoint_scan import Verdict
 from supervisor.domain import (
     LIVE_ATTEMPT_STATES,
@@ -44,6 +44,7 @@ from supervisor.domain import (
 )
 from supervisor.errors import SpecError
 from supervisor.launchers.base import Grant, Launcher, LaunchSpec
+from supervisor.output_progress import AttemptOutput
 from supervisor.policy import resume_before, unreadable_checkpoints
 from supervisor.policy.detection import STALL_GAP_S
 from supervisor.probes import ProbeScheduler
@@ -133,6 +134,7 @@ class Observer:
         self._dead_since: dict[tuple[int, int, int], float] = {}  # (run, attempt, rank) -> first seen dead
         # (run, attempt) -> (checkpoint step, when first seen, when scanned): [command] trainers
         self._quiet: dict[tuple[int, int], tuple[int, float | None, float]] = {}
+        self._output: dict[tuple[int, int], AttemptOutput] = {}  # (run, attempt) -> its output read so far
         self.spikes_said: dict[tuple[int, int], set[int]] = {}  # (run, attempt) -> short spikes reported
         self._allocated: dict[int, list[str]] = {}  # run -> nodes an allocation gave it since the last look
         self._out_of_range: set[tuple[int, str]] = set()  # (run, path) of checkpoints said to be out of range
@@ -173,6 +175,7 @@ class Observer:
         for key in [k for k in self._dead_since if k[:2] == (run_number, attempt)]:
             del self._dead_since[key]
         self._quiet.pop((run_number, attempt), None)
+        self._output.pop((run_number, attempt), None)
         self._heard.pop((run_number, attempt), None)
         self._back_at.pop((run_number, attempt), None)
         self.spikes_said.pop((run_number, attempt), None)
@@ -269,7 +272,7 @@ class Observer:
             argv=trainer_cmd.attempt_argv(spec, run_dir, a.number, a.resume_from, a.resume_step), env=env,
             log_dir=trainer_cmd.attempt_dir(run_dir, a.number), marker=str(config_path),
             allocation_info=run.allocation_info, user=spec.user, cwd=trainer_cmd.attempt_cwd(spec, run_dir),
-            srun_args=trainer_cmd.attempt_srun_args(spec),
+            srun_args=trainer_cmd.attempt_srun_args(spec), launch=trainer_cmd.launch_mode(spec),
         )
 
     def _observe_attempt(self, run: Run, spec: RunSpec | None, run_dir: Path, live: Attempt,
@@ -287,12 +290,17 @@ class Observer:
                 return AttemptObs(ranks=(), never_started=True, orphans=found)
             launch_info = found
         procs = self.launcher.observe(launch_info)
+        output = self._read_output(run, spec, run_dir, live, now) if spec and spec.command else None
         tele = self.telemetry.ranks(run.run_id, live.number, run.policy.straggler_window)
         # A [command] trainer sends no telemetry, and ranks that cannot reach the broker
         # send none that arrives: then progress is the checkpoints and the output.
         unheard = not any(t.last_seen_at is not None for t in tele.values())
         quiet = (self._quiet_progress(spec, run_dir, live, now)
                  if spec and (spec.command is not None or unheard) else None)
+        if quiet is not None and output is not None:
+            # A [command] trainer's progress lines are the job's (its rank 0 alone prints
+            # them, as a rule): every rank is as far as the newest one says.
+            quiet = (max([quiet[0], *(t.last_step for t in tele.values())]), quiet[1])
         ranks = []
         for proc in procs:
             t = tele.get(proc.rank)
@@ -313,6 +321,8 @@ class Observer:
                 last_seen_at=t.last_seen_at if t else None,
                 nonfinite_step=t.nonfinite_step if t else None,
                 busy_recent_s=t.busy_recent if t else (),
+                first_step=t.first_step if t else None,
+                **_fatal(output, proc.rank),
             ))
         result = self._result(run, spec, run_dir, live, ranks) if spec else None
         p99, samples = self.telemetry.step_time_p99(run.run_id, live.number)
@@ -350,6 +360,19 @@ class Observer:
             return None
         return trainer_cmd.read_result(trainer_cmd.result_path(spec, run_dir), run.run_id, live.number)
 
+    def _read_output(self, run: Run, spec: RunSpec, run_dir: Path, live: Attempt,
+                     now: float) -> AttemptOutput:
+        """Steps and fatal errors in a [command] trainer's output since the last tick; the
+        steps go to the telemetry view, as if the trainer had sent them."""
+        assert spec.command is not None
+        state = self._output.setdefault((run.number, live.number), AttemptOutput())
+        formats = output_progress.formats_for(spec.command.progress_pattern)
+        for read in output_progress.read_output(
+                state, trainer_cmd.attempt_dir(run_dir, live.number), run_id=run.run_id, attempt=live.number,
+                ranks_per_node=run.ranks_per_node, formats=formats, now=now):
+            self.telemetry.apply_from_output(read.msg, now, printed=read.printed)
+        return state
+
     def _quiet_progress(self, spec: RunSpec, run_dir: Path, live: Attempt, now: float) -> tuple[int,
                                                                                                 float | None]:
         """(newest complete checkpoint step, when progress was last seen) for a trainer
@@ -365,6 +388,12 @@ class Observer:
         logs = trainer_cmd.attempt_dir(run_dir, live.number).glob("*.log")
         output_at = max((p.stat().st_mtime for p in logs if p.exists()), default=None)
         return step, _latest(step_seen_at, output_at)
+
+
+def _fatal(output: AttemptOutput | None, rank: int) -> dict[str, str]:
+    """A rank's fatal line from its output, as RankObs fields (none: empty)."""
+    fatal = output.fatal.get(rank) if output is not None else None
+    return {"fatal_line": fatal.line, "fatal_kind": fatal.kind} if fatal else {}
 
 
 def _latest(*times: float | None) -> float | None:

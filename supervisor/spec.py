@@ -28,6 +28,7 @@ see supervisor/trainer_cmd.py), so that the daemon never imports torch.
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,6 +37,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from supervisor.domain import TSUP_EXIT_CODES, ExitMeaning, Policy
+from supervisor.domain.step import STEP_PLACEHOLDERS, LaunchMode
 from supervisor.errors import SpecError
 from supervisor.planning import LLAMA3_FAILURES_PER_NODE_DAY
 from supervisor.slurm.requests import SUPERVISOR_SRUN_OPTIONS
@@ -131,15 +133,24 @@ CHECKPOINT_LAYOUTS = ("tsup", "nxd", "nemo", "hf", "megatron", "dcp")  # supervi
 
 class CommandSpec(BaseModel):
     """A trainer the supervisor did not write: a plain command, run on every rank with the
-    torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR ...).
+    torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR ...), or with ``launch = "node"``
+    once per node, where the user's torchrun or script spawns the ranks.
 
-    Placeholders: ``{run_dir}`` and ``{checkpoint_dir}`` in ``argv``, ``checkpoint_dir``
-    and ``env``; ``{checkpoint}`` (the path of the checkpoint to resume from) and
-    ``{step}`` in ``resume``, whose items are appended to ``argv`` only when resuming.
+    Placeholders: ``{run_dir}`` and ``{checkpoint_dir}`` in ``argv``, ``checkpoint_dir``,
+    ``env`` and ``cwd``; the step's rendezvous (supervisor/domain/step.py: ``{nnodes}``,
+    ``{nproc_per_node}``, ``{master_addr}``, ``{master_port}``, ``{rdzv_id}``) in ``argv``,
+    ``env`` and ``resume``; ``{checkpoint}`` (the path of the checkpoint to resume from)
+    and ``{step}`` in ``resume``, whose items are appended to ``argv`` only when resuming.
     """
 
     model_config = _Model
     argv: Annotated[list[str], Field(min_length=1)]
+    launch: LaunchMode = "rank"
+    # Appended to argv when resuming. Items naming {checkpoint} or {step} tell the trainer
+    # which checkpoint to load; otherwise (a directory to search, as the FSDP test case's
+    # --resume_from_checkpoint, or nothing: NxD Training finds its own) the trainer
+    # searches, and the supervisor first moves every checkpoint newer than the one it
+    # chose out of its way (``searches``).
     resume: list[str] = []
     checkpoint_dir: str
     checkpoint_layout: str | None = None  # None: recognise any layout
@@ -156,6 +167,26 @@ class CommandSpec(BaseModel):
     # trainer's table: 2 do-not-retry, 3 checkpoint-unreadable, 4 device, 5 storage-full),
     # or a table of its own ({"7" = "device"}).
     exit_codes: str | dict[str, str] = "none"
+    # A regular expression for the trainer's progress lines, with named groups "step" and
+    # optionally "loss" and "grad_norm" (supervisor/output_progress.py), tried before the
+    # formats the supervisor knows (the FSDP test case's, NxD's, NeMo's).
+    progress_pattern: Annotated[str, Field(min_length=1, max_length=1000)] | None = None
+
+    @field_validator("progress_pattern")
+    @classmethod
+    def _progress_pattern(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            groups = re.compile(v).groupindex
+        except re.error as e:
+            raise ValueError(f"{v!r} is not a regular expression: {e}") from e
+        if "step" not in groups:
+            raise ValueError(f"{v!r} has no (?P<step>...) group: the step number is what progress is")
+        unknown = sorted(set(groups) - {"step", "loss", "grad_norm"})
+        if unknown:
+            raise ValueError(f"{v!r}: unknown group(s) {', '.join(unknown)}; known: step, loss, grad_norm")
+        return v
 
     @field_validator("exit_codes", mode="before")
     @classmethod
@@ -170,6 +201,11 @@ class CommandSpec(BaseModel):
                 if meaning not in {m.value for m in ExitMeaning}:
                     raise ValueError(f"{code} = {meaning!r}: expected one of {known}")
         return v
+
+    @property
+    def searches(self) -> bool:
+        """The trainer picks the checkpoint it resumes from by itself."""
+        return not any("{checkpoint}" in r or "{step}" in r for r in self.resume)
 
     @property
     def exit_meanings(self) -> Mapping[int, ExitMeaning]:
@@ -187,10 +223,11 @@ class CommandSpec(BaseModel):
     @model_validator(mode="after")
     def _placeholders(self) -> CommandSpec:
         paths = {"run_dir", "checkpoint_dir"}
-        for where, items, allowed in (("argv", self.argv, paths),
-                                      ("resume", self.resume, paths | {"checkpoint", "step"}),
+        step = paths | set(STEP_PLACEHOLDERS)
+        for where, items, allowed in (("argv", self.argv, step),
+                                      ("resume", self.resume, step | {"checkpoint", "step"}),
                                       ("checkpoint_dir", [self.checkpoint_dir], {"run_dir"}),
-                                      ("env", list(self.env.values()), paths),
+                                      ("env", list(self.env.values()), step),
                                       ("cwd", [self.cwd] if self.cwd else [], paths)):
             for item in items:
                 try:
@@ -199,8 +236,6 @@ class CommandSpec(BaseModel):
                     names = ", ".join("{" + a + "}" for a in sorted(allowed))
                     raise ValueError(f"{where}: {item!r} uses an unknown placeholder or a stray brace "
                                      f"({e}); allowed: {names}") from e
-        if self.resume and not any("{checkpoint}" in r for r in self.resume):
-            raise ValueError("resume: no item names {checkpoint}, the path to resume from")
         for arg in self.srun_args:
             if not arg.startswith("-"):
                 raise ValueError(f"srun_args: {arg!r} is not an option (srun's options start with '-')")

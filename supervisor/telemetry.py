@@ -69,6 +69,7 @@ BUSY_TIMES_KEPT = 100  # per rank: the longest window stragglers may be judged o
 WILLS_WITH_THE_BROKER_S = 2.0
 # The reasons a message is dropped (TelemetryView.counts keys, tsup_mqtt_dropped_total).
 DROP_REASONS = ("malformed", "unsigned", "bad_mac", "replay", "will_unattributed", "ended")
+_PRINTED_ALL = frozenset({"loss", "grad_norm"})  # a StepMetrics message carries both
 _ENDED_KEPT = 10_000  # ended attempts remembered, so that their messages stay dropped
 
 
@@ -89,6 +90,7 @@ class RankTelemetry:
     lost_at: float | None = None
     busy_times: deque[float] = field(default_factory=lambda: deque(maxlen=BUSY_TIMES_KEPT))
     nonfinite_step: int | None = None  # the first step whose loss or grad norm was NaN or infinite
+    first_step: int | None = None  # the lowest step it reported in this attempt (its first)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,6 +108,7 @@ class RankSeen:
     exit_at: float | None
     lost: bool
     nonfinite_step: int | None
+    first_step: int | None
     busy_recent: tuple[float, ...]  # its newest busy times, oldest first
 
 
@@ -198,6 +201,15 @@ class TelemetryView:
         with self._lock:
             self._apply(msg, now)
 
+    def apply_from_output(self, msg: p.StepMetrics, now: float, *, printed: frozenset[str]) -> None:
+        """A step read from a trainer's output (supervisor/output_progress.py): progress,
+        but no sign that the rank's node is heard (output stops in a hang as everywhere
+        else); only what the line ``printed`` (loss, grad_norm) is judged, the rest is NaN
+        for "not known"."""
+        with self._lock:
+            rank = self._ranks.setdefault((msg.run, msg.attempt), {}).setdefault(msg.rank, RankTelemetry())
+            self._step(rank, msg, now, printed)
+
     def count(self, key: str, n: int = 1) -> None:
         with self._lock:
             self.counts[key] += n
@@ -221,19 +233,7 @@ class TelemetryView:
                 rank.phase = msg.phase.value
                 self._progress(rank, msg.step, now)
             case p.StepMetrics():
-                self._progress(rank, msg.step, now)
-                if math.isfinite(msg.step_time_s) and msg.step_time_s > 0:
-                    self._add_step_time(msg.run, msg.attempt, msg.step_time_s)
-                if math.isfinite(msg.busy_s) and msg.busy_s >= 0:
-                    rank.busy_times.append(msg.busy_s)
-                finite = all(x is None or math.isfinite(x) for x in (msg.loss, msg.grad_norm))
-                if not finite and (rank.nonfinite_step is None or msg.step < rank.nonfinite_step):
-                    rank.nonfinite_step = msg.step
-                if msg.rank == 0:
-                    self._queue(Received(msg, now))
-                    self._recent.setdefault((msg.run, msg.attempt), deque(maxlen=RECENT_STEPS_KEPT)).append(
-                        StepSample(step=msg.step, loss=msg.loss, grad_norm=msg.grad_norm,
-                                   first_sample=msg.first_sample))
+                self._step(rank, msg, now, _PRINTED_ALL)
             case p.CheckpointCommitted():
                 self._queue(Received(msg, now))
                 if math.isfinite(msg.duration_s) and msg.duration_s >= 0:
@@ -250,6 +250,24 @@ class TelemetryView:
                 self._apply_node_report(msg, now)
             case p.Lost():
                 rank.lost, rank.lost_at = True, now
+
+    def _step(self, rank: RankTelemetry, msg: p.StepMetrics, now: float, printed: frozenset[str]) -> None:
+        self._progress(rank, msg.step, now)
+        if rank.first_step is None or msg.step < rank.first_step:
+            rank.first_step = msg.step
+        if math.isfinite(msg.step_time_s) and msg.step_time_s > 0:
+            self._add_step_time(msg.run, msg.attempt, msg.step_time_s)
+        if math.isfinite(msg.busy_s) and msg.busy_s >= 0:
+            rank.busy_times.append(msg.busy_s)
+        finite = all(math.isfinite(x) for name, x in (("loss", msg.loss), ("grad_norm", msg.grad_norm))
+                     if name in printed)
+        if not finite and (rank.nonfinite_step is None or msg.step < rank.nonfinite_step):
+            rank.nonfinite_step = msg.step
+        if msg.rank == 0:
+            self._queue(Received(msg, now))
+            sample = StepSample(step=msg.step, loss=msg.loss, grad_norm=msg.grad_norm,
+                                first_sample=msg.first_sample)
+            self._recent.setdefault((msg.run, msg.attempt), deque(maxlen=RECENT_STEPS_KEPT)).append(sample)
 
     def _apply_node_report(self, msg: p.NodeReport, now: float) -> None:
         """Fan one node's report out to its ranks (see the module docstring)."""
@@ -312,7 +330,7 @@ class TelemetryView:
                 node=r.node, pid=r.pid, last_seen_at=r.last_seen_at, last_step=r.last_step,
                 progress_at=r.progress_at, phase=r.phase, exit_code=r.exit_code, exit_reason=r.exit_reason,
                 exit_at=r.exit_at, lost=r.lost,
-                nonfinite_step=r.nonfinite_step,
+                nonfinite_step=r.nonfinite_step, first_step=r.first_step,
                 busy_recent=tuple(islice(r.busy_times, max(0, len(r.busy_times) - busy_window), None)))
                 for number, r in self._ranks.get((run_id, attempt), {}).items()}
 

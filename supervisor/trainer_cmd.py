@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.domain import TrainerResult
+from supervisor.domain.step import DEFERRED, LaunchMode, readable
 from supervisor.errors import SpecError
 from supervisor.planning import first_auto_every_steps
 from supervisor.spec import RunSpec
@@ -83,7 +84,7 @@ def write_attempt_config(spec: RunSpec, run_dir: Path, attempt: int, argv: tuple
     path = config_path(run_dir, attempt)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    content: dict[str, Any] = ({"command": list(argv)} if spec.command is not None
+    content: dict[str, Any] = ({"command": [readable(a) for a in argv]} if spec.command is not None
                                else trainer_config(spec, run_dir, every_steps))
     if skips and spec.command is None:
         data = content.setdefault("data", {})
@@ -97,12 +98,19 @@ def trainer_argv(config: Path, resume_from: str | None) -> tuple[str, ...]:
     return (sys.executable, "-m", "trainer", "--config", str(config), "--resume", resume_from or "none")
 
 
+def _names(spec: RunSpec, run_dir: Path) -> dict[str, str]:
+    """What a [command]'s placeholders stand for; the step's own are left for the launcher
+    to fill in (supervisor/domain/step.py)."""
+    return {"run_dir": str(run_dir), "checkpoint_dir": str(checkpoint_dir(spec, run_dir)), **DEFERRED}
+
+
 def attempt_argv(spec: RunSpec, run_dir: Path, attempt: int, resume_from: str | None,
                  resume_step: int) -> tuple[str, ...]:
-    """Every rank's command line for one attempt."""
+    """Every rank's (or with ``launch = "node"``, every node's) command line for one
+    attempt, with the step's placeholders still to fill (``Step.fill``)."""
     if spec.command is None:
         return trainer_argv(config_path(run_dir, attempt), resume_from)
-    names = {"run_dir": str(run_dir), "checkpoint_dir": str(checkpoint_dir(spec, run_dir))}
+    names = _names(spec, run_dir)
     argv = [a.format(**names) for a in spec.command.argv]
     if resume_from is not None:
         argv += [r.format(checkpoint=resume_from, step=resume_step, **names) for r in spec.command.resume]
@@ -116,6 +124,10 @@ def attempt_cwd(spec: RunSpec, run_dir: Path) -> Path | None:
     return Path(spec.command.cwd.format(run_dir=run_dir, checkpoint_dir=checkpoint_dir(spec, run_dir)))
 
 
+def launch_mode(spec: RunSpec) -> LaunchMode:
+    return spec.command.launch if spec.command is not None else "rank"
+
+
 def attempt_srun_args(spec: RunSpec) -> tuple[str, ...]:
     return tuple(spec.command.srun_args) if spec.command is not None else ()
 
@@ -127,7 +139,7 @@ def attempt_env(spec: RunSpec, run_dir: Path) -> dict[str, str]:
         if spec.chaos:
             env |= {"TSUP_FAULT": ",".join(spec.chaos), "TSUP_FAULT_STATE": str(run_dir / "chaos-fired")}
         return env
-    names = {"run_dir": str(run_dir), "checkpoint_dir": str(checkpoint_dir(spec, run_dir))}
+    names = _names(spec, run_dir)
     return {k: v.format(**names) for k, v in spec.command.env.items()}
 
 

@@ -13,6 +13,7 @@ for a resumed run to continue bit for bit.
 from __future__ import annotations
 
 import errno
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +70,8 @@ def _storage_error(e: BaseException) -> OSError | None:
         visited.add(id(err))
         if isinstance(err, OSError) and err.errno in _STORAGE_ERRNOS:
             return err
+        if isinstance(err, RuntimeError) and _SHORT_WRITE.search(str(err)):
+            return OSError(errno.ENOSPC, f"No space left on device (a short write: {str(err).strip()[:200]})")
         if isinstance(err, CheckpointException):
             seen.extend(exc for exc, _trace in err.failures.values())
         for linked in (err.__cause__, err.__context__):
@@ -78,6 +81,9 @@ def _storage_error(e: BaseException) -> OSError | None:
 
 
 _STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+# torch.save's zip writer reports a write cut short by a full file system without the
+# errno: "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598".
+_SHORT_WRITE = re.compile(r"inline_container\.cc:\d+\] \. unexpected pos \d+ vs \d+")
 
 
 def _save(root: Path, meta: layout.TrainerMeta, model: nn.Module, optimizer: torch.optim.Optimizer, *,

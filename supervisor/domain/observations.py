@@ -35,6 +35,11 @@ class RankObs:
     last_seen_at: float | None = None  # its last message of any kind (heartbeats included)
     nonfinite_step: int | None = None  # the first step it reported a NaN/Inf loss or grad norm
     busy_recent_s: tuple[float, ...] = ()  # its busy time in its recent steps, oldest first
+    first_step: int | None = None  # the first step it reported in this attempt
+    # From its output (a [command] trainer): its first line with a fatal signature
+    # (supervisor/output_progress.py), and what failed: "device" or "network".
+    fatal_line: str = ""
+    fatal_kind: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

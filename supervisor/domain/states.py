@@ -75,6 +75,7 @@ class FaultKind(StrEnum):
     STRAGGLER = "straggler"  # a rank far slower than the others (acted on only with straggler_restart)
     STORAGE = "storage"  # a rank exited with code 5: no checkpoint can be written (disk full)
     ALLOCATION_ENDED = "allocation-ended"  # the cluster ended the allocation under the attempt
+    WRONG_RESUME = "wrong-resume"  # a resumed trainer's first step is not after the checkpoint it was given
 
 
 _RUN_ID = re.compile(r"^run-([1-9][0-9]{0,17})$")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Protocol
 
 from supervisor.domain import ProcState
+from supervisor.domain.step import LaunchMode
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,7 +39,9 @@ class LaunchSpec:
     attempt: int
     nodes: tuple[str, ...]
     ranks_per_node: int
-    argv: tuple[str, ...]  # the trainer command, identical on every rank
+    # The trainer command, identical on every rank (every node with launch "node"); it and
+    # ``env`` may hold step placeholders the launcher fills in (supervisor/domain/step.py).
+    argv: tuple[str, ...]
     env: Mapping[str, str]  # added to every rank's environment
     log_dir: Path
     # A string unique to this attempt (the attempt's config path), given to every rank
@@ -49,6 +52,7 @@ class LaunchSpec:
     user: str | None = None  # the ranks execute as (supervisor/users.py); None: as the daemon
     cwd: Path | None = None  # the ranks' working directory (None: the launcher's own)
     srun_args: tuple[str, ...] = ()  # Slurm: the spec's own srun options (the local launcher has no srun)
+    launch: LaunchMode = "rank"  # "node": one process per node, which spawns the node's ranks
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -3,7 +3,9 @@
 Each simulated node is one process group (its first rank leads it, the others join),
 so a node dies as a unit with ``killpg``, as every process of a real node would. Ranks
 get the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, ...) and write their
-output to one log file each.
+output to one log file each. With ``launch = "node"`` each node runs one process (the
+user's torchrun), given the node's part of that environment (GROUP_RANK, MASTER_ADDR,
+...), and its output goes to ``node-<index>.<node>.log``.
 
 The ranks do not depend on the supervisor: they run in their own process groups with
 their output in files, so a SIGKILL of the daemon leaves them training. A restarted
@@ -28,6 +30,7 @@ import psutil
 
 from supervisor import users
 from supervisor.domain import ProcState
+from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import CannotExecute, LaunchError, SpecError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
 
@@ -123,80 +126,86 @@ class LocalLauncher:
         run_as = users.for_launch(spec.user)
         uid, gid, groups = users.popen_ids(run_as)
         spec.log_dir.mkdir(parents=True, exist_ok=True)
-        world = len(spec.nodes) * spec.ranks_per_node
-        port = _free_port()
+        step = Step(nnodes=len(spec.nodes), nproc_per_node=spec.ranks_per_node, master_addr="127.0.0.1",
+                    master_port=_free_port(), rdzv_id=rdzv_id(spec.run_id, spec.attempt))
+        argv = list(step.fill_all(spec.argv))
+        base_env = {**os.environ, **users.login_env(run_as), **{k: step.fill(v) for k, v in spec.env.items()}}
         ranks: list[_Rank] = []
         try:
             for node_index, node in enumerate(spec.nodes):
-                leader = 0  # the first rank of a node starts a new process group
-                for local_rank in range(spec.ranks_per_node):
-                    rank = node_index * spec.ranks_per_node + local_rank
-                    env = {
-                        **os.environ,
-                        **users.login_env(run_as),
-                        **spec.env,
-                        "RANK": str(rank),
-                        "LOCAL_RANK": str(local_rank),
-                        "WORLD_SIZE": str(world),
-                        "LOCAL_WORLD_SIZE": str(spec.ranks_per_node),
-                        "GROUP_RANK": str(node_index),
-                        "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(port),
-                        "TSUP_NODE": node,
-                        "TSUP_MARKER": spec.marker,
-                    }
+                leader = 0  # the first process of a node starts a new process group
+                for task in _tasks(spec, step, node_index):
+                    env = {**base_env, **task.env, "TSUP_NODE": node, "TSUP_MARKER": spec.marker}
                     env.setdefault("OMP_NUM_THREADS", "1")
                     env.setdefault("PYTHONUNBUFFERED", "1")
-                    log_path = spec.log_dir / f"rank-{rank:04d}.{node}.log"
+                    log_path = spec.log_dir / f"{task.log_name}.{node}.log"
                     with open(log_path, "ab") as log:
                         p = subprocess.Popen(
-                            list(spec.argv), env=env, stdout=log, stderr=subprocess.STDOUT,
+                            argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, process_group=leader, close_fds=True,
                             user=uid, group=gid, extra_groups=groups, cwd=spec.cwd,
                         )
                     self._children[p.pid] = p
                     if leader == 0:
                         leader = p.pid
-                    ranks.append(_Rank(rank, local_rank, node, p.pid, leader, _create_time(p.pid)))
+                    created = _create_time(p.pid)
+                    ranks += [_Rank(rank, rank % spec.ranks_per_node, node, p.pid, leader, created)
+                              for rank in task.ranks]
         except (OSError, ValueError) as e:
-            for r in ranks:  # no half-started world: kill and reap what did start
-                _signal_group(r.pgid, signal.SIGKILL)
-                self._children.pop(r.pid).wait()
+            for pid, pgid in {(r.pid, r.pgid) for r in ranks}:  # no half-started world: kill and reap
+                _signal_group(pgid, signal.SIGKILL)
+                self._children.pop(pid).wait()
             # ValueError: what Popen says of an argument or a variable it cannot pass (a NUL
             # byte, a name with "="). Neither that nor a missing or unexecutable program
             # gets better with a retry.
             cannot = isinstance(e, ValueError) or e.errno in (errno.ENOENT, errno.EACCES, errno.ENOEXEC,
                                                               errno.ENOTDIR)
             raise (CannotExecute if cannot else LaunchError)(f"cannot start {spec.argv[0]!r}: {e}") from e
-        return _dump(ranks, port)
+        return _dump(ranks, int(step.master_port), spec.marker)
 
     def find(self, spec: LaunchSpec) -> str | None:
-        found: list[_Rank] = []
-        for p in psutil.process_iter(["pid", "cmdline", "create_time"]):
+        """The attempt's processes, by TSUP_MARKER: the topmost of each tree only (a rank's
+        own children, such as data loader workers or a node's torchrun workers, inherit
+        the marker)."""
+        marked: dict[int, tuple[dict[str, str], float, int]] = {}  # pid -> (env, create time, parent)
+        for p in psutil.process_iter(["pid", "ppid", "create_time"]):
             try:
-                cmdline = p.info["cmdline"] or []
-                if spec.marker not in cmdline and not any(spec.marker in a for a in cmdline):
-                    env = p.environ()  # a [command] trainer's argv does not name the marker
-                    if env.get("TSUP_MARKER") != spec.marker:
-                        continue
+                env = p.environ()
+                if env.get("TSUP_MARKER") == spec.marker:
+                    marked[p.pid] = (env, float(p.info["create_time"]), int(p.info["ppid"]))
+            except (psutil.Error, ValueError):
+                continue
+        found: list[_Rank] = []
+        for pid, (env, created, parent) in marked.items():
+            if parent in marked:
+                continue
+            try:
+                node, pgid = env["TSUP_NODE"], os.getpgid(pid)
+                if spec.launch == "node":
+                    first = int(env["GROUP_RANK"]) * spec.ranks_per_node
+                    found += [_Rank(r, r - first, node, pid, pgid, created)
+                              for r in range(first, first + spec.ranks_per_node)]
                 else:
-                    env = p.environ()
-                found.append(
-                    _Rank(int(env["RANK"]), int(env["LOCAL_RANK"]), env["TSUP_NODE"], p.pid,
-                          os.getpgid(p.pid), float(p.info["create_time"]))
-                )
-            except (psutil.Error, KeyError, ValueError, ProcessLookupError):
+                    found.append(_Rank(int(env["RANK"]), int(env["LOCAL_RANK"]), node, pid, pgid, created))
+            except (KeyError, ValueError, ProcessLookupError):
                 continue
         if not found:
             return None
-        return _dump(sorted(found, key=lambda r: r.rank), port=0)
+        return _dump(sorted(found, key=lambda r: r.rank), port=0, marker=spec.marker)
 
     def observe(self, launch_info: str) -> list[RankProc]:
-        out = []
-        for r in _load(launch_info):
-            state, code = self._state(r)
-            out.append(RankProc(rank=r.rank, node=r.node, proc=state, exit_code=code))
-        return out
+        ranks = _load(launch_info)
+        states = {r.rank: self._state(r) for r in ranks}
+        # A node's own torchrun starts its workers in sessions of their own: once it is gone
+        # (killed), its workers may live on. The node's ranks run until they are gone too.
+        ended = {r.node for r in ranks if states[r.rank][0] is not ProcState.RUNNING and _shared(r, ranks)}
+        if ended:
+            living = {node for node, _ in _escaped(launch_info, ranks)}
+            for r in ranks:
+                if r.node in ended & living:
+                    states[r.rank] = (ProcState.RUNNING, None)
+        return [RankProc(rank=r.rank, node=r.node, proc=states[r.rank][0], exit_code=states[r.rank][1])
+                for r in ranks]
 
     def _state(self, r: _Rank) -> tuple[ProcState, int | None]:
         child = self._children.get(r.pid)
@@ -217,32 +226,46 @@ class LocalLauncher:
 
     def stop(self, launch_info: str, *, force: bool) -> None:
         sig = signal.SIGKILL if force else signal.SIGTERM
-        for pgid in self._live_groups(_load(launch_info)):
+        ranks = _load(launch_info)
+        escaped = _escaped(launch_info, ranks) if force or any(_shared(r, ranks) for r in ranks) else []
+        for pgid in self._live_groups(ranks):
             _signal_group(pgid, sig)
+        for _, pid in escaped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
     def kill_rank(self, launch_info: str, rank: int, sig: int = signal.SIGKILL) -> str:
-        for r in _load(launch_info):
+        ranks = _load(launch_info)
+        for r in ranks:
             if r.rank == rank and self._alive(r):
-                os.kill(r.pid, sig)
-                return f"{signal.Signals(sig).name} to rank {rank} (pid {r.pid}, node {r.node})"
+                pid = r.pid
+                if sum(x.pid == r.pid for x in ranks) > 1:  # one process per node: the rank is its child
+                    pid = _worker_of(r.pid, rank)
+                os.kill(pid, sig)
+                return f"{signal.Signals(sig).name} to rank {rank} (pid {pid}, node {r.node})"
         raise LaunchError(f"rank {rank} is not running")
 
     def kill_node(self, launch_info: str, node: str) -> str:
-        members = [r for r in _load(launch_info) if r.node == node]
-        groups = self._live_groups(members)
-        if not groups:
-            raise LaunchError(f"node {node} has no running process")
-        for pgid in groups:
-            _signal_group(pgid, signal.SIGKILL)
-        return f"SIGKILL to every process of node {node} (process group {', '.join(map(str, groups))})"
+        return self._signal_node(launch_info, node, signal.SIGKILL)
 
     def freeze_node(self, launch_info: str, node: str) -> str:
-        groups = self._live_groups([r for r in _load(launch_info) if r.node == node])
+        return self._signal_node(launch_info, node, signal.SIGSTOP)
+
+    def _signal_node(self, launch_info: str, node: str, sig: signal.Signals) -> str:
+        """``sig`` to every process of the node: its group, and what left it (workers)."""
+        ranks = _load(launch_info)
+        groups = self._live_groups([r for r in ranks if r.node == node])
         if not groups:
             raise LaunchError(f"node {node} has no running process")
+        escaped = [pid for n, pid in _escaped(launch_info, ranks) if n == node]
+        named = ", ".join(map(str, groups))
         for pgid in groups:
-            _signal_group(pgid, signal.SIGSTOP)
-        return f"SIGSTOP to every process of node {node} (process group {', '.join(map(str, groups))})"
+            _signal_group(pgid, sig)
+        for pid in escaped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        also = f" and {len(escaped)} process(es) of their own sessions" if escaped else ""
+        return f"{sig.name} to every process of node {node} (process group {named}{also})"
 
     def partition_node(self, node: str, cut: bool) -> str:
         raise LaunchError("partition-node: local nodes share this host's loopback, which cannot be cut; "
@@ -269,8 +292,66 @@ class LocalLauncher:
                 del self._children[r.pid]
 
 
-def _dump(ranks: Sequence[_Rank], port: int) -> str:
-    return json.dumps({"master_port": port, "ranks": [asdict(r) for r in ranks]})
+@dataclass(frozen=True, slots=True)
+class _Task:
+    """One process of a node: a rank, or with launch "node" the node's own launcher."""
+
+    ranks: range  # the ranks it is, or spawns
+    env: dict[str, str]
+    log_name: str
+
+
+def _tasks(spec: LaunchSpec, step: Step, node_index: int) -> list[_Task]:
+    """The processes to start on one node, with the variables torchrun would give them
+    (per rank) or a node's torchrun reads (per node)."""
+    first = node_index * spec.ranks_per_node
+    node_env = {"GROUP_RANK": str(node_index), "NODE_RANK": str(node_index),
+                "WORLD_SIZE": str(step.world_size), "LOCAL_WORLD_SIZE": str(spec.ranks_per_node),
+                "MASTER_ADDR": step.master_addr, "MASTER_PORT": str(step.master_port)}
+    if spec.launch == "node":
+        return [_Task(range(first, first + spec.ranks_per_node), node_env, f"node-{node_index:04d}")]
+    return [_Task(range(rank, rank + 1), {**node_env, "RANK": str(rank), "LOCAL_RANK": str(rank - first)},
+                  f"rank-{rank:04d}")
+            for rank in range(first, first + spec.ranks_per_node)]
+
+
+def _worker_of(parent: int, rank: int) -> int:
+    """The process of ``rank`` under a node's launcher (torchrun sets RANK in its workers)."""
+    try:
+        for child in psutil.Process(parent).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if child.environ().get("RANK") == str(rank):
+                    return int(child.pid)
+    except psutil.Error:
+        pass
+    raise LaunchError(f"rank {rank}: no process under its node's launcher (pid {parent}) has RANK={rank}")
+
+
+def _shared(r: _Rank, ranks: Sequence[_Rank]) -> bool:
+    """The rank's process is its node's own launcher (launch "node"): other ranks share it."""
+    return sum(x.pid == r.pid for x in ranks) > 1
+
+
+def _escaped(launch_info: str, ranks: Sequence[_Rank]) -> list[tuple[str, int]]:
+    """(node, pid) of the attempt's processes outside its process groups: what a node's
+    torchrun started in sessions of their own, found by the attempt's TSUP_MARKER."""
+    marker = json.loads(launch_info).get("marker")
+    if not marker:
+        return []
+    groups = {r.pgid for r in ranks}
+    out: list[tuple[str, int]] = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            env = p.environ()
+            if env.get("TSUP_MARKER") == marker and os.getpgid(p.pid) not in groups:
+                out.append((env.get("TSUP_NODE", ""), p.pid))
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return out
+
+
+def _dump(ranks: Sequence[_Rank], port: int, marker: str) -> str:
+    return json.dumps({"master_port": port, "marker": marker, "ranks": [asdict(r) for r in ranks]})
 
 
 def _load(launch_info: str) -> list[_Rank]:

@@ -74,16 +74,20 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
                              ranks=tuple(r.rank for r in blamed), summary=summary, step=step)
         return Finding(record, [(n, why) for n in lost_nodes], do_not_retry)
 
-    broken = [r for r in dead if meaning(r) is ExitMeaning.DEVICE]
-    if broken:  # the trainer's own word that a device failed: evidence enough to drain
+    # The trainer's own word that a device failed (its exit code, or a device error in its
+    # output: supervisor/output_progress.py) is evidence enough to drain.
+    broken = [r for r in dead if meaning(r) is ExitMeaning.DEVICE or r.fatal_kind == "device"]
+    if broken:
         code = exit_code(broken[0])
         nodes = sorted({r.node for r in broken if r.node in held})
         drains = []
         for n in nodes:
-            words = "; ".join(r.reported_reason for r in broken if r.node == n) or f"exit code {code}"
+            words = ("; ".join(r.reported_reason or r.fatal_line for r in broken if r.node == n)
+                     or f"exit code {code}")
             why = f"training-supervisor: device fault reported by the trainer: {words} ({where})"
             drains.append((n, why[:500]))
-        summary = f"device fault (exit code {code}): " + "; ".join(describe_exit(r) for r in broken)
+        summary = f"device fault (exit code {code}): " + "; ".join(
+            describe_exit(r) + (f", after printing: {r.fatal_line}" if r.fatal_line else "") for r in broken)
         record = RecordFault(kind=FaultKind.DEVICE, attempt=live.number, ranks=tuple(r.rank for r in broken),
                              nodes=tuple(nodes), summary=summary, step=step)
         return Finding(record, drains)
@@ -105,6 +109,13 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
     summary = "; ".join(describe_exit(r) for r in first)
     if len(dead) > len(first):
         summary += f" (then {len(dead) - len(first)} more rank(s) exited)"
+    # An error that names no device (NCCL's, a hang in Neuron collectives) points at the
+    # node that printed it first, without proof against it: it is blamed, not drained.
+    printed = next((r for r in dead if r.fatal_kind == "peer"), None)
+    blamed_nodes = {r.node for r in first}
+    if printed is not None:
+        summary += f"; rank {printed.rank} on {printed.node} printed: {printed.fatal_line}"
+        blamed_nodes.add(printed.node)
     if released and len(released) == len(by) and not do_not_retry:
         summary = (f"the cluster ended the allocation under the attempt (nodes {', '.join(released)} "
                    f"released): {summary}")
@@ -113,7 +124,7 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
     if do_not_retry:
         summary = f"trainer reported a configuration error (exit code {exit_code(refused[0])}): {summary}"
     record = RecordFault(kind=FaultKind.RANK_EXIT, attempt=live.number, ranks=tuple(r.rank for r in first),
-                         nodes=tuple(sorted({r.node for r in first})), summary=summary, step=step)
+                         nodes=tuple(sorted(blamed_nodes)), summary=summary, step=step)
     return Finding(record, do_not_retry=do_not_retry)
 
 

@@ -5,6 +5,8 @@ In the order they are judged (the first that holds is the fault):
 - a rank died (``attribute`` says whom it blames), once every rank is gone or
   ``fault_settle_s`` after the first death was seen: processes of one node killed
   together are not reaped together;
+- a resumed trainer whose first step is not after the checkpoint it resumed from (it
+  did not load it, or loaded another): the run fails, never retried from step zero;
 - a loss or grad norm that is not finite;
 - a loss or grad-norm spike that has lasted ``spike_persist_steps`` steps;
 - every rank of a node silent for ``silence_timeout_s`` while other nodes are heard;
@@ -62,6 +64,9 @@ def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fin
         if now - first_seen < view.run.policy.fault_settle_s and not all_gone(obs):
             return None  # let ranks that die together (a node) show themselves first
         return attribute(view, live, obs.ranks, dead, step)
+    wrong = _wrong_resume(live, obs)
+    if wrong is not None:
+        return wrong
     poisoned = [r for r in obs.ranks if r.nonfinite_step is not None]
     if poisoned:
         at = min(r.nonfinite_step for r in poisoned if r.nonfinite_step is not None)
@@ -83,6 +88,24 @@ def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fin
         return Finding(RecordFault(kind=FaultKind.NO_RESULT, attempt=live.number, ranks=(), nodes=(),
                                    step=step, summary="every rank exited 0 but the trainer wrote no result"))
     return _find_hang(view, live, obs, now, step)
+
+
+def _wrong_resume(live: Attempt, obs: AttemptObs) -> Finding | None:
+    """A trainer told to resume after step N whose first step is N or lower restarted
+    elsewhere: most often from zero, its own search having found nothing where the spec's
+    resume arguments pointed. A restart would do the same: the run stops and says why."""
+    if live.resume_from is None or live.resume_step <= 0:
+        return None
+    early = [r for r in obs.ranks if r.first_step is not None and r.first_step <= live.resume_step]
+    if not early:
+        return None
+    first = min(r.first_step for r in early if r.first_step is not None)
+    summary = (f"the trainer resumed at step {first}, not after step {live.resume_step} of the checkpoint it "
+               f"was given ({live.resume_from}): it did not load it; check the spec's resume arguments "
+               f"(command.resume), then resume the run")
+    return Finding(RecordFault(kind=FaultKind.WRONG_RESUME, attempt=live.number,
+                               ranks=tuple(r.rank for r in early), nodes=(), step=first, summary=summary),
+                   do_not_retry=True)
 
 
 # --- silence and hangs --------------------------------------------------------------

@@ -38,6 +38,7 @@ import psutil
 
 from supervisor import users
 from supervisor.domain import ProcState
+from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import LaunchError, SpecError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
 from supervisor.slurm import parse
@@ -217,11 +218,16 @@ class SlurmLauncher:
         local = master_addr in ("127.0.0.1", "localhost")
         port = _free_port() if local else _port_for(spec.run_id, spec.attempt)
         name = self.step_name(spec.run_id, spec.attempt)
+        step = Step(nnodes=len(nodes), nproc_per_node=spec.ranks_per_node, master_addr=master_addr,
+                    master_port=port, rdzv_id=rdzv_id(spec.run_id, spec.attempt))
         req = StepRequest(job_id=job, step_name=name, nodes=tuple(nodes), ranks_per_node=spec.ranks_per_node,
-                          argv=spec.argv, log_dir=spec.log_dir, cwd=spec.cwd, extra=spec.srun_args)
-        env = {**spec.env, "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
-               "LOCAL_WORLD_SIZE": str(spec.ranks_per_node), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "TSUP_MARKER": spec.marker}
+                          argv=spec.argv, log_dir=spec.log_dir, cwd=spec.cwd, extra=spec.srun_args,
+                          launch=spec.launch, step=step)
+        env = {**{k: step.fill(v) for k, v in spec.env.items()}, "MASTER_ADDR": master_addr,
+               "MASTER_PORT": str(port), "LOCAL_WORLD_SIZE": str(spec.ranks_per_node), "OMP_NUM_THREADS": "1",
+               "PYTHONUNBUFFERED": "1", "TSUP_MARKER": spec.marker}
+        if spec.launch == "node":  # the ranks' world, for the node's torchrun (the task count is the nodes')
+            env["WORLD_SIZE"] = str(step.world_size)
         spec.log_dir.mkdir(parents=True, exist_ok=True)
         run_as = users.for_launch(spec.user)
         env |= users.login_env(run_as)
@@ -234,7 +240,8 @@ class SlurmLauncher:
         ranks = _rank_map(nodes, spec.ranks_per_node)
         self.state.refresh()
         return json.dumps({"job": job, "step": name, "srun_pid": p.pid, "srun_ct": _create_time(p.pid),
-                           "ranks": ranks, "log": str(spec.log_dir / "srun.log")})
+                           "ranks": ranks, "log": str(spec.log_dir / "srun.log"),
+                           "ranks_per_task": _ranks_per_task(spec)})
 
     def find(self, spec: LaunchSpec) -> str | None:
         """A step of this attempt that exists but was never recorded (the daemon died
@@ -250,12 +257,15 @@ class SlurmLauncher:
         ranks = _rank_map(nodes, spec.ranks_per_node)
         return json.dumps({"job": job, "step": name, "srun_pid": srun.pid if srun else 0,
                            "srun_ct": _create_time(srun.pid) if srun else 0.0, "ranks": ranks,
-                           "log": str(spec.log_dir / "srun.log")})
+                           "log": str(spec.log_dir / "srun.log"), "ranks_per_task": _ranks_per_task(spec)})
 
     def observe(self, launch_info: str) -> list[RankProc]:
         info = json.loads(launch_info)
         ranks: list[tuple[int, str]] = [(int(r), str(n)) for r, n in info["ranks"]]
-        exits = _task_exits(Path(info["log"]))
+        # srun names tasks: with launch "node" a task is a node and stands for its ranks
+        per_task = int(info.get("ranks_per_task", 1))
+        exits = {task * per_task + i: code for task, code in _task_exits(Path(info["log"])).items()
+                 for i in range(per_task)}
         srun_code, srun_alive = self._srun_state(info)
         step_listed: bool | None = None
         if not srun_alive and srun_code is None:
@@ -327,6 +337,10 @@ class SlurmLauncher:
 # --- helpers ---------------------------------------------------------------------------
 
 
+def _ranks_per_task(spec: LaunchSpec) -> int:
+    return spec.ranks_per_node if spec.launch == "node" else 1
+
+
 def _rank_map(nodes: list[str], ranks_per_node: int) -> list[list[int | str]]:
     """[rank, node] pairs: Slurm's block distribution over the nodes in its own order."""
     return [[k * ranks_per_node + i, n] for k, n in enumerate(nodes) for i in range(ranks_per_node)]
@@ -344,7 +358,7 @@ def _dump_alloc(job: str | None, seq: int) -> str:
 
 
 def _task_exits(log_path: Path) -> dict[int, int]:
-    """Per-task endings srun reported: rank -> exit code (negative: the signal)."""
+    """Per-task endings srun reported: task -> exit code (negative: the signal)."""
     out: dict[int, int] = {}
     try:
         text = log_path.read_text(errors="replace")

@@ -26,6 +26,10 @@ Choices, and why:
   wrapper also makes the job-wide Slurm variables describe the step: inside a step,
   ``SLURM_JOB_NODELIST`` is the whole allocation (spares and drained nodes included), so
   a script taking its master from it would point outside the step.
+- ``launch = "node"`` (a ``[command]`` whose torchrun or ``train.sh`` spawns the ranks):
+  one task per node, with GROUP_RANK and NODE_RANK set and the same view of the step;
+  the step placeholders (``{master_addr}``, ``{nnodes}``, ...) are filled in here, by
+  ``srun_argv``, for the real step and the dry run alike.
 - A ``[command]``'s ``cwd`` is the step's ``--chdir``; its ``srun_args`` (``-l``,
   ``--container-image=...``) go before the wrapper, after the supervisor's own options.
 """
@@ -37,14 +41,25 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Sets the torchrun variables from Slurm's, then runs the trainer's argv unchanged.
-RANK_WRAPPER = (
-    'export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" WORLD_SIZE="$SLURM_NTASKS" '
-    'GROUP_RANK="$SLURM_NODEID" TSUP_NODE="$SLURMD_NODENAME" '
+from supervisor.domain.step import LaunchMode, Step
+
+# Inside a step the job-wide variables describe the whole allocation; these make them
+# describe the step's own nodes.
+_STEP_VIEW = (
     'SLURM_JOB_NODELIST="${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" '
     'SLURM_NODELIST="${SLURM_STEP_NODELIST:-$SLURM_NODELIST}" '
     'SLURM_JOB_NUM_NODES="${SLURM_STEP_NUM_NODES:-$SLURM_JOB_NUM_NODES}" '
-    'SLURM_NNODES="${SLURM_STEP_NUM_NODES:-$SLURM_NNODES}"; exec "$@"'
+    'SLURM_NNODES="${SLURM_STEP_NUM_NODES:-$SLURM_NNODES}"'
+)
+# Sets the torchrun variables from Slurm's, then runs the trainer's argv unchanged.
+RANK_WRAPPER = (
+    'export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" WORLD_SIZE="$SLURM_NTASKS" '
+    f'GROUP_RANK="$SLURM_NODEID" TSUP_NODE="$SLURMD_NODENAME" {_STEP_VIEW}; exec "$@"'
+)
+# launch = "node": one task per node, whose torchrun (or train.sh) spawns the ranks.
+NODE_WRAPPER = (
+    'export GROUP_RANK="$SLURM_NODEID" NODE_RANK="$SLURM_NODEID" TSUP_NODE="$SLURMD_NODENAME" '
+    f'{_STEP_VIEW}; exec "$@"'
 )
 # srun options a [command] may not give: the supervisor sets them for every step.
 SUPERVISOR_SRUN_OPTIONS = (
@@ -107,16 +122,21 @@ class StepRequest:
     log_dir: Path
     cwd: Path | None = None  # the tasks' working directory (None: srun's own)
     extra: tuple[str, ...] = ()  # the spec's srun_args
+    launch: LaunchMode = "rank"  # "node": one task per node
+    step: Step | None = None  # fills the step placeholders of argv (supervisor/domain/step.py)
 
 
 def srun_argv(req: StepRequest) -> list[str]:
+    per_node = 1 if req.launch == "node" else req.ranks_per_node
+    argv = req.step.fill_all(req.argv) if req.step is not None else req.argv
+    wrapper, output = (NODE_WRAPPER, "node-%t.log") if req.launch == "node" else (RANK_WRAPPER, "rank-%t.log")
     return [
         "srun", f"--jobid={req.job_id}", f"--job-name={req.step_name}", f"--nodes={len(req.nodes)}",
-        f"--nodelist={','.join(req.nodes)}", f"--ntasks={len(req.nodes) * req.ranks_per_node}",
-        f"--ntasks-per-node={req.ranks_per_node}", "--distribution=block", "--overlap",
-        "--kill-on-bad-exit=0", f"--output={req.log_dir}/rank-%t.log",
+        f"--nodelist={','.join(req.nodes)}", f"--ntasks={len(req.nodes) * per_node}",
+        f"--ntasks-per-node={per_node}", "--distribution=block", "--overlap",
+        "--kill-on-bad-exit=0", f"--output={req.log_dir}/{output}",
         *([f"--chdir={req.cwd}"] if req.cwd is not None else []), *req.extra,
-        "/bin/sh", "-c", RANK_WRAPPER, "tsup-rank", *req.argv,
+        "/bin/sh", "-c", wrapper, "tsup-rank", *argv,
     ]
 
 
@@ -128,14 +148,17 @@ def describe(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str:
 
 def dry_run(*, job_name: str, nodes: int, spares: int, ranks_per_node: int, argv: Sequence[str],
             partition: str | None, time_limit_min: int | None, log_dir: Path,
-            handles_usr1: bool, cwd: Path | None = None, srun_args: Sequence[str] = ()) -> dict[str, object]:
+            handles_usr1: bool, cwd: Path | None = None, srun_args: Sequence[str] = (),
+            launch: LaunchMode = "rank", rdzv_id: str = "<rdzv id>") -> dict[str, object]:
     """What a run would ask of Slurm, before any node is known: the allocation request,
     its batch script, and the srun of the first step (``<...>`` marks what Slurm decides)."""
+    rendezvous = Step(nnodes=nodes, nproc_per_node=ranks_per_node, master_addr="<address of the first node>",
+                      master_port="<port>", rdzv_id=rdzv_id)
     sreq = SbatchRequest(job_name=job_name, nodes=nodes + spares, min_nodes=nodes, partition=partition,
                          time_limit_min=time_limit_min, output=log_dir / "alloc.out",
                          signal_before_s=120 if handles_usr1 else None)
     step = StepRequest(job_id="<allocation job id>", step_name=job_name.rsplit(".", 1)[0] + ".a1",
                        nodes=tuple(f"<node {k + 1} of the allocation>" for k in range(nodes)),
                        ranks_per_node=ranks_per_node, argv=tuple(argv), log_dir=log_dir / "attempts" / "1",
-                       cwd=cwd, extra=tuple(srun_args))
+                       cwd=cwd, extra=tuple(srun_args), launch=launch, step=rendezvous)
     return {"sbatch": sbatch_argv(sreq), "batch_script": allocation_script(sreq), "srun": srun_argv(step)}

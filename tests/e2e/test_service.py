@@ -72,7 +72,7 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
         refused = ctl(daemon.url, "drain", "local-1", "--reason", "x", extra_env=watcher)
         assert refused.returncode == 4 and "the read-only token cannot change anything" in refused.stderr
         dry = daemon.ctl("submit", "--dry-run", str(EXAMPLE), token=False)
-        assert dry.returncode == 0 and "4 rank(s) on this machine" in dry.stdout
+        assert dry.returncode == 0 and "4 process(es) on this machine, one per rank" in dry.stdout
 
         run_id = daemon.ctl_json("submit", str(EXAMPLE))["run_id"]
         follow = subprocess.Popen(

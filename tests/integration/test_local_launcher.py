@@ -9,6 +9,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 import pytest
 
 from supervisor.domain import ProcState
@@ -148,3 +149,93 @@ def test_allocation_reuses_idle_nodes_then_names_new_ones_up_to_the_cap() -> Non
     short = launcher.allocate(AllocationRequest(run_id="run-1", count=3, minimum=1, held=(), drained=frozenset(),
                                                 idle=(), known=frozenset({"a", "b", "c"}), info=None))
     assert short.nodes == ("local-1",) and "at most 4 local nodes" in short.note
+
+
+# A node's own launcher: torchrun, spawning its node's ranks under a c10d rendezvous.
+WORKER = """
+import json, os, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+with open(os.path.join(sys.argv[1], "env-" + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump({"rank": dist.get_rank(), "world": dist.get_world_size(), "group": os.environ["GROUP_RANK"]}, f)
+time.sleep(60)
+"""
+
+
+def test_one_torchrun_per_node_spawns_the_ranks_and_a_rank_is_killed_under_it(
+        launcher: LocalLauncher, tmp_path: Path) -> None:
+    from supervisor.domain.step import DEFERRED
+
+    (tmp_path / "worker.py").write_text(WORKER)
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    argv = (torchrun, "--nnodes={nnodes}".format(**DEFERRED), "--nproc_per_node={nproc_per_node}".format(**DEFERRED),
+            "--rdzv_id={rdzv_id}".format(**DEFERRED), "--rdzv_backend=c10d",
+            "--rdzv_endpoint={master_addr}:{master_port}".format(**DEFERRED), str(tmp_path / "worker.py"),
+            str(tmp_path))
+    node_spec = replace(spec(tmp_path), argv=argv, launch="node")
+    info = launcher.start(node_spec)
+    try:
+        wait_for(lambda: len(list(tmp_path.glob("env-*.json"))) == 4, 60, "every rank of both nodes")
+        envs = sorted(json.loads(p.read_text())["rank"] for p in tmp_path.glob("env-*.json"))
+        assert envs == [0, 1, 2, 3] and {json.loads(p.read_text())["world"] for p in tmp_path.glob("env-*")} == {4}
+        ranks = json.loads(info)["ranks"]
+        assert [(r["rank"], r["node"]) for r in ranks] == [(0, "local-1"), (1, "local-1"), (2, "local-2"),
+                                                          (3, "local-2")]
+        assert len({r["pid"] for r in ranks}) == 2, "one process per node"
+        assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["node-0000.local-1.log",
+                                                                        "node-0001.local-2.log"]
+
+        # A new launcher (a restarted daemon) adopts the two torchruns, not their workers.
+        found = LocalLauncher().find(node_spec)
+        assert found is not None
+        assert [(r["rank"], r["pid"]) for r in json.loads(found)["ranks"]] == [(r["rank"], r["pid"]) for r in ranks]
+
+        # kill-rank reaches the worker of that rank, under its node's torchrun.
+        said = launcher.kill_rank(info, 3)
+        assert "rank 3" in said and str(ranks[3]["pid"]) not in said.split("(pid ")[1]
+        # torchrun sees its worker die, stops the node's other worker, and fails.
+        wait_for(lambda: states(launcher, info)[3][0] is ProcState.EXITED, 60, "node 2's torchrun to exit")
+        assert states(launcher, info)[2] == states(launcher, info)[3] and states(launcher, info)[3][1] != 0
+
+        # torchrun puts its workers in sessions of their own: SIGKILL of node 1's torchrun
+        # alone would leave them training. A forced stop reaches them too. (Node 1's
+        # torchrun may have ended its workers itself, seeing node 2 leave the rendezvous.)
+        workers = [p for p in psutil.Process(ranks[0]["pid"]).children() if p.is_running()]
+        assert all(os.getpgid(p.pid) != ranks[0]["pgid"] for p in workers)
+        launcher.stop(info, force=True)
+        wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers), 20,
+                 "node 1's workers to die with their torchrun")
+        wait_for(lambda: all(s[0] is ProcState.EXITED for s in states(launcher, info).values()), 20,
+                 "every rank to end")
+    finally:
+        launcher.stop(info, force=True)
+
+
+def test_a_nodes_workers_outliving_its_killed_torchrun_still_run_until_stopped(
+        launcher: LocalLauncher, tmp_path: Path) -> None:
+    """torchrun starts its workers in sessions of their own: with their torchrun SIGKILLed
+    they train on. The node's ranks are running until they are gone, and a forced stop
+    reaches them."""
+    from supervisor.domain.step import DEFERRED
+
+    (tmp_path / "worker.py").write_text(WORKER)
+    argv = (str(Path(sys.executable).parent / "torchrun"), "--nnodes=1", "--nproc_per_node=2",
+            "--rdzv_backend=c10d", "--rdzv_endpoint={master_addr}:{master_port}".format(**DEFERRED),
+            str(tmp_path / "worker.py"), str(tmp_path))
+    node_spec = replace(spec(tmp_path), nodes=("local-1",), argv=argv, launch="node")
+    info = launcher.start(node_spec)
+    try:
+        wait_for(lambda: len(list(tmp_path.glob("env-*.json"))) == 2, 60, "both workers")
+        agent = json.loads(info)["ranks"][0]["pid"]
+        workers = psutil.Process(agent).children()
+        assert len(workers) == 2
+        os.kill(agent, signal.SIGKILL)
+        wait_for(lambda: launcher._children[agent].poll() is not None, 10, "torchrun to die")
+        assert all(w.is_running() for w in workers), "its workers train on"
+        assert {s for s, _ in states(launcher, info).values()} == {ProcState.RUNNING}
+        launcher.stop(info, force=True)
+        wait_for(lambda: not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers), 20,
+                 "the workers to be killed")
+        assert {s for s, _ in states(launcher, info).values()} == {ProcState.EXITED}
+    finally:
+        launcher.stop(info, force=True)

@@ -528,3 +528,26 @@ def test_pick_skips_checkpoints_a_trainer_could_not_read(tmp_path: Path) -> None
     best, rejected = pick(tmp_path, exclude={60})
     assert best is not None and best.step == 40 and rejected == []
     assert pick(tmp_path, before_step=40, exclude={20})[0] is None
+
+
+def test_nxd_trainings_per_job_directories_are_followed(tmp_path: Path) -> None:
+    """exp_manager writes <exp_dir>/<name>/<version>/checkpoints/<name>--step=N-...ckpt."""
+    old = make_nemo(tmp_path / "hf_llama" / "2026-11-24_10-00-00" / "checkpoints", 5)
+    new = make_nemo(tmp_path / "hf_llama" / "2026-11-25_09-30-00" / "checkpoints", 10)
+    best, _ = pick(tmp_path, "nemo")
+    assert best is not None and best.path == new and best.step == 10
+    assert {v.path for v in scan(tmp_path)} == {old, new}
+
+
+def test_set_aside_moves_newer_checkpoints_out_of_a_searching_trainers_way(tmp_path: Path) -> None:
+    from supervisor.checkpoint_scan import SET_ASIDE, set_aside
+
+    keep = make_nemo(tmp_path / "hf_llama" / "v1" / "checkpoints", 10)
+    newer = make_nemo(tmp_path / "hf_llama" / "v1" / "checkpoints", 20)
+    older = make_nemo(tmp_path / "hf_llama" / "v1" / "checkpoints", 5)
+    into = tmp_path / SET_ASIDE / "attempt-3"
+    assert set_aside(tmp_path, "nemo", keep, 10, into) == [(newer, into / newer.name)]
+    assert keep.exists() and older.exists() and (into / newer.name / "done").exists()
+    best, _ = pick(tmp_path, "nemo")
+    assert best is not None and best.path == keep, "what the trainer's own search now finds"
+    assert set_aside(tmp_path, "nemo", None, 0, into) == [(keep, into / keep.name), (older, into / older.name)]

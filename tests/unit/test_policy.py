@@ -955,3 +955,43 @@ def test_a_silent_node_slurm_stopped_answering_for_is_still_lost_and_drained() -
     [fault] = of(effects, RecordFault)
     assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n2",)
     assert [d.node for d in of(effects, DrainNode)] == ["n2"]
+
+
+# --- what a [command] trainer's output says -------------------------------------------
+
+
+def test_a_device_error_in_a_ranks_output_drains_the_node_that_printed_it() -> None:
+    ecc = "RuntimeError: CUDA error: uncorrectable ECC error encountered"
+    ranks = [rank(0, ProcState.EXITED, exit_code=1), rank(1, ProcState.EXITED, exit_code=1),
+             rank(2, ProcState.EXITED, exit_code=1, fatal_kind="device", fatal_line=ecc),
+             rank(3, ProcState.EXITED, exit_code=1)]
+    effects = decide(view(run(), (attempt(),)), obs(*ranks), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.DEVICE and fault.nodes == ("n2",) and ecc in fault.summary
+    [drain] = of(effects, DrainNode)
+    assert drain.node == "n2" and ecc in drain.reason
+
+
+def test_an_nccl_error_in_a_ranks_output_names_its_node_without_draining_it() -> None:
+    nccl = "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely."
+    ranks = [rank(0, ProcState.EXITED, exit_code=SIGKILL), rank(1, ProcState.EXITED, exit_code=1),
+             rank(2, ProcState.EXITED, exit_code=1, fatal_kind="peer", fatal_line=nccl),
+             rank(3, ProcState.EXITED, exit_code=1)]
+    effects = decide(view(run(), (attempt(),)), obs(*ranks), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.RANK_EXIT and fault.nodes == ("n1", "n2") and fault.ranks == (0,)
+    assert f"rank 2 on n2 printed: {nccl}" in fault.summary
+    assert not of(effects, DrainNode)
+
+
+def test_a_trainer_that_resumes_at_the_wrong_step_fails_the_run_with_the_reason() -> None:
+    resumed = attempt(2, resume_from="/ck/llama_v3-20steps", resume_step=20, first_step_at=None)
+    ranks = [rank(0, first_step=1, last_step=1), rank(1), rank(2), rank(3)]
+    effects = decide(view(run(), (attempt(1, AttemptState.ENDED), resumed)), obs(*ranks), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.WRONG_RESUME and fault.step == 1
+    assert "resumed at step 1, not after step 20" in fault.summary and "command.resume" in fault.summary
+    assert not of(effects, StartAttempt)
+    right = [rank(0, first_step=21, last_step=21), rank(1), rank(2), rank(3)]
+    effects = decide(view(run(), (attempt(1, AttemptState.ENDED), resumed)), obs(*right), NOW)
+    assert not of(effects, RecordFault)

@@ -210,3 +210,26 @@ def test_describe_round_trips_through_a_shell_split(argv: list[str]) -> None:
 def test_describe_of_whole_srun_round_trips() -> None:
     argv = srun_argv(step(argv=("python3", *TRICKY), log_dir=Path("/logs/with space")))
     assert shlex.split(describe(argv)) == argv
+
+
+def test_the_node_wrapper_gives_a_nodes_torchrun_its_node_and_the_steps_view(tmp_path: Path) -> None:
+    names = ("GROUP_RANK", "NODE_RANK", "TSUP_NODE", "RANK", "SLURM_JOB_NODELIST", "SLURM_NTASKS")
+    probe = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {names!r}}}))"
+    argv = srun_argv(step(argv=(sys.executable, "-c", probe), launch="node"))
+    assert {"--ntasks=2", "--ntasks-per-node=1", "--output=/logs/run-7/a2/node-%t.log"} <= set(argv)
+    command = argv[argv.index("/bin/sh"):]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
+           "SLURM_NTASKS": "2", "SLURM_NODEID": "1", "SLURMD_NODENAME": "node3",
+           "SLURM_JOB_NODELIST": "node[1-3]", "SLURM_STEP_NODELIST": "node[1,3]"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(done.stdout) == {"GROUP_RANK": "1", "NODE_RANK": "1", "TSUP_NODE": "node3", "RANK": None,
+                                       "SLURM_JOB_NODELIST": "node[1,3]", "SLURM_NTASKS": "2"}
+
+
+def test_the_step_placeholders_are_filled_by_srun_argv() -> None:
+    from supervisor.domain.step import DEFERRED, Step
+
+    rendezvous = Step(nnodes=2, nproc_per_node=4, master_addr="10.1.0.2", master_port=21000, rdzv_id="run-7.a2")
+    argv = srun_argv(step(argv=("torchrun", "--rdzv_endpoint={master_addr}:{master_port}".format(**DEFERRED)),
+                          launch="node", step=rendezvous))
+    assert argv[-2:] == ["torchrun", "--rdzv_endpoint=10.1.0.2:21000"]

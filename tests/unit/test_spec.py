@@ -147,3 +147,62 @@ def test_cwd_and_srun_args_reach_the_dry_run(tmp_path: Path) -> None:
     srun = json.loads(out.stdout)["srun"]
     i = srun.index("/bin/sh")
     assert srun[i - 2:i] == ["--chdir=<state-dir>/runs/run-N/work", "-l"] and srun[-1] == "./train.sh"
+
+
+@pytest.mark.parametrize(("command", "complaint"), [
+    ({"launch": "pod"}, "command.launch: Input should be 'rank' or 'node'"),
+    ({"argv": ["torchrun", "--rdzv_endpoint={master}:29500"]}, "argv: '--rdzv_endpoint={master}:29500' uses an "
+                                                               "unknown placeholder"),
+    ({"env": {"X": "{node_rank}"}}, "env: '{node_rank}' uses an unknown placeholder"),
+    ({"cwd": "{master_addr}"}, "cwd: '{master_addr}' uses an unknown placeholder"),
+    ({"progress_pattern": "Batch (?P<step>\\d+"}, "command.progress_pattern: 'Batch (?P<step>\\\\d+' is not a "
+                                                   "regular expression: missing ), unterminated subpattern"),
+    ({"progress_pattern": "Batch (\\d+)"}, "has no (?P<step>...) group"),
+    ({"progress_pattern": "(?P<step>\\d+) (?P<lr>\\S+)"}, "unknown group(s) lr; known: step, loss, grad_norm"),
+])
+def test_a_bad_launch_mode_or_step_placeholder_is_named(command: dict[str, object], complaint: str) -> None:
+    with pytest.raises(SpecError) as e:
+        parse_spec({"name": "t", "command": {**COMMAND, **command}})
+    assert complaint in str(e.value), str(e.value)
+
+
+def test_a_per_node_torchrun_gets_its_step_in_the_dry_run(tmp_path: Path) -> None:
+    """One task per node, the FSDP test case's torchrun line with the step's own values."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    spec = tmp_path / "s.toml"
+    spec.write_text(
+        'name = "t"\n[resources]\nlauncher = "slurm"\nnodes = 3\nranks_per_node = 8\n[command]\nlaunch = "node"\n'
+        'argv = ["torchrun", "--nnodes={nnodes}", "--nproc_per_node={nproc_per_node}", "--rdzv_id={rdzv_id}",'
+        ' "--rdzv_backend=c10d", "--rdzv_endpoint={master_addr}:{master_port}", "train.py"]\n'
+        'checkpoint_dir = "{run_dir}/ck"\nenv = {NCCL_SOCKET_IFNAME = "^lo", FIRST = "{master_addr}"}\n')
+    out = subprocess.run([sys.executable, "-m", "api.ctl", "--json", "submit", "--dry-run", str(spec)],
+                         capture_output=True, text=True, check=True, cwd=REPO,
+                         env={**os.environ, "TSUP_CTL_CONFIG": os.devnull})
+    srun = json.loads(out.stdout)["srun"]
+    assert {"--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--output=<state-dir>/runs/run-N/attempts/1/"
+            "node-%t.log"} <= set(srun)
+    i = srun.index("/bin/sh")
+    assert "NODE_RANK=\"$SLURM_NODEID\"" in srun[i + 2] and "RANK=\"$SLURM_PROCID\"" not in srun[i + 2]
+    assert srun[i + 4:] == ["torchrun", "--nnodes=3", "--nproc_per_node=8", "--rdzv_id=run-N.a1",
+                            "--rdzv_backend=c10d", "--rdzv_endpoint=<address of the first node>:<port>", "train.py"]
+    spec.write_text(spec.read_text().replace('launcher = "slurm"', 'launcher = "local"'))
+    out = subprocess.run([sys.executable, "-m", "api.ctl", "--json", "submit", "--dry-run", str(spec)],
+                         capture_output=True, text=True, check=True, cwd=REPO,
+                         env={**os.environ, "TSUP_CTL_CONFIG": os.devnull})
+    plan = json.loads(out.stdout)
+    assert plan["processes"] == 3 and plan["launch"] == "node"
+    assert "--rdzv_endpoint=127.0.0.1:<free port>" in plan["argv"]
+
+
+def test_the_step_fills_only_its_own_markers() -> None:
+    from supervisor.domain.step import DEFERRED, Step, readable
+
+    step = Step(nnodes=2, nproc_per_node=4, master_addr="10.0.0.1", master_port=29500, rdzv_id="run-3.a2")
+    text = "--rdzv_endpoint={master_addr}:{master_port} --nnodes={nnodes} {{literal}}".format(**DEFERRED)
+    assert step.fill(text) == "--rdzv_endpoint=10.0.0.1:29500 --nnodes=2 {literal}"
+    assert readable(text) == "--rdzv_endpoint={master_addr}:{master_port} --nnodes={nnodes} {literal}"
+    assert step.fill("no markers {here}") == "no markers {here}"

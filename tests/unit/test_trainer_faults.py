@@ -103,4 +103,12 @@ def test_storage_errors_are_recognised_inside_dcp_failures() -> None:
     assert found is not None and found.errno == errno.ENOSPC
     assert _storage_error(CheckpointException("save failed", {0: _wrap_exception(ValueError("x"))})) is None
     assert _storage_error(RuntimeError("wrapped")) is None
+    # torch.save's zip writer, cut short by a full file system, keeps no errno (seen on a
+    # 5 MB tmpfs): the same verdict.
+    try:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    except RuntimeError as e:
+        short = CheckpointException("save failed", {0: _wrap_exception(e)})
+    found = _storage_error(short)
+    assert found is not None and found.errno == errno.ENOSPC and "unexpected pos 704" in str(found)
     assert exit_code_for(CheckpointStorageFull("no room")) == EXIT_STORAGE_FULL == 5

@@ -1,0 +1,79 @@
+"""Each seed framework's resume form, end to end with a stand-in of its shape
+(tests/standins/step_loop.py): the checkpoint to load named by step (NxD's
+``--loading_step N``), left to the trainer's own search (``latest_if_exists``, NxD
+Training's ``resume_if_exists``, the FSDP test case's directory), and a resume that comes
+back at the wrong step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO
+from tests.e2e.conftest import command_spec, db_rows, summary_of, tsup
+
+SCRIPT = str(REPO / "tests" / "standins" / "step_loop.py")
+STEPS = 40
+
+
+def never_failed() -> int:
+    value = 0
+    for step in range(1, STEPS + 1):
+        value = (value * 31 + step) % 1_000_003
+    return value
+
+
+def run(tmp_path: Path, form: str, resume: list[str], *fault: str) -> tuple[dict[str, Any], Path, Path]:
+    argv = [sys.executable, SCRIPT, "--form", form, "--steps", str(STEPS), "--checkpoint_dir", "{checkpoint_dir}",
+            "--out", "{run_dir}/final.json", "--fault_dir", "{run_dir}", *fault]
+    spec = command_spec(tmp_path / f"{form}.toml", form, argv, resume=resume, steps=STEPS,
+                        resources={"nodes": 1, "ranks_per_node": 1}, policy={"failures_without_progress": 3})
+    state = tmp_path / "state"
+    proc = tsup("run", spec, "--state-dir", state, "--json", timeout_s=300)
+    return summary_of(proc), state / "runs" / "run-1", state
+
+
+@pytest.mark.parametrize(("form", "resume"), [
+    ("nxd", ["--loading_step", "{step}"]),  # the supervisor names the step
+    ("nxd", ["--loading_step", "latest_if_exists"]),  # the trainer searches
+    ("nemo", []),  # NxD Training: resume_if_exists, always on, in per-job directories
+    ("fsdp", ["--resume_from_checkpoint={checkpoint_dir}"]),  # a directory to search
+])
+def test_a_crash_resumes_in_the_frameworks_own_form(tmp_path: Path, form: str, resume: list[str]) -> None:
+    s, run_dir, _ = run(tmp_path, form, resume, "--crash_at", "25")
+    assert s["state"] == "SUCCEEDED", s
+    assert [a["resume_step"] for a in s["attempt_history"]] == [0, 20]
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final == {"value": never_failed(), "started_at": 20}
+
+
+def test_a_searching_trainer_finds_the_checkpoint_the_supervisor_chose(tmp_path: Path) -> None:
+    """A NaN at step 30, printed after step 30's checkpoint was saved: the run goes back
+    to step 20, and step 30's checkpoint is moved out of latest_if_exists's way."""
+    s, run_dir, state = run(tmp_path, "nxd", ["--loading_step", "latest_if_exists"], "--nan_at", "30")
+    assert s["state"] == "SUCCEEDED", s
+    [fault] = s["faults"]
+    assert fault["kind"] == "nonfinite" and fault["step"] == 30
+    assert [a["resume_step"] for a in s["attempt_history"]] == [0, 20]
+    [(message, data)] = db_rows(state, "SELECT message, data FROM events WHERE kind = 'checkpoint.set-aside'")
+    assert "attempt 2 resumes from step_20: moved" in message and "step_30" in message
+    moved = [Path(p).name for p in json.loads(data)["moved"]]
+    assert "step_30" in moved and "step_20" not in moved
+    assert (run_dir / "checkpoints" / ".set-aside" / "attempt-2" / "step_30" / "done").exists()
+    assert json.loads((run_dir / "final.json").read_text()) == {"value": never_failed(), "started_at": 20}
+
+
+def test_a_trainer_that_comes_back_at_the_wrong_step_fails_the_run_with_the_reason(tmp_path: Path) -> None:
+    """The FSDP test case given the checkpoint itself where it searches a directory: its
+    search finds nothing there, and it would train again from step 0."""
+    s, _, _ = run(tmp_path, "fsdp", ["--resume_from_checkpoint={checkpoint}"], "--crash_at", "25")
+    assert s["state"] == "FAILED", s
+    crash, wrong = s["faults"]
+    assert crash["kind"] == "rank-exit" and wrong["kind"] == "wrong-resume"
+    assert "the trainer resumed at step 1, not after step 20" in wrong["summary"], wrong
+    assert "command.resume" in s["reason"], s["reason"]
