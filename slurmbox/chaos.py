@@ -51,17 +51,22 @@ class BoxChaos:
         return f"{node}'s link {'down: cut off' if cut else 'up again'} ({self.box.link(node)})"
 
     def kill_rank(self, launch_info: str, rank: int, sig: int = signal.SIGKILL) -> str:
+        """``sig`` to the process of ``rank`` in the attempt's step: the topmost one whose
+        RANK it is (the rank wrapper sets it; with launch "node", the node's torchrun sets
+        it in its workers), not its own children."""
         step = json.loads(launch_info)["step"]
-        for p in psutil.process_iter(["pid"]):
+        found: dict[int, tuple[int, str | None]] = {}  # pid -> (parent, node)
+        for p in psutil.process_iter(["pid", "ppid"]):
             try:
                 env = p.environ()
             except psutil.Error:
                 continue
-            if env.get("SLURM_STEP_ID") is None or env.get("SLURM_JOB_NAME") != step:
-                continue
-            if env.get("SLURM_PROCID") == str(rank) and env.get("TSUP_RUN_ID"):
+            if (env.get("SLURM_STEP_ID") is not None and env.get("SLURM_JOB_NAME") == step
+                    and env.get("RANK") == str(rank) and env.get("TSUP_RUN_ID")):
+                found[p.pid] = (p.info["ppid"], env.get("SLURMD_NODENAME"))
+        for pid, (parent, node) in found.items():
+            if parent not in found:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, sig)
-                node = env.get("SLURMD_NODENAME")
-                return f"{signal.Signals(sig).name} to rank {rank} (pid {p.pid}, node {node})"
+                    os.kill(pid, sig)
+                return f"{signal.Signals(sig).name} to rank {rank} (pid {pid}, node {node})"
         raise LaunchError(f"rank {rank} is not running")

@@ -327,7 +327,7 @@ class Observer:
         result = self._result(run, spec, run_dir, live, ranks) if spec else None
         p99, samples = self.telemetry.step_time_p99(run.run_id, live.number)
         up_since = self._up_since(run, live, tele)
-        return AttemptObs(ranks=tuple(ranks), result=result, telemetry_up_since=up_since,
+        return AttemptObs(ranks=tuple(ranks), result=result, telemetry_up_since=up_since, unheard=unheard,
                           step_time_p99_s=p99, step_time_samples=samples,
                           checkpoint_p99_s=self.telemetry.checkpoint_p99(run.run_id),
                           recent=self.telemetry.recent_steps(run.run_id, live.number), found=found)

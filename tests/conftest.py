@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -187,6 +188,30 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
     proc = tsup("run", EXAMPLE, "--state-dir", state, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     yield summary_of(proc)
+
+
+FSDP_TEST_CASE = REPO / "tests" / "standins" / "fsdp_test_case.py"
+FSDP_STEPS = 60
+# Its training arguments, the same supervised or not: 60 steps, a checkpoint every 10.
+FSDP_TRAIN = ("--max_steps", str(FSDP_STEPS), "--checkpoint_freq", "10", "--step_sleep", "0.1")
+
+
+@pytest.fixture(scope="session")
+def fsdp_never_failed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The final weights of the FSDP test case's stand-in run by hand (two torchruns of
+    two ranks, no supervisor, no fault): what every supervised run of it must end with."""
+    import torch
+
+    work = tmp_path_factory.mktemp("fsdp-by-hand")
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nnodes=2", "--nproc_per_node=2",
+                "--rdzv_id=by-hand", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_backend=c10d"]
+    args = [str(FSDP_TEST_CASE), *FSDP_TRAIN, "--checkpoint_dir", str(work / "checkpoints"),
+            "--out", str(work / "final.pt")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([*torchrun, *args], cwd=work, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for _ in range(2)]
+    assert [p.wait(timeout=300) for p in nodes] == [0, 0]
+    return dict(torch.load(work / "final.pt"))
 
 
 def slurm_installed() -> bool:

@@ -68,6 +68,9 @@ class AttemptObs:
     launch_error: str | None = None  # why it never started, when the launcher said so
     launch_fatal: bool = False  # the command cannot be executed at all: no restart helps
     telemetry_up_since: float | None = None  # None while the broker link is down
+    # No rank of the attempt was ever heard on telemetry (a [command] trainer's, or ranks
+    # that cannot reach the broker): its ranks unknown to the launcher are seen by nothing.
+    unheard: bool = False
     step_time_p99_s: float | None = None  # over the attempt's recent steps, all ranks
     step_time_samples: int = 0
     checkpoint_p99_s: float | None = None  # the run's recent checkpoint saves

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import signal
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from supervisor.domain import (
     Attempt,
@@ -51,9 +51,11 @@ class Finding:
 def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list[RankObs],
               step: int) -> Finding:
     by = by_node(ranks)
-    # A node the run no longer holds (Slurm ended or shrank the allocation: preemption,
-    # a time limit, scancel) is not to blame: its ranks died because the allocation did.
-    held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
+    # A node the run no longer holds (Slurm ended the allocation: preemption, a time
+    # limit, scancel) is not to blame: its ranks died because the allocation did. One
+    # that left while the attempt's other nodes stay failed (Slurm shrinks a --no-kill job
+    # by its dead nodes): still that node's fault.
+    held = held_nodes(view, live)
     lost_nodes = sorted(n for n, rs in by.items() if n in held and all(vanished_abruptly(r) for r in rs))
     released = sorted(n for n in by if n not in held)
     # What the trainer means by an exit code: only what its spec declares (view.exit_codes).
@@ -126,6 +128,31 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
     record = RecordFault(kind=FaultKind.RANK_EXIT, attempt=live.number, ranks=tuple(r.rank for r in first),
                          nodes=tuple(sorted(blamed_nodes)), summary=summary, step=step)
     return Finding(record, do_not_retry=do_not_retry)
+
+
+def held_nodes(view: RunView, live: Attempt) -> set[str]:
+    """The nodes the run holds, as far as judging the live attempt goes: all of its nodes
+    while the allocation keeps any of them."""
+    held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
+    return held | set(live.nodes) if held & set(live.nodes) else held
+
+
+def with_failed_nodes(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> AttemptObs:
+    """Ranks nothing can see (their processes unknown to the launcher, never heard on
+    telemetry: a [command] trainer's on Slurm) on a node the allocation lost while it keeps
+    the attempt's others: the cluster's word that the node died is their last will."""
+    held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
+    if not obs.unheard or not held & set(live.nodes):
+        return obs  # heard ranks speak for themselves; the whole allocation going is an interruption
+
+    def failed(r: RankObs) -> bool:
+        return r.proc is ProcState.UNKNOWN and r.node not in held
+
+    if not any(failed(r) for r in obs.ranks):
+        return obs
+    return replace(obs, ranks=tuple(
+        replace(r, proc=ProcState.VANISHED, lost=True, dead_since=r.dead_since or now) if failed(r) else r
+        for r in obs.ranks))
 
 
 def _died_first(dead: list[RankObs]) -> list[RankObs]:

@@ -4,7 +4,9 @@ In the order they are judged (the first that holds is the fault):
 
 - a rank died (``attribute`` says whom it blames), once every rank is gone or
   ``fault_settle_s`` after the first death was seen: processes of one node killed
-  together are not reaped together;
+  together are not reaped together; while ranks nothing can see remain (no telemetry,
+  unknown to the launcher), up to ``silence_timeout_s``, for the cluster to say whether
+  their node died (``with_failed_nodes``);
 - a resumed trainer whose first step is not after the checkpoint it resumed from (it
   did not load it, or loaded another): the run fails, never retried from step zero;
 - a loss or grad norm that is not finite;
@@ -63,6 +65,11 @@ def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fin
         first_seen = min(r.dead_since if r.dead_since is not None else now for r in dead)
         if now - first_seen < view.run.policy.fault_settle_s and not all_gone(obs):
             return None  # let ranks that die together (a node) show themselves first
+        unseen = obs.unheard and any(r.proc is ProcState.UNKNOWN for r in obs.ranks)
+        if unseen and now - first_seen < view.run.policy.silence_timeout_s:
+            # Ranks nothing can see (a [command] trainer's, on Slurm) may have died with their
+            # node, the others of its peers' loss: give the cluster time to say which.
+            return None
         return attribute(view, live, obs.ranks, dead, step)
     wrong = _wrong_resume(live, obs)
     if wrong is not None:

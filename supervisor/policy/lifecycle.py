@@ -39,7 +39,7 @@ from supervisor.domain import (
     RunView,
     StopAttempt,
 )
-from supervisor.policy.attribution import all_gone, lemons
+from supervisor.policy.attribution import all_gone, lemons, with_failed_nodes
 from supervisor.policy.detection import find_fault, transient_spikes
 from supervisor.policy.recovery import data_to_skip, judge_stragglers, launch, probes_wanted, set_state
 from supervisor.policy.transitions import check_run
@@ -54,6 +54,8 @@ def decide(view: RunView, obs: AttemptObs | None, now: float) -> list[Effect]:
     out: list[Effect] = []
     state = view.run.state
     live = view.current if view.current and view.current.state is not AttemptState.ENDED else None
+    if live is not None and obs is not None:
+        obs = with_failed_nodes(view, live, obs, now)
 
     if view.spec_error is not None and state not in TERMINAL_RUN_STATES:
         reason = f"the run's stored spec no longer validates: {view.spec_error}"

@@ -65,9 +65,15 @@ def command_spec(path: Path, name: str, argv: list[str], *, resources: dict[str,
                  policy: dict[str, Any] | None = None, **command: Any) -> Path:
     """A spec for a trainer the supervisor did not write, at ``path``: ``[command]`` with
     ``argv``, a checkpoint directory in the run directory unless given, and ``command``'s
-    other keys. Values are written as JSON, which is TOML for strings, numbers and lists."""
+    other keys. Values are written as JSON, which is TOML for strings, numbers and lists;
+    tables as TOML's inline tables."""
+    def value(v: Any) -> str:
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{json.dumps(k)} = {value(x)}" for k, x in v.items()) + "}"
+        return json.dumps(v)
+
     def table(title: str, keys: dict[str, Any]) -> list[str]:
-        return [f"[{title}]", *(f"{k} = {json.dumps(v)}" for k, v in keys.items())]
+        return [f"[{title}]", *(f"{k} = {value(v)}" for k, v in keys.items())]
 
     lines = [f"name = {json.dumps(name)}", *table("resources", resources or {}),
              *table("command", {"argv": argv, "checkpoint_dir": "{run_dir}/checkpoints", **command}),
@@ -84,6 +90,16 @@ def spec_for_slurm(tmp_path: Path, **resources: Any) -> Path:
     path = tmp_path / "spec.toml"
     path.write_text(text)
     return path
+
+
+def assert_same_weights(path: Path, expected: dict[str, Any]) -> None:
+    """The weights torch.save wrote at ``path`` are bitwise ``expected``."""
+    import torch
+
+    final = torch.load(path)
+    assert final.keys() == expected.keys()
+    for name, tensor in final.items():
+        assert torch.equal(tensor, expected[name]), f"{name} differs from the run that never failed"
 
 
 def summary_of(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:

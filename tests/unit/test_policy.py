@@ -995,3 +995,28 @@ def test_a_trainer_that_resumes_at_the_wrong_step_fails_the_run_with_the_reason(
     right = [rank(0, first_step=21, last_step=21), rank(1), rank(2), rank(3)]
     effects = decide(view(run(), (attempt(1, AttemptState.ENDED), resumed)), obs(*right), NOW)
     assert not of(effects, RecordFault)
+
+
+def test_unseen_ranks_on_a_node_the_allocation_lost_are_that_nodes_loss() -> None:
+    """A [command] trainer on Slurm: no telemetry, and its step's ranks are UNKNOWN to the
+    launcher. node n1 dies; Slurm shrinks the allocation by it (--no-kill) while n2's
+    ranks exit 1 (their peer is gone): n1 is lost, not n2 to blame."""
+    unseen = [rank(0, ProcState.UNKNOWN), rank(1, ProcState.UNKNOWN)]
+    crashed = [rank(2, ProcState.EXITED, exit_code=1), rank(3, ProcState.EXITED, exit_code=1)]
+    without_n1 = tuple(n for n in HEALTHY3 if n.name != "n1")
+    effects = decide(view(run(), (attempt(),), alloc=without_n1), obs(*unseen, *crashed, unheard=True), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n1",) and fault.ranks == (0, 1)
+    assert [d.node for d in of(effects, DrainNode)] == ["n1"]
+    # While the allocation still holds n1 nothing says it died: n2's crash waits for the
+    # cluster's word, up to silence_timeout_s (10 s) after it.
+    effects = decide(view(run(), (attempt(),)), obs(*unseen, *crashed, unheard=True), NOW)
+    assert not of(effects, RecordFault)
+    effects = decide(view(run(), (attempt(),)),
+                     obs(*unseen, *(replace(r, dead_since=NOW - 11) for r in crashed), unheard=True), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.RANK_EXIT and not of(effects, DrainNode)
+    # The cluster taking every node is an interruption, not two lost nodes.
+    effects = decide(view(run(), (attempt(),), alloc=nodes(NodeState.ALLOCATED)[:0]),
+                     obs(*unseen, rank(2, ProcState.UNKNOWN), rank(3, ProcState.UNKNOWN), unheard=True), NOW)
+    assert not of(effects, DrainNode)
