@@ -19,6 +19,8 @@ that is not a checkpoint of any layout is ignored; one that is gives a ``Verdict
 |          | when the tracker says "release"   | latest_checkpointed_iteration.txt     | optim_rng.pt or DCP |
 | dcp      | llama_v3-50steps/ or step-50/     | non-empty .metadata (.metadata.tmp    | no empty *.distcp   |
 |          | holding DCP files                 | alone: the save was cut short)        |                     |
+| lightning| a file <...>step=40<...>.ckpt     | the zip's end record is there (what   | as complete         |
+|          | (ModelCheckpoint's "{step}")      | torch.save writes last)               |                     |
 
 Layouts are tried in that order for each entry; the first that claims it wins (``dcp``,
 whose names are the most generic, comes last). Candidates are sorted newest first, an ok
@@ -40,7 +42,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-LAYOUTS = ("tsup", "nxd", "nemo", "hf", "megatron", "dcp")
+LAYOUTS = ("tsup", "nxd", "nemo", "hf", "megatron", "dcp", "lightning")
 # The largest step a checkpoint may name: what SQLite's INTEGER holds. A name beyond it
 # ("checkpoint-99999999999999999999") is no checkpoint of a real run: it is passed over.
 MAX_STEP = 2**63 - 1
@@ -233,8 +235,27 @@ def _megatron(path: Path, tracker: Callable[[], _Tracker]) -> Verdict | None:
     return _verdict("megatron", step, path, _megatron_problem(path))
 
 
+def _lightning(path: Path) -> Verdict | None:
+    m = _NEMO_STEP.search(path.name)
+    if m is None or not path.name.endswith(".ckpt") or not path.is_file():
+        return None
+    return _verdict("lightning", int(m.group(1)), path, _zip_problem(path))
+
+
+_ZIP_END = b"PK\x05\x06"  # the end of central directory record, written last
+
+
+def _zip_problem(path: Path) -> str:
+    """Why a torch.save file is not whole: its zip end record is missing (a save cut short)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        f.seek(max(0, size - 65_557))  # the record, and a zip comment of at most 64 KiB
+        tail = f.read()
+    return "" if _ZIP_END in tail else f"{path.name}: no zip end record (the save was cut short)"
+
+
 _RECOGNISERS: dict[str, Callable[[Path], Verdict | None]] = {
-    "tsup": _tsup, "nxd": _nxd, "nemo": _nemo, "hf": _hf, "dcp": _dcp,
+    "tsup": _tsup, "nxd": _nxd, "nemo": _nemo, "hf": _hf, "dcp": _dcp, "lightning": _lightning,
 }
 
 
@@ -251,8 +272,9 @@ def _inspect(path: Path, layouts: tuple[str, ...], tracker: Callable[[], _Tracke
         for name in layouts:
             v = _megatron(path, tracker) if name == "megatron" else _RECOGNISERS[name](path)
             if v is not None:
-                # A directory deleted while we looked reads as a failed save; it is none.
-                return v if path.is_dir() else None
+                # A checkpoint deleted while we looked reads as a failed save; it is none.
+                # Every layout's checkpoint is a directory but Lightning's, a file.
+                return v if path.is_dir() or (v.layout == "lightning" and path.is_file()) else None
     except FileNotFoundError:
         return None
     return None

@@ -155,7 +155,8 @@ class AttemptOutput:
 @dataclass(frozen=True, slots=True)
 class ReadStep:
     """A step read from the output, as the message the reference trainer would have sent
-    (NaN for what the line did not print), and which of loss and grad_norm it printed."""
+    (a NaN loss or a None grad norm where the line printed none), and which of loss and
+    grad_norm it printed."""
 
     msg: p.StepMetrics
     printed: frozenset[str]
@@ -189,7 +190,7 @@ def read_output(state: AttemptOutput, log_dir: Path, *, run_id: str, attempt: in
         for x in new:
             msg = p.StepMetrics(run=run_id, attempt=attempt, rank=rank, ts=now, step=x.step,
                                 loss=math.nan if x.loss is None else x.loss,
-                                grad_norm=math.nan if x.grad_norm is None else x.grad_norm,
+                                grad_norm=x.grad_norm,
                                 lr=math.nan, step_time_s=step_time, tokens_per_s=math.nan)
             printed = frozenset(k for k, v in (("loss", x.loss), ("grad_norm", x.grad_norm)) if v is not None)
             out.append(ReadStep(msg, printed))

@@ -11,6 +11,7 @@ after ``metrics_days``, events after ``events_days`` (published ones only).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 
 from supervisor.domain import AttemptStats, CurvePoint, MetricRecord
@@ -126,11 +127,15 @@ class _Batch:
                          item.at)
         else:
             stats = self._stats(number, msg.attempt)
+            # A trainer of the user's may not time its saves (trainer.client: NaN).
+            duration = msg.duration_s if math.isfinite(msg.duration_s) and msg.duration_s >= 0 else None
             if tx.record_checkpoint(number, step=msg.step, path=msg.path, complete=True,
-                                    duration_s=msg.duration_s,
+                                    duration_s=duration,
                                     attempt=msg.attempt, now=item.at, attempt_time_s=stats.step_time_s):
+                saved_s = stats.checkpoint_s + (duration or 0.0)
                 self.stats[(number, msg.attempt)] = replace(stats, checkpoints=stats.checkpoints + 1,
-                                                            checkpoint_s=stats.checkpoint_s + msg.duration_s)
+                                                            checkpoint_s=saved_s)
+                took = f" in {duration:.2f} s" if duration is not None else ""
                 tx.add_event(number, "checkpoint.committed",
-                             f"checkpoint at step {msg.step} committed in {msg.duration_s:.2f} s",
+                             f"checkpoint at step {msg.step} committed{took}",
                              {"step": msg.step, "path": msg.path, "attempt": msg.attempt}, item.at)

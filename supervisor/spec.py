@@ -128,7 +128,8 @@ class TelemetrySpec(BaseModel):
 # attempt by the Young/Daly rule (supervisor/planning.py, policy.failures_per_node_day).
 AUTO = "auto"
 
-CHECKPOINT_LAYOUTS = ("tsup", "nxd", "nemo", "hf", "megatron", "dcp")  # supervisor/checkpoint_scan.py
+# supervisor/checkpoint_scan.py
+CHECKPOINT_LAYOUTS = ("tsup", "nxd", "nemo", "hf", "megatron", "dcp", "lightning")
 
 
 class CommandSpec(BaseModel):

@@ -259,13 +259,14 @@ class TelemetryView:
             self._add_step_time(msg.run, msg.attempt, msg.step_time_s)
         if math.isfinite(msg.busy_s) and msg.busy_s >= 0:
             rank.busy_times.append(msg.busy_s)
-        finite = all(math.isfinite(x) for name, x in (("loss", msg.loss), ("grad_norm", msg.grad_norm))
-                     if name in printed)
+        finite = all(x is None or math.isfinite(x)
+                     for name, x in (("loss", msg.loss), ("grad_norm", msg.grad_norm)) if name in printed)
         if not finite and (rank.nonfinite_step is None or msg.step < rank.nonfinite_step):
             rank.nonfinite_step = msg.step
         if msg.rank == 0:
             self._queue(Received(msg, now))
-            sample = StepSample(step=msg.step, loss=msg.loss, grad_norm=msg.grad_norm,
+            sample = StepSample(step=msg.step, loss=msg.loss,
+                                grad_norm=math.nan if msg.grad_norm is None else msg.grad_norm,
                                 first_sample=msg.first_sample)
             self._recent.setdefault((msg.run, msg.attempt), deque(maxlen=RECENT_STEPS_KEPT)).append(sample)
 

@@ -68,7 +68,7 @@ class Reporter:
         self._step = step
         self._telemetry.restored(step)
 
-    def step(self, step: int, *, loss: float, grad_norm: float = math.nan, lr: float = math.nan,
+    def step(self, step: int, *, loss: float, grad_norm: float | None = None, lr: float = math.nan,
              tokens_per_s: float = math.nan, step_time_s: float | None = None) -> None:
         """A training step done. ``step_time_s`` defaults to the time since the last call."""
         now = time.monotonic()
@@ -76,7 +76,8 @@ class Reporter:
             step_time_s = now - self._last_at if self._last_at is not None else math.nan
         self._last_at, self._step = now, step
         self._telemetry.set_phase(Phase.TRAIN, step)
-        self._telemetry.step_completed(step=step, loss=float(loss), grad_norm=float(grad_norm), lr=float(lr),
+        norm = None if grad_norm is None else float(grad_norm)  # None: not measured (never "NaN")
+        self._telemetry.step_completed(step=step, loss=float(loss), grad_norm=norm, lr=float(lr),
                                        step_time_s=step_time_s, tokens_per_s=float(tokens_per_s))
 
     def checkpoint(self, step: int, path: str, *, duration_s: float = math.nan) -> None:

@@ -132,7 +132,7 @@ class StepMetrics(Header):
     kind: ClassVar[str] = "step"
     step: int  # the step just completed (1-based)
     loss: float
-    grad_norm: float
+    grad_norm: float | None  # None (JSON null): not measured; NaN is a NaN grad norm
     lr: float
     step_time_s: float
     tokens_per_s: float
@@ -412,7 +412,9 @@ def _check_field(kind: str, name: str, annotation: Any, value: Any) -> Any:
         if abs(value) > _MAX_INT:
             raise ProtocolError(f"{where}: out of range")
         return value
-    if annotation in ("float", float):
+    if annotation == "float | None" and value is None:
+        return None
+    if annotation in ("float", float, "float | None"):
         if isinstance(value, str) and value in _NONFINITE_IN:
             return _NONFINITE_IN[value]
         if isinstance(value, bool) or not isinstance(value, (int, float)):

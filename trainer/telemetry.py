@@ -284,7 +284,7 @@ class Telemetry:
             elif self._broker is not None:
                 self._put(protocol.PhaseChange(**self._header(), phase=phase, step=step))
 
-    def step_completed(self, *, step: int, loss: float, grad_norm: float, lr: float,
+    def step_completed(self, *, step: int, loss: float, grad_norm: float | None, lr: float,
                        step_time_s: float, tokens_per_s: float, first_sample: int = 0,
                        busy_s: float = math.nan) -> None:
         self._step = step

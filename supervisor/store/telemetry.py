@@ -19,7 +19,7 @@ class TelemetryQueries:
     # --- metrics: raw rows (pruned by retention), per-attempt stats, the loss curve ---------
 
     def add_metric(
-        self, run_number: int, *, attempt: int, step: int, loss: float, grad_norm: float, lr: float,
+        self, run_number: int, *, attempt: int, step: int, loss: float, grad_norm: float | None, lr: float,
         step_time_s: float, tokens_per_s: float, now: float,
     ) -> bool:
         """Keep one of rank 0's steps; False when it was kept already (a duplicate delivery)."""

@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent('''
             loss = float("nan")
             if rank == 0:
                 open(once, "w").close()
-        tsup.step(step, loss=loss, grad_norm=1.0, lr=0.1)
+        tsup.step(step, loss=loss, lr=0.1)  # no grad norm measured: none is judged
         if step % 10 == 0 and rank == 0:
             d = os.path.join(args.save_dir, f"llama_v3-{step}steps")
             os.makedirs(d, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -265,10 +266,34 @@ def test_nemo_last_and_plain_saves_of_one_step(tmp_path: Path) -> None:
     assert ref is not None and ref.step == 10 and ref.path in paths
 
 
-def test_nemo_lone_unfinished_marker_and_plain_ckpt_files_are_ignored(tmp_path: Path) -> None:
+def test_nemo_lone_unfinished_marker_and_plain_ckpt_files_are_not_nemo(tmp_path: Path) -> None:
     (tmp_path / "hf_llama3_8B--step=15-consumed_samples=480.0-unfinished").touch()
     (tmp_path / "plain--step=20.ckpt").write_bytes(b"a PTL file, not an NxD tag")
-    assert scan(tmp_path) == []
+    assert scan(tmp_path, "nemo") == []
+    [torn] = scan(tmp_path)  # a Lightning checkpoint file, cut short
+    assert (torn.layout, torn.step, torn.ok) == ("lightning", 20, False) and "no zip end record" in torn.why
+
+
+# lightning: ModelCheckpoint's files, "epoch=0-step=40.ckpt", written by torch.save (a zip).
+
+def make_lightning(root: Path, step: int, *, torn: bool = False) -> Path:
+    import zipfile
+
+    path = root / f"epoch=0-step={step}.ckpt"
+    root.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", b"x" * 1000)
+    if torn:
+        os.truncate(path, path.stat().st_size // 2)
+    return path
+
+
+def test_a_lightning_checkpoint_file_is_complete_with_its_zip_end_record(tmp_path: Path) -> None:
+    whole = make_lightning(tmp_path, 40)
+    make_lightning(tmp_path, 50, torn=True)
+    best, [torn] = pick(tmp_path, "lightning")
+    assert best == Verdict(step=40, path=whole, ok=True, why="", layout="lightning")
+    assert torn.step == 50 and "the save was cut short" in torn.why
 
 
 # hf: HF Trainer checkpoint-<N>/.
@@ -425,6 +450,8 @@ def make_ok(root: Path, layout: str, step: int, *, broken: bool = False) -> Path
         return make_nemo(root, step, model_size=size)
     if layout == "hf":
         return make_hf(root, step, weights_size=size)
+    if layout == "lightning":
+        return make_lightning(root, step, torn=broken)
     track(root, str(step))
     return make_megatron(root, step, size=size)
 
@@ -435,7 +462,8 @@ def test_newest_failing_verification_falls_back_in_every_layout(tmp_path: Path, 
     make_ok(tmp_path, layout, 20, broken=True)
     best, [bad] = pick(tmp_path)
     assert best == Verdict(step=10, path=older, ok=True, why="", layout=layout)
-    assert (bad.step, bad.layout, bad.ok) == (20, layout, False) and "empty" in bad.why
+    assert (bad.step, bad.layout, bad.ok) == (20, layout, False)
+    assert ("cut short" if layout == "lightning" else "empty") in bad.why
 
 
 # Checkpoints that vanish while we look (the trainer deletes old ones).
@@ -456,13 +484,31 @@ def vanishing(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[Path]]:
     yield doomed
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [x for x in LAYOUTS if x != "lightning"])  # directories
 def test_a_directory_that_vanishes_mid_inspection_is_not_a_checkpoint(tmp_path: Path, layout: str,
                                                                         vanishing: set[Path]) -> None:
     older = make_ok(tmp_path, layout, 10)
     vanishing.add(make_ok(tmp_path, layout, 20))
     best, rejected = pick(tmp_path)
     assert not vanishing, "the fixture never fired: the test proves nothing"
+    assert best is not None and best.path == older and rejected == []
+
+
+def test_a_lightning_file_that_vanishes_mid_inspection_is_not_a_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    older = make_lightning(tmp_path, 10)
+    doomed = make_lightning(tmp_path, 20)
+    stat = Path.stat
+
+    def stat_then_vanish(self: Path, **kw: bool) -> os.stat_result:
+        result = stat(self, **kw)
+        if self == doomed and os.path.exists(doomed):
+            os.unlink(doomed)  # deleted between the size read and the read of its end
+        return result
+
+    monkeypatch.setattr(Path, "stat", stat_then_vanish)
+    best, rejected = pick(tmp_path, "lightning")
+    assert not os.path.exists(doomed), "the deletion never happened: the test proves nothing"
     assert best is not None and best.path == older and rejected == []
 
 
