@@ -13,6 +13,10 @@ The patterns (``PATTERNS``): the spec's own ``progress_pattern`` first (named gr
 ``step``, and optionally ``loss`` and ``grad_norm``), then the formats the seeds' trainers
 print out of the box.
 
+Neuron's compiler lines (``COMPILING``) put the rank in its compile phase, which has its
+own allowance (``compile_timeout_s``): a precompile pass or a graph compile of an hour is
+not a hang.
+
 A line a fatal signature matches (``fatal_signature``: Neuron runtime and hardware
 errors, CUDA's uncorrectable ECC error, NCCL's errors) is kept as its rank's ``fatal``
 line: when the attempt fails, attribution drains the node that printed a device error,
@@ -95,6 +99,12 @@ class ProgressLine:
     grad_norm: float | None
 
 
+# Neuron compiling (torch-neuronx's compiler wrapper, a neuron_parallel_compile pass):
+# the rank is in its compile phase, with its own allowance, until its next step.
+COMPILING = re.compile(r"\|\|NEURON_CC_WRAPPER\|\|: Call compiler|\|\|NEURON_PARALLEL_COMPILE\|\||"
+                       r"Compiler status PASS")
+
+
 def parse_progress(line: str, formats: tuple[Format, ...]) -> ProgressLine | None:
     for f in formats:
         m = f.pattern.search(line)
@@ -150,6 +160,12 @@ class AttemptOutput:
     files: dict[str, _File] = field(default_factory=dict)
     ranks: dict[int, _Rank] = field(default_factory=dict)
     fatal: dict[int, Fatal] = field(default_factory=dict)  # rank -> its first fatal line
+    phases: dict[int, str] = field(default_factory=dict)  # rank -> "compile" or "train", as its output says
+
+    @property
+    def understood(self) -> bool:
+        """Its lines say what the trainer does (steps, a compile): they, not any output, are progress."""
+        return bool(self.phases)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +181,8 @@ class ReadStep:
 def read_output(state: AttemptOutput, log_dir: Path, *, run_id: str, attempt: int, ranks_per_node: int,
                 formats: tuple[Format, ...], now: float) -> list[ReadStep]:
     """Read what the attempt's ranks wrote since the last call; the steps it shows, to
-    apply to the telemetry view. Fatal lines are kept in ``state.fatal``."""
+    apply to the telemetry view. Fatal lines are kept in ``state.fatal``, the phase the
+    output shows in ``state.phases``."""
     out: list[ReadStep] = []
     try:
         names = sorted(os.listdir(log_dir))
@@ -176,8 +193,13 @@ def read_output(state: AttemptOutput, log_dir: Path, *, run_id: str, attempt: in
         if rank is None:
             continue
         lines = _new_lines(state.files.setdefault(name, _File()), log_dir / name)
-        seen = [x for x in (parse_progress(line, formats) for line in lines) if x is not None]
+        seen: list[ProgressLine] = []
         for line in lines:
+            if (x := parse_progress(line, formats)) is not None:
+                seen.append(x)
+                state.phases[rank] = "train"
+            elif COMPILING.search(line):
+                state.phases[rank] = "compile"
             if rank not in state.fatal and (kind := fatal_signature(line)) is not None:
                 state.fatal[rank] = Fatal(rank, kind, line.strip()[:500])
         r = state.ranks.setdefault(rank, _Rank())

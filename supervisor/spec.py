@@ -80,6 +80,7 @@ class PolicySpec(BaseModel):
     hang_k: Annotated[float, Field(ge=1, le=1000)] = 3.0
     hang_min_samples: Annotated[int, Field(ge=1, le=100_000)] = 20
     startup_timeout_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 900.0
+    compile_timeout_s: Annotated[float, Field(gt=0, le=7 * _DAY_S)] = 7200.0
     checkpoint_timeout_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 600.0
     eval_timeout_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 600.0
     stop_grace_s: Annotated[float, Field(ge=0, le=3600)] = 10.0

@@ -251,6 +251,11 @@ class TelemetryView:
             case p.Lost():
                 rank.lost, rank.lost_at = True, now
 
+    def phase_from_output(self, run_id: str, attempt: int, rank: int, phase: str) -> None:
+        """The phase a trainer's output shows (supervisor/output_progress.py)."""
+        with self._lock:
+            self._ranks.setdefault((run_id, attempt), {}).setdefault(rank, RankTelemetry()).phase = phase
+
     def _step(self, rank: RankTelemetry, msg: p.StepMetrics, now: float, printed: frozenset[str]) -> None:
         self._progress(rank, msg.step, now)
         if rank.first_step is None or msg.step < rank.first_step:

@@ -132,15 +132,21 @@ def attempt_srun_args(spec: RunSpec) -> tuple[str, ...]:
     return tuple(spec.command.srun_args) if spec.command is not None else ()
 
 
+# The Neuron compile cache, on each node's own disk (Neuron's default place): compiles of
+# many nodes at once contend for a shared file system's locks. A spec's env may say otherwise.
+NEURON_COMPILE_CACHE = "/var/tmp/neuron-compile-cache"  # noqa: S108 (a cache path handed to Neuron)
+
+
 def attempt_env(spec: RunSpec, run_dir: Path) -> dict[str, str]:
     """The variables every rank of an attempt gets beyond the launcher's and the run's ids."""
+    env: dict[str, str] = {"NEURON_COMPILE_CACHE_URL": NEURON_COMPILE_CACHE}
     if spec.command is None:
-        env: dict[str, str] = {"TSUP_TELEMETRY_AGGREGATE": spec.telemetry.aggregate}
+        env["TSUP_TELEMETRY_AGGREGATE"] = spec.telemetry.aggregate
         if spec.chaos:
             env |= {"TSUP_FAULT": ",".join(spec.chaos), "TSUP_FAULT_STATE": str(run_dir / "chaos-fired")}
         return env
     names = _names(spec, run_dir)
-    return {k: v.format(**names) for k, v in spec.command.env.items()}
+    return env | {k: v.format(**names) for k, v in spec.command.env.items()}
 
 
 def check_trainer_config(spec: RunSpec, run_dir: Path) -> None:

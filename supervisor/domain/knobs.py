@@ -50,7 +50,10 @@ class Policy:
     hang_floor_s: float = 8.0  # the 10 s detection target, less a tick and message latency
     hang_k: float = 3.0
     hang_min_samples: int = 20
-    startup_timeout_s: float = 900.0  # no first step for this long after launch (init, compile, restore)
+    startup_timeout_s: float = 900.0  # no first step for this long after launch (init, restore)
+    # A rank compiling (a Neuron graph compile, neuron_parallel_compile's precompile pass):
+    # no progress for this long is a hang. At least startup_timeout_s.
+    compile_timeout_s: float = 7200.0
     checkpoint_timeout_s: float = 600.0  # a rank announcing a checkpoint save (before one was timed)
     eval_timeout_s: float = 600.0  # a rank announcing an evaluation
     stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this long

@@ -37,7 +37,6 @@ from supervisor.domain import (
     Attempt,
     AttemptObs,
     FaultKind,
-    NodeState,
     Policy,
     ProcState,
     RankObs,
@@ -51,6 +50,7 @@ from supervisor.policy.attribution import (
     attribute,
     by_node,
     cut_off_together,
+    held_nodes,
     is_dead,
     ranks_text,
 )
@@ -134,12 +134,9 @@ def _find_silent_node(view: RunView, live: Attempt, obs: AttemptObs, now: float,
                 and r.reported_exit_code is None and r.proc not in (ProcState.EXITED, ProcState.VANISHED))
 
     by = by_node(obs.ranks)
-    held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
-    if held & set(live.nodes):
-        # A node cut off is soon one Slurm stops answering for, and leaves the allocation
-        # while the attempt's other nodes stay in it: still that node's fault. Only an
-        # allocation that let go of all of them is the cluster's doing (preemption).
-        held |= set(live.nodes)
+    # A node cut off is soon one Slurm stops answering for, and leaves the allocation while
+    # the attempt's other nodes stay in it: still that node's fault (held_nodes).
+    held = held_nodes(view, live)
     quiet = sorted(n for n, rs in by.items() if n in held and all(silent(r) for r in rs))
     if not quiet or len(quiet) == len(by):
         return None
@@ -157,8 +154,9 @@ def _find_silent_node(view: RunView, live: Attempt, obs: AttemptObs, now: float,
 def hang_limit(policy: Policy, obs: AttemptObs, first_step_seen: bool) -> tuple[float, str]:
     """How long without step progress is a hang, and why that long.
 
-    - a rank in a slow phase it announced gets that phase's allowance: init, compile and
-      restore ``startup_timeout_s`` (also before the first step); checkpoint save
+    - a rank in a slow phase it announced gets that phase's allowance: compiling (Neuron's
+      graphs, a precompile pass) ``compile_timeout_s``; init and restore (a checkpoint
+      load of minutes) ``startup_timeout_s``, also before the first step; checkpoint save
       max(``hang_floor_s``, ``hang_k`` x the slowest recent save) once a save was timed,
       ``checkpoint_timeout_s`` before (and at most); evaluation ``eval_timeout_s``;
     - while training, once ``hang_min_samples`` step times are known: max(``hang_floor_s``,
@@ -166,7 +164,9 @@ def hang_limit(policy: Policy, obs: AttemptObs, first_step_seen: bool) -> tuple[
     - before that, ``hang_timeout_s``.
     """
     phases = {r.phase for r in obs.ranks}
-    if not first_step_seen or phases & {"init", "compile", "restore"}:
+    if "compile" in phases:
+        return max(policy.compile_timeout_s, policy.startup_timeout_s), "compile allowance"
+    if not first_step_seen or phases & {"init", "restore"}:
         return policy.startup_timeout_s, "startup allowance"
     if "checkpoint" in phases:
         saved = obs.checkpoint_p99_s

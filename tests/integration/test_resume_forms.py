@@ -77,3 +77,32 @@ def test_a_trainer_that_comes_back_at_the_wrong_step_fails_the_run_with_the_reas
     assert crash["kind"] == "rank-exit" and wrong["kind"] == "wrong-resume"
     assert "the trainer resumed at step 1, not after step 20" in wrong["summary"], wrong
     assert "command.resume" in s["reason"], s["reason"]
+
+
+def test_a_long_compile_and_a_long_checkpoint_load_are_not_hangs(tmp_path: Path) -> None:
+    """Neuron's compiler lines give the first attempt its compile allowance (12 s of them,
+    with 5 s allowed before a first step and 4 s between steps); after a crash, a 9 s
+    checkpoint load stays within the startup allowance. One fault: the crash."""
+    argv = [sys.executable, SCRIPT, "--form", "nxd", "--steps", str(STEPS), "--checkpoint_dir", "{checkpoint_dir}",
+            "--out", "{run_dir}/final.json", "--fault_dir", "{run_dir}", "--crash_at", "25", "--compile_s", "12",
+            "--restore_s", "9"]
+    spec = command_spec(tmp_path / "slow.toml", "slow", argv, resume=["--loading_step", "{step}"], steps=STEPS,
+                        resources={"nodes": 1, "ranks_per_node": 1},
+                        policy={"hang_timeout_s": 4, "hang_floor_s": 2, "startup_timeout_s": 10,
+                                "compile_timeout_s": 60})
+    s = summary_of(tsup("run", spec, "--state-dir", tmp_path / "state", "--json", timeout_s=300))
+    assert s["state"] == "SUCCEEDED", s
+    assert [f["kind"] for f in s["faults"]] == ["rank-exit"], s["faults"]
+    assert [a["resume_step"] for a in s["attempt_history"]] == [0, 20]
+
+
+def test_a_compile_past_its_allowance_is_a_hang(tmp_path: Path) -> None:
+    """Compiler lines are a phase, not progress: 30 s of them against an 8 s allowance."""
+    argv = [sys.executable, SCRIPT, "--form", "nxd", "--checkpoint_dir", "{checkpoint_dir}",
+            "--out", "{run_dir}/final.json", "--fault_dir", "{run_dir}", "--compile_s", "30"]
+    spec = command_spec(tmp_path / "stuck.toml", "stuck", argv, steps=STEPS, resources={"nodes": 1, "ranks_per_node": 1},
+                        policy={"startup_timeout_s": 5, "compile_timeout_s": 8, "failures_without_progress": 1})
+    s = summary_of(tsup("run", spec, "--state-dir", tmp_path / "state", "--json", timeout_s=300))
+    assert s["state"] == "FAILED", s
+    [hang] = s["faults"]
+    assert hang["kind"] == "hang" and "(compile allowance 8 s)" in hang["summary"], hang

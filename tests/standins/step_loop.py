@@ -11,7 +11,8 @@ their resume arguments and their progress lines, nothing of the supervisor's.
                   the newest (the FSDP test case); "Batch %d Loss: ..." counted from 0
 
 Its model is one number, updated from each step's data; ``--out`` gets it and the step
-it started from. Faults, once per run (a marker in ``--fault_dir``): ``--crash_at N``
+it started from. ``--compile_s N`` first compiles for N seconds, printing the Neuron
+compiler's lines; ``--restore_s N`` makes a checkpoint load take N seconds. Faults, once per run (a marker in ``--fault_dir``): ``--crash_at N``
 exits 1 after step N; ``--nan_at N`` prints a NaN loss for step N, after that step's
 checkpoint is saved.
 """
@@ -86,6 +87,8 @@ def main() -> int:
     ap.add_argument("--crash_at", type=int, default=0)
     ap.add_argument("--nan_at", type=int, default=0)
     ap.add_argument("--step_sleep", type=float, default=0.05)
+    ap.add_argument("--compile_s", type=float, default=0)
+    ap.add_argument("--restore_s", type=float, default=0)
     args = ap.parse_args()
     root = Path(args.checkpoint_dir)
     version = time.strftime("%Y-%m-%d_%H-%M-%S") + f"_{time.monotonic_ns()}"
@@ -100,6 +103,13 @@ def main() -> int:
         path = newest("nemo", root)
     elif args.resume_from_checkpoint is not None:
         path = newest("fsdp", Path(args.resume_from_checkpoint))
+    for k in range(int(args.compile_s)):
+        print(f"2026-11-25 10:00:{k:02d}.000558:  14283  INFO ||NEURON_CC_WRAPPER||: Call compiler with cmd: "
+              f"neuronx-cc compile --target=trn1 --framework=XLA /tmp/neuroncc_compile_workdir/{k}/model.hlo.pb",
+              flush=True)
+        time.sleep(1.0)
+    if path is not None:
+        time.sleep(args.restore_s)
     start, value = load(path) if path is not None else (0, 0)
     print(f"resumed from {path} at step {start}" if path else "No Checkpoints Found", flush=True)
 

@@ -50,11 +50,18 @@ def test_spec_errors_name_the_key(data: dict[str, object], complaint: str) -> No
 def test_telemetry_aggregation_reaches_the_reference_trainer_only(tmp_path: Path) -> None:
     assert parse_spec(GOOD).telemetry.aggregate == "rank"
     spec = parse_spec({**GOOD, "telemetry": {"aggregate": "node"}})
-    assert attempt_env(spec, tmp_path) == {"TSUP_TELEMETRY_AGGREGATE": "node"}
-    assert attempt_env(parse_spec(GOOD), tmp_path) == {"TSUP_TELEMETRY_AGGREGATE": "rank"}
+    assert attempt_env(spec, tmp_path)["TSUP_TELEMETRY_AGGREGATE"] == "node"
+    assert attempt_env(parse_spec(GOOD), tmp_path)["TSUP_TELEMETRY_AGGREGATE"] == "rank"
     command = parse_spec({"name": "t", "command": {"argv": ["true"], "checkpoint_dir": "ck"},
                           "telemetry": {"aggregate": "node"}})
     assert "TSUP_TELEMETRY_AGGREGATE" not in attempt_env(command, tmp_path)
+
+
+def test_the_neuron_compile_cache_is_node_local_unless_the_spec_says_otherwise(tmp_path: Path) -> None:
+    assert attempt_env(parse_spec(GOOD), tmp_path)["NEURON_COMPILE_CACHE_URL"] == "/var/tmp/neuron-compile-cache"
+    own = parse_spec({"name": "t", "command": {"argv": ["true"], "checkpoint_dir": "ck",
+                                               "env": {"NEURON_COMPILE_CACHE_URL": "/local/nvme/cache"}}})
+    assert attempt_env(own, tmp_path)["NEURON_COMPILE_CACHE_URL"] == "/local/nvme/cache"
 
 
 def test_unreadable_and_invalid_files_are_spec_errors(tmp_path: Path) -> None:
