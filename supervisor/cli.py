@@ -189,6 +189,7 @@ def serve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> tupl
         mqtt_ca_file=config.mqtt_ca_file,
         cluster_id=config.cluster_id, run_as=config.run_as, allow_root_runs=config.allow_root_runs,
         shared_dir=config.shared_dir, slurm_admin_prefix=tuple(config.slurm_admin_prefix),
+        hyperpod=config.hyperpod,
         retention=Retention(metrics_days=config.retention_metrics_days,
                             events_days=config.retention_events_days),
         tls_cert=config.tls_cert, tls_key=config.tls_key,

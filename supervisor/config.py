@@ -22,6 +22,9 @@ override that again (``cli.py``). Every error names the key and where it came fr
     shared_dir = "/fsx/training-supervisor"      # run logs and checkpoints, on every node
                                                  # (absent: state_dir, one host only)
     slurm_admin_prefix = ["sudo", "-n"]          # before scontrol drain/resume (README)
+    hyperpod = false                             # SageMaker HyperPod: a node to repair is set
+                                                 # FAIL with Reason "Action:Replace" or
+                                                 # "Action:Reboot", HyperPod's own words
     launcher = "slurm"                           # or "local" (simulated nodes)
     slurm_conf = "/etc/slurm/slurm.conf"         # absent: SLURM_CONF or Slurm's default
     tick_s = 0.25                                # reconcile period
@@ -76,6 +79,7 @@ class ServiceConfig(BaseModel):
     # Put before the scontrol calls that need Slurm operator rights (drain, resume,
     # reservations) when the daemon's user has none, e.g. ["sudo", "-n"] (README).
     slurm_admin_prefix: list[Annotated[str, Field(min_length=1, max_length=200)]] = []
+    hyperpod: bool = False
     launcher: Literal["local", "slurm"] = "local"
     slurm_conf: str | None = None
     tick_s: Annotated[float, Field(gt=0, le=60)] = 0.25

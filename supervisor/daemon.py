@@ -91,6 +91,7 @@ class DaemonSettings:
     allow_root_runs: bool = False
     shared_dir: Path | None = None  # run directories go under <shared_dir>/runs (None: the state dir)
     slurm_admin_prefix: tuple[str, ...] = ()  # before scontrol's privileged calls, e.g. ("sudo", "-n")
+    hyperpod: bool = False  # SageMaker HyperPod: repairs are asked with its Action: reasons
     api_host: str = "127.0.0.1"
     api_port: int | None = 8470  # None: no API; 0: any free port
     tick_s: float = 0.25
@@ -135,7 +136,7 @@ class Cluster:
 def make_cluster(settings: DaemonSettings) -> Cluster:
     if settings.launcher == "slurm":
         slurm = slurm_cluster(slurm_conf=settings.slurm_conf, state_dir=settings.state_dir,
-                              admin_prefix=settings.slurm_admin_prefix)
+                              admin_prefix=settings.slurm_admin_prefix, hyperpod=settings.hyperpod)
         return Cluster(slurm.launcher, slurm.nodes, slurm=slurm)
     local = LocalLauncher(max_nodes=settings.max_local_nodes)
     return Cluster(local, local, chaos=local)

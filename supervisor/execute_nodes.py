@@ -35,6 +35,7 @@ from supervisor.domain import (
 from supervisor.errors import LaunchError
 from supervisor.launchers.base import NodeAdmin
 from supervisor.observe import Observer
+from supervisor.policy.nodes import DRAINED_BY_US
 from supervisor.probes import ProbeScheduler
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore, Tx
@@ -42,6 +43,7 @@ from supervisor.store import SqlStore, Tx
 log = logging.getLogger(__name__)
 
 RESEND_S = 1.0  # an intent the cluster does not show yet is sent again after this long
+DRAIN_REBOOT = "drain-reboot"  # an intent's action: a drain whose fix is a reboot
 
 
 class NodeEffects:
@@ -67,7 +69,7 @@ class NodeEffects:
                 tx.put_node(Node(name=e.node, state=NodeState.DRAINED, reason=e.reason,
                                  run_number=e.run_number),
                             now)
-                tx.want(e.node, "drain", e.reason, now)
+                tx.want(e.node, DRAIN_REBOOT if e.reboot else "drain", e.reason, now)
                 tx.add_event(e.run_number, "node.drained", e.message or f"node {e.node} drained: {e.reason}",
                              {"node": e.node}, now)
             case ReturnNode():
@@ -103,13 +105,27 @@ class NodeEffects:
                                argv=node_health.probe_argv(args), timeout_s=timeout_s, round_=e.round,
                                allocation_info=info, drained=drained)
 
+    def take_back_repaired(self, now: float) -> None:
+        """Nodes this supervisor took out that the cluster repaired and brought back (SageMaker
+        HyperPod replaces or reboots them, then resumes them): idle again, for any run."""
+        with self.store.tx() as tx:
+            ours = [n for n in tx.list_nodes()
+                    if n.state is NodeState.DRAINED and n.reason.startswith(DRAINED_BY_US)]
+            done = [n for n in ours if (it := tx.intent(n.name)) is not None
+                    and it.action in ("drain", DRAIN_REBOOT) and it.confirmed_at is not None]
+        back = [n for n in done if self.nodes.repaired(n.name)]
+        if back:
+            self.apply([ReturnNode(node=n.name, run_number=n.run_number, message=(
+                f"node {n.name} is back in service after the cluster's repair: returned to the pool "
+                f"(taken out for: {n.reason})")) for n in back], now)
+
     # --- intents: drains and returns, sent until the cluster shows them ---------------
 
     def push_intents(self, now: float) -> None:
         with self.store.tx() as tx:
             pending = tx.pending_intents()
         for it in pending:
-            want_drained = it.action == "drain"
+            want_drained = it.action in ("drain", DRAIN_REBOOT)
             shown = self.nodes.drained(it.node)
             if shown is None:
                 continue  # the cluster cannot tell now: send nothing blind
@@ -122,7 +138,7 @@ class NodeEffects:
             error = None
             try:
                 if want_drained:
-                    self.nodes.drain(it.node, it.reason)
+                    self.nodes.drain(it.node, it.reason, reboot=it.action == DRAIN_REBOOT)
                 else:
                     self.nodes.undrain(it.node)
             except LaunchError as err:

@@ -100,6 +100,7 @@ class Reconciler:
                 # the others; the next tick tries again from what is recorded.
                 log.exception("%s: reconciliation failed; retrying next tick", run.run_id)
         self.executor.node_effects.push_intents(now)
+        self.executor.node_effects.take_back_repaired(now)
         self.recorder.prune(now)
 
     def post_event(self, run_number: int | None, kind: str, message: str, data: dict[str, object]) -> None:

@@ -109,7 +109,7 @@ class ScriptedLauncher:
 
     # --- node administration ----------------------------------------------------------
 
-    def drain(self, node: str, reason: str) -> None:
+    def drain(self, node: str, reason: str, *, reboot: bool = False) -> None:
         if node in self.refuse:
             raise LaunchError(f"cannot drain {node}: scontrol: Invalid node name specified")
         self.drains.append((node, reason))
@@ -121,6 +121,9 @@ class ScriptedLauncher:
 
     def drained(self, node: str) -> bool | None:
         return node in self.cluster.drained
+
+    def repaired(self, node: str) -> bool:
+        return False
 
     def probe(self, nodes: Sequence[str], argv: Sequence[str], *, allocation_info: str | None,
               timeout_s: float) -> dict[str, str]:

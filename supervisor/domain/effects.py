@@ -100,6 +100,7 @@ class DrainNode:
     reason: str
     run_number: int | None = None  # the run the drained node stays recorded with
     message: str = ""  # for the event log ("node N drained: REASON" when empty)
+    reboot: bool = False  # a reboot is the fix (a cluster that repairs nodes is told so)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -133,8 +133,9 @@ class Launcher(Protocol):
 
 
 class NodeAdmin(Protocol):
-    def drain(self, node: str, reason: str) -> None:
-        """Ask the cluster to take ``node`` out of service. Raises LaunchError."""
+    def drain(self, node: str, reason: str, *, reboot: bool = False) -> None:
+        """Ask the cluster to take ``node`` out of service (``reboot``: a reboot is the fix,
+        for a cluster that repairs nodes itself). Raises LaunchError."""
         ...
 
     def undrain(self, node: str) -> None:
@@ -143,6 +144,11 @@ class NodeAdmin(Protocol):
 
     def drained(self, node: str) -> bool | None:
         """Whether the cluster shows ``node`` drained now (None: it cannot tell)."""
+        ...
+
+    def repaired(self, node: str) -> bool:
+        """A cluster that repairs the nodes it is given (SageMaker HyperPod) brought this one
+        back into service. False for clusters that leave repairs to people."""
         ...
 
     def probe(self, nodes: Sequence[str], argv: Sequence[str], *, allocation_info: str | None,

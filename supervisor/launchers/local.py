@@ -92,9 +92,12 @@ class LocalLauncher:
         """Nothing to give back: the store marks the nodes idle."""
         return True
 
-    def drain(self, node: str, reason: str) -> None:
+    def drain(self, node: str, reason: str, *, reboot: bool = False) -> None:
         """Local nodes are simulated: a drain is the store's record, and this one."""
         self._drained.add(node)
+
+    def repaired(self, node: str) -> bool:
+        return False  # nothing repairs a simulated node but an operator
 
     def undrain(self, node: str) -> None:
         self._drained.discard(node)

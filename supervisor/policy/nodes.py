@@ -72,7 +72,8 @@ def judge_probes(*, kind: str, run_number: int | None, round_: int, answers: Map
         if verdict.drain:
             where = f"{run_id_of(run_number)}, {kind}" if run_number is not None else kind
             reason = f"{DRAINED_BY_US} probe: {verdict.reason[:200]} ({where})"
-            out.append(DrainNode(node=node, reason=reason, run_number=run_number))
+            out.append(DrainNode(node=node, reason=reason, run_number=run_number,
+                                 reboot=record.action == "reboot"))
         elif verdict.confirm:
             again.append(node)
     if again and round_ < node_health.CONFIRMATIONS:

@@ -7,6 +7,13 @@
   the nodes, else as a job of its own that must start at once;
 - ``probe_drained``: a drained node runs no job, so it is reserved, resumed, probed and
   drained again with the same Reason.
+
+On SageMaker HyperPod (``hyperpod``) the cluster repairs nodes itself, on the Reason it
+reads: a node to take out is set ``State=FAIL`` with ``Reason=Action:Replace`` (or
+``Action:Reboot`` when a reboot is the fix), HyperPod's own words; the supervisor's
+readable reason stays in its own records. HyperPod resumes the node once it is replaced
+or rebooted (``repaired``), and the supervisor takes it back. Nodes HyperPod repairs are
+not probed meanwhile.
 """
 
 from __future__ import annotations
@@ -24,16 +31,24 @@ from supervisor.slurm.state import SlurmState
 
 log = logging.getLogger(__name__)
 
+HYPERPOD_REPLACE = "Action:Replace"  # the Reasons HyperPod's agent acts on
+HYPERPOD_REBOOT = "Action:Reboot"
+
 
 class SlurmNodes:
-    def __init__(self, commands: SlurmCommands, state: SlurmState, *, prefix: str) -> None:
+    def __init__(self, commands: SlurmCommands, state: SlurmState, *, prefix: str,
+                 hyperpod: bool = False) -> None:
         self.commands = commands
         self.state = state
         self.prefix = prefix  # job and reservation names: the daemon's own (launcher.prefix_for)
+        self.hyperpod = hyperpod
 
-    def drain(self, node: str, reason: str) -> None:
-        reply = self.commands.admin(["scontrol", "update", f"NodeName={node}", "State=DRAIN",
-                                   f"Reason={reason}"])
+    def drain(self, node: str, reason: str, *, reboot: bool = False) -> None:
+        if self.hyperpod:
+            state, reason = "State=FAIL", HYPERPOD_REBOOT if reboot else HYPERPOD_REPLACE
+        else:
+            state = "State=DRAIN"
+        reply = self.commands.admin(["scontrol", "update", f"NodeName={node}", state, f"Reason={reason}"])
         if not reply.ok:
             raise LaunchError(f"cannot drain {node}: {reply.why}")
         self.state.refresh()
@@ -51,7 +66,13 @@ class SlurmNodes:
         info = nodes.get(node)
         if info is None:
             return None  # a node Slurm does not list: it cannot say
-        return "DRAIN" in info.flags
+        return bool(info.flags & {"DRAIN", "FAIL"})
+
+    def repaired(self, node: str) -> bool:
+        """HyperPod brought a node it was asked to repair back into service (it resumes a
+        replaced or rebooted node): up, responding, neither drained nor failed."""
+        info = (self.state.nodes() or {}).get(node)
+        return self.hyperpod and info is not None and info.usable
 
     def probe(self, nodes: Sequence[str], argv: Sequence[str], *, allocation_info: str | None,
               timeout_s: float, reservation: str | None = None) -> dict[str, str]:
@@ -79,6 +100,8 @@ class SlurmNodes:
         probed by a job in that reservation, and drained again with their Reasons; then
         the reservation goes. It lasts only a few minutes, so a daemon killed in between
         leaves nodes reserved briefly, and the next sweep drains them again."""
+        if self.hyperpod:
+            return {}  # HyperPod repairs them; it resumes them when they are fit again
         names = sorted(nodes)
         resv = f"{self.prefix}-probe"
         self.commands.admin(["scontrol", "delete", f"ReservationName={resv}"])  # one a killed daemon left

@@ -18,6 +18,7 @@ from slurmbox.box import Box
 from supervisor.slurm import parse
 from tests.conftest import FSDP_STEPS, FSDP_TEST_CASE, FSDP_TRAIN, REPO, free_port, wait_for
 from tests.e2e.conftest import (
+    Serve,
     assert_same_weights,
     command_spec,
     db_rows,
@@ -313,3 +314,42 @@ def test_a_train_sh_job_recovers_from_its_first_nodes_loss_and_a_hung_rank_on_a_
                 if line.startswith("train.sh on ")]
         assert len(said) == 2 and all(f"of 2, master {nodes[0]} (" in line for line in said), said
     assert_same_weights(run_dir / "final.pt", fsdp_never_failed)
+
+
+def test_on_hyperpod_a_lost_node_is_handed_to_its_repair_and_taken_back_when_it_returns(
+        slurm_box: Box, tmp_path: Path) -> None:
+    """With `hyperpod = true`, node2 dying mid-run is set FAIL with Reason "Action:Replace"
+    (what HyperPod's agent acts on), the run goes on on the spare, and once HyperPod
+    brings the node back (here: slurmd started again and the node resumed, as its agent
+    does) the supervisor takes it back into its pool."""
+    from slurmbox import box as box_mod
+
+    state = tmp_path / "state"
+    daemon = Serve(state, free_port(), "--launcher", "slurm",
+                   extra_env={"SLURM_CONF": str(slurm_box.conf), "TSUP_HYPERPOD": "true"})
+    try:
+        run_id = daemon.ctl_json("submit", str(spec_for_slurm(tmp_path)))["run_id"]
+        wait_for(lambda: daemon.ctl_json("status", run_id)["state"] == "RUNNING", 120, "training")
+        box_mod.kill_node(slurm_box, "node2")
+
+        def node2() -> parse.NodeInfo:
+            return parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", "node2"))["node2"]
+
+        failed = wait_for(lambda: "FAIL" in node2().flags and node2(), 60, "node2 handed to HyperPod")
+        assert failed.reason == "Action:Replace", failed
+        ours = {n["name"]: n for n in daemon.ctl_json("nodes")}["node2"]
+        assert ours["state"] == "DRAINED" and ours["reason"].startswith("training-supervisor: node lost")
+
+        box_mod.start_node(slurm_box, "node2")  # the replacement, under the same name
+        slurm(slurm_box, "scontrol", "update", "NodeName=node2", "State=RESUME")
+        back = wait_for(lambda: (n := {x["name"]: x for x in daemon.ctl_json("nodes")}["node2"])["state"] != "DRAINED"
+                        and n, 60, "node2 back in the supervisor's pool")
+        assert back["state"] in ("IDLE", "ALLOCATED"), back
+        events = [e["message"] for e in daemon.ctl_json("events", run_id) if e["kind"] == "node.returned"]
+        assert any("back in service after the cluster's repair" in m for m in events), events
+        done = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
+                        240, "the run to finish")
+        assert done["state"] == "SUCCEEDED", done
+        assert "FAIL" not in node2().flags and "DRAIN" not in node2().flags, "nothing took it out again"
+    finally:
+        daemon.kill(15)

@@ -67,7 +67,7 @@ class ProbedLauncher(ScriptedLauncher):
         self.drained_probes.append(dict(nodes))
         return {n: self._answer(n) for n in nodes}
 
-    def drain(self, node: str, reason: str) -> None:
+    def drain(self, node: str, reason: str, *, reboot: bool = False) -> None:
         self.drains.append((node, reason))
         self.drained_now.add(node)
 

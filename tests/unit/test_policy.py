@@ -622,8 +622,8 @@ def test_the_hang_limit_adapts_to_the_step_time_with_a_floor_and_a_cap() -> None
 
 def test_announced_phases_get_their_own_allowances() -> None:
     live = attempt(started_at=NOW - 1000, first_step_at=NOW - 900)
-    r = run(policy=replace(run().policy, checkpoint_timeout_s=120.0, eval_timeout_s=200.0))
-    for phase, limit in (("checkpoint", 120.0), ("eval", 200.0), ("compile", 300.0)):
+    r = run(policy=replace(run().policy, checkpoint_timeout_s=120.0, eval_timeout_s=200.0, compile_timeout_s=500.0))
+    for phase, limit in (("checkpoint", 120.0), ("eval", 200.0), ("compile", 500.0), ("restore", 300.0)):
         o = timed(0.2)
         stuck = tuple(replace(x, phase=phase if x.rank == 0 else "train", progress_at=NOW - limit + 1)
                       for x in o.ranks)
