@@ -7,6 +7,7 @@ output, and every recovery ends with the weights of a run that never failed.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,9 @@ def test_a_killed_rank_then_a_hung_rank_are_found_and_recovered_to_the_same_weig
     assert "Checkpoint loaded from" in logs and "Batch 30 Loss" in logs and "Batch 29 Loss" not in logs
     assert s["drained_nodes"] == [], "a killed worker or a stopped rank is no evidence against a node"
     assert_same_weights(run_dir / "final.pt", fsdp_never_failed)
+    times = {f["kind"]: (round(f["detected_at"] - f["injected_at"], 2), round(f["recovered_at"] - f["injected_at"], 2))
+             for f in s["faults"]}
+    print(json.dumps({"detect_and_recover_s": times}))
 
 
 def test_a_nan_and_a_loss_spike_in_its_log_lines_roll_back_to_the_same_weights(
