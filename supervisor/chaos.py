@@ -32,6 +32,10 @@ in every attempt of the run:
     kill-in-save@40[:RANK]
                       rank RANK (every rank if left out) SIGKILLs itself in the middle of
                       the checkpoint save of step 40, shards written but not committed
+    tamper-ckpt@40[:RANK]
+                      the checkpoint of step 40 is saved with one weight of rank RANK's
+                      (0's) shard changed: it loads, but not as saved. Pair it with a later
+                      fault to make the run resume from it: the resumed step's loss differs
     slow@40[:RANK]    from step 40 on, the node of rank RANK (default 0) computes at half
                       speed for the rest of the run: a straggler
 
@@ -67,13 +71,13 @@ from supervisor.telemetry import TelemetryView
 log = logging.getLogger(__name__)
 
 _KINDS = ("kill-rank|kill-node|freeze-node|partition-node|partition-all|hang-rank|corrupt-ckpt|crash|nan|"
-          "spike|slow|device|kill-in-save")
+          "spike|slow|device|kill-in-save|tamper-ckpt")
 _SYNTAX = re.compile(rf"^({_KINDS})@([0-9]+)(?::([0-9]+))?(?:/([0-9]+))?$")
 ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "partition-node", "partition-all", "hang-rank",
-                    "corrupt-ckpt", "crash", "nan", "spike", "slow", "device", "kill-in-save"]
+                    "corrupt-ckpt", "crash", "nan", "spike", "slow", "device", "kill-in-save", "tamper-ckpt"]
 PARTITION_S = {"partition-node": 20, "partition-all": 30}  # how long a cut lasts unless /SECONDS says
 # Injected by the trainer itself, not by signals from outside.
-TRAINER_KINDS = frozenset({"crash", "nan", "spike", "slow", "device", "kill-in-save"})
+TRAINER_KINDS = frozenset({"crash", "nan", "spike", "slow", "device", "kill-in-save", "tamper-ckpt"})
 # Faults that end the attempt they hit: a later action waits for the attempt after it.
 ENDS_ATTEMPT = frozenset({"kill-rank", "kill-node", "freeze-node", "hang-rank"})
 

@@ -16,6 +16,7 @@ are observations of this process, rebuilt after a restart.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,6 +136,8 @@ class Observer:
         # (run, attempt) -> (checkpoint step, when first seen, when scanned): [command] trainers
         self._quiet: dict[tuple[int, int], tuple[int, float | None, float]] = {}
         self._output: dict[tuple[int, int], AttemptOutput] = {}  # (run, attempt) -> its output read so far
+        # (run, attempt) -> its expected first step and loss (_expected_first)
+        self._expected: dict[tuple[int, int], tuple[int, float] | None] = {}
         self.spikes_said: dict[tuple[int, int], set[int]] = {}  # (run, attempt) -> short spikes reported
         self._allocated: dict[int, list[str]] = {}  # run -> nodes an allocation gave it since the last look
         self._out_of_range: set[tuple[int, str]] = set()  # (run, path) of checkpoints said to be out of range
@@ -176,6 +179,7 @@ class Observer:
             del self._dead_since[key]
         self._quiet.pop((run_number, attempt), None)
         self._output.pop((run_number, attempt), None)
+        self._expected.pop((run_number, attempt), None)
         self._heard.pop((run_number, attempt), None)
         self._back_at.pop((run_number, attempt), None)
         self.spikes_said.pop((run_number, attempt), None)
@@ -328,6 +332,7 @@ class Observer:
         p99, samples = self.telemetry.step_time_p99(run.run_id, live.number)
         up_since = self._up_since(run, live, tele)
         return AttemptObs(ranks=tuple(ranks), result=result, telemetry_up_since=up_since, unheard=unheard,
+                          expected_first=self._expected_first(run, spec, live) if spec else None,
                           step_time_p99_s=p99, step_time_samples=samples,
                           checkpoint_p99_s=self.telemetry.checkpoint_p99(run.run_id),
                           recent=self.telemetry.recent_steps(run.run_id, live.number), found=found)
@@ -359,6 +364,23 @@ class Observer:
                 return TrainerResult(final_step=max(final, spec.command.steps), model_digest=None)
             return None
         return trainer_cmd.read_result(trainer_cmd.result_path(spec, run_dir), run.run_id, live.number)
+
+    def _expected_first(self, run: Run, spec: RunSpec, live: Attempt) -> tuple[int, float] | None:
+        """For a resumed reference trainer: its first step and the loss an earlier attempt
+        reported for it. None where the check does not hold: another trainer (whose steps
+        may not be deterministic), a run that skipped data (that step's batch changed), a
+        step no attempt reached or whose loss was not finite."""
+        key = (run.number, live.number)
+        if key not in self._expected:
+            expected = None
+            if spec.trainer is not None and live.resume_from is not None:
+                with self.store.tx() as tx:
+                    skipped = bool(tx.list_data_skips(run.number))
+                    loss = None if skipped else tx.loss_before(run.number, live.resume_step + 1, live.number)
+                if loss is not None and math.isfinite(loss):
+                    expected = (live.resume_step + 1, loss)
+            self._expected[key] = expected
+        return self._expected[key]
 
     def _read_output(self, run: Run, spec: RunSpec, run_dir: Path, live: Attempt,
                      now: float) -> AttemptOutput:

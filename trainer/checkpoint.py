@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,14 +41,16 @@ class SaveResult:
 
 def save(root: Path, meta: layout.TrainerMeta, model: nn.Module,
          optimizer: torch.optim.Optimizer, *, keep: int, is_main: bool,
-         before_commit: Callable[[], None] | None = None) -> SaveResult:
+         before_commit: Callable[[], None] | None = None, tamper: bool = False) -> SaveResult:
     """Write the state after step ``meta.step`` and commit it as ``root/step_N``.
 
     ``before_commit`` runs on every rank once its shards are written (a chaos drill's
     hook). A write that fails for lack of space, quota or a read-only file system
-    raises CheckpointStorageFull, after rank 0 removed the partial directory."""
+    raises CheckpointStorageFull, after rank 0 removed the partial directory. ``tamper``
+    (a chaos drill, on one rank): one weight of this rank's shard is saved changed."""
     try:
-        return _save(root, meta, model, optimizer, keep=keep, is_main=is_main, before_commit=before_commit)
+        return _save(root, meta, model, optimizer, keep=keep, is_main=is_main, before_commit=before_commit,
+                     tamper=tamper)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         error = _storage_error(e)
         if error is None:
@@ -56,6 +59,21 @@ def save(root: Path, meta: layout.TrainerMeta, model: nn.Module,
             layout.clear_tmp(root, meta.step)  # give back what the partial save took
         raise CheckpointStorageFull(f"cannot write the checkpoint of step {meta.step} to {root}: "
                                     f"{error}") from e
+
+
+def _tampered(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with the first element of this rank's part of its first non-empty tensor
+    raised by 1e-3, in a copy: the live model is untouched."""
+    out = dict(state)
+    for name in sorted(state):
+        copy = state[name].detach().clone()
+        local = copy.to_local() if hasattr(copy, "to_local") else copy
+        if local.numel():
+            with torch.no_grad():
+                local.view(-1)[0] += 1e-3
+            out[name] = copy
+            return out
+    return out
 
 
 def _storage_error(e: BaseException) -> OSError | None:
@@ -87,13 +105,15 @@ _SHORT_WRITE = re.compile(r"inline_container\.cc:\d+\] \. unexpected pos \d+ vs 
 
 
 def _save(root: Path, meta: layout.TrainerMeta, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-          keep: int, is_main: bool, before_commit: Callable[[], None] | None) -> SaveResult:
+          keep: int, is_main: bool, before_commit: Callable[[], None] | None, tamper: bool) -> SaveResult:
     started = time.monotonic()
     tmp = layout.tmp_dir_for(root, meta.step)
     if is_main:
         layout.clear_tmp(root, meta.step)
     distributed.barrier()  # nobody writes into a directory rank 0 is still clearing
     model_state, optim_state = get_state_dict(model, optimizer)
+    if tamper:
+        model_state = _tampered(model_state)
     dcp_save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
     if is_main:
         meta.write(tmp)

@@ -22,6 +22,9 @@ after its checkpoint, if one was due):
                    rank 1 SIGKILLs itself in the middle of the checkpoint save of step
                    40: its shards are written, the checkpoint is not committed yet. Once
                    per run (a marker in ``TSUP_FAULT_STATE``): a fault during a save
+    tamper-ckpt@40 the checkpoint of step 40 holds one weight of rank 0's shard (or rank
+                   RANK's) changed by 1e-3, the live model untouched: a checkpoint that
+                   loads, but not as saved (a silent corruption). Once per run
     slow@40:1      from step 40 on, the node of rank 1 computes at half speed: each of
                    its ranks burns as much CPU again as its step took (SLOW_FACTOR), a
                    straggler. The node stays slow for the rest of the run (a marker in
@@ -44,7 +47,7 @@ from pathlib import Path
 
 from trainer.errors import DeviceFault, UsageError
 
-_ACTIONS = ("hang", "crash", "nan", "spike", "slow", "device", "kill-in-save")
+_ACTIONS = ("hang", "crash", "nan", "spike", "slow", "device", "kill-in-save", "tamper-ckpt")
 SPIKE_FACTOR = 8.0
 _AFTER_STEP = ("crash", "hang", "device")  # the actions after_step takes
 SLOW_FACTOR = 2.0
@@ -147,6 +150,16 @@ class FaultPlan:
             report(fault, f"rank {rank} is killed (SIGKILL) in the middle of the save of step {step}")
             time.sleep(0.5)  # the telemetry thread publishes the report before the process goes
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def tampers(self, step: int, rank: int) -> Fault | None:
+        """A ``tamper-ckpt`` for the save of this step on this rank (rank 0 by default),
+        once per run."""
+        for fault in self.faults:
+            if fault.action != "tamper-ckpt" or fault.step != step or (fault.rank or 0) != rank:
+                continue
+            if self.state_dir is None or _claim(self.state_dir / f"tamper-ckpt@{step}", str(rank)):
+                return fault
+        return None
 
     def after_step(self, step: int, rank: int, report: Report = _ignore) -> None:
         """Act on the faults planned for this step and rank (may never return), telling

@@ -313,9 +313,13 @@ class _Runner:
             step=self.step, consumed_samples=self.consumed, world_size=self.ctx.world_size,
             model=config.model, model_shape=asdict(config.shape),
             config_digest=config_digest(config), last_loss=self.last_loss)
+        tamper = self.faults.tampers(self.step, self.ctx.rank)
+        if tamper is not None:
+            self._fault_fired(tamper, self.step, f"the checkpoint of step {self.step} is saved with one "
+                                                 f"weight of rank {self.ctx.rank}'s shard changed")
         saved = checkpoint.save(Path(config.checkpoint.dir).absolute(), meta, self.model,
-                                self.optimizer, keep=config.checkpoint.keep,
-                                is_main=self.ctx.is_main, before_commit=self._in_save)
+                                self.optimizer, keep=config.checkpoint.keep, is_main=self.ctx.is_main,
+                                before_commit=self._in_save, tamper=tamper is not None)
         self.last_checkpoint = str(saved.path)
         if self.ctx.is_main:
             self.telemetry.checkpoint_committed(step=self.step, path=str(saved.path),

@@ -71,6 +71,9 @@ class AttemptObs:
     # No rank of the attempt was ever heard on telemetry (a [command] trainer's, or ranks
     # that cannot reach the broker): its ranks unknown to the launcher are seen by nothing.
     unheard: bool = False
+    # A resumed reference trainer's first step, and the loss an earlier attempt reported for
+    # it: the steps are deterministic, so the resumed one must repeat it exactly.
+    expected_first: tuple[int, float] | None = None
     step_time_p99_s: float | None = None  # over the attempt's recent steps, all ranks
     step_time_samples: int = 0
     checkpoint_p99_s: float | None = None  # the run's recent checkpoint saves

@@ -9,6 +9,8 @@ In the order they are judged (the first that holds is the fault):
   their node died (``with_failed_nodes``);
 - a resumed trainer whose first step is not after the checkpoint it resumed from (it
   did not load it, or loaded another): the run fails, never retried from step zero;
+- a resumed reference trainer whose first step's loss differs from the one reported for
+  that step before (its steps are deterministic): that checkpoint is not what was saved;
 - a loss or grad norm that is not finite;
 - a loss or grad-norm spike that has lasted ``spike_persist_steps`` steps;
 - every rank of a node silent for ``silence_timeout_s`` while other nodes are heard;
@@ -71,7 +73,7 @@ def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fin
             # node, the others of its peers' loss: give the cluster time to say which.
             return None
         return attribute(view, live, obs.ranks, dead, step)
-    wrong = _wrong_resume(live, obs)
+    wrong = _wrong_resume(live, obs) or _resume_diverged(live, obs)
     if wrong is not None:
         return wrong
     poisoned = [r for r in obs.ranks if r.nonfinite_step is not None]
@@ -113,6 +115,25 @@ def _wrong_resume(live: Attempt, obs: AttemptObs) -> Finding | None:
     return Finding(RecordFault(kind=FaultKind.WRONG_RESUME, attempt=live.number,
                                ranks=tuple(r.rank for r in early), nodes=(), step=first, summary=summary),
                    do_not_retry=True)
+
+
+def _resume_diverged(live: Attempt, obs: AttemptObs) -> Finding | None:
+    """The reference trainer's steps are deterministic: the first step after a resume must
+    have the loss an earlier attempt reported for it. Another loss means the checkpoint
+    does not hold what was saved (a weight changed in storage, yet it loads): it is never
+    resumed from again, and the run goes back to an older one."""
+    if obs.expected_first is None:
+        return None
+    step, loss = obs.expected_first
+    got = next((x for x in obs.recent if x.step == step), None)
+    if got is None or got.loss == loss:
+        return None
+    at = live.resume_step
+    summary = (f"resume diverged: step {step} after resuming from step {at} has loss {got.loss!r}, where the "
+               f"run had {loss!r} before: the checkpoint of step {at} does not hold what was saved; resuming "
+               f"from an older one")
+    return Finding(RecordFault(kind=FaultKind.CHECKPOINT, attempt=live.number, ranks=(), nodes=(),
+                               step=live.resume_step, summary=summary))
 
 
 # --- silence and hangs --------------------------------------------------------------

@@ -37,6 +37,15 @@ class TelemetryQueries:
                              step_time_s=r.step_time_s, tokens_per_s=r.tokens_per_s,
                              received_at=r.received_at) for r in self.c.execute(q)]
 
+    def loss_before(self, run_number: int, step: int, attempt: int) -> float | None:
+        """The loss rank 0 reported for ``step`` in the newest attempt before ``attempt``
+        that got there (None: none did, its loss was not finite, or retention pruned it)."""
+        q = (select(t.metrics.c.loss).where(t.metrics.c.run_number == run_number, t.metrics.c.step == step,
+                                            t.metrics.c.attempt < attempt)
+             .order_by(t.metrics.c.attempt.desc()).limit(1))
+        row = self.c.execute(q).first()
+        return None if row is None else row.loss
+
     def attempt_stats(self, run_number: int) -> dict[int, AttemptStats]:
         q = select(t.attempt_stats).where(t.attempt_stats.c.run_number == run_number)
         return {r.attempt: stats_of(r) for r in self.c.execute(q)}

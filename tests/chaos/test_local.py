@@ -285,6 +285,24 @@ def test_a_corrupt_newest_checkpoint_before_a_fault_is_passed_over_for_the_one_b
     assert_records(state, s, injected=2)
 
 
+def test_a_checkpoint_that_loads_but_is_not_what_was_saved_is_caught_by_the_resumed_loss(
+        fault_free: dict[str, Any], state: Path) -> None:
+    """tamper-ckpt@40 saves step 40 with one weight changed (it loads fine), then a rank
+    dies at step 50: the attempt that resumes from step 40 reports a loss for step 41 that
+    differs from attempt 1's, so step 40 is quarantined and the run goes back to step 20,
+    ending with the fault-free model."""
+    proc = tsup("run", EXAMPLE, "--state-dir", state, "--json", "--chaos", "tamper-ckpt@40",
+                "--chaos", "kill-rank@50")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    assert [f["kind"] for f in s["faults"]] == ["rank-exit", "checkpoint"], s["faults"]
+    assert s["faults"][1]["summary"].startswith("resume diverged: step 41 after resuming from step 40 has loss ")
+    assert [a["resume_step"] for a in s["attempt_history"]] == [0, 40, 20]
+    assert s["drained_nodes"] == []
+    assert_records(state, s, injected=2)
+
+
 def test_a_rank_killed_in_the_middle_of_a_checkpoint_save_leaves_no_checkpoint_behind(
         fault_free: dict[str, Any], state: Path) -> None:
     """kill-in-save@40:3: rank 3 is SIGKILLed with its shards of step 40 written and the

@@ -1020,3 +1020,19 @@ def test_unseen_ranks_on_a_node_the_allocation_lost_are_that_nodes_loss() -> Non
     effects = decide(view(run(), (attempt(),), alloc=nodes(NodeState.ALLOCATED)[:0]),
                      obs(*unseen, rank(2, ProcState.UNKNOWN), rank(3, ProcState.UNKNOWN), unheard=True), NOW)
     assert not of(effects, DrainNode)
+
+
+def test_a_resumed_step_whose_loss_differs_from_before_quarantines_its_checkpoint() -> None:
+    """The reference trainer's steps are deterministic: after resuming from step 40, step
+    41 must have the loss attempt 1 reported for it. A checkpoint that loads but differs
+    (a weight changed in storage) is never resumed from again."""
+    resumed = attempt(2, resume_from="/ck/step_00000040", resume_step=40)
+    history = (attempt(1, AttemptState.ENDED), resumed)
+    sample = StepSample(step=41, loss=2.5000001, grad_norm=1.0, first_sample=640)
+    effects = decide(view(run(), history), obs(recent=(sample,), expected_first=(41, 2.5)), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.CHECKPOINT and fault.step == 40
+    assert "resume diverged: step 41 after resuming from step 40 has loss 2.5000001" in fault.summary
+    assert not of(decide(view(run(), history), obs(recent=(replace(sample, loss=2.5),), expected_first=(41, 2.5)),
+                         NOW), RecordFault), "the same loss: the checkpoint held what was saved"
+    assert not of(decide(view(run(), history), obs(recent=(sample,)), NOW), RecordFault), "nothing to compare"

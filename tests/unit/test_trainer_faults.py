@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from trainer.errors import EXIT_DEVICE_FAULT, DeviceFault, UsageError, exit_code_for
@@ -112,3 +114,21 @@ def test_storage_errors_are_recognised_inside_dcp_failures() -> None:
     found = _storage_error(short)
     assert found is not None and found.errno == errno.ENOSPC and "unexpected pos 704" in str(found)
     assert exit_code_for(CheckpointStorageFull("no room")) == EXIT_STORAGE_FULL == 5
+
+
+def test_a_tampered_checkpoint_changes_one_weight_of_a_copy_once_per_run(tmp_path: Path) -> None:
+    import torch
+
+    from trainer.checkpoint import _tampered
+    from trainer.faults import FaultPlan
+
+    plan = FaultPlan.from_env({"TSUP_FAULT": "tamper-ckpt@40", "TSUP_FAULT_STATE": str(tmp_path / "fired")})
+    assert plan.tampers(40, 1) is None, "rank 0's shard by default"
+    assert plan.tampers(30, 0) is None
+    assert plan.tampers(40, 0) is not None
+    assert plan.tampers(40, 0) is None, "once per run"
+    state = {"b.weight": torch.zeros(3), "a.bias": torch.ones(2)}
+    changed = _tampered(state)
+    assert torch.equal(state["a.bias"], torch.ones(2)), "the live model is untouched"
+    assert changed["a.bias"][0].item() == pytest.approx(1.001) and changed["a.bias"][1].item() == 1.0
+    assert torch.equal(changed["b.weight"], state["b.weight"]), "one weight only"
