@@ -299,7 +299,7 @@ class Observer:
         # A [command] trainer sends no telemetry, and ranks that cannot reach the broker
         # send none that arrives: then progress is the checkpoints and the output.
         unheard = not any(t.last_seen_at is not None for t in tele.values())
-        quiet = (self._quiet_progress(spec, run_dir, live, now, output is not None and output.understood)
+        quiet = (self._quiet_progress(spec, run_dir, live, now, output)
                  if spec and (spec.command is not None or unheard) else None)
         if quiet is not None and output is not None:
             # A [command] trainer's progress lines are the job's (its rank 0 alone prints
@@ -398,11 +398,11 @@ class Observer:
         return state
 
     def _quiet_progress(self, spec: RunSpec, run_dir: Path, live: Attempt, now: float,
-                        output_understood: bool = False) -> tuple[int, float | None]:
+                        output: AttemptOutput | None) -> tuple[int, float | None]:
         """(newest complete checkpoint step, when progress was last seen) for a trainer
         without telemetry: a new checkpoint is a step; new output is a sign of life, until
-        its lines are understood (steps, a compile phase): then only they are, so that a
-        hung job printing warnings is still a hang."""
+        its lines are understood (steps, a compile phase): then only its progress lines
+        are, so that a hung job printing warnings is still a hang."""
         key = (live.run_number, live.number)
         step, step_seen_at, scanned_at = self._quiet.get(key, (live.resume_step, None, 0.0))
         if now - scanned_at >= _QUIET_SCAN_S:
@@ -411,8 +411,8 @@ class Observer:
             if newest is not None and newest.step > step:
                 step, step_seen_at = newest.step, now
             self._quiet[key] = (step, step_seen_at, now)
-        if output_understood:
-            return step, step_seen_at
+        if output is not None and output.understood:
+            return step, _latest(step_seen_at, output.line_at)
         logs = trainer_cmd.attempt_dir(run_dir, live.number).glob("*.log")
         output_at = max((p.stat().st_mtime for p in logs if p.exists()), default=None)
         return step, _latest(step_seen_at, output_at)

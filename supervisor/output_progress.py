@@ -161,6 +161,9 @@ class AttemptOutput:
     ranks: dict[int, _Rank] = field(default_factory=dict)
     fatal: dict[int, Fatal] = field(default_factory=dict)  # rank -> its first fatal line
     phases: dict[int, str] = field(default_factory=dict)  # rank -> "compile" or "train", as its output says
+    # When a progress line was last read, new step or not: a counter that starts again
+    # (the FSDP test case's batch index, each epoch) still shows training going on.
+    line_at: float | None = None
 
     @property
     def understood(self) -> bool:
@@ -198,6 +201,7 @@ def read_output(state: AttemptOutput, log_dir: Path, *, run_id: str, attempt: in
             if (x := parse_progress(line, formats)) is not None:
                 seen.append(x)
                 state.phases[rank] = "train"
+                state.line_at = now
             elif COMPILING.search(line):
                 state.phases[rank] = "compile"
             if rank not in state.fatal and (kind := fatal_signature(line)) is not None:

@@ -83,7 +83,10 @@ def test_read_output_turns_new_lines_into_steps_and_times_them(tmp_path: Path) -
     with open(log, "a") as f:
         f.write("eed: 1 samples/sec, lr: 0.1\nBatch 2 Loss: 1.8, Speed: 1 samples/sec, lr: 0.1\n")
     assert read(103.0) == [(4, 2, 1.9, 1.5), (4, 3, 1.8, 1.5)], "a line completed later; 3 s over 2 steps"
-    assert read(104.0) == []
+    assert read(104.0) == [] and state.line_at == 103.0
+    with open(log, "a") as f:  # the next epoch: the batch index starts again
+        f.write("Batch 0 Loss: 1.7, Speed: 1 samples/sec, lr: 0.1\n")
+    assert read(104.5) == [] and state.line_at == 104.5, "no new step, but training goes on"
     with open(log, "a") as f:
         f.write("RuntimeError: CUDA error: uncorrectable ECC error encountered\n")
     read(105.0)
