@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 RESEND_S = 1.0  # an intent the cluster does not show yet is sent again after this long
 DRAIN_REBOOT = "drain-reboot"  # an intent's action: a drain whose fix is a reboot
+REPAIR_LOOK_S = 5.0  # how often nodes handed to the cluster's repair are looked at (repairs take minutes)
 
 
 class NodeEffects:
@@ -52,6 +53,7 @@ class NodeEffects:
         self.nodes = nodes
         self.probes = probes
         self.observer = observer
+        self._repairs_looked_at = -REPAIR_LOOK_S
 
     def apply(self, effects: list[Effect], now: float) -> None:
         """Record and carry out a decision about nodes (supervisor/policy/nodes.py)."""
@@ -107,7 +109,11 @@ class NodeEffects:
 
     def take_back_repaired(self, now: float) -> None:
         """Nodes this supervisor took out that the cluster repaired and brought back (SageMaker
-        HyperPod replaces or reboots them, then resumes them): idle again, for any run."""
+        HyperPod replaces or reboots them, then resumes them): idle again, for any run.
+        Every REPAIR_LOOK_S, not every tick: a store read for a repair of minutes."""
+        if now - self._repairs_looked_at < REPAIR_LOOK_S:
+            return
+        self._repairs_looked_at = now
         with self.store.tx() as tx:
             ours = [n for n in tx.list_nodes()
                     if n.state is NodeState.DRAINED and n.reason.startswith(DRAINED_BY_US)]

@@ -142,8 +142,7 @@ class _File:
 
 @dataclass(frozen=True, slots=True)
 class Fatal:
-    rank: int
-    kind: str
+    kind: str  # "device" or "peer" (fatal_signature)
     line: str
 
 
@@ -205,7 +204,7 @@ def read_output(state: AttemptOutput, log_dir: Path, *, run_id: str, attempt: in
             elif COMPILING.search(line):
                 state.phases[rank] = "compile"
             if rank not in state.fatal and (kind := fatal_signature(line)) is not None:
-                state.fatal[rank] = Fatal(rank, kind, line.strip()[:500])
+                state.fatal[rank] = Fatal(kind, line.strip()[:500])
         r = state.ranks.setdefault(rank, _Rank())
         new = [x for x in seen if x.step > r.step]
         if not new:

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 LaunchMode = Literal["rank", "node"]
-LAUNCH_MODES: tuple[LaunchMode, ...] = ("rank", "node")
 STEP_PLACEHOLDERS = ("nnodes", "nproc_per_node", "master_addr", "master_port", "rdzv_id")
 
 

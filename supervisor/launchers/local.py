@@ -241,9 +241,8 @@ class LocalLauncher:
         ranks = _load(launch_info)
         for r in ranks:
             if r.rank == rank and self._alive(r):
-                pid = r.pid
-                if sum(x.pid == r.pid for x in ranks) > 1:  # one process per node: the rank is its child
-                    pid = _worker_of(r.pid, rank)
+                # One process per node (launch "node"): the rank is one of its workers.
+                pid = _worker_of(r.pid, rank) if _shared(r, ranks) else r.pid
                 os.kill(pid, sig)
                 return f"{signal.Signals(sig).name} to rank {rank} (pid {pid}, node {r.node})"
         raise LaunchError(f"rank {rank} is not running")
