@@ -62,8 +62,10 @@ def assert_restored(state: Path, s: dict[str, Any]) -> None:
 
 
 class Watch:
-    """Samples the trainer processes of a state directory four times a second, grouped
-    by attempt: two attempts alive at once would be a duplicate launch."""
+    """Samples the running trainer processes of a state directory four times a second,
+    grouped by attempt: two attempts alive at once would be a duplicate launch. A
+    stopped process (a frozen node's, one no one can reach) runs nothing and is not
+    counted; the end of every scenario checks that none is left."""
 
     def __init__(self, state: Path) -> None:
         self.state = state
@@ -78,6 +80,8 @@ class Watch:
             attempts: set[str] = set()
             for p in trainer_processes(self.state):
                 try:
+                    if p.status() == psutil.STATUS_STOPPED:
+                        continue  # frozen, it runs nothing; assert_records finds any left at the end
                     attempts.add(p.environ().get("TSUP_ATTEMPT", "?"))
                 except psutil.Error:
                     continue

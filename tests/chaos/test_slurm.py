@@ -85,6 +85,26 @@ def test_kill_node_drains_it_and_resumes_on_the_spare_in_the_same_allocation(
     assert_records(state, s, injected=1)
 
 
+def test_a_frozen_node_is_found_by_its_silence_drained_and_replaced_by_the_spare(
+        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGSTOP of node2's slurmd and every process it started: no exit, no last will, no
+    answer to Slurm; only silence says so. Drained and replaced by the spare."""
+    state = tmp_path / "state"
+    try:
+        s = succeeds_on_the_box(slurm_box, state, fault_free, "freeze-node@50", monkeypatch)
+        [fault] = s["faults"]
+        assert fault["kind"] == "node-lost" and fault["nodes"] == ["node2"] and "silent" in fault["summary"], fault
+        assert s["drained_nodes"] == ["node2"]
+        assert [a["nodes"] for a in s["attempt_history"]] == [["node1", "node2"], ["node1", "node3"]]
+        # The frozen ranks could not be reached (stopped, they run nothing). Once the
+        # node is back, Slurm ends the step it no longer has, and they are gone.
+        slurm_box_mod.signal_node(slurm_box, "node2", signal.SIGCONT)
+        wait_for(lambda: trainer_processes(state) == [], 60, "the thawed node's stale ranks to end")
+        assert_records(state, s, injected=1)
+    finally:  # a frozen slurmd would hold the box's clean-up
+        slurm_box_mod.signal_node(slurm_box, "node2", signal.SIGCONT)
+
+
 def test_without_spares_a_lost_node_gets_a_new_allocation_that_excludes_it(
         slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
