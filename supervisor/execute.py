@@ -322,6 +322,10 @@ class Executor:
                 run = tx.get_run(run.number)
                 skips = tx.list_data_skips(run.number)  # the data windows spikes made the run skip
             launch = self.observer.launch_spec(run, spec, run_dir, attempt)
+            if spec.resources.standby:  # kept on every healthy node the run holds, spares too
+                with self.store.tx() as tx:
+                    held = tuple(x.name for x in tx.allocation(run.number) if x.state is NodeState.ALLOCATED)
+                launch = replace(launch, standby_nodes=held)
             self._clear_the_way(run, spec, run_dir, e, now)
             every = self._checkpoint_interval(run, spec, now) if spec.auto_checkpoints else None
             config = trainer_cmd.write_attempt_config(spec, run_dir, e.number, launch.argv, skips, every)

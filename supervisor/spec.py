@@ -56,6 +56,10 @@ class ResourcesSpec(BaseModel):
     # gets SIGUSR1 and saves a checkpoint; after it, the run gets a new allocation).
     partition: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")] | None = None
     time_limit_min: Annotated[int, Field(gt=0, le=525_600)] | None = None
+    # Warm standby: a rank process per slot on every healthy node the run holds, started
+    # and with torch imported, for the next attempt (supervisor/launchers/standby.py).
+    # It costs each node a second interpreter per rank (here about 250 MB of memory each).
+    standby: bool = False
 
 
 _DAY_S = 86_400.0
@@ -268,6 +272,11 @@ class RunSpec(BaseModel):
         if (self.trainer is None) == (self.command is None):
             raise ValueError("give either a [trainer] table (the reference trainer) or a [command] table "
                              "(any other trainer), not both or neither")
+        if self.resources.standby and self.command is not None:
+            raise ValueError("resources.standby: only the reference trainer ([trainer]) can wait as a standby; "
+                             "a [command] is started cold")
+        if self.resources.standby and self.resources.launcher != "local":
+            raise ValueError("resources.standby: warm standbys are kept by the local launcher only, for now")
         if self.trainer is None:
             return self
         steps = self.trainer.get("steps")

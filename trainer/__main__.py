@@ -3,6 +3,7 @@
     python -m trainer --config FILE [--resume PATH|auto|none]
     python -m trainer --check-config FILE [--world-size N]
     python -m trainer --print-config FILE
+    python -m trainer --standby LABEL         (trainer/standby.py)
 
 ``--check-config`` and ``--print-config`` must stay fast (the supervisor runs them on
 every submit): this module imports torch only when it is about to train.
@@ -40,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="validate a config: prints 'ok' or one line per problem")
     action.add_argument("--print-config", metavar="FILE",
                         help="print the resolved config, model shape and digest as JSON")
+    action.add_argument("--standby", metavar="LABEL",
+                        help="a warm standby: import torch, then wait for an assignment (a JSON "
+                             "line on stdin) and train as it says (trainer/standby.py)")
     parser.add_argument("--resume", default="auto", metavar="PATH|auto|none",
                         help="checkpoint to start from: a step_NNNNNNNN directory, 'auto' "
                              "(newest complete one in checkpoint.dir; the default) or 'none'")
@@ -54,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         return _check(args.check_config, args.world_size)
     if args.print_config:
         return _print(args.print_config)
+    if args.standby:
+        from trainer.standby import wait
+
+        return wait(main)
     return _train(args.config, args.resume)
 
 

@@ -53,6 +53,10 @@ class LaunchSpec:
     cwd: Path | None = None  # the ranks' working directory (None: the launcher's own)
     srun_args: tuple[str, ...] = ()  # Slurm: the spec's own srun options (the local launcher has no srun)
     launch: LaunchMode = "rank"  # "node": one process per node, which spawns the node's ranks
+    # Warm standby ([resources] standby): the run's healthy nodes, where the launcher keeps
+    # a standby process per rank slot ready for the next attempt (trainer/standby.py).
+    # Empty: no standbys.
+    standby_nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

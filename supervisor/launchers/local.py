@@ -25,6 +25,7 @@ import socket
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import psutil
 
@@ -33,6 +34,7 @@ from supervisor.domain import ProcState
 from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import CannotExecute, LaunchError, SpecError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
+from supervisor.launchers.standby import StandbyPool, assignment_for
 
 # psutil's create_time is a float rounded differently across calls on some kernels;
 # two readings of one process agree to well within this.
@@ -57,6 +59,7 @@ class LocalLauncher:
         self.node_prefix = node_prefix
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._drained: set[str] = set()  # simulated nodes' own drain state (the executor confirms by it)
+        self.standbys = StandbyPool()
 
     # --- nodes ----------------------------------------------------------------------
 
@@ -89,7 +92,8 @@ class LocalLauncher:
         return None  # the store's record is the whole truth for simulated nodes
 
     def release(self, run_id: str, info: str | None) -> bool:
-        """Nothing to give back: the store marks the nodes idle."""
+        """Nothing to give back (the store marks the nodes idle) but the run's standbys."""
+        self.standbys.release(run_id)
         return True
 
     def drain(self, node: str, reason: str, *, reboot: bool = False) -> None:
@@ -136,12 +140,19 @@ class LocalLauncher:
         ranks: list[_Rank] = []
         try:
             for node_index, node in enumerate(spec.nodes):
-                leader = 0  # the first process of a node starts a new process group
+                leader = 0  # the first process of a node started cold leads a new process group
                 for task in _tasks(spec, step, node_index):
-                    env = {**base_env, **task.env, "TSUP_NODE": node, "TSUP_MARKER": spec.marker}
+                    own = {**task.env, "TSUP_NODE": node, "TSUP_MARKER": spec.marker}
+                    env = {**base_env, **own}
                     env.setdefault("OMP_NUM_THREADS", "1")
                     env.setdefault("PYTHONUNBUFFERED", "1")
                     log_path = spec.log_dir / f"{task.log_name}.{node}.log"
+                    warm = self._warm_start(spec, node, {**base_env, **own}, argv, log_path, uid, gid)
+                    if warm is not None:
+                        ranks += [_Rank(rank, rank % spec.ranks_per_node, node, warm.pid, warm.pid,
+                                        _create_time(warm.pid)) for rank in task.ranks]
+                        _note_warm(spec, ranks[-1])
+                        continue
                     with open(log_path, "ab") as log:
                         p = subprocess.Popen(
                             argv, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -164,7 +175,26 @@ class LocalLauncher:
             cannot = isinstance(e, ValueError) or e.errno in (errno.ENOENT, errno.EACCES, errno.ENOEXEC,
                                                               errno.ENOTDIR)
             raise (CannotExecute if cannot else LaunchError)(f"cannot start {spec.argv[0]!r}: {e}") from e
+        self.standbys.plan(spec)
         return _dump(ranks, int(step.master_port), spec.marker)
+
+    def _warm_start(self, spec: LaunchSpec, node: str, env: dict[str, str], argv: list[str], log_path: Path,
+                    uid: int | None, gid: int | None) -> subprocess.Popen[bytes] | None:
+        """A standby of the run waiting on ``node``, assigned this rank (None: start cold)."""
+        if not spec.standby_nodes or spec.launch != "rank":
+            return None
+        while (proc := self.standbys.take(spec.run_id, node)) is not None:
+            try:
+                log_path.touch()
+                if uid is not None:
+                    os.chown(log_path, uid, -1 if gid is None else gid)
+                sent = {k: v for k, v in env.items() if os.environ.get(k) != v}  # it has the rest
+                StandbyPool.assign(proc, assignment_for(spec, sent, log_path, argv))
+            except OSError:
+                continue  # it died while waiting: the next one, or cold
+            self._children[proc.pid] = proc
+            return proc
+        return None
 
     def find(self, spec: LaunchSpec) -> str | None:
         """The attempt's processes, by TSUP_MARKER: the topmost of each tree only (a rank's
@@ -192,11 +222,13 @@ class LocalLauncher:
                     found.append(_Rank(int(env["RANK"]), int(env["LOCAL_RANK"]), node, pid, pgid, created))
             except (KeyError, ValueError, ProcessLookupError):
                 continue
+        found += [r for r in _warm_ranks(spec) if r.rank not in {f.rank for f in found}]
         if not found:
             return None
         return _dump(sorted(found, key=lambda r: r.rank), port=0, marker=spec.marker)
 
     def observe(self, launch_info: str) -> list[RankProc]:
+        self.standbys.refill()
         ranks = _load(launch_info)
         states = {r.rank: self._state(r) for r in ranks}
         # A node's own torchrun starts its workers in sessions of their own: once it is gone
@@ -266,7 +298,9 @@ class LocalLauncher:
         for pid in escaped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
+        standbys = self.standbys.signal_node(node, sig)  # the node's standbys go with it
         also = f" and {len(escaped)} process(es) of their own sessions" if escaped else ""
+        also += f", and its {standbys} standby process(es)" if standbys else ""
         return f"{sig.name} to every process of node {node} (process group {named}{also})"
 
     def partition_node(self, node: str, cut: bool) -> str:
@@ -349,6 +383,31 @@ def _escaped(launch_info: str, ranks: Sequence[_Rank]) -> list[tuple[str, int]]:
                 out.append((env.get("TSUP_NODE", ""), p.pid))
         except (psutil.Error, ProcessLookupError):
             continue
+    return out
+
+
+_WARM_RANKS = "warm-ranks.jsonl"
+
+
+def _note_warm(spec: LaunchSpec, r: _Rank) -> None:
+    """Record a rank started from a standby before it starts: its environment in /proc is
+    the standby's, without the attempt's marker, so ``find`` looks here for it."""
+    with open(spec.log_dir / _WARM_RANKS, "a", encoding="utf-8") as f:
+        f.write(json.dumps(asdict(r)) + "\n")
+
+
+def _warm_ranks(spec: LaunchSpec) -> list[_Rank]:
+    """The attempt's ranks started from standbys that still live (by pid and start time)."""
+    try:
+        lines = (spec.log_dir / _WARM_RANKS).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        with contextlib.suppress(ValueError, TypeError):
+            r = _Rank(**json.loads(line))
+            if abs(_create_time(r.pid) - r.create_time) <= _CREATE_TIME_TOLERANCE_S:
+                out.append(r)
     return out
 
 

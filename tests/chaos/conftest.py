@@ -65,7 +65,8 @@ class Watch:
     """Samples the running trainer processes of a state directory four times a second,
     grouped by attempt: two attempts alive at once would be a duplicate launch. A
     stopped process (a frozen node's, one no one can reach) runs nothing and is not
-    counted; the end of every scenario checks that none is left."""
+    counted; the end of every scenario checks that none is left. A warm standby counts
+    only once it is assigned to an attempt."""
 
     def __init__(self, state: Path) -> None:
         self.state = state
@@ -82,7 +83,13 @@ class Watch:
                 try:
                     if p.status() == psutil.STATUS_STOPPED:
                         continue  # frozen, it runs nothing; assert_records finds any left at the end
-                    attempts.add(p.environ().get("TSUP_ATTEMPT", "?"))
+                    env = p.environ()
+                    if "TSUP_STANDBY" in env:  # a warm standby: part of an attempt once assigned,
+                        name = p.name()  # which it says by its name (trainer/standby.py)
+                        if name.startswith("tsup-a"):
+                            attempts.add(name.removeprefix("tsup-a"))
+                        continue
+                    attempts.add(env.get("TSUP_ATTEMPT", "?"))
                 except psutil.Error:
                     continue
             self.samples += 1

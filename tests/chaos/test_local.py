@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import re
 import signal
 import sqlite3
 import subprocess
@@ -215,6 +216,37 @@ def test_kill_rank_then_kill_node_recover_to_the_same_model(fault_free: dict[str
     assert trainer_processes(state) == []
     # the human progress stream told the story
     assert "fault.detected" in proc.stderr and "run.recovered" in proc.stderr
+    assert_records(state, s, injected=2)
+
+
+def test_warm_standbys_become_the_next_attempts_ranks_and_are_replaced(fault_free: dict[str, Any],
+                                                                      state: Path, tmp_path: Path) -> None:
+    """[resources] standby: every rank of each resumed attempt is a process that was
+    waiting, torch imported, before the fault; the ones the first recovery used are
+    replaced in time for the second. Same model; no standby outlives the run."""
+    spec = tmp_path / "standby.toml"
+    spec.write_text(EXAMPLE.read_text().replace("spares = 1", "spares = 1\nstandby = true"))
+    proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "kill-rank@30", "--chaos", "kill-node@75")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    assert [(f["kind"], f["nodes"]) for f in s["faults"]] == [("rank-exit", ["local-2"]), ("node-lost", ["local-2"])]
+    assert [a["nodes"] for a in s["attempt_history"]] == [
+        ["local-1", "local-2"], ["local-1", "local-2"], ["local-1", "local-3"]]
+    attempts = state / "runs" / "run-1" / "attempts"
+    became: dict[int, set[str]] = {}
+    for n in (1, 2, 3):
+        for log in sorted((attempts / str(n)).glob("rank-*.log")):
+            first = (log.read_text().splitlines() or [""])[0]
+            m = re.match(r"standby: pid (\d+) is rank (\d+) of attempt (\d+)", first)
+            if m:
+                assert (m[2], m[3]) == (log.name[5:9].lstrip("0") or "0", str(n)), first
+                became.setdefault(n, set()).add(m[1])
+    assert 1 not in became, "the first attempt starts cold: nothing was waiting yet"
+    assert len(became.get(2, ())) == 4 and len(became.get(3, ())) == 4, became
+    # local-1's standbys became ranks 0 and 1 of attempt 2: those of attempt 3 are their replacements
+    assert not became[2] & became[3], "a used standby is not used again"
+    assert trainer_processes(state) == [], "no standby outlives its run"
     assert_records(state, s, injected=2)
 
 

@@ -1,0 +1,83 @@
+"""Warm standby: the assignment a standby reads, and a real standby process turned into a
+one-rank trainer by it (torch imported before, the rank's environment and log after)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from supervisor.launchers.standby import reference_args
+from tests.conftest import REPO, wait_for
+from trainer.standby import WAITING_NAME, Assignment, name_for
+
+
+@pytest.mark.parametrize(("line", "complaint"), [
+    (b"[]", "an object with argv, env, log and cwd"),
+    (b'{"argv": [], "env": {}, "log": "x"}', "an object with argv, env, log and cwd"),
+    (b'{"argv": "--config c", "env": {}, "log": "x", "cwd": null}', "argv: a list of strings"),
+    (b'{"argv": [], "env": {"RANK": 1}, "log": "x", "cwd": null}', "env: an object of strings"),
+    (b'{"argv": [], "env": {}, "log": null, "cwd": null}', "log: a path"),
+])
+def test_a_bad_assignment_is_refused(line: bytes, complaint: str) -> None:
+    with pytest.raises(ValueError, match=complaint):
+        Assignment.parse(line)
+
+
+def test_an_assignment_round_trips_and_names_fit_the_kernels_15_bytes() -> None:
+    a = Assignment(argv=["--config", "c.toml"], env={"RANK": "3"}, log="/x/rank-3.log", cwd=None)
+    assert Assignment.parse(a.encode()) == a
+    assert name_for("12") == "tsup-a12" and len(name_for("123456789012345")) == 15
+
+
+def test_only_the_reference_trainer_can_be_a_standby() -> None:
+    assert reference_args((sys.executable, "-m", "trainer", "--config", "c", "--resume", "none")) == [
+        "--config", "c", "--resume", "none"]
+    assert reference_args(("torchrun", "train.py")) is None
+    assert reference_args((sys.executable, "-m", "trainer", "--check-config", "c")) is None
+
+
+def _standby(tmp_path: Path) -> subprocess.Popen[bytes]:
+    with open(tmp_path / "standby.log", "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "trainer", "--standby", str(tmp_path)], cwd=REPO,
+                                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_a_standby_waits_warm_then_trains_as_its_assignment_says(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(f'model = "tiny"\nsteps = 3\noutput_dir = "{tmp_path / "out"}"\n'
+                      f'[checkpoint]\ndir = "{tmp_path / "ck"}"\nevery_steps = 3\n')
+    p = _standby(tmp_path)
+    try:
+        wait_for(lambda: "waiting for an assignment" in (tmp_path / "standby.log").read_text(), 60, "warm")
+        assert Path(f"/proc/{p.pid}/comm").read_text().strip() == WAITING_NAME
+        log = tmp_path / "rank-0.log"
+        a = Assignment(argv=["--config", str(config), "--resume", "none"], env={"TSUP_ATTEMPT": "7"},
+                       log=str(log), cwd=str(tmp_path))
+        assert p.stdin is not None
+        p.stdin.write(a.encode())
+        p.stdin.close()
+        wait_for(lambda: Path(f"/proc/{p.pid}/comm").read_text().strip() == "tsup-a7", 10, "the new name")
+        assert p.wait(timeout=60) == 0
+    finally:
+        p.kill()
+    text = log.read_text()
+    assert "is rank ? of attempt 7" in text and "done: step 3" in text
+    assert (tmp_path / "ck" / "step_00000003").is_dir()
+
+
+def test_a_standby_whose_input_ends_leaves_and_a_bad_assignment_exits_2(tmp_path: Path) -> None:
+    p = _standby(tmp_path)
+    assert p.stdin is not None
+    p.stdin.close()  # its launcher is gone
+    assert p.wait(timeout=60) == 0
+    p = _standby(tmp_path)
+    assert p.stdin is not None
+    p.stdin.write(b'{"argv": 1}\n')
+    p.stdin.close()
+    started = time.monotonic()
+    assert p.wait(timeout=60) == 2 and time.monotonic() - started < 60
+    assert "a bad assignment" in (tmp_path / "standby.log").read_text()

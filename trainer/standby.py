@@ -1,0 +1,121 @@
+"""Warm standby: a rank process made ready before a fault needs it.
+
+    python -m trainer --standby LABEL
+
+A standby does now what every rank of a new attempt would otherwise do after a fault:
+start the interpreter and import torch with the trainer's distributed and checkpoint
+modules (on this machine 6.8 s of a 10.3 s recovery, and on a real cluster the
+container's and the CUDA or Neuron runtime's start). Then it waits, doing nothing, for
+one line on its standard input: its assignment, a JSON object
+
+    {"argv": ["--config", FILE, "--resume", PATH], "env": {...}, "log": FILE, "cwd": DIR|null}
+
+from the launcher that started it. It takes the assignment's variables (rank, world
+size, master, the attempt's telemetry key: the pipe carries them, never argv or a
+file), sends its output to the rank's log, and runs exactly what ``python -m trainer``
+with that argv would. What depends on the rank or the resume point (the process group,
+the sharded model, the restore) is done only then.
+
+The end of its input before an assignment (the launcher gave up on it, or died) ends it
+with status 0. ``LABEL`` is only for people and ``ps``: the launcher passes the run's
+directory. Its name in the process table (``/proc/PID/comm``) says what it is:
+``tsup-standby`` while it waits, ``tsup-a<N>`` once it is a rank of attempt N, since
+its environment as ``/proc`` shows it stays the one it was started with.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import IO, Any
+
+from trainer.errors import EXIT_DO_NOT_RETRY, EXIT_OK
+
+WAITING_NAME = "tsup-standby"
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    argv: list[str]  # python -m trainer's arguments
+    env: dict[str, str]  # added to the environment
+    log: str  # the rank's log file, appended to
+    cwd: str | None
+
+    @classmethod
+    def parse(cls, line: bytes) -> Assignment:
+        """Raises ValueError for anything but the object described above."""
+        data: Any = json.loads(line)
+        if not isinstance(data, dict) or set(data) != {"argv", "env", "log", "cwd"}:
+            raise ValueError("an assignment is an object with argv, env, log and cwd")
+        argv, env, log, cwd = data["argv"], data["env"], data["log"], data["cwd"]
+        if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
+            raise ValueError("argv: a list of strings")
+        if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                              for k, v in env.items())):
+            raise ValueError("env: an object of strings")
+        if not isinstance(log, str) or not (cwd is None or isinstance(cwd, str)):
+            raise ValueError("log: a path; cwd: a path or null")
+        return cls(argv=argv, env=env, log=log, cwd=cwd)
+
+    def encode(self) -> bytes:
+        data = {"argv": self.argv, "env": self.env, "log": self.log, "cwd": self.cwd}
+        return json.dumps(data).encode() + b"\n"
+
+
+def name_for(attempt: str) -> str:
+    return f"tsup-a{attempt}"[:15]  # the kernel keeps 15 bytes of a process's name
+
+
+def wait(run: Callable[[list[str]], int], stdin: IO[bytes] | None = None) -> int:
+    """Get warm, wait for the assignment, then ``run(argv)`` (python -m trainer's main)."""
+    started = time.monotonic()
+    _set_name(WAITING_NAME)
+    import torch  # noqa: F401  (the point of a standby: imported before it is needed)
+
+    from trainer import checkpoint, train  # noqa: F401  (DCP and FSDP, and what they import)
+
+    warm = time.monotonic()
+    print(f"standby: pid {os.getpid()} warm in {warm - started:.2f} s, waiting for an assignment", flush=True)
+    line = (stdin or sys.stdin.buffer).readline()
+    if not line:
+        return EXIT_OK
+    try:
+        a = Assignment.parse(line)
+    except ValueError as e:
+        print(f"standby: error: a bad assignment: {e}", file=sys.stderr, flush=True)
+        return EXIT_DO_NOT_RETRY
+    _redirect_output(a.log)
+    os.environ.update(a.env)
+    if a.cwd is not None:
+        os.chdir(a.cwd)
+    _set_name(name_for(a.env.get("TSUP_ATTEMPT", "?")))
+    print(f"standby: pid {os.getpid()} is rank {a.env.get('RANK', '?')} of attempt "
+          f"{a.env.get('TSUP_ATTEMPT', '?')} (warm in {warm - started:.2f} s, then waited "
+          f"{time.monotonic() - warm:.2f} s)", flush=True)
+    return run(a.argv)
+
+
+def _redirect_output(path: str) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+_PR_SET_NAME = 15
+
+
+def _set_name(name: str) -> None:
+    """This process's name in /proc/PID/comm (Linux; elsewhere nothing happens)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
