@@ -14,6 +14,8 @@ from supervisor.launchers.standby import reference_args
 from tests.conftest import REPO, wait_for
 from trainer.standby import WAITING_NAME, Assignment, name_for
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.parametrize(("line", "complaint"), [
     (b"[]", "an object with argv, env, log and cwd"),
