@@ -168,8 +168,10 @@ class Daemon:
         self.reconciler: Reconciler | None = None
         self.service: SupervisorService | None = None
         self.notifier = Notifier()
+        pool = getattr(self.launcher, "standbys", None)  # the local launcher keeps warm standbys
         self.metrics = SupervisorMetrics(self.store, self.telemetry,
-                                         lambda: self.link is not None and self.link.connected, clock)
+                                         lambda: self.link is not None and self.link.connected, clock,
+                                         standbys=pool.waiting if pool is not None else dict)
         self.api_tokens: ApiTokens | None = None
 
     async def __aenter__(self) -> Daemon:

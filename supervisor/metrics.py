@@ -25,6 +25,8 @@ link, the reconciler's ticks). Every name starts with ``tsup_``:
                                               of an attempt that has ended; or over the
                                               buffer while the store lagged (buffer_full)
     tsup_outbox_events                        events not yet published on MQTT (gauge)
+    tsup_standby_processes{run_id,node}       warm standbys waiting for the run's next attempt
+                                              ([resources] standby; gauge)
     tsup_reconcile_tick_seconds               reconciler tick duration (histogram)
 
 Per-run series cover the runs that are active or ended in the last day, so that a
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import (
@@ -63,17 +65,19 @@ class SupervisorMetrics:
     """The daemon's registry: the store collector plus the tick histogram it observes."""
 
     def __init__(self, store: SqlStore, telemetry: TelemetryView, mqtt_connected: Callable[[], bool],
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 standbys: Callable[[], Mapping[str, Mapping[str, int]]] = dict) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.tick_seconds = Histogram("tsup_reconcile_tick_seconds", "Reconciler tick duration",
                                       buckets=TICK_BUCKETS, registry=self.registry)
-        self.registry.register(_StoreCollector(store, telemetry, mqtt_connected, clock))
+        self.registry.register(_StoreCollector(store, telemetry, mqtt_connected, clock, standbys))
 
 
 class _StoreCollector(Collector):
     def __init__(self, store: SqlStore, telemetry: TelemetryView, mqtt_connected: Callable[[], bool],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], standbys: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
         self.store, self.telemetry, self.mqtt_connected, self.clock = store, telemetry, mqtt_connected, clock
+        self.standbys = standbys
 
     def describe(self) -> list[Metric]:
         return []  # families are built at scrape time; nothing to check at registration
@@ -161,6 +165,12 @@ class _StoreCollector(Collector):
             c.add_metric([reason], counts.get(key, 0))
         yield c
         yield GaugeMetricFamily("tsup_outbox_events", "Events not yet published on MQTT", value=outbox)
+        g = GaugeMetricFamily("tsup_standby_processes", "Warm standbys waiting for a run's next attempt",
+                              labels=["run_id", "node"])
+        for run_id, per_node in sorted(self.standbys().items()):
+            for node, count in sorted(per_node.items()):
+                g.add_metric([run_id, node], count)
+        yield g
 
 
 def _histogram(name: str, documentation: str, values: Sequence[float],

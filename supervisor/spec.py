@@ -273,8 +273,8 @@ class RunSpec(BaseModel):
             raise ValueError("give either a [trainer] table (the reference trainer) or a [command] table "
                              "(any other trainer), not both or neither")
         if self.resources.standby and self.command is not None:
-            raise ValueError("resources.standby: only the reference trainer ([trainer]) can wait as a standby; "
-                             "a [command] is started cold")
+            raise ValueError("resources.standby: only the reference trainer ([trainer]) can wait as a "
+                             "standby; a [command] is started cold")
         if self.resources.standby and self.resources.launcher != "local":
             raise ValueError("resources.standby: warm standbys are kept by the local launcher only, for now")
         if self.trainer is None:

@@ -134,14 +134,14 @@ class StandbyPool:
         for s in pool.waiting if pool else []:
             _stop(s.proc, signal.SIGKILL)
 
-    def waiting(self, run_id: str | None = None) -> dict[str, int]:
-        """Standbys waiting per node (of one run, or of all)."""
-        out: dict[str, int] = {}
-        for rid, pool in self._runs.items():
-            if run_id is None or rid == run_id:
-                for s in pool.waiting:
-                    if s.proc.poll() is None:
-                        out[s.node] = out.get(s.node, 0) + 1
+    def waiting(self) -> dict[str, dict[str, int]]:
+        """Live standbys waiting, per run and node (for /metrics; any thread may ask)."""
+        out: dict[str, dict[str, int]] = {}
+        for run_id, pool in list(self._runs.items()):
+            for s in list(pool.waiting):
+                if s.proc.poll() is None:
+                    per_node = out.setdefault(run_id, {})
+                    per_node[s.node] = per_node.get(s.node, 0) + 1
         return out
 
 

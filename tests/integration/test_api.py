@@ -243,7 +243,8 @@ def test_metrics_for_prometheus(tmp_path: Path) -> None:
     store.open()
     service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
                                 launcher=(local := LocalLauncher(max_nodes=4)), nodes=local, check_trainer=False)
-    metrics = SupervisorMetrics(store, TelemetryView(), lambda: True)
+    metrics = SupervisorMetrics(store, TelemetryView(), lambda: True,
+                                standbys=lambda: {"run-1": {"local-1": 2, "local-3": 1}})
     metrics.tick_seconds.observe(0.004)
     client = TestClient(create_app(service, TokenAuth(TOKEN), metrics),
                         headers={"Authorization": f"Bearer {TOKEN}"})
@@ -261,3 +262,5 @@ def test_metrics_for_prometheus(tmp_path: Path) -> None:
     assert 'tsup_fault_recovery_seconds_bucket{le="10.0"} 1.0' in text  # 9 s to train again
     assert "tsup_fault_recovery_seconds_sum 9.0" in text
     assert "tsup_reconcile_tick_seconds_count 1.0" in text and "tsup_mqtt_connected 1.0" in text
+    assert 'tsup_standby_processes{node="local-1",run_id="run-1"} 2.0' in text
+    assert 'tsup_standby_processes{node="local-3",run_id="run-1"} 1.0' in text
