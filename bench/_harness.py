@@ -161,7 +161,8 @@ class Tap:
         self._msgs: list[protocol.Message] = []
         self._subscribed = threading.Event()
         self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"bench-tap-{os.getpid()}")
-        self._client.on_connect = lambda c, _u, _f, _r, _p: c.subscribe(protocol.topic_filter())
+        # Every cluster's: a daemon's cluster id is a fingerprint of its host and state directory.
+        self._client.on_connect = lambda c, _u, _f, _r, _p: c.subscribe(protocol.topic_filter("+"))
         self._client.on_subscribe = lambda *_a: self._subscribed.set()
         self._client.on_message = self._on_message
         self._client.connect(host, port)
@@ -179,7 +180,7 @@ class Tap:
 
     def _on_message(self, _client: Any, _userdata: Any, m: mqtt.MQTTMessage) -> None:
         try:
-            msg = protocol.decode(bytes(m.payload), m.topic)
+            msg = protocol.decode(bytes(m.payload), m.topic, cluster=m.topic.split("/")[2])
         except protocol.ProtocolError:
             return
         if isinstance(msg, protocol.Heartbeat):
@@ -282,9 +283,12 @@ def goodput(tap: Tap, run: str) -> dict[str, float | int]:
 
 
 def write_spec(base: Path, dest: Path, *, mqtt_url: str, steps: int | None = None,
-               every_steps: int | None = None) -> Path:
-    """A copy of ``base`` with telemetry on ``mqtt_url`` and, if given, other steps."""
+               every_steps: int | None = None, standby: bool = False) -> Path:
+    """A copy of ``base`` with telemetry on ``mqtt_url`` and, if given, other steps or
+    warm standbys."""
     data = tomllib.loads(base.read_text())
+    if standby:
+        data.setdefault("resources", {})["standby"] = True
     if steps is not None:
         data.setdefault("trainer", {})["steps"] = steps
     if every_steps is not None:
