@@ -169,8 +169,12 @@ class Tap:
         self._client.loop_start()
         if not self._subscribed.wait(10):
             raise SystemExit("the telemetry tap could not subscribe")
+        # Ranks launched without a supervisor (the cold starts, torchrun) use the default
+        # cluster id, and hold their telemetry until someone there says it listens.
+        self._client.publish(protocol.presence_topic(), protocol.PRESENCE_ONLINE, qos=1, retain=True)
 
     def close(self) -> None:
+        self._client.publish(protocol.presence_topic(), protocol.PRESENCE_CLEARED, qos=1, retain=True)
         self._client.disconnect()
         self._client.loop_stop()
 

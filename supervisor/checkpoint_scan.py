@@ -7,8 +7,10 @@ that is not a checkpoint of any layout is ignored; one that is gives a ``Verdict
 
 | layout   | a checkpoint is the directory     | complete when                         | verified when       |
 |----------|-----------------------------------|---------------------------------------|---------------------|
-| tsup     | step_00000040/ (8 digits, renamed | non-empty .metadata, and              | no empty *.distcp   |
-|          | in; .tmp-step_* never is one)     | trainer_meta.json names the same step |                     |
+| tsup     | step_00000040/ (8 digits, renamed | non-empty .metadata, and              | each file has the   |
+|          | in; .tmp-step_* never is one)     | trainer_meta.json names the same step | size manifest.json  |
+|          |                                   |                                       | says (none: no      |
+|          |                                   |                                       | empty *.distcp)     |
 | nxd      | step_5/ with checkpoint or done   | done exists (checkpoint comes first)  | no empty *.pt in    |
 |          |                                   |                                       | it, model/, optim/  |
 | nemo     | <name>step=5<...>.ckpt/ (also     | done exists and no sibling marker:    | as nxd              |
@@ -97,8 +99,27 @@ def _tsup(path: Path) -> Verdict | None:
         return bad(f"trainer_meta.json unreadable: {e}")
     if not isinstance(meta, dict) or meta.get("step") != step:
         return bad(f"trainer_meta.json names step {meta.get('step') if isinstance(meta, dict) else '?'}")
+    if (path / "manifest.json").exists():  # the hashes are the trainer's to check, each rank its share
+        return bad(_manifest_sizes(path))
     empty = _empty(path, "*.distcp")
     return _verdict("tsup", step, path, f"empty shard file(s): {', '.join(empty)}" if empty else "")
+
+
+def _manifest_sizes(path: Path) -> str:
+    """How the files of a checkpoint differ in size from its manifest ("" if they do not)."""
+    try:
+        files = json.loads((path / "manifest.json").read_text())["files"]
+        wanted = {str(name): int(entry["size"]) for name, entry in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"manifest.json unreadable: {e}"
+    for name, size in wanted.items():
+        try:
+            actual = (path / name).stat().st_size
+        except OSError:
+            return f"{name} is missing (its manifest lists it)"
+        if actual != size:
+            return f"{name} is {actual} bytes, its manifest says {size}"
+    return ""
 
 
 def _nxd_problem(path: Path) -> str:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from trainer import checkpoint_layout as layout
 from trainer import distributed
-from trainer.errors import CheckpointStorageFull, CheckpointUnreadable
+from trainer.errors import CheckpointMismatch, CheckpointStorageFull, CheckpointUnreadable
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +115,13 @@ def _save(root: Path, meta: layout.TrainerMeta, model: nn.Module, optimizer: tor
     if tamper:
         model_state = _tampered(model_state)
     dcp_save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
+    # DCP's coordinator writes .metadata before save returns on any rank: every file is there.
+    rank, world = distributed.rank_and_world()
+    mine = {name: layout.file_entry(tmp / name)
+            for name in layout.share(layout.manifest_names(tmp), rank, world)}
+    files = {name: entry for part in distributed.all_gather_objects(mine) for name, entry in part.items()}
     if is_main:
+        layout.write_manifest(tmp, files)
         meta.write(tmp)
     if before_commit is not None:
         before_commit()
@@ -131,8 +137,13 @@ def _save(root: Path, meta: layout.TrainerMeta, model: nn.Module, optimizer: tor
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Restore model and optimizer state in place from a complete checkpoint.
 
-    Raises CheckpointUnreadable when a shard cannot be read (truncated, corrupt, gone):
-    DCP gathers every rank's read errors, so all ranks raise it together."""
+    Raises CheckpointUnreadable when a file differs from the checkpoint's manifest, or a
+    shard cannot be read (truncated, corrupt, gone): the ranks share what they found, so
+    all of them raise it together."""
+    try:
+        _check_manifest(path)
+    except CheckpointMismatch as e:
+        raise CheckpointUnreadable(str(e)) from e
     try:
         _load(path, model, optimizer)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
@@ -144,6 +155,20 @@ def _reason(e: BaseException) -> str:
     lines = [line for line in str(e).splitlines() if line.strip()]
     errors = [line for line in lines if "Error" in line.split(":")[0]]
     return (errors[0] if errors else lines[0] if lines else "")[:500]
+
+
+def _check_manifest(path: Path) -> None:
+    """Each rank checks its share of the files against the manifest; every rank raises
+    CheckpointUnreadable if any rank found a difference."""
+    files = layout.read_manifest(path)
+    if files is None:
+        return  # written before manifests: DCP's own reading is the only check
+    rank, world = distributed.rank_and_world()
+    found = layout.manifest_problems(path, files, layout.share(sorted(files), rank, world))
+    problems = [p for part in distributed.all_gather_objects(found) for p in part]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointUnreadable(f"{path}: not what was written: {problems[0]}{more}")
 
 
 def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -7,6 +7,7 @@ The supervisor relies on this layout exactly::
             .metadata               written by torch.distributed.checkpoint (DCP) last
             __0_0.distcp ...        one or more DCP data files per rank
             trainer_meta.json       step, consumed_samples, world_size, model, ...
+            manifest.json           every other file's size and SHA-256
         step_00000030/
         .tmp-step_00000040/         a save in progress (or abandoned by a crash)
 
@@ -19,9 +20,17 @@ How a save makes that true atomically:
 1. rank 0 removes a leftover ``.tmp-step_N/`` from an earlier crash; barrier;
 2. every rank writes its shards with DCP into ``.tmp-step_N/`` (DCP's coordinator writes
    ``.metadata`` after all ranks' data, and fsyncs the files);
-3. rank 0 writes ``trainer_meta.json`` (tmp file, fsync, rename); barrier;
+3. every rank hashes its share of the files (the i-th of the sorted names goes to rank
+   i mod world size); rank 0 writes their sizes and hashes to ``manifest.json``, then
+   ``trainer_meta.json`` (each: tmp file, fsync, rename); barrier;
 4. rank 0 renames ``.tmp-step_N/`` to ``step_N/`` and fsyncs ``<checkpoint.dir>``.
    The rename is the commit point: before it the checkpoint does not exist by name.
+
+The manifest is checked before a resume: the supervisor compares the sizes (a stat per
+file, before it chooses the checkpoint), the trainer the hashes (each rank its share,
+before the load). A checkpoint whose files differ from what was written is unreadable
+(exit code 3): the supervisor never resumes from it again. Checkpoints written before
+manifests existed load without the check.
 
 After each commit rank 0 prunes (``prune``): complete checkpoints with a step greater
 than the one just committed (left by an abandoned trajectory, e.g. after a rollback)
@@ -33,6 +42,7 @@ that it stops being complete in one atomic step, then removed.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -46,6 +56,8 @@ from trainer import atomic
 from trainer.errors import CheckpointMismatch, UsageError
 
 META_FILE = "trainer_meta.json"
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = 1
 DCP_METADATA_FILE = ".metadata"
 TMP_PREFIX = ".tmp-"
 META_FORMAT = 1  # bump when trainer_meta.json changes incompatibly
@@ -140,6 +152,67 @@ class TrainerMeta:
             raise CheckpointMismatch(
                 f"checkpoint at step {self.step} holds model {self.model!r} "
                 f"{self.model_shape}, this run builds {model!r} {model_shape}")
+
+
+def manifest_names(directory: Path) -> list[str]:
+    """The files a manifest covers, sorted: everything but the manifest and the meta file."""
+    return sorted(p.name for p in directory.iterdir()
+                  if p.is_file() and p.name not in (MANIFEST_FILE, META_FILE))
+
+
+def share(names: list[str], rank: int, world_size: int) -> list[str]:
+    """The part of ``names`` that ``rank`` hashes (on save) or checks (on restore)."""
+    return names[rank::world_size]
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """A manifest's entry for one file: its size and SHA-256, read in 8 MiB pieces."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def write_manifest(directory: Path, files: dict[str, dict[str, Any]]) -> None:
+    atomic.write_json(directory / MANIFEST_FILE,
+                      {"format": MANIFEST_FORMAT, "files": dict(sorted(files.items()))})
+
+
+def read_manifest(directory: Path) -> dict[str, dict[str, Any]] | None:
+    """The manifest's files (None: a checkpoint written without one). Raises
+    CheckpointMismatch for a manifest that is there but unreadable."""
+    path = directory / MANIFEST_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise CheckpointMismatch(f"{path}: unreadable: {e}") from e
+    files = data.get("files") if isinstance(data, dict) else None
+    if data.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
+        raise CheckpointMismatch(f"{path}: not a manifest of format {MANIFEST_FORMAT}")
+    return files
+
+
+def manifest_problems(directory: Path, files: dict[str, dict[str, Any]], names: list[str]) -> list[str]:
+    """How the files ``names`` of ``directory`` differ from the manifest ``files``."""
+    problems = []
+    for name in names:
+        want = files[name]
+        try:
+            got = file_entry(directory / name)
+        except OSError as e:
+            problems.append(f"{name}: {e.strerror or e}")
+            continue
+        if got["size"] != want.get("size"):
+            problems.append(f"{name} is {got['size']} bytes, the manifest says {want.get('size')}")
+        elif got["sha256"] != want.get("sha256"):
+            problems.append(f"{name}'s SHA-256 is {got['sha256'][:12]}..., the manifest says "
+                            f"{str(want.get('sha256'))[:12]}...")
+    return problems
 
 
 def tmp_dir_for(root: Path, step: int) -> Path:

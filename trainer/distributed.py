@@ -205,5 +205,16 @@ def broadcast_from_main(obj: Any) -> Any:
     return holder[0]
 
 
+def rank_and_world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (pickled; meant for small lists and maps)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def barrier() -> None:
     dist.barrier()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -259,8 +260,15 @@ def test_checkpoints_are_complete_and_only_the_newest_two_are_kept(scenario: Sce
     assert sorted(p.name for p in root.iterdir()) == ["step_00000020", "step_00000030"]
     step30 = root / "step_00000030"
     assert is_complete(step30)
-    assert {p.name for p in step30.iterdir()} >= {".metadata", "trainer_meta.json",
+    assert {p.name for p in step30.iterdir()} >= {".metadata", "trainer_meta.json", "manifest.json",
                                                    "__0_0.distcp", "__1_0.distcp"}
+    # The manifest: every other file's size and SHA-256, as read back here.
+    manifest = json.loads((step30 / "manifest.json").read_text())
+    covered = {p.name for p in step30.iterdir()} - {"manifest.json", "trainer_meta.json"}
+    assert set(manifest["files"]) == covered
+    for name, entry in manifest["files"].items():
+        data = (step30 / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
     meta = json.loads((step30 / "trainer_meta.json").read_text())
     assert (meta["step"], meta["consumed_samples"], meta["world_size"], meta["model"]) == (
         30, 30 * 8, WORLD, "tiny")
@@ -357,6 +365,29 @@ def test_resume_from_a_truncated_shard_exits_3_checkpoint_unreadable(scenario: S
     assert "CheckpointUnreadable" in attempt.log() and str(broken) in attempt.log()
     exits = wait_for(lambda: scenario.subscriber.of("truncated", protocol.Exit), "the Exit message", timeout_s=10)
     assert {e.exit_code for e in exits} == {3}
+
+
+def test_a_shard_changed_in_place_is_caught_by_the_manifest_before_the_load(scenario: Scenario,
+                                                                            tmp_path: Path) -> None:
+    """Bytes flipped inside a shard, its size unchanged (silent corruption on storage):
+    DCP itself loads it without a word; the manifest's hashes make it exit code 3."""
+    import shutil
+    broken = tmp_path / "step_00000020"
+    shutil.copytree(scenario.killed_dir / "ckpt" / "step_00000020", broken)
+    shard = max(broken.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+    shard.write_bytes(bytes(data))
+    attempt = launch(scenario.killed_dir / "config.toml", world=WORLD, broker_port=scenario.broker_port,
+                     run="flipped", resume=str(broken))
+    assert attempt.wait() == [3, 3], attempt.log()
+    assert f"not what was written: {shard.name}'s SHA-256 is" in attempt.log()
+
+    (broken / "manifest.json").unlink()  # as a checkpoint written before manifests
+    attempt = launch(scenario.killed_dir / "config.toml", world=WORLD, broker_port=scenario.broker_port,
+                     run="flipped-unchecked", resume=str(broken))
+    assert attempt.wait() == [0, 0], "without the manifest, nothing notices"
 
 
 class CuttableProxy:

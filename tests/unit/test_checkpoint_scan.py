@@ -152,6 +152,24 @@ def test_missing_directory_and_foreign_files_are_ignored(tmp_path: Path) -> None
     assert scan(tmp_path) == []
 
 
+def test_a_tsup_checkpoint_whose_files_differ_in_size_from_its_manifest_is_passed_over(tmp_path: Path) -> None:
+    good = make(tmp_path, 20)
+    bad = make(tmp_path, 40)
+    for d in (good, bad):
+        files = {p.name: {"size": p.stat().st_size, "sha256": "0" * 64}
+                 for p in d.iterdir() if p.name != "trainer_meta.json"}
+        (d / "manifest.json").write_text(json.dumps({"format": 1, "files": files}))
+    assert inspect(bad) is not None and inspect(bad).ok  # type: ignore[union-attr]
+    os.truncate(bad / "__1_0.distcp", 4)
+    assert inspect(bad) == Verdict(step=40, path=bad, ok=False, layout="tsup",
+                                   why="__1_0.distcp is 4 bytes, its manifest says 10")
+    (bad / "__1_0.distcp").unlink()
+    assert "__1_0.distcp is missing" in inspect(bad).why  # type: ignore[union-attr]
+    assert newest(tmp_path) == inspect(good), "the one before it is chosen"
+    (good / "manifest.json").write_text("{not json")
+    assert "manifest.json unreadable" in inspect(good).why  # type: ignore[union-attr]
+
+
 def test_tsup_verdicts_name_their_layout(tmp_path: Path) -> None:
     d = make(tmp_path, 20)
     assert scan(tmp_path) == [Verdict(step=20, path=d, ok=True, why="", layout="tsup")]
