@@ -14,10 +14,12 @@
                       network, not the nodes (a Slurm box only)
     hang-rank@40      SIGSTOP one rank (the highest, or rank TARGET): the others wait for it
                       in the next collective, and no rank makes progress (a hang)
-    corrupt-ckpt@50   truncate the largest shard of the newest complete checkpoint to
-                      half its size, as a torn write would: it still looks complete, so
-                      only the trainer's load finds out (exit code 3). Pair it with a
-                      fault at the same step to make the next attempt resume from it
+    corrupt-ckpt@50   flip 16 bytes in the middle of the largest shard of the newest
+                      complete checkpoint, its size unchanged (silent corruption on
+                      storage): it still looks complete and DCP would load it; the
+                      trainer's check against the checkpoint's manifest finds out (exit
+                      code 3). Pair it with a fault at the same step to make the next
+                      attempt resume from it
 
 Trainer-side faults go to the reference trainer itself (``TSUP_FAULT``, trainer/faults.py),
 in every attempt of the run:
@@ -212,9 +214,13 @@ class ChaosMonkey:
         shard = max(newest.path.glob("*.distcp"), key=lambda p: p.stat().st_size, default=None)
         if shard is None:
             raise LaunchError(f"{newest.path} holds no shard file")
-        size = shard.stat().st_size
-        os.truncate(shard, size // 2)
-        return f"truncated {shard} from {size} to {size // 2} bytes"
+        with open(shard, "r+b") as f:
+            middle = os.fstat(f.fileno()).st_size // 2
+            f.seek(middle)
+            flipped = bytes(b ^ 0xFF for b in f.read(16))
+            f.seek(middle)
+            f.write(flipped)
+        return f"flipped {len(flipped)} bytes at offset {middle} of {shard}, its size unchanged"
 
 
 def _ranks_per_node(store: SqlStore, run_number: int) -> int:

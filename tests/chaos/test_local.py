@@ -299,9 +299,10 @@ def test_a_30_s_broker_outage_mid_run_restarts_nothing_and_drains_nothing(tmp_pa
 
 def test_a_corrupt_newest_checkpoint_before_a_fault_is_passed_over_for_the_one_before(
         fault_free: dict[str, Any], state: Path) -> None:
-    """corrupt-ckpt@50 truncates a shard of step 40's checkpoint (it still looks complete),
-    then a rank dies: the next attempt cannot read step 40 (exit code 3), so the one
-    after it resumes from step 20 and never tries step 40 again."""
+    """corrupt-ckpt@50 flips bytes inside a shard of step 40's checkpoint (it still looks
+    complete, and its size is right), then a rank dies: the next attempt finds the shard
+    differs from the checkpoint's manifest (exit code 3), so the one after it resumes
+    from step 20 and never tries step 40 again."""
     proc = tsup("run", EXAMPLE, "--state-dir", state, "--json", "--chaos", "corrupt-ckpt@50",
                 "--chaos", "kill-rank@50")
     s = summary_of(proc)
@@ -313,7 +314,9 @@ def test_a_corrupt_newest_checkpoint_before_a_fault_is_passed_over_for_the_one_b
     assert s["drained_nodes"] == [], "a torn checkpoint is no node's fault"
     [(message,)] = db_rows(state, "SELECT message FROM events WHERE kind = 'chaos.injected' "
                                   "AND message LIKE '%corrupt-ckpt%'")
-    assert "step_00000040" in message and "truncated" in message
+    assert "step_00000040" in message and "flipped" in message
+    log = (state / "runs" / "run-1" / "attempts" / "2" / "rank-0000.local-1.log").read_text()
+    assert "step_00000040: not what was written" in log and "SHA-256" in log, log[-2000:]
     assert_records(state, s, injected=2)
 
 
