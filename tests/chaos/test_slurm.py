@@ -26,11 +26,13 @@ from slurmbox import box as slurm_box_mod
 from slurmbox.box import Box
 from supervisor.slurm import parse
 from tests.chaos.conftest import assert_records
-from tests.conftest import REPO, free_port, wait_for
+from tests.conftest import FSDP_STEPS, FSDP_TEST_CASE, FSDP_TRAIN, REPO, free_port, wait_for
 from tests.e2e.conftest import (
     EXAMPLE,
     FakeSystemd,
     Serve,
+    assert_same_weights,
+    command_spec,
     db_rows,
     env,
     slurm,
@@ -332,3 +334,55 @@ def test_every_node_cut_off_briefly_is_the_network_nothing_is_drained_and_traini
     assert s["faults"] == [] and s["attempts"] == 1 and s["drained_nodes"] == []
     injected = db_rows(state, "SELECT message FROM events WHERE kind = 'chaos.injected'")
     assert len(injected) == 1 and "node1's link down" in injected[0][0] and "node2's link down" in injected[0][0]
+
+
+TRAIN_SH = REPO / "tests" / "standins" / "train.sh"
+
+
+def test_a_train_sh_job_recovers_from_a_killed_rank_its_first_nodes_loss_and_a_hung_rank(
+        slurm_box: Box, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsdp_never_failed: dict[str, Any]) -> None:
+    """`srun ./train.sh`, one task per node: torchrun with --nnodes $SLURM_NTASKS --node_rank
+    $SLURM_NODEID and the master the first host of `scontrol show hostnames
+    $SLURM_JOB_NODELIST`, training the FSDP test case's stand-in. Rank 3 (a worker under
+    node2's torchrun) is SIGKILLed at step 12; the allocation's first node dies at step 25,
+    and the next step's master is a live node of that step; a rank is stopped at step 45
+    (a hang, read from the output). The weights end as those of a run that never failed.
+
+    A chaos scenario (`make chaos`; drawn into `make test` by the rotating seed): the blame
+    for the first node's loss depends on timing and is not yet stable (its own issue)."""
+    import sys
+
+    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
+    argv = [str(TRAIN_SH), str(FSDP_TEST_CASE), *FSDP_TRAIN, "--checkpoint_dir={checkpoint_dir}",
+            "--out={run_dir}/final.pt", "--fault_dir={run_dir}"]
+    spec = command_spec(tmp_path / "train-sh.toml", "train-sh", argv, launch="node",
+                        resources={"launcher": "slurm", "nodes": 2, "ranks_per_node": 2, "spares": 1},
+                        policy={"hang_floor_s": 10, "hang_timeout_s": 120},
+                        resume=["--resume_from_checkpoint={checkpoint_dir}"], checkpoint_layout="dcp",
+                        steps=FSDP_STEPS, env={"TORCHRUN": str(Path(sys.executable).parent / "torchrun"),
+                                               "PROCESSES_PER_NODE": "{nproc_per_node}",
+                                               "GLOO_SOCKET_IFNAME": "eth0"})
+    state = tmp_path / "state"
+    proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "kill-rank@12:3", "--chaos",
+                "kill-node@25:0", "--chaos", "hang-rank@45:1", timeout_s=600)
+    s = summary_of(proc)
+    assert s["state"] == "SUCCEEDED", s
+    killed, lost, hung = s["faults"]
+    assert killed["kind"] == "rank-exit" and 3 in killed["ranks"], killed
+    assert (lost["kind"], lost["nodes"]) == ("node-lost", ["node1"]), lost
+    assert hung["kind"] == "hang" and hung["detected_at"] - hung["injected_at"] <= 10 + 2.0, hung
+    assert s["drained_nodes"] == ["node1"]
+    history = s["attempt_history"]
+    assert [a["nodes"] for a in history] == [["node1", "node2"], ["node1", "node2"], ["node2", "node3"],
+                                             ["node2", "node3"]]
+    assert [a["resume_step"] for a in history] == [0, 10, 20, 40]
+    run_dir = state / "runs" / "run-1"
+    for attempt, nodes in enumerate((a["nodes"] for a in history), start=1):
+        said = [line for task in (0, 1) for line in
+                (run_dir / "attempts" / str(attempt) / f"node-{task}.log").read_text().splitlines()
+                if line.startswith("train.sh on ")]
+        assert len(said) == 2 and all(f"of 2, master {nodes[0]} (" in line for line in said), said
+    assert_same_weights(run_dir / "final.pt", fsdp_never_failed)
+    times = {f["kind"]: (round(f["detected_at"] - f["injected_at"], 2), round(f["recovered_at"] - f["injected_at"], 2))
+             for f in s["faults"]}
+    print(json.dumps({"detect_and_recover_s": times}))

@@ -11,6 +11,7 @@ rank the torchrun environment with the rank-to-node map they report.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -116,8 +117,12 @@ def all_gone(launcher: Launcher, info: str) -> dict[int, RankProc] | None:
 
 
 def envs(tmp_path: Path, attempt: int = 1) -> dict[int, dict[str, Any]]:
-    return {int(p.stem.removeprefix("env-")): json.loads(p.read_text())
-            for p in (tmp_path / f"out-{attempt}").glob("env-*.json")}
+    """The environments the ranks wrote; one still being written is not there yet."""
+    out = {}
+    for p in (tmp_path / f"out-{attempt}").glob("env-*.json"):
+        with contextlib.suppress(ValueError):
+            out[int(p.stem.removeprefix("env-"))] = json.loads(p.read_text())
+    return out
 
 
 def started(c: Cluster, tmp_path: Path, info: str) -> None:
