@@ -44,6 +44,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.checkpoint_layout import MANIFEST_FILE, read_manifest
+from trainer.errors import CheckpointMismatch
+
 LAYOUTS = ("tsup", "nxd", "nemo", "hf", "megatron", "dcp", "lightning")
 # The largest step a checkpoint may name: what SQLite's INTEGER holds. A name beyond it
 # ("checkpoint-99999999999999999999") is no checkpoint of a real run: it is passed over.
@@ -99,7 +102,7 @@ def _tsup(path: Path) -> Verdict | None:
         return bad(f"trainer_meta.json unreadable: {e}")
     if not isinstance(meta, dict) or meta.get("step") != step:
         return bad(f"trainer_meta.json names step {meta.get('step') if isinstance(meta, dict) else '?'}")
-    if (path / "manifest.json").exists():  # the hashes are the trainer's to check, each rank its share
+    if (path / MANIFEST_FILE).exists():  # the hashes are the trainer's to check, each rank its share
         return bad(_manifest_sizes(path))
     empty = _empty(path, "*.distcp")
     return _verdict("tsup", step, path, f"empty shard file(s): {', '.join(empty)}" if empty else "")
@@ -108,10 +111,10 @@ def _tsup(path: Path) -> Verdict | None:
 def _manifest_sizes(path: Path) -> str:
     """How the files of a checkpoint differ in size from its manifest ("" if they do not)."""
     try:
-        files = json.loads((path / "manifest.json").read_text())["files"]
-        wanted = {str(name): int(entry["size"]) for name, entry in files.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return f"manifest.json unreadable: {e}"
+        files = read_manifest(path) or {}
+        wanted = {name: int(entry["size"]) for name, entry in files.items()}
+    except (CheckpointMismatch, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST_FILE} unreadable: {e}"
     for name, size in wanted.items():
         try:
             actual = (path / name).stat().st_size

@@ -142,12 +142,11 @@ class LocalLauncher:
             for node_index, node in enumerate(spec.nodes):
                 leader = 0  # the first process of a node started cold leads a new process group
                 for task in _tasks(spec, step, node_index):
-                    own = {**task.env, "TSUP_NODE": node, "TSUP_MARKER": spec.marker}
-                    env = {**base_env, **own}
+                    env = {**base_env, **task.env, "TSUP_NODE": node, "TSUP_MARKER": spec.marker}
                     env.setdefault("OMP_NUM_THREADS", "1")
                     env.setdefault("PYTHONUNBUFFERED", "1")
                     log_path = spec.log_dir / f"{task.log_name}.{node}.log"
-                    warm = self._warm_start(spec, node, {**base_env, **own}, argv, log_path, uid, gid)
+                    warm = self._warm_start(spec, node, env, argv, log_path, uid, gid)
                     if warm is not None:
                         ranks += [_Rank(rank, rank % spec.ranks_per_node, node, warm.pid, warm.pid,
                                         _create_time(warm.pid)) for rank in task.ranks]
