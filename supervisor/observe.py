@@ -33,6 +33,8 @@ from supervisor.domain import (
     CheckpointRef,
     Command,
     FaultRecord,
+    MemoryCheckpointRecord,
+    MemoryCheckpointRef,
     Node,
     NodeState,
     ProcState,
@@ -202,6 +204,7 @@ class Observer:
             known = tx.allocation(run.number)
             open_faults = tx.count_open_faults(run.number)
             faults = tuple(tx.list_faults(run.number))
+            memory_saves = tx.list_memory_checkpoints(run.number)
             stragglers = tuple(StragglerReport(attempt=s.attempt, rank=s.rank, node=s.node)
                                for s in tx.list_stragglers(run.number))
         live = attempts[-1] if attempts and attempts[-1].state in LIVE_ATTEMPT_STATES else None
@@ -226,16 +229,17 @@ class Observer:
                     known += tx.nodes_named(others)
             facts.grant = grant_changes(known, run.number, grant)
         allocation = allocation_after(known, run.number, facts.grant)
-        newest = None
+        newest, newest_memory = None, None
         # The checkpoint matters only when this tick may launch: no attempt training, and a
         # run that wants one (or a command that may make it want one).
         if isinstance(spec, RunSpec) and (commands or run.state in _LAUNCHABLE) and (
                 live is None or live.state is not AttemptState.RUNNING):
-            newest = self._newest_checkpoint(spec, run_dir, facts, resume_before(attempts, faults),
-                                             unreadable_checkpoints(faults))
+            before, unreadable = resume_before(attempts, faults), unreadable_checkpoints(faults)
+            newest = self._newest_checkpoint(spec, run_dir, facts, before, unreadable)
+            newest_memory = _newest_memory(memory_saves, attempts, newest, before, unreadable)
         view = RunView(
             run=run, attempts=attempts, allocation=allocation, newest_checkpoint=newest,
-            commands=tuple(commands),
+            newest_memory=newest_memory, commands=tuple(commands),
             open_faults=open_faults, faults=faults, probing=self.probes.probing(run.number),
             diagnose=isinstance(spec, RunSpec) and spec.health.diagnose, stragglers=stragglers,
             cluster_faults=cluster_faults, preflight=isinstance(spec, RunSpec) and spec.health.preflight,
@@ -428,3 +432,16 @@ def _latest(*times: float | None) -> float | None:
     known = [t for t in times if t is not None]
     return max(known) if known else None
 
+
+def _newest_memory(saves: list[MemoryCheckpointRecord], attempts: tuple[Attempt, ...],
+                   persistent: CheckpointRef | None, before_step: int | None,
+                   unreadable: frozenset[int]) -> MemoryCheckpointRef | None:
+    """The newest save of the memory tier worth resuming from: newer than the newest
+    persistent checkpoint, before a rollback's step, never found unreadable."""
+    usable = [s for s in saves
+              if s.step > (persistent.step if persistent else 0) and s.step not in unreadable
+              and (before_step is None or s.step < before_step) and 0 < s.attempt <= len(attempts)]
+    if not usable:
+        return None
+    save = max(usable, key=lambda s: (s.step, s.attempt))
+    return MemoryCheckpointRef(attempt=save.attempt, step=save.step, nodes=attempts[save.attempt - 1].nodes)

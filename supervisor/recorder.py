@@ -125,10 +125,12 @@ class _Batch:
                          f"(rank {msg.rank})",
                          {"action": msg.action, "step": msg.step, "attempt": msg.attempt, "rank": msg.rank},
                          item.at)
+        elif msg.tier == p.TIER_MEMORY:  # often (every few steps): recorded without an event
+            tx.record_memory_checkpoint(number, attempt=msg.attempt, step=msg.step,
+                                        duration_s=_blocked_s(msg), now=item.at)
         else:
             stats = self._stats(number, msg.attempt)
-            # A trainer of the user's may not time its saves (trainer.client: NaN).
-            duration = msg.duration_s if math.isfinite(msg.duration_s) and msg.duration_s >= 0 else None
+            duration = _blocked_s(msg)
             if tx.record_checkpoint(number, step=msg.step, path=msg.path, complete=True,
                                     duration_s=duration,
                                     attempt=msg.attempt, now=item.at, attempt_time_s=stats.step_time_s):
@@ -139,3 +141,9 @@ class _Batch:
                 tx.add_event(number, "checkpoint.committed",
                              f"checkpoint at step {msg.step} committed{took}",
                              {"step": msg.step, "path": msg.path, "attempt": msg.attempt}, item.at)
+
+
+def _blocked_s(msg: p.CheckpointCommitted) -> float | None:
+    """How long the save blocked training; None if not timed (a trainer of the user's may
+    not time its saves: trainer.client sends NaN)."""
+    return msg.duration_s if math.isfinite(msg.duration_s) and msg.duration_s >= 0 else None

@@ -13,6 +13,7 @@ running ``python -m trainer --check-config``, which imports no torch.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import subprocess
@@ -137,11 +138,20 @@ def attempt_srun_args(spec: RunSpec) -> tuple[str, ...]:
 NEURON_COMPILE_CACHE = "/var/tmp/neuron-compile-cache"  # noqa: S108 (a cache path handed to Neuron)
 
 
+def memory_dir(run_dir: Path) -> Path:
+    """The run's directory for the reference trainer's memory tier on every node
+    (trainer/memory_tier.py adds the node's name): node-local memory, one per run."""
+    key = hashlib.sha256(str(run_dir.absolute()).encode()).hexdigest()[:16]
+    shm = Path("/dev/shm")  # noqa: S108 (a directory of the run's own, named by its digest)
+    return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / "tsup-memory" / key
+
+
 def attempt_env(spec: RunSpec, run_dir: Path) -> dict[str, str]:
     """The variables every rank of an attempt gets beyond the launcher's and the run's ids."""
     env: dict[str, str] = {"NEURON_COMPILE_CACHE_URL": NEURON_COMPILE_CACHE}
     if spec.command is None:
         env["TSUP_TELEMETRY_AGGREGATE"] = spec.telemetry.aggregate
+        env["TSUP_MEMORY_DIR"] = str(memory_dir(run_dir))
         if spec.chaos:
             env |= {"TSUP_FAULT": ",".join(spec.chaos), "TSUP_FAULT_STATE": str(run_dir / "chaos-fired")}
         return env

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
 
 from trainer import checkpoint_layout as layout
 from trainer import distributed
@@ -39,18 +40,43 @@ class SaveResult:
     deleted: list[Path]  # checkpoints and leftovers pruned after the commit (rank 0 only)
 
 
-def save(root: Path, meta: layout.TrainerMeta, model: nn.Module,
-         optimizer: torch.optim.Optimizer, *, keep: int, is_main: bool,
-         before_commit: Callable[[], None] | None = None, tamper: bool = False) -> SaveResult:
-    """Write the state after step ``meta.step`` and commit it as ``root/step_N``.
+def stage(model: nn.Module, optimizer: torch.optim.Optimizer, *, tamper: bool = False) -> dict[str, Any]:
+    """The training state as ``save`` takes it. The tensors are this rank's shards
+    themselves, which the next optimizer step changes: ``staged`` copies them for a save
+    that runs beside training. ``tamper`` (a chaos drill, on one rank): one weight of
+    this rank's shard is saved changed."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    if tamper:
+        model_state = _tampered(model_state)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def staged(state: Any) -> Any:
+    """``state`` with every tensor a copy (a DTensor keeps its sharding): the blocking
+    part of an asynchronous save."""
+    if isinstance(state, DTensor):
+        return DTensor.from_local(state.to_local().detach().clone(), state.device_mesh, state.placements,
+                                  run_check=False, shape=state.shape, stride=state.stride())
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: staged(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(staged(v) for v in state)
+    return state
+
+
+def save(root: Path, meta: layout.TrainerMeta, state: dict[str, Any], *, keep: int, is_main: bool,
+         before_commit: Callable[[], None] | None = None, group: Any = None) -> SaveResult:
+    """Write ``state`` (from ``stage``), the state after step ``meta.step``, and commit it
+    as ``root/step_N``. Every rank calls it, on the training thread, or on a background
+    thread with ``group`` a process group of its own (an asynchronous save).
 
     ``before_commit`` runs on every rank once its shards are written (a chaos drill's
     hook). A write that fails for lack of space, quota or a read-only file system
-    raises CheckpointStorageFull, after rank 0 removed the partial directory. ``tamper``
-    (a chaos drill, on one rank): one weight of this rank's shard is saved changed."""
+    raises CheckpointStorageFull, after rank 0 removed the partial directory."""
     try:
-        return _save(root, meta, model, optimizer, keep=keep, is_main=is_main, before_commit=before_commit,
-                     tamper=tamper)
+        return _save(root, meta, state, keep=keep, is_main=is_main, before_commit=before_commit, group=group)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         error = _storage_error(e)
         if error is None:
@@ -104,28 +130,26 @@ _STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 _SHORT_WRITE = re.compile(r"inline_container\.cc:\d+\] \. unexpected pos \d+ vs \d+")
 
 
-def _save(root: Path, meta: layout.TrainerMeta, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-          keep: int, is_main: bool, before_commit: Callable[[], None] | None, tamper: bool) -> SaveResult:
+def _save(root: Path, meta: layout.TrainerMeta, state: dict[str, Any], *, keep: int, is_main: bool,
+          before_commit: Callable[[], None] | None, group: Any) -> SaveResult:
     started = time.monotonic()
     tmp = layout.tmp_dir_for(root, meta.step)
     if is_main:
         layout.clear_tmp(root, meta.step)
-    distributed.barrier()  # nobody writes into a directory rank 0 is still clearing
-    model_state, optim_state = get_state_dict(model, optimizer)
-    if tamper:
-        model_state = _tampered(model_state)
-    dcp_save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
+    distributed.barrier(group)  # nobody writes into a directory rank 0 is still clearing
+    dcp_save(state, checkpoint_id=tmp, process_group=group)
     # DCP's coordinator writes .metadata before save returns on any rank: every file is there.
     rank, world = distributed.rank_and_world()
     mine = {name: layout.file_entry(tmp / name)
             for name in layout.share(layout.manifest_names(tmp), rank, world)}
-    files = {name: entry for part in distributed.all_gather_objects(mine) for name, entry in part.items()}
+    parts = distributed.all_gather_objects(mine, group)
+    files = {name: entry for part in parts for name, entry in part.items()}
     if is_main:
         layout.write_manifest(tmp, files)
         meta.write(tmp)
     if before_commit is not None:
         before_commit()
-    distributed.barrier()  # every rank's shards and the meta file are on storage
+    distributed.barrier(group)  # every rank's shards and the meta file are on storage
     deleted: list[Path] = []
     final = tmp.parent / layout.checkpoint_name(meta.step)
     if is_main:

@@ -172,6 +172,13 @@ class CheckpointConfig:
     dir: str = "checkpoints"
     every_steps: int = 50  # save after every N-th step; 0 = only after the last step
     keep: int = 3  # complete checkpoints kept; older ones are deleted after each save
+    # True: the persistent save runs beside training (trainer/checkpoint.py); the
+    # training thread waits only for a copy of its shards.
+    asynchronous: bool = False
+    # The in-memory tier (trainer/memory_tier.py): every N-th step; 0 = off.
+    memory_every_steps: int = 0
+    # Its node-local directory; "" = $TSUP_MEMORY_DIR, else /dev/shm/tsup-memory/<run>.
+    memory_dir: str = ""
 
     def __post_init__(self) -> None:
         p: list[str] = []
@@ -179,6 +186,11 @@ class CheckpointConfig:
             p.append(f"dir: expected a directory path, got {self.dir!r}")
         _need_int(p, "every_steps", self.every_steps, 0)
         _need_int(p, "keep", self.keep, 1)
+        if not isinstance(self.asynchronous, bool):
+            p.append(f"asynchronous: expected true or false, got {self.asynchronous!r}")
+        _need_int(p, "memory_every_steps", self.memory_every_steps, 0)
+        if not isinstance(self.memory_dir, str):
+            p.append(f"memory_dir: expected a directory path, got {self.memory_dir!r}")
         _raise_if(p)
 
 

@@ -209,12 +209,19 @@ def rank_and_world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def all_gather_objects(obj: Any) -> list[Any]:
+def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's ``obj``, in rank order (pickled; meant for small lists and maps)."""
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def barrier() -> None:
-    dist.barrier()
+def barrier(group: Any = None) -> None:
+    dist.barrier(group=group)
+
+
+def background_group() -> Any:
+    """A second gloo group over all ranks, for a background thread's collectives (an
+    asynchronous save) beside the training thread's on the default group. Every rank
+    must create it, in the same order."""
+    return dist.new_group(backend="gloo")

@@ -72,6 +72,7 @@ from urllib.parse import urlsplit
 
 VERSION = 1
 DEFAULT_CLUSTER = "default"
+TIER_PERSISTENT, TIER_MEMORY = "persistent", "memory"  # CheckpointCommitted.tier
 KEY_ENV = "TSUP_TELEMETRY_KEY"  # the attempt's key, hex: in the ranks' environment only
 WILL_SEQ = 0  # a connection's last will; a sender's own messages count from 1
 _MAC = re.compile(rb',"mac":"([0-9a-f]{64})"}$')
@@ -151,12 +152,15 @@ class PhaseChange(Header):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointCommitted(Header):
-    """Rank 0 sends this once a checkpoint is complete on storage."""
+    """Rank 0 sends this once a checkpoint is complete: on storage (tier "persistent"),
+    or every rank's state and its replica in node memory (tier "memory"; the path is
+    ``memory:ATTEMPT:STEP``). ``duration_s`` is how long training was blocked."""
 
     kind: ClassVar[str] = "checkpoint"
     step: int
     path: str
     duration_s: float
+    tier: str = TIER_PERSISTENT  # added later in version 1: older senders leave it out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -390,6 +394,9 @@ def decode_sealed(payload: bytes | str, topic: str | None = None, *,
     msg: Message = cls(**values)
     if isinstance(msg, NodeReport):
         _check_node_report(msg)
+    if isinstance(msg, CheckpointCommitted) and msg.tier not in (TIER_PERSISTENT, TIER_MEMORY):
+        raise ProtocolError(f"checkpoint.tier: expected {TIER_PERSISTENT!r} or {TIER_MEMORY!r}, "
+                            f"got {msg.tier!r}")
     if topic is not None and topic != topic_for(msg.run, msg.attempt, msg.rank, msg.kind, cluster):
         raise ProtocolError(f"topic {topic!r} does not match the message header")
     return Sealed(msg=msg, conn=conn, seq=seq, mac=mac, signed=signed)

@@ -305,11 +305,12 @@ class Telemetry:
         if self._slots is not None:
             self._slots.update(step=step)
 
-    def checkpoint_committed(self, *, step: int, path: str, duration_s: float) -> None:
+    def checkpoint_committed(self, *, step: int, path: str, duration_s: float,
+                             tier: str = protocol.TIER_PERSISTENT) -> None:
         if self._broker is None:
             return
         self._put(protocol.CheckpointCommitted(**self._header(), step=step, path=path,
-                                               duration_s=duration_s))
+                                               duration_s=duration_s, tier=tier))
 
     def fault_injected(self, *, action: str, step: int, detail: str) -> None:
         """A chaos drill's fault fired on this rank."""

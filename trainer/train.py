@@ -9,7 +9,8 @@ commits checkpoints and writes result.json. The order of work:
 2. restore (optional): the checkpoint ``--resume`` names; rank 0 decides which and tells
    the others, so they cannot disagree about a directory that is changing;
 3. train: steps ``step + 1 .. config.steps``, a checkpoint every ``every_steps`` and after
-   the last step;
+   the last step (on a background thread when ``checkpoint.asynchronous``), and one in
+   memory every ``memory_every_steps`` (trainer/memory_tier.py);
 4. done: the model digest, then rank 0 writes ``<output_dir>/result.json`` atomically.
    That file appears only after a fully successful finish (a stale one is deleted at
    start), so its presence is the supervisor's proof of success.
@@ -24,13 +25,14 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from trainer import atomic, checkpoint, distributed
+from trainer import atomic, checkpoint, distributed, memory_tier
 from trainer import checkpoint_layout as layout
 from trainer.config import TrainConfig, config_digest
 from trainer.data import BatchReader, open_source
@@ -54,7 +56,7 @@ class TrainResult:
     model_digest: str | None
     final_loss: float | None  # the loss of the final step, even if an earlier attempt ran it
     steps_run_this_attempt: int
-    resumed_from: str | None  # the checkpoint directory this attempt started from
+    resumed_from: str | None  # the checkpoint directory (or memory:A:N) this attempt started from
     consumed_samples: int
     world_size: int
     model: str
@@ -96,13 +98,19 @@ def train(config: TrainConfig, *, resume: str = "auto",
     exit_code, reason = EXIT_OK, "finished"
     try:
         ctx = distributed.init(launch, config.device, config.dist_timeout_s)
-        runner = _Runner(config, ctx, telemetry, faults)
+        memory_root = Path(config.checkpoint.memory_dir or environ.get("TSUP_MEMORY_DIR")
+                           or memory_tier.default_root(telemetry.identity.run))
+        runner = _Runner(config, ctx, telemetry, faults,
+                         memory_root if config.checkpoint.memory_every_steps or resume.startswith("memory:")
+                         else None)
         return runner.run(resume)
     except BaseException as exc:
         exit_code, reason = exit_code_for(exc), f"{type(exc).__name__}: {exc}"
         raise
     finally:
         try:
+            if runner is not None:
+                runner.close()
             distributed.shutdown()
         finally:  # Exit goes out even if tearing down the process group fails
             telemetry.close(exit_code=exit_code, final_step=runner.step if runner else 0,
@@ -113,7 +121,7 @@ class _Runner:
     """One attempt's state on one rank; ``run`` is the only entry point."""
 
     def __init__(self, config: TrainConfig, ctx: distributed.DistContext,
-                 telemetry: Telemetry, faults: FaultPlan) -> None:
+                 telemetry: Telemetry, faults: FaultPlan, memory_root: Path | None) -> None:
         self.config, self.ctx, self.telemetry, self.faults = config, ctx, telemetry, faults
         self.batch = config.batch_layout(ctx.world_size)
         self.step = 0  # optimizer steps completed
@@ -142,6 +150,15 @@ class _Runner:
         self.model.to_empty(device=ctx.device)
         self.model.init_weights(config.seed)
         self.optimizer = build_optimizer(self.model, config.optimizer)
+        # The tiers' background work has process groups of its own (created here, by every
+        # rank in the same order): the training thread's collectives never wait behind it.
+        identity = telemetry.identity
+        self.memory = None if memory_root is None else memory_tier.MemoryTier(
+            memory_root, identity.node, identity.attempt, ctx.launch.local_world_size)
+        self._persisting: Future[None] | None = None
+        self._persist_group = distributed.background_group() if config.checkpoint.asynchronous else None
+        self._persist_worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+                                if config.checkpoint.asynchronous else None)
         source = open_source(config.data, seed=config.seed,
                              vocab_size=config.shape.vocab_size, seq_len=config.seq_len)
         self.reader = BatchReader(source, seed=config.seed,
@@ -160,18 +177,24 @@ class _Runner:
         while self.step < config.steps:
             stats = self._train_step(self.step + 1)
             self._report(stats)
+            self._poll_background()
+            if self._memory_due():
+                self._save_to_memory()
             if self._checkpoint_due() or self._save_asked_now:
                 if self._save_asked_now and not self._checkpoint_due():
                     self._say(f"checkpoint at step {self.step} asked for by SIGUSR1 (a time limit ahead)")
                 self._save()
             self.faults.after_step(self.step, self.ctx.rank,
                                    lambda fault, detail: self._fault_fired(fault, self.step, detail))
+        self._wait_persistent()  # the final checkpoint is on storage before the run is done
+        if self.memory is not None:
+            self.memory.wait()
         self.telemetry.set_phase(Phase.DONE, self.step)
         digest = model_digest(self.model, is_main=self.ctx.is_main)
         result = TrainResult(
             final_step=self.step, model_digest=digest, final_loss=self.last_loss,
             steps_run_this_attempt=self.step - first_step,
-            resumed_from=str(resumed_from) if resumed_from else None,
+            resumed_from=resumed_from,
             consumed_samples=self.consumed, world_size=self.ctx.world_size,
             model=config.model, parameters=config.shape.parameter_count(),
             config_digest=config_digest(config), run_id=self.telemetry.identity.run,
@@ -181,9 +204,21 @@ class _Runner:
             atomic.write_json(Path(config.output_dir) / RESULT_FILE, asdict(result))
             self._say(f"done: step {self.step}, loss {_fmt(self.last_loss)}, digest {digest}")
         distributed.barrier()  # no rank reports success before result.json exists
+        if self.memory is not None:
+            self.memory.drop()  # a finished run needs no memory checkpoint
         return result
 
-    def _restore(self, resume: str) -> Path | None:
+    def close(self) -> None:
+        """Stop the background savers (their work is lost if it was not waited for)."""
+        if self.memory is not None:
+            self.memory.close()
+        if self._persist_worker is not None:
+            self._persist_worker.shutdown(wait=False, cancel_futures=True)
+
+    def _restore(self, resume: str) -> str | None:
+        in_memory = memory_tier.parse_resume(resume)
+        if in_memory is not None:
+            return self._restore_from_memory(*in_memory)
         root = Path(self.config.checkpoint.dir).absolute()
         choice: tuple[str | None, str | None] = (None, None)  # (path, error message)
         if self.ctx.is_main:
@@ -214,7 +249,21 @@ class _Runner:
         self.telemetry.restored(self.step)
         self._say(f"resumed from {path} at step {self.step} "
                   f"in {time.monotonic() - started:.2f} s")
-        return path
+        return str(path)
+
+    def _restore_from_memory(self, attempt: int, step: int) -> str:
+        assert self.memory is not None
+        self.telemetry.set_phase(Phase.RESTORE, self.step)
+        started = time.monotonic()
+        meta = layout.TrainerMeta(**self.memory.restore(attempt, step, self.model, self.optimizer))
+        meta.check_compatible(world_size=self.ctx.world_size, model=self.config.model,
+                              model_shape=asdict(self.config.shape))
+        self.step, self.consumed, self.last_loss = meta.step, meta.consumed_samples, meta.last_loss
+        self.last_checkpoint = memory_tier.resume_name(attempt, step)
+        self.telemetry.restored(self.step)
+        self._say(f"resumed from {self.last_checkpoint} at step {self.step} "
+                  f"in {time.monotonic() - started:.2f} s (attempt {attempt}'s save in node memory)")
+        return self.last_checkpoint
 
     def _train_step(self, step: int) -> StepStats:
         """One optimizer step. Besides the wall time (equal on every rank: they wait for
@@ -301,37 +350,89 @@ class _Runner:
         every = self.config.checkpoint.every_steps
         return self.step == self.config.steps or (every > 0 and self.step % every == 0)
 
+    def _memory_due(self) -> bool:
+        every = self.config.checkpoint.memory_every_steps
+        return (self.memory is not None and every > 0 and self.step % every == 0
+                and self.step < self.config.steps and self.last_loss is not None
+                and math.isfinite(self.last_loss))
+
+    def _poll_background(self) -> None:
+        """A background save that failed fails the attempt at the next step."""
+        if self.memory is not None:
+            self.memory.poll()
+        if self._persisting is not None and self._persisting.done():
+            self._wait_persistent()
+
+    def _wait_persistent(self) -> None:
+        pending, self._persisting = self._persisting, None
+        if pending is not None:
+            pending.result()
+
+    def _save_to_memory(self) -> None:
+        assert self.memory is not None
+        meta = self._meta()
+        self.memory.save(self.step, asdict(meta), self.model, self.optimizer, self._memory_whole)
+
+    def _memory_whole(self, saved: memory_tier.Saved) -> None:
+        """On the memory tier's thread: every rank's save of ``saved.step`` and its replica
+        are in memory."""
+        if self.ctx.is_main:
+            self.telemetry.checkpoint_committed(step=saved.step, tier="memory", duration_s=saved.blocking_s,
+                                                path=memory_tier.resume_name(self.telemetry.identity.attempt,
+                                                                             saved.step))
+            self._say(f"memory checkpoint step {saved.step} whole in {saved.total_s:.3f} s "
+                      f"(training blocked {saved.blocking_s:.3f} s)")
+
+    def _meta(self) -> layout.TrainerMeta:
+        config = self.config
+        return layout.TrainerMeta(
+            step=self.step, consumed_samples=self.consumed, world_size=self.ctx.world_size,
+            model=config.model, model_shape=asdict(config.shape),
+            config_digest=config_digest(config), last_loss=self.last_loss)
+
     def _save(self) -> None:
         if self.last_loss is None or not math.isfinite(self.last_loss):
             # A model that produced a NaN or infinite loss is not worth keeping: the
             # supervisor rolls back to the newest checkpoint before it.
             self._say(f"step {self.step}: loss {_fmt(self.last_loss)} is not finite: no checkpoint")
             return
-        self.telemetry.set_phase(Phase.CHECKPOINT, self.step)
-        config = self.config
-        meta = layout.TrainerMeta(
-            step=self.step, consumed_samples=self.consumed, world_size=self.ctx.world_size,
-            model=config.model, model_shape=asdict(config.shape),
-            config_digest=config_digest(config), last_loss=self.last_loss)
+        meta = self._meta()
         tamper = self.faults.tampers(self.step, self.ctx.rank)
         if tamper is not None:
             self._fault_fired(tamper, self.step, f"the checkpoint of step {self.step} is saved with one "
                                                  f"weight of rank {self.ctx.rank}'s shard changed")
-        saved = checkpoint.save(Path(config.checkpoint.dir).absolute(), meta, self.model,
-                                self.optimizer, keep=config.checkpoint.keep, is_main=self.ctx.is_main,
-                                before_commit=self._in_save, tamper=tamper is not None)
+        state = checkpoint.stage(self.model, self.optimizer, tamper=tamper is not None)
+        if self._persist_worker is None:
+            self.telemetry.set_phase(Phase.CHECKPOINT, self.step)
+            self._persist(meta, state, blocking_s=None)
+            self.telemetry.set_phase(Phase.TRAIN, self.step)
+            return
+        self._wait_persistent()  # one save in flight: the previous one is on storage first
+        started = time.perf_counter()
+        state = checkpoint.staged(state)
+        blocking = time.perf_counter() - started
+        self._persisting = self._persist_worker.submit(self._persist, meta, state, blocking)
+
+    def _persist(self, meta: layout.TrainerMeta, state: dict[str, object], blocking_s: float | None) -> None:
+        """Write and commit a persistent checkpoint: on the training thread (``blocking_s``
+        None), or on the checkpoint thread after the training thread's copy took
+        ``blocking_s``."""
+        config = self.config
+        step = meta.step
+        saved = checkpoint.save(Path(config.checkpoint.dir).absolute(), meta, state,
+                                keep=config.checkpoint.keep, is_main=self.ctx.is_main,
+                                before_commit=lambda: self._in_save(step), group=self._persist_group)
         self.last_checkpoint = str(saved.path)
         if self.ctx.is_main:
-            self.telemetry.checkpoint_committed(step=self.step, path=str(saved.path),
-                                                duration_s=saved.duration_s)
+            blocked = saved.duration_s if blocking_s is None else blocking_s
+            self.telemetry.checkpoint_committed(step=step, path=str(saved.path), duration_s=blocked)
             pruned = f", pruned {len(saved.deleted)}" if saved.deleted else ""
-            self._say(f"checkpoint step {self.step} committed to {saved.path} "
-                      f"in {saved.duration_s:.3f} s{pruned}")
-        self.telemetry.set_phase(Phase.TRAIN, self.step)
+            beside = "" if blocking_s is None else f" (beside training; it blocked {blocking_s:.3f} s)"
+            self._say(f"checkpoint step {step} committed to {saved.path} "
+                      f"in {saved.duration_s:.3f} s{beside}{pruned}")
 
-    def _in_save(self) -> None:
-        self.faults.in_save(self.step, self.ctx.rank,
-                            lambda fault, detail: self._fault_fired(fault, self.step, detail))
+    def _in_save(self, step: int) -> None:
+        self.faults.in_save(step, self.ctx.rank, lambda fault, detail: self._fault_fired(fault, step, detail))
 
     def _fault_fired(self, fault: Fault, step: int, detail: str) -> None:
         """A chaos drill's fault fired here: said in the log and on telemetry, once per

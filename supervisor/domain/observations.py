@@ -7,7 +7,15 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from supervisor.domain.knobs import TSUP_EXIT_CODES, ExitMeaning
-from supervisor.domain.records import Attempt, CheckpointRef, Command, FaultRecord, Node, Run
+from supervisor.domain.records import (
+    Attempt,
+    CheckpointRef,
+    Command,
+    FaultRecord,
+    MemoryCheckpointRef,
+    Node,
+    Run,
+)
 
 
 class ProcState(StrEnum):
@@ -102,6 +110,9 @@ class RunView:
     attempts: tuple[Attempt, ...]
     allocation: tuple[Node, ...]  # nodes this run holds, drained ones included
     newest_checkpoint: CheckpointRef | None
+    # The newest in-memory save newer than newest_checkpoint (and not ruled out by a
+    # rollback): the next attempt resumes from it if its nodes still hold every rank's state.
+    newest_memory: MemoryCheckpointRef | None = None
     commands: tuple[Command, ...] = ()
     open_faults: int = 0  # faults not yet marked recovered
     faults: tuple[FaultRecord, ...] = ()  # the run's faults, oldest first

@@ -110,6 +110,22 @@ class CheckpointRef:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryCheckpointRef:
+    """A save of the in-memory tier (trainer/memory_tier.py): every rank's state after
+    ``step`` in the memory of its node, and a replica on the next one of ``nodes`` (the
+    saving attempt's nodes, in rank order)."""
+
+    attempt: int
+    step: int
+    nodes: tuple[str, ...]
+
+    @property
+    def resume_from(self) -> str:
+        """How the reference trainer's ``--resume`` names it."""
+        return f"memory:{self.attempt}:{self.step}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Command:
     id: int
     run_number: int
@@ -161,6 +177,14 @@ class CheckpointRecord:
     attempt: int | None
     created_at: float
     attempt_time_s: float | None = None  # its attempt's summed step time when it was committed
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryCheckpointRecord:
+    attempt: int
+    step: int
+    duration_s: float | None  # how long training was blocked
+    created_at: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,6 +20,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -175,7 +176,7 @@ class LocalLauncher:
                                                               errno.ENOTDIR)
             raise (CannotExecute if cannot else LaunchError)(f"cannot start {spec.argv[0]!r}: {e}") from e
         self.standbys.plan(spec)
-        return _dump(ranks, int(step.master_port), spec.marker)
+        return _dump(ranks, int(step.master_port), spec)
 
     def _warm_start(self, spec: LaunchSpec, node: str, env: dict[str, str], argv: list[str], log_path: Path,
                     uid: int | None, gid: int | None) -> subprocess.Popen[bytes] | None:
@@ -224,7 +225,7 @@ class LocalLauncher:
         found += [r for r in _warm_ranks(spec) if r.rank not in {f.rank for f in found}]
         if not found:
             return None
-        return _dump(sorted(found, key=lambda r: r.rank), port=0, marker=spec.marker)
+        return _dump(sorted(found, key=lambda r: r.rank), port=0, spec=spec)
 
     def observe(self, launch_info: str) -> list[RankProc]:
         self.standbys.refill()
@@ -279,7 +280,15 @@ class LocalLauncher:
         raise LaunchError(f"rank {rank} is not running")
 
     def kill_node(self, launch_info: str, node: str) -> str:
-        return self._signal_node(launch_info, node, signal.SIGKILL)
+        """SIGKILL to every process of the node; and, as a real node's loss would, the
+        node's memory is gone: its part of the reference trainer's memory tier
+        (trainer/memory_tier.py) is deleted."""
+        done = self._signal_node(launch_info, node, signal.SIGKILL)
+        memory = json.loads(launch_info).get("memory_dir")
+        if memory and (Path(memory) / node).exists():
+            shutil.rmtree(Path(memory) / node, ignore_errors=True)
+            done += f"; its memory ({Path(memory) / node}) is gone"
+        return done
 
     def freeze_node(self, launch_info: str, node: str) -> str:
         return self._signal_node(launch_info, node, signal.SIGSTOP)
@@ -410,8 +419,9 @@ def _warm_ranks(spec: LaunchSpec) -> list[_Rank]:
     return out
 
 
-def _dump(ranks: Sequence[_Rank], port: int, marker: str) -> str:
-    return json.dumps({"master_port": port, "marker": marker, "ranks": [asdict(r) for r in ranks]})
+def _dump(ranks: Sequence[_Rank], port: int, spec: LaunchSpec) -> str:
+    return json.dumps({"master_port": port, "marker": spec.marker, "ranks": [asdict(r) for r in ranks],
+                       "memory_dir": spec.env.get("TSUP_MEMORY_DIR")})
 
 
 def _load(launch_info: str) -> list[_Rank]:

@@ -19,7 +19,9 @@ their count (Llama 3: 419 interruptions in 54 days on 2,048 nodes). So:
 - an operator's ``resume`` starts all of this afresh (``Run.budget_from_attempt``).
 
 Placement keeps the previous attempt's healthy nodes in their places and fills up with
-spares; a node that straggled goes last. Rollback: after a NaN or a persistent spike the
+spares; a node that straggled goes last. The next attempt resumes from the newest save
+of the in-memory tier when its nodes still hold all of it (memory.py), else from the
+newest persistent checkpoint. Rollback: after a NaN or a persistent spike the
 next attempt resumes from a checkpoint before it, skipping the spike's data window.
 """
 
@@ -56,6 +58,7 @@ from supervisor.domain import (
 )
 from supervisor.policy.attribution import numbers_text
 from supervisor.policy.detection import find_stragglers
+from supervisor.policy.memory import unrecoverable
 from supervisor.policy.transitions import check_run
 
 # Faults of the hardware, whose nodes were drained and replaced: they cost no budget.
@@ -106,16 +109,34 @@ def launch(view: RunView, state: RunState, drained_now: set[str], out: list[Effe
         return state
 
     nodes = _place(view, healthy, out)
-    ck = view.newest_checkpoint
     number = len(view.attempts) + 1
-    out.append(StartAttempt(number=number, nodes=nodes, resume_from=ck.path if ck else None,
-                            resume_step=ck.step if ck else 0))
-    origin = f"checkpoint at step {ck.step}" if ck else "scratch"
+    resume_from, resume_step, origin = _resume_point(view, nodes, out)
+    out.append(StartAttempt(number=number, nodes=nodes, resume_from=resume_from, resume_step=resume_step))
     out.append(Emit(kind="attempt.launching", message=f"attempt {number} on {', '.join(nodes)} from {origin}",
-                    data={"attempt": number, "nodes": list(nodes), "resume_step": ck.step if ck else 0}))
+                    data={"attempt": number, "nodes": list(nodes), "resume_step": resume_step}))
     if state in (RunState.STARTING, RunState.RECOVERING):
         return state
     return set_state(state, RunState.STARTING, f"attempt {number} launching", out)
+
+
+def _resume_point(view: RunView, nodes: tuple[str, ...], out: list[Effect]) -> tuple[str | None, int, str]:
+    """Where the next attempt on ``nodes`` starts: (``--resume`` value, step, in words).
+    The memory tier's newest save when ``nodes`` still hold all of it, else the newest
+    persistent checkpoint, else scratch."""
+    ck, save = view.newest_checkpoint, view.newest_memory
+    if save is not None:
+        lost = unrecoverable(save, nodes)
+        if not lost:
+            return save.resume_from, save.step, f"memory (attempt {save.attempt}'s save of step {save.step})"
+        fallback = f"the checkpoint at step {ck.step}" if ck else "scratch"
+        out.append(Emit(kind="memory.lost",
+                        message=f"the memory save of step {save.step} cannot be resumed from: the state of "
+                                f"the ranks of {', '.join(lost)} left the run with that node and the next "
+                                f"one of attempt {save.attempt}; resuming from {fallback}",
+                        data={"step": save.step, "attempt": save.attempt, "nodes": lost}))
+    if ck is None:
+        return None, 0, "scratch"
+    return ck.path, ck.step, f"checkpoint at step {ck.step}"
 
 
 def _place(view: RunView, healthy: list[str], out: list[Effect]) -> tuple[str, ...]:

@@ -8,9 +8,17 @@ from typing import Any
 
 from sqlalchemy import Connection, Select, func, insert, select, update
 
-from supervisor.domain import CheckpointRecord, FaultKind, FaultRecord, StragglerRecord
+from supervisor.domain import (
+    CheckpointRecord,
+    FaultKind,
+    FaultRecord,
+    MemoryCheckpointRecord,
+    StragglerRecord,
+)
 from supervisor.store import schema as t
 from supervisor.store.rows import new_id
+
+MEMORY_CHECKPOINTS_KEPT = 8  # a run's newest saves of the memory tier in the table
 
 
 class HistoryQueries:
@@ -58,6 +66,30 @@ class HistoryQueries:
                              attempt=r.attempt, created_at=r.created_at, attempt_time_s=r.attempt_time_s)
             for r in self.c.execute(q)
         ]
+
+    def record_memory_checkpoint(self, run_number: int, *, attempt: int, step: int, duration_s: float | None,
+                                 now: float) -> bool:
+        """One save of the in-memory tier; True if it is new. Only the newest
+        ``MEMORY_CHECKPOINTS_KEPT`` of a run are kept."""
+        mc = t.memory_checkpoints.c
+        key = (mc.run_number == run_number, mc.attempt == attempt, mc.step == step)
+        if self.c.execute(select(mc.step).where(*key)).first() is not None:
+            return False
+        self.c.execute(insert(t.memory_checkpoints).values(run_number=run_number, attempt=attempt, step=step,
+                                                           duration_s=duration_s, created_at=now))
+        oldest_kept = (select(mc.created_at).where(mc.run_number == run_number).order_by(mc.created_at.desc())
+                       .offset(MEMORY_CHECKPOINTS_KEPT - 1).limit(1)).scalar_subquery()
+        self.c.execute(t.memory_checkpoints.delete().where(mc.run_number == run_number,
+                                                           mc.created_at < oldest_kept))
+        return True
+
+    def list_memory_checkpoints(self, run_number: int) -> list[MemoryCheckpointRecord]:
+        """The run's memory saves kept, oldest first."""
+        mc = t.memory_checkpoints.c
+        rows = self.c.execute(select(t.memory_checkpoints).where(mc.run_number == run_number)
+                              .order_by(mc.created_at, mc.step))
+        return [MemoryCheckpointRecord(attempt=r.attempt, step=r.step, duration_s=r.duration_s,
+                                       created_at=r.created_at) for r in rows]
 
     # --- faults ---------------------------------------------------------------------
 

@@ -121,6 +121,19 @@ checkpoints = Table(
     Column("attempt_time_s", Float),
 )
 
+# The in-memory tier (trainer/memory_tier.py): saves every rank's state reached in node
+# memory, with a replica on the next node of the saving attempt (whose node order says
+# which node holds which replica). Only the newest few of a run are kept.
+memory_checkpoints = Table(
+    "memory_checkpoints",
+    metadata,
+    Column("run_number", Integer, ForeignKey("runs.number"), primary_key=True),
+    Column("attempt", Integer, primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("duration_s", Float),  # how long training was blocked
+    Column("created_at", Float, nullable=False),
+)
+
 faults = Table(
     "faults",
     metadata,
@@ -404,5 +417,10 @@ def _v7(conn: Connection) -> None:
         "AND e.ts <= faults.detected_at)")
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7]
+def _v8(conn: Connection) -> None:
+    """The in-memory checkpoint tier's saves."""
+    memory_checkpoints.create(conn, checkfirst=True)
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -250,6 +250,56 @@ def test_warm_standbys_become_the_next_attempts_ranks_and_are_replaced(fault_fre
     assert_records(state, s, injected=2)
 
 
+def _memory_tier_spec(tmp_path: Path, spares: int = 1) -> Path:
+    """The example with the memory tier every 5 steps and persistent saves beside training."""
+    spec = tmp_path / "memory.toml"
+    spec.write_text(EXAMPLE.read_text().replace("spares = 1", f"spares = {spares}")
+                    .replace("keep = 3", "keep = 3\nmemory_every_steps = 5\nasynchronous = true"))
+    return spec
+
+
+def test_a_node_lost_while_the_next_node_holds_its_replica_resumes_from_memory(
+        fault_free: dict[str, Any], state: Path, tmp_path: Path) -> None:
+    """kill-node@47 takes local-2 and its memory; local-1 holds the replicas of its ranks
+    (and its own), so attempt 2 on local-1 and the spare resumes from memory at step 45,
+    not from the persistent checkpoint of step 40. Same model."""
+    proc = tsup("run", _memory_tier_spec(tmp_path), "--state-dir", state, "--json", "--chaos", "kill-node@47")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    assert [(f["kind"], f["nodes"]) for f in s["faults"]] == [("node-lost", ["local-2"])]
+    first, second = s["attempt_history"]
+    assert second["nodes"] == ["local-1", "local-3"]
+    # The memory save of step 45 (or of 50, if it was whole before the kill landed).
+    assert second["resume_from"] in ("memory:1:45", "memory:1:50"), second
+    assert second["resume_step"] > 40, "fewer steps redone than from the persistent checkpoint"
+    log = (state / "runs" / "run-1" / "attempts" / "2" / "rank-0000.local-1.log").read_text()
+    assert f"resumed from memory:1:{second['resume_step']} at step {second['resume_step']} in " in log
+    saves = db_rows(state, "SELECT attempt, step FROM memory_checkpoints ORDER BY attempt, step")
+    assert (1, second["resume_step"]) in saves and {a for a, _ in saves} <= {1, 2}
+    assert trainer_processes(state) == []
+    assert_records(state, s, injected=1)
+
+
+def test_a_node_lost_with_the_node_that_holds_its_replica_falls_back_to_the_persistent_checkpoint(
+        fault_free: dict[str, Any], state: Path, tmp_path: Path) -> None:
+    """Both nodes die at step 47: each held the other's replicas, so rank state is on no
+    node of the next attempt. The supervisor says so and resumes from the persistent
+    checkpoint of step 40, on the two spares. Same model."""
+    proc = tsup("run", _memory_tier_spec(tmp_path, spares=2), "--state-dir", state, "--json",
+                "--chaos", "kill-node@47:0", "--chaos", "kill-node@47:1")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    assert sorted(s["drained_nodes"]) == ["local-1", "local-2"]
+    last = s["attempt_history"][-1]
+    assert last["nodes"] == ["local-3", "local-4"] and last["resume_step"] == 40, s["attempt_history"]
+    assert last["resume_from"].endswith("step_00000040")
+    lost = db_rows(state, "SELECT message FROM events WHERE kind = 'memory.lost'")
+    assert lost and "cannot be resumed from" in lost[0][0], lost
+    assert trainer_processes(state) == []
+
+
 def test_a_30_s_broker_outage_mid_run_restarts_nothing_and_drains_nothing(tmp_path: Path, state: Path) -> None:
     """The broker (a real mosquitto) is stopped for 30 s while the trainers train: no
     telemetry is no evidence. Verdicts pause, and resume once the link is back. Sized by

@@ -1,0 +1,341 @@
+"""The in-memory checkpoint tier: every rank's shard in node-local memory, with a
+replica on the next node.
+
+A persistent checkpoint is read back from shared storage by every rank of a new
+attempt; on a real cluster that is minutes for a large model. Most faults lose one
+node, and the state of every rank on the other nodes is still in their memory. This
+tier keeps it there, for the supervisor to resume from when it can:
+
+- Save, every ``checkpoint.memory_every_steps``: the training thread copies its rank's
+  local shards (model and AdamW state) to host memory, which is all it waits for. A
+  background thread then serializes the copy into the node's memory directory
+  (``/dev/shm``), sends it to rank ``r + ranks_per_node`` (the same local rank on the
+  next node, wrapping around) and writes the replica it receives from rank
+  ``r - ranks_per_node``. Both go through a gloo group of their own, so the training
+  thread's collectives never wait behind them. After a barrier on that group, the save
+  of step N is whole: rank 0 reports it (tier "memory") and each node keeps only its
+  newest ``KEEP`` saves.
+- Restore (``--resume memory:A:N``, attempt A's save of step N): each rank lists what its
+  node holds of it, the ranks share the lists, and for every rank whose own file is not
+  on its node, the lowest rank holding a copy sends it over. If some rank's state is on
+  no node of the new attempt, every rank raises CheckpointUnreadable (exit 3): the
+  supervisor then resumes from the newest persistent checkpoint.
+
+Rank r's state therefore survives the loss of its node as long as node ``r // L + 1``
+(mod the node count) survives: the supervisor decides from the lost nodes and the
+saving attempt's node order (supervisor/policy/memory.py) before it asks for a memory
+resume; the check here is the proof.
+
+Layout, under the directory ``$TSUP_MEMORY_DIR`` (the supervisor sets one per run) or
+``checkpoint.memory_dir`` names::
+
+    <root>/<node>/a0003-s00000045/rank_00002.pt     rank 2's state after step 45
+                                  replica_00000.pt  rank 0's, sent by it (node 0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from trainer import distributed
+from trainer.errors import CheckpointUnreadable, UsageError
+
+KEEP = 2  # memory saves each node keeps (the newest whole one, and one being written)
+_SAVE_DIR = re.compile(r"a(\d{4,})-s(\d{8})")
+_RESUME = re.compile(r"memory:(\d+):(\d+)")
+
+
+def default_root(run_id: str) -> Path:
+    shm = Path("/dev/shm")  # noqa: S108 (a directory of the run's own)
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / "tsup-memory" / run_id
+
+
+def save_dir_name(attempt: int, step: int) -> str:
+    return f"a{attempt:04d}-s{step:08d}"
+
+
+def resume_name(attempt: int, step: int) -> str:
+    """How ``--resume`` (and the supervisor's records) name attempt ``attempt``'s memory
+    save of step ``step``."""
+    return f"memory:{attempt}:{step}"
+
+
+def parse_resume(text: str) -> tuple[int, int] | None:
+    """(attempt, step) of a ``memory:A:N`` resume request; None for anything else."""
+    if not text.startswith("memory:"):
+        return None
+    match = _RESUME.fullmatch(text)
+    if match is None:
+        raise UsageError(f"--resume {text}: expected memory:ATTEMPT:STEP")
+    return int(match.group(1)), int(match.group(2))
+
+
+def peer_of(rank: int, world_size: int, ranks_per_node: int) -> int:
+    """The rank that holds ``rank``'s replica: the same local rank on the next node."""
+    return (rank + ranks_per_node) % world_size
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    step: int
+    blocking_s: float  # the training thread's copy to host memory
+    total_s: float  # from the copy to the barrier after the replica exchange
+
+
+class MemoryTier:
+    """One rank's side of the tier; every rank of the attempt makes one (collectively:
+    it creates the tier's gloo group)."""
+
+    def __init__(self, root: Path, node: str, attempt: int, ranks_per_node: int) -> None:
+        self.node_dir = root / node
+        self.attempt = attempt
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.ranks_per_node = ranks_per_node
+        self.is_node_leader = self.rank % ranks_per_node == 0
+        self.group = distributed.background_group()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-tier")
+        self._pending: Future[Saved] | None = None
+
+    # --- save ---------------------------------------------------------------------
+
+    def save(self, step: int, meta: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
+             on_whole: Callable[[Saved], None]) -> float:
+        """Copy this rank's state to host memory and hand the rest to the background
+        thread; returns the seconds the caller was blocked. ``on_whole`` runs on the
+        background thread once every rank's save and replica of ``step`` are written."""
+        self.wait()  # one save in flight at a time: the previous one's result first
+        started = time.perf_counter()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = _local_copy({"model": model_state, "optimizer": optim_state})
+        blocking = time.perf_counter() - started
+        self._pending = self._worker.submit(self._write, step, {"meta": meta, "state": state}, started,
+                                            blocking, on_whole)
+        return blocking
+
+    def wait(self) -> Saved | None:
+        """Wait for the save in flight (its error, if it failed, is raised here)."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
+
+    def poll(self) -> None:
+        """Raise a finished background save's error without waiting for one in flight."""
+        if self._pending is not None and self._pending.done():
+            self.wait()
+
+    def _write(self, step: int, payload: dict[str, Any], started: float, blocking: float,
+               on_whole: Callable[[Saved], None]) -> Saved:
+        directory = self.node_dir / save_dir_name(self.attempt, step)
+        directory.mkdir(parents=True, exist_ok=True)
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        _write_atomic(directory / _own(self.rank), buffer.getbuffer())
+        peer = peer_of(self.rank, self.world, self.ranks_per_node)
+        if peer != self.rank:  # one node: no other node to hold a replica
+            source = (self.rank - self.ranks_per_node) % self.world
+            received = _exchange(buffer.getbuffer(), send_to=peer, receive_from=source, group=self.group)
+            _write_atomic(directory / _replica(source), received.numpy())
+        dist.barrier(group=self.group)  # every rank's file and replica are in memory
+        if self.is_node_leader:
+            self._prune(keep_from=step)
+        saved = Saved(step=step, blocking_s=blocking, total_s=time.perf_counter() - started)
+        on_whole(saved)
+        return saved
+
+    def _prune(self, keep_from: int) -> None:
+        """This node's saves but the newest ``KEEP`` of this attempt (other attempts'
+        saves are older than a whole one of this attempt)."""
+        mine = []
+        for entry in self.node_dir.iterdir():
+            match = _SAVE_DIR.fullmatch(entry.name)
+            if match is None:
+                continue
+            if int(match.group(1)) == self.attempt and int(match.group(2)) <= keep_from:
+                mine.append((int(match.group(2)), entry))
+            elif int(match.group(1)) != self.attempt:
+                shutil.rmtree(entry, ignore_errors=True)
+        for _step, entry in sorted(mine)[:-KEEP]:
+            shutil.rmtree(entry, ignore_errors=True)
+
+    # --- restore ------------------------------------------------------------------
+
+    def restore(self, attempt: int, step: int, model: nn.Module,
+                optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Load attempt ``attempt``'s memory save of ``step`` into the model and optimizer
+        (collective); returns the trainer meta it was saved with."""
+        directory = self.node_dir / save_dir_name(attempt, step)
+        held = _held(directory)
+        holders: list[list[int]] = [[] for _ in range(self.world)]
+        dist.all_gather_object(holders, held, group=self.group)
+        sources: dict[int, int] = {}
+        for rank in range(self.world):
+            if rank in holders[rank]:
+                sources[rank] = rank
+            else:
+                having = [h for h in range(self.world) if rank in holders[h]]
+                if not having:
+                    raise CheckpointUnreadable(
+                        f"memory:{attempt}:{step}: rank {rank}'s state after step {step} is on no node "
+                        f"of this attempt (its node and the next one were both lost)")
+                sources[rank] = having[0]
+        data: bytes | None = None
+        if sources[self.rank] == self.rank:
+            data = _read(directory, self.rank)
+        for rank in range(self.world):  # the same order everywhere: each send meets its receive
+            source = sources[rank]
+            if source == rank:
+                continue
+            if self.rank == source:
+                _send(memoryview(_read(directory, rank)), rank, self.group)
+            elif self.rank == rank:
+                data = _receive(source, self.group)
+        assert data is not None
+        try:
+            payload = torch.load(io.BytesIO(data), weights_only=True)
+            _load_into(model, optimizer, payload["state"])
+        except (RuntimeError, KeyError, ValueError, TypeError, EOFError) as e:
+            raise CheckpointUnreadable(f"memory:{attempt}:{step}: rank {self.rank}'s state does not load: "
+                                       f"{type(e).__name__}: {str(e)[:300]}") from e
+        meta: dict[str, Any] = payload["meta"]
+        return meta
+
+    def drop(self) -> None:
+        """The run is done: give this node's memory back (the node's leader, after the
+        other ranks are done with it)."""
+        self.wait()
+        if self.is_node_leader:
+            shutil.rmtree(self.node_dir, ignore_errors=True)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.wait()
+        self._worker.shutdown(wait=False)
+
+
+# --- files --------------------------------------------------------------------------
+
+
+def _own(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def _replica(rank: int) -> str:
+    return f"replica_{rank:05d}.pt"
+
+
+def _held(directory: Path) -> list[int]:
+    """The ranks whose state this node holds (its own ranks' files and replicas)."""
+    if not directory.is_dir():
+        return []
+    held = set()
+    for entry in directory.iterdir():
+        match = re.fullmatch(r"(?:rank|replica)_(\d{5})\.pt", entry.name)
+        if match is not None:
+            held.add(int(match.group(1)))
+    return sorted(held)
+
+
+def _read(directory: Path, rank: int) -> bytes:
+    own = directory / _own(rank)
+    return (own if own.exists() else directory / _replica(rank)).read_bytes()
+
+
+def _write_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{threading.get_ident()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+# --- the wire -----------------------------------------------------------------------
+
+
+def _exchange(payload: memoryview, *, send_to: int, receive_from: int, group: Any) -> torch.Tensor:
+    """Send ``payload`` to one rank while receiving another's (sizes first)."""
+    size_out = torch.tensor([len(payload)], dtype=torch.int64)
+    size_in = torch.zeros(1, dtype=torch.int64)
+    _both(dist.isend(size_out, send_to, group=group), dist.irecv(size_in, receive_from, group=group))
+    received = torch.empty(int(size_in.item()), dtype=torch.uint8)
+    outgoing = torch.frombuffer(payload, dtype=torch.uint8)
+    _both(dist.isend(outgoing, send_to, group=group), dist.irecv(received, receive_from, group=group))
+    return received
+
+
+def _both(*works: Any) -> None:
+    for work in works:
+        work.wait()
+
+
+def _send(payload: memoryview, to: int, group: Any) -> None:
+    dist.send(torch.tensor([len(payload)], dtype=torch.int64), to, group=group)
+    dist.send(torch.frombuffer(payload, dtype=torch.uint8), to, group=group)
+
+
+def _receive(source: int, group: Any) -> bytes:
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, source, group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(data, source, group=group)
+    return data.numpy().tobytes()
+
+
+# --- state --------------------------------------------------------------------------
+
+
+def _local_copy(tree: Any) -> Any:
+    """``tree`` with every tensor replaced by a copy of this rank's part of it."""
+    if isinstance(tree, DTensor):
+        return tree.to_local().detach().clone()
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _local_copy(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_local_copy(v) for v in tree)
+    return tree
+
+
+def _copy_into(live: Any, saved: Any, where: str = "") -> Any:
+    """Copy ``saved`` into the tensors of ``live`` (same structure); returns the tree to
+    hand back (non-tensor values are taken from ``saved``)."""
+    if isinstance(live, DTensor):
+        live.to_local().copy_(saved)
+        return live
+    if isinstance(live, torch.Tensor):
+        live.copy_(saved)
+        return live
+    if isinstance(live, dict):
+        if set(live) != set(saved):
+            raise KeyError(f"{where or 'state'}: saved keys differ from this run's")
+        return {k: _copy_into(live[k], saved[k], f"{where}.{k}") for k in live}
+    if isinstance(live, (list, tuple)):
+        if len(live) != len(saved):
+            raise ValueError(f"{where}: saved length {len(saved)}, this run's {len(live)}")
+        pairs = enumerate(zip(live, saved, strict=True))
+        return type(live)(_copy_into(a, b, f"{where}[{i}]") for i, (a, b) in pairs)
+    return saved
+
+
+def _load_into(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    model_state, optim_state = get_state_dict(model, optimizer)  # creates AdamW's state entries
+    model_state = _copy_into(model_state, saved["model"], "model")
+    optim_state = _copy_into(optim_state, saved["optimizer"], "optimizer")
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
