@@ -317,3 +317,18 @@ def test_checkpoints_are_listed_whole_newest_first_few_or_at_given_steps(store: 
         assert [c.step for c in tx.list_checkpoints(number, newest=3)] == [80, 90, 100]
         assert [(c.step, c.attempt_time_s) for c in tx.list_checkpoints(number, steps={20, 70, 75})] == [
             (20, 10.0), (70, 35.0)]
+
+
+def test_memory_checkpoints_are_recorded_once_and_only_the_newest_are_kept(store: SqlStore, tmp_path: Path) -> None:
+    from supervisor.store.history import MEMORY_CHECKPOINTS_KEPT
+
+    number, other = new_run(store, tmp_path), new_run(store, tmp_path)
+    with store.tx() as tx:
+        assert tx.record_memory_checkpoint(number, attempt=1, step=5, duration_s=0.01, now=1.0) is True
+        assert tx.record_memory_checkpoint(number, attempt=1, step=5, duration_s=0.01, now=2.0) is False
+        tx.record_memory_checkpoint(other, attempt=1, step=5, duration_s=None, now=1.0)
+        for i, step in enumerate(range(10, 10 + 5 * MEMORY_CHECKPOINTS_KEPT, 5)):
+            tx.record_memory_checkpoint(number, attempt=2, step=step, duration_s=0.02, now=3.0 + i)
+        kept = tx.list_memory_checkpoints(number)
+        assert [(m.attempt, m.step) for m in kept] == [(2, s) for s in range(10, 10 + 5 * MEMORY_CHECKPOINTS_KEPT, 5)]
+        assert [(m.step, m.duration_s) for m in tx.list_memory_checkpoints(other)] == [(5, None)]

@@ -204,3 +204,17 @@ def test_broker_urls(url: str, parts: tuple[object, ...]) -> None:
 def test_bad_broker_urls_name_the_problem(url: str) -> None:
     with pytest.raises(ValueError, match="mqtt"):
         p.parse_broker_url(url)
+
+
+def _checkpoint_payload(**changes: object) -> bytes:
+    msg = next(m for m in SAMPLES if isinstance(m, p.CheckpointCommitted))
+    body = json.loads(p.encode(msg)[1])
+    body.update(changes)
+    return json.dumps({k: v for k, v in body.items() if v is not None}).encode()
+
+
+def test_a_checkpoint_names_its_tier_and_an_older_sender_means_persistent() -> None:
+    assert p.decode(_checkpoint_payload(tier="memory")).tier == p.TIER_MEMORY  # type: ignore[attr-defined]
+    assert p.decode(_checkpoint_payload(tier=None)).tier == p.TIER_PERSISTENT  # type: ignore[attr-defined]
+    with pytest.raises(p.ProtocolError, match=r"checkpoint\.tier: expected 'persistent' or 'memory', got 'disk'"):
+        p.decode(_checkpoint_payload(tier="disk"))

@@ -1,0 +1,80 @@
+"""The next attempt resumes from the in-memory tier only when its nodes still hold every
+rank's state (supervisor/policy/memory.py), and says why when they do not."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from supervisor.domain import (
+    AttemptOutcome,
+    AttemptState,
+    CheckpointRef,
+    Emit,
+    MemoryCheckpointRef,
+    NodeState,
+    RunState,
+    StartAttempt,
+)
+from supervisor.policy import decide
+from supervisor.policy.memory import unrecoverable
+from tests.unit.test_policy import NOW, attempt, nodes, of, run, view
+
+
+def save(*ring: str, step: int = 45) -> MemoryCheckpointRef:
+    return MemoryCheckpointRef(attempt=1, step=step, nodes=ring)
+
+
+@pytest.mark.parametrize(("ring", "next_nodes", "lost"), [
+    (("a", "b", "c", "d"), ("a", "b", "c", "d"), []),  # a rank's death: every node kept
+    (("a", "b", "c", "d"), ("a", "x", "c", "d"), []),  # b lost: c holds its replicas
+    (("a", "b", "c", "d"), ("a", "x", "y", "d"), ["b"]),  # b and c (its replica holder) lost
+    (("a", "b", "c", "d"), ("x", "b", "y", "d"), []),  # two lost, not neighbours
+    (("a", "b", "c", "d"), ("a", "b", "c", "x"), []),  # d's replicas wrap around to a
+    (("a", "b", "c", "d"), ("x", "b", "c", "y"), ["d"]),  # d and a lost: d's state is gone
+    (("a", "b"), ("x", "b"), []),
+    (("a", "b"), ("x", "y"), ["a", "b"]),
+    (("a",), ("a",), []),  # one node: no replica, but its own memory
+    (("a",), ("x",), ["a"]),
+    (("a", "b"), ("a", "b", "c"), ["a", "b"]),  # another world size
+])
+def test_a_save_is_recoverable_unless_a_node_and_the_next_one_are_both_gone(
+        ring: tuple[str, ...], next_nodes: tuple[str, ...], lost: list[str]) -> None:
+    assert unrecoverable(save(*ring), next_nodes) == lost
+
+
+def test_the_name_the_trainer_resumes_by() -> None:
+    assert save("a", "b").resume_from == "memory:1:45"
+
+
+def failed_on(*ring: str) -> object:
+    return attempt(state=AttemptState.ENDED, outcome=AttemptOutcome.FAILED, nodes=ring)
+
+
+CK40 = CheckpointRef(step=40, path="/ck/step_00000040")
+
+
+def test_after_a_lost_node_the_next_attempt_resumes_from_memory() -> None:
+    alloc = nodes(NodeState.ALLOCATED, NodeState.DRAINED, NodeState.ALLOCATED)  # n2 lost, n3 the spare
+    v = replace(view(run(RunState.RECOVERING), (failed_on("n1", "n2"),), alloc, CK40),  # type: ignore[arg-type]
+                newest_memory=save("n1", "n2"))
+    effects = decide(v, None, NOW)
+    [start] = of(effects, StartAttempt)
+    assert (start.nodes, start.resume_from, start.resume_step) == (("n1", "n3"), "memory:1:45", 45)
+    [launching] = [e for e in of(effects, Emit) if e.kind == "attempt.launching"]
+    assert "from memory (attempt 1's save of step 45)" in launching.message
+    assert not [e for e in of(effects, Emit) if e.kind == "memory.lost"]
+
+
+def test_when_a_node_and_its_replica_holder_are_lost_the_persistent_checkpoint_is_used() -> None:
+    alloc = (*nodes(NodeState.DRAINED, NodeState.DRAINED),
+             *(replace(n, name=f"n{i + 3}") for i, n in enumerate(nodes(NodeState.ALLOCATED, NodeState.ALLOCATED))))
+    v = replace(view(run(RunState.RECOVERING), (failed_on("n1", "n2"),), alloc, CK40),  # type: ignore[arg-type]
+                newest_memory=save("n1", "n2"))
+    effects = decide(v, None, NOW)
+    [start] = of(effects, StartAttempt)
+    assert (start.nodes, start.resume_from, start.resume_step) == (("n3", "n4"), "/ck/step_00000040", 40)
+    [lost] = [e for e in of(effects, Emit) if e.kind == "memory.lost"]
+    assert "n1, n2" in lost.message and "resuming from the checkpoint at step 40" in lost.message
+    assert lost.data["step"] == 45
