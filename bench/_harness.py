@@ -287,12 +287,15 @@ def goodput(tap: Tap, run: str) -> dict[str, float | int]:
 
 
 def write_spec(base: Path, dest: Path, *, mqtt_url: str, steps: int | None = None,
-               every_steps: int | None = None, standby: bool = False) -> Path:
-    """A copy of ``base`` with telemetry on ``mqtt_url`` and, if given, other steps or
-    warm standbys."""
+               every_steps: int | None = None, standby: bool = False, memory_every_steps: int = 0) -> Path:
+    """A copy of ``base`` with telemetry on ``mqtt_url`` and, if given, other steps, warm
+    standbys, or the memory tier (with persistent saves beside training)."""
     data = tomllib.loads(base.read_text())
     if standby:
         data.setdefault("resources", {})["standby"] = True
+    if memory_every_steps:
+        data.setdefault("trainer", {}).setdefault("checkpoint", {}).update(
+            memory_every_steps=memory_every_steps, asynchronous=True)
     if steps is not None:
         data.setdefault("trainer", {})["steps"] = steps
     if every_steps is not None:

@@ -105,6 +105,13 @@ the same 10 steps after the step-60 checkpoint that step 30 is after step 20; at
 they were still importing, and the assignment waited for them). ``warm_vs_cold_resume`` gives, per kind, the
 median total_s over the cold start's, resumed.
 
+Warm standby and the memory tier (``memory``): the same, with the memory tier every 5
+steps and persistent saves beside training (``memory_every_steps = 5``, ``asynchronous =
+true``); the fault at ``--memory-fault-step`` (73: 3 steps after the memory save of step 70,
+13 after the persistent one of step 60). A killed rank's node keeps its memory; a killed
+node's ranks are restored from their replicas on the other node (trainer/memory_tier.py).
+``steps_redone`` shows what the tier saves; ``memory_vs_cold_resume`` as above.
+
 --quick: 1 trial; supervisor kinds kill-rank and hang-rank, torchrun kill-rank and
 hang-rank (waiting 30 s), cold start once. The JSON says which kinds were left out.
 """
@@ -364,11 +371,12 @@ def _args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="1 trial, kill-rank and hang-rank only (minutes)")
     p.add_argument("--trials", type=int, default=None, help="trials per kind (default 5; --quick 1)")
     p.add_argument("--kinds", default=None, help=f"comma-separated subset of {','.join(KINDS)}")
-    p.add_argument("--parts", default="cold,supervisor,warm,torchrun",
-                   help="which of cold,supervisor,warm,torchrun")
+    p.add_argument("--parts", default="cold,supervisor,warm,memory,torchrun",
+                   help="which of cold,supervisor,warm,memory,torchrun")
     p.add_argument("--spec", type=Path, default=EXAMPLE_SPEC)
     p.add_argument("--fault-step", type=int, default=30)
     p.add_argument("--warm-fault-step", type=int, default=70, help="the fault's step with warm standbys")
+    p.add_argument("--memory-fault-step", type=int, default=73, help="the fault's step with the memory tier")
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts")
     p.add_argument("--hang-wait-s", type=float, default=None,
                    help="how long torchrun gets to recover from a hang (default 120; --quick 30)")
@@ -397,9 +405,10 @@ def main() -> None:
         spec = write_spec(args.spec, root / "spec.toml", mqtt_url=url)
         report["spec_shape"] = spec_shape(spec)
         warm = write_spec(args.spec, root / "warm.toml", mqtt_url=url, standby=True)
+        memory = write_spec(args.spec, root / "memory.toml", mqtt_url=url, standby=True, memory_every_steps=5)
         tap = Tap(url)
         try:
-            report |= _measure(args, parts, kinds, trials, hang_wait, (spec, warm), root, tap, url)
+            report |= _measure(args, parts, kinds, trials, hang_wait, (spec, warm, memory), root, tap, url)
         finally:
             tap.close()
     report["bench_wall_s"] = round(time.monotonic() - began, 1)
@@ -407,16 +416,17 @@ def main() -> None:
 
 
 def _measure(args: argparse.Namespace, parts: set[str], kinds: tuple[str, ...], trials: int, hang_wait: float,
-             specs: tuple[Path, Path], root: Path, tap: Tap, url: str) -> dict[str, Any]:
+             specs: tuple[Path, Path, Path], root: Path, tap: Tap, url: str) -> dict[str, Any]:
     """Rounds of trials: each round runs the cold start and then every kind under the
     supervisor (cold and warm) and under torchrun once, so that a change in the machine's
     load over the run spreads over every kind instead of landing on a few."""
-    spec, warm_spec = specs
+    spec, warm_spec, memory_spec = specs
     tr_kinds = [k for k in kinds if k in TORCHRUN_KINDS] if "torchrun" in parts else []
     sup_kinds = list(kinds) if "supervisor" in parts else []
     cold: dict[str, list[dict[str, Any]]] = {"fresh": [], "resumed": []}
     sup: dict[str, list[dict[str, Any]]] = {k: [] for k in sup_kinds}
     warm: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds} if "warm" in parts else {}
+    memory: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds} if "memory" in parts else {}
     tr: dict[str, list[dict[str, Any]]] = {k: [] for k in tr_kinds}
     for i in range(1, trials + 1):
         if "cold" in parts:
@@ -436,6 +446,11 @@ def _measure(args: argparse.Namespace, parts: set[str], kinds: tuple[str, ...], 
             rows.append(_supervisor_trial(k, warm_spec, root / f"warm-{k}-{i}", tap, args.warm_fault_step,
                                           args.trial_timeout_s))
             say(f"  -> {_brief(rows[-1])}")
+        for k, rows in memory.items():
+            say(f"round {i}/{trials}: supervisor {k}, warm standby and the memory tier")
+            rows.append(_supervisor_trial(k, memory_spec, root / f"memory-{k}-{i}", tap,
+                                          args.memory_fault_step, args.trial_timeout_s))
+            say(f"  -> {_brief(rows[-1])}")
         for k in tr_kinds:
             if k == "hang-rank" and i > args.hang_trials:
                 continue
@@ -444,12 +459,12 @@ def _measure(args: argparse.Namespace, parts: set[str], kinds: tuple[str, ...], 
             tr[k].append(_torchrun_trial(k, spec, root / f"torchrun-{k}-{i}", tap, url, args.fault_step,
                                          args.max_restarts, wait_s, args.trial_timeout_s))
             say(f"  -> {_brief(tr[k][-1])}")
-    return _report(parts, kinds, cold, sup, tr, warm)
+    return _report(parts, kinds, cold, sup, tr, warm, memory)
 
 
 def _report(parts: set[str], kinds: tuple[str, ...], cold: dict[str, list[dict[str, Any]]],
             sup: dict[str, list[dict[str, Any]]], tr: dict[str, list[dict[str, Any]]],
-            warm: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+            warm: dict[str, list[dict[str, Any]]], memory: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "cold" in parts:
         out["cold_start"] = {name: _summary(rows, "completed") for name, rows in cold.items()}
@@ -457,18 +472,20 @@ def _report(parts: set[str], kinds: tuple[str, ...], cold: dict[str, list[dict[s
     if "supervisor" in parts:
         out["supervisor"] = {k: _summary(rows) for k, rows in sup.items()}
         out["supervisor_overhead_vs_cold_resume_s"] = _overheads(out["supervisor"], floor)
-    if warm:
-        out["warm_standby"] = {k: _summary(rows) for k, rows in warm.items()}
-        totals = {k: v.get("median", {}).get("total_s") for k, v in out["warm_standby"].items()}
-        out["warm_vs_cold_resume"] = {k: round(t / floor, 3) if floor and t else None
-                                      for k, t in totals.items()}
+    for part, rows_of in (("warm", warm), ("memory", memory)):
+        if rows_of:
+            name = "warm_standby" if part == "warm" else "warm_standby_memory_tier"
+            out[name] = {k: _summary(rows) for k, rows in rows_of.items()}
+            totals = {k: v.get("median", {}).get("total_s") for k, v in out[name].items()}
+            out[f"{part}_vs_cold_resume"] = {k: round(t / floor, 3) if floor and t else None
+                                             for k, t in totals.items()}
     if "torchrun" in parts:
         out["torchrun"] = {k: _summary(tr[k]) if k in tr else {"run": False, "why": TORCHRUN_CANNOT[k]}
                            for k in kinds}
         out["torchrun_overhead_vs_cold_resume_s"] = _overheads(
             {k: v for k, v in out["torchrun"].items() if "median" in v}, floor)
-    loads = [r["loadavg_1m"] for rows in (*cold.values(), *sup.values(), *tr.values(), *warm.values())
-             for r in rows]
+    loads = [r["loadavg_1m"] for rows in (*cold.values(), *sup.values(), *tr.values(), *warm.values(),
+                                          *memory.values()) for r in rows]
     out["loadavg_1m_max"] = max(loads, default=None)
     if loads and max(loads) > (os.cpu_count() or 1):
         out["note"] = (f"the 1-min load average reached {max(loads)} on {os.cpu_count()} CPUs during the "

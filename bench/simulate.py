@@ -29,6 +29,23 @@ failure rate and hardware share), or assumed. The defaults:
 - a node lost with no spare left: a new allocation after ``--queue-wait-s`` (1,800 s);
   a drained node is back as a spare after ``--repair-s`` (one day) - assumed.
 
+With ``--tiers`` the job has the supervisor's two checkpoint tiers (trainer/memory_tier.py):
+
+- a memory save every ``--memory-every-s`` (default: Young/Daly of its cost) that blocks
+  ``--memory-checkpoint-s``: the copy of a rank's shards to host memory. Scaled from this
+  machine: the copy rate measured by bench/checkpoint_tiers.py (``--copy-gb-s``), applied
+  to a rank's share of a 70B model's state (16 bytes a parameter: bf16 weights and
+  gradients are not saved, fp32 master weights and two AdamW moments are, 12 bytes, plus
+  margin) over 2,048 x 8 ranks: 68 MB a rank;
+- a persistent save every ``--persistent-every-s`` (30 min, assumed) beside training,
+  blocking for the same copy; its write (30 s at the rates above) ends long before the
+  next one, so it is taken as durable at once;
+- after a fault the real policy decides (``RunView.newest_memory``): a lost node's state
+  is on the next node, so the next attempt resumes from memory, with a warm restart
+  (``--warm-restart-s``: 1.9 s measured with standbys for 4 ranks, plus the rendezvous
+  at scale as above, plus the replica transfer at the copy rate); when it cannot, from
+  the persistent save, cold.
+
 Faults strike only while the job trains (none during restarts), a slight underestimate.
 It prints one JSON object: ETTR (useful training time over wall time) and where the rest
 went, the failures, and the Young/Daly checkpoint interval (sqrt(2 C MTBF)) next to the
@@ -62,6 +79,7 @@ from supervisor.domain import (  # noqa: E402
     FaultRecord,
     FinishRun,
     MarkAttemptRunning,
+    MemoryCheckpointRef,
     Node,
     NodeState,
     Policy,
@@ -79,6 +97,8 @@ from supervisor.policy import decide  # noqa: E402
 
 MEASURED_RESTART_S = 10.3  # the trainer's cold start, 4 ranks (docs/RESULTS.md, bench/mttr.py)
 RENDEZVOUS_S_PER_NODE = 0.01
+MEASURED_WARM_RESTART_S = 1.9  # warm standby, fault to first step, 4 ranks (docs/RESULTS.md)
+STATE_BYTES_PER_RANK = 70e9 * 16 / (2048 * 8)  # a 70B model's saved state on 16,384 ranks
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +117,24 @@ class Params:
     restart_s: float
     queue_wait_s: float
     repair_s: float
+    # The memory tier (--tiers); memory_every_s 0: none, checkpoint_* is the persistent save.
+    memory_every_s: float = 0.0
+    memory_checkpoint_s: float = 0.0
+    persistent_every_s: float = 0.0
+    warm_restart_s: float = 0.0
+
+    @property
+    def every_s(self) -> float:
+        """Training seconds between the saves the segment's work is kept by."""
+        return self.memory_every_s or self.checkpoint_every_s
+
+    @property
+    def pause_s(self) -> float:
+        """Blocking per such interval (with tiers: the memory save and the persistent
+        saves' share)."""
+        if not self.memory_every_s:
+            return self.checkpoint_s
+        return self.memory_checkpoint_s + self.checkpoint_s * self.memory_every_s / self.persistent_every_s
 
 
 @dataclass(slots=True)
@@ -121,7 +159,9 @@ class Sim:
     faults: list[FaultRecord] = field(default_factory=list)
     events: list[tuple[float, int, str, object]] = field(default_factory=list)
     seq: int = 0
-    work: float = 0.0  # useful training seconds kept in the newest checkpoint
+    work: float = 0.0  # useful training seconds kept in the newest checkpoint (of any tier)
+    persistent: float = 0.0  # ... in the newest persistent one
+    memory_by: int = 0  # the attempt whose memory save holds ``work``
     segment: tuple[float, float] | None = None  # (wall time of the first step, work then)
     waiting_since: float | None = None
     mode: str = "restart"  # where wall time goes now: an Account field, or "training"
@@ -130,6 +170,7 @@ class Sim:
     hw: int = 0
     sw: int = 0
     decide_calls: int = 0
+    memory_resumes: int = 0
 
     # --- events ---------------------------------------------------------------------
 
@@ -142,9 +183,16 @@ class Sim:
         return a if a is not None and a.state is not AttemptState.ENDED else None
 
     def view(self) -> RunView:
-        ck = CheckpointRef(step=int(self.work), path=f"ckpt-{int(self.work)}") if self.work else None
+        if not self.p.memory_every_s:
+            self.persistent = self.work
+        ck = (CheckpointRef(step=int(self.persistent), path=f"ckpt-{int(self.persistent)}")
+              if self.persistent else None)
+        memory = None
+        if self.p.memory_every_s and self.work > self.persistent and self.memory_by:
+            saver = self.attempts[self.memory_by - 1]
+            memory = MemoryCheckpointRef(attempt=saver.number, step=int(self.work), nodes=saver.nodes)
         return RunView(run=self.run, attempts=tuple(self.attempts), allocation=tuple(self.nodes.values()),
-                       newest_checkpoint=ck, faults=tuple(self.faults[-50:]))
+                       newest_checkpoint=ck, newest_memory=memory, faults=tuple(self.faults[-50:]))
 
     def obs(self, t: float, dead: str | None = None, exit_code: int = -9, gone: bool = False,
             step: int | None = None) -> AttemptObs:
@@ -181,7 +229,13 @@ class Sim:
                     run_number=1, number=e.number, state=AttemptState.RUNNING, nodes=e.nodes,
                     resume_from=e.resume_from, resume_step=e.resume_step, created_at=t, started_at=t,
                     launch_info="sim"))
-                self.at(t + self.p.restart_s, "first-step", e.number)
+                warm = (e.resume_from or "").startswith("memory:")
+                if not warm and self.work > self.persistent:  # memory lost: back to the persistent save
+                    self.acct.useful -= self.work - self.persistent
+                    self.acct.lost_work += self.work - self.persistent
+                    self.work = self.persistent
+                self.memory_resumes += warm
+                self.at(t + (self.p.warm_restart_s if warm else self.p.restart_s), "first-step", e.number)
             case MarkAttemptRunning():
                 self.attempts[-1] = replace(self.attempts[-1], first_step_at=t)
             case RecordFault():
@@ -211,23 +265,28 @@ class Sim:
         """Work done by wall time ``t`` in the current segment (checkpoint pauses excluded)."""
         assert self.segment is not None
         first, w0 = self.segment
-        cycle = self.p.checkpoint_every_s + self.p.checkpoint_s
+        cycle = self.p.every_s + self.p.pause_s
         k, rem = divmod(max(0.0, t - first), cycle)
-        return w0 + k * self.p.checkpoint_every_s + min(rem, self.p.checkpoint_every_s)
+        return w0 + k * self.p.every_s + min(rem, self.p.every_s)
 
     def end_segment(self, t: float) -> None:
         """The attempt stops training at ``t``: keep the work up to its newest checkpoint."""
         assert self.segment is not None
         first, w0 = self.segment
-        cycle = self.p.checkpoint_every_s + self.p.checkpoint_s
+        cycle = self.p.every_s + self.p.pause_s
         k, rem = divmod(max(0.0, t - first), cycle)
-        kept = w0 + k * self.p.checkpoint_every_s
+        kept = w0 + k * self.p.every_s
         done = self.work_at(t)
         self.acct.useful += kept - w0
         self.acct.lost_work += done - kept
         self.acct.lost_work_at_end = done - kept
-        self.acct.checkpoint += k * self.p.checkpoint_s + max(0.0, rem - self.p.checkpoint_every_s)
+        self.acct.checkpoint += k * self.p.pause_s + max(0.0, rem - self.p.every_s)
         self.work = kept
+        if k > 0:
+            self.memory_by = self.attempts[-1].number
+        if self.p.memory_every_s:  # persistent saves at whole multiples of their interval
+            every = self.p.persistent_every_s
+            self.persistent = max(self.persistent, min(kept, (done // every) * every))
         self.segment = None
 
     # --- the loop -------------------------------------------------------------------
@@ -344,6 +403,7 @@ def simulate(p: Params) -> dict[str, object]:
         "accounted": round(sum(parts.values()) / wall, 4),
         "failures": {"hardware": sim.hw, "software": sim.sw},
         "attempts": len(sim.attempts),
+        "resumed_from_memory": sim.memory_resumes,
         "drained_nodes": sum(1 for n in sim.nodes.values() if n.state is NodeState.DRAINED),
         "run_state": sim.run.state.value, "run_reason": sim.run.reason,
         "policy_decisions": sim.decide_calls,
@@ -369,6 +429,19 @@ def _inputs(args: argparse.Namespace) -> dict[str, str]:
         "repair_s": "assumed",
         "policy": "the default Policy(), no override",
     }
+    if args.tiers:
+        sources |= {
+            "copy_gb_s": "measured: a rank's copy of its shards to host memory (bench/checkpoint_tiers.py)",
+            "memory_checkpoint_s": f"scaled: {STATE_BYTES_PER_RANK / 1e6:.0f} MB a rank (70B x 16 bytes over "
+                                   "16,384 ranks) at the measured copy rate",
+            "checkpoint_s": "scaled: the asynchronous persistent save blocks for the same copy",
+            "memory_every_s": "the Young/Daly interval of the memory save's cost",
+            "persistent_every_s": "assumed: 30 minutes",
+            "warm_restart_s": f"measured: {MEASURED_WARM_RESTART_S} s with warm standbys for 4 ranks "
+                              "(bench/mttr.py); assumed: the rendezvous at scale as for restart_s; the "
+                              "replica transfer at the copy rate",
+        }
+        sources.pop("checkpoint_every_s")
     return {k: ("given on the command line" if k in given else v) for k, v in sources.items()}
 
 
@@ -392,7 +465,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queue-wait-s", type=float, default=1800.0)
     ap.add_argument("--repair-s", type=float, default=86_400.0)
     ap.add_argument("--compare", action="store_true", help="also simulate 1/4 to 4 x the Young/Daly interval")
+    ap.add_argument("--tiers", action="store_true",
+                    help="the memory tier and asynchronous persistent saves, with warm restarts")
+    ap.add_argument("--copy-gb-s", type=float, default=None,
+                    help="--tiers: a rank's copy rate to host memory, GB/s (from bench/checkpoint_tiers.py)")
+    ap.add_argument("--memory-every-s", type=float, default=None, help="--tiers: default Young/Daly")
+    ap.add_argument("--persistent-every-s", type=float, default=1800.0)
+    ap.add_argument("--warm-restart-s", type=float, default=None)
     args = ap.parse_args(argv)
+    if args.tiers:
+        if args.copy_gb_s is None or args.copy_gb_s <= 0:
+            ap.error("--tiers needs --copy-gb-s (measured by bench/checkpoint_tiers.py)")
+        copy_s = STATE_BYTES_PER_RANK / (args.copy_gb_s * 1e9)
+        if "--checkpoint-s" not in " ".join(sys.argv if argv is None else argv):
+            args.checkpoint_s = copy_s
     if args.nodes < 1 or args.spares < 0 or args.days <= 0 or args.failures_per_node_day <= 0:
         ap.error("--nodes >= 1, --spares >= 0, --days > 0 and --failures-per-node-day > 0")
     rate = args.failures_per_node_day / 86_400
@@ -405,12 +491,25 @@ def main(argv: list[str] | None = None) -> int:
                   checkpoint_every_s=args.checkpoint_every_s or young_daly, detect_hw_s=args.detect_hw_s,
                   detect_sw_s=args.detect_sw_s, stop_s=args.stop_s, restart_s=restart,
                   queue_wait_s=args.queue_wait_s, repair_s=args.repair_s)
+    tiers: dict[str, object] = {}
+    if args.tiers:
+        memory_s = copy_s
+        memory_every = args.memory_every_s or planning.young_daly_interval_s(memory_s, mtbf)
+        warm = args.warm_restart_s if args.warm_restart_s is not None else (
+            MEASURED_WARM_RESTART_S + RENDEZVOUS_S_PER_NODE * args.nodes + copy_s)
+        base = replace(base, memory_every_s=memory_every, memory_checkpoint_s=memory_s,
+                       persistent_every_s=args.persistent_every_s, warm_restart_s=warm,
+                       checkpoint_every_s=args.persistent_every_s)
+        tiers = {"copy_gb_s": args.copy_gb_s, "memory_checkpoint_s": round(memory_s, 4),
+                 "memory_every_s": round(memory_every, 1), "persistent_every_s": args.persistent_every_s,
+                 "warm_restart_s": round(warm, 2)}
     began = time.perf_counter()
     result: dict[str, object] = {
         "nodes": args.nodes, "spares": args.spares, "days": args.days, "seed": args.seed,
         "failures_per_node_day": round(args.failures_per_node_day, 6),
         "job_mtbf_h": round(mtbf / 3600, 2), "checkpoint_s": args.checkpoint_s,
         "restart_s": round(restart, 1),
+        **tiers,
         "inputs": _inputs(args),
         "checkpoint_every_s": round(base.checkpoint_every_s, 1),
         "young_daly_every_s": round(young_daly, 1),

@@ -46,7 +46,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from supervisor.broker import EmbeddedBroker, broker_addresses
 from supervisor.domain import LIVE_ATTEMPT_STATES
 from supervisor.errors import StateDirLocked, StoreError, SupervisorError
-from supervisor.launchers.base import ChaosHooks, Launcher, NodeAdmin
+from supervisor.launchers.base import ChaosHooks, Launcher, NodeAdmin, waiting_standbys
 from supervisor.launchers.local import LocalLauncher
 from supervisor.metrics import SupervisorMetrics
 from supervisor.reconciler import Reconciler, ReconcilerConfig
@@ -168,10 +168,9 @@ class Daemon:
         self.reconciler: Reconciler | None = None
         self.service: SupervisorService | None = None
         self.notifier = Notifier()
-        pool = getattr(self.launcher, "standbys", None)  # the local launcher keeps warm standbys
         self.metrics = SupervisorMetrics(self.store, self.telemetry,
                                          lambda: self.link is not None and self.link.connected, clock,
-                                         standbys=pool.waiting if pool is not None else dict)
+                                         standbys=waiting_standbys(self.launcher))
         self.api_tokens: ApiTokens | None = None
 
     async def __aenter__(self) -> Daemon:

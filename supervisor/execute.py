@@ -279,19 +279,26 @@ class Executor:
             self._short[run.number] = short
         self.observer.note_allocated(run.number, changes.added)
 
-    def _checkpoint_interval(self, run: Run, spec: RunSpec, now: float) -> int:
-        """``every_steps = "auto"``: Young/Daly from what this run measured so far."""
+    def _checkpoint_interval(self, run: Run, spec: RunSpec, now: float, tier: str) -> int:
+        """``every_steps = "auto"`` (or ``memory_every_steps``, ``tier`` memory): Young/Daly
+        from what this run measured so far, the tier's own blocking cost."""
         with self.store.tx() as tx:
             stats = list(tx.attempt_stats(run.number).values())
-            saves = sum(s.checkpoints for s in stats)
+            if tier == planning.TIER_MEMORY:
+                saved = tx.list_memory_checkpoints(run.number)
+                timed = [m.duration_s for m in saved if m.duration_s is not None]
+                cost = sum(timed) / len(timed) if timed else None
+            else:
+                saves = sum(s.checkpoints for s in stats)
+                cost = sum(s.checkpoint_s for s in stats) / saves if saves else None
             # Each attempt's first step is left out: it carries the warm-up (compile, caches).
             steps = sum(s.steps - 1 for s in stats if s.steps > 1)
             step_s = sum(s.step_time_s - (s.first_step_time_s or 0.0) for s in stats if s.steps > 1)
-            auto = planning.auto_every_steps(sum(s.checkpoint_s for s in stats) / saves if saves else None,
-                                             step_s / steps if steps else None, run.nodes,
-                                             run.policy.failures_per_node_day, spec.total_steps)
-            tx.add_event(run.number, "checkpoint.interval", f"checkpoint {auto.why}",
-                         {"every_steps": auto.every_steps}, now)
+            auto = planning.auto_every_steps(cost, step_s / steps if steps else None, run.nodes,
+                                             run.policy.failures_per_node_day, spec.total_steps, tier)
+            what = "memory checkpoint" if tier == planning.TIER_MEMORY else "checkpoint"
+            tx.add_event(run.number, "checkpoint.interval", f"{what} {auto.why}",
+                         {"every_steps": auto.every_steps, "tier": tier}, now)
         return auto.every_steps
 
     def _clear_the_way(self, run: Run, spec: RunSpec, run_dir: Path, e: StartAttempt, now: float) -> None:
@@ -327,8 +334,12 @@ class Executor:
                     held = tuple(x.name for x in tx.allocation(run.number) if x.state is NodeState.ALLOCATED)
                 launch = replace(launch, standby_nodes=held)
             self._clear_the_way(run, spec, run_dir, e, now)
-            every = self._checkpoint_interval(run, spec, now) if spec.auto_checkpoints else None
-            config = trainer_cmd.write_attempt_config(spec, run_dir, e.number, launch.argv, skips, every)
+            every = (self._checkpoint_interval(run, spec, now, planning.TIER_PERSISTENT)
+                     if spec.auto_checkpoints else None)
+            memory_every = (self._checkpoint_interval(run, spec, now, planning.TIER_MEMORY)
+                            if spec.auto_memory_checkpoints else None)
+            config = trainer_cmd.write_attempt_config(spec, run_dir, e.number, launch.argv, skips, every,
+                                                      memory_every)
             run_as = users.for_launch(spec.user)
             if run_as is not None:  # its trainers write logs, checkpoints and results there
                 ck = trainer_cmd.checkpoint_dir(spec, run_dir)

@@ -48,13 +48,17 @@ def advise_every_steps(checkpoint_cost_s: float, step_time_s: float, nodes: int,
 
 
 # A run whose spec says ``every_steps = "auto"`` checkpoints this often until its own
-# checkpoint cost and step time have been measured (the reference trainer's default).
+# checkpoint cost and step time have been measured (the reference trainer's default);
+# ``memory_every_steps = "auto"``, its memory tier, at a fifth of that.
 AUTO_FIRST_EVERY_STEPS = 50
+AUTO_FIRST_MEMORY_EVERY_STEPS = 10
+TIER_PERSISTENT, TIER_MEMORY = "persistent", "memory"
 
 
-def first_auto_every_steps(total_steps: int) -> int:
+def first_auto_every_steps(total_steps: int, tier: str = TIER_PERSISTENT) -> int:
     """An ``auto`` run's interval before anything was measured."""
-    return min(AUTO_FIRST_EVERY_STEPS, max(1, total_steps))
+    first = AUTO_FIRST_MEMORY_EVERY_STEPS if tier == TIER_MEMORY else AUTO_FIRST_EVERY_STEPS
+    return min(first, max(1, total_steps))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,14 +68,18 @@ class AutoInterval:
 
 
 def auto_every_steps(checkpoint_cost_s: float | None, step_time_s: float | None, nodes: int,
-                     failures_per_node_day: float, total_steps: int) -> AutoInterval:
-    """The checkpoint interval for the next attempt of a run that asked for ``auto``:
-    Young/Daly from what the run measured so far (the mean of its blocking checkpoint
-    saves and of its step times), within 1 and the run's length. Before both were
-    measured: ``AUTO_FIRST_EVERY_STEPS``."""
+                     failures_per_node_day: float, total_steps: int,
+                     tier: str = TIER_PERSISTENT) -> AutoInterval:
+    """The interval of a checkpoint tier for the next attempt of a run that asked for
+    ``auto``: Young/Daly from what the run measured so far (the mean time that tier's
+    saves blocked training, and the mean step time), within 1 and the run's length.
+    Each tier has its own cost, so its own interval: the memory tier's copy to host
+    memory is cheap and it is taken often; a persistent save is taken as rarely as its
+    (synchronous, or for an asynchronous save, staging) cost says. Before both were
+    measured: ``first_auto_every_steps``."""
     cap = max(1, total_steps)
     if checkpoint_cost_s is None or step_time_s is None:
-        every = first_auto_every_steps(total_steps)
+        every = first_auto_every_steps(total_steps, tier)
         return AutoInterval(every_steps=every,
                             why=f"every {every} steps until a checkpoint and steps are timed")
     cost, step = checkpoint_cost_s, step_time_s
@@ -80,6 +88,7 @@ def auto_every_steps(checkpoint_cost_s: float | None, step_time_s: float | None,
     every = min(ideal, cap)
     capped = f"; the run has only {total_steps} steps" if ideal > cap else ""
     return AutoInterval(every_steps=every, why=(
-        f"every {every} steps: Young/Daly sqrt(2 x {cost:.2f} s a checkpoint x MTBF {mtbf / 3600:.1f} h of "
+        f"every {every} steps: Young/Daly sqrt(2 x {cost:.{2 if cost >= 0.1 else 3}f} s a checkpoint x "
+        f"MTBF {mtbf / 3600:.1f} h of "
         f"{nodes} node(s) at {failures_per_node_day:g} failures per node-day) = {ideal} steps of {step:.3f} s"
         f"{capped}"))

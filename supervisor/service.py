@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 from supervisor import goodput, node_health, trainer_cmd, users
@@ -23,7 +24,7 @@ from supervisor.domain import (
     parse_run_id,
 )
 from supervisor.errors import NotFound, SpecError
-from supervisor.launchers.base import Launcher, NodeAdmin
+from supervisor.launchers.base import Launcher, NodeAdmin, waiting_standbys
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore, Tx
 from supervisor.views import (
@@ -34,6 +35,7 @@ from supervisor.views import (
     DaemonHealth,
     EventView,
     GoodputView,
+    MemoryCheckpointView,
     NodeView,
     ProbeView,
     RunDetail,
@@ -68,6 +70,7 @@ class SupervisorService:
         self.check_trainer = check_trainer
         self.clock = clock
         self._health = health
+        self._standbys = waiting_standbys(launcher)
 
     def health(self) -> DaemonHealth:
         if self._health is None:
@@ -136,6 +139,7 @@ class SupervisorService:
             stats = tx.attempt_stats(number)
             faults = tx.list_faults(number)
             checkpoints = tx.list_checkpoints(number, newest=CHECKPOINTS_SHOWN)
+            memory = tx.list_memory_checkpoints(number)[-1:]
             g = _account(tx, run, attempts, stats, faults, now)
             drained = [n.name for n in tx.allocation(number) if n.state is NodeState.DRAINED]
             stragglers = [StragglerView(attempt=x.attempt, rank=x.rank, node=x.node, busy_s=x.busy_s,
@@ -150,6 +154,8 @@ class SupervisorService:
             checkpoints=[checkpoint_view(c) for c in checkpoints],
             goodput=goodput_view(g), drained_nodes=drained, ettr=g.ettr,
             stragglers=stragglers, transient_spikes=transient_spikes,
+            memory_checkpoint=MemoryCheckpointView(**asdict(memory[0])) if memory else None,
+            standbys=dict(self._standbys().get(run.run_id, {})),
         )
 
     def events(self, run_id: str | None, after_id: int = 0, limit: int = 1000) -> list[EventView]:

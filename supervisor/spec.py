@@ -129,8 +129,9 @@ class TelemetrySpec(BaseModel):
         return v
 
 
-# trainer.checkpoint.every_steps = "auto": the supervisor sets the interval at each
-# attempt by the Young/Daly rule (supervisor/planning.py, policy.failures_per_node_day).
+# trainer.checkpoint.every_steps = "auto" (and memory_every_steps, the memory tier's):
+# the supervisor sets the interval at each attempt by the Young/Daly rule
+# (supervisor/planning.py, policy.failures_per_node_day), each tier from its own cost.
 AUTO = "auto"
 
 # supervisor/checkpoint_scan.py
@@ -287,8 +288,9 @@ class RunSpec(BaseModel):
             raise ValueError("trainer.checkpoint: expected a table")
         if not isinstance(ck.get("dir", ""), str):
             raise ValueError("trainer.checkpoint.dir: expected a path (a string)")
-        if isinstance(ck.get("every_steps"), str) and ck["every_steps"] != AUTO:
-            raise ValueError(f"trainer.checkpoint.every_steps: expected a number of steps or {AUTO!r}")
+        for key in ("every_steps", "memory_every_steps"):
+            if isinstance(ck.get(key), str) and ck[key] != AUTO:
+                raise ValueError(f"trainer.checkpoint.{key}: expected a number of steps or {AUTO!r}")
         if not isinstance(self.trainer.get("output_dir", ""), str):
             raise ValueError("trainer.output_dir: expected a path (a string)")
         return self
@@ -297,6 +299,12 @@ class RunSpec(BaseModel):
     def auto_checkpoints(self) -> bool:
         """The reference trainer's checkpoint interval is the supervisor's to set."""
         return self.trainer is not None and self.trainer.get("checkpoint", {}).get("every_steps") == AUTO
+
+    @property
+    def auto_memory_checkpoints(self) -> bool:
+        """... and so is its memory tier's."""
+        ck = self.trainer.get("checkpoint", {}) if self.trainer is not None else {}
+        return bool(ck.get("memory_every_steps") == AUTO)
 
     @property
     def exit_meanings(self) -> Mapping[int, ExitMeaning]:

@@ -25,7 +25,7 @@ from typing import Any
 from supervisor.domain import TrainerResult
 from supervisor.domain.step import DEFERRED, LaunchMode, readable
 from supervisor.errors import SpecError
-from supervisor.planning import first_auto_every_steps
+from supervisor.planning import TIER_MEMORY, first_auto_every_steps
 from supervisor.spec import RunSpec
 
 CHECK_TIMEOUT_S = 60.0
@@ -51,10 +51,11 @@ def result_path(spec: RunSpec, run_dir: Path) -> Path | None:
     return Path(spec.trainer.get("output_dir", run_dir / "output")) / "result.json"
 
 
-def trainer_config(spec: RunSpec, run_dir: Path, every_steps: int | None = None) -> dict[str, Any]:
+def trainer_config(spec: RunSpec, run_dir: Path, every_steps: int | None = None,
+                   memory_every_steps: int | None = None) -> dict[str, Any]:
     """The spec's [trainer] table with the run's own paths filled in, and the checkpoint
-    interval when the spec left it to the supervisor (``every_steps``; before one was
-    decided, the first attempt's)."""
+    intervals when the spec left them to the supervisor (``every_steps`` and
+    ``memory_every_steps``; before one was decided, the first attempt's)."""
     assert spec.trainer is not None
     path = result_path(spec, run_dir)
     assert path is not None
@@ -63,6 +64,9 @@ def trainer_config(spec: RunSpec, run_dir: Path, every_steps: int | None = None)
     checkpoint["dir"] = str(checkpoint_dir(spec, run_dir))
     if spec.auto_checkpoints:
         checkpoint["every_steps"] = every_steps or first_auto_every_steps(spec.total_steps)
+    if spec.auto_memory_checkpoints:
+        checkpoint["memory_every_steps"] = memory_every_steps or first_auto_every_steps(spec.total_steps,
+                                                                                        TIER_MEMORY)
     config["output_dir"] = str(path.parent)
     return config
 
@@ -78,15 +82,17 @@ def config_path(run_dir: Path, attempt: int) -> Path:
 
 
 def write_attempt_config(spec: RunSpec, run_dir: Path, attempt: int, argv: tuple[str, ...] = (),
-                         skips: list[tuple[int, int]] | None = None, every_steps: int | None = None) -> Path:
+                         skips: list[tuple[int, int]] | None = None, every_steps: int | None = None,
+                         memory_every_steps: int | None = None) -> Path:
     """The attempt's trainer config; ``skips``: sample ranges the trainer steps over
     (data.skip, for the reference trainer; a [command] trainer is not told);
-    ``every_steps``: the checkpoint interval, for a spec that asked for ``auto``."""
+    ``every_steps``, ``memory_every_steps``: the tiers' intervals, for a spec that asked
+    for ``auto``."""
     path = config_path(run_dir, attempt)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     content: dict[str, Any] = ({"command": [readable(a) for a in argv]} if spec.command is not None
-                               else trainer_config(spec, run_dir, every_steps))
+                               else trainer_config(spec, run_dir, every_steps, memory_every_steps))
     if skips and spec.command is None:
         data = content.setdefault("data", {})
         data["skip"] = [list(r) for r in sorted({*map(tuple, data.get("skip", [])), *skips})]

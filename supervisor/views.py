@@ -76,6 +76,15 @@ class CheckpointView(BaseModel):
     attempt: int | None
 
 
+class MemoryCheckpointView(BaseModel):
+    """A save of the in-memory tier (trainer/memory_tier.py)."""
+
+    attempt: int
+    step: int
+    duration_s: float | None  # how long training was blocked
+    created_at: float
+
+
 class GoodputView(BaseModel):
     ettr: float | None
     wall_s: float
@@ -111,6 +120,8 @@ class RunDetail(RunSummary):
     faults: list[FaultView]  # the newest HISTORY_SHOWN
     faults_total: int
     checkpoints: list[CheckpointView]  # the newest CHECKPOINTS_SHOWN, oldest of them first
+    memory_checkpoint: MemoryCheckpointView | None = None  # the memory tier's newest save
+    standbys: dict[str, int] = {}  # node -> warm standbys waiting for the next attempt
     goodput: GoodputView
     drained_nodes: list[str]
     ettr: float | None

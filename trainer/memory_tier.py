@@ -223,6 +223,8 @@ class MemoryTier:
         self.wait()
         if self.is_node_leader:
             shutil.rmtree(self.node_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the run's directory, once no node uses it
+                self.node_dir.parent.rmdir()
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -24,7 +24,7 @@ shell sends a drain until ``drained`` shows it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -186,3 +186,10 @@ class ChaosHooks(Protocol):
         """Take the node's network link down (``cut``) or bring it back: its processes
         live on, cut off. Only where nodes are hosts of their own (a Slurm box)."""
         ...
+
+
+def waiting_standbys(launcher: Launcher) -> Callable[[], Mapping[str, Mapping[str, int]]]:
+    """The launcher's warm standbys waiting for a next attempt: run id -> node -> how many
+    (only the local launcher keeps any: supervisor/launchers/standby.py)."""
+    pool = getattr(launcher, "standbys", None)
+    return pool.waiting if pool is not None else dict

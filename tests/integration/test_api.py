@@ -211,9 +211,15 @@ def test_checkpoints_goodput_and_the_loss_curve(client: TestClient) -> None:
                                                  tokens_per_s=1e4)), 1000.0 + step)
     telemetry.ingest(*p.encode(p.CheckpointCommitted(run="run-1", attempt=1, rank=0, ts=0.0, step=20,
                                                      path="/ck/20", duration_s=0.3)), 1020.5)
+    telemetry.ingest(*p.encode(p.CheckpointCommitted(run="run-1", attempt=1, rank=0, ts=0.0, step=25,
+                                                     path="memory:1:25", duration_s=0.004, tier=p.TIER_MEMORY)),
+                     1025.5)
     TelemetryRecorder(client.store, telemetry).record()  # type: ignore[attr-defined]
     assert client.get("/v1/runs/run-1/checkpoints").json() == [
-        {"step": 20, "path": "/ck/20", "complete": True, "duration_s": 0.3, "attempt": 1}]
+        {"step": 20, "path": "/ck/20", "complete": True, "duration_s": 0.3, "attempt": 1}], "persistent ones"
+    detail = client.get("/v1/runs/run-1").json()
+    assert detail["memory_checkpoint"] == {"attempt": 1, "step": 25, "duration_s": 0.004, "created_at": 1025.5}
+    assert detail["standbys"] == {}
     assert client.get("/v1/runs/run-1/goodput").json()["ettr"] is None, "no attempt has started"
     curve = client.get("/v1/runs/run-1/metrics", params={"max_points": 10}).json()
     assert len(curve) == 10 and curve[0]["step"] == 1 and curve[-1]["step"] == 50

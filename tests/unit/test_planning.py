@@ -36,6 +36,18 @@ def test_an_auto_interval_follows_what_the_run_measured() -> None:
     assert often.every_steps < auto.every_steps, "more nodes fail more often: checkpoint more often"
 
 
+def test_each_tier_gets_its_own_interval_from_its_own_cost() -> None:
+    first = planning.auto_every_steps(None, 0.2, nodes=2, failures_per_node_day=1.0, total_steps=1000,
+                                      tier=planning.TIER_MEMORY)
+    assert first.every_steps == planning.AUTO_FIRST_MEMORY_EVERY_STEPS
+    memory = planning.auto_every_steps(0.005, 0.2, nodes=2, failures_per_node_day=1.0, total_steps=10**6,
+                                       tier=planning.TIER_MEMORY)
+    persistent = planning.auto_every_steps(2.0, 0.2, nodes=2, failures_per_node_day=1.0, total_steps=10**6)
+    assert memory.every_steps == round(math.sqrt(2 * 0.005 * 43_200) / 0.2) == 104
+    assert persistent.every_steps == round(math.sqrt(2 * 2.0 * 43_200) / 0.2) == 2078, "20 x: 400 x the cost"
+    assert "0.005 s a checkpoint" in memory.why
+
+
 def test_the_advise_command() -> None:
     out = subprocess.run([sys.executable, "-m", "supervisor.cli", "advise", "--nodes", "2048", "--checkpoint-s",
                           "30", "--step-time-s", "4", "--json"], capture_output=True, text=True, cwd=REPO,

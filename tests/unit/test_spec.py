@@ -104,6 +104,23 @@ def test_an_auto_checkpoint_interval_is_the_supervisors_to_set(tmp_path: Path) -
         parse_spec({"name": "c", "trainer": {"steps": 3, "checkpoint": {"every_steps": "often"}}})
 
 
+def test_the_memory_tiers_auto_interval_is_set_apart_from_the_persistent_one(tmp_path: Path) -> None:
+    from supervisor import trainer_cmd
+
+    spec = parse_spec({"name": "a", "trainer": {"steps": 300, "checkpoint": {
+        "every_steps": 40, "memory_every_steps": "auto", "asynchronous": True}}})
+    assert spec.auto_memory_checkpoints and not spec.auto_checkpoints
+    config = trainer_cmd.trainer_config(spec, tmp_path)["checkpoint"]
+    assert (config["every_steps"], config["memory_every_steps"]) == (40, 10), "a fifth of the first persistent one"
+    assert trainer_cmd.trainer_config(spec, tmp_path, memory_every_steps=3)["checkpoint"]["memory_every_steps"] == 3
+    trainer_cmd.check_trainer_config(spec, tmp_path)  # the trainer accepts what it is given
+    with pytest.raises(SpecError, match="memory_every_steps: expected a number of steps or 'auto'"):
+        parse_spec({"name": "c", "trainer": {"steps": 3, "checkpoint": {"memory_every_steps": "often"}}})
+    env = trainer_cmd.attempt_env(spec, tmp_path)
+    assert env["TSUP_MEMORY_DIR"] == str(trainer_cmd.memory_dir(tmp_path)), "one memory directory per run"
+    assert trainer_cmd.memory_dir(tmp_path) != trainer_cmd.memory_dir(tmp_path / "other")
+
+
 COMMAND = {"argv": ["torchrun", "train.py"], "checkpoint_dir": "{run_dir}/ck"}
 
 
