@@ -19,10 +19,12 @@ in fp32; with AdamW's two moments 1.4 GB of state, 0.7 GB per rank of 2), once p
   and swaps replicas with the next node's rank. On this one host the "next node" is a
   process beside it: the replica goes over loopback, not a network.
 
-Per save, three figures:
+Per save, four figures:
 
 - ``reported_s``: what the trainer says it blocked: the whole save for ``sync``, the copy
   for the others (rank 0's log line, the same number as the telemetry's duration_s);
+- ``whole_save_s``: from the copy to the commit (persistent) or to the barrier after the
+  replica exchange (memory), background work included (rank 0's log line);
 - ``stall_s``: derived from rank 0's progress lines, stamped on arrival here: the gap
   from step N's line to step N + 1's, less step N + 1's own step time and less the
   median of the same gap over steps without a save. It holds everything the save cost
@@ -59,11 +61,12 @@ MODEL = {"model": "llama2-7b", "model_overrides": {"hidden_size": 1024, "interme
                                                      "n_layers": 4, "n_heads": 16, "n_kv_heads": 16}}
 MODES = ("none", "sync", "async", "memory")
 _STEP = re.compile(r"^step (\d+)/\d+ loss \S+ grad_norm \S+ lr \S+ step_time_s (\S+)")
+# Per mode: (step, the time training was blocked, the whole save's time) from rank 0's log.
 _REPORTED = {
-    "sync": re.compile(r"^checkpoint step (\d+) committed to \S+ in (\S+) s"),
-    "async": re.compile(r"^checkpoint step (\d+) committed to \S+ in \S+ s "
+    "sync": re.compile(r"^checkpoint step (\d+) committed to \S+ in ((\S+)) s"),
+    "async": re.compile(r"^checkpoint step (\d+) committed to \S+ in (\S+) s "
                         r"\(beside training; it blocked (\S+) s"),
-    "memory": re.compile(r"^memory checkpoint step (\d+) whole in \S+ s \(training blocked (\S+) s"),
+    "memory": re.compile(r"^memory checkpoint step (\d+) whole in (\S+) s \(training blocked (\S+) s"),
 }
 
 
@@ -120,11 +123,12 @@ def analyse(mode: str, lines: list[tuple[float, str]], every: int, steps: int) -
         if m:
             at[int(m[1])], step_time[int(m[1])] = t, float(m[2])
     reported: dict[int, float] = {}
+    whole: dict[int, float] = {}
     pattern = _REPORTED.get(mode)
     for _, line in lines:
         m = pattern.match(line) if pattern else None
         if m:
-            reported[int(m[1])] = float(m[2])
+            reported[int(m[1])], whole[int(m[1])] = float(m[3]), float(m[2])
     saves = [n for n in range(every, steps, every)] if mode != "none" else []
     gaps = {n: at[n + 1] - at[n] - step_time[n + 1] for n in range(2, steps) if n in at and n + 1 in at}
     ordinary = [g for n, g in gaps.items() if n not in saves]
@@ -133,6 +137,7 @@ def analyse(mode: str, lines: list[tuple[float, str]], every: int, steps: int) -
     return {
         "saves": saves,
         "reported_s": [round(reported[n], 3) for n in saves if n in reported],
+        "whole_save_s": [round(whole[n], 3) for n in saves if n in whole],
         "stall_s": stalls,
         "stall_p50_s": round(statistics.median(stalls), 3) if stalls else None,
         "wall_s": round(at[max(at)] - at[min(at)], 3) if at else None,

@@ -431,10 +431,10 @@ def _inputs(args: argparse.Namespace) -> dict[str, str]:
     }
     if args.tiers:
         sources |= {
-            "copy_gb_s": "measured: a rank's copy of its shards to host memory (bench/checkpoint_tiers.py)",
             "memory_checkpoint_s": f"scaled: {STATE_BYTES_PER_RANK / 1e6:.0f} MB a rank (70B x 16 bytes over "
                                    "16,384 ranks) at the measured copy rate",
-            "checkpoint_s": "scaled: the asynchronous persistent save blocks for the same copy",
+            "persistent_blocking_s": "scaled: the asynchronous persistent save blocks for the same copy; "
+                                     "checkpoint_s is its write, and a cold restart's read",
             "memory_every_s": "the Young/Daly interval of the memory save's cost",
             "persistent_every_s": "assumed: 30 minutes",
             "warm_restart_s": f"measured: {MEASURED_WARM_RESTART_S} s with warm standbys for 4 ranks "
@@ -442,7 +442,11 @@ def _inputs(args: argparse.Namespace) -> dict[str, str]:
                               "replica transfer at the copy rate",
         }
         sources.pop("checkpoint_every_s")
-    return {k: ("given on the command line" if k in given else v) for k, v in sources.items()}
+    out = {k: ("given on the command line" if k in given else v) for k, v in sources.items()}
+    if args.tiers:  # a measurement, and always given
+        out["copy_gb_s"] = (f"measured: {args.copy_gb_s} GB/s, a rank's copy of its shards to host memory "
+                            "(bench/checkpoint_tiers.py)")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -473,12 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--persistent-every-s", type=float, default=1800.0)
     ap.add_argument("--warm-restart-s", type=float, default=None)
     args = ap.parse_args(argv)
-    if args.tiers:
-        if args.copy_gb_s is None or args.copy_gb_s <= 0:
-            ap.error("--tiers needs --copy-gb-s (measured by bench/checkpoint_tiers.py)")
-        copy_s = STATE_BYTES_PER_RANK / (args.copy_gb_s * 1e9)
-        if "--checkpoint-s" not in " ".join(sys.argv if argv is None else argv):
-            args.checkpoint_s = copy_s
+    if args.tiers and (args.copy_gb_s is None or args.copy_gb_s <= 0):
+        ap.error("--tiers needs --copy-gb-s (measured by bench/checkpoint_tiers.py)")
     if args.nodes < 1 or args.spares < 0 or args.days <= 0 or args.failures_per_node_day <= 0:
         ap.error("--nodes >= 1, --spares >= 0, --days > 0 and --failures-per-node-day > 0")
     rate = args.failures_per_node_day / 86_400
@@ -493,14 +493,17 @@ def main(argv: list[str] | None = None) -> int:
                   queue_wait_s=args.queue_wait_s, repair_s=args.repair_s)
     tiers: dict[str, object] = {}
     if args.tiers:
-        memory_s = copy_s
+        # Both tiers block for a copy of a rank's state; --checkpoint-s stays the storage
+        # write (and read, in a cold restart's checkpoint load).
+        memory_s = copy_s = STATE_BYTES_PER_RANK / (args.copy_gb_s * 1e9)
         memory_every = args.memory_every_s or planning.young_daly_interval_s(memory_s, mtbf)
         warm = args.warm_restart_s if args.warm_restart_s is not None else (
             MEASURED_WARM_RESTART_S + RENDEZVOUS_S_PER_NODE * args.nodes + copy_s)
-        base = replace(base, memory_every_s=memory_every, memory_checkpoint_s=memory_s,
+        base = replace(base, memory_every_s=memory_every, memory_checkpoint_s=memory_s, checkpoint_s=copy_s,
                        persistent_every_s=args.persistent_every_s, warm_restart_s=warm,
                        checkpoint_every_s=args.persistent_every_s)
         tiers = {"copy_gb_s": args.copy_gb_s, "memory_checkpoint_s": round(memory_s, 4),
+                 "persistent_blocking_s": round(copy_s, 4),
                  "memory_every_s": round(memory_every, 1), "persistent_every_s": args.persistent_every_s,
                  "warm_restart_s": round(warm, 2)}
     began = time.perf_counter()

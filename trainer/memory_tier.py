@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import mmap
 import os
 import re
 import shutil
 import tempfile
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,14 +145,17 @@ class MemoryTier:
                on_whole: Callable[[Saved], None]) -> Saved:
         directory = self.node_dir / save_dir_name(self.attempt, step)
         directory.mkdir(parents=True, exist_ok=True)
-        buffer = io.BytesIO()
-        torch.save(payload, buffer)
-        _write_atomic(directory / _own(self.rank), buffer.getbuffer())
+        own = directory / _own(self.rank)
+        tmp = _tmp_name(own)
+        torch.save(payload, tmp)  # straight into node memory: the one copy the save makes
+        os.replace(tmp, own)
+        del payload
         peer = peer_of(self.rank, self.world, self.ranks_per_node)
         if peer != self.rank:  # one node: no other node to hold a replica
             source = (self.rank - self.ranks_per_node) % self.world
-            received = _exchange(buffer.getbuffer(), send_to=peer, receive_from=source, group=self.group)
-            _write_atomic(directory / _replica(source), received.numpy())
+            replica = directory / _replica(source)
+            _exchange(own, _tmp_name(replica), send_to=peer, receive_from=source, group=self.group)
+            os.replace(_tmp_name(replica), replica)
         dist.barrier(group=self.group)  # every rank's file and replica are in memory
         if self.is_node_leader:
             self._prune(keep_from=step)
@@ -196,20 +199,19 @@ class MemoryTier:
                         f"memory:{attempt}:{step}: rank {rank}'s state after step {step} is on no node "
                         f"of this attempt (its node and the next one were both lost)")
                 sources[rank] = having[0]
-        data: bytes | None = None
-        if sources[self.rank] == self.rank:
-            data = _read(directory, self.rank)
+        local = sources[self.rank] == self.rank
+        mine: Path | io.BytesIO | None = _file_of(directory, self.rank) if local else None
         for rank in range(self.world):  # the same order everywhere: each send meets its receive
             source = sources[rank]
             if source == rank:
                 continue
             if self.rank == source:
-                _send(memoryview(_read(directory, rank)), rank, self.group)
+                _send(_file_of(directory, rank), rank, self.group)
             elif self.rank == rank:
-                data = _receive(source, self.group)
-        assert data is not None
+                mine = io.BytesIO(_receive(source, self.group))
+        assert mine is not None
         try:
-            payload = torch.load(io.BytesIO(data), weights_only=True)
+            payload = torch.load(mine, weights_only=True, mmap=isinstance(mine, Path))
             _load_into(model, optimizer, payload["state"])
         except (RuntimeError, KeyError, ValueError, TypeError, EOFError) as e:
             raise CheckpointUnreadable(f"memory:{attempt}:{step}: rank {self.rank}'s state does not load: "
@@ -255,30 +257,44 @@ def _held(directory: Path) -> list[int]:
     return sorted(held)
 
 
-def _read(directory: Path, rank: int) -> bytes:
+def _file_of(directory: Path, rank: int) -> Path:
+    """The file of ``rank``'s state this node holds: its own, or the replica."""
     own = directory / _own(rank)
-    return (own if own.exists() else directory / _replica(rank)).read_bytes()
+    return own if own.exists() else directory / _replica(rank)
 
 
-def _write_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
+@contextlib.contextmanager
+def _mapped(path: Path, size: int | None = None) -> Iterator[torch.Tensor]:
+    """A file in node memory as a uint8 tensor over its pages, without a copy: an existing
+    one to read (``size`` None), or a new one of ``size`` bytes to fill."""
+    with open(path, "rb" if size is None else "w+b") as f:
+        if size is not None:
+            f.truncate(size)
+        # ACCESS_COPY: a private mapping, which torch takes as writable; reading copies nothing.
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY if size is None else mmap.ACCESS_WRITE)
+        try:
+            tensor = torch.frombuffer(m, dtype=torch.uint8)
+            yield tensor
+            del tensor  # the mapping cannot close while a tensor still points into it
+        finally:
+            m.close()
 
 
 # --- the wire -----------------------------------------------------------------------
 
 
-def _exchange(payload: memoryview, *, send_to: int, receive_from: int, group: Any) -> torch.Tensor:
-    """Send ``payload`` to one rank while receiving another's (sizes first)."""
-    size_out = torch.tensor([len(payload)], dtype=torch.int64)
+def _exchange(outgoing: Path, incoming: Path, *, send_to: int, receive_from: int, group: Any) -> None:
+    """Send the file ``outgoing`` to one rank while receiving another's into the new file
+    ``incoming`` (sizes first), both straight from and into node memory."""
+    size_out = torch.tensor([outgoing.stat().st_size], dtype=torch.int64)
     size_in = torch.zeros(1, dtype=torch.int64)
     _both(dist.isend(size_out, send_to, group=group), dist.irecv(size_in, receive_from, group=group))
-    received = torch.empty(int(size_in.item()), dtype=torch.uint8)
-    outgoing = torch.frombuffer(payload, dtype=torch.uint8)
-    _both(dist.isend(outgoing, send_to, group=group), dist.irecv(received, receive_from, group=group))
-    return received
+    with _mapped(outgoing) as data_out, _mapped(incoming, int(size_in.item())) as data_in:
+        _both(dist.isend(data_out, send_to, group=group), dist.irecv(data_in, receive_from, group=group))
 
 
 def _both(*works: Any) -> None:
@@ -286,9 +302,10 @@ def _both(*works: Any) -> None:
         work.wait()
 
 
-def _send(payload: memoryview, to: int, group: Any) -> None:
-    dist.send(torch.tensor([len(payload)], dtype=torch.int64), to, group=group)
-    dist.send(torch.frombuffer(payload, dtype=torch.uint8), to, group=group)
+def _send(path: Path, to: int, group: Any) -> None:
+    dist.send(torch.tensor([path.stat().st_size], dtype=torch.int64), to, group=group)
+    with _mapped(path) as data:
+        dist.send(data, to, group=group)
 
 
 def _receive(source: int, group: Any) -> bytes:

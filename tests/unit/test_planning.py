@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -66,3 +67,24 @@ def test_the_simulation_accounts_for_every_second_and_drives_the_policy() -> Non
     assert failures > 5 and d["attempts"] == failures + 1, "every interruption is one restart"
     assert d["policy_decisions"] >= 3 * failures
     assert d["breakdown"]["lost_work"] > 0 and d["breakdown"]["checkpoint"] > 0
+
+
+def test_with_the_memory_tier_the_policy_resumes_from_memory_and_less_is_lost() -> None:
+    def simulate(*extra: str) -> dict[str, Any]:
+        out = subprocess.run([sys.executable, "bench/simulate.py", "--nodes", "256", "--spares", "2", "--days",
+                              "20", "--seed", "3", *extra], capture_output=True, text=True, cwd=REPO, check=True,
+                             timeout=300)
+        return dict(json.loads(out.stdout))
+
+    base, tiers = simulate(), simulate("--tiers", "--copy-gb-s", "2.5")
+    assert tiers["accounted"] == pytest.approx(1.0, abs=1e-3)
+    failures = tiers["failures"]["hardware"] + tiers["failures"]["software"]
+    # The first attempt starts from scratch; every recovery after it resumes from memory
+    # (one node lost at a time: its replicas are on the next node), decided by the policy.
+    assert tiers["resumed_from_memory"] == tiers["attempts"] - 1 == failures
+    assert tiers["breakdown"]["lost_work"] < base["breakdown"]["lost_work"] / 5
+    assert tiers["breakdown"]["checkpoint"] < base["breakdown"]["checkpoint"] / 5
+    assert tiers["ettr"] > base["ettr"]
+    assert "copy_gb_s" in tiers["inputs"] and "checkpoint_every_s" not in tiers["inputs"]
+    with pytest.raises(subprocess.CalledProcessError):
+        simulate("--tiers")  # the copy rate is a measurement: it must be given
