@@ -97,7 +97,7 @@ def peer_of(rank: int, world_size: int, ranks_per_node: int) -> int:
 @dataclass(frozen=True, slots=True)
 class Saved:
     step: int
-    blocking_s: float  # the training thread's copy to host memory
+    blocking_s: float  # what the training thread waited: the previous save (if still going), the copy
     total_s: float  # from the copy to the barrier after the replica exchange
 
 
@@ -122,8 +122,8 @@ class MemoryTier:
         """Copy this rank's state to host memory and hand the rest to the background
         thread; returns the seconds the caller was blocked. ``on_whole`` runs on the
         background thread once every rank's save and replica of ``step`` are written."""
+        started = time.perf_counter()  # training is blocked from here: the wait counts too
         self.wait()  # one save in flight at a time: the previous one's result first
-        started = time.perf_counter()
         model_state, optim_state = get_state_dict(model, optimizer)
         state = _local_copy({"model": model_state, "optimizer": optim_state})
         blocking = time.perf_counter() - started

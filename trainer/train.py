@@ -407,8 +407,8 @@ class _Runner:
             self._persist(meta, state, blocking_s=None)
             self.telemetry.set_phase(Phase.TRAIN, self.step)
             return
+        started = time.perf_counter()  # training is blocked from here: the wait counts too
         self._wait_persistent()  # one save in flight: the previous one is on storage first
-        started = time.perf_counter()
         state = checkpoint.staged(state)
         blocking = time.perf_counter() - started
         self._persisting = self._persist_worker.submit(self._persist, meta, state, blocking)

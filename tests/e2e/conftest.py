@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import sqlite3
 import subprocess
@@ -32,9 +34,28 @@ def env() -> dict[str, str]:
 
 
 def tsup(*args: str | Path, timeout_s: float = 400) -> subprocess.CompletedProcess[str]:
-    """`training-supervisor ARGS`, waited for."""
-    return subprocess.run([sys.executable, "-m", "supervisor.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout_s, env=env(), cwd=REPO, check=False)
+    """`training-supervisor ARGS`, waited for. One that outlives ``timeout_s`` gets SIGABRT
+    (PYTHONFAULTHANDLER: every thread's stack on its stderr), and the failure shows where
+    it was stuck."""
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**env(), "PYTHONFAULTHANDLER": "1"},
+                            cwd=REPO)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        children = psutil.Process(proc.pid).children(recursive=True)  # its trainers: gone with it
+        proc.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        raise AssertionError(f"training-supervisor {' '.join(map(str, args))} did not end in {timeout_s:.0f} s; "
+                             f"its stderr, with every thread's stack:\n{err[-12000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def ctl(url: str, *args: str, timeout_s: float = 60,
