@@ -40,17 +40,38 @@ def supervised(tmp_path: Path, *args: str) -> tuple[dict[str, Any], Path]:
     return summary_of(proc), state / "runs" / "run-1"
 
 
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def injected_only(s: dict[str, Any], run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The run's faults and attempts without a teardown abort of the stand-in after its last
+    step. torch now and then aborts a worker as the job exits (seen in CI: a C++
+    ``std::terminate`` after step 60, SIGABRT). For the supervisor that is a job that
+    failed at step 60: it resumes from that checkpoint and the job ends, which is right,
+    but it is no fault of the test's. Only such a fault, at the last step and with that
+    line in its attempt's log, is set aside; any other makes the test fail."""
+    faults, history = list(s["faults"]), list(s["attempt_history"])
+    while faults and faults[-1]["kind"] == "rank-exit" and faults[-1]["step"] == FSDP_STEPS:
+        n = faults[-1]["attempt"]
+        logs = "".join(p.read_text(errors="replace") for p in (run_dir / "attempts" / str(n)).glob("*.log"))
+        if TEARDOWN_ABORT not in logs:
+            break
+        faults.pop()
+        history = [a for a in history if a["number"] <= n]
+    return faults, history
+
+
 def test_a_killed_rank_then_a_hung_rank_are_found_and_recovered_to_the_same_weights(
         tmp_path: Path, fsdp_never_failed: dict[str, Any]) -> None:
     """SIGKILL of rank 3 (a worker under node 2's torchrun) at step 15; in the attempt that
     resumed, SIGSTOP of rank 1 at step 35: found from its output within max(10 s, 3 x p99)."""
     s, run_dir = supervised(tmp_path, spec(tmp_path), "--chaos", "kill-rank@15:3", "--chaos", "hang-rank@35:1")
     assert s["state"] == "SUCCEEDED", s
-    killed, hung = s["faults"]
+    faults, history = injected_only(s, run_dir)
+    killed, hung = faults
     assert killed["kind"] == "rank-exit", killed
     assert hung["kind"] == "hang" and "adaptive hang timeout" in hung["summary"], hung
     assert hung["detected_at"] - hung["injected_at"] <= 10 + 2.0, "max(10 s, 3 x p99 step time), plus a read"
-    history = s["attempt_history"]
     assert [a["resume_step"] for a in history] == [0, 10, 30]
     assert all(a["resume_from"] is None or a["resume_from"].endswith(f"llama_v3-{a['resume_step']}steps")
                for a in history)
@@ -59,7 +80,7 @@ def test_a_killed_rank_then_a_hung_rank_are_found_and_recovered_to_the_same_weig
     assert s["drained_nodes"] == [], "a killed worker or a stopped rank is no evidence against a node"
     assert_same_weights(run_dir / "final.pt", fsdp_never_failed)
     times = {f["kind"]: (round(f["detected_at"] - f["injected_at"], 2), round(f["recovered_at"] - f["injected_at"], 2))
-             for f in s["faults"]}
+             for f in faults}
     print(json.dumps({"detect_and_recover_s": times}))
 
 
@@ -69,8 +90,9 @@ def test_a_nan_and_a_loss_spike_in_its_log_lines_roll_back_to_the_same_weights(
     each): both read from "Batch %d Loss: ..." lines, both rolled back."""
     s, run_dir = supervised(tmp_path, spec(tmp_path, "--nan_at", "25", "--spike_at", "45"))
     assert s["state"] == "SUCCEEDED", s
-    nan, spike = s["faults"]
+    faults, history = injected_only(s, run_dir)
+    nan, spike = faults
     assert nan["kind"] == "nonfinite" and nan["step"] == 25, nan
     assert spike["kind"] == "spike" and spike["step"] == 45 and "loss spike from step 45" in spike["summary"]
-    assert [a["resume_step"] for a in s["attempt_history"]] == [0, 20, 40]
+    assert [a["resume_step"] for a in history] == [0, 20, 40]
     assert_same_weights(run_dir / "final.pt", fsdp_never_failed)
