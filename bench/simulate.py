@@ -183,8 +183,6 @@ class Sim:
         return a if a is not None and a.state is not AttemptState.ENDED else None
 
     def view(self) -> RunView:
-        if not self.p.memory_every_s:
-            self.persistent = self.work
         ck = (CheckpointRef(step=int(self.persistent), path=f"ckpt-{int(self.persistent)}")
               if self.persistent else None)
         memory = None
@@ -287,6 +285,8 @@ class Sim:
         if self.p.memory_every_s:  # persistent saves at whole multiples of their interval
             every = self.p.persistent_every_s
             self.persistent = max(self.persistent, min(kept, (done // every) * every))
+        else:  # the one tier: every save is persistent
+            self.persistent = kept
         self.segment = None
 
     # --- the loop -------------------------------------------------------------------

@@ -204,7 +204,6 @@ class Observer:
             known = tx.allocation(run.number)
             open_faults = tx.count_open_faults(run.number)
             faults = tuple(tx.list_faults(run.number))
-            memory_saves = tx.list_memory_checkpoints(run.number)
             stragglers = tuple(StragglerReport(attempt=s.attempt, rank=s.rank, node=s.node)
                                for s in tx.list_stragglers(run.number))
         live = attempts[-1] if attempts and attempts[-1].state in LIVE_ATTEMPT_STATES else None
@@ -236,6 +235,8 @@ class Observer:
                 live is None or live.state is not AttemptState.RUNNING):
             before, unreadable = resume_before(attempts, faults), unreadable_checkpoints(faults)
             newest = self._newest_checkpoint(spec, run_dir, facts, before, unreadable)
+            with self.store.tx() as tx:
+                memory_saves = tx.list_memory_checkpoints(run.number)
             newest_memory = _newest_memory(memory_saves, attempts, newest, before, unreadable)
         view = RunView(
             run=run, attempts=attempts, allocation=allocation, newest_checkpoint=newest,

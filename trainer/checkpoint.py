@@ -51,19 +51,26 @@ def stage(model: nn.Module, optimizer: torch.optim.Optimizer, *, tamper: bool = 
     return {"model": model_state, "optimizer": optim_state}
 
 
+def map_tensors(state: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``state`` (nested dicts, lists, tuples) with ``fn`` applied to every tensor."""
+    if isinstance(state, torch.Tensor):
+        return fn(state)
+    if isinstance(state, dict):
+        return {k: map_tensors(v, fn) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(map_tensors(v, fn) for v in state)
+    return state
+
+
 def staged(state: Any) -> Any:
     """``state`` with every tensor a copy (a DTensor keeps its sharding): the blocking
     part of an asynchronous save."""
-    if isinstance(state, DTensor):
-        return DTensor.from_local(state.to_local().detach().clone(), state.device_mesh, state.placements,
-                                  run_check=False, shape=state.shape, stride=state.stride())
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    if isinstance(state, dict):
-        return {k: staged(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(staged(v) for v in state)
-    return state
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            return DTensor.from_local(t.to_local().detach().clone(), t.device_mesh, t.placements,
+                                      run_check=False, shape=t.shape, stride=t.stride())
+        return t.detach().clone()
+    return map_tensors(state, copy)
 
 
 def save(root: Path, meta: layout.TrainerMeta, state: dict[str, Any], *, keep: int, is_main: bool,

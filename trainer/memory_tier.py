@@ -55,7 +55,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from trainer import distributed
+from trainer import checkpoint, distributed
 from trainer.errors import CheckpointUnreadable, UsageError
 
 KEEP = 2  # memory saves each node keeps (the newest whole one, and one being written)
@@ -321,15 +321,8 @@ def _receive(source: int, group: Any) -> bytes:
 
 def _local_copy(tree: Any) -> Any:
     """``tree`` with every tensor replaced by a copy of this rank's part of it."""
-    if isinstance(tree, DTensor):
-        return tree.to_local().detach().clone()
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: _local_copy(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_local_copy(v) for v in tree)
-    return tree
+    return checkpoint.map_tensors(
+        tree, lambda t: (t.to_local() if isinstance(t, DTensor) else t).detach().clone())
 
 
 def _copy_into(live: Any, saved: Any, where: str = "") -> Any:
