@@ -311,6 +311,9 @@ def _dry_run(args: argparse.Namespace, data: dict[str, Any]) -> int:
         raise UsageError(str(e)) from e
     run_dir = Path("<state-dir>/runs/run-N")
     argv = trainer_cmd.attempt_argv(spec, run_dir, 1, None, 0)
+    # What the ranks' environment adds, as the daemon builds it (observe.launch_spec) less
+    # the telemetry's broker and key, which only the daemon knows.
+    env = {**trainer_cmd.attempt_env(spec, run_dir), "TSUP_RUN_ID": "run-N", "TSUP_ATTEMPT": "1"}
     res = spec.resources
     launch = trainer_cmd.launch_mode(spec)
     if res.launcher == "slurm":
@@ -319,7 +322,7 @@ def _dry_run(args: argparse.Namespace, data: dict[str, Any]) -> int:
             ranks_per_node=res.ranks_per_node, argv=argv, partition=res.partition,
             time_limit_min=res.time_limit_min, log_dir=run_dir, handles_usr1=spec.handles_usr1,
             cwd=trainer_cmd.attempt_cwd(spec, run_dir), srun_args=trainer_cmd.attempt_srun_args(spec),
-            launch=launch, rdzv_id=rdzv_id("run-N", 1))}
+            launch=launch, rdzv_id=rdzv_id("run-N", 1), env=env)}
     else:
         step = Step(nnodes=res.nodes, nproc_per_node=res.ranks_per_node, master_addr="127.0.0.1",
                     master_port="<free port>", rdzv_id=rdzv_id("run-N", 1))
@@ -332,8 +335,10 @@ def _dry_run(args: argparse.Namespace, data: dict[str, Any]) -> int:
         print(f"# the allocation: {res.nodes} node(s) to train on + {res.spares} hot spare(s)")
         print(requests.describe(plan["sbatch"]) + " <<'EOF'")
         print(plan["batch_script"] + "EOF")
-        print(f"# each attempt: a job step on {res.nodes} healthy node(s) of the allocation")
-        print(requests.describe(plan["srun"]))
+        tasks = "one task per node" if launch == "node" else f"{res.ranks_per_node} task(s) per node"
+        print(f"# each attempt: a job step on {res.nodes} healthy node(s) of the allocation, {tasks};")
+        print("# srun passes its environment on to every task (--export=ALL, Slurm's default)")
+        print(requests.describe(plan["srun"], plan["srun_env"], one_per_line=True))
     else:
         print(f"# {plan['processes']} process(es) on this machine, one per {launch}, each running:")
         print(requests.describe(argv))

@@ -83,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
                           "cluster SLURM_CONF names")
     run.add_argument("--api-port", type=int, default=0,
                      help="serve the API on 127.0.0.1:PORT while running (0: any free port, -1: none)")
+    run.add_argument("--local-nodes", type=int, default=64, metavar="N",
+                     help="the local launcher's cluster size: it simulates at most N nodes (default 64); "
+                          "a run that loses nodes beyond them has no new ones to get")
 
     advise = sub.add_parser("advise", help="how often to checkpoint: the Young/Daly interval for a job")
     advise.add_argument("--nodes", type=int, required=True, help="nodes the job trains on")
@@ -232,7 +235,7 @@ async def _run(args: argparse.Namespace) -> int:
     settings = DaemonSettings(
         state_dir=state_dir, mqtt_url=spec.telemetry.mqtt_url,
         api_port=None if args.api_port < 0 else args.api_port, check_trainer_config=False,
-        launcher=spec.resources.launcher,
+        launcher=spec.resources.launcher, max_local_nodes=args.local_nodes,
         allow_root_runs=True,  # the trainer runs as whoever ran this (unless the spec names a user)
     )
     async with Daemon(settings, api=daemon_app) as daemon:
@@ -319,7 +322,7 @@ class _Progress:
 def _summary_json(d: dict[str, object], chaos: list[ChaosAction]) -> dict[str, object]:
     out = {
         "run_id": d["run_id"], "name": d["name"], "state": d["state"], "reason": d["reason"],
-        "final_step": d["final_step"], "model_digest": d["model_digest"],
+        "final_step": d["final_step"], "model_digest": d["model_digest"], "loss": d["loss"],
         "attempts": d["attempts"], "faults": d["faults"], "faults_total": d["faults_total"],
         "ettr": d["ettr"],
         "goodput": d["goodput"], "drained_nodes": d["drained_nodes"],

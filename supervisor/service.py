@@ -97,7 +97,7 @@ class SupervisorService:
                 name=spec.name, spec_json=spec.to_json(), run_dir_root=self.runs_dir,
                 nodes=spec.resources.nodes, ranks_per_node=spec.resources.ranks_per_node,
                 spares=spec.resources.spares, total_steps=spec.total_steps,
-                policy=spec.policy.to_policy(), now=now,
+                policy=spec.policy.to_policy(spec.shrink_counts), now=now,
             )
             tx.add_event(run.number, "run.submitted",
                          f"{run.run_id} ({spec.name}) submitted: {spec.resources.nodes} nodes x "

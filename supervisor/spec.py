@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from supervisor.domain import TSUP_EXIT_CODES, ExitMeaning, Policy
 from supervisor.domain.step import STEP_PLACEHOLDERS, LaunchMode
 from supervisor.errors import SpecError
+from supervisor.node_env import Accelerator
 from supervisor.planning import LLAMA3_FAILURES_PER_NODE_DAY
 from supervisor.slurm.requests import SUPERVISOR_SRUN_OPTIONS
 from trainer.protocol import parse_mqtt_url
@@ -60,6 +61,10 @@ class ResourcesSpec(BaseModel):
     # and with torch imported, for the next attempt (supervisor/launchers/standby.py).
     # It costs each node a second interpreter per rank (here about 250 MB of memory each).
     standby: bool = False
+    # The nodes' accelerators, for the interconnect and runtime environment every step
+    # gets (supervisor/node_env.py): "neuron" (trn1.32xlarge: 32 ranks per node) or
+    # "nvidia" (p5.48xlarge: 8); absent, nothing is added.
+    accelerator: Accelerator | None = None
 
 
 _DAY_S = 86_400.0
@@ -99,9 +104,12 @@ class PolicySpec(BaseModel):
     lemon_faults: Annotated[int, Field(ge=2, le=10_000)] = 3
     lemon_window_s: Annotated[float, Field(gt=0, le=365 * _DAY_S)] = _DAY_S
     failures_per_node_day: Annotated[float, Field(gt=0, le=100)] = LLAMA3_FAILURES_PER_NODE_DAY
+    shrink_after_s: Annotated[float, Field(ge=0, le=365 * _DAY_S)] = 0.0
+    shrink_min_nodes: Annotated[int, Field(ge=1, le=4096)] = 1
 
-    def to_policy(self) -> Policy:
-        return Policy(**self.model_dump())
+    def to_policy(self, node_counts: tuple[int, ...] | None = None) -> Policy:
+        """The knobs, with the node counts the trainer can shrink to (RunSpec.shrink_counts)."""
+        return Policy(**self.model_dump(), shrink_node_counts=node_counts)
 
 
 class HealthSpec(BaseModel):
@@ -312,10 +320,32 @@ class RunSpec(BaseModel):
         return self.command.exit_meanings if self.command is not None else TSUP_EXIT_CODES
 
     @property
+    def neuron_backend(self) -> bool:
+        """The reference trainer on Neuron (``backend = "neuron"``): one torchrun per node."""
+        return self.trainer is not None and self.trainer.get("backend") == "neuron"
+
+    @property
     def handles_usr1(self) -> bool:
-        """The trainer saves a checkpoint on SIGUSR1: the reference trainer does; a
-        command only when it says so."""
-        return self.command.handles_usr1 if self.command is not None else True
+        """The trainer saves a checkpoint on SIGUSR1: the reference trainer does, but not
+        under torchrun (its Neuron backend), which SIGUSR1 would end; a command only
+        when it says so."""
+        return self.command.handles_usr1 if self.command is not None else not self.neuron_backend
+
+    @property
+    def shrink_counts(self) -> tuple[int, ...] | None:
+        """The node counts below ``resources.nodes`` that an attempt may shrink to (None:
+        any). The reference trainer keeps its global batch on fewer ranks by more
+        accumulation, so the batch must split evenly over the ranks and micro-batches; a
+        [command] that opts in to shrinking (policy.shrink_after_s) handles its own."""
+        if self.trainer is None:
+            return None
+        batch, micro = self.trainer.get("global_batch_size", 16), self.trainer.get("micro_batch_size")
+        if not isinstance(batch, int) or not isinstance(micro, (int, type(None))):
+            return ()  # the trainer's own check says what is wrong
+        def fits(nodes: int) -> bool:
+            ranks = nodes * self.resources.ranks_per_node
+            return batch % ranks == 0 and (micro is None or (batch // ranks) % micro == 0)
+        return tuple(k for k in range(1, self.resources.nodes) if fits(k))
 
     @property
     def total_steps(self) -> int:

@@ -25,8 +25,10 @@ from typing import Any
 from supervisor.domain import TrainerResult
 from supervisor.domain.step import DEFERRED, LaunchMode, readable
 from supervisor.errors import SpecError
+from supervisor.node_env import accelerator_env
 from supervisor.planning import TIER_MEMORY, first_auto_every_steps
 from supervisor.spec import RunSpec
+from trainer.neuron import launch as neuron_launch
 
 CHECK_TIMEOUT_S = 60.0
 
@@ -40,8 +42,11 @@ def checkpoint_dir(spec: RunSpec, run_dir: Path) -> Path:
 
 
 def checkpoint_layout(spec: RunSpec) -> str | None:
-    """The layout to look for (supervisor/checkpoint_scan.py); None: any."""
-    return spec.command.checkpoint_layout if spec.command is not None else "tsup"
+    """The layout to look for (supervisor/checkpoint_scan.py); None: any. The reference
+    trainer's Neuron backend writes NxD's (trainer/neuron/checkpoints.py)."""
+    if spec.command is not None:
+        return spec.command.checkpoint_layout
+    return "nxd" if spec.neuron_backend else "tsup"
 
 
 def result_path(spec: RunSpec, run_dir: Path) -> Path | None:
@@ -105,6 +110,17 @@ def trainer_argv(config: Path, resume_from: str | None) -> tuple[str, ...]:
     return (sys.executable, "-m", "trainer", "--config", str(config), "--resume", resume_from or "none")
 
 
+def neuron_trainer_argv(config: Path, resume_from: str | None) -> tuple[str, ...]:
+    """The reference trainer's Neuron backend: one torchrun per node (the one beside this
+    interpreter), its static rendezvous at the step's first node; the node's rank comes
+    from the per-node wrapper (PET_NODE_RANK, supervisor/slurm/requests.py)."""
+    program = neuron_launch.trainer_program(str(config), resume_from or "none")
+    return tuple(neuron_launch.torchrun_argv(
+        nnodes=DEFERRED["nnodes"], nproc_per_node=DEFERRED["nproc_per_node"],
+        master_addr=DEFERRED["master_addr"], master_port=DEFERRED["master_port"], program=program,
+        torchrun=str(Path(sys.executable).with_name("torchrun"))))
+
+
 def _names(spec: RunSpec, run_dir: Path) -> dict[str, str]:
     """What a [command]'s placeholders stand for; the step's own are left for the launcher
     to fill in (supervisor/domain/step.py)."""
@@ -116,7 +132,8 @@ def attempt_argv(spec: RunSpec, run_dir: Path, attempt: int, resume_from: str | 
     """Every rank's (or with ``launch = "node"``, every node's) command line for one
     attempt, with the step's placeholders still to fill (``Step.fill``)."""
     if spec.command is None:
-        return trainer_argv(config_path(run_dir, attempt), resume_from)
+        reference = neuron_trainer_argv if spec.neuron_backend else trainer_argv
+        return reference(config_path(run_dir, attempt), resume_from)
     names = _names(spec, run_dir)
     argv = [a.format(**names) for a in spec.command.argv]
     if resume_from is not None:
@@ -132,7 +149,9 @@ def attempt_cwd(spec: RunSpec, run_dir: Path) -> Path | None:
 
 
 def launch_mode(spec: RunSpec) -> LaunchMode:
-    return spec.command.launch if spec.command is not None else "rank"
+    if spec.command is not None:
+        return spec.command.launch
+    return "node" if spec.neuron_backend else "rank"
 
 
 def attempt_srun_args(spec: RunSpec) -> tuple[str, ...]:
@@ -153,8 +172,9 @@ def memory_dir(run_dir: Path) -> Path:
 
 
 def attempt_env(spec: RunSpec, run_dir: Path) -> dict[str, str]:
-    """The variables every rank of an attempt gets beyond the launcher's and the run's ids."""
-    env: dict[str, str] = {"NEURON_COMPILE_CACHE_URL": NEURON_COMPILE_CACHE}
+    """The variables every rank of an attempt gets beyond the launcher's and the run's ids:
+    the accelerators' (supervisor/node_env.py), then the trainer's, then a [command]'s own."""
+    env = {"NEURON_COMPILE_CACHE_URL": NEURON_COMPILE_CACHE, **accelerator_env(spec.resources.accelerator)}
     if spec.command is None:
         env["TSUP_TELEMETRY_AGGREGATE"] = spec.telemetry.aggregate
         env["TSUP_MEMORY_DIR"] = str(memory_dir(run_dir))

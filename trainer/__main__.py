@@ -32,7 +32,8 @@ from trainer.errors import (
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m trainer",
-        description="Llama pre-training on torch (FSDP2), supervised by training-supervisor.",
+        description="Llama pre-training on torch (FSDP2) or Neuron (NxD), supervised by "
+                    "training-supervisor.",
         epilog="Exit codes: 0 success, 1 unexpected error (may retry), "
                "2 configuration or usage error (do not retry).")
     action = parser.add_mutually_exclusive_group(required=True)
@@ -68,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 def _check(path: str, world_size: int | None) -> int:
     try:
         config = load_config(path)
-        if world_size is not None:
+        if config.backend == "neuron":
+            from trainer.neuron.layout import check_neuron_config  # stdlib only, like trainer.config
+
+            check_neuron_config(config, world_size)
+        elif world_size is not None:
             config.batch_layout(world_size)
     except ConfigError as e:
         for line in e.errors:
@@ -98,9 +103,14 @@ def _train(path: str, resume: str) -> int:
                         format=f"trainer[rank {rank}] %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(path)
-        from trainer.train import train  # torch is imported here, not before
+        if config.backend == "neuron":
+            from trainer.neuron.train import train_neuron  # the Neuron SDK is imported here
 
-        train(config, resume=resume)
+            train_neuron(config, resume=resume)
+        else:
+            from trainer.train import train  # torch is imported here, not before
+
+            train(config, resume=resume)
     except DoNotRetry as e:
         print(f"trainer[rank {rank}]: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code

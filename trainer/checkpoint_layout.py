@@ -142,12 +142,14 @@ class TrainerMeta:
             raise CheckpointMismatch(f"{path}: unreadable: {e}") from e
 
     def check_compatible(self, *, world_size: int, model: str,
-                         model_shape: dict[str, Any]) -> None:
-        """Raise CheckpointMismatch unless this run can resume bit-exactly from here."""
-        if self.world_size != world_size:
+                         model_shape: dict[str, Any], reshard: bool) -> None:
+        """Raise CheckpointMismatch unless this run can resume from here: the same model,
+        and the same world size unless the checkpoint can be ``reshard``ed on load (a
+        persistent DCP checkpoint can; a memory checkpoint's per-rank files cannot)."""
+        if self.world_size != world_size and not reshard:
             raise CheckpointMismatch(
                 f"checkpoint at step {self.step} was written by {self.world_size} ranks, "
-                f"this run has {world_size}; resume with the same world size")
+                f"this run has {world_size}; it restores only on the same world size")
         if self.model != model or self.model_shape != model_shape:
             raise CheckpointMismatch(
                 f"checkpoint at step {self.step} holds model {self.model!r} "

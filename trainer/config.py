@@ -1,7 +1,7 @@
 """The trainer's configuration: nested dataclasses validated on construction (stdlib only).
 
 ``python -m trainer --check-config FILE`` goes through this module without importing
-torch, so it must stay stdlib only (plus trainer.errors and trainer.shapes).
+torch, so it must stay stdlib only (plus trainer.errors, trainer.shapes and trainer.neuron.config).
 
 A config file is TOML (``.toml``) or JSON (``.json``) whose tables mirror the
 dataclasses below; every key is optional. Loading collects every problem it finds, one
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Union, cast, get_args, get_origin, get_type_hints
 
 from trainer.errors import ConfigError
+from trainer.neuron.config import NeuronConfig
 from trainer.shapes import SHAPES, ModelShape
 
 # ---- value checks shared by the __post_init__ methods -------------------------------------
@@ -101,14 +102,16 @@ def _raise_if(problems: list[str]) -> None:
 class OptimizerConfig:
     """AdamW with linear warm-up then cosine decay to ``min_lr`` at the last step.
 
-    The Llama 2 recipe (DESIGN.md) is lr 3e-4 -> 3e-5, 2000 warm-up steps, weight decay
-    0.1, betas (0.9, 0.95), eps 1e-5, grad clip 1.0; the defaults keep its shape but use a
-    10x larger lr and a short warm-up, which suits the ``tiny`` model and short runs.
+    The defaults are the Llama pre-training recipe (DESIGN.md): lr 3e-4 -> 3e-5, 2000
+    warm-up steps, weight decay 0.1, betas (0.9, 0.95), eps 1e-5, grad clip 1.0. A config
+    of the ``tiny`` model gets TINY_DEFAULTS instead for the keys it leaves out: a 10x
+    larger lr and a short warm-up, which suit a 0.1 M parameter model and runs of a few
+    hundred steps (2000 warm-up steps would be longer than the run).
     """
 
-    lr: float = 3e-3  # peak learning rate, reached at the end of warm-up
-    min_lr: float = 3e-4  # learning rate at the last step
-    warmup_steps: int = 10
+    lr: float = 3e-4  # peak learning rate, reached at the end of warm-up
+    min_lr: float = 3e-5  # learning rate at the last step
+    warmup_steps: int = 2000
     weight_decay: float = 0.1  # applied to matrices and embeddings, not to norm weights
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-5
@@ -140,12 +143,32 @@ class DataConfig:
     ``seed``: nothing is downloaded, and the loss falls because the chain is learnable.
     ``tokens``: a flat binary file of token ids (``dtype``, native byte order), cut into
     windows of ``seq_len + 1`` tokens that overlap by one token.
+    ``arrow``: a data set directory written by Hugging Face ``Dataset.save_to_disk`` (or
+    of ``*.arrow`` files) whose ``column`` (default ``input_ids``) holds each document's
+    token ids. ``text``: the same with raw text (``column`` default ``text``), tokenized
+    at start with the ``tokenizer.json`` at ``tokenizer``. Both pack the documents in
+    order, ``eos_id`` after each non-empty one (for ``text``, default: the tokenizer's
+    end-of-text token; for ``arrow``, none: such sets usually end documents with EOS
+    already), into windows that overlap by one token (trainer/packing.py).
+    ``streaming``: read an ``arrow`` or ``text`` set in order without indexing it first,
+    shuffling blocks of ``shuffle_block`` samples instead of whole epochs.
+
+    Validation data, never trained on: ``validation_path`` (a set of the same kind), or
+    the last ``validation_fraction`` of the samples (not with ``streaming``).
+    Relative paths are relative to the trainer's working directory.
     """
 
     kind: str = "synthetic"
-    path: str | None = None  # the token file, for kind = "tokens"
+    path: str | None = None  # the token file, or the data set directory (arrow, text)
     dtype: str = "uint16"  # element type of the token file: "uint16" or "uint32"
     num_samples: int = 4096  # size of the synthetic data set, in sequences
+    column: str | None = None  # the documents' column (arrow, text); None: the kind's default
+    tokenizer: str | None = None  # tokenizer.json, or a directory holding one (text)
+    eos_id: int | None = None  # token id put after every document (arrow, text)
+    streaming: bool = False  # arrow, text: read in order, no index (trainer/packing.py)
+    shuffle_block: int = 1024  # streaming: samples shuffled together
+    validation_path: str | None = None  # held-out data of the same kind as path
+    validation_fraction: float = 0.0  # or: this share of the samples, from the end
     # Sample ranges [start, end) of the data stream to step over (the supervisor's data
     # window skip after a loss spike, as PaLM did); positions are samples consumed.
     skip: Any = ()
@@ -153,16 +176,55 @@ class DataConfig:
     def __post_init__(self) -> None:
         p: list[str] = []
         self.skip = _skip_ranges(p, self.skip)
-        _need_choice(p, "kind", self.kind, ("synthetic", "tokens"))
+        _need_choice(p, "kind", self.kind, ("synthetic", "tokens", "arrow", "text"))
         _need_choice(p, "dtype", self.dtype, ("uint16", "uint32"))
         _need_int(p, "num_samples", self.num_samples, 1)
-        if self.path is not None and (not isinstance(self.path, str) or not self.path):
-            p.append(f"path: expected a file path, got {self.path!r}")
-        elif self.kind == "tokens" and self.path is None:
-            p.append("path: required when kind = 'tokens'")
-        elif self.kind == "synthetic" and self.path is not None:
-            p.append("path: only used when kind = 'tokens'")
+        documents = self.kind in ("arrow", "text")
+        kind = self.kind if self.kind in ("synthetic", "tokens", "arrow", "text") else None
+        self._check_path(p, "path", self.path, needed=self.kind != "synthetic", kind=kind,
+                         used_by=("tokens", "arrow", "text"))
+        self._check_path(p, "tokenizer", self.tokenizer, needed=self.kind == "text", kind=kind,
+                         used_by=("text",))
+        if self.column is not None and (not isinstance(self.column, str) or not self.column):
+            p.append(f"column: expected a column name, got {self.column!r}")
+        elif self.column is not None and not documents:
+            p.append("column: only used when kind is 'arrow' or 'text'")
+        if self.eos_id is not None:
+            _need_int(p, "eos_id", self.eos_id, 0)
+            if not documents:
+                p.append("eos_id: only used when kind is 'arrow' or 'text'")
+        if not isinstance(self.streaming, bool):
+            p.append(f"streaming: expected true or false, got {self.streaming!r}")
+        elif self.streaming and not documents:
+            p.append("streaming: only possible when kind is 'arrow' or 'text'")
+        _need_int(p, "shuffle_block", self.shuffle_block, 1)
+        self._check_path(p, "validation_path", self.validation_path, needed=False, kind=kind,
+                         used_by=("tokens", "arrow", "text"))
+        _need_number(p, "validation_fraction", self.validation_fraction, minimum=0.0, below=1.0)
+        if self.validation_fraction and self.validation_path is not None:
+            p.append("validation_fraction: set validation_path or validation_fraction, not both")
+        elif self.validation_fraction and self.streaming is True:
+            p.append("validation_fraction: not possible with streaming (the set's size is "
+                     "unknown); use validation_path")
         _raise_if(p)
+
+    def document_column(self) -> str:
+        """The column an arrow or text data set is read from."""
+        return self.column or ("text" if self.kind == "text" else "input_ids")
+
+    @staticmethod
+    def _check_path(problems: list[str], key: str, value: object, *, needed: bool,
+                    kind: str | None, used_by: tuple[str, ...]) -> None:
+        """A path: ``needed`` for this kind, else allowed only for ``used_by`` (kind None: unknown)."""
+        if value is not None and (not isinstance(value, str) or not value):
+            problems.append(f"{key}: expected a path, got {value!r}")
+        elif kind is None:
+            return  # data.kind's own error says what is wrong
+        elif value is None and needed:
+            problems.append(f"{key}: required when kind = {kind!r}")
+        elif value is not None and kind not in used_by:
+            listed = " or ".join(repr(k) for k in used_by)
+            problems.append(f"{key}: only used when kind is {listed}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -205,8 +267,8 @@ class BatchLayout:
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    # The seam for other training stacks: "torch" (FSDP2) is the only one today. A Neuron
-    # (NxD) backend would add "neuron" here and its own train loop behind trainer.train.
+    # The training stack: "torch" (FSDP2, trainer/train.py) or "neuron" (neuronx-distributed
+    # on Trainium, trainer/neuron/, laid out by the [neuron] table).
     backend: str = "torch"
     model: str = "tiny"  # a name from trainer.shapes.SHAPES
     # Individual ModelShape fields to override, e.g. {n_layers = 4}.
@@ -216,34 +278,60 @@ class TrainConfig:
     global_batch_size: int = 16  # samples per optimizer step over all ranks
     micro_batch_size: int | None = None  # samples per pass per rank; None = no accumulation
     seq_len: int = 64  # tokens per sample fed to the model
-    dtype: str = "float32"  # compute dtype; "bfloat16" keeps float32 master weights
+    # Compute dtype; "bfloat16" keeps float32 master weights and reduces gradients in
+    # float32. "auto": bfloat16 on CUDA, float32 on CPU.
+    dtype: str = "auto"
     device: str = "auto"  # "auto" = cuda if available, else cpu
     output_dir: str = "output"  # where result.json goes
     heartbeat_interval_s: float = 1.0
     log_every_steps: int = 1  # rank 0 prints a progress line every N steps
     dist_timeout_s: float = 600.0  # collective timeout: a dead peer fails the run after this
+    # Recompute activations in the backward pass instead of keeping them: "full" (every
+    # transformer block), "selective" (every other block), "none".
+    activation_checkpointing: str = "none"
+    compile: bool = False  # torch.compile each transformer block (needs a C++ compiler on CPU)
+    # Mean loss over held-out samples every N steps (0 = never), on ``validation_samples``
+    # samples of the data's validation split.
+    validation_every_steps: int = 0
+    validation_samples: int = 64
+    # The device's peak dense FLOP/s per rank, in TFLOP/s, for MFU; 0 = the stated peak of
+    # the device (trainer/flops.py), where it is known.
+    peak_tflops: float = 0.0
+    # TensorBoard event files (rank 0), when the tensorboard package is installed;
+    # "" = <output_dir>/tensorboard.
+    tensorboard_dir: str = ""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    neuron: NeuronConfig = field(default_factory=NeuronConfig)
     # Derived from model + model_overrides; not a config key.
     shape: ModelShape = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         p: list[str] = []
-        _need_choice(p, "backend", self.backend, ("torch",))
+        _need_choice(p, "backend", self.backend, ("torch", "neuron"))
         _need_int(p, "seed", self.seed, 0)
         _need_int(p, "steps", self.steps, 1)
         _need_int(p, "global_batch_size", self.global_batch_size, 1)
         if self.micro_batch_size is not None:
             _need_int(p, "micro_batch_size", self.micro_batch_size, 1)
         _need_int(p, "seq_len", self.seq_len, 1)
-        _need_choice(p, "dtype", self.dtype, ("float32", "bfloat16"))
+        _need_choice(p, "dtype", self.dtype, ("auto", "float32", "bfloat16"))
         _need_choice(p, "device", self.device, ("auto", "cpu", "cuda"))
         if not isinstance(self.output_dir, str) or not self.output_dir:
             p.append(f"output_dir: expected a directory path, got {self.output_dir!r}")
         _need_number(p, "heartbeat_interval_s", self.heartbeat_interval_s, positive=True)
         _need_int(p, "log_every_steps", self.log_every_steps, 1)
         _need_number(p, "dist_timeout_s", self.dist_timeout_s, positive=True)
+        _need_choice(p, "activation_checkpointing", self.activation_checkpointing,
+                     ("none", "selective", "full"))
+        if not isinstance(self.compile, bool):
+            p.append(f"compile: expected true or false, got {self.compile!r}")
+        _need_int(p, "validation_every_steps", self.validation_every_steps, 0)
+        _need_int(p, "validation_samples", self.validation_samples, 1)
+        _need_number(p, "peak_tflops", self.peak_tflops, minimum=0.0)
+        if not isinstance(self.tensorboard_dir, str):
+            p.append(f"tensorboard_dir: expected a directory path, got {self.tensorboard_dir!r}")
         self.shape = SHAPES["tiny"]  # placeholder so the object is whole even when invalid
         if self.model not in SHAPES:
             p.append(f"model: unknown shape {self.model!r}; known: {', '.join(SHAPES)}")
@@ -252,6 +340,10 @@ class TrainConfig:
         if not p and self.seq_len > self.shape.max_seq_len:
             p.append(f"seq_len: {self.seq_len} exceeds the model's context "
                      f"{self.shape.max_seq_len}")
+        if (not p and self.validation_every_steps and self.data.validation_path is None
+                and not self.data.validation_fraction):
+            p.append("validation_every_steps: needs held-out data: data.validation_path or "
+                     "data.validation_fraction")
         if (not p and self.micro_batch_size is not None
                 and self.micro_batch_size > self.global_batch_size):
             p.append(f"micro_batch_size: {self.micro_batch_size} exceeds global_batch_size "
@@ -294,7 +386,9 @@ class TrainConfig:
 # Fields that only change how a run is operated, not the numbers it computes; they are
 # left out of config_digest so that, for example, moving the checkpoint dir is harmless.
 _OPERATIONAL_FIELDS = frozenset({"checkpoint", "output_dir", "heartbeat_interval_s",
-                                 "log_every_steps", "dist_timeout_s", "device"})
+                                 "log_every_steps", "dist_timeout_s", "device",
+                                 "activation_checkpointing", "compile", "validation_every_steps",
+                                 "validation_samples", "peak_tflops", "tensorboard_dir"})
 
 
 def load_config(path: str | Path) -> TrainConfig:
@@ -318,8 +412,15 @@ def load_config(path: str | Path) -> TrainConfig:
     return config_from_dict(data)
 
 
+# The optimizer settings a ``tiny`` config gets for the keys it leaves out (see
+# OptimizerConfig): the recipe's shape at a scale where a few hundred steps learn.
+TINY_DEFAULTS: dict[str, Any] = {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 10}
+
+
 def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     """Build a TrainConfig from plain data (parsed TOML/JSON); ConfigError lists all problems."""
+    if data.get("model", "tiny") == "tiny" and isinstance(data.get("optimizer", {}), dict):
+        data = {**data, "optimizer": {**TINY_DEFAULTS, **data.get("optimizer", {})}}
     config: TrainConfig = _build(TrainConfig, data, "")
     return config
 

@@ -9,19 +9,26 @@ is sample ``perm(seed, p // num_samples)[p % num_samples]``.
 An optimizer step that starts after ``consumed`` samples takes stream positions
 ``[consumed, consumed + global_batch)``; rank ``r`` takes the ``r``-th of ``world_size``
 equal consecutive slices. A checkpoint stores ``consumed``, so a resumed run sees
-exactly the batches a fault-free run would have seen, with no iterator state to save.
+exactly the batches a fault-free run would have seen, with no iterator state to save,
+and the samples of a step are the same whatever the world size.
+
+The kinds (``data.kind``): ``synthetic`` and ``tokens`` here; ``arrow`` (token ids) and
+``text`` (raw text, tokenized at start) are document data sets packed into samples by
+trainer.packing. A streamed data set (``data.streaming``) has no sample indices: it maps
+stream positions to samples itself (a TokenStream), with the same rank split.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from trainer.config import DataConfig
 from trainer.errors import DataError
+from trainer.packing import open_packed, open_streamed
 
 TokenArray = npt.NDArray[np.int64]
 
@@ -43,6 +50,15 @@ class TokenSource(Protocol):
 
     def samples(self, indices: npt.NDArray[np.int64]) -> TokenArray:
         """Rows for the given sample indices, shape (len(indices), seq_len + 1)."""
+        ...
+
+
+@runtime_checkable
+class TokenStream(Protocol):
+    """Samples already in training order, addressed by stream position (samples consumed)."""
+
+    def rows(self, start: int, count: int) -> TokenArray:
+        """Rows at stream positions ``[start, start + count)``, shape (count, seq_len + 1)."""
         ...
 
 
@@ -111,13 +127,81 @@ class TokenFile:
         return rows
 
 
-def open_source(config: DataConfig, *, seed: int, vocab_size: int, seq_len: int) -> TokenSource:
+class SampleRange:
+    """Samples ``[first, first + count)`` of another source, numbered from 0."""
+
+    def __init__(self, source: TokenSource, *, first: int, count: int) -> None:
+        self._source, self._first, self._count = source, first, count
+
+    @property
+    def num_samples(self) -> int:
+        return self._count
+
+    def samples(self, indices: npt.NDArray[np.int64]) -> TokenArray:
+        return self._source.samples(indices + self._first)
+
+
+def _open_indexed(config: DataConfig, path: str | None, *, seed: int, vocab_size: int,
+                  seq_len: int) -> TokenSource:
     if config.kind == "synthetic":
         return SyntheticTokens(seed=seed, vocab_size=vocab_size, seq_len=seq_len,
                                num_samples=config.num_samples)
-    assert config.path is not None  # DataConfig guarantees it for kind = "tokens"
-    return TokenFile(Path(config.path), dtype=config.dtype, seq_len=seq_len,
-                     vocab_size=vocab_size)
+    assert path is not None  # DataConfig requires data.path for the other kinds
+    if config.kind == "tokens":
+        return TokenFile(Path(path), dtype=config.dtype, seq_len=seq_len, vocab_size=vocab_size)
+    return open_packed(Path(path), kind=config.kind, column=config.document_column(),
+                       tokenizer=_tokenizer_path(config), eos_id=config.eos_id,
+                       seq_len=seq_len, vocab_size=vocab_size)
+
+
+def _tokenizer_path(config: DataConfig) -> Path | None:
+    return None if config.tokenizer is None else Path(config.tokenizer)
+
+
+def _held_out(config: DataConfig, source: TokenSource) -> int:
+    """How many samples at the end of ``source`` data.validation_fraction keeps for validation."""
+    if not config.validation_fraction:
+        return 0
+    total = source.num_samples
+    held = max(1, int(total * config.validation_fraction))
+    if held >= total:
+        raise DataError(f"data.validation_fraction: {config.validation_fraction} of {total} "
+                        f"samples leaves none to train on")
+    return held
+
+
+def open_source(config: DataConfig, *, seed: int, vocab_size: int,
+                seq_len: int) -> TokenSource | TokenStream:
+    """The training data: every sample but those data.validation_fraction holds out."""
+    if config.streaming:
+        assert config.path is not None  # DataConfig allows streaming for arrow and text only
+        return open_streamed(Path(config.path), kind=config.kind,
+                             column=config.document_column(),
+                             tokenizer=_tokenizer_path(config), eos_id=config.eos_id, seed=seed,
+                             seq_len=seq_len, vocab_size=vocab_size,
+                             shuffle_block=config.shuffle_block)
+    source = _open_indexed(config, config.path, seed=seed, vocab_size=vocab_size, seq_len=seq_len)
+    held = _held_out(config, source)
+    return SampleRange(source, first=0, count=source.num_samples - held) if held else source
+
+
+def open_validation_source(config: DataConfig, *, seed: int, vocab_size: int,
+                           seq_len: int) -> TokenSource | None:
+    """Held-out samples for validation, never trained on; None when the config names none.
+
+    They are data.validation_path's samples (the same kind, column and tokenizer as the
+    training data), or the last data.validation_fraction of the training set's. Read
+    them in index order, ``samples(np.arange(n))``: all ranks see the same rows. With a
+    fraction the set is opened a second time (a ``text`` set is tokenized again).
+    """
+    if config.validation_path is not None:
+        return _open_indexed(config, config.validation_path, seed=seed,
+                             vocab_size=vocab_size, seq_len=seq_len)
+    if not config.validation_fraction:
+        return None
+    source = _open_indexed(config, config.path, seed=seed, vocab_size=vocab_size, seq_len=seq_len)
+    held = _held_out(config, source)
+    return SampleRange(source, first=source.num_samples - held, count=held)
 
 
 class SampleOrder:
@@ -149,15 +233,26 @@ class SampleOrder:
         return out
 
 
+class OrderedSamples:
+    """An indexed source read in SampleOrder's seeded epoch order (a TokenStream)."""
+
+    def __init__(self, source: TokenSource, *, seed: int) -> None:
+        self.source = source
+        self.order = SampleOrder(seed=seed, num_samples=source.num_samples)
+
+    def rows(self, start: int, count: int) -> TokenArray:
+        return self.source.samples(self.order.indices(start, count))
+
+
 class BatchReader:
     """One rank's view: the rows it trains on in the step that starts at ``consumed``."""
 
-    def __init__(self, source: TokenSource, *, seed: int, global_batch: int, rank: int,
-                 world_size: int) -> None:
+    def __init__(self, source: TokenSource | TokenStream, *, seed: int, global_batch: int,
+                 rank: int, world_size: int) -> None:
         if global_batch % world_size:
             raise ValueError(f"global batch {global_batch} not divisible by {world_size}")
-        self._source = source
-        self._order = SampleOrder(seed=seed, num_samples=source.num_samples)
+        # A streamed source orders its samples itself (seeded when it was opened).
+        self._stream = source if isinstance(source, TokenStream) else OrderedSamples(source, seed=seed)
         self._global_batch = global_batch
         self._per_rank = global_batch // world_size
         self._rank = rank
@@ -166,10 +261,15 @@ class BatchReader:
     def global_batch(self) -> int:
         return self._global_batch
 
+    def _first_position(self, consumed: int) -> int:
+        return consumed + self._rank * self._per_rank
+
     def rank_indices(self, consumed: int) -> npt.NDArray[np.int64]:
-        start = consumed + self._rank * self._per_rank
-        return self._order.indices(start, self._per_rank)
+        """Sample indices of this rank's rows (an indexed source's only)."""
+        if not isinstance(self._stream, OrderedSamples):
+            raise TypeError("a streamed data set has no sample indices")
+        return self._stream.order.indices(self._first_position(consumed), self._per_rank)
 
     def rank_batch(self, consumed: int) -> TokenArray:
         """Rows (per_rank, seq_len + 1) of this rank for the step starting at ``consumed``."""
-        return self._source.samples(self.rank_indices(consumed))
+        return self._stream.rows(self._first_position(consumed), self._per_rank)

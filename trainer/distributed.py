@@ -186,9 +186,26 @@ def global_mean_and_any(value: torch.Tensor, flag: bool) -> tuple[float, bool]:
     """The mean of a scalar over all ranks, and whether any rank raised ``flag``, in one
     all-reduce: ranks that act on the flag (a checkpoint asked for by a signal) then act
     at the same step, as every collective in the action needs."""
-    total = torch.stack([value.detach().float().reshape(()), torch.tensor(float(flag), device=value.device)])
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return float(total[0].item()) / dist.get_world_size(), bool(total[1].item() > 0)
+    total, raised = global_sums([value, float(flag)], value.device)
+    return total / dist.get_world_size(), raised > 0
+
+
+def global_sums(values: list[torch.Tensor | float], device: torch.device) -> list[float]:
+    """Each scalar summed over all ranks, in one all-reduce (which also syncs the device)."""
+    stacked = torch.stack([v.detach().float().reshape(()).to(device) if isinstance(v, torch.Tensor)
+                           else torch.tensor(float(v), device=device) for v in values])
+    dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
+    return [float(x) for x in stacked.tolist()]
+
+
+def local_square_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of squares of this rank's part of ``tensors`` (a DTensor's local shard):
+    summed over ranks it is the global squared L2 norm, each element counted once."""
+    total = torch.zeros((), dtype=torch.float32, device=tensors[0].device if tensors else None)
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.detach().float().pow(2).sum()
+    return total
 
 
 def to_float(value: torch.Tensor) -> float:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
 
 from trainer.shapes import ModelShape
 
@@ -110,8 +111,18 @@ class Block(nn.Module):
         self.attn = Attention(shape)
         self.mlp_norm = RMSNorm(shape.hidden_size, shape.norm_eps)
         self.mlp = SwiGLU(shape)
+        # Activation checkpointing: keep only the block's input for the backward pass and
+        # recompute the rest there (less memory, about a third more compute). The same
+        # operations run again, so the result is the same, bit for bit.
+        self.recompute = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            out: torch.Tensor = checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+            return out
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         out: torch.Tensor = x + self.mlp(self.mlp_norm(x))
         return out
@@ -147,6 +158,13 @@ class Transformer(nn.Module):
     def blocks(self) -> list[Block]:
         """The transformer blocks, typed (``self.layers`` holds nn.Module for mypy)."""
         return [layer for layer in self.layers if isinstance(layer, Block)]
+
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """``full``: every block recomputes its activations in the backward pass;
+        ``selective``: every other block (half the memory saving for half the extra
+        compute); ``none``: no block."""
+        for i, block in enumerate(self.blocks()):
+            block.recompute = mode == "full" or (mode == "selective" and i % 2 == 0)
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.parameters())

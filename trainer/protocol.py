@@ -141,6 +141,10 @@ class StepMetrics(Header):
     # The time this rank spent computing the step, its waits for other ranks left out
     # (NaN where the device does not measure it): what tells a straggler apart.
     busy_s: float = math.nan
+    # Added later in version 1 (older senders leave them out; NaN: not measured).
+    param_norm: float = math.nan  # global L2 norm of the parameters after the step
+    mfu: float = math.nan  # model FLOPs utilization (trainer/flops.py)
+    val_loss: float = math.nan  # mean held-out loss, on the steps that ran validation
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -286,7 +286,8 @@ class Telemetry:
 
     def step_completed(self, *, step: int, loss: float, grad_norm: float | None, lr: float,
                        step_time_s: float, tokens_per_s: float, first_sample: int = 0,
-                       busy_s: float = math.nan) -> None:
+                       busy_s: float = math.nan, param_norm: float = math.nan,
+                       mfu: float = math.nan, val_loss: float = math.nan) -> None:
         self._step = step
         if self._broker is None:
             return
@@ -297,7 +298,8 @@ class Telemetry:
         self._put(protocol.StepMetrics(**self._header(), step=step, loss=loss,
                                        grad_norm=grad_norm, lr=lr, step_time_s=step_time_s,
                                        tokens_per_s=tokens_per_s, first_sample=first_sample,
-                                       busy_s=busy_s))
+                                       busy_s=busy_s, param_norm=param_norm, mfu=mfu,
+                                       val_loss=val_loss))
 
     def restored(self, step: int) -> None:
         """The run continues after ``step`` (from a checkpoint): heartbeats say so."""

@@ -26,16 +26,16 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from trainer import atomic, checkpoint, distributed, memory_tier
+from trainer import atomic, checkpoint, distributed, flops, memory_tier
 from trainer import checkpoint_layout as layout
 from trainer.config import TrainConfig, config_digest
-from trainer.data import BatchReader, open_source
+from trainer.data import BatchReader, open_source, open_validation_source
 from trainer.digest import model_digest
 from trainer.errors import EXIT_OK, UsageError, exit_code_for
 from trainer.faults import SPIKE_FACTOR, Fault, FaultPlan
@@ -43,9 +43,17 @@ from trainer.model import Transformer
 from trainer.optim import build_optimizer, lr_at, set_lr
 from trainer.protocol import Phase
 from trainer.telemetry import Telemetry
+from trainer.tracking import StepLog
 
 RESULT_FILE = "result.json"
 _COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The forward/backward dtype: ``auto`` is bfloat16 on CUDA, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _COMPUTE_DTYPES[name]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +85,9 @@ class StepStats:
     tokens_per_s: float  # over all ranks
     first_sample: int = 0  # the data stream position this step's batch began at
     busy_s: float = math.nan  # this rank's own compute time (see _train_step)
+    param_norm: float = math.nan  # global L2 norm of the parameters after the step
+    mfu: float = math.nan  # model FLOPs utilization over all ranks (trainer/flops.py)
+    val_loss: float = math.nan  # set on the steps that ran validation
 
 
 def train(config: TrainConfig, *, resume: str = "auto",
@@ -135,6 +146,7 @@ class _Runner:
         self._save_asked = False
         self._save_asked_now = False
         self._injected: set[str] = set()  # chaos faults this rank has reported (once each)
+        self.log = StepLog(config, is_main=ctx.is_main)
         if threading.current_thread() is threading.main_thread():  # the only place handlers may be set
             signal.signal(signal.SIGUSR1, self._on_usr1)
         torch.manual_seed(config.seed)  # nothing should draw from it; pin it regardless
@@ -144,11 +156,7 @@ class _Runner:
             output.mkdir(parents=True, exist_ok=True)
             (output / RESULT_FILE).unlink(missing_ok=True)
 
-        with torch.device("meta"):  # shapes only: sharding first keeps memory per rank low
-            self.model = Transformer(config.shape, rope_len=config.seq_len)
-        distributed.shard_model(self.model, ctx.mesh, _COMPUTE_DTYPES[config.dtype])
-        self.model.to_empty(device=ctx.device)
-        self.model.init_weights(config.seed)
+        self.model = self._build_model()
         self.optimizer = build_optimizer(self.model, config.optimizer)
         # The tiers' background work has process groups of its own (created here, by every
         # rank in the same order): the training thread's collectives never wait behind it.
@@ -164,6 +172,28 @@ class _Runner:
         self.reader = BatchReader(source, seed=config.seed,
                                   global_batch=config.global_batch_size,
                                   rank=ctx.rank, world_size=ctx.world_size)
+        self.validation = (open_validation_source(config.data, seed=config.seed,
+                                                  vocab_size=config.shape.vocab_size, seq_len=config.seq_len)
+                           if config.validation_every_steps else None)
+        self.flops_per_token = flops.training_flops_per_token(config.shape, config.seq_len)
+        self.peak_tflops = (config.peak_tflops
+                            or _stated_peak(ctx.device, compute_dtype(config.dtype, ctx.device)))
+
+    def _build_model(self) -> Transformer:
+        """Built on ``meta`` (shapes only: sharding first keeps memory per rank low), with
+        activation checkpointing and torch.compile per block as configured, sharded with
+        FSDP2, then materialized and initialized."""
+        config = self.config
+        with torch.device("meta"):
+            model = Transformer(config.shape, rope_len=config.seq_len)
+        model.set_activation_checkpointing(config.activation_checkpointing)
+        if config.compile:
+            for block in model.blocks():  # per block: each compiles once, and FSDP2 wraps it
+                block.compile()
+        distributed.shard_model(model, self.ctx.mesh, compute_dtype(config.dtype, self.ctx.device))
+        model.to_empty(device=self.ctx.device)
+        model.init_weights(config.seed)
+        return model
 
     def run(self, resume: str) -> TrainResult:
         config = self.config
@@ -176,6 +206,8 @@ class _Runner:
         self.telemetry.set_phase(Phase.TRAIN, self.step)
         while self.step < config.steps:
             stats = self._train_step(self.step + 1)
+            if self._validation_due():
+                stats = replace(stats, val_loss=self._validate())
             self._report(stats)
             self._poll_background()
             if self._memory_due():
@@ -189,6 +221,7 @@ class _Runner:
         self._wait_persistent()  # the final checkpoint is on storage before the run is done
         if self.memory is not None:
             self.memory.wait()
+        self.log.close()
         self.telemetry.set_phase(Phase.DONE, self.step)
         digest = model_digest(self.model, is_main=self.ctx.is_main)
         result = TrainResult(
@@ -210,6 +243,7 @@ class _Runner:
 
     def close(self) -> None:
         """Stop the background savers (their work is lost if it was not waited for)."""
+        self.log.close()
         if self.memory is not None:
             self.memory.close()
         if self._persist_worker is not None:
@@ -236,7 +270,11 @@ class _Runner:
         self.telemetry.set_phase(Phase.RESTORE, self.step)
         meta = layout.TrainerMeta.read(path)
         meta.check_compatible(world_size=self.ctx.world_size, model=self.config.model,
-                              model_shape=asdict(self.config.shape))
+                              model_shape=asdict(self.config.shape), reshard=True)
+        if meta.world_size != self.ctx.world_size:
+            self._say(f"resharding {path.name} from {meta.world_size} to {self.ctx.world_size} ranks: "
+                      f"the global batch of {self.config.global_batch_size} is now {self.ctx.world_size} x "
+                      f"{self.batch.accumulation} x {self.batch.micro}")
         if meta.config_digest != config_digest(self.config) and self.ctx.is_main:
             print(f"trainer: warning: {path} was written with different training settings "
                   f"(config digest {meta.config_digest}, now {config_digest(self.config)})",
@@ -257,7 +295,7 @@ class _Runner:
         started = time.monotonic()
         meta = layout.TrainerMeta(**self.memory.restore(attempt, step, self.model, self.optimizer))
         meta.check_compatible(world_size=self.ctx.world_size, model=self.config.model,
-                              model_shape=asdict(self.config.shape))
+                              model_shape=asdict(self.config.shape), reshard=False)
         self.step, self.consumed, self.last_loss = meta.step, meta.consumed_samples, meta.last_loss
         self.last_checkpoint = memory_tier.resume_name(attempt, step)
         self.telemetry.restored(self.step)
@@ -314,17 +352,23 @@ class _Runner:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         asked, self._save_asked = self._save_asked, False
-        # also syncs the device
-        loss_value, self._save_asked_now = distributed.global_mean_and_any(loss_sum / passes, asked)
+        # One all-reduce (which also syncs the device): the loss, the SIGUSR1 flag, and the
+        # parameters' squared norm.
+        loss_total, asked_total, param_sq = distributed.global_sums(
+            [loss_sum / passes, float(asked), distributed.local_square_sum(list(model.parameters()))],
+            self.ctx.device)
+        loss_value, self._save_asked_now = loss_total / self.ctx.world_size, asked_total > 0
         grad_norm_value = distributed.to_float(grad_norm)
         self.step, self.consumed = step, self.consumed + config.global_batch_size
         self.last_loss = loss_value
         elapsed = time.perf_counter() - started
         busy = time.thread_time() - cpu_started if self.ctx.device.type == "cpu" else math.nan
-        tokens = config.global_batch_size * config.seq_len
+        tokens_per_s = config.global_batch_size * config.seq_len / elapsed
         return StepStats(loss=loss_value, grad_norm=grad_norm_value, lr=lr,
-                         step_time_s=elapsed, tokens_per_s=tokens / elapsed, first_sample=first_sample,
-                         busy_s=busy)
+                         step_time_s=elapsed, tokens_per_s=tokens_per_s, first_sample=first_sample,
+                         busy_s=busy, param_norm=math.sqrt(param_sq),
+                         mfu=flops.mfu(tokens_per_s, self.flops_per_token, self.ctx.world_size,
+                                       self.peak_tflops))
 
     def _skip_data(self) -> None:
         """Step over the sample ranges the config says to skip (data.skip)."""
@@ -336,15 +380,43 @@ class _Runner:
     def _on_usr1(self, signum: int, frame: object) -> None:
         self._save_asked = True  # only a flag: the loop acts on it between steps
 
+    def _validation_due(self) -> bool:
+        every = self.config.validation_every_steps
+        return self.validation is not None and (self.step % every == 0 or self.step == self.config.steps)
+
+    @torch.no_grad()
+    def _validate(self) -> float:
+        """The mean next-token loss over the first ``validation_samples`` samples of the
+        validation split, shared out over the ranks (rank r takes samples r, r + world,
+        ...), the same number whatever the world size."""
+        assert self.validation is not None
+        count = min(self.config.validation_samples, self.validation.num_samples)
+        mine = torch.arange(self.ctx.rank, count, self.ctx.world_size, dtype=torch.int64)
+        total = torch.zeros((), device=self.ctx.device)
+        micro = self.batch.micro
+        # Every rank runs the same number of passes (FSDP2's all-gathers are collectives):
+        # a rank with fewer samples runs its last passes on nothing but padding, unweighted.
+        passes = math.ceil(math.ceil(count / self.ctx.world_size) / micro)
+        for i in range(passes):
+            indices = mine[i * micro:(i + 1) * micro]
+            weight = len(indices)
+            if not weight:
+                indices = torch.zeros(1, dtype=torch.int64)
+            rows = torch.from_numpy(self.validation.samples(indices.numpy())).to(self.ctx.device)
+            logits = self.model(rows[:, :-1])
+            losses = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1),
+                                     reduction="none").view(len(indices), -1).mean(dim=1)
+            total += losses.sum() if weight else 0.0 * losses.sum()
+        summed = distributed.global_sums([total], self.ctx.device)[0]
+        return summed / count
+
     def _report(self, s: StepStats) -> None:
         self.telemetry.step_completed(step=self.step, loss=s.loss, grad_norm=s.grad_norm,
                                       lr=s.lr, step_time_s=s.step_time_s,
                                       tokens_per_s=s.tokens_per_s, first_sample=s.first_sample,
-                                      busy_s=s.busy_s)
-        if self.step % self.config.log_every_steps == 0 or self.step == self.config.steps:
-            self._say(f"step {self.step}/{self.config.steps} loss {s.loss:.4f} "
-                      f"grad_norm {s.grad_norm:.4f} lr {s.lr:.3e} "
-                      f"step_time_s {s.step_time_s:.3f} tokens_per_s {s.tokens_per_s:.0f}")
+                                      busy_s=s.busy_s, param_norm=s.param_norm, mfu=s.mfu,
+                                      val_loss=s.val_loss)
+        self.log.step(self.step, s)
 
     def _checkpoint_due(self) -> bool:
         every = self.config.checkpoint.every_steps
@@ -445,8 +517,17 @@ class _Runner:
         self.telemetry.fault_injected(action=str(fault), step=step, detail=detail)
 
     def _say(self, line: str) -> None:
-        if self.ctx.is_main:
-            print(line, flush=True)
+        self.log.say(line)
+
+
+def _stated_peak(device: torch.device, dtype: torch.dtype) -> float:
+    """The device's peak TFLOP/s per rank, from trainer/flops.py's table (0: unknown)."""
+    name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    if device.type == "cuda":
+        peak = flops.gpu_peak_tflops(torch.cuda.get_device_name(device), name)
+    else:
+        peak = flops.cpu_peak_tflops(torch.get_num_threads())
+    return peak or 0.0
 
 
 def _burn_cpu(seconds: float) -> None:

@@ -34,7 +34,10 @@ class ResumeRun:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AllocateNodes:
-    count: int
+    count: int  # nodes to add to those the run holds
+    # The fewest healthy nodes an allocation may be left with and still be kept (a Slurm
+    # job that shrank below it is replaced); None: the run's attempt size.
+    minimum: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

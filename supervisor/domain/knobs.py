@@ -84,6 +84,15 @@ class Policy:
     # repeating at the same step counts once) within lemon_window_s is drained.
     lemon_faults: int = 3
     lemon_window_s: float = 86_400.0
+    # Fewer nodes: when a failed attempt's nodes cannot all be replaced (no spare held and
+    # none came from the cluster within shrink_after_s of its end), the next attempt runs
+    # on the healthy nodes: the most it can, at least shrink_min_nodes, and a count in
+    # shrink_node_counts (filled in at submit: the counts the reference trainer can split
+    # its global batch over; None: any). The run grows back to its full size as soon as
+    # it holds enough healthy nodes again. 0: never shrink, wait for nodes.
+    shrink_after_s: float = 0.0
+    shrink_min_nodes: int = 1
+    shrink_node_counts: tuple[int, ...] | None = None
     # The cluster's interruption rate, for a run whose checkpoint interval is "auto"
     # (supervisor/planning.py: Young/Daly at each attempt); Llama 3's by default.
     failures_per_node_day: float = LLAMA3_FAILURES_PER_NODE_DAY

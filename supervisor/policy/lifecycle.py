@@ -41,7 +41,14 @@ from supervisor.domain import (
 )
 from supervisor.policy.attribution import all_gone, lemons, with_failed_nodes
 from supervisor.policy.detection import find_fault, transient_spikes
-from supervisor.policy.recovery import data_to_skip, judge_stragglers, launch, probes_wanted, set_state
+from supervisor.policy.recovery import (
+    data_to_skip,
+    grow_back,
+    judge_stragglers,
+    launch,
+    probes_wanted,
+    set_state,
+)
 from supervisor.policy.transitions import check_run
 
 _ACTIVE = frozenset({RunState.PENDING, RunState.STARTING, RunState.RUNNING, RunState.RECOVERING})
@@ -258,7 +265,10 @@ def _judge_live_attempt(
             step = max(r.last_step for r in obs.ranks)
             state = set_state(state, RunState.RUNNING, f"training at step {step}", out)
     _report_transient_spikes(view, live, obs, out)
-    return judge_stragglers(view, live, obs, state, out)
+    state, live_now = judge_stragglers(view, live, obs, state, out)
+    if live_now is not None and live_now.state is not AttemptState.STOPPING:
+        return grow_back(view, live_now, state, out)
+    return state, live_now
 
 
 def _report_transient_spikes(view: RunView, live: Attempt, obs: AttemptObs, out: list[Effect]) -> None:

@@ -48,6 +48,7 @@ from supervisor.domain import (
     ProbeNodes,
     RecordFault,
     ReportStraggler,
+    Run,
     RunState,
     RunView,
     SetRunState,
@@ -103,12 +104,21 @@ def launch(view: RunView, state: RunState, drained_now: set[str], out: list[Effe
 
     healthy = [n.name for n in view.allocation
                if n.state is NodeState.ALLOCATED and n.name not in drained_now]
+    count = run.nodes
     if len(healthy) < run.nodes:
-        # Level 2 of recovery: not enough healthy nodes in hand, ask for more.
-        out.append(AllocateNodes(count=run.nodes + run.spares - len(healthy)))
-        return state
+        # Level 2 of recovery: not enough healthy nodes in hand, ask for more; or, once
+        # they are long in coming, go on with fewer.
+        out.append(AllocateNodes(count=run.nodes + run.spares - len(healthy), minimum=_smallest(run)))
+        fewer = fewer_nodes(view, len(healthy), now)
+        if fewer is None:
+            return state
+        count = fewer
+        out.append(Emit(kind="run.shrunk",
+                        message=f"continuing on {fewer} of {run.nodes} nodes: no spare left and no node "
+                                f"came from the cluster; the run grows back when nodes return",
+                        data={"nodes": fewer, "of": run.nodes}))
 
-    nodes = _place(view, healthy, out)
+    nodes = _place(view, healthy, out, count)
     number = len(view.attempts) + 1
     resume_from, resume_step, origin = _resume_point(view, nodes, out)
     out.append(StartAttempt(number=number, nodes=nodes, resume_from=resume_from, resume_step=resume_step))
@@ -139,15 +149,15 @@ def _resume_point(view: RunView, nodes: tuple[str, ...], out: list[Effect]) -> t
     return ck.path, ck.step, f"checkpoint at step {ck.step}"
 
 
-def _place(view: RunView, healthy: list[str], out: list[Effect]) -> tuple[str, ...]:
-    """Keep the previous attempt's healthy nodes in their places, fill up with spares; a
-    node that straggled in it goes last (a spare again), unless it is needed."""
+def _place(view: RunView, healthy: list[str], out: list[Effect], count: int) -> tuple[str, ...]:
+    """``count`` nodes: keep the previous attempt's healthy nodes in their places, fill up
+    with spares; a node that straggled in it goes last (a spare again), unless it is needed."""
     previous = view.current.nodes if view.current else ()
     slow = straggled_last(view)
     healthy_set, previous_set = set(healthy), set(previous)  # thousands of nodes: no quadratic scans
     order = [n for n in previous if n in healthy_set] + [n for n in healthy if n not in previous_set]
     order = [n for n in order if n not in slow] + [n for n in order if n in slow]
-    nodes = tuple(order[: view.run.nodes])
+    nodes = tuple(order[:count])
     if slow & healthy_set:
         chosen, prev = set(nodes), view.current.number if view.current else 0
         left_out = sorted(n for n in slow & healthy_set if n not in chosen)
@@ -161,6 +171,54 @@ def _place(view: RunView, healthy: list[str], out: list[Effect]) -> tuple[str, .
                             message=f"keeping {', '.join(kept)} though it straggled in attempt {prev}: "
                                     "no other node is free", data={"attempt": prev, "nodes": kept}))
     return nodes
+
+
+def shrink_counts(run: Run) -> list[int]:
+    """The node counts below the run's size that an attempt may shrink to, ascending."""
+    policy = run.policy
+    allowed = range(policy.shrink_min_nodes, run.nodes)
+    return [k for k in allowed if policy.shrink_node_counts is None or k in policy.shrink_node_counts]
+
+
+def _smallest(run: Run) -> int | None:
+    """The fewest nodes worth keeping an allocation for (AllocateNodes.minimum)."""
+    counts = shrink_counts(run) if run.policy.shrink_after_s > 0 else []
+    return counts[0] if counts else None
+
+
+def fewer_nodes(view: RunView, healthy: int, now: float) -> int | None:
+    """The node count the next attempt shrinks to when the run holds only ``healthy``
+    healthy nodes, or None to wait for nodes. A run shrinks after a failed attempt whose
+    nodes did not come back within ``shrink_after_s`` (at once if that attempt had shrunk
+    already), to the largest count it may run on."""
+    run, last = view.run, view.current
+    if run.policy.shrink_after_s <= 0 or last is None or last.ended_at is None:
+        return None  # never shrinks, or nothing ran yet: the first attempt waits for all its nodes
+    shrunk_already = len(last.nodes) < run.nodes
+    if not shrunk_already and now - last.ended_at < run.policy.shrink_after_s:
+        return None
+    return max((k for k in shrink_counts(run) if k <= healthy), default=None)
+
+
+def grow_back(view: RunView, live: Attempt, state: RunState, out: list[Effect]) -> tuple[RunState, Attempt]:
+    """An attempt on fewer nodes than the run's: ask for the missing nodes, and once the
+    run holds them, stop it so that the next attempt runs on all of them. Its work since
+    the newest checkpoint is redone, an interruption, not a failure."""
+    run = view.run
+    if len(live.nodes) >= run.nodes or live.first_step_at is None:
+        return state, live
+    busy = set(live.nodes)
+    free = [n.name for n in view.allocation if n.state is NodeState.ALLOCATED and n.name not in busy]
+    missing = run.nodes - len(live.nodes) - len(free)
+    if missing > 0:
+        out.append(AllocateNodes(count=missing + run.spares, minimum=len(live.nodes)))
+        return state, live
+    reason = (f"growing back to {run.nodes} nodes: {', '.join(free[: run.nodes - len(live.nodes)])} "
+              f"joined the {len(live.nodes)} of attempt {live.number}")
+    out.append(Emit(kind="run.grow", message=reason, data={"attempt": live.number, "nodes": run.nodes}))
+    out.append(StopAttempt(number=live.number, outcome=AttemptOutcome.INTERRUPTED, reason=reason, force=True))
+    state = set_state(state, RunState.RECOVERING, reason, out)
+    return state, replace(live, state=AttemptState.STOPPING)
 
 
 def _recorded_now(view: RunView, out: list[Effect], now: float) -> list[FaultRecord]:

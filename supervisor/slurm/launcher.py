@@ -43,7 +43,14 @@ from supervisor.errors import LaunchError, SpecError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
 from supervisor.slurm import parse
 from supervisor.slurm.commands import SlurmCommands
-from supervisor.slurm.requests import SbatchRequest, StepRequest, allocation_script, sbatch_argv, srun_argv
+from supervisor.slurm.requests import (
+    SbatchRequest,
+    StepRequest,
+    allocation_script,
+    sbatch_argv,
+    srun_argv,
+    step_env,
+)
 from supervisor.slurm.state import SlurmState
 
 log = logging.getLogger(__name__)
@@ -223,11 +230,8 @@ class SlurmLauncher:
         req = StepRequest(job_id=job, step_name=name, nodes=tuple(nodes), ranks_per_node=spec.ranks_per_node,
                           argv=spec.argv, log_dir=spec.log_dir, cwd=spec.cwd, extra=spec.srun_args,
                           launch=spec.launch, step=step)
-        env = {**{k: step.fill(v) for k, v in spec.env.items()}, "MASTER_ADDR": master_addr,
-               "MASTER_PORT": str(port), "LOCAL_WORLD_SIZE": str(spec.ranks_per_node), "OMP_NUM_THREADS": "1",
-               "PYTHONUNBUFFERED": "1", "TSUP_MARKER": spec.marker}
-        if spec.launch == "node":  # the ranks' world, for the node's torchrun (the task count is the nodes')
-            env["WORLD_SIZE"] = str(step.world_size)
+        env = step_env(spec.env, step, ranks_per_node=spec.ranks_per_node, launch=spec.launch,
+                       marker=spec.marker)
         spec.log_dir.mkdir(parents=True, exist_ok=True)
         run_as = users.for_launch(spec.user)
         env |= users.login_env(run_as)

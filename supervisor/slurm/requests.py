@@ -57,9 +57,12 @@ RANK_WRAPPER = (
     f'GROUP_RANK="$SLURM_NODEID" TSUP_NODE="$SLURMD_NODENAME" {_STEP_VIEW}; exec "$@"'
 )
 # launch = "node": one task per node, whose torchrun (or train.sh) spawns the ranks.
+# torchrun takes --node_rank from PET_NODE_RANK when its command line gives none: a
+# static rendezvous (--master_addr/--master_port, the NxD scripts' form) needs it, and
+# the same argv then runs on every node. Other rendezvous ignore it.
 NODE_WRAPPER = (
-    'export GROUP_RANK="$SLURM_NODEID" NODE_RANK="$SLURM_NODEID" TSUP_NODE="$SLURMD_NODENAME" '
-    f'{_STEP_VIEW}; exec "$@"'
+    'export GROUP_RANK="$SLURM_NODEID" NODE_RANK="$SLURM_NODEID" PET_NODE_RANK="$SLURM_NODEID" '
+    f'TSUP_NODE="$SLURMD_NODENAME" {_STEP_VIEW}; exec "$@"'
 )
 # srun options a [command] may not give: the supervisor sets them for every step.
 SUPERVISOR_SRUN_OPTIONS = (
@@ -140,18 +143,35 @@ def srun_argv(req: StepRequest) -> list[str]:
     ]
 
 
-def describe(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str:
-    """A copy-pasteable command line (for --dry-run and logs only, never executed)."""
-    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted((env or {}).items()))
-    return (prefix + " " if prefix else "") + " ".join(shlex.quote(a) for a in argv)
+def step_env(env: Mapping[str, str], step: Step, *, ranks_per_node: int, launch: LaunchMode,
+             marker: str) -> dict[str, str]:
+    """srun's environment for a step beyond its own: the attempt's ``env`` (its step
+    placeholders filled) and the rendezvous. srun hands its environment to every task
+    (``--export=ALL``, Slurm's default), so this is what the ranks see."""
+    out = {**{k: step.fill(v) for k, v in env.items()}, "MASTER_ADDR": step.master_addr,
+           "MASTER_PORT": str(step.master_port), "LOCAL_WORLD_SIZE": str(ranks_per_node),
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TSUP_MARKER": marker}
+    if launch == "node":  # the ranks' world, for the node's torchrun (the task count is the nodes')
+        out["WORLD_SIZE"] = str(step.world_size)
+    return out
+
+
+def describe(argv: Sequence[str], env: Mapping[str, str] | None = None, *, one_per_line: bool = False) -> str:
+    """A copy-pasteable command line (for --dry-run and logs only, never executed);
+    ``one_per_line``: each variable on a line of its own, continued with a backslash."""
+    words = [f"{k}={shlex.quote(v)}" for k, v in sorted((env or {}).items())]
+    words.append(" ".join(shlex.quote(a) for a in argv))
+    return (" \\\n" if one_per_line else " ").join(words)
 
 
 def dry_run(*, job_name: str, nodes: int, spares: int, ranks_per_node: int, argv: Sequence[str],
             partition: str | None, time_limit_min: int | None, log_dir: Path,
             handles_usr1: bool, cwd: Path | None = None, srun_args: Sequence[str] = (),
-            launch: LaunchMode = "rank", rdzv_id: str = "<rdzv id>") -> dict[str, object]:
+            launch: LaunchMode = "rank", rdzv_id: str = "<rdzv id>",
+            env: Mapping[str, str] | None = None) -> dict[str, object]:
     """What a run would ask of Slurm, before any node is known: the allocation request,
-    its batch script, and the srun of the first step (``<...>`` marks what Slurm decides)."""
+    its batch script, and the srun of the first step with the environment srun passes on
+    (``<...>`` marks what Slurm decides)."""
     rendezvous = Step(nnodes=nodes, nproc_per_node=ranks_per_node, master_addr="<address of the first node>",
                       master_port="<port>", rdzv_id=rdzv_id)
     sreq = SbatchRequest(job_name=job_name, nodes=nodes + spares, min_nodes=nodes, partition=partition,
@@ -161,4 +181,7 @@ def dry_run(*, job_name: str, nodes: int, spares: int, ranks_per_node: int, argv
                        nodes=tuple(f"<node {k + 1} of the allocation>" for k in range(nodes)),
                        ranks_per_node=ranks_per_node, argv=tuple(argv), log_dir=log_dir / "attempts" / "1",
                        cwd=cwd, extra=tuple(srun_args), launch=launch, step=rendezvous)
-    return {"sbatch": sbatch_argv(sreq), "batch_script": allocation_script(sreq), "srun": srun_argv(step)}
+    srun_env = step_env(env or {}, rendezvous, ranks_per_node=ranks_per_node, launch=launch,
+                        marker=str(log_dir / "attempts" / "1" / "trainer.json"))
+    return {"sbatch": sbatch_argv(sreq), "batch_script": allocation_script(sreq), "srun": srun_argv(step),
+            "srun_env": srun_env}

@@ -50,7 +50,10 @@ _POLICY_KEYS = frozenset(f.name for f in fields(Policy))
 def policy_of(text: str) -> Policy:
     """A run's stored policy; keys an older release knew and this one does not are left
     out (the run's spec is validated on its own: supervisor/spec.py)."""
-    return Policy(**{k: v for k, v in json.loads(text).items() if k in _POLICY_KEYS})
+    known = {k: v for k, v in json.loads(text).items() if k in _POLICY_KEYS}
+    if known.get("shrink_node_counts") is not None:  # JSON has no tuples
+        known["shrink_node_counts"] = tuple(known["shrink_node_counts"])
+    return Policy(**known)
 
 
 def attempt_values(a: Attempt) -> dict[str, Any]:

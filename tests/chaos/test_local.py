@@ -300,6 +300,35 @@ def test_a_node_lost_with_the_node_that_holds_its_replica_falls_back_to_the_pers
     assert trainer_processes(state) == []
 
 
+def test_a_node_lost_with_no_spare_and_no_node_to_get_continues_on_fewer_ranks(
+        fault_free: dict[str, Any], state: Path, tmp_path: Path) -> None:
+    """No spare, and a cluster of 2 nodes: after kill-node@47 the supervisor asks for a
+    node, none comes within shrink_after_s, and attempt 2 goes on with local-1's 2 ranks
+    alone, from the 4-rank checkpoint of step 40 resharded, the global batch of 16 now 2 x
+    8. It finishes with the loss of the fault-free run, up to rounding: the same samples
+    in the same steps, summed in another order."""
+    spec = tmp_path / "no-spare.toml"
+    spec.write_text(EXAMPLE.read_text().replace("spares = 1", "spares = 0")
+                    .replace("[policy]", "[policy]\nshrink_after_s = 2"))
+    proc = tsup("run", spec, "--state-dir", state, "--json", "--local-nodes", "2", "--chaos", "kill-node@47")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["final_step"] == 80
+    assert [(f["kind"], f["nodes"]) for f in s["faults"]] == [("node-lost", ["local-2"])]
+    first, second = s["attempt_history"]
+    assert first["nodes"] == ["local-1", "local-2"] and second["nodes"] == ["local-1"]
+    assert second["resume_step"] == 40
+    [shrunk] = db_rows(state, "SELECT message FROM events WHERE kind = 'run.shrunk'")
+    assert "continuing on 1 of 2 nodes" in shrunk[0]
+    log = (state / "runs" / "run-1" / "attempts" / "2" / "rank-0000.local-1.log").read_text()
+    assert "resharding step_00000040 from 4 to 2 ranks" in log
+    result = json.loads(next((state / "runs" / "run-1").rglob("result.json")).read_text())
+    assert result["world_size"] == 2 and result["consumed_samples"] == 80 * 16
+    assert result["final_loss"] == pytest.approx(fault_free["loss"], rel=1e-3)
+    assert s["loss"] == pytest.approx(result["final_loss"])
+    assert trainer_processes(state) == []
+
+
 def test_a_30_s_broker_outage_mid_run_restarts_nothing_and_drains_nothing(tmp_path: Path, state: Path) -> None:
     """The broker (a real mosquitto) is stopped for 30 s while the trainers train: no
     telemetry is no evidence. Verdicts pause, and resume once the link is back. Sized by

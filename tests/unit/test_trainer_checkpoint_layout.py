@@ -97,11 +97,12 @@ def test_meta_round_trip_and_compatibility(tmp_path: Path) -> None:
     written.write(tmp_path)
     read = layout.TrainerMeta.read(tmp_path)
     assert read == written
-    read.check_compatible(world_size=2, model="tiny", model_shape=SHAPE)
+    read.check_compatible(world_size=2, model="tiny", model_shape=SHAPE, reshard=False)
+    read.check_compatible(world_size=4, model="tiny", model_shape=SHAPE, reshard=True)
     with pytest.raises(CheckpointMismatch, match="written by 2 ranks, this run has 4"):
-        read.check_compatible(world_size=4, model="tiny", model_shape=SHAPE)
+        read.check_compatible(world_size=4, model="tiny", model_shape=SHAPE, reshard=False)
     with pytest.raises(CheckpointMismatch, match="holds model 'tiny'"):
-        read.check_compatible(world_size=2, model="llama2-7b", model_shape=SHAPE)
+        read.check_compatible(world_size=2, model="llama2-7b", model_shape=SHAPE, reshard=True)
     (tmp_path / layout.META_FILE).write_text("{not json")
     with pytest.raises(CheckpointMismatch, match="unreadable"):
         layout.TrainerMeta.read(tmp_path)

@@ -56,7 +56,7 @@ def test_every_problem_is_reported_at_once() -> None:
         "optimizer.betas[1]: expected a number < 1.0, got 1.5",
         "data.path: required when kind = 'tokens'",
         "steps: expected a positive integer, got 0",
-        "dtype: expected one of 'float32', 'bfloat16', got 'float16'",
+        "dtype: expected one of 'auto', 'float32', 'bfloat16', got 'float16'",
     ]
 
 
@@ -174,3 +174,18 @@ def test_print_config_cli(tmp_path: Path) -> None:
     assert resolved["shape"]["hidden_size"] == 4096
     assert resolved["parameters"] == 6_738_415_616
     assert resolved["config"]["seq_len"] == 4096
+
+
+def test_validation_needs_held_out_data() -> None:
+    with pytest.raises(ConfigError, match="validation_every_steps: needs held-out data"):
+        config_from_dict({"validation_every_steps": 10})
+
+
+def test_a_tiny_config_gets_the_tiny_optimizer_defaults_and_a_named_shape_the_recipe() -> None:
+    tiny = config_from_dict({"optimizer": {"lr": 1e-3}})
+    assert (tiny.optimizer.lr, tiny.optimizer.min_lr, tiny.optimizer.warmup_steps) == (1e-3, 3e-4, 10)
+    llama = config_from_dict({"model": "llama3.2-1b", "seq_len": 64})
+    o = llama.optimizer
+    assert (o.lr, o.min_lr, o.warmup_steps, o.betas, o.eps, o.weight_decay, o.grad_clip) == (
+        3e-4, 3e-5, 2000, (0.9, 0.95), 1e-5, 0.1, 1.0)
+    assert llama.dtype == "auto"
