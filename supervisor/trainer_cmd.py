@@ -177,7 +177,8 @@ def attempt_env(spec: RunSpec, run_dir: Path) -> dict[str, str]:
     env = {"NEURON_COMPILE_CACHE_URL": NEURON_COMPILE_CACHE, **accelerator_env(spec.resources.accelerator)}
     if spec.command is None:
         env["TSUP_TELEMETRY_AGGREGATE"] = spec.telemetry.aggregate
-        env["TSUP_MEMORY_DIR"] = str(memory_dir(run_dir))
+        if not spec.neuron_backend:  # the memory tier is the torch backend's
+            env["TSUP_MEMORY_DIR"] = str(memory_dir(run_dir))
         if spec.chaos:
             env |= {"TSUP_FAULT": ",".join(spec.chaos), "TSUP_FAULT_STATE": str(run_dir / "chaos-fired")}
         return env

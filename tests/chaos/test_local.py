@@ -24,7 +24,7 @@ import pytest
 
 from tests.chaos.conftest import assert_records
 from tests.conftest import REPO, free_port, require, start_mosquitto, stop_by_pid, wait_for
-from tests.e2e.conftest import EXAMPLE, Serve, db_rows, env, summary_of, trainer_processes, tsup
+from tests.e2e.conftest import EXAMPLE, Serve, ctl, db_rows, env, summary_of, trainer_processes, tsup
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 
@@ -326,6 +326,48 @@ def test_a_node_lost_with_no_spare_and_no_node_to_get_continues_on_fewer_ranks(
     assert result["world_size"] == 2 and result["consumed_samples"] == 80 * 16
     assert result["final_loss"] == pytest.approx(fault_free["loss"], rel=1e-3)
     assert s["loss"] == pytest.approx(result["final_loss"])
+    assert trainer_processes(state) == []
+
+
+def test_a_shrunk_run_grows_back_when_its_node_returns(state: Path, tmp_path: Path) -> None:
+    """As above, then the operator returns local-2 (`supervisorctl undrain`) while attempt
+    2 trains on local-1 alone: the supervisor takes the node, stops attempt 2 (an
+    interruption, not a fault) and attempt 3 finishes on both nodes, 4 ranks again."""
+    spec = tmp_path / "grow.toml"
+    spec.write_text(EXAMPLE.read_text().replace("spares = 1", "spares = 0").replace("steps = 80", "steps = 400")
+                    .replace("[policy]", "[policy]\nshrink_after_s = 2"))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", str(spec), "--state-dir", str(state),
+                             "--json", "--quiet", "--local-nodes", "2", "--api-port", str(port),
+                             "--chaos", "kill-node@47"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env(), cwd=REPO)
+    try:
+        wait_for(lambda: _events(state, "run.shrunk"), 240, "the run to shrink")
+        wait_for(lambda: db_rows(state, "SELECT 1 FROM attempts WHERE number = 2 AND first_step_at IS NOT NULL"),
+                 120, "attempt 2 to train")
+        undrained = ctl(f"http://127.0.0.1:{port}", "undrain", "local-2", "--json",
+                        extra_env={"TSUP_API_TOKEN_FILE": str(state / "api-token")})
+        assert undrained.returncode == 0, undrained.stderr
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    s = json.loads(out)
+    assert proc.returncode == 0 and s["state"] == "SUCCEEDED", err[-3000:]
+    nodes = [a["nodes"] for a in s["attempt_history"]]
+    assert nodes == [["local-1", "local-2"], ["local-1"], ["local-1", "local-2"]], s["attempt_history"]
+    assert s["attempt_history"][1]["outcome"] == "INTERRUPTED"
+    [grow] = db_rows(state, "SELECT message FROM events WHERE kind = 'run.grow'")
+    assert "growing back to 2 nodes: local-2 joined the 1 of attempt 2" in grow[0]
+    # Attempt 3 resumes from the newest checkpoint: attempt 2's (2 ranks, resharded to
+    # 4), or attempt 1's step 40 if attempt 2 was stopped before its first save.
+    third = s["attempt_history"][2]
+    log = (state / "runs" / "run-1" / "attempts" / "3" / "rank-0000.local-1.log").read_text()
+    assert third["resume_step"] >= 40 and f"at step {third['resume_step']} in" in log
+    assert (third["resume_step"] > 40) == ("from 2 to 4 ranks" in log), log[:2000]
+    result = json.loads(next((state / "runs" / "run-1").rglob("result.json")).read_text())
+    assert (result["world_size"], result["final_step"]) == (4, 400)
     assert trainer_processes(state) == []
 
 
