@@ -374,16 +374,22 @@ class Observer:
         """For a resumed reference trainer: its first step and the loss an earlier attempt
         reported for it. None where the check does not hold: another trainer (whose steps
         may not be deterministic), a run that skipped data (that step's batch changed), a
-        step no attempt reached or whose loss was not finite."""
+        step no attempt reached or whose loss was not finite, an earlier attempt on another
+        number of nodes (the same batch, its sums taken in another order: equal only up
+        to rounding)."""
         key = (run.number, live.number)
         if key not in self._expected:
             expected = None
             if spec.trainer is not None and live.resume_from is not None:
                 with self.store.tx() as tx:
                     skipped = bool(tx.list_data_skips(run.number))
-                    loss = None if skipped else tx.loss_before(run.number, live.resume_step + 1, live.number)
-                if loss is not None and math.isfinite(loss):
-                    expected = (live.resume_step + 1, loss)
+                    before = (None if skipped
+                              else tx.loss_before(run.number, live.resume_step + 1, live.number))
+                    sizes = {a.number: len(a.nodes) for a in tx.list_attempts(run.number)}
+                if before is not None:
+                    attempt, loss = before
+                    if loss is not None and math.isfinite(loss) and sizes.get(attempt) == len(live.nodes):
+                        expected = (live.resume_step + 1, loss)
             self._expected[key] = expected
         return self._expected[key]
 

@@ -111,7 +111,7 @@ class _Batch:
             if tx.add_metric(number, attempt=msg.attempt, step=msg.step, loss=msg.loss,
                              grad_norm=msg.grad_norm,
                              lr=msg.lr, step_time_s=msg.step_time_s, tokens_per_s=msg.tokens_per_s,
-                             now=item.at):
+                             now=item.at, param_norm=msg.param_norm, mfu=msg.mfu, val_loss=msg.val_loss):
                 m = MetricRecord(attempt=msg.attempt, step=msg.step, loss=msg.loss, grad_norm=msg.grad_norm,
                                  lr=msg.lr, step_time_s=msg.step_time_s, tokens_per_s=msg.tokens_per_s,
                                  received_at=item.at)

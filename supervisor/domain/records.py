@@ -166,6 +166,9 @@ class MetricRecord:
     step_time_s: float
     tokens_per_s: float | None
     received_at: float
+    param_norm: float | None = None  # the reference trainer's; None: not sent, or not finite
+    mfu: float | None = None
+    val_loss: float | None = None  # on the steps that ran validation
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -167,6 +167,11 @@ metrics = Table(
     Column("step_time_s", Float, nullable=False),
     Column("tokens_per_s", Float),
     Column("received_at", Float, nullable=False),
+    # The reference trainer's (NULL when not sent, or not finite): parameter norm, MFU,
+    # and the held-out loss of a step that ran validation.
+    Column("param_norm", Float),
+    Column("mfu", Float),
+    Column("val_loss", Float),
     Index("metrics_by_time", "received_at"),  # retention
 )
 
@@ -422,5 +427,10 @@ def _v8(conn: Connection) -> None:
     memory_checkpoints.create(conn, checkfirst=True)
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8]
+def _v9(conn: Connection) -> None:
+    """A step's parameter norm, MFU and validation loss."""
+    _add_columns(conn, "metrics", {"param_norm": "FLOAT", "mfu": "FLOAT", "val_loss": "FLOAT"})
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9]
 SCHEMA_VERSION = len(MIGRATIONS)

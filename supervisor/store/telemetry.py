@@ -20,12 +20,14 @@ class TelemetryQueries:
 
     def add_metric(
         self, run_number: int, *, attempt: int, step: int, loss: float, grad_norm: float | None, lr: float,
-        step_time_s: float, tokens_per_s: float, now: float,
+        step_time_s: float, tokens_per_s: float, now: float, param_norm: float | None = None,
+        mfu: float | None = None, val_loss: float | None = None,
     ) -> bool:
         """Keep one of rank 0's steps; False when it was kept already (a duplicate delivery)."""
         res = self.c.execute(insert(t.metrics).prefix_with("OR IGNORE").values(
             run_number=run_number, attempt=attempt, step=step, loss=finite(loss), grad_norm=finite(grad_norm),
-            lr=finite(lr), step_time_s=step_time_s, tokens_per_s=finite(tokens_per_s), received_at=now))
+            lr=finite(lr), step_time_s=step_time_s, tokens_per_s=finite(tokens_per_s), received_at=now,
+            param_norm=finite(param_norm), mfu=finite(mfu), val_loss=finite(val_loss)))
         return bool(res.rowcount)
 
     def list_metrics(self, run_number: int) -> list[MetricRecord]:
@@ -35,16 +37,18 @@ class TelemetryQueries:
             t.metrics.c.attempt, t.metrics.c.step)
         return [MetricRecord(attempt=r.attempt, step=r.step, loss=r.loss, grad_norm=r.grad_norm, lr=r.lr,
                              step_time_s=r.step_time_s, tokens_per_s=r.tokens_per_s,
-                             received_at=r.received_at) for r in self.c.execute(q)]
+                             received_at=r.received_at, param_norm=r.param_norm, mfu=r.mfu,
+                             val_loss=r.val_loss) for r in self.c.execute(q)]
 
-    def loss_before(self, run_number: int, step: int, attempt: int) -> float | None:
-        """The loss rank 0 reported for ``step`` in the newest attempt before ``attempt``
-        that got there (None: none did, its loss was not finite, or retention pruned it)."""
-        q = (select(t.metrics.c.loss).where(t.metrics.c.run_number == run_number, t.metrics.c.step == step,
-                                            t.metrics.c.attempt < attempt)
-             .order_by(t.metrics.c.attempt.desc()).limit(1))
+    def loss_before(self, run_number: int, step: int, attempt: int) -> tuple[int, float | None] | None:
+        """(attempt, loss): the loss rank 0 reported for ``step`` in the newest attempt
+        before ``attempt`` that got there (None: none did, or retention pruned it; a loss
+        that was not finite is None)."""
+        m = t.metrics.c
+        q = (select(m.attempt, m.loss).where(m.run_number == run_number, m.step == step, m.attempt < attempt)
+             .order_by(m.attempt.desc()).limit(1))
         row = self.c.execute(q).first()
-        return None if row is None else row.loss
+        return None if row is None else (row.attempt, row.loss)
 
     def attempt_stats(self, run_number: int) -> dict[int, AttemptStats]:
         q = select(t.attempt_stats).where(t.attempt_stats.c.run_number == run_number)

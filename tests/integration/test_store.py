@@ -139,6 +139,11 @@ def test_metrics_ignore_duplicates_and_store_nan_as_null(store: SqlStore, tmp_pa
                           tokens_per_s=10.0, now=1.0)
         [m] = tx.list_metrics(number)
         assert m.loss is None and m.step_time_s == 0.2
+        assert (m.param_norm, m.mfu, m.val_loss) == (None, None, None)  # not sent
+        tx.add_metric(number, attempt=1, step=2, loss=4.0, grad_norm=1.0, lr=0.1, step_time_s=0.2,
+                      tokens_per_s=10.0, now=2.0, param_norm=19.5, mfu=0.125, val_loss=float("nan"))
+        m = tx.list_metrics(number)[1]
+        assert (m.param_norm, m.mfu, m.val_loss) == (19.5, 0.125, None)
 
 
 def test_faults_and_nodes(store: SqlStore, tmp_path: Path) -> None:
