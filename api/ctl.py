@@ -313,7 +313,7 @@ def _dry_run(args: argparse.Namespace, data: dict[str, Any]) -> int:
     argv = trainer_cmd.attempt_argv(spec, run_dir, 1, None, 0)
     # What the ranks' environment adds, as the daemon builds it (observe.launch_spec) less
     # the telemetry's broker and key, which only the daemon knows.
-    env = {**trainer_cmd.attempt_env(spec, run_dir), "TSUP_RUN_ID": "run-N", "TSUP_ATTEMPT": "1"}
+    env = {**trainer_cmd.attempt_env(spec, run_dir), **trainer_cmd.attempt_ids("run-N", 1)}
     res = spec.resources
     launch = trainer_cmd.launch_mode(spec)
     if res.launcher == "slurm":

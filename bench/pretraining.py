@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,7 +88,9 @@ def main() -> None:
     steps = [(int(m[1]), float(m[2]), float(m[3]), m[4]) for m in STEP.finditer(log)]
     timed = [s for s in steps if s[0] > args.warmup]
     mfus = [float(s[3]) / 100 for s in timed if s[3] != "n/a"]
-    shape = SHAPES[args.model]
+    # The trained shape: the corpus's vocabulary replaces a named shape's.
+    shape = SHAPES[args.model] if args.model == "tiny" else replace(SHAPES[args.model],
+                                                                    vocab_size=corpus.vocab_size)
     print(json.dumps({
         "model": args.model, "parameters": shape.parameter_count(), "ranks": args.ranks,
         "global_batch": args.global_batch, "seq_len": args.seq_len, "dtype": args.dtype,

@@ -210,7 +210,7 @@ class Executor:
         run, spec = seen.run, seen.spec
         match e:
             case AllocateNodes() if spec is not None:
-                self._allocate(run, spec, e.count, e.minimum or run.nodes, now)
+                self._allocate(run, spec, e.count, e.keep, now)
             case ReleaseNodes():
                 if self.launcher.release(run.run_id, run.allocation_info):
                     with self.store.tx() as tx:
@@ -251,14 +251,14 @@ class Executor:
         with self.store.tx() as tx:
             tx.add_event(run_number, kind, message, dict(data), self.clock())
 
-    def _allocate(self, run: Run, spec: RunSpec, missing: int, minimum: int, now: float) -> None:
+    def _allocate(self, run: Run, spec: RunSpec, missing: int, keep: int | None, now: float) -> None:
         with self.store.tx() as tx:
             nodes = tx.list_nodes()
             current = tx.get_run(run.number)
         held = tuple(x.name for x in nodes if x.run_number == run.number and x.state is NodeState.ALLOCATED)
         count = len(held) + missing
         req = AllocationRequest(
-            run_id=run.run_id, count=count, minimum=minimum, held=held,
+            run_id=run.run_id, count=count, minimum=run.nodes, keep=keep, held=held,
             drained=frozenset(x.name for x in nodes if x.state is NodeState.DRAINED),
             idle=tuple(x.name for x in nodes if x.state is NodeState.IDLE),
             known=frozenset(x.name for x in nodes), info=current.allocation_info,

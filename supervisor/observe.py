@@ -230,9 +230,12 @@ class Observer:
         allocation = allocation_after(known, run.number, facts.grant)
         newest, newest_memory = None, None
         # The checkpoint matters only when this tick may launch: no attempt training, and a
-        # run that wants one (or a command that may make it want one).
-        if isinstance(spec, RunSpec) and (commands or run.state in _LAUNCHABLE) and (
-                live is None or live.state is not AttemptState.RUNNING):
+        # run that wants one (or a command that may make it want one); or when an attempt
+        # on fewer nodes than the run's may grow back (after a checkpoint of its own).
+        training = live is not None and live.state is AttemptState.RUNNING
+        may_launch = (commands or run.state in _LAUNCHABLE) and not training
+        shrunk = training and live is not None and len(live.nodes) < run.nodes
+        if isinstance(spec, RunSpec) and (may_launch or shrunk):
             before, unreadable = resume_before(attempts, faults), unreadable_checkpoints(faults)
             newest = self._newest_checkpoint(spec, run_dir, facts, before, unreadable)
             with self.store.tx() as tx:
@@ -266,8 +269,7 @@ class Observer:
     def launch_spec(self, run: Run, spec: RunSpec, run_dir: Path, a: Attempt) -> LaunchSpec:
         """What starts (or what to look for of) an attempt: one description for both."""
         config_path = trainer_cmd.config_path(run_dir, a.number)
-        env = {**trainer_cmd.attempt_env(spec, run_dir), "TSUP_RUN_ID": run.run_id,
-               "TSUP_ATTEMPT": str(a.number)}
+        env = {**trainer_cmd.attempt_env(spec, run_dir), **trainer_cmd.attempt_ids(run.run_id, a.number)}
         if self.mqtt_url:
             env["TSUP_MQTT_URL"] = self.mqtt_url
             env["TSUP_CLUSTER"] = self.telemetry.cluster

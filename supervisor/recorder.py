@@ -114,7 +114,8 @@ class _Batch:
                              now=item.at, param_norm=msg.param_norm, mfu=msg.mfu, val_loss=msg.val_loss):
                 m = MetricRecord(attempt=msg.attempt, step=msg.step, loss=msg.loss, grad_norm=msg.grad_norm,
                                  lr=msg.lr, step_time_s=msg.step_time_s, tokens_per_s=msg.tokens_per_s,
-                                 received_at=item.at)
+                                 received_at=item.at, param_norm=_finite(msg.param_norm),
+                                 mfu=_finite(msg.mfu), val_loss=_finite(msg.val_loss))
                 self.stats[(number, msg.attempt)] = with_step(self._stats(number, msg.attempt), m)
                 self.curve.setdefault(number, []).append(CurvePoint(
                     attempt=msg.attempt, step=msg.step, loss=msg.loss, grad_norm=msg.grad_norm,
@@ -147,3 +148,8 @@ def _blocked_s(msg: p.CheckpointCommitted) -> float | None:
     """How long the save blocked training; None if not timed (a trainer of the user's may
     not time its saves: trainer.client sends NaN)."""
     return msg.duration_s if math.isfinite(msg.duration_s) and msg.duration_s >= 0 else None
+
+
+def _finite(x: float) -> float | None:
+    """As the store keeps it: a value that is not finite (NaN: not measured) is None."""
+    return x if math.isfinite(x) else None

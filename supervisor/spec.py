@@ -303,6 +303,23 @@ class RunSpec(BaseModel):
             raise ValueError("trainer.output_dir: expected a path (a string)")
         return self
 
+    @model_validator(mode="after")
+    def _shrinking_can_happen(self) -> RunSpec:
+        """``shrink_after_s`` must leave a node count to shrink to."""
+        policy, nodes = self.policy, self.resources.nodes
+        if policy.shrink_after_s <= 0:
+            return self
+        if policy.shrink_min_nodes >= nodes:
+            raise ValueError(f"policy.shrink_min_nodes: {policy.shrink_min_nodes} leaves no count below "
+                             f"resources.nodes {nodes} to shrink to")
+        counts = self.shrink_counts
+        if counts is not None and not [k for k in counts if k >= policy.shrink_min_nodes]:
+            why = ("the Neuron backend cannot reshard its checkpoints" if self.neuron_backend else
+                   "no node count from shrink_min_nodes up splits trainer.global_batch_size over its ranks "
+                   "(and micro-batches)")
+            raise ValueError(f"policy.shrink_after_s: this run cannot go on with fewer nodes: {why}")
+        return self
+
     @property
     def auto_checkpoints(self) -> bool:
         """The reference trainer's checkpoint interval is the supervisor's to set."""
@@ -335,10 +352,15 @@ class RunSpec(BaseModel):
     def shrink_counts(self) -> tuple[int, ...] | None:
         """The node counts below ``resources.nodes`` that an attempt may shrink to (None:
         any). The reference trainer keeps its global batch on fewer ranks by more
-        accumulation, so the batch must split evenly over the ranks and micro-batches; a
-        [command] that opts in to shrinking (policy.shrink_after_s) handles its own."""
+        accumulation, so the batch must split evenly over the ranks and micro-batches (the
+        rule of trainer.config.TrainConfig.batch_layout, restated here: the [trainer]
+        table may hold the supervisor's own values, such as "auto", that the trainer's
+        config does not take). Its Neuron backend cannot reshard. A [command] that opts
+        in to shrinking (policy.shrink_after_s) handles its own."""
         if self.trainer is None:
             return None
+        if self.neuron_backend:
+            return ()  # NxD's sharded (ZeRO-1) checkpoints are not resharded on load
         batch, micro = self.trainer.get("global_batch_size", 16), self.trainer.get("micro_batch_size")
         if not isinstance(batch, int) or not isinstance(micro, (int, type(None))):
             return ()  # the trainer's own check says what is wrong

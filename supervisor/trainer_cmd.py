@@ -171,6 +171,11 @@ def memory_dir(run_dir: Path) -> Path:
     return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / "tsup-memory" / key
 
 
+def attempt_ids(run_id: str, attempt: int) -> dict[str, str]:
+    """The variables that tell a rank which run and attempt it belongs to."""
+    return {"TSUP_RUN_ID": run_id, "TSUP_ATTEMPT": str(attempt)}
+
+
 def attempt_env(spec: RunSpec, run_dir: Path) -> dict[str, str]:
     """The variables every rank of an attempt gets beyond the launcher's and the run's ids:
     the accelerators' (supervisor/node_env.py), then the trainer's, then a [command]'s own."""

@@ -104,9 +104,9 @@ class OptimizerConfig:
 
     The defaults are the Llama pre-training recipe (DESIGN.md): lr 3e-4 -> 3e-5, 2000
     warm-up steps, weight decay 0.1, betas (0.9, 0.95), eps 1e-5, grad clip 1.0. A config
-    of the ``tiny`` model gets TINY_DEFAULTS instead for the keys it leaves out: a 10x
-    larger lr and a short warm-up, which suit a 0.1 M parameter model and runs of a few
-    hundred steps (2000 warm-up steps would be longer than the run).
+    file (config_from_dict) of the ``tiny`` model gets tiny_defaults instead for the keys
+    it leaves out: a 10x larger lr and a short warm-up, which suit a 0.1 M parameter model
+    and runs of a few hundred steps (2000 warm-up steps would be longer than the run).
     """
 
     lr: float = 3e-4  # peak learning rate, reached at the end of warm-up
@@ -412,15 +412,20 @@ def load_config(path: str | Path) -> TrainConfig:
     return config_from_dict(data)
 
 
-# The optimizer settings a ``tiny`` config gets for the keys it leaves out (see
-# OptimizerConfig): the recipe's shape at a scale where a few hundred steps learn.
-TINY_DEFAULTS: dict[str, Any] = {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 10}
+def tiny_defaults(optimizer: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer table of a ``tiny`` config with the keys it leaves out filled in (see
+    OptimizerConfig): the recipe's shape at a scale where a few hundred steps learn, lr
+    3e-3, warm-up 10 steps, and min_lr a tenth of lr."""
+    out = {"lr": 3e-3, "warmup_steps": 10, **optimizer}
+    if "min_lr" not in out and _is_number(out["lr"]) and out["lr"] > 0:
+        out["min_lr"] = out["lr"] / 10
+    return out
 
 
 def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     """Build a TrainConfig from plain data (parsed TOML/JSON); ConfigError lists all problems."""
     if data.get("model", "tiny") == "tiny" and isinstance(data.get("optimizer", {}), dict):
-        data = {**data, "optimizer": {**TINY_DEFAULTS, **data.get("optimizer", {})}}
+        data = {**data, "optimizer": tiny_defaults(data.get("optimizer", {}))}
     config: TrainConfig = _build(TrainConfig, data, "")
     return config
 
@@ -434,7 +439,8 @@ def config_to_dict(config: TrainConfig) -> dict[str, Any]:
 
 def config_digest(config: TrainConfig) -> str:
     """sha256 of the settings that shape the training trajectory (hex, 16 chars)."""
-    plain = {k: v for k, v in config_to_dict(config).items() if k not in _OPERATIONAL_FIELDS}
+    plain = {k: v for k, v in config_to_dict(config).items() if k not in _OPERATIONAL_FIELDS
+             and (k != "neuron" or config.backend == "neuron")}  # the [neuron] table: its backend's only
     canonical = json.dumps(plain, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

@@ -177,21 +177,10 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         setter(enabled)
 
 
-def global_mean(value: torch.Tensor) -> float:
-    """Mean of a scalar over all ranks (gloo has no AVG, so sum and divide)."""
-    return global_mean_and_any(value, False)[0]
-
-
-def global_mean_and_any(value: torch.Tensor, flag: bool) -> tuple[float, bool]:
-    """The mean of a scalar over all ranks, and whether any rank raised ``flag``, in one
-    all-reduce: ranks that act on the flag (a checkpoint asked for by a signal) then act
-    at the same step, as every collective in the action needs."""
-    total, raised = global_sums([value, float(flag)], value.device)
-    return total / dist.get_world_size(), raised > 0
-
-
 def global_sums(values: list[torch.Tensor | float], device: torch.device) -> list[float]:
-    """Each scalar summed over all ranks, in one all-reduce (which also syncs the device)."""
+    """Each scalar summed over all ranks, in one all-reduce (which also syncs the device).
+    Flags summed this way (a checkpoint asked for by a signal on some rank) reach every
+    rank at the same step, as every collective in acting on them needs."""
     stacked = torch.stack([v.detach().float().reshape(()).to(device) if isinstance(v, torch.Tensor)
                            else torch.tensor(float(v), device=device) for v in values])
     dist.all_reduce(stacked, op=dist.ReduceOp.SUM)

@@ -10,11 +10,11 @@ and backward, causal masking not subtracted, as is the convention). Recomputed
 activations (activation checkpointing) are not counted: MFU counts the model's work,
 not the hardware's.
 
-The peak is the device maker's stated dense peak for the compute dtype, per rank: one
-GPU, or one NeuronCore (a trn1 Trainium chip has two; 190 TFLOP/s of bf16 per chip). A
-CPU has no stated peak; it is modelled as threads x clock x FLOPs per cycle (two fused
-multiply-add units of the widest vector extension the CPU has), which is optimistic, so
-a CPU's MFU reads low. ``peak_tflops`` in the config overrides all of this.
+The peak is the device maker's stated dense peak for the compute dtype, per rank (one
+GPU; the Neuron backend reports no MFU yet). A CPU has no stated peak; it is modelled as
+threads x clock x FLOPs per cycle (two fused multiply-add units of the widest vector
+extension the CPU has), which is optimistic, so a CPU's MFU reads low. ``peak_tflops``
+in the config overrides all of this.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ from trainer.shapes import ModelShape
 _GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
     ("H200", 989.0, 67.0),
     ("H100 PCIe", 756.0, 51.0),
+    ("H100 NVL", 835.0, 60.0),
     ("H100", 989.0, 67.0),  # SXM
     ("A100", 312.0, 19.5),
     ("L40S", 362.0, 91.6),
+    ("L40", 181.0, 90.5),
     ("A10G", 70.0, 31.2),
     ("L4", 121.0, 30.3),
 )
-NEURON_CORE_BF16_TFLOPS = 95.0  # trn1: 190 TFLOP/s per Trainium chip, two NeuronCores
 
 
 def training_flops_per_token(shape: ModelShape, seq_len: int) -> float:

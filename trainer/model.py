@@ -159,12 +159,16 @@ class Transformer(nn.Module):
         """The transformer blocks, typed (``self.layers`` holds nn.Module for mypy)."""
         return [layer for layer in self.layers if isinstance(layer, Block)]
 
-    def set_activation_checkpointing(self, mode: str) -> None:
-        """``full``: every block recomputes its activations in the backward pass;
-        ``selective``: every other block (half the memory saving for half the extra
-        compute); ``none``: no block."""
+    def prepare_blocks(self, *, activation_checkpointing: str, compile: bool) -> None:
+        """Before sharding. Activation checkpointing: ``full``, every block recomputes its
+        activations in the backward pass; ``selective``, every other block (half the
+        memory saving for half the extra compute); ``none``, no block. ``compile``:
+        torch.compile each block (each compiles once; FSDP2 then wraps it)."""
         for i, block in enumerate(self.blocks()):
-            block.recompute = mode == "full" or (mode == "selective" and i % 2 == 0)
+            block.recompute = activation_checkpointing == "full" or (
+                activation_checkpointing == "selective" and i % 2 == 0)
+            if compile:
+                block.compile()
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.parameters())

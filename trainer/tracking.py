@@ -34,6 +34,8 @@ class StepLog:
     def __init__(self, config: TrainConfig, *, is_main: bool) -> None:
         self._config, self._is_main = config, is_main
         self._writer: Any = None
+        # Where the writer opens at the attempt's first step (see step); None once tried.
+        self._board: Path | None = Path(config.tensorboard_dir or Path(config.output_dir) / "tensorboard")
         self._bar: _Bar | None = None
         self._bar_step = 0  # the bar's position: a resumed run's first step moves it there
         if not is_main:
@@ -42,8 +44,6 @@ class StepLog:
             from tqdm import tqdm
 
             self._bar = tqdm(total=config.steps, unit="step", dynamic_ncols=True)
-        board = config.tensorboard_dir or str(Path(config.output_dir) / "tensorboard")
-        self._writer = _tensorboard_writer(Path(board))
 
     def say(self, line: str) -> None:
         """A line for the log (rank 0 only), above the progress bar if there is one."""
@@ -71,6 +71,10 @@ class StepLog:
         elif (step % self._config.log_every_steps == 0 or step == self._config.steps
               or math.isfinite(s.val_loss)):
             print(f"step {step}/{self._config.steps} {numbers}", flush=True)
+        if self._writer is None and self._board is not None:
+            # Opened at the attempt's first step: points an earlier attempt wrote from this
+            # step on (redone after a resume) are purged, so each step has one point.
+            self._writer, self._board = _tensorboard_writer(self._board, purge_step=step), None
         if self._writer is not None:
             for key, value in (("train/loss", s.loss), ("train/grad_norm", s.grad_norm), ("train/lr", s.lr),
                                ("train/param_norm", s.param_norm), ("train/tokens_per_s", s.tokens_per_s),
@@ -87,14 +91,14 @@ class StepLog:
             self._writer = None
 
 
-def _tensorboard_writer(directory: Path) -> Any:
+def _tensorboard_writer(directory: Path, purge_step: int) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # torch's writer needs the tensorboard package
         print("trainer: tensorboard is not installed: no TensorBoard events "
               "(pip install tensorboard)", flush=True)
         return None
-    return SummaryWriter(log_dir=str(directory))
+    return SummaryWriter(log_dir=str(directory), purge_step=purge_step)
 
 
 def _percent(value: float) -> str:

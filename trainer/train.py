@@ -186,10 +186,7 @@ class _Runner:
         config = self.config
         with torch.device("meta"):
             model = Transformer(config.shape, rope_len=config.seq_len)
-        model.set_activation_checkpointing(config.activation_checkpointing)
-        if config.compile:
-            for block in model.blocks():  # per block: each compiles once, and FSDP2 wraps it
-                block.compile()
+        model.prepare_blocks(activation_checkpointing=config.activation_checkpointing, compile=config.compile)
         distributed.shard_model(model, self.ctx.mesh, compute_dtype(config.dtype, self.ctx.device))
         model.to_empty(device=self.ctx.device)
         model.init_weights(config.seed)
@@ -406,7 +403,13 @@ class _Runner:
             logits = self.model(rows[:, :-1])
             losses = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1),
                                      reduction="none").view(len(indices), -1).mean(dim=1)
-            total += losses.sum() if weight else 0.0 * losses.sum()
+            if weight:
+                total += losses.sum()
+        # Without a backward pass FSDP2 leaves the root's parameters (embedding, head)
+        # gathered after the forward: give that memory back before training goes on.
+        reshard = getattr(self.model, "reshard", None)
+        if reshard is not None:
+            reshard()
         summed = distributed.global_sums([total], self.ctx.device)[0]
         return summed / count
 

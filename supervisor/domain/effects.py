@@ -36,8 +36,9 @@ class ResumeRun:
 class AllocateNodes:
     count: int  # nodes to add to those the run holds
     # The fewest healthy nodes an allocation may be left with and still be kept (a Slurm
-    # job that shrank below it is replaced); None: the run's attempt size.
-    minimum: int | None = None
+    # job that lost more is replaced by a new one); None: the run's attempt size. A new
+    # allocation always asks for the attempt size.
+    keep: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -71,7 +71,10 @@ class RankProc:
 class AllocationRequest:
     run_id: str
     count: int  # nodes wanted in all: one attempt's plus the spares
-    minimum: int  # one attempt's nodes: fewer cannot train
+    minimum: int  # one attempt's nodes: a new allocation starts with no fewer
+    # An allocation that still holds this many healthy nodes is kept (None: ``minimum``):
+    # a run that may go on with fewer nodes keeps what it has (supervisor/policy/recovery.py).
+    keep: int | None = None
     held: tuple[str, ...]  # healthy nodes the run holds now
     drained: frozenset[str]  # never hand these out
     idle: tuple[str, ...]  # nodes the store knows as free (the local launcher's pool)

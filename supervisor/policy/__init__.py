@@ -26,6 +26,8 @@ Run transitions (state, condition -> next state: effects):
                     a stop rule holds        -> FAILED (crash loop, faults too frequent,
                                                 failures without progress: recovery.py)
                     fewer healthy nodes than needed -> (same):  AllocateNodes
+                    ... for shrink_after_s since the last attempt ended (or it ran shrunk)
+                                             -> STARTING:    StartAttempt on fewer nodes (run.shrunk)
                     otherwise                -> STARTING:    StartAttempt (newest complete checkpoint)
     STARTING, RECOVERING  first step seen    -> RUNNING:     MarkAttemptRunning, MarkFaultsRecovered
     STARTING, RUNNING
@@ -35,6 +37,10 @@ Run transitions (state, condition -> next state: effects):
                     storage-full (the reference trainer: 2, 5; RunView.exit_codes)
                                              -> FAILED:     RecordFault, StopAttempt (do not retry)
                     the cluster ended the allocation -> RECOVERING: the attempt ends INTERRUPTED
+    RUNNING on fewer nodes than the run's
+                    missing nodes held, a checkpoint of its own committed
+                                             -> RECOVERING:  StopAttempt INTERRUPTED (run.grow)
+                    otherwise                -> (same):      AllocateNodes
 
 Attempts: LAUNCHING -> RUNNING (processes exist: started, or adopted after a daemon
 restart) -> STOPPING (StopAttempt) -> ENDED (EndAttempt, once no process of it is left,

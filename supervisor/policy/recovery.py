@@ -19,7 +19,11 @@ their count (Llama 3: 419 interruptions in 54 days on 2,048 nodes). So:
 - an operator's ``resume`` starts all of this afresh (``Run.budget_from_attempt``).
 
 Placement keeps the previous attempt's healthy nodes in their places and fills up with
-spares; a node that straggled goes last. The next attempt resumes from the newest save
+spares; a node that straggled goes last. Fewer nodes (``shrink_after_s``): when no spare
+is left and no node came within that long of a failed attempt's end, the next attempt
+runs on the most healthy nodes it can (a count the trainer can split its batch over);
+while shrunk, the run keeps asking for nodes and grows back once it holds them and the
+shrunk attempt has committed a checkpoint. The next attempt resumes from the newest save
 of the in-memory tier when its nodes still hold all of it (memory.py), else from the
 newest persistent checkpoint. Rollback: after a NaN or a persistent spike the
 next attempt resumes from a checkpoint before it, skipping the spike's data window.
@@ -108,7 +112,7 @@ def launch(view: RunView, state: RunState, drained_now: set[str], out: list[Effe
     if len(healthy) < run.nodes:
         # Level 2 of recovery: not enough healthy nodes in hand, ask for more; or, once
         # they are long in coming, go on with fewer.
-        out.append(AllocateNodes(count=run.nodes + run.spares - len(healthy), minimum=_smallest(run)))
+        out.append(AllocateNodes(count=run.nodes + run.spares - len(healthy), keep=_smallest(run)))
         fewer = fewer_nodes(view, len(healthy), now)
         if fewer is None:
             return state
@@ -139,10 +143,13 @@ def _resume_point(view: RunView, nodes: tuple[str, ...], out: list[Effect]) -> t
         if not lost:
             return save.resume_from, save.step, f"memory (attempt {save.attempt}'s save of step {save.step})"
         fallback = f"the checkpoint at step {ck.step}" if ck else "scratch"
+        why = (f"the state of the ranks of {', '.join(lost)} left the run with that node and the next one of "
+               f"attempt {save.attempt}" if len(save.nodes) == len(nodes) else
+               f"it was saved on {len(save.nodes)} nodes and restores only on as many; this attempt has "
+               f"{len(nodes)}")
         out.append(Emit(kind="memory.lost",
-                        message=f"the memory save of step {save.step} cannot be resumed from: the state of "
-                                f"the ranks of {', '.join(lost)} left the run with that node and the next "
-                                f"one of attempt {save.attempt}; resuming from {fallback}",
+                        message=f"the memory save of step {save.step} cannot be resumed from: {why}; "
+                                f"resuming from {fallback}",
                         data={"step": save.step, "attempt": save.attempt, "nodes": lost}))
     if ck is None:
         return None, 0, "scratch"
@@ -181,7 +188,7 @@ def shrink_counts(run: Run) -> list[int]:
 
 
 def _smallest(run: Run) -> int | None:
-    """The fewest nodes worth keeping an allocation for (AllocateNodes.minimum)."""
+    """The fewest healthy nodes worth keeping an allocation for (AllocateNodes.keep)."""
     counts = shrink_counts(run) if run.policy.shrink_after_s > 0 else []
     return counts[0] if counts else None
 
@@ -202,8 +209,9 @@ def fewer_nodes(view: RunView, healthy: int, now: float) -> int | None:
 
 def grow_back(view: RunView, live: Attempt, state: RunState, out: list[Effect]) -> tuple[RunState, Attempt]:
     """An attempt on fewer nodes than the run's: ask for the missing nodes, and once the
-    run holds them, stop it so that the next attempt runs on all of them. Its work since
-    the newest checkpoint is redone, an interruption, not a failure."""
+    run holds them and the attempt has committed a checkpoint of its own, stop it so that
+    the next attempt runs on all of them. Its work since that checkpoint is redone (at
+    most one interval, as after any fault); the stop is an interruption, not a failure."""
     run = view.run
     if len(live.nodes) >= run.nodes or live.first_step_at is None:
         return state, live
@@ -211,8 +219,11 @@ def grow_back(view: RunView, live: Attempt, state: RunState, out: list[Effect]) 
     free = [n.name for n in view.allocation if n.state is NodeState.ALLOCATED and n.name not in busy]
     missing = run.nodes - len(live.nodes) - len(free)
     if missing > 0:
-        out.append(AllocateNodes(count=missing + run.spares, minimum=len(live.nodes)))
+        out.append(AllocateNodes(count=missing + run.spares, keep=len(live.nodes)))
         return state, live
+    ck = view.newest_checkpoint
+    if ck is None or ck.step <= live.resume_step:
+        return state, live  # not before the shrunk attempt's work is on storage
     reason = (f"growing back to {run.nodes} nodes: {', '.join(free[: run.nodes - len(live.nodes)])} "
               f"joined the {len(live.nodes)} of attempt {live.number}")
     out.append(Emit(kind="run.grow", message=reason, data={"attempt": live.number, "nodes": run.nodes}))

@@ -138,12 +138,12 @@ class SlurmLauncher:
             return Grant(nodes=(), info=req.info, note=f"job {job.job_id} pending: {job.reason}")
         if job is not None and job.phase is parse.JobPhase.HOLDING:
             have = self._usable(job.nodes, req.drained)
-            if len(have) >= req.minimum:
+            if len(have) >= (req.keep or req.minimum):
                 return Grant(nodes=have, info=req.info)
             # Too few healthy nodes left in it: give it back and ask for a new one.
             self.commands.fire(["scancel", job.job_id])
             log.info("allocation %s holds %d healthy nodes, %d needed: replacing it",
-                     job.job_id, len(have), req.minimum)
+                     job.job_id, len(have), req.keep or req.minimum)
         seq = info["seq"] + 1 if info["job"] else max(info["seq"], 1)
         name = f"{self.prefix}.{req.run_id}.{seq}"
         # A job of this name may exist already: submitted by a daemon that died before

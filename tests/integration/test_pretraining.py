@@ -147,6 +147,10 @@ def test_four_ranks_and_two_at_the_same_global_batch_follow_the_same_loss_curve(
     assert sorted(four) == sorted(two)
     worst = max(abs(four[s] - two[s]) / two[s] for s in two)
     assert worst < CURVE_RTOL, f"the curves part by {worst:.2e} (relative) at worst"
+    # The held-out loss is shared out over the ranks too: the same number on 4 and 2.
+    val_two, val_four = runs.two.val_losses(), runs.four.val_losses()
+    assert sorted(val_four) == sorted(val_two) == [80, 160]
+    assert all(val_four[s] == pytest.approx(val_two[s], rel=CURVE_RTOL) for s in val_two)
     print(f"largest relative difference over {STEPS} steps: {worst:.2e}")
     assert runs.four.result["consumed_samples"] == runs.two.result["consumed_samples"] == STEPS * 16
 
@@ -165,7 +169,16 @@ def test_mfu_and_tokens_per_s_are_reported(runs: Runs) -> None:
     tokens = float(re.search(r"tokens_per_s (\d+)", last)[1])  # type: ignore[index]
     mfu = re.search(r"mfu ([0-9.]+)%", last)
     assert tokens > 0 and mfu is not None and 0 < float(mfu[1]) < 100, last
-    assert (runs.two.directory / "out" / "tensorboard").is_dir()
+    # TensorBoard has every step's numbers and the validation points, as logged.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(runs.two.directory / "out" / "tensorboard"))
+    board.Reload()
+    losses = {e.step: e.value for e in board.Scalars("train/loss")}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[STEPS] == pytest.approx(runs.two.losses()[STEPS], abs=1e-4)
+    assert {e.step for e in board.Scalars("val/loss")} == {80, 160}
+    assert {"train/mfu", "train/param_norm", "train/tokens_per_s"} <= set(board.Tags()["scalars"])
 
 
 def test_streamed_text_tokenized_on_the_fly_resumes_after_a_kill_to_the_same_model(

@@ -59,9 +59,11 @@ def test_an_unknown_backend_is_refused_and_neuron_is_known() -> None:
         config_from_dict({"backend": "jax"})
 
 
-def test_the_neuron_table_changes_the_digest() -> None:
-    assert (config_digest(config_from_dict({"neuron": {"tensor_parallel_size": 32}}))
-            != config_digest(config_from_dict({})))
+def test_the_neuron_table_changes_the_digest_of_a_neuron_run_only() -> None:
+    def digest(tp: int, backend: str) -> str:
+        return config_digest(config_from_dict({"backend": backend, "neuron": {"tensor_parallel_size": tp}}))
+    assert digest(32, "neuron") != digest(8, "neuron")
+    assert digest(32, "torch") == digest(8, "torch")  # the torch backend never reads it
 
 
 # --- layout ----------------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from supervisor.domain import (
     AllocateNodes,
     AttemptOutcome,
@@ -17,6 +19,7 @@ from supervisor.domain import (
     StartAttempt,
     StopAttempt,
 )
+from supervisor.errors import SpecError
 from supervisor.policy import decide
 from supervisor.spec import parse_spec
 from tests.unit.test_policy import NOW, attempt, nodes, obs, of, rank, run, view
@@ -39,7 +42,7 @@ def failed(ended_at: float, nodes_: tuple[str, ...] = ("n1", "n2", "n3", "n4")) 
 def test_without_shrinking_the_run_waits_for_nodes() -> None:
     r = run(RunState.RECOVERING, nodes=4, spares=0)
     effects = decide(view(r, (failed(NOW - 10_000),), ALLOC, CK), None, NOW)
-    assert of(effects, AllocateNodes) == [AllocateNodes(count=1, minimum=None)]
+    assert of(effects, AllocateNodes) == [AllocateNodes(count=1, keep=None)]
     assert not of(effects, StartAttempt)
 
 
@@ -47,7 +50,7 @@ def test_the_run_waits_shrink_after_s_for_a_node_before_going_on_with_fewer() ->
     r = shrinking(after_s=60.0)
     waiting = decide(view(r, (failed(NOW - 59),), ALLOC, CK), None, NOW)  # type: ignore[arg-type]
     # It keeps asking, and keeps an allocation of as few as 1 node meanwhile.
-    assert of(waiting, AllocateNodes) == [AllocateNodes(count=1, minimum=1)]
+    assert of(waiting, AllocateNodes) == [AllocateNodes(count=1, keep=1)]
     assert not of(waiting, StartAttempt)
 
     effects = decide(view(r, (failed(NOW - 60),), ALLOC, CK), None, NOW)  # type: ignore[arg-type]
@@ -78,7 +81,7 @@ def test_below_shrink_min_nodes_the_run_waits() -> None:
     alloc = nodes(NodeState.ALLOCATED, NodeState.ALLOCATED, NodeState.DRAINED, NodeState.DRAINED)
     effects = decide(view(r, (failed(NOW - 1000),), alloc, CK), None, NOW)  # type: ignore[arg-type]
     assert not of(effects, StartAttempt)
-    assert of(effects, AllocateNodes) == [AllocateNodes(count=2, minimum=3)]
+    assert of(effects, AllocateNodes) == [AllocateNodes(count=2, keep=3)]
 
 
 def test_a_shrunk_attempt_asks_for_nodes_and_grows_back_when_they_come() -> None:
@@ -87,7 +90,7 @@ def test_a_shrunk_attempt_asks_for_nodes_and_grows_back_when_they_come() -> None
     ranks = obs(*(rank(i, node="n1" if i < 2 else "n2") for i in range(4)))
     two_held = nodes(NodeState.ALLOCATED, NodeState.ALLOCATED)
     effects = decide(view(r, (live,), two_held, CK), ranks, NOW)
-    assert of(effects, AllocateNodes) == [AllocateNodes(count=2, minimum=2)]
+    assert of(effects, AllocateNodes) == [AllocateNodes(count=2, keep=2)]
     assert not of(effects, StopAttempt)
 
     four_held = (*two_held, Node(name="n5", state=NodeState.ALLOCATED, run_number=7),
@@ -117,3 +120,36 @@ def test_the_spec_lists_the_counts_the_reference_trainer_can_split_its_batch_ove
                           "command": {"argv": ["torchrun", "train.py"], "steps": 10,
                                       "checkpoint_dir": "ck"}}, "test")
     assert command.shrink_counts is None
+
+
+def test_the_neuron_backend_cannot_shrink_and_a_spec_that_cannot_shrink_says_so() -> None:
+    def spec(trainer: dict[str, object], policy: dict[str, object], nodes_: int = 4) -> object:
+        return parse_spec({"name": "s", "resources": {"nodes": nodes_, "ranks_per_node": 2},
+                           "trainer": {"steps": 10, **trainer}, "policy": policy}, "test")
+    assert spec({"backend": "neuron"}, {}).shrink_counts == ()  # type: ignore[attr-defined]
+    with pytest.raises(SpecError, match="cannot reshard"):
+        spec({"backend": "neuron"}, {"shrink_after_s": 60})
+    with pytest.raises(SpecError, match=r"leaves no count below resources\.nodes 4"):
+        spec({}, {"shrink_after_s": 60, "shrink_min_nodes": 4})
+    with pytest.raises(SpecError, match="no node count from shrink_min_nodes up splits"):
+        spec({"global_batch_size": 8}, {"shrink_after_s": 60, "shrink_min_nodes": 3})  # 3 x 2 ranks: no
+    assert spec({"global_batch_size": 8}, {"shrink_after_s": 60})  # 1 or 2 nodes: fine
+
+
+def test_the_first_attempt_never_shrinks() -> None:
+    r = replace(shrinking(), state=RunState.PENDING)  # type: ignore[type-var]
+    effects = decide(view(r, (), ALLOC, None), None, NOW)
+    assert not of(effects, StartAttempt)
+    assert of(effects, AllocateNodes) == [AllocateNodes(count=1, keep=1)]
+
+
+def test_a_shrunk_attempt_grows_back_only_after_a_checkpoint_of_its_own() -> None:
+    r = replace(shrinking(), state=RunState.RUNNING)  # type: ignore[type-var]
+    live = attempt(2, nodes=("n1", "n2"), resume_step=40)
+    ranks = obs(*(rank(i, node="n1" if i < 2 else "n2") for i in range(4)))
+    four_held = nodes(NodeState.ALLOCATED, NodeState.ALLOCATED, NodeState.ALLOCATED, NodeState.ALLOCATED)
+    assert not of(decide(view(r, (live,), four_held, CK), ranks, NOW), StopAttempt)  # CK is step 40
+    newer = CheckpointRef(step=60, path="/ck/step_00000060")
+    assert of(decide(view(r, (live,), four_held, newer), ranks, NOW), StopAttempt)
+    not_started = replace(live, first_step_at=None)
+    assert not of(decide(view(r, (not_started,), four_held, newer), ranks, NOW), StopAttempt)

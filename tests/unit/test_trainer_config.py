@@ -183,7 +183,8 @@ def test_validation_needs_held_out_data() -> None:
 
 def test_a_tiny_config_gets_the_tiny_optimizer_defaults_and_a_named_shape_the_recipe() -> None:
     tiny = config_from_dict({"optimizer": {"lr": 1e-3}})
-    assert (tiny.optimizer.lr, tiny.optimizer.min_lr, tiny.optimizer.warmup_steps) == (1e-3, 3e-4, 10)
+    assert (tiny.optimizer.lr, tiny.optimizer.min_lr, tiny.optimizer.warmup_steps) == (1e-3, 1e-4, 10)
+    assert config_from_dict({}).optimizer.min_lr == pytest.approx(3e-4)
     llama = config_from_dict({"model": "llama3.2-1b", "seq_len": 64})
     o = llama.optimizer
     assert (o.lr, o.min_lr, o.warmup_steps, o.betas, o.eps, o.weight_decay, o.grad_clip) == (

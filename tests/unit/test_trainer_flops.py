@@ -23,6 +23,10 @@ def test_stated_gpu_peaks_by_name_and_dtype() -> None:
     assert flops.gpu_peak_tflops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.0
     assert flops.gpu_peak_tflops("NVIDIA H100 PCIe", "bfloat16") == 756.0
     assert flops.gpu_peak_tflops("NVIDIA A100-SXM4-80GB", "float32") == 19.5
+    # A longer name is not taken for a shorter one it starts with.
+    assert flops.gpu_peak_tflops("NVIDIA L40", "bfloat16") == 181.0
+    assert flops.gpu_peak_tflops("NVIDIA L4", "bfloat16") == 121.0
+    assert flops.gpu_peak_tflops("NVIDIA H100 NVL", "bfloat16") == 835.0
     assert flops.gpu_peak_tflops("Some Future GPU", "bfloat16") is None
 
 

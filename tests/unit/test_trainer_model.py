@@ -119,3 +119,39 @@ def test_forward_is_causal() -> None:
     assert logits.shape == (1, 16, 256)
     torch.testing.assert_close(logits[:, :10], logits_changed[:, :10])
     assert not torch.allclose(logits[:, 10:], logits_changed[:, 10:])
+
+
+@pytest.mark.parametrize(("mode", "runs_per_block"), [("none", [1, 1]), ("selective", [2, 1]), ("full", [2, 2])])
+def test_activation_checkpointing_recomputes_the_chosen_blocks_in_the_backward_pass(
+        mode: str, runs_per_block: list[int]) -> None:
+    """Each block's body runs once in the forward pass, and once more in the backward pass
+    where it is checkpointed; the gradients are the same either way."""
+    def grads_and_runs(mode: str) -> tuple[list[torch.Tensor], list[int]]:
+        model = Transformer(SHAPES["tiny"], rope_len=16)
+        model.init_weights(seed=3)
+        model.prepare_blocks(activation_checkpointing=mode, compile=False)
+        runs = [0] * len(model.blocks())
+        for i, block in enumerate(model.blocks()):
+            body = block._forward
+
+            def counted(*args: torch.Tensor, i: int = i, body=body) -> torch.Tensor:  # type: ignore[no-untyped-def]
+                runs[i] += 1
+                return body(*args)
+
+            block._forward = counted  # type: ignore[method-assign]
+        tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
+        return [p.grad for p in model.parameters()], runs  # type: ignore[misc]
+
+    grads, runs = grads_and_runs(mode)
+    assert runs == runs_per_block
+    plain, _ = grads_and_runs("none")
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain, strict=True))
+
+
+def test_compile_compiles_each_block() -> None:
+    model = meta_model(SHAPES["tiny"])
+    model.prepare_blocks(activation_checkpointing="none", compile=True)
+    assert all(block._compiled_call_impl is not None for block in model.blocks())
+    assert model._compiled_call_impl is None  # the blocks, not the whole model (FSDP2 wraps each)

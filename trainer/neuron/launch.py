@@ -38,8 +38,9 @@ NODE_ENV = {
 
 def precision_env(dtype: str) -> dict[str, str]:
     """What the trainer sets before torch-xla starts: bfloat16 ("auto" on Neuron) stores
-    float32 tensors as bfloat16 on the device (the seeds' XLA_DOWNCAST_BF16); the
-    optimizer keeps float32 master weights."""
+    float32 tensors as bfloat16 on the device (the seeds' XLA_DOWNCAST_BF16), the
+    optimizer's state included: unlike the torch backend, there are no float32 master
+    weights (NxD's master-weights option is not used)."""
     return {"XLA_DOWNCAST_BF16": "1"} if dtype in ("auto", "bfloat16") else {}
 
 

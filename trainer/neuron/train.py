@@ -175,18 +175,23 @@ class _Runner:
         config, batch = self.config, self.batch
         lr = lr_at(step, config=config.optimizer, total_steps=config.steps)
         set_lr(self.optimizer, lr)
+        for start, end in config.data.skip:  # the supervisor's data window after a loss spike
+            if start <= self.consumed < end:
+                self.consumed = end
         rows = torch.from_numpy(self.reader.rank_batch(self.consumed)).long()
         started = time.monotonic()
-        total = torch.zeros((), device=self.device)
-        for micro in rows.chunk(batch.accumulation):
-            tokens = micro.to(self.device)
-            inputs, labels = tokens[:, :-1], tokens[:, 1:]
-            if config.neuron.pipeline_parallel_size > 1:  # NxD's pipeline runs forward and backward
-                loss = self.model.run_train(input_ids=inputs, labels=labels)
-            else:
-                loss = self.model(inputs, labels) / batch.accumulation
+        if config.neuron.pipeline_parallel_size > 1:
+            # NxD's pipeline splits the batch into num_microbatches itself and runs forward
+            # and backward; it returns the mean loss.
+            tokens = rows.to(self.device)
+            total = self.model.run_train(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).detach()
+        else:
+            total = torch.zeros((), device=self.device)
+            for micro in rows.chunk(batch.accumulation):
+                tokens = micro.to(self.device)
+                loss = self.model(tokens[:, :-1], tokens[:, 1:]) / batch.accumulation
                 loss.backward()
-            total = total + loss.detach()
+                total = total + loss.detach()
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.xm.mark_step()  # the step's graph is cut here and runs on the device
