@@ -42,6 +42,8 @@ from supervisor.errors import SpecError
 from supervisor.node_env import Accelerator
 from supervisor.planning import LLAMA3_FAILURES_PER_NODE_DAY
 from supervisor.slurm.requests import SUPERVISOR_SRUN_OPTIONS
+from trainer.config import split_batch
+from trainer.errors import ConfigError
 from trainer.protocol import parse_mqtt_url
 
 _Model = ConfigDict(extra="forbid", frozen=True)
@@ -352,21 +354,25 @@ class RunSpec(BaseModel):
     def shrink_counts(self) -> tuple[int, ...] | None:
         """The node counts below ``resources.nodes`` that an attempt may shrink to (None:
         any). The reference trainer keeps its global batch on fewer ranks by more
-        accumulation, so the batch must split evenly over the ranks and micro-batches (the
-        rule of trainer.config.TrainConfig.batch_layout, restated here: the [trainer]
-        table may hold the supervisor's own values, such as "auto", that the trainer's
-        config does not take). Its Neuron backend cannot reshard. A [command] that opts
+        accumulation, so the batch must split evenly over the ranks and micro-batches
+        (trainer.config.split_batch, the trainer's own rule). Its Neuron backend cannot
+        reshard. A [command] that opts
         in to shrinking (policy.shrink_after_s) handles its own."""
         if self.trainer is None:
             return None
         if self.neuron_backend:
             return ()  # NxD's sharded (ZeRO-1) checkpoints are not resharded on load
         batch, micro = self.trainer.get("global_batch_size", 16), self.trainer.get("micro_batch_size")
-        if not isinstance(batch, int) or not isinstance(micro, (int, type(None))):
+        if (not isinstance(batch, int) or batch < 1
+                or not (micro is None or (isinstance(micro, int) and micro >= 1))):
             return ()  # the trainer's own check says what is wrong
+
         def fits(nodes: int) -> bool:
-            ranks = nodes * self.resources.ranks_per_node
-            return batch % ranks == 0 and (micro is None or (batch // ranks) % micro == 0)
+            try:
+                split_batch(batch, micro, nodes * self.resources.ranks_per_node, "the ranks")
+            except ConfigError:
+                return False
+            return True
         return tuple(k for k in range(1, self.resources.nodes) if fits(k))
 
     @property

@@ -370,15 +370,22 @@ class TrainConfig:
 
     def batch_layout(self, world_size: int) -> BatchLayout:
         """Split the global batch over ``world_size`` ranks; ConfigError if it cannot."""
-        if self.global_batch_size % world_size:
-            raise ConfigError(f"global_batch_size: {self.global_batch_size} is not divisible "
-                              f"by the world size {world_size}")
-        per_rank = self.global_batch_size // world_size
-        micro = per_rank if self.micro_batch_size is None else self.micro_batch_size
-        if per_rank % micro:
-            raise ConfigError(f"micro_batch_size: {micro} does not divide the per-rank batch "
-                              f"{per_rank} (global_batch_size / world size {world_size})")
-        return BatchLayout(per_rank=per_rank, micro=micro, accumulation=per_rank // micro)
+        return split_batch(self.global_batch_size, self.micro_batch_size, world_size,
+                           f"the world size {world_size}")
+
+
+def split_batch(global_batch: int, micro_batch: int | None, replicas: int, what: str) -> BatchLayout:
+    """Split a global batch over ``replicas`` data-parallel replicas (``what`` names their
+    count in errors), each in micro-batches of ``micro_batch`` samples (None: one pass);
+    ConfigError if it cannot."""
+    if global_batch % replicas:
+        raise ConfigError(f"global_batch_size: {global_batch} is not divisible by {what}")
+    per_rank = global_batch // replicas
+    micro = per_rank if micro_batch is None else micro_batch
+    if per_rank % micro:
+        raise ConfigError(f"micro_batch_size: {micro} does not divide the per-rank batch "
+                          f"{per_rank} (global_batch_size / {what})")
+    return BatchLayout(per_rank=per_rank, micro=micro, accumulation=per_rank // micro)
 
 
 # ---- loading ------------------------------------------------------------------------------

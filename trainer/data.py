@@ -131,14 +131,14 @@ class SampleRange:
     """Samples ``[first, first + count)`` of another source, numbered from 0."""
 
     def __init__(self, source: TokenSource, *, first: int, count: int) -> None:
-        self._source, self._first, self._count = source, first, count
+        self.source, self._first, self._count = source, first, count
 
     @property
     def num_samples(self) -> int:
         return self._count
 
     def samples(self, indices: npt.NDArray[np.int64]) -> TokenArray:
-        return self._source.samples(indices + self._first)
+        return self.source.samples(indices + self._first)
 
 
 def _open_indexed(config: DataConfig, path: str | None, *, seed: int, vocab_size: int,
@@ -185,21 +185,23 @@ def open_source(config: DataConfig, *, seed: int, vocab_size: int,
     return SampleRange(source, first=0, count=source.num_samples - held) if held else source
 
 
-def open_validation_source(config: DataConfig, *, seed: int, vocab_size: int,
-                           seq_len: int) -> TokenSource | None:
+def open_validation_source(config: DataConfig, *, seed: int, vocab_size: int, seq_len: int,
+                           training: TokenSource | TokenStream | None = None) -> TokenSource | None:
     """Held-out samples for validation, never trained on; None when the config names none.
 
     They are data.validation_path's samples (the same kind, column and tokenizer as the
     training data), or the last data.validation_fraction of the training set's. Read
     them in index order, ``samples(np.arange(n))``: all ranks see the same rows. With a
-    fraction the set is opened a second time (a ``text`` set is tokenized again).
+    fraction, ``training`` (what open_source returned) lends its opened set, so that it
+    is not opened (a ``text`` set not tokenized) a second time.
     """
     if config.validation_path is not None:
         return _open_indexed(config, config.validation_path, seed=seed,
                              vocab_size=vocab_size, seq_len=seq_len)
     if not config.validation_fraction:
         return None
-    source = _open_indexed(config, config.path, seed=seed, vocab_size=vocab_size, seq_len=seq_len)
+    source = (training.source if isinstance(training, SampleRange)
+              else _open_indexed(config, config.path, seed=seed, vocab_size=vocab_size, seq_len=seq_len))
     held = _held_out(config, source)
     return SampleRange(source, first=source.num_samples - held, count=held)
 

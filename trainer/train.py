@@ -173,7 +173,8 @@ class _Runner:
                                   global_batch=config.global_batch_size,
                                   rank=ctx.rank, world_size=ctx.world_size)
         self.validation = (open_validation_source(config.data, seed=config.seed,
-                                                  vocab_size=config.shape.vocab_size, seq_len=config.seq_len)
+                                                  vocab_size=config.shape.vocab_size, seq_len=config.seq_len,
+                                                  training=source)
                            if config.validation_every_steps else None)
         self.flops_per_token = flops.training_flops_per_token(config.shape, config.seq_len)
         self.peak_tflops = (config.peak_tflops

@@ -15,7 +15,14 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from trainer.config import DataConfig, config_from_dict
-from trainer.data import BatchReader, TokenSource, TokenStream, open_source, open_validation_source
+from trainer.data import (
+    BatchReader,
+    SampleRange,
+    TokenSource,
+    TokenStream,
+    open_source,
+    open_validation_source,
+)
 from trainer.errors import ConfigError, DataError
 
 SEQ_LEN = 4
@@ -265,6 +272,18 @@ def test_validation_fraction_holds_out_the_last_samples(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="leaves none to train on"):
         open_(config(kind="arrow", path=str(save_tokens(tmp_path / "s", [[2, 3, 4, 5, 6]], 1)),
                      validation_fraction=0.5))
+
+
+def test_the_validation_split_reuses_the_opened_training_set(tmp_path: Path) -> None:
+    data = config(kind="arrow", path=str(save_tokens(tmp_path / "d", random_documents(seed=7), 2)),
+                  validation_fraction=0.25)
+    training = open_(data)
+    shared = open_validation_source(data, seed=3, vocab_size=VOCAB, seq_len=SEQ_LEN, training=training)
+    own = open_validation_source(data, seed=3, vocab_size=VOCAB, seq_len=SEQ_LEN)
+    assert isinstance(training, SampleRange) and isinstance(shared, SampleRange) and own is not None
+    assert shared.source is training.source  # opened once
+    np.testing.assert_array_equal(shared.samples(np.arange(shared.num_samples)),
+                                  own.samples(np.arange(own.num_samples)))
 
 
 def test_validation_path_is_a_second_set_of_the_same_kind(tmp_path: Path) -> None:

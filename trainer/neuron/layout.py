@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config import BatchLayout, TrainConfig
+from trainer.config import BatchLayout, TrainConfig, split_batch
 from trainer.errors import ConfigError
 from trainer.neuron.config import NeuronConfig
 from trainer.shapes import ModelShape
@@ -89,20 +89,14 @@ def batch_split(config: TrainConfig, layout: ParallelLayout) -> BatchLayout:
     PP ranks of a replica see the same samples); with PP, each replica's micro-batch
     is cut into ``num_microbatches`` pieces that flow through the stages."""
     dp = layout.data_parallel_size
-    if config.global_batch_size % dp:
-        raise ConfigError(f"global_batch_size: {config.global_batch_size} is not divisible by the "
-                          f"data-parallel size {dp} (world size {layout.world_size} / (tensor x pipeline "
-                          f"parallel size))")
-    per_replica = config.global_batch_size // dp
-    micro = per_replica if config.micro_batch_size is None else config.micro_batch_size
-    if per_replica % micro:
-        raise ConfigError(f"micro_batch_size: {micro} does not divide the per-replica batch {per_replica} "
-                          f"(global_batch_size / data-parallel size {dp})")
+    batch = split_batch(config.global_batch_size, config.micro_batch_size, dp,
+                        f"the data-parallel size {dp} (world size {layout.world_size} / (tensor x pipeline "
+                        f"parallel size))")
     pieces = config.neuron.num_microbatches
-    if micro % pieces:
-        raise ConfigError(f"neuron.num_microbatches: {pieces} does not divide the micro-batch of {micro} "
-                          f"sample(s) per replica")
-    return BatchLayout(per_rank=per_replica, micro=micro, accumulation=per_replica // micro)
+    if batch.micro % pieces:
+        raise ConfigError(f"neuron.num_microbatches: {pieces} does not divide the micro-batch of "
+                          f"{batch.micro} sample(s) per replica")
+    return batch
 
 
 def check_neuron_config(config: TrainConfig, world_size: int | None) -> None:
