@@ -40,6 +40,9 @@ in every attempt of the run:
                       fault to make the run resume from it: the resumed step's loss differs
     slow@40[:RANK]    from step 40 on, the node of rank RANK (default 0) computes at half
                       speed for the rest of the run: a straggler
+    slow-save@10[:MBPS]
+                      from step 10 on, every persistent checkpoint save writes at MBPS
+                      MB/s per rank (40): slow or busy storage
 
 Each action fires once per run, through the launcher, as real signals to real
 processes. An action at a later step than one that ends the attempt (a kill, a freeze,
@@ -73,13 +76,15 @@ from supervisor.telemetry import TelemetryView
 log = logging.getLogger(__name__)
 
 _KINDS = ("kill-rank|kill-node|freeze-node|partition-node|partition-all|hang-rank|corrupt-ckpt|crash|nan|"
-          "spike|slow|device|kill-in-save|tamper-ckpt")
+          "spike|slow-save|slow|device|kill-in-save|tamper-ckpt")
 _SYNTAX = re.compile(rf"^({_KINDS})@([0-9]+)(?::([0-9]+))?(?:/([0-9]+))?$")
 ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "partition-node", "partition-all", "hang-rank",
-                    "corrupt-ckpt", "crash", "nan", "spike", "slow", "device", "kill-in-save", "tamper-ckpt"]
+                    "corrupt-ckpt", "crash", "nan", "spike", "slow", "device", "kill-in-save", "tamper-ckpt",
+                    "slow-save"]
 PARTITION_S = {"partition-node": 20, "partition-all": 30}  # how long a cut lasts unless /SECONDS says
 # Injected by the trainer itself, not by signals from outside.
-TRAINER_KINDS = frozenset({"crash", "nan", "spike", "slow", "device", "kill-in-save", "tamper-ckpt"})
+TRAINER_KINDS = frozenset({"crash", "nan", "spike", "slow", "device", "kill-in-save", "tamper-ckpt",
+                           "slow-save"})
 # Faults that end the attempt they hit: a later action waits for the attempt after it.
 ENDS_ATTEMPT = frozenset({"kill-rank", "kill-node", "freeze-node", "hang-rank"})
 
@@ -103,7 +108,7 @@ def parse_chaos(text: str) -> ChaosAction:
         raise SpecError(
             f"--chaos {text!r}: expected KIND@STEP[:TARGET][/SECONDS] with KIND kill-rank, kill-node, "
             "freeze-node, partition-node, partition-all, hang-rank, corrupt-ckpt, crash, nan, spike, slow, "
-            "device or kill-in-save, for example kill-rank@50"
+            "slow-save, device, kill-in-save or tamper-ckpt, for example kill-rank@50"
         )
     kind: ChaosKind = m.group(1)  # type: ignore[assignment]
     step = int(m.group(2))

@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="inject a fault (repeatable): kill-rank, kill-node, freeze-node, hang-rank@STEP, "
                           "corrupt-ckpt@STEP from outside; crash@STEP, nan@STEP, spike@STEP:LEN, "
                           "slow@STEP[:RANK], device@STEP[:RANK], kill-in-save@STEP[:RANK], "
-                          "tamper-ckpt@STEP[:RANK] in the trainer")
+                          "tamper-ckpt@STEP[:RANK], slow-save@STEP[:MBPS] in the trainer")
     run.add_argument("--json", action="store_true", help="print one JSON summary object on stdout")
     run.add_argument("--quiet", action="store_true", help="no progress on stderr")
     run.add_argument("--launcher", choices=("local", "slurm"), default=None,

@@ -62,6 +62,19 @@ def map_tensors(state: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return state
 
 
+def state_bytes(state: Any) -> int:
+    """The bytes of this rank's part of every tensor in ``state`` (a DTensor's local shard)."""
+    total = 0
+
+    def count(t: torch.Tensor) -> None:
+        nonlocal total
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+
+    map_tensors(state, count)
+    return total
+
+
 def staged(state: Any) -> Any:
     """``state`` with every tensor a copy (a DTensor keeps its sharding): the blocking
     part of an asynchronous save."""

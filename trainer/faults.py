@@ -30,6 +30,11 @@ after its checkpoint, if one was due):
                    straggler. The node stays slow for the rest of the run (a marker in
                    ``TSUP_FAULT_STATE`` names it), so a later attempt on it is slow from
                    its first step; an attempt on other nodes is not. Rank 0 by default
+    slow-save@10:40
+                   from step 10 on, every persistent checkpoint save (synchronous or in
+                   the background) is held to 40 MB/s per rank (SLOW_SAVE_MB_S when left
+                   out): a rank whose share is written sooner waits out the rest before
+                   the commit, as on slow or busy storage. In every attempt
 
 Unset means no faults. A fault fires in whichever attempt completes STEP, so an attempt
 that resumes from a checkpoint before STEP meets it again unless TSUP_FAULT is cleared
@@ -47,10 +52,11 @@ from pathlib import Path
 
 from trainer.errors import DeviceFault, UsageError
 
-_ACTIONS = ("hang", "crash", "nan", "spike", "slow", "device", "kill-in-save", "tamper-ckpt")
+_ACTIONS = ("hang", "crash", "nan", "spike", "slow", "device", "kill-in-save", "tamper-ckpt", "slow-save")
 SPIKE_FACTOR = 8.0
 _AFTER_STEP = ("crash", "hang", "device")  # the actions after_step takes
 SLOW_FACTOR = 2.0
+SLOW_SAVE_MB_S = 40
 _SLOW_MARKER = "slow-node"
 
 
@@ -62,7 +68,7 @@ class InjectedFault(RuntimeError):
 class Fault:
     action: str
     step: int
-    rank: int | None  # None: every rank; for spike, the window's length in steps
+    rank: int | None  # None: every rank; for spike, the window's length in steps; for slow-save, MB/s
 
     def __str__(self) -> str:
         return f"{self.action}@{self.step}" + (f":{self.rank}" if self.rank is not None else "")
@@ -150,6 +156,14 @@ class FaultPlan:
             report(fault, f"rank {rank} is killed (SIGKILL) in the middle of the save of step {step}")
             time.sleep(0.5)  # the telemetry thread publishes the report before the process goes
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def save_pace(self, step: int) -> tuple[Fault, float] | None:
+        """The ``slow-save`` that holds the save of ``step`` to a pace, with that pace in
+        bytes per second per rank; None when saves run at the storage's own pace."""
+        for fault in self.faults:
+            if fault.action == "slow-save" and step >= fault.step:
+                return fault, (fault.rank or SLOW_SAVE_MB_S) * 1e6
+        return None
 
     def tampers(self, step: int, rank: int) -> Fault | None:
         """A ``tamper-ckpt`` for the save of this step on this rank (rank 0 by default),

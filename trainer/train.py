@@ -494,10 +494,10 @@ class _Runner:
         None), or on the checkpoint thread after the training thread's copy took
         ``blocking_s``."""
         config = self.config
-        step = meta.step
+        step, started, size = meta.step, time.monotonic(), checkpoint.state_bytes(state)
         saved = checkpoint.save(Path(config.checkpoint.dir).absolute(), meta, state,
                                 keep=config.checkpoint.keep, is_main=self.ctx.is_main,
-                                before_commit=lambda: self._in_save(step), group=self._persist_group)
+                                before_commit=lambda: self._in_save(step, started, size), group=self._persist_group)
         self.last_checkpoint = str(saved.path)
         if self.ctx.is_main:
             blocked = saved.duration_s if blocking_s is None else blocking_s
@@ -507,8 +507,16 @@ class _Runner:
             self._say(f"checkpoint step {step} committed to {saved.path} "
                       f"in {saved.duration_s:.3f} s{beside}{pruned}")
 
-    def _in_save(self, step: int) -> None:
+    def _in_save(self, step: int, started: float, size: int) -> None:
+        """Chaos drills between a save's writes and its commit: a rank killed there, or
+        storage slower than this machine's (``slow-save``: the save waits out the time
+        its ``size`` bytes take at the drill's pace)."""
         self.faults.in_save(step, self.ctx.rank, lambda fault, detail: self._fault_fired(fault, step, detail))
+        slow = self.faults.save_pace(step)
+        if slow is not None:
+            fault, pace = slow
+            self._fault_fired(fault, step, f"checkpoint saves are held to {pace / 1e6:g} MB/s per rank")
+            time.sleep(max(0.0, size / pace - (time.monotonic() - started)))
 
     def _fault_fired(self, fault: Fault, step: int, detail: str) -> None:
         """A chaos drill's fault fired here: said in the log and on telemetry, once per
