@@ -329,6 +329,8 @@ class Observer:
                 last_step=max(t.last_step if t else 0, quiet[0] if quiet else 0, live.resume_step),
                 progress_at=_latest(t.progress_at if t else None, quiet[1] if quiet else None),
                 phase=t.phase if t else None,
+                phase_at=t.phase_at if t else None,
+                phase_bytes=t.phase_bytes if t else 0,
                 last_seen_at=t.last_seen_at if t else None,
                 nonfinite_step=t.nonfinite_step if t else None,
                 busy_recent_s=t.busy_recent if t else (),
@@ -338,10 +340,11 @@ class Observer:
         result = self._result(run, spec, run_dir, live, ranks) if spec else None
         p99, samples = self.telemetry.step_time_p99(run.run_id, live.number)
         up_since = self._up_since(run, live, tele)
+        io = self.telemetry.checkpoint_io(run.run_id)
         return AttemptObs(ranks=tuple(ranks), result=result, telemetry_up_since=up_since, unheard=unheard,
                           expected_first=self._expected_first(run, spec, live) if spec else None,
                           step_time_p99_s=p99, step_time_samples=samples,
-                          checkpoint_p99_s=self.telemetry.checkpoint_p99(run.run_id),
+                          save_s=io.save_s, save_gb_s=io.save_gb_s, restore_gb_s=io.restore_gb_s,
                           recent=self.telemetry.recent_steps(run.run_id, live.number), found=found)
 
     def _up_since(self, run: Run, live: Attempt, tele: dict[int, RankSeen]) -> float | None:
@@ -407,7 +410,7 @@ class Observer:
                 ranks_per_node=run.ranks_per_node, formats=formats, now=now):
             self.telemetry.apply_from_output(read.msg, now, printed=read.printed)
         for rank, phase in state.phases.items():
-            self.telemetry.phase_from_output(run.run_id, live.number, rank, phase)
+            self.telemetry.phase_from_output(run.run_id, live.number, rank, phase, now)
         return state
 
     def _quiet_progress(self, spec: RunSpec, run_dir: Path, live: Attempt, now: float,

@@ -1,8 +1,8 @@
 """The telemetry that must outlive the daemon, written to the store once per tick.
 
-Rank 0's step metrics, checkpoint commits and the faults the trainer injected itself
-wait in the telemetry view's durable queue until they are committed here, in one
-transaction per tick. With each step the per-attempt stats (``AttemptStats``: what
+Rank 0's step metrics, checkpoint commits and restores, and the faults the trainer
+injected itself wait in the telemetry view's durable queue until they are committed
+here, in one transaction per tick. With each step the per-attempt stats (``AttemptStats``: what
 every read of a run adds up) and the downsampled loss curve are kept up to date, so
 that no read has to go through the raw steps, which retention then prunes: raw steps
 after ``metrics_days``, events after ``events_days`` (published ones only).
@@ -126,6 +126,14 @@ class _Batch:
                          f"(rank {msg.rank})",
                          {"action": msg.action, "step": msg.step, "attempt": msg.attempt, "rank": msg.rank},
                          item.at)
+        elif isinstance(msg, p.CheckpointRestored):
+            timed = msg.bytes and msg.duration_s > 0
+            pace = f", {msg.bytes / msg.duration_s / 1e9:.2f} GB/s" if timed else ""
+            tx.add_event(number, "checkpoint.restored",
+                         f"attempt {msg.attempt} resumed after step {msg.step} from {msg.path} in "
+                         f"{msg.duration_s:.2f} s ({msg.bytes / 1e9:.3g} GB a rank{pace})",
+                         {"step": msg.step, "path": msg.path, "tier": msg.tier, "attempt": msg.attempt,
+                          "seconds": _finite(msg.duration_s), "bytes": msg.bytes}, item.at)
         elif msg.tier == p.TIER_MEMORY:  # often (every few steps): recorded without an event
             tx.record_memory_checkpoint(number, attempt=msg.attempt, step=msg.step,
                                         duration_s=_blocked_s(msg), now=item.at)

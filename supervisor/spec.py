@@ -93,6 +93,7 @@ class PolicySpec(BaseModel):
     startup_timeout_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 900.0
     compile_timeout_s: Annotated[float, Field(gt=0, le=7 * _DAY_S)] = 7200.0
     checkpoint_timeout_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 600.0
+    checkpoint_min_gb_s: Annotated[float, Field(gt=0, le=10_000)] = 0.1
     eval_timeout_s: Annotated[float, Field(gt=0, le=_DAY_S)] = 600.0
     stop_grace_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
     fault_settle_s: Annotated[float, Field(ge=0, le=60)] = 1.0

@@ -83,6 +83,8 @@ class RankTelemetry:
     last_step: int = 0
     progress_at: float | None = None  # when last_step last increased
     phase: str | None = None
+    phase_at: float | None = None  # when it entered that phase
+    phase_bytes: int = 0  # the bytes of its state the phase moves, when it said
     exit_code: int | None = None
     exit_reason: str = ""
     exit_at: float | None = None
@@ -103,6 +105,8 @@ class RankSeen:
     last_step: int
     progress_at: float | None
     phase: str | None
+    phase_at: float | None
+    phase_bytes: int
     exit_code: int | None
     exit_reason: str
     exit_at: float | None
@@ -116,8 +120,57 @@ class RankSeen:
 class Received:
     """A message to persist, with its receipt time."""
 
-    msg: p.StepMetrics | p.CheckpointCommitted | p.FaultInjected
+    msg: p.StepMetrics | p.CheckpointCommitted | p.CheckpointRestored | p.FaultInjected
     at: float
+
+
+IO_KEPT = 20  # a run's recent saves and restores, each: the window their slowest is taken from
+
+
+@dataclass(frozen=True, slots=True)
+class IoPace:
+    """The slowest of a run's recent checkpoint I/O (None: not measured)."""
+
+    save_s: float | None = None  # a whole save, or a checkpoint phase as long
+    save_gb_s: float | None = None  # GB/s of a rank's state
+    restore_gb_s: float | None = None
+
+
+@dataclass(slots=True)
+class CheckpointIo:
+    """A run's recent saves and restores as its trainer timed them: what the checkpoint
+    and restore allowances follow. For a trainer that times none of its saves (its
+    commits come without a duration: trainer.client's default), the checkpoint phases as
+    this side saw them stand in; never for one that times its own, whose checkpoint phase
+    may be only the copy of a save that goes on beside training."""
+
+    saves_s: deque[float] = field(default_factory=lambda: deque(maxlen=IO_KEPT))
+    phases_s: deque[float] = field(default_factory=lambda: deque(maxlen=IO_KEPT))
+    untimed: bool = False  # a commit came without a duration
+    save_paces: deque[float] = field(default_factory=lambda: deque(maxlen=IO_KEPT))  # bytes/s
+    restore_paces: deque[float] = field(default_factory=lambda: deque(maxlen=IO_KEPT))
+
+    def saved(self, seconds: float, size: int) -> None:
+        """A commit: the whole save took ``seconds`` (NaN: not timed) for ``size`` bytes."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            self.untimed = True
+            return
+        self.saves_s.append(seconds)
+        if size > 0 and seconds > 0:
+            self.save_paces.append(size / seconds)
+
+    def phase_ended(self, seconds: float) -> None:
+        self.phases_s.append(seconds)
+
+    def restored(self, seconds: float, size: int) -> None:
+        if math.isfinite(seconds) and seconds > 0 and size > 0:
+            self.restore_paces.append(size / seconds)
+
+    def pace(self) -> IoPace:
+        timed = self.saves_s or (self.phases_s if self.untimed else ())
+        return IoPace(save_s=max(timed, default=None),
+                      save_gb_s=min(self.save_paces) / 1e9 if self.save_paces else None,
+                      restore_gb_s=min(self.restore_paces) / 1e9 if self.restore_paces else None)
 
 
 @dataclass(slots=True)
@@ -130,7 +183,7 @@ class TelemetryView:
     counts: Counter[str] = field(default_factory=Counter)
     _ranks: dict[tuple[str, int], dict[int, RankTelemetry]] = field(default_factory=dict)
     _durable: deque[Received] = field(default_factory=deque)
-    _checkpoint_s: dict[str, deque[float]] = field(default_factory=dict)  # run -> recent save times
+    _io: dict[str, CheckpointIo] = field(default_factory=dict)  # run -> its recent checkpoint I/O
     _recent: dict[tuple[str, int], deque[StepSample]] = field(default_factory=dict)  # rank 0's steps
     _step_times: dict[tuple[str, int], deque[float]] = field(default_factory=dict)  # every rank's, pooled
     _injected: set[tuple[str, int, str]] = field(default_factory=set)  # (run, attempt, chaos action)
@@ -227,17 +280,20 @@ class TelemetryView:
             case p.Register():
                 rank.node, rank.pid = msg.node, msg.pid
             case p.Heartbeat():
-                rank.phase = msg.phase.value
+                self._enter(msg.run, rank, msg.phase.value, now)
                 self._progress(rank, msg.step, now)
             case p.PhaseChange():
-                rank.phase = msg.phase.value
+                self._enter(msg.run, rank, msg.phase.value, now, msg.bytes)
                 self._progress(rank, msg.step, now)
             case p.StepMetrics():
                 self._step(rank, msg, now, _PRINTED_ALL)
             case p.CheckpointCommitted():
                 self._queue(Received(msg, now))
-                if math.isfinite(msg.duration_s) and msg.duration_s >= 0:
-                    self._checkpoint_s.setdefault(msg.run, deque(maxlen=20)).append(msg.duration_s)
+                whole = msg.total_s if math.isfinite(msg.total_s) else msg.duration_s
+                self._run_io(msg.run).saved(whole, msg.bytes)
+            case p.CheckpointRestored():
+                self._queue(Received(msg, now))
+                self._run_io(msg.run).restored(msg.duration_s, msg.bytes)
             case p.FaultInjected():
                 key = (msg.run, msg.attempt, msg.action)
                 if key not in self._injected:  # every rank may say so: the first one counts
@@ -251,10 +307,30 @@ class TelemetryView:
             case p.Lost():
                 rank.lost, rank.lost_at = True, now
 
-    def phase_from_output(self, run_id: str, attempt: int, rank: int, phase: str) -> None:
-        """The phase a trainer's output shows (supervisor/output_progress.py)."""
+    def phase_from_output(self, run_id: str, attempt: int, rank: int, phase: str, now: float) -> None:
+        """The phase a trainer's output shows (supervisor/output_progress.py), for a rank
+        that says nothing of its own on telemetry (what it says there is exact)."""
         with self._lock:
-            self._ranks.setdefault((run_id, attempt), {}).setdefault(rank, RankTelemetry()).phase = phase
+            seen = self._ranks.setdefault((run_id, attempt), {}).setdefault(rank, RankTelemetry())
+            if seen.last_seen_at is None:
+                self._enter(run_id, seen, phase, now)
+
+    def _enter(self, run_id: str, rank: RankTelemetry, phase: str, at: float, size: int = 0) -> None:
+        """``rank`` is in ``phase`` (said at ``at``): when it is a new one, the clock of the
+        hang rule starts again, and a checkpoint phase that ends is timed (CheckpointIo)."""
+        if phase == rank.phase:
+            if size:
+                rank.phase_bytes = size
+            return
+        if rank.phase == "checkpoint" and rank.phase_at is not None and at >= rank.phase_at:
+            self._run_io(run_id).phase_ended(at - rank.phase_at)
+        rank.phase, rank.phase_at, rank.phase_bytes = phase, at, size
+
+    def _run_io(self, run_id: str) -> CheckpointIo:
+        io = self._io.get(run_id)
+        if io is None:
+            io = self._io[run_id] = CheckpointIo()
+        return io
 
     def _step(self, rank: RankTelemetry, msg: p.StepMetrics, now: float, printed: frozenset[str]) -> None:
         self._progress(rank, msg.step, now)
@@ -290,7 +366,7 @@ class TelemetryView:
                 rank.last_seen_at = written_at
             if rank.lost and rank.lost_at is not None and written_at > rank.lost_at:
                 rank.lost = False  # alive after its last will: the connection blipped
-            rank.phase = phase.value
+            self._enter(msg.run, rank, phase.value, max(written_at, rank.phase_at or written_at))
             if step > rank.last_step or rank.progress_at is None:
                 # Never back: rank 0's step metrics may have dated it later (on receipt).
                 known = rank.progress_at
@@ -334,7 +410,8 @@ class TelemetryView:
         with self._lock:
             return {number: RankSeen(
                 node=r.node, pid=r.pid, last_seen_at=r.last_seen_at, last_step=r.last_step,
-                progress_at=r.progress_at, phase=r.phase, exit_code=r.exit_code, exit_reason=r.exit_reason,
+                progress_at=r.progress_at, phase=r.phase, phase_at=r.phase_at, phase_bytes=r.phase_bytes,
+                exit_code=r.exit_code, exit_reason=r.exit_reason,
                 exit_at=r.exit_at, lost=r.lost,
                 nonfinite_step=r.nonfinite_step, first_step=r.first_step,
                 busy_recent=tuple(islice(r.busy_times, max(0, len(r.busy_times) - busy_window), None)))
@@ -368,11 +445,11 @@ class TelemetryView:
             recent = tuple(self._recent.get((run_id, attempt), ()))
         return tuple(sorted(recent, key=lambda x: x.step))
 
-    def checkpoint_p99(self, run_id: str) -> float | None:
-        """The slowest of the run's recent checkpoint saves (its p99 at this sample size)."""
+    def checkpoint_io(self, run_id: str) -> IoPace:
+        """The run's recent checkpoint I/O, the slowest of each kind."""
         with self._lock:
-            times = self._checkpoint_s.get(run_id)
-            return max(times) if times else None
+            io = self._io.get(run_id)
+            return io.pace() if io is not None else IoPace()
 
     def forget(self, run_id: str, attempt: int) -> None:
         with self._lock:

@@ -162,6 +162,16 @@ def manifest_names(directory: Path) -> list[str]:
                   if p.is_file() and p.name not in (MANIFEST_FILE, META_FILE))
 
 
+def bytes_per_rank(directory: Path, world_size: int) -> int:
+    """About the bytes each of the ``world_size`` ranks that wrote a complete checkpoint
+    holds in it: its data files' total, shared out (what a restore of it moves)."""
+    try:
+        total = sum((directory / name).stat().st_size for name in manifest_names(directory))
+    except OSError:
+        return 0
+    return total // max(1, world_size)
+
+
 def share(names: list[str], rank: int, world_size: int) -> list[str]:
     """The part of ``names`` that ``rank`` hashes (on save) or checks (on restore)."""
     return names[rank::world_size]

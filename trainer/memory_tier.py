@@ -99,6 +99,7 @@ class Saved:
     step: int
     blocking_s: float  # what the training thread waited: the previous save (if still going), the copy
     total_s: float  # from the copy to the barrier after the replica exchange
+    size: int  # bytes of this rank's state
 
 
 class MemoryTier:
@@ -114,6 +115,7 @@ class MemoryTier:
         self.group = distributed.background_group()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-tier")
         self._pending: Future[Saved] | None = None
+        self.size = 0  # bytes of this rank's state, once a save measured it
 
     # --- save ---------------------------------------------------------------------
 
@@ -126,6 +128,7 @@ class MemoryTier:
         self.wait()  # one save in flight at a time: the previous one's result first
         model_state, optim_state = get_state_dict(model, optimizer)
         state = _local_copy({"model": model_state, "optimizer": optim_state})
+        self.size = checkpoint.state_bytes(state)
         blocking = time.perf_counter() - started
         self._pending = self._worker.submit(self._write, step, {"meta": meta, "state": state}, started,
                                             blocking, on_whole)
@@ -159,7 +162,7 @@ class MemoryTier:
         dist.barrier(group=self.group)  # every rank's file and replica are in memory
         if self.is_node_leader:
             self._prune(keep_from=step)
-        saved = Saved(step=step, blocking_s=blocking, total_s=time.perf_counter() - started)
+        saved = Saved(step=step, blocking_s=blocking, total_s=time.perf_counter() - started, size=self.size)
         on_whole(saved)
         return saved
 
@@ -218,6 +221,14 @@ class MemoryTier:
                                        f"{type(e).__name__}: {str(e)[:300]}") from e
         meta: dict[str, Any] = payload["meta"]
         return meta
+
+    def bytes_held(self, attempt: int, step: int, rank: int) -> int:
+        """The size of ``rank``'s state in attempt ``attempt``'s save of ``step`` on this
+        node (0: the node holds none of it)."""
+        try:
+            return _file_of(self.node_dir / save_dir_name(attempt, step), rank).stat().st_size
+        except OSError:
+            return 0
 
     def drop(self) -> None:
         """The run is done: give this node's memory back (the node's leader, after the

@@ -152,6 +152,9 @@ class PhaseChange(Header):
     kind: ClassVar[str] = "phase"
     phase: Phase
     step: int
+    # Added later in version 1: the bytes of this rank's state that the phase moves (a
+    # checkpoint save or a restore), for an allowance at the pace the run measured; 0: not said.
+    bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,6 +168,24 @@ class CheckpointCommitted(Header):
     path: str
     duration_s: float
     tier: str = TIER_PERSISTENT  # added later in version 1: older senders leave it out
+    # Added later in version 1 (NaN and 0: not measured): the whole save, from the copy to
+    # the commit (the same as duration_s for a save on the training thread), and the bytes
+    # of rank 0's state it wrote: the pace the supervisor's allowances follow.
+    total_s: float = math.nan
+    bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointRestored(Header):
+    """Rank 0 sends this once the ranks resumed from a checkpoint (tier as in
+    CheckpointCommitted): how long the restore took, and the bytes of rank 0's state."""
+
+    kind: ClassVar[str] = "restored"
+    step: int
+    path: str
+    tier: str
+    duration_s: float
+    bytes: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -213,13 +234,13 @@ class Lost(Header):
     kind: ClassVar[str] = "lost"
 
 
-Message = (Register | Heartbeat | StepMetrics | PhaseChange | CheckpointCommitted | Exit | FaultInjected
-           | NodeReport | Lost)
+Message = (Register | Heartbeat | StepMetrics | PhaseChange | CheckpointCommitted | CheckpointRestored | Exit
+           | FaultInjected | NodeReport | Lost)
 
 _TYPES: dict[str, type[Any]] = {
     cls.kind: cls
-    for cls in (Register, Heartbeat, StepMetrics, PhaseChange, CheckpointCommitted, Exit, FaultInjected,
-                NodeReport, Lost)
+    for cls in (Register, Heartbeat, StepMetrics, PhaseChange, CheckpointCommitted, CheckpointRestored, Exit,
+                FaultInjected, NodeReport, Lost)
 }
 KINDS = frozenset(_TYPES)
 
@@ -398,8 +419,9 @@ def decode_sealed(payload: bytes | str, topic: str | None = None, *,
     msg: Message = cls(**values)
     if isinstance(msg, NodeReport):
         _check_node_report(msg)
-    if isinstance(msg, CheckpointCommitted) and msg.tier not in (TIER_PERSISTENT, TIER_MEMORY):
-        raise ProtocolError(f"checkpoint.tier: expected {TIER_PERSISTENT!r} or {TIER_MEMORY!r}, "
+    if isinstance(msg, (CheckpointCommitted, CheckpointRestored)) and msg.tier not in (TIER_PERSISTENT,
+                                                                                       TIER_MEMORY):
+        raise ProtocolError(f"{msg.kind}.tier: expected {TIER_PERSISTENT!r} or {TIER_MEMORY!r}, "
                             f"got {msg.tier!r}")
     if topic is not None and topic != topic_for(msg.run, msg.attempt, msg.rank, msg.kind, cluster):
         raise ProtocolError(f"topic {topic!r} does not match the message header")

@@ -276,13 +276,15 @@ class Telemetry:
             return
         self._slots.update(step=self._step, phase=self._phase)
 
-    def set_phase(self, phase: Phase, step: int) -> None:
+    def set_phase(self, phase: Phase, step: int, *, size: int = 0) -> None:
+        """Enter ``phase``; ``size``: the bytes of this rank's state it moves (a checkpoint
+        save or a restore), for an allowance at the pace the run measured."""
         if phase != self._phase:
             self._phase = phase
             if self._slots is not None:
                 self._slots.update(phase=phase)
             elif self._broker is not None:
-                self._put(protocol.PhaseChange(**self._header(), phase=phase, step=step))
+                self._put(protocol.PhaseChange(**self._header(), phase=phase, step=step, bytes=max(0, size)))
 
     def step_completed(self, *, step: int, loss: float, grad_norm: float | None, lr: float,
                        step_time_s: float, tokens_per_s: float, first_sample: int = 0,
@@ -308,11 +310,23 @@ class Telemetry:
             self._slots.update(step=step)
 
     def checkpoint_committed(self, *, step: int, path: str, duration_s: float,
-                             tier: str = protocol.TIER_PERSISTENT) -> None:
+                             tier: str = protocol.TIER_PERSISTENT, total_s: float = math.nan,
+                             size: int = 0) -> None:
+        """A save is complete: training was blocked ``duration_s``, the whole save took
+        ``total_s`` and wrote ``size`` bytes of this rank's state."""
         if self._broker is None:
             return
         self._put(protocol.CheckpointCommitted(**self._header(), step=step, path=path,
-                                               duration_s=duration_s, tier=tier))
+                                               duration_s=duration_s, tier=tier, total_s=total_s,
+                                               bytes=max(0, size)))
+
+    def checkpoint_restored(self, *, step: int, path: str, tier: str, duration_s: float, size: int) -> None:
+        """The ranks resumed from ``path``: the restore took ``duration_s`` for ``size``
+        bytes of this rank's state."""
+        if self._broker is None:
+            return
+        self._put(protocol.CheckpointRestored(**self._header(), step=step, path=path, tier=tier,
+                                              duration_s=duration_s, bytes=max(0, size)))
 
     def fault_injected(self, *, action: str, step: int, detail: str) -> None:
         """A chaos drill's fault fired on this rank."""

@@ -18,13 +18,14 @@ commits checkpoints and writes result.json. The order of work:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -41,7 +42,7 @@ from trainer.errors import EXIT_OK, UsageError, exit_code_for
 from trainer.faults import SPIKE_FACTOR, Fault, FaultPlan
 from trainer.model import Transformer
 from trainer.optim import build_optimizer, lr_at, set_lr
-from trainer.protocol import Phase
+from trainer.protocol import TIER_MEMORY, TIER_PERSISTENT, Phase
 from trainer.telemetry import Telemetry
 from trainer.tracking import StepLog
 
@@ -216,9 +217,10 @@ class _Runner:
                 self._save()
             self.faults.after_step(self.step, self.ctx.rank,
                                    lambda fault, detail: self._fault_fired(fault, self.step, detail))
-        self._wait_persistent()  # the final checkpoint is on storage before the run is done
-        if self.memory is not None:
-            self.memory.wait()
+        with self._checkpoint_phase():  # the final checkpoint is on storage before the run is done
+            self._wait_persistent()
+            if self.memory is not None:
+                self.memory.wait()
         self.log.close()
         self.telemetry.set_phase(Phase.DONE, self.step)
         digest = model_digest(self.model, is_main=self.ctx.is_main)
@@ -265,8 +267,9 @@ class _Runner:
         if path_text is None:
             return None
         path = Path(path_text).absolute()
-        self.telemetry.set_phase(Phase.RESTORE, self.step)
         meta = layout.TrainerMeta.read(path)
+        size = layout.bytes_per_rank(path, meta.world_size)
+        self.telemetry.set_phase(Phase.RESTORE, self.step, size=size)
         meta.check_compatible(world_size=self.ctx.world_size, model=self.config.model,
                               model_shape=asdict(self.config.shape), reshard=True)
         if meta.world_size != self.ctx.world_size:
@@ -282,24 +285,32 @@ class _Runner:
         self.step, self.consumed, self.last_loss = (
             meta.step, meta.consumed_samples, meta.last_loss)
         self.last_checkpoint = str(path)
-        self.telemetry.restored(self.step)
-        self._say(f"resumed from {path} at step {self.step} "
-                  f"in {time.monotonic() - started:.2f} s")
+        self._restored(str(path), TIER_PERSISTENT, time.monotonic() - started, size)
         return str(path)
 
     def _restore_from_memory(self, attempt: int, step: int) -> str:
         assert self.memory is not None
-        self.telemetry.set_phase(Phase.RESTORE, self.step)
+        size = self.memory.bytes_held(attempt, step, self.ctx.rank)
+        self.telemetry.set_phase(Phase.RESTORE, self.step, size=size)
         started = time.monotonic()
         meta = layout.TrainerMeta(**self.memory.restore(attempt, step, self.model, self.optimizer))
         meta.check_compatible(world_size=self.ctx.world_size, model=self.config.model,
                               model_shape=asdict(self.config.shape), reshard=False)
         self.step, self.consumed, self.last_loss = meta.step, meta.consumed_samples, meta.last_loss
         self.last_checkpoint = memory_tier.resume_name(attempt, step)
-        self.telemetry.restored(self.step)
-        self._say(f"resumed from {self.last_checkpoint} at step {self.step} "
-                  f"in {time.monotonic() - started:.2f} s (attempt {attempt}'s save in node memory)")
+        self._restored(self.last_checkpoint, TIER_MEMORY, time.monotonic() - started, size,
+                       f" (attempt {attempt}'s save in node memory)")
         return self.last_checkpoint
+
+    def _restored(self, where: str, tier: str, seconds: float, size: int, note: str = "") -> None:
+        """Resumed after ``self.step`` from ``where``: said in the log and on telemetry
+        (the restore's pace sets the supervisor's allowance for the next one)."""
+        self.telemetry.restored(self.step)
+        if self.ctx.is_main:
+            self.telemetry.checkpoint_restored(step=self.step, path=where, tier=tier, duration_s=seconds,
+                                               size=size)
+        pace = f", {size / seconds / 1e9:.2f} GB/s a rank" if size and seconds > 0 else ""
+        self._say(f"resumed from {where} at step {self.step} in {seconds:.2f} s{pace}{note}")
 
     def _train_step(self, step: int) -> StepStats:
         """One optimizer step. Besides the wall time (equal on every rank: they wait for
@@ -447,15 +458,28 @@ class _Runner:
     def _save_to_memory(self) -> None:
         assert self.memory is not None
         meta = self._meta()
-        self.memory.save(self.step, asdict(meta), self.model, self.optimizer, self._memory_whole)
+        with self._checkpoint_phase(self.memory.size):  # the wait for the previous save, and the copy
+            self.memory.save(self.step, asdict(meta), self.model, self.optimizer, self._memory_whole)
+
+    @contextlib.contextmanager
+    def _checkpoint_phase(self, size: int = 0) -> Iterator[None]:
+        """Training waits for checkpoint work (a save, the copy of one, the previous one
+        still being written): the checkpoint phase, its allowance for ``size`` bytes at
+        the pace the supervisor measured; then training again."""
+        self.telemetry.set_phase(Phase.CHECKPOINT, self.step, size=size)
+        try:
+            yield
+        finally:
+            self.telemetry.set_phase(Phase.TRAIN, self.step)
 
     def _memory_whole(self, saved: memory_tier.Saved) -> None:
         """On the memory tier's thread: every rank's save of ``saved.step`` and its replica
         are in memory."""
         if self.ctx.is_main:
-            self.telemetry.checkpoint_committed(step=saved.step, tier="memory", duration_s=saved.blocking_s,
-                                                path=memory_tier.resume_name(self.telemetry.identity.attempt,
-                                                                             saved.step))
+            where = memory_tier.resume_name(self.telemetry.identity.attempt, saved.step)
+            self.telemetry.checkpoint_committed(step=saved.step, tier=TIER_MEMORY, path=where,
+                                                duration_s=saved.blocking_s, total_s=saved.total_s,
+                                                size=saved.size)
             self._say(f"memory checkpoint step {saved.step} whole in {saved.total_s:.3f} s "
                       f"(training blocked {saved.blocking_s:.3f} s)")
 
@@ -478,15 +502,16 @@ class _Runner:
             self._fault_fired(tamper, self.step, f"the checkpoint of step {self.step} is saved with one "
                                                  f"weight of rank {self.ctx.rank}'s shard changed")
         state = checkpoint.stage(self.model, self.optimizer, tamper=tamper is not None)
+        size = checkpoint.state_bytes(state)
         if self._persist_worker is None:
-            self.telemetry.set_phase(Phase.CHECKPOINT, self.step)
-            self._persist(meta, state, blocking_s=None)
-            self.telemetry.set_phase(Phase.TRAIN, self.step)
+            with self._checkpoint_phase(size):
+                self._persist(meta, state, blocking_s=None)
             return
-        started = time.perf_counter()  # training is blocked from here: the wait counts too
-        self._wait_persistent()  # one save in flight: the previous one is on storage first
-        state = checkpoint.staged(state)
-        blocking = time.perf_counter() - started
+        with self._checkpoint_phase(size):
+            started = time.perf_counter()  # training is blocked from here: the wait counts too
+            self._wait_persistent()  # one save in flight: the previous one is on storage first
+            state = checkpoint.staged(state)
+            blocking = time.perf_counter() - started
         self._persisting = self._persist_worker.submit(self._persist, meta, state, blocking)
 
     def _persist(self, meta: layout.TrainerMeta, state: dict[str, object], blocking_s: float | None) -> None:
@@ -497,11 +522,13 @@ class _Runner:
         step, started, size = meta.step, time.monotonic(), checkpoint.state_bytes(state)
         saved = checkpoint.save(Path(config.checkpoint.dir).absolute(), meta, state,
                                 keep=config.checkpoint.keep, is_main=self.ctx.is_main,
-                                before_commit=lambda: self._in_save(step, started, size), group=self._persist_group)
+                                before_commit=lambda: self._in_save(step, started, size),
+                                group=self._persist_group)
         self.last_checkpoint = str(saved.path)
         if self.ctx.is_main:
             blocked = saved.duration_s if blocking_s is None else blocking_s
-            self.telemetry.checkpoint_committed(step=step, path=str(saved.path), duration_s=blocked)
+            self.telemetry.checkpoint_committed(step=step, path=str(saved.path), duration_s=blocked,
+                                                total_s=saved.duration_s + (blocking_s or 0.0), size=size)
             pruned = f", pruned {len(saved.deleted)}" if saved.deleted else ""
             beside = "" if blocking_s is None else f" (beside training; it blocked {blocking_s:.3f} s)"
             self._say(f"checkpoint step {step} committed to {saved.path} "

@@ -44,8 +44,10 @@ class Policy:
     spike_persist_steps: int = 5
     spike_skip_steps: int = 50
     # Hang while training: no step progress for max(hang_floor_s, hang_k x p99 step time)
-    # once hang_min_samples step times are known, never more than hang_timeout_s (which is
-    # also the limit before enough steps were timed).
+    # once hang_min_samples step times are known, however long the steps are (a Trainium
+    # step of 635 s is no hang at 300 s); before that, hang_timeout_s, or hang_k x the
+    # slowest step timed so far when that is longer. The clock starts again at every
+    # phase a rank announces and at its end (supervisor/policy/detection.py).
     hang_timeout_s: float = 300.0
     hang_floor_s: float = 8.0  # the 10 s detection target, less a tick and message latency
     hang_k: float = 3.0
@@ -54,7 +56,14 @@ class Policy:
     # A rank compiling (a Neuron graph compile, neuron_parallel_compile's precompile pass):
     # no progress for this long is a hang. At least startup_timeout_s.
     compile_timeout_s: float = 7200.0
-    checkpoint_timeout_s: float = 600.0  # a rank announcing a checkpoint save (before one was timed)
+    # A rank in the checkpoint phase (a save, the copy of one, or the wait for the one still
+    # being written): hang_k x the time the save should take at the pace this run measured
+    # (its announced bytes / the slowest recent GB/s, else the slowest recent save), at
+    # least hang_floor_s. Before any save was timed: checkpoint_timeout_s, or the announced
+    # bytes at checkpoint_min_gb_s when that is longer. A restore gets startup_timeout_s,
+    # or hang_k x its bytes at the measured pace when that is longer.
+    checkpoint_timeout_s: float = 600.0
+    checkpoint_min_gb_s: float = 0.1  # GB/s per rank: the slowest storage assumed before one is measured
     eval_timeout_s: float = 600.0  # a rank announcing an evaluation
     stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this long
     # After the first rank death is seen, wait this long (unless every rank is gone)

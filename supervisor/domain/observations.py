@@ -40,6 +40,8 @@ class RankObs:
     last_step: int = 0
     progress_at: float | None = None  # when last_step last increased
     phase: str | None = None
+    phase_at: float | None = None  # when it entered that phase (the hang clock starts again then)
+    phase_bytes: int = 0  # the bytes of its state the phase moves, when it said (a save, a restore)
     last_seen_at: float | None = None  # its last message of any kind (heartbeats included)
     nonfinite_step: int | None = None  # the first step it reported a NaN/Inf loss or grad norm
     busy_recent_s: tuple[float, ...] = ()  # its busy time in its recent steps, oldest first
@@ -84,7 +86,12 @@ class AttemptObs:
     expected_first: tuple[int, float] | None = None
     step_time_p99_s: float | None = None  # over the attempt's recent steps, all ranks
     step_time_samples: int = 0
-    checkpoint_p99_s: float | None = None  # the run's recent checkpoint saves
+    # The run's recent checkpoint I/O, the slowest of each (None: none measured): a whole
+    # save (or a checkpoint phase as long), and the pace of saves and of restores, in GB/s
+    # of a rank's state.
+    save_s: float | None = None
+    save_gb_s: float | None = None
+    restore_gb_s: float | None = None
     recent: tuple[StepSample, ...] = ()  # rank 0's recent steps, oldest first
     # A LAUNCHING attempt that was never recorded as started, whose processes the launcher
     # found (a daemon killed between launching and recording): all of them (``found``: the

@@ -15,7 +15,8 @@ In the order they are judged (the first that holds is the fault):
 - a loss or grad-norm spike that has lasted ``spike_persist_steps`` steps;
 - every rank of a node silent for ``silence_timeout_s`` while other nodes are heard;
 - every rank exited 0 and no result was written;
-- no step progress for ``hang_limit`` (never while the broker link is down).
+- no step progress, and no phase begun or ended, for ``hang_limit`` (never while the
+  broker link is down).
 
 The network is not the nodes: last wills from every node at once (``cut_off_together``)
 are not deaths, and while no rank of an attempt whose processes the launcher cannot see
@@ -173,51 +174,96 @@ def _find_silent_node(view: RunView, live: Attempt, obs: AttemptObs, now: float,
 
 
 def hang_limit(policy: Policy, obs: AttemptObs, first_step_seen: bool) -> tuple[float, str]:
-    """How long without step progress is a hang, and why that long.
+    """How long without step progress (or a phase's start or end) is a hang, and why that
+    long. Every limit follows what this run measured; the constants are for before it has
+    measured anything (the header of supervisor/domain/knobs.py says which is which):
 
-    - a rank in a slow phase it announced gets that phase's allowance: compiling (Neuron's
-      graphs, a precompile pass) ``compile_timeout_s``; init and restore (a checkpoint
-      load of minutes) ``startup_timeout_s``, also before the first step; checkpoint save
-      max(``hang_floor_s``, ``hang_k`` x the slowest recent save) once a save was timed,
-      ``checkpoint_timeout_s`` before (and at most); evaluation ``eval_timeout_s``;
-    - while training, once ``hang_min_samples`` step times are known: max(``hang_floor_s``,
-      ``hang_k`` x the p99 step time), at most ``hang_timeout_s``;
-    - before that, ``hang_timeout_s``.
+    - compiling (Neuron's graphs, a precompile pass): ``compile_timeout_s``;
+    - restoring: ``startup_timeout_s``, or ``hang_k`` x its announced bytes at the run's
+      measured restore pace (its save pace before a restore was timed) when longer: a
+      restore from node memory and one from storage differ by orders of magnitude, so a
+      fast one never shortens the next one's limit;
+    - before the first step, and in init: ``startup_timeout_s``;
+    - in the checkpoint phase (a save, the copy of one, the wait for the previous one):
+      ``hang_k`` x the time the save should take (``_expected_save_s``), at least
+      ``hang_floor_s``; before any save was timed, ``checkpoint_timeout_s`` or the
+      announced bytes at ``checkpoint_min_gb_s`` when longer;
+    - evaluating: ``eval_timeout_s``;
+    - training, once ``hang_min_samples`` step times are known: max(``hang_floor_s``,
+      ``hang_k`` x the p99 step time), however long the steps are; with fewer,
+      ``hang_timeout_s`` or ``hang_k`` x the slowest step so far when longer.
     """
     phases = {r.phase for r in obs.ranks}
+    k = policy.hang_k
     if "compile" in phases:
         return max(policy.compile_timeout_s, policy.startup_timeout_s), "compile allowance"
-    if not first_step_seen or phases & {"init", "restore"}:
+    if "restore" in phases:
+        size = _phase_bytes(obs, "restore")
+        pace = obs.restore_gb_s or obs.save_gb_s
+        if size and pace and k * size / (pace * 1e9) > policy.startup_timeout_s:
+            return k * size / (pace * 1e9), f"restore allowance: {k:g} x {_gb(size)} at {pace:.3g} GB/s"
+        return policy.startup_timeout_s, "startup allowance"
+    if not first_step_seen or "init" in phases:
         return policy.startup_timeout_s, "startup allowance"
     if "checkpoint" in phases:
-        saved = obs.checkpoint_p99_s
-        if saved is None:
+        size = _phase_bytes(obs, "checkpoint")
+        expected = _expected_save_s(obs, size)
+        if expected is None:
+            floor = size / (policy.checkpoint_min_gb_s * 1e9)
+            if floor > policy.checkpoint_timeout_s:
+                return floor, f"checkpoint allowance: {_gb(size)} at {policy.checkpoint_min_gb_s:g} GB/s"
             return policy.checkpoint_timeout_s, "checkpoint allowance"
-        limit = min(policy.checkpoint_timeout_s, max(policy.hang_floor_s, policy.hang_k * saved))
-        k, floor = policy.hang_k, policy.hang_floor_s
-        return limit, f"checkpoint allowance: max({floor:g} s, {k:g} x slowest save {saved:.2f} s)"
+        seconds, how = expected
+        return max(policy.hang_floor_s, k * seconds), \
+            f"checkpoint allowance: max({policy.hang_floor_s:g} s, {k:g} x {how})"
     if "eval" in phases:
         return policy.eval_timeout_s, "evaluation allowance"
     p99 = obs.step_time_p99_s
     if p99 is not None and obs.step_time_samples >= policy.hang_min_samples:
-        limit = min(policy.hang_timeout_s, max(policy.hang_floor_s, policy.hang_k * p99))
-        return limit, f"adaptive hang timeout: max({policy.hang_floor_s:g} s, {policy.hang_k:g} x p99 step " \
-                      f"time {p99:.3f} s)"
+        limit = max(policy.hang_floor_s, k * p99)
+        return limit, (f"adaptive hang timeout: max({policy.hang_floor_s:g} s, {k:g} x p99 step time "
+                       f"{p99:.3f} s)")
+    if p99 is not None and k * p99 > policy.hang_timeout_s:
+        return k * p99, f"hang timeout: {k:g} x the slowest step so far, {p99:.3f} s"
     return policy.hang_timeout_s, "hang timeout"
+
+
+def _phase_bytes(obs: AttemptObs, phase: str) -> int:
+    """The most bytes a rank in ``phase`` said that phase moves (0: none said)."""
+    return max((r.phase_bytes for r in obs.ranks if r.phase == phase), default=0)
+
+
+def _expected_save_s(obs: AttemptObs, size: int) -> tuple[float, str] | None:
+    """How long a save of ``size`` bytes (0: not said) should take at this run's pace:
+    the bytes at the slowest recent GB/s, and never less than the slowest recent save (the
+    size said may be a part of it); None before any save was timed."""
+    by_pace = size / (obs.save_gb_s * 1e9) if size and obs.save_gb_s else None
+    if by_pace is not None and (obs.save_s is None or by_pace >= obs.save_s):
+        assert obs.save_gb_s is not None
+        return by_pace, f"{_gb(size)} at {obs.save_gb_s:.3g} GB/s"
+    if obs.save_s is not None:
+        return obs.save_s, f"slowest save {obs.save_s:.2f} s"
+    return None
+
+
+def _gb(size: int) -> str:
+    return f"{size / 1e9:.3g} GB"
 
 
 def _find_hang(view: RunView, live: Attempt, obs: AttemptObs, now: float, step: int) -> Finding | None:
     """No progress for too long (``hang_limit``), judged only while telemetry flows.
 
-    While the broker link is down no verdict is given, and after it comes back the
-    clock starts again from the moment it did: a broker outage is never a hang. The
-    fault names the ranks that stalled first (``stalled_first``) and their nodes, and
-    drains nothing: a stalled rank is no evidence against its node.
+    The clock runs from the newest sign of work: a step, or a rank entering a phase (the
+    end of a save is the start of training again; a save that outlasts many steps is no
+    stall once it ends). While the broker link is down no verdict is given, and after it
+    comes back the clock starts again from the moment it did: a broker outage is never a
+    hang. The fault names the ranks that stalled first (``stalled_first``) and their
+    nodes, and drains nothing: a stalled rank is no evidence against its node.
     """
     if obs.telemetry_up_since is None or live.started_at is None:
         return None
     limit_s, what = hang_limit(view.run.policy, obs, live.first_step_at is not None)
-    progress = [r.progress_at for r in obs.ranks if r.progress_at is not None]
+    progress = [t for r in obs.ranks for t in (r.progress_at, r.phase_at) if t is not None]
     since = max([live.started_at, obs.telemetry_up_since, *progress])
     if live.first_step_at is not None:
         since = max(since, live.first_step_at)

@@ -15,8 +15,10 @@ SAMPLES: list[p.Message] = [
     p.Register(**H, local_rank=1, world_size=4, node="local-2", pid=1234, hostname="box"),
     p.Heartbeat(**H, step=17, phase=p.Phase.TRAIN),
     p.StepMetrics(**H, step=17, loss=2.5, grad_norm=0.75, lr=3e-4, step_time_s=0.1, tokens_per_s=8000.0),
-    p.PhaseChange(**H, phase=p.Phase.CHECKPOINT, step=20),
-    p.CheckpointCommitted(**H, step=20, path="/ck/step_00000020", duration_s=0.12),
+    p.PhaseChange(**H, phase=p.Phase.CHECKPOINT, step=20, bytes=18_000_000_000),
+    p.CheckpointCommitted(**H, step=20, path="/ck/step_00000020", duration_s=0.12, total_s=4.5,
+                          bytes=18_000_000_000),
+    p.CheckpointRestored(**H, step=20, path="memory:1:20", tier="memory", duration_s=2.5, bytes=18_000_000_000),
     p.Exit(**H, exit_code=1, final_step=17, reason="RuntimeError: boom"),
     # a detail as long as the trainer sends (500): one longer than an id's 64 must pass
     p.FaultInjected(**H, action="device@50:3", step=50, detail="injected: CUDA error: " + "x" * 478),
@@ -218,3 +220,20 @@ def test_a_checkpoint_names_its_tier_and_an_older_sender_means_persistent() -> N
     assert p.decode(_checkpoint_payload(tier=None)).tier == p.TIER_PERSISTENT  # type: ignore[attr-defined]
     with pytest.raises(p.ProtocolError, match=r"checkpoint\.tier: expected 'persistent' or 'memory', got 'disk'"):
         p.decode(_checkpoint_payload(tier="disk"))
+
+
+def test_a_restore_names_a_known_tier() -> None:
+    body = json.loads(p.encode(p.CheckpointRestored(**H, step=20, path="/c", tier="memory", duration_s=1.0,
+                                                     bytes=1))[1])
+    body["tier"] = "tape"
+    with pytest.raises(p.ProtocolError, match="restored.tier: expected 'persistent' or 'memory'"):
+        p.decode(json.dumps(body))
+
+
+def test_an_older_senders_phase_and_commit_decode_with_nothing_said_of_sizes() -> None:
+    for kind, extra in (("phase", {"phase": "checkpoint", "step": 3}),
+                        ("checkpoint", {"step": 3, "path": "/c", "duration_s": 0.5})):
+        msg = p.decode(json.dumps({"v": 1, "kind": kind, **H, **extra}))
+        assert getattr(msg, "bytes") == 0
+    commit = p.decode(json.dumps({"v": 1, "kind": "checkpoint", **H, "step": 3, "path": "/c", "duration_s": 0.5}))
+    assert isinstance(commit, p.CheckpointCommitted) and math.isnan(commit.total_s)

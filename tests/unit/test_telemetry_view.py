@@ -301,3 +301,52 @@ def test_last_wills_that_came_as_the_broker_went_away_are_set_aside() -> None:
     view.ingest(*rank.will(), 10.0)
     view.link_down(15.0)
     assert view.ranks("run-1", 1)[0].lost, "a death seconds before an outage is still a death"
+
+
+def test_a_phase_change_is_dated_and_a_checkpoint_phase_is_a_timed_save() -> None:
+    """The hang clock restarts at a phase's start and end; a checkpoint phase's length
+    stands in for a save's for trainers that time none (trainer.client's NaN)."""
+    v = TelemetryView()
+    feed(v, p.PhaseChange(**H, rank=0, phase=p.Phase.TRAIN, step=10), 1.0)
+    feed(v, p.PhaseChange(**H, rank=0, phase=p.Phase.CHECKPOINT, step=10, bytes=18_000_000_000), 2.0)
+    feed(v, p.Heartbeat(**H, rank=0, step=10, phase=p.Phase.CHECKPOINT), 20.0)  # the same phase: no change
+    r = v.ranks("run-1", 1)[0]
+    assert (r.phase, r.phase_at, r.phase_bytes, r.progress_at) == ("checkpoint", 2.0, 18_000_000_000, 1.0)
+    assert v.checkpoint_io("run-1").save_s is None
+    feed(v, p.Heartbeat(**H, rank=0, step=10, phase=p.Phase.TRAIN), 36.0)  # its PhaseChange was lost (QoS 0)
+    r = v.ranks("run-1", 1)[0]
+    assert (r.phase, r.phase_at, r.phase_bytes) == ("train", 36.0, 0)
+    assert v.checkpoint_io("run-1").save_s is None, "the phase may be a copy, the save going on beside"
+    feed(v, p.CheckpointCommitted(**H, rank=0, step=10, path="/c/10", duration_s=float("nan")), 36.5)
+    assert v.checkpoint_io("run-1").save_s == 34.0, "a trainer that times no save: its phases stand in"
+    feed(v, p.CheckpointCommitted(**H, rank=0, step=20, path="/c/20", duration_s=5.0), 50.0)
+    assert v.checkpoint_io("run-1").save_s == 5.0, "its own timing, once it gives one"
+
+
+def test_saves_and_restores_give_the_run_its_slowest_recent_pace() -> None:
+    v = TelemetryView()
+    feed(v, p.CheckpointCommitted(**H, rank=0, step=10, path="/c/10", duration_s=0.3, total_s=36.0,
+                                  bytes=18_000_000_000), 1.0)
+    feed(v, p.CheckpointCommitted(**H, rank=0, step=20, path="/c/20", duration_s=0.3, total_s=30.0,
+                                  bytes=18_000_000_000), 2.0)
+    feed(v, p.CheckpointCommitted(**H, rank=0, step=25, path="memory:1:25", duration_s=0.2, tier="memory"), 3.0)
+    io = v.checkpoint_io("run-1")
+    assert (io.save_s, io.save_gb_s, io.restore_gb_s) == (36.0, 0.5, None)  # an older sender's: its duration only
+    feed(v, p.CheckpointRestored(**H, rank=0, step=25, path="memory:1:25", tier="memory", duration_s=2.0,
+                                 bytes=18_000_000_000), 4.0)
+    assert v.checkpoint_io("run-1").restore_gb_s == 9.0
+    assert [type(i.msg).__name__ for i in v.peek_durable()] == [
+        "CheckpointCommitted", "CheckpointCommitted", "CheckpointCommitted", "CheckpointRestored"]
+    assert v.checkpoint_io("run-2").save_s is None
+
+
+def test_an_output_phase_does_not_override_a_rank_that_speaks_for_itself() -> None:
+    v = TelemetryView()
+    feed(v, p.PhaseChange(**H, rank=0, phase=p.Phase.TRAIN, step=1), 1.0)
+    v.phase_from_output("run-1", 1, 0, "compile", 2.0)
+    v.phase_from_output("run-1", 1, 1, "compile", 2.0)
+    ranks = v.ranks("run-1", 1)
+    assert (ranks[0].phase, ranks[0].phase_at) == ("train", 1.0)
+    assert (ranks[1].phase, ranks[1].phase_at) == ("compile", 2.0)
+    v.phase_from_output("run-1", 1, 1, "compile", 3.0)
+    assert v.ranks("run-1", 1)[1].phase_at == 2.0, "the same phase again is no new phase"
