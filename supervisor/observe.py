@@ -321,6 +321,7 @@ class Observer:
                 dead_since = self._dead_since.setdefault((run.number, live.number, proc.rank), now)
             ranks.append(RankObs(
                 rank=proc.rank, node=proc.node, proc=proc.proc, exit_code=proc.exit_code,
+                process=proc.process, node_up=proc.node_up,
                 reported_exit_code=t.exit_code if t else None,
                 reported_reason=t.exit_reason if t else "",
                 reported_exit_at=t.exit_at if t else None,

@@ -31,6 +31,10 @@ class RankObs:
     node: str
     proc: ProcState
     exit_code: int | None = None  # negative: killed by that signal (subprocess convention)
+    # From the launcher: the OS process the rank runs in (ranks of one torchrun share one),
+    # and whether its node lives apart from its ranks (None: nothing says): launchers/base.py.
+    process: int | None = None
+    node_up: bool | None = None
     # From telemetry (None / False when no telemetry arrived):
     reported_exit_code: int | None = None  # the rank's own Exit message
     reported_reason: str = ""

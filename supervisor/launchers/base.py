@@ -65,6 +65,12 @@ class RankProc:
     node: str
     proc: ProcState
     exit_code: int | None = None  # negative: killed by that signal
+    # The OS process the rank runs in, as the launcher numbers them within the attempt (a
+    # pid, a Slurm task): ranks of one node's torchrun share one. None: not known.
+    process: int | None = None
+    # Whether the node itself lives, as far as the launcher watches it apart from the ranks
+    # (the local launcher: the node's own process). None: it does not.
+    node_up: bool | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,9 +1,12 @@
 """The local launcher: a run's "nodes" are groups of processes on this machine.
 
-Each simulated node is one process group (its first rank leads it, the others join),
-so a node dies as a unit with ``killpg``, as every process of a real node would. Ranks
-get the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, ...) and write their
-output to one log file each. With ``launch = "node"`` each node runs one process (the
+Each simulated node is one process group, so a node dies as a unit with ``killpg``, as
+every process of a real node would. The group's leader is the node's own process (a
+``sleep``, standing for what a real node runs besides the trainer: its slurmd, its
+agent): a node whose own process died with its ranks is a lost node, one whose own
+process lives on lost only its ranks (supervisor/policy/attribution.py). Ranks get the
+torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, ...) and write their output to one
+log file each. With ``launch = "node"`` each node runs one process (the
 user's torchrun), given the node's part of that environment (GROUP_RANK, MASTER_ADDR,
 ...), and its output goes to ``node-<index>.<node>.log``.
 
@@ -52,13 +55,25 @@ class _Rank:
     create_time: float
 
 
+@dataclass(frozen=True, slots=True)
+class _NodeProcess:
+    """A simulated node's own process: it lives as long as the node does."""
+
+    node: str
+    pid: int
+    create_time: float
+
+
+NODE_PROCESS_ENV = "TSUP_NODE_PROCESS"  # set in a node's own process: ``find`` tells it from a rank
+
+
 class LocalLauncher:
     kind = "local"
 
     def __init__(self, *, max_nodes: int = 64, node_prefix: str = "local") -> None:
         self.max_nodes = max_nodes
         self.node_prefix = node_prefix
-        self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._children: dict[int, subprocess.Popen[bytes]] = {}  # ranks, and nodes' own processes
         self._drained: set[str] = set()  # simulated nodes' own drain state (the executor confirms by it)
         self.standbys = StandbyPool()
 
@@ -139,9 +154,12 @@ class LocalLauncher:
         argv = list(step.fill_all(spec.argv))
         base_env = {**os.environ, **users.login_env(run_as), **{k: step.fill(v) for k, v in spec.env.items()}}
         ranks: list[_Rank] = []
+        nodes: list[_NodeProcess] = []
         try:
             for node_index, node in enumerate(spec.nodes):
-                leader = 0  # the first process of a node started cold leads a new process group
+                own = self._start_node_process(spec, node, base_env, uid, gid, groups)
+                nodes.append(own)
+                leader = own.pid  # the node's process leads its group: the ranks started cold join it
                 for task in _tasks(spec, step, node_index):
                     env = {**base_env, **task.env, "TSUP_NODE": node, "TSUP_MARKER": spec.marker}
                     env.setdefault("OMP_NUM_THREADS", "1")
@@ -160,8 +178,6 @@ class LocalLauncher:
                             user=uid, group=gid, extra_groups=groups, cwd=spec.cwd,
                         )
                     self._children[p.pid] = p
-                    if leader == 0:
-                        leader = p.pid
                     created = _create_time(p.pid)
                     ranks += [_Rank(rank, rank % spec.ranks_per_node, node, p.pid, leader, created)
                               for rank in task.ranks]
@@ -169,6 +185,7 @@ class LocalLauncher:
             for pid, pgid in {(r.pid, r.pgid) for r in ranks}:  # no half-started world: kill and reap
                 _signal_group(pgid, signal.SIGKILL)
                 self._children.pop(pid).wait()
+            self._end_node_processes(nodes)
             # ValueError: what Popen says of an argument or a variable it cannot pass (a NUL
             # byte, a name with "="). Neither that nor a missing or unexecutable program
             # gets better with a retry.
@@ -176,7 +193,28 @@ class LocalLauncher:
                                                               errno.ENOTDIR)
             raise (CannotExecute if cannot else LaunchError)(f"cannot start {spec.argv[0]!r}: {e}") from e
         self.standbys.plan(spec)
-        return _dump(ranks, int(step.master_port), spec)
+        return _dump(ranks, int(step.master_port), spec, nodes)
+
+    def _start_node_process(self, spec: LaunchSpec, node: str, env: dict[str, str], uid: int | None,
+                            gid: int | None, groups: list[int] | None) -> _NodeProcess:
+        """The node's own process, leading a new process group (see the module docstring)."""
+        sleep = shutil.which("sleep") or "/bin/sleep"
+        own_env = {**env, "TSUP_NODE": node, "TSUP_MARKER": spec.marker, NODE_PROCESS_ENV: "1"}
+        p = subprocess.Popen([sleep, "infinity"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, process_group=0, close_fds=True, user=uid, group=gid,
+                             extra_groups=groups, env=own_env)
+        self._children[p.pid] = p
+        return _NodeProcess(node=node, pid=p.pid, create_time=_create_time(p.pid))
+
+    def _end_node_processes(self, nodes: Sequence[_NodeProcess]) -> None:
+        """SIGKILL the nodes' own processes (those still ours: not a reused pid), and reap them."""
+        for n in nodes:
+            if self._running(n.pid, n.create_time):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(n.pid, signal.SIGKILL)
+            child = self._children.pop(n.pid, None)
+            if child is not None:
+                child.wait()
 
     def _warm_start(self, spec: LaunchSpec, node: str, env: dict[str, str], argv: list[str], log_path: Path,
                     uid: int | None, gid: int | None) -> subprocess.Popen[bytes] | None:
@@ -209,8 +247,12 @@ class LocalLauncher:
             except (psutil.Error, ValueError):
                 continue
         found: list[_Rank] = []
+        nodes: list[_NodeProcess] = []
         for pid, (env, created, parent) in marked.items():
             if parent in marked:
+                continue
+            if env.get(NODE_PROCESS_ENV):
+                nodes.append(_NodeProcess(node=env.get("TSUP_NODE", ""), pid=pid, create_time=created))
                 continue
             try:
                 node, pgid = env["TSUP_NODE"], os.getpgid(pid)
@@ -224,8 +266,9 @@ class LocalLauncher:
                 continue
         found += [r for r in _warm_ranks(spec) if r.rank not in {f.rank for f in found}]
         if not found:
+            self._end_node_processes(nodes)  # a start that got no further than its nodes' own processes
             return None
-        return _dump(sorted(found, key=lambda r: r.rank), port=0, spec=spec)
+        return _dump(sorted(found, key=lambda r: r.rank), port=0, spec=spec, nodes=nodes)
 
     def observe(self, launch_info: str) -> list[RankProc]:
         self.standbys.refill()
@@ -239,17 +282,21 @@ class LocalLauncher:
             for r in ranks:
                 if r.node in ended & living:
                     states[r.rank] = (ProcState.RUNNING, None)
-        return [RankProc(rank=r.rank, node=r.node, proc=states[r.rank][0], exit_code=states[r.rank][1])
-                for r in ranks]
+        node_up = {n.node: self._running(n.pid, n.create_time) for n in _load_nodes(launch_info)}
+        return [RankProc(rank=r.rank, node=r.node, proc=states[r.rank][0], exit_code=states[r.rank][1],
+                         process=r.pid, node_up=node_up.get(r.node)) for r in ranks]
 
     def _state(self, r: _Rank) -> tuple[ProcState, int | None]:
-        child = self._children.get(r.pid)
+        return self._process_state(r.pid, r.create_time)
+
+    def _process_state(self, pid: int, create_time: float) -> tuple[ProcState, int | None]:
+        child = self._children.get(pid)
         if child is not None:
             code = child.poll()
             return (ProcState.RUNNING, None) if code is None else (ProcState.EXITED, code)
         try:
-            p = psutil.Process(r.pid)
-            if abs(p.create_time() - r.create_time) > _CREATE_TIME_TOLERANCE_S:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - create_time) > _CREATE_TIME_TOLERANCE_S:
                 return ProcState.VANISHED, None  # the pid was reused
             if p.status() == psutil.STATUS_ZOMBIE:
                 return ProcState.VANISHED, None
@@ -258,6 +305,11 @@ class LocalLauncher:
             return ProcState.VANISHED, None
         except psutil.Error:
             return ProcState.UNKNOWN, None
+
+    def _running(self, pid: int, create_time: float) -> bool | None:
+        """Whether the process lives (None: it cannot be told)."""
+        state, _ = self._process_state(pid, create_time)
+        return None if state is ProcState.UNKNOWN else state is ProcState.RUNNING
 
     def stop(self, launch_info: str, *, force: bool) -> None:
         sig = signal.SIGKILL if force else signal.SIGTERM
@@ -297,6 +349,9 @@ class LocalLauncher:
         """``sig`` to every process of the node: its group, and what left it (workers)."""
         ranks = _load(launch_info)
         groups = self._live_groups([r for r in ranks if r.node == node])
+        for own in _load_nodes(launch_info):  # its own process's group, when no rank joined it (warm ranks)
+            if own.node == node and own.pid not in groups and self._running(own.pid, own.create_time):
+                groups.append(own.pid)
         if not groups:
             raise LaunchError(f"node {node} has no running process")
         escaped = [pid for n, pid in _escaped(launch_info, ranks) if n == node]
@@ -329,7 +384,9 @@ class LocalLauncher:
         return groups
 
     def forget(self, launch_info: str) -> None:
-        """Drop the exit codes of an ended attempt's children."""
+        """The attempt has ended: its nodes' own processes go, and the exit codes of its
+        children are dropped."""
+        self._end_node_processes(_load_nodes(launch_info))
         for r in _load(launch_info):
             p = self._children.get(r.pid)
             if p is not None and p.poll() is not None:
@@ -387,7 +444,8 @@ def _escaped(launch_info: str, ranks: Sequence[_Rank]) -> list[tuple[str, int]]:
     for p in psutil.process_iter(["pid"]):
         try:
             env = p.environ()
-            if env.get("TSUP_MARKER") == marker and os.getpgid(p.pid) not in groups:
+            if (env.get("TSUP_MARKER") == marker and not env.get(NODE_PROCESS_ENV)
+                    and os.getpgid(p.pid) not in groups):
                 out.append((env.get("TSUP_NODE", ""), p.pid))
         except (psutil.Error, ProcessLookupError):
             continue
@@ -419,13 +477,18 @@ def _warm_ranks(spec: LaunchSpec) -> list[_Rank]:
     return out
 
 
-def _dump(ranks: Sequence[_Rank], port: int, spec: LaunchSpec) -> str:
+def _dump(ranks: Sequence[_Rank], port: int, spec: LaunchSpec, nodes: Sequence[_NodeProcess] = ()) -> str:
     return json.dumps({"master_port": port, "marker": spec.marker, "ranks": [asdict(r) for r in ranks],
-                       "memory_dir": spec.env.get("TSUP_MEMORY_DIR")})
+                       "nodes": [asdict(n) for n in nodes], "memory_dir": spec.env.get("TSUP_MEMORY_DIR")})
 
 
 def _load(launch_info: str) -> list[_Rank]:
     return [_Rank(**r) for r in json.loads(launch_info)["ranks"]]
+
+
+def _load_nodes(launch_info: str) -> list[_NodeProcess]:
+    """The nodes' own processes (none in an attempt launched before they existed)."""
+    return [_NodeProcess(**n) for n in json.loads(launch_info).get("nodes", [])]
 
 
 def _create_time(pid: int) -> float:

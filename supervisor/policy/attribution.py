@@ -2,9 +2,14 @@
 
 The rules (the header of supervisor/policy/__init__.py lists them all):
 
-- a node is blamed, and drained, only when EVERY rank on it vanished abruptly in the
-  same observation: killed by SIGKILL, or gone with no exit report of its own. One
-  rank's crash never drains a node;
+- a node is lost (blamed, and drained) only on evidence about the node itself: EVERY
+  rank on it vanished abruptly in the same observation (killed by SIGKILL, or gone with
+  no exit report of its own), and either the node's own process died with them (the
+  launcher watches one: ``RankObs.node_up`` False) or, where nothing watches the node
+  itself, at least two processes of it vanished together. One process killed alone (the
+  only rank of a node, a node's one torchrun) is that process's fault: blamed, never
+  drained, and so is any death on a node whose own process lives on. One rank's crash
+  never drains a node;
 - a node the run no longer holds (the cluster ended or shrank the allocation) is never
   blamed; when the cluster took every node, the attempt was interrupted, not failed;
 - a rank the launcher cannot see (UNKNOWN: a Slurm step's rank) is dead when its last
@@ -56,7 +61,7 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
     # that left while the attempt's other nodes stay failed (Slurm shrinks a --no-kill job
     # by its dead nodes): still that node's fault.
     held = held_nodes(view, live)
-    lost_nodes = sorted(n for n, rs in by.items() if n in held and all(vanished_abruptly(r) for r in rs))
+    lost_nodes = sorted(n for n, rs in by.items() if n in held and node_lost(rs))
     released = sorted(n for n in by if n not in held)
     # What the trainer means by an exit code: only what its spec declares (view.exit_codes).
     def meaning(r: RankObs) -> ExitMeaning | None:
@@ -128,6 +133,18 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
     record = RecordFault(kind=FaultKind.RANK_EXIT, attempt=live.number, ranks=tuple(r.rank for r in first),
                          nodes=tuple(sorted(blamed_nodes)), summary=summary, step=step)
     return Finding(record, do_not_retry=do_not_retry)
+
+
+def node_lost(ranks: list[RankObs]) -> bool:
+    """The node of ``ranks`` (every rank on it) is gone: they all vanished abruptly, and
+    something beyond one process says the node went with them (the module docstring)."""
+    if not all(vanished_abruptly(r) for r in ranks):
+        return False
+    watched = {r.node_up for r in ranks} - {None}
+    if watched:
+        return False in watched
+    processes = {r.process if r.process is not None else ("rank", r.rank) for r in ranks}
+    return len(processes) >= 2
 
 
 def held_nodes(view: RunView, live: Attempt) -> set[str]:

@@ -277,19 +277,19 @@ class SlurmLauncher:
             step_listed = None if steps is None else any(s.name == info["step"] for s in steps)
         out = []
         for rank, node in ranks:
+            state, code = ProcState.VANISHED, None
             if rank in exits:
-                out.append(RankProc(rank=rank, node=node, proc=ProcState.EXITED, exit_code=exits[rank]))
+                state, code = ProcState.EXITED, exits[rank]
             elif srun_alive or step_listed:
-                out.append(RankProc(rank=rank, node=node, proc=ProcState.UNKNOWN))
+                state = ProcState.UNKNOWN
             elif srun_code is not None and srun_code >= 0:
                 # srun names every task that failed and the rest exited 0; when it names
                 # none but failed itself, no task ran (no step could be created).
-                code = srun_code if not exits else 0
-                out.append(RankProc(rank=rank, node=node, proc=ProcState.EXITED, exit_code=code))
+                state, code = ProcState.EXITED, srun_code if not exits else 0
             elif step_listed is None and srun_code is None:
-                out.append(RankProc(rank=rank, node=node, proc=ProcState.UNKNOWN))
-            else:
-                out.append(RankProc(rank=rank, node=node, proc=ProcState.VANISHED))
+                state = ProcState.UNKNOWN
+            # The process a rank runs in is its task (a node's, with launch "node").
+            out.append(RankProc(rank=rank, node=node, proc=state, exit_code=code, process=rank // per_task))
         return out
 
     def _srun_state(self, info: dict[str, Any]) -> tuple[int | None, bool]:

@@ -256,6 +256,48 @@ def test_adopted_ranks_whose_last_wills_arrived_together_are_node_lost() -> None
     assert of(effects, RecordFault)[0].kind is FaultKind.NODE_LOST
 
 
+def one_rank_nodes(*ranks: RankObs) -> AttemptObs:
+    """Nodes of one rank each: rank r on node n{r + 1}."""
+    return obs(*(replace(r, node=f"n{r.rank + 1}", process=100 + r.rank) for r in ranks))
+
+
+def test_the_only_rank_of_a_node_sigkilled_alone_is_its_own_fault_not_the_nodes() -> None:
+    """One process killed is one process's fault: nothing says its node went with it."""
+    effects = decide(view(run(ranks_per_node=1), (attempt(),)),
+                     one_rank_nodes(rank(0), rank(1, ProcState.EXITED, exit_code=SIGKILL)), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.RANK_EXIT and fault.ranks == (1,) and fault.nodes == ("n2",)
+    assert "killed by SIGKILL" in fault.summary
+    assert not of(effects, DrainNode), "blamed (a lemon if it repeats), not drained"
+
+
+def test_a_node_whose_own_process_lives_on_is_not_lost_whatever_its_ranks_did() -> None:
+    ranks = [rank(0), rank(1), rank(2, ProcState.EXITED, exit_code=SIGKILL, node_up=True),
+             rank(3, ProcState.EXITED, exit_code=SIGKILL, node_up=True)]
+    effects = decide(view(run(), (attempt(),)), obs(*ranks), NOW)
+    assert of(effects, RecordFault)[0].kind is FaultKind.RANK_EXIT and not of(effects, DrainNode)
+
+
+def test_a_one_rank_node_whose_own_process_died_with_its_rank_is_lost_and_drained() -> None:
+    effects = decide(view(run(ranks_per_node=1), (attempt(),)),
+                     one_rank_nodes(rank(0, node_up=True), rank(1, ProcState.EXITED, exit_code=SIGKILL, node_up=False)),
+                     NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n2",)
+    assert [d.node for d in of(effects, DrainNode)] == ["n2"]
+
+
+def test_a_nodes_one_torchrun_killed_is_one_process_however_many_ranks_it_ran() -> None:
+    """launch = "node": ranks 2 and 3 are one torchrun's; its SIGKILL is no node loss
+    unless the node's own process went too."""
+    ranks = [rank(0, process=1), rank(1, process=1), rank(2, ProcState.EXITED, exit_code=SIGKILL, process=2),
+             rank(3, ProcState.EXITED, exit_code=SIGKILL, process=2)]
+    effects = decide(view(run(), (attempt(),)), obs(*ranks), NOW)
+    assert of(effects, RecordFault)[0].kind is FaultKind.RANK_EXIT and not of(effects, DrainNode)
+    gone = [replace(r, node_up=False) if r.node == "n2" else r for r in ranks]
+    assert of(decide(view(run(), (attempt(),)), obs(*gone), NOW), RecordFault)[0].kind is FaultKind.NODE_LOST
+
+
 def heard(r: int, ago_s: float, proc: ProcState = ProcState.RUNNING) -> RankObs:
     return rank(r, proc, last_seen_at=NOW - ago_s)
 
