@@ -312,6 +312,8 @@ class LocalLauncher:
         return None if state is ProcState.UNKNOWN else state is ProcState.RUNNING
 
     def stop(self, launch_info: str, *, force: bool) -> None:
+        """SIGTERM the attempt's ranks; with ``force`` SIGKILL everything of it, the nodes'
+        own processes too."""
         sig = signal.SIGKILL if force else signal.SIGTERM
         ranks = _load(launch_info)
         escaped = _escaped(launch_info, ranks) if force or any(_shared(r, ranks) for r in ranks) else []
@@ -320,6 +322,8 @@ class LocalLauncher:
         for _, pid in escaped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
+        if force:
+            self._end_node_processes(_load_nodes(launch_info))
 
     def kill_rank(self, launch_info: str, rank: int, sig: int = signal.SIGKILL) -> str:
         ranks = _load(launch_info)

@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.e2e.conftest import db_rows, trainer_processes
+from tests.e2e.conftest import db_rows, node_processes, trainer_processes
 
 
 def assert_records(state: Path, s: dict[str, Any], *, injected: int | None = None) -> None:
@@ -39,6 +39,7 @@ def assert_records(state: Path, s: dict[str, Any], *, injected: int | None = Non
     if injected is not None:
         assert kinds.count("chaos.injected") == injected, "every injection is on record, once"
     assert trainer_processes(state) == [], "nothing of the run is left running"
+    assert node_processes(state) == [], "nor its nodes' own processes"
     assert_restored(state, s)
 
 

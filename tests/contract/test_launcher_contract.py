@@ -145,6 +145,7 @@ def test_ranks_get_the_torchrun_environment_and_the_reported_node_map(cluster: C
         assert e["TSUP_NODE"] == ranks[r].node, "the launcher's rank-to-node map is where the rank ran"
         assert e["MASTER_PORT"] == got[0]["MASTER_PORT"]
     assert {ranks[r].node for r in range(4)} == set(cluster.nodes)
+    cluster.launcher.forget(info)
 
 
 def test_a_failed_rank_is_reported_with_its_exit_code(cluster: Cluster, tmp_path: Path) -> None:
@@ -153,6 +154,7 @@ def test_a_failed_rank_is_reported_with_its_exit_code(cluster: Cluster, tmp_path
     ranks = wait_for(lambda: all_gone(cluster.launcher, info), 60, "every rank to exit")
     assert ranks[3].proc is ProcState.EXITED and ranks[3].exit_code == 7
     assert [ranks[r].exit_code for r in (0, 1, 2)] == [0, 0, 0]
+    cluster.launcher.forget(info)
 
 
 def test_running_ranks_are_never_reported_dead_and_stop_ends_them(cluster: Cluster, tmp_path: Path) -> None:

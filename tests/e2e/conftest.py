@@ -151,12 +151,26 @@ def trainer_processes(marker: Path) -> list[psutil.Process]:
     return found
 
 
+def node_processes(marker: Path) -> list[psutil.Process]:
+    """The local launcher's nodes' own processes (supervisor/launchers/local.py) of
+    attempts whose marker is under ``marker`` (a state directory)."""
+    found = []
+    for p in psutil.process_iter(["name"]):
+        try:
+            env = p.environ() if p.info["name"] == "sleep" else {}
+            if env.get("TSUP_NODE_PROCESS") and str(marker) in env.get("TSUP_MARKER", ""):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
 @pytest.fixture
 def state(tmp_path: Path) -> Iterator[Path]:
     """A state directory for one test; no trainer of it outlives the test, whatever failed."""
     d = tmp_path / "state"
     yield d
-    for p in trainer_processes(d):
+    for p in [*trainer_processes(d), *node_processes(d)]:
         p.kill()
 
 

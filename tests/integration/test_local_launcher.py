@@ -71,6 +71,10 @@ def test_ranks_get_the_torchrun_environment_and_a_process_group_per_node(
         launcher.stop(info, force=True)
 
 
+def node_up(launcher: LocalLauncher, info: str) -> dict[str, bool | None]:
+    return {r.node: r.node_up for r in launcher.observe(info)}
+
+
 def test_kill_rank_kills_exactly_one_process(launcher: LocalLauncher, tmp_path: Path) -> None:
     info = started(launcher, tmp_path)
     try:
@@ -79,6 +83,7 @@ def test_kill_rank_kills_exactly_one_process(launcher: LocalLauncher, tmp_path: 
         s = states(launcher, info)
         assert s[2] == (ProcState.EXITED, -signal.SIGKILL)
         assert s[0][0] is s[1][0] is s[3][0] is ProcState.RUNNING
+        assert node_up(launcher, info) == {"local-1": True, "local-2": True}, "its node's own process lives on"
         with pytest.raises(LaunchError, match="not running"):
             launcher.kill_rank(info, 2)
     finally:
@@ -93,8 +98,22 @@ def test_kill_node_kills_every_process_of_that_node_only(launcher: LocalLauncher
         s = states(launcher, info)
         assert s[2] == s[3] == (ProcState.EXITED, -signal.SIGKILL)
         assert s[0][0] is s[1][0] is ProcState.RUNNING
+        assert node_up(launcher, info) == {"local-1": True, "local-2": False}, "the node's own process with them"
     finally:
         launcher.stop(info, force=True)
+
+
+def test_a_nodes_own_process_leads_its_group_and_ends_with_the_attempt(launcher: LocalLauncher,
+                                                                     tmp_path: Path) -> None:
+    info = started(launcher, tmp_path, SLEEP="0")
+    own = {n["node"]: n["pid"] for n in json.loads(info)["nodes"]}
+    ranks = json.loads(info)["ranks"]
+    assert {r["node"]: r["pgid"] for r in ranks} == own, "a node's ranks join its own process's group"
+    wait_for(lambda: all(p == ProcState.EXITED for p, _ in states(launcher, info).values()), 10, "ranks to exit")
+    assert node_up(launcher, info) == {"local-1": True, "local-2": True}, "the nodes outlive their ranks"
+    launcher.forget(info)
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in own.values()), "nothing of an ended attempt is left"
 
 
 def test_stop_terminates_every_rank_and_is_idempotent(launcher: LocalLauncher, tmp_path: Path) -> None:
@@ -109,6 +128,7 @@ def test_exit_codes_are_collected(launcher: LocalLauncher, tmp_path: Path) -> No
     info = started(launcher, tmp_path, SLEEP="0", CODE="3")
     wait_for(lambda: all(p == ProcState.EXITED for p, _ in states(launcher, info).values()), 10, "exits")
     assert {c for _, c in states(launcher, info).values()} == {3}
+    launcher.forget(info)
 
 
 def test_a_new_launcher_finds_and_adopts_processes_by_marker(launcher: LocalLauncher, tmp_path: Path) -> None:
