@@ -60,7 +60,8 @@ from trainer import memory_tier  # noqa: E402
 MODEL = {"model": "llama2-7b", "model_overrides": {"hidden_size": 1024, "intermediate_size": 2816,
                                                      "n_layers": 4, "n_heads": 16, "n_kv_heads": 16}}
 MODES = ("none", "sync", "async", "memory")
-_STEP = re.compile(r"^step (\d+)/\d+ loss \S+ grad_norm \S+ lr \S+ step_time_s (\S+)")
+# Rank 0's progress line: "step 3/10 loss ... step_time_s 0.412 ..." (fields may be added between).
+_STEP = re.compile(r"^step (\d+)/\d+ .*?\bstep_time_s (\S+)")
 # Per mode: (step, the time training was blocked, the whole save's time) from rank 0's log.
 _REPORTED = {
     "sync": re.compile(r"^checkpoint step (\d+) committed to \S+ in ((\S+)) s"),

@@ -1,8 +1,9 @@
 """Saving and restoring the training state with PyTorch distributed checkpointing (DCP).
 
 The on-disk layout, the completeness rule the supervisor relies on, and retention are
-in trainer/checkpoint_layout.py; this module moves the tensors. Every rank calls
-``save`` and ``load`` (they are collectives); only rank 0 touches directory names.
+in trainer/checkpoint_layout.py; the threads that write, read and hash the files are
+trainer/checkpoint_io.py's; this module moves the tensors. Every rank calls ``save`` and
+``load`` (they are collectives); only rank 0 touches directory names.
 
 What a checkpoint holds: the model and AdamW state (sharded, one DCP entry each) plus
 trainer_meta.json (step and data position). The learning rate is a function of the step
@@ -15,7 +16,7 @@ from __future__ import annotations
 import errno
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer import checkpoint_layout as layout
 from trainer import distributed
+from trainer.checkpoint_io import HashingWriter, VerifyingReader
 from trainer.errors import CheckpointMismatch, CheckpointStorageFull, CheckpointUnreadable
 
 
@@ -42,9 +44,9 @@ class SaveResult:
 
 def stage(model: nn.Module, optimizer: torch.optim.Optimizer, *, tamper: bool = False) -> dict[str, Any]:
     """The training state as ``save`` takes it. The tensors are this rank's shards
-    themselves, which the next optimizer step changes: ``staged`` copies them for a save
-    that runs beside training. ``tamper`` (a chaos drill, on one rank): one weight of
-    this rank's shard is saved changed."""
+    themselves, which the next optimizer step changes: a save that runs beside training
+    saves a copy (trainer/staging.py). ``tamper`` (a chaos drill, on one rank): one weight
+    of this rank's shard is saved changed."""
     model_state, optim_state = get_state_dict(model, optimizer)
     if tamper:
         model_state = _tampered(model_state)
@@ -75,28 +77,20 @@ def state_bytes(state: Any) -> int:
     return total
 
 
-def staged(state: Any) -> Any:
-    """``state`` with every tensor a copy (a DTensor keeps its sharding): the blocking
-    part of an asynchronous save."""
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, DTensor):
-            return DTensor.from_local(t.to_local().detach().clone(), t.device_mesh, t.placements,
-                                      run_check=False, shape=t.shape, stride=t.stride())
-        return t.detach().clone()
-    return map_tensors(state, copy)
-
-
 def save(root: Path, meta: layout.TrainerMeta, state: dict[str, Any], *, keep: int, is_main: bool,
-         before_commit: Callable[[], None] | None = None, group: Any = None) -> SaveResult:
-    """Write ``state`` (from ``stage``), the state after step ``meta.step``, and commit it
-    as ``root/step_N``. Every rank calls it, on the training thread, or on a background
-    thread with ``group`` a process group of its own (an asynchronous save).
+         before_commit: Callable[[], None] | None = None, group: Any = None,
+         io_threads: int = 2) -> SaveResult:
+    """Write ``state`` (from ``stage``, or its copy), the state after step ``meta.step``,
+    with ``io_threads`` writer threads a rank, and commit it as ``root/step_N``. Every
+    rank calls it, on the training thread, or on a background thread with ``group`` a
+    process group of its own (an asynchronous save).
 
     ``before_commit`` runs on every rank once its shards are written (a chaos drill's
     hook). A write that fails for lack of space, quota or a read-only file system
     raises CheckpointStorageFull, after rank 0 removed the partial directory."""
     try:
-        return _save(root, meta, state, keep=keep, is_main=is_main, before_commit=before_commit, group=group)
+        return _save(root, meta, state, keep=keep, is_main=is_main, before_commit=before_commit, group=group,
+                     io_threads=io_threads)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         error = _storage_error(e)
         if error is None:
@@ -125,23 +119,28 @@ def _tampered(state: dict[str, Any]) -> dict[str, Any]:
 def _storage_error(e: BaseException) -> OSError | None:
     """The out-of-space (or quota, or read-only) error behind a failed save, if that is
     what it was: DCP wraps each rank's error in a CheckpointException."""
-    seen: list[BaseException] = [e]
-    visited: set[int] = set()
-    while seen:
-        err = seen.pop()
-        if id(err) in visited:
-            continue
-        visited.add(id(err))
+    for err in _behind(e):
         if isinstance(err, OSError) and err.errno in _STORAGE_ERRNOS:
             return err
         if isinstance(err, RuntimeError) and _SHORT_WRITE.search(str(err)):
             return OSError(errno.ENOSPC, f"No space left on device (a short write: {str(err).strip()[:200]})")
+    return None
+
+
+def _behind(e: BaseException) -> Iterator[BaseException]:
+    """``e`` and every error behind it: its causes, and each rank's error inside DCP's
+    CheckpointException."""
+    seen: list[BaseException] = [e]
+    visited: set[int] = set()
+    while seen:
+        err = seen.pop(0)
+        if id(err) in visited:
+            continue
+        visited.add(id(err))
+        yield err
         if isinstance(err, CheckpointException):
             seen.extend(exc for exc, _trace in err.failures.values())
-        for linked in (err.__cause__, err.__context__):
-            if linked is not None:
-                seen.append(linked)
-    return None
+        seen.extend(x for x in (err.__cause__, err.__context__) if x is not None)
 
 
 _STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
@@ -151,20 +150,21 @@ _SHORT_WRITE = re.compile(r"inline_container\.cc:\d+\] \. unexpected pos \d+ vs 
 
 
 def _save(root: Path, meta: layout.TrainerMeta, state: dict[str, Any], *, keep: int, is_main: bool,
-          before_commit: Callable[[], None] | None, group: Any) -> SaveResult:
+          before_commit: Callable[[], None] | None, group: Any, io_threads: int) -> SaveResult:
     started = time.monotonic()
     tmp = layout.tmp_dir_for(root, meta.step)
     if is_main:
         layout.clear_tmp(root, meta.step)
     distributed.barrier(group)  # nobody writes into a directory rank 0 is still clearing
-    dcp_save(state, checkpoint_id=tmp, process_group=group)
-    # DCP's coordinator writes .metadata before save returns on any rank: every file is there.
-    rank, world = distributed.rank_and_world()
-    mine = {name: layout.file_entry(tmp / name)
-            for name in layout.share(layout.manifest_names(tmp), rank, world)}
-    parts = distributed.all_gather_objects(mine, group)
+    writer = HashingWriter(tmp, threads=io_threads)
+    dcp_save(state, storage_writer=writer, process_group=group)
+    # DCP's coordinator writes .metadata before save returns on any rank: every file is
+    # there, and each was hashed by the rank that wrote it.
+    parts = distributed.all_gather_objects(writer.entries, group)
     files = {name: entry for part in parts for name, entry in part.items()}
     if is_main:
+        for name in set(layout.manifest_names(tmp)) - set(files):  # written by none of the writers
+            files[name] = layout.file_entry(tmp / name)
         layout.write_manifest(tmp, files)
         meta.write(tmp)
     if before_commit is not None:
@@ -178,20 +178,27 @@ def _save(root: Path, meta: layout.TrainerMeta, state: dict[str, Any], *, keep: 
     return SaveResult(path=final, duration_s=time.monotonic() - started, deleted=deleted)
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Restore model and optimizer state in place from a complete checkpoint.
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, io_threads: int = 2) -> int:
+    """Restore model and optimizer state in place from a complete checkpoint, reading its
+    files with ``io_threads`` threads a rank; returns the bytes this rank read.
 
-    Raises CheckpointUnreadable when a file differs from the checkpoint's manifest, or a
-    shard cannot be read (truncated, corrupt, gone): the ranks share what they found, so
-    all of them raise it together."""
+    Each file is checked against the checkpoint's manifest as it is read
+    (trainer/checkpoint_io.py). Raises CheckpointUnreadable when a file differs from the
+    manifest, or a shard cannot be read (truncated, corrupt, gone): DCP shares what each
+    rank found, so all of them raise it together."""
     try:
-        _check_manifest(path)
+        manifest = layout.read_manifest(path)
     except CheckpointMismatch as e:
         raise CheckpointUnreadable(str(e)) from e
+    reader = VerifyingReader(path, manifest=manifest, threads=io_threads)
     try:
-        _load(path, model, optimizer)
+        _load(model, optimizer, reader)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        mismatch = next((x for x in _behind(e) if isinstance(x, CheckpointMismatch)), None)
+        if mismatch is not None:
+            raise CheckpointUnreadable(str(mismatch)) from e
         raise CheckpointUnreadable(f"{path}: {type(e).__name__}: {_reason(e)}") from e
+    return reader.bytes_read
 
 
 def _reason(e: BaseException) -> str:
@@ -201,26 +208,12 @@ def _reason(e: BaseException) -> str:
     return (errors[0] if errors else lines[0] if lines else "")[:500]
 
 
-def _check_manifest(path: Path) -> None:
-    """Each rank checks its share of the files against the manifest; every rank raises
-    CheckpointUnreadable if any rank found a difference."""
-    files = layout.read_manifest(path)
-    if files is None:
-        return  # written before manifests: DCP's own reading is the only check
-    rank, world = distributed.rank_and_world()
-    found = layout.manifest_problems(path, files, layout.share(sorted(files), rank, world))
-    problems = [p for part in distributed.all_gather_objects(found) for p in part]
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckpointUnreadable(f"{path}: not what was written: {problems[0]}{more}")
-
-
-def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _load(model: nn.Module, optimizer: torch.optim.Optimizer, reader: VerifyingReader) -> None:
     # get_state_dict gives the sharded tensors to load into (and creates the optimizer
     # state entries that a fresh AdamW does not have yet, by a zero-lr step).
     model_state, optim_state = get_state_dict(model, optimizer)
     # DCP loads in place into the tensors of this dict (and may replace the entries of
     # non-tensor values), so read them back out of it before handing them over.
     state = {"model": model_state, "optimizer": optim_state}
-    dcp_load(state, checkpoint_id=path)
+    dcp_load(state, storage_reader=reader)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)

@@ -7,7 +7,7 @@ The supervisor relies on this layout exactly::
             .metadata               written by torch.distributed.checkpoint (DCP) last
             __0_0.distcp ...        one or more DCP data files per rank
             trainer_meta.json       step, consumed_samples, world_size, model, ...
-            manifest.json           every other file's size and SHA-256
+            manifest.json           every other file's size and hash (BLAKE3)
         step_00000030/
         .tmp-step_00000040/         a save in progress (or abandoned by a crash)
 
@@ -20,17 +20,22 @@ How a save makes that true atomically:
 1. rank 0 removes a leftover ``.tmp-step_N/`` from an earlier crash; barrier;
 2. every rank writes its shards with DCP into ``.tmp-step_N/`` (DCP's coordinator writes
    ``.metadata`` after all ranks' data, and fsyncs the files);
-3. every rank hashes its share of the files (the i-th of the sorted names goes to rank
-   i mod world size); rank 0 writes their sizes and hashes to ``manifest.json``, then
+3. every rank hashed its own files while it wrote them (trainer/checkpoint_io.py);
+   rank 0 gathers the sizes and hashes into ``manifest.json``, then writes
    ``trainer_meta.json`` (each: tmp file, fsync, rename); barrier;
 4. rank 0 renames ``.tmp-step_N/`` to ``step_N/`` and fsyncs ``<checkpoint.dir>``.
    The rename is the commit point: before it the checkpoint does not exist by name.
 
 The manifest is checked before a resume: the supervisor compares the sizes (a stat per
-file, before it chooses the checkpoint), the trainer the hashes (each rank its share,
-before the load). A checkpoint whose files differ from what was written is unreadable
-(exit code 3): the supervisor never resumes from it again. Checkpoints written before
-manifests existed load without the check.
+file, before it chooses the checkpoint), the trainer the hashes (each rank the files it
+reads, as it reads them: the check costs no second read). A checkpoint whose files
+differ from what was written is unreadable (exit code 3): the supervisor never resumes
+from it again. Checkpoints written before manifests existed load without the check.
+
+Manifest formats: 2 (this one) names each file's hash by its algorithm, ``blake3``
+(the ``blake3`` package: a cryptographic hash at several GB/s a core, where SHA-256
+does 1.5 to 2) or ``sha256`` where that package is missing; format 1 (SHA-256 only) is
+still read and verified.
 
 After each commit rank 0 prunes (``prune``): complete checkpoints with a step greater
 than the one just committed (left by an abandoned trajectory, e.g. after a rollback)
@@ -50,14 +55,16 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from trainer import atomic
 from trainer.errors import CheckpointMismatch, UsageError
 
 META_FILE = "trainer_meta.json"
 MANIFEST_FILE = "manifest.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # format 1 (SHA-256 only) is read too
+_MANIFEST_FORMATS = (1, 2)
+HASHES = ("blake3", "sha256")  # the algorithms a manifest entry may name, fastest first
 DCP_METADATA_FILE = ".metadata"
 TMP_PREFIX = ".tmp-"
 META_FORMAT = 1  # bump when trainer_meta.json changes incompatibly
@@ -177,15 +184,50 @@ def share(names: list[str], rank: int, world_size: int) -> list[str]:
     return names[rank::world_size]
 
 
-def file_entry(path: Path) -> dict[str, Any]:
-    """A manifest's entry for one file: its size and SHA-256, read in 8 MiB pieces."""
-    digest = hashlib.sha256()
+class Hasher(Protocol):
+    def update(self, data: Any, /) -> object: ...
+    def hexdigest(self) -> str: ...
+
+
+def hash_name() -> str:
+    """The algorithm new manifests use: BLAKE3 when its package is installed."""
+    try:
+        import blake3  # noqa: F401
+    except ImportError:
+        return "sha256"
+    return "blake3"
+
+
+def new_hasher(name: str) -> Hasher:
+    """A hasher of one of HASHES (BLAKE3 releases the GIL on large inputs: threads hash
+    in parallel)."""
+    if name == "blake3":
+        import blake3
+
+        return blake3.blake3()
+    if name == "sha256":
+        return hashlib.sha256()
+    raise CheckpointMismatch(f"unknown hash {name!r} (this trainer knows {', '.join(HASHES)})")
+
+
+def entry_hash(entry: dict[str, Any]) -> tuple[str, str]:
+    """(algorithm, hex digest) of a manifest entry."""
+    for name in HASHES:
+        if isinstance(entry.get(name), str):
+            return name, entry[name]
+    raise CheckpointMismatch(f"a manifest entry with no hash this trainer knows: {sorted(entry)}")
+
+
+def file_entry(path: Path, algorithm: str | None = None) -> dict[str, Any]:
+    """A manifest's entry for one file: its size and hash, read in 8 MiB pieces."""
+    name = algorithm or hash_name()
+    digest = new_hasher(name)
     size = 0
     with open(path, "rb") as f:
         while chunk := f.read(8 << 20):
             digest.update(chunk)
             size += len(chunk)
-    return {"size": size, "sha256": digest.hexdigest()}
+    return {"size": size, name: digest.hexdigest()}
 
 
 def write_manifest(directory: Path, files: dict[str, dict[str, Any]]) -> None:
@@ -204,8 +246,9 @@ def read_manifest(directory: Path) -> dict[str, dict[str, Any]] | None:
     except (OSError, ValueError) as e:
         raise CheckpointMismatch(f"{path}: unreadable: {e}") from e
     files = data.get("files") if isinstance(data, dict) else None
-    if data.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
-        raise CheckpointMismatch(f"{path}: not a manifest of format {MANIFEST_FORMAT}")
+    if not isinstance(files, dict) or data.get("format") not in _MANIFEST_FORMATS:
+        known = " or ".join(map(str, _MANIFEST_FORMATS))
+        raise CheckpointMismatch(f"{path}: not a manifest of format {known}")
     return files
 
 
@@ -215,16 +258,27 @@ def manifest_problems(directory: Path, files: dict[str, dict[str, Any]], names: 
     for name in names:
         want = files[name]
         try:
-            got = file_entry(directory / name)
+            algorithm, _ = entry_hash(want)
+            got = file_entry(directory / name, algorithm)
         except OSError as e:
             problems.append(f"{name}: {e.strerror or e}")
             continue
-        if got["size"] != want.get("size"):
-            problems.append(f"{name} is {got['size']} bytes, the manifest says {want.get('size')}")
-        elif got["sha256"] != want.get("sha256"):
-            problems.append(f"{name}'s SHA-256 is {got['sha256'][:12]}..., the manifest says "
-                            f"{str(want.get('sha256'))[:12]}...")
+        problem = entry_problem(name, want, got)
+        if problem:
+            problems.append(problem)
     return problems
+
+
+def entry_problem(name: str, want: dict[str, Any], got: dict[str, Any]) -> str:
+    """How the file ``name`` as read (``got``: its size and hash) differs from its manifest
+    entry ``want`` ("" if it does not)."""
+    if got["size"] != want.get("size"):
+        return f"{name} is {got['size']} bytes, the manifest says {want.get('size')}"
+    algorithm, wanted = entry_hash(want)
+    if got.get(algorithm) != wanted:
+        return (f"{name}'s {algorithm.upper()} is {str(got.get(algorithm))[:12]}..., the manifest says "
+                f"{wanted[:12]}...")
+    return ""
 
 
 def tmp_dir_for(root: Path, step: int) -> Path:

@@ -241,6 +241,9 @@ class CheckpointConfig:
     memory_every_steps: int = 0
     # Its node-local directory; "" = $TSUP_MEMORY_DIR, else /dev/shm/tsup-memory/<run>.
     memory_dir: str = ""
+    # Threads a rank writes, reads and hashes its checkpoint files with (both tiers);
+    # 0 = the node's cores shared out over its ranks, 2 to 8 (trainer/checkpoint_io.py).
+    io_threads: int = 0
 
     def __post_init__(self) -> None:
         p: list[str] = []
@@ -253,6 +256,7 @@ class CheckpointConfig:
         _need_int(p, "memory_every_steps", self.memory_every_steps, 0)
         if not isinstance(self.memory_dir, str):
             p.append(f"memory_dir: expected a directory path, got {self.memory_dir!r}")
+        _need_int(p, "io_threads", self.io_threads, 0)
         _raise_if(p)
 
 

@@ -7,19 +7,22 @@ node, and the state of every rank on the other nodes is still in their memory. T
 tier keeps it there, for the supervisor to resume from when it can:
 
 - Save, every ``checkpoint.memory_every_steps``: the training thread copies its rank's
-  local shards (model and AdamW state) to host memory, which is all it waits for. A
-  background thread then serializes the copy into the node's memory directory
-  (``/dev/shm``), sends it to rank ``r + ranks_per_node`` (the same local rank on the
-  next node, wrapping around) and writes the replica it receives from rank
-  ``r - ranks_per_node``. Both go through a gloo group of their own, so the training
-  thread's collectives never wait behind them. After a barrier on that group, the save
-  of step N is whole: rank 0 reports it (tier "memory") and each node keeps only its
-  newest ``KEEP`` saves.
+  local shards (model and AdamW state) into host buffers allocated once per run
+  (trainer/staging.py), which is all it waits for. A background thread then writes the
+  copy's raw bytes into the node's memory directory (``/dev/shm``) as one flat file
+  (trainer/state_file.py, several threads at once), sends it to rank
+  ``r + ranks_per_node`` (the same local rank on the next node, wrapping around) and
+  writes the replica it receives from rank ``r - ranks_per_node``. Both go through a
+  gloo group of their own, so the training thread's collectives never wait behind them.
+  After a barrier on that group, the save of step N is whole: rank 0 reports it (tier
+  "memory") and each node keeps only its newest ``KEEP`` saves.
 - Restore (``--resume memory:A:N``, attempt A's save of step N): each rank lists what its
   node holds of it, the ranks share the lists, and for every rank whose own file is not
   on its node, the lowest rank holding a copy sends it over. If some rank's state is on
   no node of the new attempt, every rank raises CheckpointUnreadable (exit 3): the
-  supervisor then resumes from the newest persistent checkpoint.
+  supervisor then resumes from the newest persistent checkpoint. A file on the rank's
+  own node is mapped, not read: its tensors go straight from node memory into the
+  model and optimizer (through pinned buffers into a GPU), several threads at once.
 
 Rank r's state therefore survives the loss of its node as long as node ``r // L + 1``
 (mod the node count) survives: the supervisor decides from the lost nodes and the
@@ -31,6 +34,9 @@ Layout, under the directory ``$TSUP_MEMORY_DIR`` (the supervisor sets one per ru
 
     <root>/<node>/a0003-s00000045/rank_00002.pt     rank 2's state after step 45
                                   replica_00000.pt  rank 0's, sent by it (node 0)
+
+(``.pt`` for the name's sake: the files are trainer/state_file.py's, or ``torch.save``'s
+where an earlier trainer wrote them.)
 """
 
 from __future__ import annotations
@@ -55,8 +61,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from trainer import checkpoint, distributed
+from trainer import checkpoint, distributed, state_file
 from trainer.errors import CheckpointUnreadable, UsageError
+from trainer.staging import StagedCopy, Staging
 
 KEEP = 2  # memory saves each node keeps (the newest whole one, and one being written)
 _SAVE_DIR = re.compile(r"a(\d{4,})-s(\d{8})")
@@ -97,7 +104,9 @@ def peer_of(rank: int, world_size: int, ranks_per_node: int) -> int:
 @dataclass(frozen=True, slots=True)
 class Saved:
     step: int
-    blocking_s: float  # what the training thread waited: the previous save (if still going), the copy
+    # What training waited: the previous save (if still going), and the copy (what was
+    # left of it at the next optimizer step: trainer/staging.py).
+    blocking_s: float
     total_s: float  # from the copy to the barrier after the replica exchange
     size: int  # bytes of this rank's state
 
@@ -106,33 +115,49 @@ class MemoryTier:
     """One rank's side of the tier; every rank of the attempt makes one (collectively:
     it creates the tier's gloo group)."""
 
-    def __init__(self, root: Path, node: str, attempt: int, ranks_per_node: int) -> None:
+    def __init__(self, root: Path, node: str, attempt: int, ranks_per_node: int, *, device: torch.device,
+                 io_threads: int) -> None:
         self.node_dir = root / node
         self.attempt = attempt
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.ranks_per_node = ranks_per_node
         self.is_node_leader = self.rank % ranks_per_node == 0
         self.group = distributed.background_group()
+        self.io_threads = io_threads
+        self.staging = Staging(device)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-tier")
         self._pending: Future[Saved] | None = None
+        self._copy: StagedCopy | None = None  # the copy of the save in flight, until fenced
         self.size = 0  # bytes of this rank's state, once a save measured it
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Lay out the staging buffers ahead of the first save (trainer/staging.py)."""
+        self.staging.prepare(_local_state(model, optimizer))
 
     # --- save ---------------------------------------------------------------------
 
     def save(self, step: int, meta: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
-             on_whole: Callable[[Saved], None]) -> float:
-        """Copy this rank's state to host memory and hand the rest to the background
-        thread; returns the seconds the caller was blocked. ``on_whole`` runs on the
-        background thread once every rank's save and replica of ``step`` are written."""
+             on_whole: Callable[[Saved], None]) -> None:
+        """Start copying this rank's state to host memory, beside the next step, and hand
+        the rest to the background thread; the caller must ``fence`` before its next
+        optimizer step. ``on_whole`` runs on the background thread once every rank's save
+        and replica of ``step`` are written."""
         started = time.perf_counter()  # training is blocked from here: the wait counts too
         self.wait()  # one save in flight at a time: the previous one's result first
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = _local_copy({"model": model_state, "optimizer": optim_state})
-        self.size = checkpoint.state_bytes(state)
-        blocking = time.perf_counter() - started
-        self._pending = self._worker.submit(self._write, step, {"meta": meta, "state": state}, started,
-                                            blocking, on_whole)
-        return blocking
+        waited = time.perf_counter() - started
+        self._copy = self.staging.begin(_local_state(model, optimizer))
+        self._pending = self._worker.submit(self._write, step, meta, self._copy, started, waited, on_whole)
+
+    def fence(self) -> None:
+        """The state is about to change: the copy of the save in flight must be done."""
+        copy, self._copy = self._copy, None
+        if copy is not None:
+            copy.fence()
+
+    @property
+    def busy(self) -> bool:
+        """A save is in flight (or done, its result not yet taken)."""
+        return self._pending is not None
 
     def wait(self) -> Saved | None:
         """Wait for the save in flight (its error, if it failed, is raised here)."""
@@ -144,15 +169,18 @@ class MemoryTier:
         if self._pending is not None and self._pending.done():
             self.wait()
 
-    def _write(self, step: int, payload: dict[str, Any], started: float, blocking: float,
+    def _write(self, step: int, meta: dict[str, Any], copy: StagedCopy, started: float, waited: float,
                on_whole: Callable[[Saved], None]) -> Saved:
         directory = self.node_dir / save_dir_name(self.attempt, step)
         directory.mkdir(parents=True, exist_ok=True)
         own = directory / _own(self.rank)
         tmp = _tmp_name(own)
-        torch.save(payload, tmp)  # straight into node memory: the one copy the save makes
+        state = copy.done()
+        self.size = checkpoint.state_bytes(state)
+        # Straight into node memory from the staging buffers: the one copy the save makes.
+        state_file.write(tmp, meta, state, threads=self.io_threads)
         os.replace(tmp, own)
-        del payload
+        del state
         peer = peer_of(self.rank, self.world, self.ranks_per_node)
         if peer != self.rank:  # one node: no other node to hold a replica
             source = (self.rank - self.ranks_per_node) % self.world
@@ -162,7 +190,8 @@ class MemoryTier:
         dist.barrier(group=self.group)  # every rank's file and replica are in memory
         if self.is_node_leader:
             self._prune(keep_from=step)
-        saved = Saved(step=step, blocking_s=blocking, total_s=time.perf_counter() - started, size=self.size)
+        saved = Saved(step=step, blocking_s=waited + copy.blocked_s(), total_s=time.perf_counter() - started,
+                      size=self.size)
         on_whole(saved)
         return saved
 
@@ -203,7 +232,7 @@ class MemoryTier:
                         f"of this attempt (its node and the next one were both lost)")
                 sources[rank] = having[0]
         local = sources[self.rank] == self.rank
-        mine: Path | io.BytesIO | None = _file_of(directory, self.rank) if local else None
+        received: bytearray | None = None
         for rank in range(self.world):  # the same order everywhere: each send meets its receive
             source = sources[rank]
             if source == rank:
@@ -211,16 +240,29 @@ class MemoryTier:
             if self.rank == source:
                 _send(_file_of(directory, rank), rank, self.group)
             elif self.rank == rank:
-                mine = io.BytesIO(_receive(source, self.group))
-        assert mine is not None
+                received = _receive(source, self.group)
         try:
-            payload = torch.load(mine, weights_only=True, mmap=isinstance(mine, Path))
-            _load_into(model, optimizer, payload["state"])
-        except (RuntimeError, KeyError, ValueError, TypeError, EOFError) as e:
+            if local:
+                with state_file.mapped(_file_of(directory, self.rank)) as data:
+                    return self._load(data, model, optimizer)
+            assert received is not None
+            return self._load(memoryview(received), model, optimizer)
+        except (RuntimeError, KeyError, ValueError, TypeError, EOFError, OSError) as e:
             raise CheckpointUnreadable(f"memory:{attempt}:{step}: rank {self.rank}'s state does not load: "
                                        f"{type(e).__name__}: {str(e)[:300]}") from e
-        meta: dict[str, Any] = payload["meta"]
-        return meta
+
+    def _load(self, data: memoryview, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Load a state file's bytes (or an earlier trainer's ``torch.save``) into the model
+        and optimizer; returns the trainer meta saved with them."""
+        try:
+            meta, saved = state_file.read(data)
+        except state_file.StateFileError:
+            if bytes(data[:2]) != b"PK":  # torch.save's zip: an earlier trainer's save
+                raise
+            payload = torch.load(io.BytesIO(data), weights_only=True)
+            meta, saved = payload["meta"], payload["state"]
+        _load_into(model, optimizer, saved, threads=self.io_threads)
+        return dict(meta)
 
     def bytes_held(self, attempt: int, step: int, rank: int) -> int:
         """The size of ``rank``'s state in attempt ``attempt``'s save of ``step`` on this
@@ -240,9 +282,11 @@ class MemoryTier:
                 self.node_dir.parent.rmdir()
 
     def close(self) -> None:
+        self.fence()
         with contextlib.suppress(Exception):
             self.wait()
         self._worker.shutdown(wait=False)
+        self.staging.close()
 
 
 # --- files --------------------------------------------------------------------------
@@ -319,46 +363,56 @@ def _send(path: Path, to: int, group: Any) -> None:
         dist.send(data, to, group=group)
 
 
-def _receive(source: int, group: Any) -> bytes:
+def _receive(source: int, group: Any) -> bytearray:
     size = torch.zeros(1, dtype=torch.int64)
     dist.recv(size, source, group=group)
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(data, source, group=group)
-    return data.numpy().tobytes()
+    data = bytearray(int(size.item()))
+    if data:
+        dist.recv(torch.frombuffer(data, dtype=torch.uint8), source, group=group)
+    return data
 
 
 # --- state --------------------------------------------------------------------------
 
 
-def _local_copy(tree: Any) -> Any:
-    """``tree`` with every tensor replaced by a copy of this rank's part of it."""
-    return checkpoint.map_tensors(
-        tree, lambda t: (t.to_local() if isinstance(t, DTensor) else t).detach().clone())
+def _local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's part of the model and optimizer state: views of the live tensors."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    local: dict[str, Any] = checkpoint.map_tensors(
+        {"model": model_state, "optimizer": optim_state},
+        lambda t: (t.to_local() if isinstance(t, DTensor) else t).detach())
+    return local
 
 
-def _copy_into(live: Any, saved: Any, where: str = "") -> Any:
-    """Copy ``saved`` into the tensors of ``live`` (same structure); returns the tree to
-    hand back (non-tensor values are taken from ``saved``)."""
-    if isinstance(live, DTensor):
-        live.to_local().copy_(saved)
-        return live
+def _pair(live: Any, saved: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]], where: str = "") -> Any:
+    """Match ``saved`` to the tensors of ``live`` (same structure), noting each (live
+    tensor, saved tensor) to copy in ``pairs``; returns the tree to hand back (non-tensor
+    values are taken from ``saved``)."""
     if isinstance(live, torch.Tensor):
-        live.copy_(saved)
+        target = live.to_local() if isinstance(live, DTensor) else live
+        if not isinstance(saved, torch.Tensor) or saved.shape != target.shape or saved.dtype != target.dtype:
+            got = (f"{tuple(saved.shape)} {saved.dtype}" if isinstance(saved, torch.Tensor)
+                   else type(saved).__name__)
+            raise ValueError(f"{where}: saved {got}, this run's {tuple(target.shape)} {target.dtype}")
+        pairs.append((target, saved))
         return live
     if isinstance(live, dict):
-        if set(live) != set(saved):
+        if not isinstance(saved, dict) or set(live) != set(saved):
             raise KeyError(f"{where or 'state'}: saved keys differ from this run's")
-        return {k: _copy_into(live[k], saved[k], f"{where}.{k}") for k in live}
+        return {k: _pair(live[k], saved[k], pairs, f"{where}.{k}") for k in live}
     if isinstance(live, (list, tuple)):
-        if len(live) != len(saved):
-            raise ValueError(f"{where}: saved length {len(saved)}, this run's {len(live)}")
-        pairs = enumerate(zip(live, saved, strict=True))
-        return type(live)(_copy_into(a, b, f"{where}[{i}]") for i, (a, b) in pairs)
+        if not isinstance(saved, (list, tuple)) or len(live) != len(saved):
+            raise ValueError(f"{where}: saved {saved!r:.80}, this run's length {len(live)}")
+        matched = enumerate(zip(live, saved, strict=True))
+        return type(live)(_pair(a, b, pairs, f"{where}[{i}]") for i, (a, b) in matched)
     return saved
 
 
-def _load_into(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+def _load_into(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], *,
+               threads: int) -> None:
     model_state, optim_state = get_state_dict(model, optimizer)  # creates AdamW's state entries
-    model_state = _copy_into(model_state, saved["model"], "model")
-    optim_state = _copy_into(optim_state, saved["optimizer"], "optimizer")
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    model_state = _pair(model_state, saved["model"], pairs, "model")
+    optim_state = _pair(optim_state, saved["optimizer"], pairs, "optimizer")
+    state_file.copy_into(pairs, threads=threads)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)

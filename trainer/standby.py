@@ -5,8 +5,11 @@
 A standby does now what every rank of a new attempt would otherwise do after a fault:
 start the interpreter and import torch with the trainer's distributed and checkpoint
 modules (on this machine 6.8 s of a 10.3 s recovery, and on a real cluster the
-container's and the CUDA or Neuron runtime's start). Then it waits, doing nothing, for
-one line on its standard input: its assignment, a JSON object
+container's and the CUDA or Neuron runtime's start). On a GPU it also creates its
+device's context and warms the caching allocator with a first block
+(``TSUP_STANDBY_SLOT``, the local rank it stands in for, names the device: the launcher
+hands it that rank). Then it waits, doing nothing, for one line on its standard input:
+its assignment, a JSON object
 
     {"argv": ["--config", FILE, "--resume", PATH], "env": {...}, "log": FILE, "cwd": DIR|null}
 
@@ -37,6 +40,8 @@ from typing import IO, Any
 from trainer.errors import EXIT_DO_NOT_RETRY, EXIT_OK
 
 WAITING_NAME = "tsup-standby"
+SLOT_ENV = "TSUP_STANDBY_SLOT"  # the local rank a standby stands in for: its device on a GPU node
+WARM_BYTES = 256 << 20  # a first block for the GPU's caching allocator, kept in its cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +84,11 @@ def wait(run: Callable[[list[str]], int], stdin: IO[bytes] | None = None) -> int
 
     from trainer import checkpoint, train  # noqa: F401  (DCP and FSDP, and what they import)
 
+    imported = time.monotonic()
+    device = warm_device(os.environ.get(SLOT_ENV))
     warm = time.monotonic()
-    print(f"standby: pid {os.getpid()} warm in {warm - started:.2f} s, waiting for an assignment", flush=True)
+    print(f"standby: pid {os.getpid()} warm in {warm - started:.2f} s ({device} ready in "
+          f"{warm - imported:.2f} s), waiting for an assignment", flush=True)
     line = (stdin or sys.stdin.buffer).readline()
     if not line:
         return EXIT_OK
@@ -98,6 +106,21 @@ def wait(run: Callable[[list[str]], int], stdin: IO[bytes] | None = None) -> int
           f"{a.env.get('TSUP_ATTEMPT', '?')} (warm in {warm - started:.2f} s, then waited "
           f"{time.monotonic() - warm:.2f} s)", flush=True)
     return run(a.argv)
+
+
+def warm_device(slot: str | None) -> str:
+    """Create the GPU context of the device the slot's rank will use and give its caching
+    allocator a first block, before the wait; returns the device's name ("cpu": nothing
+    to warm)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    index = int(slot or 0) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    torch.empty(WARM_BYTES, dtype=torch.uint8, device=f"cuda:{index}")  # freed into the allocator's cache
+    torch.cuda.synchronize(index)
+    return f"cuda:{index}"
 
 
 def _redirect_output(path: str) -> None:

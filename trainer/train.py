@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from trainer import atomic, checkpoint, distributed, flops, memory_tier
+from trainer import atomic, checkpoint, checkpoint_io, distributed, flops, memory_tier
 from trainer import checkpoint_layout as layout
 from trainer.config import TrainConfig, config_digest
 from trainer.data import BatchReader, open_source, open_validation_source
@@ -43,6 +43,7 @@ from trainer.faults import SPIKE_FACTOR, Fault, FaultPlan
 from trainer.model import Transformer
 from trainer.optim import build_optimizer, lr_at, set_lr
 from trainer.protocol import TIER_MEMORY, TIER_PERSISTENT, Phase
+from trainer.staging import StagedCopy, Staging
 from trainer.telemetry import Telemetry
 from trainer.tracking import StepLog
 
@@ -162,12 +163,20 @@ class _Runner:
         # The tiers' background work has process groups of its own (created here, by every
         # rank in the same order): the training thread's collectives never wait behind it.
         identity = telemetry.identity
+        # Threads that write, read and hash a rank's checkpoint files (trainer/checkpoint_io.py).
+        self.io_threads = (config.checkpoint.io_threads
+                           or checkpoint_io.io_threads(ctx.launch.local_world_size))
         self.memory = None if memory_root is None else memory_tier.MemoryTier(
-            memory_root, identity.node, identity.attempt, ctx.launch.local_world_size)
+            memory_root, identity.node, identity.attempt, ctx.launch.local_world_size, device=ctx.device,
+            io_threads=self.io_threads)
         self._persisting: Future[None] | None = None
-        self._persist_group = distributed.background_group() if config.checkpoint.asynchronous else None
+        self._persist_copy: StagedCopy | None = None  # the asynchronous save's copy, until fenced
+        asynchronous = config.checkpoint.asynchronous
+        self._persist_group = distributed.background_group() if asynchronous else None
         self._persist_worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-                                if config.checkpoint.asynchronous else None)
+                                if asynchronous else None)
+        # The host copy an asynchronous save writes from (trainer/staging.py).
+        self._persist_staging = Staging(ctx.device) if asynchronous else None
         source = open_source(config.data, seed=config.seed,
                              vocab_size=config.shape.vocab_size, seq_len=config.seq_len)
         self.reader = BatchReader(source, seed=config.seed,
@@ -205,6 +214,8 @@ class _Runner:
         self.telemetry.set_phase(Phase.TRAIN, self.step)
         while self.step < config.steps:
             stats = self._train_step(self.step + 1)
+            if self.step == first_step + 1:  # the optimizer's state exists now: copies of it can be laid out
+                self._prepare_staging()
             if self._validation_due():
                 stats = replace(stats, val_loss=self._validate())
             self._report(stats)
@@ -217,10 +228,12 @@ class _Runner:
                 self._save()
             self.faults.after_step(self.step, self.ctx.rank,
                                    lambda fault, detail: self._fault_fired(fault, self.step, detail))
-        with self._checkpoint_phase():  # the final checkpoint is on storage before the run is done
-            self._wait_persistent()
-            if self.memory is not None:
-                self.memory.wait()
+        self._fence()  # no step follows the last one's saves
+        if self._persisting is not None or (self.memory is not None and self.memory.busy):
+            with self._checkpoint_phase():  # the final checkpoint is on storage before the run is done
+                self._wait_persistent()
+                if self.memory is not None:
+                    self.memory.wait()
         self.log.close()
         self.telemetry.set_phase(Phase.DONE, self.step)
         digest = model_digest(self.model, is_main=self.ctx.is_main)
@@ -244,10 +257,30 @@ class _Runner:
     def close(self) -> None:
         """Stop the background savers (their work is lost if it was not waited for)."""
         self.log.close()
+        self._fence()  # a writer waiting to learn what its copy cost training learns it now
         if self.memory is not None:
             self.memory.close()
         if self._persist_worker is not None:
             self._persist_worker.shutdown(wait=False, cancel_futures=True)
+        if self._persist_staging is not None:
+            self._persist_staging.close()
+
+    def _fence(self) -> None:
+        """The state is about to change: the copies of the saves in flight must be done
+        (trainer/staging.py)."""
+        if self.memory is not None:
+            self.memory.fence()
+        copy, self._persist_copy = self._persist_copy, None
+        if copy is not None:
+            copy.fence()
+
+    def _prepare_staging(self) -> None:
+        """Lay out the host buffers the saves beside training copy into, ahead of the first
+        save and on threads of their own (trainer/staging.py)."""
+        if self.memory is not None and self.config.checkpoint.memory_every_steps:
+            self.memory.prepare(self.model, self.optimizer)
+        if self._persist_staging is not None:
+            self._persist_staging.prepare(checkpoint.stage(self.model, self.optimizer))
 
     def _restore(self, resume: str) -> str | None:
         in_memory = memory_tier.parse_resume(resume)
@@ -281,7 +314,7 @@ class _Runner:
                   f"(config digest {meta.config_digest}, now {config_digest(self.config)})",
                   file=sys.stderr, flush=True)
         started = time.monotonic()
-        checkpoint.load(path, self.model, self.optimizer)
+        size = checkpoint.load(path, self.model, self.optimizer, io_threads=self.io_threads) or size
         self.step, self.consumed, self.last_loss = (
             meta.step, meta.consumed_samples, meta.last_loss)
         self.last_checkpoint = str(path)
@@ -358,6 +391,7 @@ class _Runner:
         # max_norm=inf measures the norm without clipping (scales gradients by exactly 1).
         max_norm = config.optimizer.grad_clip or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        self._fence()  # a save's copy made beside this step is done before the step changes the state
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         asked, self._save_asked = self._save_asked, False
@@ -505,32 +539,38 @@ class _Runner:
         size = checkpoint.state_bytes(state)
         if self._persist_worker is None:
             with self._checkpoint_phase(size):
-                self._persist(meta, state, blocking_s=None)
+                self._persist(meta, state)
             return
         with self._checkpoint_phase(size):
             started = time.perf_counter()  # training is blocked from here: the wait counts too
             self._wait_persistent()  # one save in flight: the previous one is on storage first
-            state = checkpoint.staged(state)
-            blocking = time.perf_counter() - started
-        self._persisting = self._persist_worker.submit(self._persist, meta, state, blocking)
+            waited = time.perf_counter() - started
+            assert self._persist_staging is not None
+            self._persist_copy = self._persist_staging.begin(state)  # beside the next step: fenced before it
+        self._persisting = self._persist_worker.submit(self._persist, meta, state, self._persist_copy, waited)
 
-    def _persist(self, meta: layout.TrainerMeta, state: dict[str, object], blocking_s: float | None) -> None:
-        """Write and commit a persistent checkpoint: on the training thread (``blocking_s``
-        None), or on the checkpoint thread after the training thread's copy took
-        ``blocking_s``."""
+    def _persist(self, meta: layout.TrainerMeta, state: dict[str, object], copy: StagedCopy | None = None,
+                 waited_s: float = 0.0) -> None:
+        """Write and commit a persistent checkpoint: on the training thread, or on the
+        checkpoint thread from ``copy`` (an asynchronous save: training waited ``waited_s``
+        for the previous one, and whatever of the copy was left at the next step)."""
         config = self.config
-        step, started, size = meta.step, time.monotonic(), checkpoint.state_bytes(state)
+        step, started = meta.step, time.monotonic()
+        if copy is not None:
+            state = copy.done()
+        size = checkpoint.state_bytes(state)
         saved = checkpoint.save(Path(config.checkpoint.dir).absolute(), meta, state,
                                 keep=config.checkpoint.keep, is_main=self.ctx.is_main,
                                 before_commit=lambda: self._in_save(step, started, size),
-                                group=self._persist_group)
+                                group=self._persist_group, io_threads=self.io_threads)
         self.last_checkpoint = str(saved.path)
         if self.ctx.is_main:
-            blocked = saved.duration_s if blocking_s is None else blocking_s
+            blocked = saved.duration_s if copy is None else waited_s + copy.blocked_s()
+            whole = time.monotonic() - started + (0.0 if copy is None else copy.begun_s)
             self.telemetry.checkpoint_committed(step=step, path=str(saved.path), duration_s=blocked,
-                                                total_s=saved.duration_s + (blocking_s or 0.0), size=size)
+                                                total_s=whole, size=size)
             pruned = f", pruned {len(saved.deleted)}" if saved.deleted else ""
-            beside = "" if blocking_s is None else f" (beside training; it blocked {blocking_s:.3f} s)"
+            beside = "" if copy is None else f" (beside training; it blocked {blocked:.3f} s)"
             self._say(f"checkpoint step {step} committed to {saved.path} "
                       f"in {saved.duration_s:.3f} s{beside}{pruned}")
 

@@ -165,7 +165,8 @@ class LocalLauncher:
                     env.setdefault("OMP_NUM_THREADS", "1")
                     env.setdefault("PYTHONUNBUFFERED", "1")
                     log_path = spec.log_dir / f"{task.log_name}.{node}.log"
-                    warm = self._warm_start(spec, node, env, argv, log_path, uid, gid)
+                    local_rank = task.ranks[0] - node_index * spec.ranks_per_node
+                    warm = self._warm_start(spec, node, local_rank, env, argv, log_path, uid, gid)
                     if warm is not None:
                         ranks += [_Rank(rank, rank % spec.ranks_per_node, node, warm.pid, warm.pid,
                                         _create_time(warm.pid)) for rank in task.ranks]
@@ -216,12 +217,12 @@ class LocalLauncher:
             if child is not None:
                 child.wait()
 
-    def _warm_start(self, spec: LaunchSpec, node: str, env: dict[str, str], argv: list[str], log_path: Path,
-                    uid: int | None, gid: int | None) -> subprocess.Popen[bytes] | None:
+    def _warm_start(self, spec: LaunchSpec, node: str, local_rank: int, env: dict[str, str], argv: list[str],
+                    log_path: Path, uid: int | None, gid: int | None) -> subprocess.Popen[bytes] | None:
         """A standby of the run waiting on ``node``, assigned this rank (None: start cold)."""
         if not spec.standby_nodes or spec.launch != "rank":
             return None
-        while (proc := self.standbys.take(spec.run_id, node)) is not None:
+        while (proc := self.standbys.take(spec.run_id, node, local_rank)) is not None:
             try:
                 log_path.touch()
                 if uid is not None:

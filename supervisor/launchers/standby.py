@@ -30,7 +30,7 @@ from supervisor import users
 from supervisor.errors import CannotExecute
 from supervisor.launchers.base import LaunchSpec
 from trainer.protocol import KEY_ENV
-from trainer.standby import Assignment
+from trainer.standby import SLOT_ENV, Assignment
 
 # After an attempt starts, its ranks' own start-up has the cores first. On a real node
 # (dozens of cores for a handful of ranks) nothing competes; on this 2-core machine the
@@ -50,6 +50,7 @@ def reference_args(argv: tuple[str, ...]) -> list[str] | None:
 class _Standby:
     proc: subprocess.Popen[bytes]
     node: str
+    slot: int  # the local rank it was warmed for
 
 
 @dataclass
@@ -64,16 +65,17 @@ class StandbyPool:
         self.refill_after_s = refill_after_s
         self._runs: dict[str, _RunPool] = {}
 
-    def take(self, run_id: str, node: str) -> subprocess.Popen[bytes] | None:
-        """A live standby of the run waiting on ``node``, now no longer waiting."""
+    def take(self, run_id: str, node: str, slot: int) -> subprocess.Popen[bytes] | None:
+        """A live standby of the run waiting on ``node``, now no longer waiting: the one
+        warmed for local rank ``slot`` (its device), else another of the node's."""
         pool = self._runs.get(run_id)
         if pool is None:
             return None
-        for s in list(pool.waiting):
-            if s.node == node:
-                pool.waiting.remove(s)
-                if s.proc.poll() is None:
-                    return s.proc
+        mine = sorted((s for s in pool.waiting if s.node == node), key=lambda s: s.slot != slot)
+        for s in mine:
+            pool.waiting.remove(s)
+            if s.proc.poll() is None:
+                return s.proc
         return None
 
     @staticmethod
@@ -109,12 +111,12 @@ class StandbyPool:
             if now < pool.refill_at:
                 continue
             for node in pool.spec.standby_nodes:
-                have = sum(s.node == node for s in pool.waiting)
-                for _ in range(pool.spec.ranks_per_node - have):
-                    proc = _spawn(pool.spec, node)
+                have = {s.slot for s in pool.waiting if s.node == node}
+                for slot in (k for k in range(pool.spec.ranks_per_node) if k not in have):
+                    proc = _spawn(pool.spec, node, slot)
                     if proc is None:
                         break
-                    pool.waiting.append(_Standby(proc, node))
+                    pool.waiting.append(_Standby(proc, node, slot))
                     started += 1
             pool.refill_at = float("inf")  # until the next attempt starts
         return started
@@ -145,9 +147,9 @@ class StandbyPool:
         return out
 
 
-def _spawn(spec: LaunchSpec, node: str) -> subprocess.Popen[bytes] | None:
-    """A standby for ``spec``'s run on ``node``, as the run's user, with the run's
-    environment but none of an attempt's (its ids, its telemetry key)."""
+def _spawn(spec: LaunchSpec, node: str, slot: int) -> subprocess.Popen[bytes] | None:
+    """A standby for ``spec``'s run on ``node``, for local rank ``slot``, as the run's
+    user, with the run's environment but none of an attempt's (its ids, its telemetry key)."""
     try:
         run_as = users.for_launch(spec.user)
     except CannotExecute:  # the user is gone: no standbys; the cold start says why
@@ -156,7 +158,7 @@ def _spawn(spec: LaunchSpec, node: str) -> subprocess.Popen[bytes] | None:
     logs = spec.log_dir.parent  # <run_dir>/attempts
     env = {**os.environ, **users.login_env(run_as),
            **{k: v for k, v in spec.env.items() if not k.startswith("TSUP_") and k != KEY_ENV},
-           "TSUP_STANDBY": spec.run_id, "TSUP_NODE": node}
+           "TSUP_STANDBY": spec.run_id, "TSUP_NODE": node, SLOT_ENV: str(slot)}
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     try:

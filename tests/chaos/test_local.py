@@ -436,7 +436,7 @@ def test_a_corrupt_newest_checkpoint_before_a_fault_is_passed_over_for_the_one_b
                                   "AND message LIKE '%corrupt-ckpt%'")
     assert "step_00000040" in message and "flipped" in message
     log = (state / "runs" / "run-1" / "attempts" / "2" / "rank-0000.local-1.log").read_text()
-    assert "step_00000040: not what was written" in log and "SHA-256" in log, log[-2000:]
+    assert "step_00000040: not what was written" in log and "BLAKE3" in log, log[-2000:]
     assert_records(state, s, injected=2)
 
 

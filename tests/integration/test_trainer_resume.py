@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import signal
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import blake3
 import paho.mqtt.client as mqtt
 import pytest
 from amqtt.broker import Broker
@@ -262,13 +262,14 @@ def test_checkpoints_are_complete_and_only_the_newest_two_are_kept(scenario: Sce
     assert is_complete(step30)
     assert {p.name for p in step30.iterdir()} >= {".metadata", "trainer_meta.json", "manifest.json",
                                                    "__0_0.distcp", "__1_0.distcp"}
-    # The manifest: every other file's size and SHA-256, as read back here.
+    # The manifest: every other file's size and BLAKE3, hashed as written, as read back here.
     manifest = json.loads((step30 / "manifest.json").read_text())
+    assert manifest["format"] == 2
     covered = {p.name for p in step30.iterdir()} - {"manifest.json", "trainer_meta.json"}
     assert set(manifest["files"]) == covered
     for name, entry in manifest["files"].items():
         data = (step30 / name).read_bytes()
-        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+        assert entry == {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}, name
     meta = json.loads((step30 / "trainer_meta.json").read_text())
     assert (meta["step"], meta["consumed_samples"], meta["world_size"], meta["model"]) == (
         30, 30 * 8, WORLD, "tiny")
@@ -386,7 +387,7 @@ def test_a_shard_changed_in_place_is_caught_by_the_manifest_before_the_load(scen
     attempt = launch(scenario.killed_dir / "config.toml", world=WORLD, broker_port=scenario.broker_port,
                      run="flipped", resume=str(broken))
     assert attempt.wait() == [3, 3], attempt.log()
-    assert f"not what was written: {shard.name}'s SHA-256 is" in attempt.log()
+    assert f"not what was written: {shard.name}'s BLAKE3 is" in attempt.log()
 
     (broken / "manifest.json").unlink()  # as a checkpoint written before manifests
     attempt = launch(scenario.killed_dir / "config.toml", world=WORLD, broker_port=scenario.broker_port,
