@@ -32,8 +32,21 @@ Per save, four figures:
 - ``wall_excess_s``: (the mode's wall time from its first step line to its last, less
   the ``none`` run's) / saves: what a save cost the run, background work included.
 
-The final step's save is not counted (nothing follows it). Output: one JSON object on
-stdout, progress on stderr.
+The final step's save is not counted (nothing follows it).
+
+Then restores, each a trainer started to resume and stop at once, its time and the bytes
+of a rank's state from rank 0's log line (``resumed from ... in X s (N bytes, ...)``):
+
+- ``persistent``: the ``sync`` mode's final checkpoint, read by every rank with its
+  threads, each file verified against the manifest as it is read;
+- ``memory``: a memory save of step 1 (left by a run that crashes at step 2), mapped
+  from /dev/shm and copied into the model and optimizer;
+
+beside ``memcpy_gb_s``, this machine's copy of one rank's state size between host
+buffers already touched, on one thread, measured in the same run (the best of three):
+the limit a restore into host memory is held to.
+
+Output: one JSON object on stdout, progress on stderr.
 """
 
 from __future__ import annotations
@@ -93,7 +106,8 @@ def config_for(mode: str, directory: Path, steps: int, every: int, model: dict[s
     return path
 
 
-def run_mode(mode: str, config: Path, ranks: int) -> dict[str, Any]:
+def run_mode(mode: str, config: Path, ranks: int, *, resume: str = "none",
+             env_extra: dict[str, str] | None = None) -> dict[str, Any]:
     """Run the trainer; return rank 0's lines with their arrival times, and exit codes."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -103,9 +117,9 @@ def run_mode(mode: str, config: Path, ranks: int) -> dict[str, Any]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TSUP_")}
         env |= {"RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TSUP_NODE": f"node{rank}",
-                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
         out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
-        argv = [sys.executable, "-m", "trainer", "--config", str(config), "--resume", "none"]
+        argv = [sys.executable, "-m", "trainer", "--config", str(config), "--resume", resume]
         procs.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
                                       cwd=REPO))
     lines: list[tuple[float, str]] = []
@@ -146,6 +160,57 @@ def analyse(mode: str, lines: list[tuple[float, str]], every: int, steps: int) -
     }
 
 
+_RESUMED = re.compile(r"^resumed from \S+ at step \d+ in (\S+) s \((\d+) bytes, ")
+
+
+def restore(what: str, config: Path, ranks: int, resume: str) -> dict[str, Any]:
+    """Resume from ``resume`` and stop at once: the restore's time and GB/s on rank 0."""
+    result = run_mode(what, config, ranks, resume=resume)
+    lines = [line for _, line in result["lines"]]
+    if result["exit_codes"] != [0] * ranks:
+        raise SystemExit(f"restore {what}: the trainer exited {result['exit_codes']}:\n" + "\n".join(lines[-20:]))
+    said = next((m for m in map(_RESUMED.match, lines) if m), None)
+    if said is None:
+        raise SystemExit(f"restore {what}: no 'resumed from' line:\n" + "\n".join(lines[-20:]))
+    seconds, size = float(said[1]), int(said[2])
+    return {"seconds": seconds, "gb_s": round(size / seconds / 1e9, 3), "bytes_per_rank": size}
+
+
+def memcpy_gb_s(size: int) -> float:
+    """GB/s of one thread copying ``size`` bytes between host buffers already touched (best of 3)."""
+    import torch
+
+    torch.set_num_threads(1)
+    src = torch.ones(size, dtype=torch.uint8)
+    dst = torch.zeros(size, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - started)
+    return size / best / 1e9
+
+
+def restores(root: Path, model: dict[str, Any], ranks: int, every: int) -> dict[str, Any]:
+    """Both tiers' restores (see the module docstring); the sync mode's checkpoints are in ``root``."""
+    out: dict[str, Any] = {}
+    checkpoints = sorted((root / "sync" / "ck").glob("step_*"))
+    final = checkpoints[-1]
+    config = config_for("none", root / "sync", int(final.name.removeprefix("step_")), every, model)
+    say(f"restore: persistent, from {final.name} ...")
+    out["persistent"] = restore("persistent", config, ranks, str(final))
+    directory = root / "memory-restore"
+    directory.mkdir()
+    crashing = config_for("memory", directory, 2, 1, model)
+    say("restore: memory, a save of step 1 left by a crash at step 2 ...")
+    crashed = run_mode("memory-save", crashing, ranks, env_extra={"TSUP_FAULT": "crash@2"})
+    if crashed["exit_codes"] != [1] * ranks:
+        raise SystemExit(f"memory-save: expected the injected crash (exit 1), got {crashed['exit_codes']}")
+    out["memory"] = restore("memory", config_for("memory", directory, 1, 1, model), ranks,
+                            memory_tier.resume_name(1, 1))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
@@ -169,16 +234,23 @@ def main() -> None:
                 raise SystemExit(f"{mode}: the trainer exited {result['exit_codes']}:\n{tail}")
             out["modes"][mode] = analyse(mode, result["lines"], args.every, args.steps)
             out["modes"][mode]["run_s"] = round(time.monotonic() - started, 1)
-            shutil.rmtree(directory, ignore_errors=True)
+            if mode != "sync":  # its checkpoints are restored from below
+                shutil.rmtree(directory, ignore_errors=True)
             shutil.rmtree(_memory_root(), ignore_errors=True)
             say(f"{mode}: {out['modes'][mode]}")
         none_wall = out["modes"]["none"]["wall_s"]
         for mode in MODES[1:]:
             m = out["modes"][mode]
             m["wall_excess_s"] = round((m["wall_s"] - none_wall) / len(m["saves"]), 3) if m["saves"] else None
+        out["restore"] = restores(root, model, args.ranks, args.every)
+        out["memcpy_gb_s"] = round(memcpy_gb_s(out["restore"]["memory"]["bytes_per_rank"]), 2)
+        for tier in out["restore"].values():
+            tier["ratio_to_memcpy"] = round(tier["gb_s"] / out["memcpy_gb_s"], 3)
+        say(f"restore: {out['restore']}, memcpy {out['memcpy_gb_s']} GB/s")
         out["loadavg_1m"] = round(os.getloadavg()[0], 2)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(_memory_root(), ignore_errors=True)
     print(json.dumps(out, indent=2))
 
 

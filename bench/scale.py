@@ -2,6 +2,8 @@
 
     python bench/scale.py [--ranks 1024,4096,32768] [--window-s 30] [--step-s 2] [--aggregate rank,node]
     python bench/scale.py --quick          # ranks 256,2048, short windows: ~4 minutes
+    python bench/scale.py --ranks 16 --window-s 1 --warmup-s 0.5 --step-s 0.5 \
+        --hang-floor-s 1 --silence-timeout-s 3  # seconds: a smoke test, no measurement
 
 Two telemetry variants (``--aggregate``, both by default), measured one after the other
 at each R, each with everything below:
@@ -69,11 +71,16 @@ relevant message to the tick at which ``decide`` returns the ``RecordFault``:
   policy: silence is judged per node (``silence_timeout_s`` 10 s). Timed from that
   node's last message.
 
+``--hang-floor-s`` and ``--silence-timeout-s`` replace those two limits of the policy
+(default: the policy's own, 8 and 10 s); smaller ones make a run short (the smoke test,
+tests/integration/test_bench_smoke.py), not a measurement of the default policy.
+
 Output: one JSON object on stdout (progress on stderr). Fields:
 
     cpu_cores, quick, ranks_per_node, connections_max, step_s, heartbeat_hz, tick_s,
     window_s, warmup_s, prefill, mosquitto (version)
-    policy: hang_floor_s, hang_k, silence_timeout_s (the defaults the faults are judged by)
+    policy: hang_floor_s, hang_k, silence_timeout_s (the limits the faults are judged by: the
+        policy's defaults unless --hang-floor-s or --silence-timeout-s replaced them)
     aggregate: the variants measured
     scaled_to: {variant: the largest R whose steady window was not saturated (see
         ``saturated``), or null}
@@ -203,7 +210,8 @@ class Templates:
                                           b'"hostname":"%s"}',
             heartbeat=head % b"heartbeat" + b',"step":%d,"phase":"train"}',
             step=head % b"step" + b',"step":%d,"loss":2.5,"grad_norm":0.75,"lr":0.0003,"step_time_s":%.4f,'
-                                  b'"tokens_per_s":%.1f,"first_sample":%d,"busy_s":"nan"}',
+                                  b'"tokens_per_s":%.1f,"first_sample":%d,"busy_s":"nan","param_norm":"nan",'
+                                  b'"mfu":"nan","val_loss":"nan"}',
             node=head % b"node" + b',"node":"%s","ranks":[%s],"steps":[%s],"phases":[%s],"ages":[%s],'
                                   b'"step_times":[%s],"busy":[%s]}',
         )
@@ -500,7 +508,8 @@ class Judge:
         self.said: set[tuple[str, tuple[str, ...]]] = set()  # (kind, nodes) of the faults reported
         self.tick_times: list[tuple[float, float]] = []  # CPU seconds in (observe, decide)
 
-    def setup(self, ranks: int, ranks_per_node: int, step_s: float, prefill: bool) -> dict[str, Any]:
+    def setup(self, ranks: int, ranks_per_node: int, step_s: float, prefill: bool,
+              policy: Policy) -> dict[str, Any]:
         now = time.time()
         layout = Layout(ranks, ranks_per_node)
         nodes = layout.nodes
@@ -510,7 +519,7 @@ class Judge:
         if prefill:
             self._prefill(layout, step_s, now)
         run = Run(number=RUN_NUMBER, name="scale", state=RunState.RUNNING, reason="", nodes=len(nodes),
-                  ranks_per_node=ranks_per_node, spares=0, total_steps=10**9, policy=Policy(),
+                  ranks_per_node=ranks_per_node, spares=0, total_steps=10**9, policy=policy,
                   created_at=now, started_at=now)
         attempt = Attempt(run_number=RUN_NUMBER, number=ATTEMPT, state=AttemptState.RUNNING,
                           nodes=tuple(nodes), resume_from=None, resume_step=0, created_at=now, started_at=now,
@@ -628,7 +637,7 @@ async def supervise(port: int) -> None:
         while (cmd := await commands.get()) is not None and cmd["cmd"] != "quit":
             if cmd["cmd"] == "setup":
                 emit({"event": "setup", **judge.setup(cmd["ranks"], cmd["ranks_per_node"], cmd["step_s"],
-                                                      cmd["prefill"])})
+                                                      cmd["prefill"], Policy(**cmd["policy"]))})
             elif cmd["cmd"] == "rearm":
                 judge.rearm()
                 emit({"event": "rearmed"})
@@ -637,7 +646,6 @@ async def supervise(port: int) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        judge.reconciler.close()
 
 
 class SupervisorProc:
@@ -808,12 +816,13 @@ def fault_result(fault: dict[str, Any] | None, since: float, expected: Any, blam
             "summary": fault["summary"]}
 
 
-def hang_scenario(sup: SupervisorProc, gen: Generator, layout: Layout, step_s: float) -> dict[str, Any]:
+def hang_scenario(sup: SupervisorProc, gen: Generator, layout: Layout, step_s: float,
+                  policy: Policy) -> dict[str, Any]:
     hung = layout.ranks // 2 + 1
     log(f"  hang: rank {hung} stops completing steps")
     after = sup.fault_count()
     gen.hang(hung)
-    policy = Policy()  # the limit is max(hang_floor_s, hang_k x p99 step time): allow for both, and a margin
+    # the limit is max(hang_floor_s, hang_k x p99 step time): allow for both, and a margin
     wait_s = 2 * step_s + max(policy.hang_floor_s, policy.hang_k * step_s) + 40
     fault = sup.wait_fault(str(FaultKind.HANG), wait_s, after)
     result = fault_result(fault, gen.last_progress_at, hung, "ranks", wait_s)
@@ -823,13 +832,13 @@ def hang_scenario(sup: SupervisorProc, gen: Generator, layout: Layout, step_s: f
     return result
 
 
-def node_lost_scenario(sup: SupervisorProc, gen: Generator, layout: Layout) -> dict[str, Any]:
+def node_lost_scenario(sup: SupervisorProc, gen: Generator, layout: Layout, policy: Policy) -> dict[str, Any]:
     index = len(layout.nodes) - 1
     node = layout.nodes[index]
     log(f"  node_lost: every rank of {node} falls silent")
     after = sup.fault_count()
     gen.silence(index)
-    wait_s = Policy().silence_timeout_s + 40
+    wait_s = policy.silence_timeout_s + 40
     fault = sup.wait_fault(str(FaultKind.NODE_LOST), wait_s, after)
     return fault_result(fault, gen.node_last_sent[index], node, "nodes", wait_s)
 
@@ -862,7 +871,8 @@ def measure(ranks: int, aggregate: str, broker: Mosquitto, counters: BrokerCount
         sup.expect("ready", 60)
         rss_idle = sup.ps.memory_info().rss
         setup = sup.request({"cmd": "setup", "ranks": ranks, "ranks_per_node": args.ranks_per_node,
-                             "step_s": args.step_s, "prefill": not args.no_prefill}, "setup", 600)
+                             "step_s": args.step_s, "prefill": not args.no_prefill,
+                             "policy": policy_overrides(args)}, "setup", 600)
         gen = Generator(layout, broker, args.connections, args.step_s, aggregate)
         gen.start()
         stack.callback(gen.stop)
@@ -884,8 +894,9 @@ def measure(ranks: int, aggregate: str, broker: Mosquitto, counters: BrokerCount
         sup_info["prefill_s"] = setup["prefill_s"]
         sup_info["tick_ms"]["step_time_p99_once"] = round(1e3 * setup["p99_cpu_s"], 1)
         unexpected = list(sup.faults)
-        result["hang"] = hang_scenario(sup, gen, layout, args.step_s)
-        result["node_lost"] = node_lost_scenario(sup, gen, layout)
+        policy = Policy(**policy_overrides(args))
+        result["hang"] = hang_scenario(sup, gen, layout, args.step_s, policy)
+        result["node_lost"] = node_lost_scenario(sup, gen, layout, policy)
         gen.stop()
         if gen.error is not None:
             raise RuntimeError(f"load generator failed: {gen.error!r}")
@@ -934,6 +945,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup-s", type=float, help="before the window (default 5; --quick 3)")
     parser.add_argument("--no-prefill", action="store_true",
                         help="start the supervisor with empty step-time windows")
+    parser.add_argument("--hang-floor-s", type=float, default=Policy().hang_floor_s,
+                        help="the policy's hang_floor_s the hang is judged by (default the policy's, "
+                             "%(default)s)")
+    parser.add_argument("--silence-timeout-s", type=float, default=Policy().silence_timeout_s,
+                        help="the policy's silence_timeout_s the lost node is judged by (default the "
+                             "policy's, %(default)s)")
     parser.add_argument("--role", choices=["bench", "supervisor"], default="bench", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -946,6 +963,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def policy_overrides(args: argparse.Namespace) -> dict[str, float]:
+    """The Policy fields set on the command line (the rest are the policy's defaults)."""
+    return {"hang_floor_s": args.hang_floor_s, "silence_timeout_s": args.silence_timeout_s}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.role == "supervisor":
@@ -953,7 +975,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up (finally blocks) on SIGTERM too
     Templates.for_run(RUN_ID, ATTEMPT).check(RUN_ID, ATTEMPT)
-    policy = Policy()
+    policy = Policy(**policy_overrides(args))
     report: dict[str, Any] = {
         "cpu_cores": psutil.cpu_count(), "quick": args.quick, "ranks_per_node": args.ranks_per_node,
         "connections_max": args.connections, "step_s": args.step_s, "heartbeat_hz": 1, "tick_s": TICK_S,

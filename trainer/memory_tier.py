@@ -65,7 +65,9 @@ from trainer import checkpoint, distributed, state_file
 from trainer.errors import CheckpointUnreadable, UsageError
 from trainer.staging import StagedCopy, Staging
 
-KEEP = 2  # memory saves each node keeps (the newest whole one, and one being written)
+# Memory saves each node keeps once a new one is whole: it alone (while the next one is
+# written, two). An older one is never resumed from: the newest whole save supersedes it.
+KEEP = 1
 _SAVE_DIR = re.compile(r"a(\d{4,})-s(\d{8})")
 _RESUME = re.compile(r"memory:(\d+):(\d+)")
 

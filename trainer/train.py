@@ -342,8 +342,8 @@ class _Runner:
         if self.ctx.is_main:
             self.telemetry.checkpoint_restored(step=self.step, path=where, tier=tier, duration_s=seconds,
                                                size=size)
-        pace = f", {size / seconds / 1e9:.2f} GB/s a rank" if size and seconds > 0 else ""
-        self._say(f"resumed from {where} at step {self.step} in {seconds:.2f} s{pace}{note}")
+        pace = f" ({size} bytes, {size / seconds / 1e9:.3f} GB/s a rank)" if size and seconds > 0 else ""
+        self._say(f"resumed from {where} at step {self.step} in {seconds:.3f} s{pace}{note}")
 
     def _train_step(self, step: int) -> StepStats:
         """One optimizer step. Besides the wall time (equal on every rank: they wait for

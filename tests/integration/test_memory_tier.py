@@ -106,11 +106,9 @@ def test_saves_beside_training_commit_verified_checkpoints_and_a_finished_run_fr
 def test_each_node_holds_its_ranks_saves_and_the_previous_nodes_replicas(scenario: Scenario) -> None:
     assert scenario.crash_codes == [1, 1]
     assert scenario.crashed_memory == {
-        "n0": ["a0001-s00000020/rank_00000.pt", "a0001-s00000020/replica_00001.pt",
-               "a0001-s00000025/rank_00000.pt", "a0001-s00000025/replica_00001.pt"],
-        "n1": ["a0001-s00000020/rank_00001.pt", "a0001-s00000020/replica_00000.pt",
-               "a0001-s00000025/rank_00001.pt", "a0001-s00000025/replica_00000.pt"],
-    }, "the newest two saves per node; older ones are pruned"
+        "n0": ["a0001-s00000025/rank_00000.pt", "a0001-s00000025/replica_00001.pt"],
+        "n1": ["a0001-s00000025/rank_00001.pt", "a0001-s00000025/replica_00000.pt"],
+    }, "the newest whole save per node; older ones are pruned once it is whole"
 
 
 def _restore_memory(scenario: Scenario, lost: tuple[str, ...]) -> None:
