@@ -168,7 +168,8 @@ def restore(what: str, config: Path, ranks: int, resume: str) -> dict[str, Any]:
     result = run_mode(what, config, ranks, resume=resume)
     lines = [line for _, line in result["lines"]]
     if result["exit_codes"] != [0] * ranks:
-        raise SystemExit(f"restore {what}: the trainer exited {result['exit_codes']}:\n" + "\n".join(lines[-20:]))
+        tail = "\n".join(lines[-20:])
+        raise SystemExit(f"restore {what}: the trainer exited {result['exit_codes']}:\n{tail}")
     said = next((m for m in map(_RESUMED.match, lines) if m), None)
     if said is None:
         raise SystemExit(f"restore {what}: no 'resumed from' line:\n" + "\n".join(lines[-20:]))

@@ -69,7 +69,8 @@ CPU = {"model": "tiny", "overrides": {"hidden_size": 512, "intermediate_size": 1
                                        "n_heads": 8, "n_kv_heads": 8},
        "steps": 16, "global_batch_size": 4, "micro_batch_size": 4, "seq_len": 64,
        "every": 4, "memory_every": 2, "faults": ("kill-rank@7", "kill-node@13")}
-_SAVED = re.compile(r"^checkpoint step (\d+) committed to \S+ in (\S+) s \(beside training; it blocked (\S+) s")
+_SAVED = re.compile(r"^checkpoint step (\d+) committed to \S+ in (\S+) s "
+                    r"\(beside training; it blocked (\S+) s")
 _MEMORY = re.compile(r"^memory checkpoint step (\d+) whole in (\S+) s \(training blocked (\S+) s")
 _RESUMED = re.compile(r"^resumed from (\S+) at step (\d+) in (\S+) s \((\d+) bytes, ")
 _STANDBY = re.compile(r"^standby: pid \d+ warm in (\S+) s \((\S+) ready in (\S+) s\)")
@@ -129,7 +130,8 @@ def limits(size: int, threads: int) -> dict[str, Any]:
         torch.cuda.empty_cache()
     else:
         out["device"] = "cpu"
-    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+    lines = Path("/proc/meminfo").read_text().splitlines()
+    meminfo = dict(line.split(":", 1) for line in lines if ":" in line)
     out["host_memory_gb"] = round(int(meminfo["MemTotal"].split()[0]) * 1024 / GB, 1)
     shm = shutil.disk_usage("/dev/shm") if Path("/dev/shm").is_dir() else None
     out["shm_gb"] = round(shm.total / GB, 1) if shm else None
@@ -173,8 +175,8 @@ def supervise(spec: Path, state: Path, faults: tuple[str, ...], timeout_s: float
     for fault in faults:
         argv += ["--chaos", fault]
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "TSUP_ALLOW_ROOT_RUNS": "true"}
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -201,11 +203,12 @@ def figures(state: Path, summary: dict[str, Any], lim: dict[str, Any]) -> dict[s
     logs = _logs(state, run_id)
     db = sqlite3.connect(state / "supervisor.db")
     try:
-        steps = db.execute("SELECT step, step_time_s, mfu, tokens_per_s FROM metrics WHERE attempt = 1 AND step > 3 "
-                           "ORDER BY step").fetchall()
+        steps = db.execute("SELECT step, step_time_s, mfu, tokens_per_s FROM metrics "
+                           "WHERE attempt = 1 AND step > 3 ORDER BY step").fetchall()
     finally:
         db.close()
-    train = {"step_time_s": _median([s[1] for s in steps]), "mfu": _median([s[2] for s in steps if s[2] is not None]),
+    train = {"step_time_s": _median([s[1] for s in steps]),
+             "mfu": _median([s[2] for s in steps if s[2] is not None]),
              "tokens_per_s": _median([s[3] for s in steps if s[3] is not None]), "steps_timed": len(steps)}
     resumed = [(a, m) for a, lines in sorted(logs.items()) for m in map(_RESUMED.match, lines) if m]
     size = max((int(m[4]) for _, m in resumed), default=0)
@@ -228,13 +231,13 @@ def figures(state: Path, summary: dict[str, Any], lim: dict[str, Any]) -> dict[s
         seconds, nbytes = float(m[3]), int(m[4])
         tier = "memory" if m[1].startswith("memory:") else "persistent"
         gb_s = nbytes / seconds / GB if seconds > 0 else None
-        restores.append({"attempt": attempt, "tier": tier, "from": m[1], "step": int(m[2]), "seconds": seconds,
-                         "bytes": nbytes, "gb_s": _round(gb_s), "limit_gb_s": h2d,
+        restores.append({"attempt": attempt, "tier": tier, "from": m[1], "step": int(m[2]),
+                         "seconds": seconds, "bytes": nbytes, "gb_s": _round(gb_s), "limit_gb_s": h2d,
                          "ratio": _round(gb_s / h2d) if gb_s and h2d else None})
     history = {a["number"]: a for a in summary["attempt_history"]}
     first = history.get(1, {})
-    cold = first["first_step_at"] - first["started_at"] if first.get("first_step_at") and first.get("started_at") \
-        else None
+    launched, stepped = first.get("started_at"), first.get("first_step_at")
+    cold = stepped - launched if launched and stepped else None
     recoveries = []
     for f in summary["faults"]:
         if f.get("injected_at") is None or f.get("recovered_at") is None:
@@ -278,7 +281,8 @@ def main() -> None:
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else None
     state = args.state_dir or Path(tempfile.mkdtemp(prefix="tsup-gpu-recovery-", dir=base))
     out: dict[str, Any] = {"gpu": gpu, "shape": {k: v for k, v in shape.items() if k != "faults"},
-                           "faults": list(shape["faults"]), "policy": policy or "default", "state_dir": str(state)}
+                           "faults": list(shape["faults"]), "policy": policy or "default",
+                           "state_dir": str(state)}
     try:
         say("measuring this machine's copy and hash rates ...")
         out["limits"] = limits(18 * 10**9 if gpu else 160 * 10**6, args.threads)
@@ -289,9 +293,10 @@ def main() -> None:
         started = time.monotonic()
         summary = supervise(spec, state, shape["faults"], args.timeout_s)
         out["wall_s"] = round(time.monotonic() - started, 1)
-        out["state"], out["reason"], out["attempts"] = summary["state"], summary["reason"], summary["attempts"]
-        out["drained_nodes"], out["ettr"] = summary["drained_nodes"], summary["ettr"]
-        out["faults_seen"] = [{"kind": f["kind"], "step": f["step"], "summary": f["summary"]} for f in summary["faults"]]
+        for key in ("state", "reason", "attempts", "drained_nodes", "ettr"):
+            out[key] = summary[key]
+        out["faults_seen"] = [{"kind": f["kind"], "step": f["step"], "summary": f["summary"]}
+                              for f in summary["faults"]]
         out |= figures(state, summary, out["limits"])
     finally:
         if not args.keep and args.state_dir is None:

@@ -46,6 +46,16 @@ With ``--tiers`` the job has the supervisor's two checkpoint tiers (trainer/memo
   at scale as above, plus the replica transfer at the copy rate); when it cannot, from
   the persistent save, cold.
 
+With ``--from-gpu FILE`` (the JSON of bench/gpu_recovery.py: the supervisor and its
+trainer on a real GPU) the tiers' costs are that run's measurements instead, each scaled
+by the state a GPU holds here over the one it held there (its ``state_bytes_per_rank``:
+18 GB for llama3.2-1b on one GPU against 68 MB a rank here, a factor of 0.0038): the
+blocking of a memory save and of a persistent save (medians), the restore in a warm
+restart (the memory tier's) and in a cold one (the persistent tier's), and around the
+restores what the recoveries took besides (SIGKILL to the first resumed step, less the
+detection and the restore: the launch, the standby's or a cold start, the first step),
+unscaled, plus the rendezvous at scale. The JSON says which run each came from.
+
 Faults strike only while the job trains (none during restarts), a slight underestimate.
 It prints one JSON object: ETTR (useful training time over wall time) and where the rest
 went, the failures, and the Young/Daly checkpoint interval (sqrt(2 C MTBF)) next to the
@@ -62,6 +72,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -99,6 +110,7 @@ MEASURED_RESTART_S = 10.3  # the trainer's cold start, 4 ranks (docs/RESULTS.md,
 RENDEZVOUS_S_PER_NODE = 0.01
 MEASURED_WARM_RESTART_S = 1.9  # warm standby, fault to first step, 4 ranks (docs/RESULTS.md)
 STATE_BYTES_PER_RANK = 70e9 * 16 / (2048 * 8)  # a 70B model's saved state on 16,384 ranks
+MIN_BLOCKING_S = 0.01  # the least a save is taken to cost when choosing its interval
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,7 +422,7 @@ def simulate(p: Params) -> dict[str, object]:
     }
 
 
-def _inputs(args: argparse.Namespace) -> dict[str, str]:
+def _inputs(args: argparse.Namespace, gpu: GpuCosts | None) -> dict[str, str]:
     """Where each input comes from: measured here, published, or assumed (the defaults;
     a value given on the command line is the caller's)."""
     given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in sys.argv[1:] if a.startswith("--")}
@@ -442,11 +454,63 @@ def _inputs(args: argparse.Namespace) -> dict[str, str]:
                               "replica transfer at the copy rate",
         }
         sources.pop("checkpoint_every_s")
+    if gpu is not None:
+        sources |= {k: f"{gpu.source}: {what}" for k, what in (
+            ("memory_checkpoint_s", "the median blocking of a memory save"),
+            ("persistent_blocking_s", "the median blocking of a persistent save"),
+            ("warm_restart_s", "kill-rank's SIGKILL to first step less detection, its memory restore scaled; "
+                               f"plus {RENDEZVOUS_S_PER_NODE} s per node of rendezvous (assumed)"),
+            ("restart_s", "kill-node's SIGKILL to first step less detection, its persistent restore scaled; "
+                          f"plus {RENDEZVOUS_S_PER_NODE} s per node of rendezvous (assumed)"))}
     out = {k: ("given on the command line" if k in given else v) for k, v in sources.items()}
-    if args.tiers:  # a measurement, and always given
+    if args.tiers and gpu is None:  # a measurement, and always given
         out["copy_gb_s"] = (f"measured: {args.copy_gb_s} GB/s, a rank's copy of its shards to host memory "
                             "(bench/checkpoint_tiers.py)")
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class GpuCosts:
+    """The tiers' costs for a rank of the simulated job, from a bench/gpu_recovery.py run."""
+
+    memory_checkpoint_s: float
+    persistent_blocking_s: float
+    warm_restart_s: float  # launch to first step, restoring from memory
+    restart_s: float  # launch to first step, restoring from the persistent checkpoint
+    source: str
+
+    @classmethod
+    def from_run(cls, run: dict[str, Any], nodes: int) -> GpuCosts:
+        """Scaled by bytes a rank (the module docstring); SystemExit naming what is missing."""
+        size = run.get("state_bytes_per_rank") or 0
+        if not size:
+            raise SystemExit("--from-gpu: the run's JSON has no state_bytes_per_rank")
+        scale = STATE_BYTES_PER_RANK / size
+
+        def median(xs: list[float], what: str) -> float:
+            if not xs:
+                raise SystemExit(f"--from-gpu: the run's JSON has no {what}")
+            return float(sorted(xs)[len(xs) // 2])
+
+        saves = run.get("saves", [])
+        memory = median([x["blocked_s"] for x in saves if x["tier"] == "memory"], "memory saves")
+        persistent = median([x["blocked_s"] for x in saves if x["tier"] == "persistent"], "persistent saves")
+
+        def restart(fault: str, tier: str) -> float:
+            recovery = next((r for r in run.get("recoveries", []) if r["kind"] == fault), None)
+            restore = next((r for r in run.get("restores", []) if r["tier"] == tier), None)
+            if recovery is None or restore is None:
+                raise SystemExit(f"--from-gpu: the run's JSON has no {fault} recovery from the {tier} tier")
+            around = recovery["kill_to_first_step_s"] - recovery["detect_s"] - restore["seconds"]
+            return max(0.0, around) + restore["seconds"] * scale + RENDEZVOUS_S_PER_NODE * nodes
+
+        limits = run.get("limits", {})
+        source = (f"measured: bench/gpu_recovery.py on {limits.get('device', '?')} "
+                  f"({'GPU' if run.get('gpu') else 'CPU'}), {size / 1e9:.3g} GB of state a rank, "
+                  f"scaled by {scale:.4g} to {STATE_BYTES_PER_RANK / 1e6:.0f} MB")
+        return cls(memory_checkpoint_s=memory * scale, persistent_blocking_s=persistent * scale,
+                   warm_restart_s=restart("rank-exit", "memory"),
+                   restart_s=restart("node-lost", "persistent"), source=source)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -476,16 +540,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-every-s", type=float, default=None, help="--tiers: default Young/Daly")
     ap.add_argument("--persistent-every-s", type=float, default=1800.0)
     ap.add_argument("--warm-restart-s", type=float, default=None)
+    ap.add_argument("--from-gpu", type=Path, default=None,
+                    help="the tiers' costs from bench/gpu_recovery.py's JSON (implies --tiers)")
     args = ap.parse_args(argv)
-    if args.tiers and (args.copy_gb_s is None or args.copy_gb_s <= 0):
-        ap.error("--tiers needs --copy-gb-s (measured by bench/checkpoint_tiers.py)")
+    gpu = GpuCosts.from_run(json.loads(args.from_gpu.read_text()), args.nodes) if args.from_gpu else None
+    args.tiers = args.tiers or gpu is not None
+    if args.tiers and gpu is None and (args.copy_gb_s is None or args.copy_gb_s <= 0):
+        ap.error("--tiers needs --copy-gb-s (measured by bench/checkpoint_tiers.py) or --from-gpu")
     if args.nodes < 1 or args.spares < 0 or args.days <= 0 or args.failures_per_node_day <= 0:
         ap.error("--nodes >= 1, --spares >= 0, --days > 0 and --failures-per-node-day > 0")
     rate = args.failures_per_node_day / 86_400
     mtbf = planning.job_mtbf_s(args.nodes, rate)
     young_daly = planning.young_daly_interval_s(args.checkpoint_s, mtbf)
     restart = args.restart_s if args.restart_s is not None else (
-        MEASURED_RESTART_S + RENDEZVOUS_S_PER_NODE * args.nodes + args.checkpoint_s)
+        gpu.restart_s if gpu else MEASURED_RESTART_S + RENDEZVOUS_S_PER_NODE * args.nodes + args.checkpoint_s)
     base = Params(nodes=args.nodes, spares=args.spares, days=args.days, seed=args.seed, rate_per_node_s=rate,
                   hardware_share=args.hardware_share, checkpoint_s=args.checkpoint_s,
                   checkpoint_every_s=args.checkpoint_every_s or young_daly, detect_hw_s=args.detect_hw_s,
@@ -495,14 +563,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiers:
         # Both tiers block for a copy of a rank's state; --checkpoint-s stays the storage
         # write (and read, in a cold restart's checkpoint load).
-        memory_s = copy_s = STATE_BYTES_PER_RANK / (args.copy_gb_s * 1e9)
-        memory_every = args.memory_every_s or planning.young_daly_interval_s(memory_s, mtbf)
+        if gpu is not None:
+            memory_s, copy_s = gpu.memory_checkpoint_s, gpu.persistent_blocking_s
+        else:
+            memory_s = copy_s = STATE_BYTES_PER_RANK / (args.copy_gb_s * 1e9)
+        # A save that overlaps training (blocking 0) would get a Young/Daly interval of 0.
+        memory_every = args.memory_every_s or planning.young_daly_interval_s(max(memory_s, MIN_BLOCKING_S),
+                                                                               mtbf)
         warm = args.warm_restart_s if args.warm_restart_s is not None else (
-            MEASURED_WARM_RESTART_S + RENDEZVOUS_S_PER_NODE * args.nodes + copy_s)
+            gpu.warm_restart_s if gpu
+            else MEASURED_WARM_RESTART_S + RENDEZVOUS_S_PER_NODE * args.nodes + copy_s)
         base = replace(base, memory_every_s=memory_every, memory_checkpoint_s=memory_s, checkpoint_s=copy_s,
                        persistent_every_s=args.persistent_every_s, warm_restart_s=warm,
                        checkpoint_every_s=args.persistent_every_s)
-        tiers = {"copy_gb_s": args.copy_gb_s, "memory_checkpoint_s": round(memory_s, 4),
+        tiers = {"copy_gb_s": args.copy_gb_s, "from_gpu": str(args.from_gpu) if gpu else None,
+                 "memory_checkpoint_s": round(memory_s, 4),
                  "persistent_blocking_s": round(copy_s, 4),
                  "memory_every_s": round(memory_every, 1), "persistent_every_s": args.persistent_every_s,
                  "warm_restart_s": round(warm, 2)}
@@ -513,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         "job_mtbf_h": round(mtbf / 3600, 2), "checkpoint_s": args.checkpoint_s,
         "restart_s": round(restart, 1),
         **tiers,
-        "inputs": _inputs(args),
+        "inputs": _inputs(args, gpu),
         "checkpoint_every_s": round(base.checkpoint_every_s, 1),
         "young_daly_every_s": round(young_daly, 1),
         **simulate(base),
