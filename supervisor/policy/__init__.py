@@ -50,11 +50,11 @@ still holds are probed (ProbeNodes) before the next launch. A terminal run with 
 attempt gives its nodes back (ReleaseNodes).
 
 Attribution (attribution.py): a node is drained only on evidence about the node itself:
-every rank of it vanished at once together with the node's own process (where the
-launcher watches one; elsewhere, at least two of its processes at once: one process
-SIGKILLed alone, the only rank of a node or its one torchrun, is that process's fault,
-not the node's), or it fell silent while the others are heard, or the cluster took it
-out of the allocation, or its device failed (an exit code its trainer declares a device
+every rank of it vanished at once, and the cluster took it out of the allocation or
+its own process died with them (where the launcher watches one; elsewhere, at least two
+of its processes at once: one process SIGKILLed alone, the only rank of a node, is that
+process's fault, not the node's), or it fell silent while the others are heard, or its
+device failed (an exit code its trainer declares a device
 fault: the reference trainer's 4), or a probe confirmed it bad, or it is a lemon (blamed
 in ``lemon_faults`` distinct faults within ``lemon_window_s``). A straggler is reported,
 and left out of the next attempt when a spare can take its place; only

@@ -4,12 +4,13 @@ The rules (the header of supervisor/policy/__init__.py lists them all):
 
 - a node is lost (blamed, and drained) only on evidence about the node itself: EVERY
   rank on it vanished abruptly in the same observation (killed by SIGKILL, or gone with
-  no exit report of its own), and either the node's own process died with them (the
-  launcher watches one: ``RankObs.node_up`` False) or, where nothing watches the node
-  itself, at least two processes of it vanished together. One process killed alone (the
-  only rank of a node, a node's one torchrun) is that process's fault: blamed, never
-  drained, and so is any death on a node whose own process lives on. One rank's crash
-  never drains a node;
+  no exit report of its own), and the cluster took the node out of the allocation while
+  keeping the attempt's others, or the node's own process died with them (the launcher
+  watches one: ``RankObs.node_up`` False), or, where nothing watches the node itself, at
+  least two of its processes (its ranks, each a process) vanished together. One process
+  killed alone (the only rank of a node, a node's torchrun with its one worker) is that
+  process's fault: blamed, never drained, and so is any death on a node whose own
+  process lives on. One rank's crash never drains a node;
 - a node the run no longer holds (the cluster ended or shrank the allocation) is never
   blamed; when the cluster took every node, the attempt was interrupted, not failed;
 - a rank the launcher cannot see (UNKNOWN: a Slurm step's rank) is dead when its last
@@ -61,7 +62,8 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
     # that left while the attempt's other nodes stay failed (Slurm shrinks a --no-kill job
     # by its dead nodes): still that node's fault.
     held = held_nodes(view, live)
-    lost_nodes = sorted(n for n, rs in by.items() if n in held and node_lost(rs))
+    dropped = dropped_nodes(view, live)
+    lost_nodes = sorted(n for n, rs in by.items() if n in held and node_lost(rs, dropped=n in dropped))
     released = sorted(n for n in by if n not in held)
     # What the trainer means by an exit code: only what its spec declares (view.exit_codes).
     def meaning(r: RankObs) -> ExitMeaning | None:
@@ -135,16 +137,28 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
     return Finding(record, do_not_retry=do_not_retry)
 
 
-def node_lost(ranks: list[RankObs]) -> bool:
+def node_lost(ranks: list[RankObs], *, dropped: bool = False) -> bool:
     """The node of ``ranks`` (every rank on it) is gone: they all vanished abruptly, and
-    something beyond one process says the node went with them (the module docstring)."""
+    something beyond one process says the node went with them (the module docstring):
+    the cluster took it out of the allocation (``dropped``), its own process died, or,
+    where nothing watches it, at least two of its processes vanished together."""
     if not all(vanished_abruptly(r) for r in ranks):
         return False
+    if dropped:
+        return True
     watched = {r.node_up for r in ranks} - {None}
     if watched:
         return False in watched
     processes = {r.process if r.process is not None else ("rank", r.rank) for r in ranks}
     return len(processes) >= 2
+
+
+def dropped_nodes(view: RunView, live: Attempt) -> set[str]:
+    """The attempt's nodes the cluster took out of the allocation while it keeps the
+    attempt's others (Slurm drops a --no-kill job's failed nodes): the cluster's word that
+    the node failed. None when it took them all (an allocation ended: nobody's fault)."""
+    held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
+    return set(live.nodes) - held if held & set(live.nodes) else set()
 
 
 def held_nodes(view: RunView, live: Attempt) -> set[str]:

@@ -288,8 +288,7 @@ class SlurmLauncher:
                 state, code = ProcState.EXITED, srun_code if not exits else 0
             elif step_listed is None and srun_code is None:
                 state = ProcState.UNKNOWN
-            # The process a rank runs in is its task (a node's, with launch "node").
-            out.append(RankProc(rank=rank, node=node, proc=state, exit_code=code, process=rank // per_task))
+            out.append(RankProc(rank=rank, node=node, proc=state, exit_code=code))
         return out
 
     def _srun_state(self, info: dict[str, Any]) -> tuple[int | None, bool]:

@@ -287,6 +287,16 @@ def test_a_one_rank_node_whose_own_process_died_with_its_rank_is_lost_and_draine
     assert [d.node for d in of(effects, DrainNode)] == ["n2"]
 
 
+def test_a_one_rank_node_the_cluster_took_out_of_the_allocation_is_lost() -> None:
+    """Slurm dropped n2 from the allocation (its node failed) and keeps n1: its word."""
+    alloc = (Node(name="n1", state=NodeState.ALLOCATED, run_number=7), Node(name="n2", state=NodeState.IDLE),
+             Node(name="n3", state=NodeState.ALLOCATED, run_number=7))
+    o = one_rank_nodes(rank(0), rank(1, ProcState.UNKNOWN, lost=True))
+    effects = decide(view(run(ranks_per_node=1), (attempt(),), alloc), o, NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n2",)
+
+
 def test_a_nodes_one_torchrun_killed_is_one_process_however_many_ranks_it_ran() -> None:
     """launch = "node": ranks 2 and 3 are one torchrun's; its SIGKILL is no node loss
     unless the node's own process went too."""
