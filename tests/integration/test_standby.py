@@ -83,3 +83,44 @@ def test_a_standby_whose_input_ends_leaves_and_a_bad_assignment_exits_2(tmp_path
     started = time.monotonic()
     assert p.wait(timeout=60) == 2 and time.monotonic() - started < 60
     assert "a bad assignment" in (tmp_path / "standby.log").read_text()
+
+
+class _Waiting:
+    """A standby process as the pool sees one: alive until it is not."""
+
+    def __init__(self, alive: bool = True) -> None:
+        self.alive = alive
+
+    def poll(self) -> int | None:
+        return None if self.alive else 0
+
+
+def test_the_pool_hands_a_rank_the_standby_warmed_for_its_slot_and_falls_back_to_another() -> None:
+    """Each standby warms the device of one local rank (on a GPU node, cuda:SLOT): a rank
+    gets its own slot's standby when one waits, else any of its node's."""
+    from supervisor.launchers.standby import StandbyPool, _RunPool, _Standby
+
+    pool = StandbyPool()
+    spec = object()
+    procs = {(node, slot): _Waiting() for node in ("n1", "n2") for slot in (0, 1)}
+    pool._runs["run-1"] = _RunPool(spec=spec, refill_at=0.0,  # type: ignore[arg-type]
+                                   waiting=[_Standby(p, node, slot) for (node, slot), p in procs.items()])
+    assert pool.take("run-1", "n1", 1) is procs[("n1", 1)]
+    assert pool.take("run-1", "n1", 1) is procs[("n1", 0)], "its slot's is taken: another of the node's"
+    assert pool.take("run-1", "n1", 0) is None
+    procs[("n2", 0)].alive = False
+    assert pool.take("run-1", "n2", 0) is procs[("n2", 1)], "a dead standby is passed over"
+    assert pool.take("run-2", "n2", 0) is None
+
+
+def test_a_standby_says_its_device_is_ready_before_it_waits(tmp_path: Path) -> None:
+    """On this machine the device is the CPU: nothing to warm, and the line says so."""
+    p = _standby(tmp_path)
+    try:
+        wait_for(lambda: "waiting for an assignment" in (tmp_path / "standby.log").read_text(), 60, "warm")
+    finally:
+        assert p.stdin is not None
+        p.stdin.close()
+        p.wait(timeout=60)
+    line = (tmp_path / "standby.log").read_text()
+    assert " (cpu ready in " in line, line

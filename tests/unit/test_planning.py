@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -88,3 +89,33 @@ def test_with_the_memory_tier_the_policy_resumes_from_memory_and_less_is_lost() 
     assert "copy_gb_s" in tiers["inputs"] and "checkpoint_every_s" not in tiers["inputs"]
     with pytest.raises(subprocess.CalledProcessError):
         simulate("--tiers")  # the copy rate is a measurement: it must be given
+
+
+def test_the_tiers_costs_come_from_a_gpu_run_scaled_by_bytes_a_rank(tmp_path: Path) -> None:
+    """simulate.py --from-gpu: the blocking and restart costs of a bench/gpu_recovery.py run
+    (here a hand-made one, 18 GB a rank), scaled to the simulated job's 68 MB a rank."""
+    run = {"gpu": True, "limits": {"device": "NVIDIA H200"}, "state_bytes_per_rank": 18_000_000_000,
+           "saves": [{"tier": "memory", "blocked_s": 0.4}, {"tier": "memory", "blocked_s": 0.2},
+                     {"tier": "memory", "blocked_s": 0.3}, {"tier": "persistent", "blocked_s": 0.5}],
+           "restores": [{"tier": "memory", "seconds": 3.0}, {"tier": "persistent", "seconds": 6.0}],
+           "recoveries": [{"kind": "rank-exit", "detect_s": 1.0, "kill_to_first_step_s": 10.0},
+                          {"kind": "node-lost", "detect_s": 10.0, "kill_to_first_step_s": 25.0}]}
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(run))
+    out = subprocess.run([sys.executable, "bench/simulate.py", "--nodes", "256", "--spares", "2", "--days", "20",
+                          "--seed", "3", "--from-gpu", str(path)], capture_output=True, text=True, cwd=REPO,
+                         check=True, timeout=300)
+    d = json.loads(out.stdout)
+    scale = 70e9 * 16 / (2048 * 8) / 18e9
+    assert d["memory_checkpoint_s"] == pytest.approx(0.3 * scale, abs=1e-4), "the median memory save, scaled"
+    assert d["persistent_blocking_s"] == pytest.approx(0.5 * scale, abs=1e-4)
+    # Around the restore (launch, standby, first step) unscaled; the restore scaled; the rendezvous at 256 nodes.
+    assert d["warm_restart_s"] == pytest.approx(10.0 - 1.0 - 3.0 + 3.0 * scale + 0.01 * 256, abs=0.01)
+    assert d["restart_s"] == pytest.approx(25.0 - 10.0 - 6.0 + 6.0 * scale + 0.01 * 256, abs=0.1)
+    assert "NVIDIA H200 (GPU), 18 GB of state a rank" in d["inputs"]["warm_restart_s"]
+    assert d["resumed_from_memory"] > 0 and d["accounted"] == pytest.approx(1.0, abs=1e-3)
+    del run["recoveries"]
+    path.write_text(json.dumps(run))
+    failed = subprocess.run([sys.executable, "bench/simulate.py", "--nodes", "256", "--from-gpu", str(path)],
+                            capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert failed.returncode != 0 and "no rank-exit recovery" in failed.stderr
