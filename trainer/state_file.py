@@ -203,6 +203,7 @@ def _on_host(pieces: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
 
 def _to_device(pieces: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
     device = pieces[0][0].device
+    torch.cuda.set_device(device)  # a new thread's device is 0: its pinned buffers would make a context there
     stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     buffers = [torch.empty(_PIECE, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     done = [torch.cuda.Event(), torch.cuda.Event()]  # type: ignore[no-untyped-call]

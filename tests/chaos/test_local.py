@@ -60,7 +60,8 @@ def test_a_hung_rank_is_found_within_the_target_and_the_run_recovers(fault_free:
     assert fault["kind"] == "hang" and fault["ranks"] == [3] and fault["nodes"] == ["local-2"], fault
     # Step 40 is also a checkpoint step: the hang may be judged under the checkpoint
     # allowance (adapted to the saves timed so far) or the step-time one.
-    assert "adaptive hang timeout" in fault["summary"] or "slowest save" in fault["summary"], fault["summary"]
+    assert "adaptive hang timeout" in fault["summary"] or "checkpoint allowance: max(" in fault["summary"], \
+        fault["summary"]
     # How soon (the 10 s target) is bench/mttr.py's to measure (hang-rank); here, the order.
     assert fault["injected_at"] is not None and fault["detected_at"] > fault["injected_at"]
     assert fault["recovered_at"] > fault["detected_at"]
