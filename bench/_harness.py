@@ -335,6 +335,18 @@ def spec_shape(spec: Path) -> dict[str, Any]:
             "every_steps": s.trainer.get("checkpoint", {}).get("every_steps")}
 
 
+def world_of(spec: Path) -> int:
+    """The spec's ranks (4 in the example: 2 nodes x 2)."""
+    shape = spec_shape(spec)
+    return int(shape["nodes"] * shape["ranks_per_node"])
+
+
+def faulty_rank(spec: Path) -> int:
+    """The rank the faults strike: the highest (3 in the example), the one the supervisor's
+    chaos picks by default."""
+    return world_of(spec) - 1
+
+
 def write_trainer_config(spec: Path, run_dir: Path) -> Path:
     """The trainer config the supervisor would write for this spec (trainer_cmd), with
     checkpoints and output under ``run_dir``."""

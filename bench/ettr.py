@@ -19,7 +19,9 @@ each moved to the middle of its checkpoint interval (600 steps: 140 and 380; 120
 30 and 70), so every way loses about half an interval per fault and no way wins or
 loses a race with a checkpoint save at the boundary. The fault goes in when rank 0 has
 reported that step (the supervisor's own ``--chaos``; for the other ways the benchmark
-watching the same telemetry), into the attempt running then.
+watching the same telemetry), into the attempt running then. Rank 3 is the highest of
+the example's 4, the one the supervisor's chaos picks by default; with another ``--spec``
+the faults strike its highest rank, and torchrun starts as many ranks as it has.
 
 The three ways:
 
@@ -88,6 +90,7 @@ from _harness import (
     Torchrun,
     all_exited,
     exit_on_sigterm,
+    faulty_rank,
     goodput,
     mosquitto,
     plain_spec,
@@ -97,6 +100,7 @@ from _harness import (
     stop_plain,
     wait_until,
     workspace,
+    world_of,
     write_spec,
     write_trainer_config,
 )
@@ -104,8 +108,6 @@ from _harness import (
 from supervisor.launchers.local import LocalLauncher
 
 SCHEDULE = (("kill-rank", 0.25), ("hang-rank", 0.60))
-FAULTY_RANK = 3
-WORLD = 4
 Fault = tuple[str, int]  # (kind, step)
 
 
@@ -154,10 +156,10 @@ def under_torchrun(spec: Path, root: Path, tap: Tap, url: str, faults: list[Faul
     run_id, workdir = "torchrun", root / "torchrun"
     config = write_trainer_config(spec, workdir / "run")
     tap.clear()
-    job = Torchrun(config, workdir, nproc=WORLD, max_restarts=max_restarts,
+    job = Torchrun(config, workdir, nproc=world_of(spec), max_restarts=max_restarts,
                    env={"TSUP_MQTT_URL": url, "TSUP_RUN_ID": run_id})
     try:
-        capped_at = _drive(tap, run_id, job, faults, hang_wait_s, timeout_s)
+        capped_at = _drive(tap, run_id, job, faults, faulty_rank(spec), hang_wait_s, timeout_s)
         end = capped_at or time.time()
     finally:
         job.close()
@@ -169,12 +171,12 @@ def under_torchrun(spec: Path, root: Path, tap: Tap, url: str, faults: list[Faul
             "exit_code": job.proc.returncode if capped_at is None else None}
 
 
-def _drive(tap: Tap, run_id: str, job: Torchrun, faults: list[Fault], hang_wait_s: float,
+def _drive(tap: Tap, run_id: str, job: Torchrun, faults: list[Fault], rank: int, hang_wait_s: float,
            timeout_s: float) -> float | None:
     """Inject the faults as the steps come, then wait for torchrun to exit; the moment
     the benchmark gave up on a hang torchrun did not get over (None: it did not)."""
     for kind, step in faults:
-        attempt = _inject_at(tap, run_id, kind, step, job, timeout_s)
+        attempt = _inject_at(tap, run_id, kind, step, rank, job, timeout_s)
         if attempt is None:
             return None
         if kind == "hang-rank" and not _progress_after(tap, run_id, attempt, job, hang_wait_s):
@@ -184,12 +186,13 @@ def _drive(tap: Tap, run_id: str, job: Torchrun, faults: list[Fault], hang_wait_
     return None
 
 
-def _inject_at(tap: Tap, run_id: str, kind: str, step: int, job: Torchrun, timeout_s: float) -> int | None:
-    """Wait for ``step``, then signal rank 3 of the attempt running; that attempt."""
+def _inject_at(tap: Tap, run_id: str, kind: str, step: int, rank: int, job: Torchrun,
+               timeout_s: float) -> int | None:
+    """Wait for ``step``, then signal ``rank`` of the attempt running; that attempt."""
     reached = wait_until(lambda: True if tap.max_step(run_id) >= step else (False if job.exited() else None),
                          timeout_s)
     attempt = tap.max_attempt(run_id)
-    pid = tap.pid_of(run_id, attempt, FAULTY_RANK)
+    pid = tap.pid_of(run_id, attempt, rank)
     if not reached or pid is None:
         say(f"torchrun: step {step} not reached; no {kind}")
         return None
@@ -223,7 +226,7 @@ def unsupervised(spec: Path, root: Path, tap: Tap, url: str, faults: list[Fault]
         started = time.time()
         info = launcher.start(launch)
         try:
-            ended_by = _segment(launcher, info, tap, run_id, attempt, fault, timeout_s)
+            ended_by = _segment(launcher, info, tap, run_id, attempt, fault, faulty_rank(spec), timeout_s)
         finally:
             ended = time.time()
             stop_plain(launcher, info)
@@ -246,7 +249,7 @@ def fault_name(fault: Fault | None) -> str:
 
 
 def _segment(launcher: LocalLauncher, info: str, tap: Tap, run_id: str, attempt: int, fault: Fault | None,
-             timeout_s: float) -> str:
+             rank: int, timeout_s: float) -> str:
     """Run one segment until its fault goes in, or until every rank exited; what ended it."""
     if fault is None:
         if wait_until(lambda: True if all_exited(launcher, info) else None, timeout_s, 0.2) is None:
@@ -256,7 +259,7 @@ def _segment(launcher: LocalLauncher, info: str, tap: Tap, run_id: str, attempt:
     kind, step = fault
     if not tap.wait_step(run_id, step, timeout_s, attempt=attempt):
         return "timeout"
-    launcher.kill_rank(info, FAULTY_RANK, signal.SIGKILL if kind == "kill-rank" else signal.SIGSTOP)
+    launcher.kill_rank(info, rank, signal.SIGKILL if kind == "kill-rank" else signal.SIGSTOP)
     return fault_name(fault)
 
 

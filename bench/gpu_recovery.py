@@ -11,13 +11,16 @@ directory) on this spec, the default policy unless ``--policy KEY=VALUE`` says o
     [resources]  launcher = "local", nodes = 1, ranks_per_node = 1, spares = 1, standby = true
     [trainer]    model = "llama3.2-1b", steps = 40, global_batch_size = 8, micro_batch_size = 2,
                  seq_len = 2048 (bf16 compute, fp32 master weights and AdamW state: 18 GB a rank)
-    [trainer.checkpoint]  every_steps = 10, keep = 1, asynchronous = true, memory_every_steps = 5
+    [trainer.checkpoint]  every_steps = 10, keep = 1, asynchronous = true, memory_every_steps = 10
 
 with two faults: ``kill-rank@27`` SIGKILLs the rank (its node lives on: the next attempt
-runs on the same node from that node's memory save of step 25, warm standby taking the
-rank), then ``kill-node@34`` takes the node, its memory with it (the next attempt runs on
-the spare, from the persistent checkpoint of step 30). With ``--cpu`` the model is a
-13 M-parameter shape, 16 steps, memory every 2 and persistent every 4, faults at 7 and 13.
+runs on the same node from that node's memory save of step 20, as new as the persistent
+one and read from no storage, a warm standby taking the rank), then ``kill-node@34`` takes
+the node, its memory with it (the next attempt runs on the spare, from the persistent
+checkpoint of step 30). The memory tier saves as often as the persistent one: each writes
+18 GB beside training, and a save that comes before the previous one is written waits
+for it (``--memory-every`` to try others). With ``--cpu`` the model is a 13 M-parameter
+shape, 18 steps, memory every 2 and persistent every 6, faults at 10 and 15.
 
 Figures (each from the run's own records: the trainer's rank-0 logs, its SQLite, the
 summary; ``ratio`` is the figure over its limit, 1.0 at the limit):
@@ -64,11 +67,11 @@ sys.path.insert(0, str(REPO))
 
 GB = 1e9
 GPU = {"model": "llama3.2-1b", "steps": 40, "global_batch_size": 8, "micro_batch_size": 2, "seq_len": 2048,
-       "every": 10, "memory_every": 5, "faults": ("kill-rank@27", "kill-node@34")}
+       "every": 10, "memory_every": 10, "faults": ("kill-rank@27", "kill-node@34")}
 CPU = {"model": "tiny", "overrides": {"hidden_size": 512, "intermediate_size": 1408, "n_layers": 4,
                                        "n_heads": 8, "n_kv_heads": 8},
-       "steps": 16, "global_batch_size": 4, "micro_batch_size": 4, "seq_len": 64,
-       "every": 4, "memory_every": 2, "faults": ("kill-rank@7", "kill-node@13")}
+       "steps": 18, "global_batch_size": 4, "micro_batch_size": 4, "seq_len": 64,
+       "every": 6, "memory_every": 2, "faults": ("kill-rank@10", "kill-node@15")}
 _SAVED = re.compile(r"^checkpoint step (\d+) committed to \S+ in (\S+) s "
                     r"\(beside training; it blocked (\S+) s")
 _MEMORY = re.compile(r"^memory checkpoint step (\d+) whole in (\S+) s \(training blocked (\S+) s")
@@ -270,13 +273,17 @@ def main() -> None:
                         help="threads of the multi-threaded memcpy limit")
     parser.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
                         help="a [policy] key of the spec (repeatable); default policy otherwise")
+    parser.add_argument("--memory-every", type=int, default=None,
+                        help="the spec's memory_every_steps (default: the shape's)")
     parser.add_argument("--timeout-s", type=float, default=1500)
     parser.add_argument("--keep", action="store_true", help="keep the state directory")
     args = parser.parse_args()
     import torch
 
     gpu = torch.cuda.is_available() and not args.cpu
-    shape = GPU if gpu else CPU
+    shape = dict(GPU if gpu else CPU)
+    if args.memory_every is not None:
+        shape["memory_every"] = args.memory_every
     policy = dict(kv.split("=", 1) for kv in args.policy)
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else None
     state = args.state_dir or Path(tempfile.mkdtemp(prefix="tsup-gpu-recovery-", dir=base))

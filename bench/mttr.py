@@ -54,7 +54,9 @@ A phase that could not be observed is null; a trial that did not recover has
 ``recovered: false``. Per kind the JSON gives every trial and the median of each field.
 
 Fault kinds (supervisor: ``--chaos``, supervisor/chaos.py; trainer-side ones through
-TSUP_FAULT, trainer/faults.py):
+TSUP_FAULT, trainer/faults.py). Rank 3 is the highest rank of the example's 4, the one
+the supervisor's chaos picks by default; with another ``--spec`` the faulty rank is its
+highest rank, and every rank count below is the spec's:
 
     kill-rank     SIGKILL rank 3
     hang-rank     SIGSTOP rank 3: found by the hang rule (no step progress for
@@ -142,6 +144,7 @@ from _harness import (
     attempt_times,
     chain,
     exit_on_sigterm,
+    faulty_rank,
     median_of,
     mosquitto,
     plain_spec,
@@ -152,6 +155,7 @@ from _harness import (
     stop_plain,
     wait_until,
     workspace,
+    world_of,
     write_spec,
     write_trainer_config,
 )
@@ -171,8 +175,6 @@ TORCHRUN_CANNOT = {
     "nan": "torchrun watches exit codes only; a NaN loss ends no process, so training goes on with NaN "
            "(the trainer just refuses to checkpoint it)",
 }
-FAULTY_RANK = 3  # the highest of 4 ranks, the one the supervisor's chaos picks by default
-WORLD = 4
 PHASES = ("detect_s", "teardown_s", "schedule_s", "start_s", "init_s", "restore_s", "first_step_s", "total_s",
           "restore_load_s", "steps_redone", "supervisor_saw_first_step_s")
 
@@ -204,7 +206,7 @@ def _cold_launch(config: Path, shape: Mapping[str, Any], tap: Tap, url: str, run
         ok = tap.wait_step(run_id, until_step, timeout_s, attempt=attempt)
     finally:
         stop_plain(launcher, info)
-    t = attempt_times(tap, run_id, attempt, WORLD)
+    t = attempt_times(tap, run_id, attempt, shape["nodes"] * shape["ranks_per_node"])
     log = next(iter(sorted(launch.log_dir.glob("rank-0000.*.log"))), None)
     return {"completed": ok, "loadavg_1m": load, **_trainer_phases(("launch", launched), t),
             "total_s": rounded(t.first_step - launched) if t.first_step else None,
@@ -224,8 +226,8 @@ def _trainer_phases(origin: tuple[str, float | None], t: AttemptTimes) -> dict[s
 # --- the supervisor -----------------------------------------------------------------------
 
 
-def chaos_arg(kind: str, step: int) -> str:
-    return f"{kind}@{step}:{FAULTY_RANK}" if kind in ("crash", "device") else f"{kind}@{step}"
+def chaos_arg(kind: str, step: int, rank: int) -> str:
+    return f"{kind}@{step}:{rank}" if kind in ("crash", "device") else f"{kind}@{step}"
 
 
 def _supervisor_trial(kind: str, spec: Path, workdir: Path, tap: Tap, fault_step: int,
@@ -233,7 +235,7 @@ def _supervisor_trial(kind: str, spec: Path, workdir: Path, tap: Tap, fault_step
     """One fault under ``training-supervisor run``, cancelled at the first resumed step."""
     tap.clear()
     load = _load()
-    run = SupervisorRun(spec, workdir / "state", [chaos_arg(kind, fault_step)])
+    run = SupervisorRun(spec, workdir / "state", [chaos_arg(kind, fault_step, faulty_rank(spec))])
     try:
         resumed = wait_until(lambda: _resumed(tap, "run-1", 1) or (False if run.proc.poll() is not None
                                                                      else None), timeout_s)
@@ -243,7 +245,7 @@ def _supervisor_trial(kind: str, spec: Path, workdir: Path, tap: Tap, fault_step
         run.close()
     if not resumed:
         say(f"  {kind}: no resumed step within {timeout_s:.0f} s; supervisor said: {run.stderr_tail()}")
-    row = _supervisor_phases(run, tap, fault_attempt=1)
+    row = _supervisor_phases(run, tap, fault_attempt=1, world=world_of(spec))
     return {"recovered": bool(resumed), "loadavg_1m": load, **row}
 
 
@@ -251,14 +253,14 @@ def _resumed(tap: Tap, run_id: str, fault_attempt: int) -> bool | None:
     return True if any(m.attempt > fault_attempt for m in tap.steps(run_id)) else None
 
 
-def _supervisor_phases(run: SupervisorRun, tap: Tap, fault_attempt: int) -> dict[str, Any]:
+def _supervisor_phases(run: SupervisorRun, tap: Tap, fault_attempt: int, world: int) -> dict[str, Any]:
     db = run.db()
     injected = db.first("chaos.injected")
     fault_at = tap.first_fault_ts("run-1", fault_attempt) or (injected.ts if injected else None)
     detected = db.first("fault.detected", lambda e: e.data.get("attempt") == fault_attempt)
     recovered = db.first("run.recovered")
     old, new = db.attempts.get(fault_attempt, {}), db.attempts.get(fault_attempt + 1, {})
-    t = attempt_times(tap, "run-1", fault_attempt + 1, WORLD)
+    t = attempt_times(tap, "run-1", fault_attempt + 1, world)
     phases = chain([("fault", fault_at), ("detect", detected.ts if detected else None),
                     ("teardown", old.get("ended_at")), ("schedule", new.get("started_at")),
                     ("start", t.up), ("init", t.restore_begin), ("restore", t.train_begin),
@@ -293,15 +295,16 @@ def _torchrun_trial(kind: str, spec: Path, workdir: Path, tap: Tap, url: str, fa
     config = write_trainer_config(spec, workdir / "run")
     env = {"TSUP_MQTT_URL": url, "TSUP_RUN_ID": run_id}
     if kind in TRAINER_KINDS:
-        env |= {"TSUP_FAULT": chaos_arg(kind, fault_step), "TSUP_FAULT_STATE": str(workdir / "fault-state")}
+        env |= {"TSUP_FAULT": chaos_arg(kind, fault_step, faulty_rank(spec)),
+                "TSUP_FAULT_STATE": str(workdir / "fault-state")}
     tap.clear()
     load = _load()
-    job = Torchrun(config, workdir, nproc=WORLD, max_restarts=max_restarts, env=env)
+    job = Torchrun(config, workdir, nproc=world_of(spec), max_restarts=max_restarts, env=env)
     fault_at: float | None = None
     fault_step_seen: int | None = None
     try:
         if tap.wait_step(run_id, fault_step, timeout_s, attempt=1):
-            fault_at = _inject_torchrun(kind, tap, run_id)
+            fault_at = _inject_torchrun(kind, tap, run_id, faulty_rank(spec))
             fault_step_seen = fault_step if kind in TRAINER_KINDS else tap.max_step(run_id, 1)
         resumed = fault_at is not None and wait_until(
             lambda: _resumed(tap, run_id, 1) or (False if job.exited() else None), wait_s)
@@ -310,7 +313,7 @@ def _torchrun_trial(kind: str, spec: Path, workdir: Path, tap: Tap, url: str, fa
     detected = job.first_line(DETECTED, job.launched_at)
     torn_down = job.first_line(TORN_DOWN, detected) if detected else None
     launched = job.first_line(LAUNCHED, torn_down) if torn_down else None
-    t = attempt_times(tap, run_id, 2, WORLD)
+    t = attempt_times(tap, run_id, 2, world_of(spec))
     log = job.rank0_log(2)
     gave_up = {} if resumed else {"gave_up_after_s": wait_s}
     return {"recovered": bool(resumed), "loadavg_1m": load, **gave_up,
@@ -322,11 +325,11 @@ def _torchrun_trial(kind: str, spec: Path, workdir: Path, tap: Tap, url: str, fa
             "torchrun_noticed": detected is not None}
 
 
-def _inject_torchrun(kind: str, tap: Tap, run_id: str) -> float | None:
+def _inject_torchrun(kind: str, tap: Tap, run_id: str, rank: int) -> float | None:
     """Send the fault (or wait for the trainer's own); the instant it went in."""
     if kind in TRAINER_KINDS:
         return wait_until(lambda: tap.first_fault_ts(run_id, 1), 30)
-    pid = tap.pid_of(run_id, 1, FAULTY_RANK)
+    pid = tap.pid_of(run_id, 1, rank)
     if pid is None:
         return None
     os.kill(pid, signal.SIGKILL if kind == "kill-rank" else signal.SIGSTOP)
@@ -398,7 +401,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "bench": "mttr", "quick": args.quick, "trials_per_kind": trials, "kinds": list(kinds),
         "kinds_left_out": [k for k in KINDS if k not in kinds], "fault_step": args.fault_step,
-        "faulty_rank": FAULTY_RANK, "spec": str(args.spec),
+        "faulty_rank": faulty_rank(args.spec), "spec": str(args.spec),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": version("torch")}}
     began = time.monotonic()
     with workspace("tsup-mttr-") as root, mosquitto(root) as url:

@@ -4,6 +4,10 @@ Runs the example spec (or SPEC) with `training-supervisor run --json`, fault-fre
 with each fault kind, and prints one JSON object:
 
     python bench/recovery.py [--spec examples/tiny-llama.toml] [--repeat 1] [--launcher slurm]
+                             [--scenarios fault-free,kill-rank,kill-node,freeze-node] [--fault-step 50]
+
+``--scenarios`` picks some of the runs (default all four); ``--fault-step`` is the step
+every fault goes in at (default 50: the spec must run longer than that).
 
 With ``--launcher slurm`` every run goes to a Slurm box of three nodes that the
 benchmark starts for itself (scripts/slurm-box) and stops at the end, unless
@@ -33,11 +37,11 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-SCENARIOS = {
+SCENARIOS = {  # the --chaos kinds of each run, each at --fault-step
     "fault-free": [],
-    "kill-rank": ["kill-rank@50"],
-    "kill-node": ["kill-node@50"],
-    "freeze-node": ["freeze-node@50"],
+    "kill-rank": ["kill-rank"],
+    "kill-node": ["kill-node"],
+    "freeze-node": ["freeze-node"],
 }
 
 
@@ -79,7 +83,13 @@ def main() -> None:
     parser.add_argument("--spec", type=Path, default=REPO / "examples" / "tiny-llama.toml")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--launcher", choices=("local", "slurm"), default="local")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help=f"comma-separated subset of {','.join(SCENARIOS)} (default all)")
+    parser.add_argument("--fault-step", type=int, default=50, help="the step every fault goes in at")
     args = parser.parse_args()
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    if not scenarios or set(scenarios) - set(SCENARIOS):
+        parser.error(f"--scenarios: expected a comma-separated choice of {', '.join(SCENARIOS)}")
     results: dict[str, list[dict[str, Any]]] = {}
     box_dir = None
     if args.launcher == "slurm" and "SLURM_CONF" not in os.environ:
@@ -87,7 +97,8 @@ def main() -> None:
 
         box_dir = Path(tempfile.mkdtemp(prefix="tsup-bench-box-"))
     try:
-        for name, chaos in SCENARIOS.items():
+        for name in scenarios:
+            chaos = [f"{kind}@{args.fault_step}" for kind in SCENARIOS[name]]
             runs = []
             for _ in range(args.repeat):
                 if box_dir is not None:  # a fresh cluster per run: the last one lost a node

@@ -2,8 +2,8 @@
 
     python bench/scale.py [--ranks 1024,4096,32768] [--window-s 30] [--step-s 2] [--aggregate rank,node]
     python bench/scale.py --quick          # ranks 256,2048, short windows: ~4 minutes
-    python bench/scale.py --ranks 16 --window-s 1 --warmup-s 0.5 --step-s 0.5 \
-        --hang-floor-s 1 --silence-timeout-s 3  # seconds: a smoke test, no measurement
+    python bench/scale.py --ranks 16 --window-s 0.5 --warmup-s 0.2 --step-s 0.25 \
+        --hang-floor-s 0.5 --silence-timeout-s 2    # ~15 s: a smoke test, no measurement
 
 Two telemetry variants (``--aggregate``, both by default), measured one after the other
 at each R, each with everything below:
@@ -637,7 +637,7 @@ async def supervise(port: int) -> None:
         while (cmd := await commands.get()) is not None and cmd["cmd"] != "quit":
             if cmd["cmd"] == "setup":
                 emit({"event": "setup", **judge.setup(cmd["ranks"], cmd["ranks_per_node"], cmd["step_s"],
-                                                      cmd["prefill"], Policy(**cmd["policy"]))})
+                                                      cmd["prefill"], policy_of(cmd["policy"]))})
             elif cmd["cmd"] == "rearm":
                 judge.rearm()
                 emit({"event": "rearmed"})
@@ -894,7 +894,7 @@ def measure(ranks: int, aggregate: str, broker: Mosquitto, counters: BrokerCount
         sup_info["prefill_s"] = setup["prefill_s"]
         sup_info["tick_ms"]["step_time_p99_once"] = round(1e3 * setup["p99_cpu_s"], 1)
         unexpected = list(sup.faults)
-        policy = Policy(**policy_overrides(args))
+        policy = policy_of(policy_overrides(args))
         result["hang"] = hang_scenario(sup, gen, layout, args.step_s, policy)
         result["node_lost"] = node_lost_scenario(sup, gen, layout, policy)
         gen.stop()
@@ -968,6 +968,11 @@ def policy_overrides(args: argparse.Namespace) -> dict[str, float]:
     return {"hang_floor_s": args.hang_floor_s, "silence_timeout_s": args.silence_timeout_s}
 
 
+def policy_of(overrides: dict[str, float]) -> Policy:
+    """The default Policy with the fields of ``policy_overrides`` replaced."""
+    return Policy(hang_floor_s=overrides["hang_floor_s"], silence_timeout_s=overrides["silence_timeout_s"])
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.role == "supervisor":
@@ -975,7 +980,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up (finally blocks) on SIGTERM too
     Templates.for_run(RUN_ID, ATTEMPT).check(RUN_ID, ATTEMPT)
-    policy = Policy(**policy_overrides(args))
+    policy = policy_of(policy_overrides(args))
     report: dict[str, Any] = {
         "cpu_cores": psutil.cpu_count(), "quick": args.quick, "ranks_per_node": args.ranks_per_node,
         "connections_max": args.connections, "step_s": args.step_s, "heartbeat_hz": 1, "tick_s": TICK_S,

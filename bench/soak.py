@@ -12,7 +12,8 @@ retention) and its HTTP API on a socket. Only two things are not real:
 - the cluster: the scripted one of the reconciler's tests (tests/fakes.py, held to the
   same contract as the real ones) hands out nodes and reports the ranks of each attempt
   running until the feeder kills them; its telemetry is fed to the daemon's telemetry
-  view as the MQTT link would (``TelemetryView.ingest`` on encoded messages), without the
+  view as the MQTT link would (``TelemetryView.ingest`` on encoded messages, sealed with
+  their attempt's key as a rank seals them: the view drops unsealed ones), without the
   broker's round trip, at up to a hundred thousand messages a second.
 
 The reads are made by a second process (an operator's tool), at each mark once what was
@@ -140,10 +141,21 @@ class Feeder:
         self.error: BaseException | None = None
         self.checkpoints = state / "runs" / RUN / "checkpoints"
         self.t0 = clock()  # the run's start, in simulated seconds
+        self.keys: dict[int, bytes] = {}  # attempt -> its key
+        self.seqs: dict[tuple[int, int], int] = {}  # (attempt, rank) -> the last sequence number used
 
     def ingest(self, msg: p.Message) -> None:
-        topic, payload = p.encode(msg)
-        self.daemon.telemetry.ingest(topic, payload, self.clock())
+        """Sealed as a rank seals it (one connection per rank and attempt): the daemon's view
+        drops unsealed messages."""
+        view = self.daemon.telemetry
+        assert view.secret is not None
+        key = self.keys.get(msg.attempt)
+        if key is None:
+            key = self.keys[msg.attempt] = p.attempt_key(view.secret, view.cluster, msg.run, msg.attempt)
+        seq = self.seqs[msg.attempt, msg.rank] = self.seqs.get((msg.attempt, msg.rank), p.WILL_SEQ) + 1
+        seal = p.Seal(key=key, conn=f"{msg.attempt:08x}{msg.rank:08x}", seq=seq)
+        topic, payload = p.encode(msg, cluster=view.cluster, seal=seal)
+        view.ingest(topic, payload, self.clock())
 
     def live_attempt(self, after: int, timeout_s: float = 120.0) -> tuple[int, str, int]:
         """The newest attempt launched after ``after``: (number, launch_info, resume step).

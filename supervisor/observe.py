@@ -236,11 +236,12 @@ class Observer:
         may_launch = (commands or run.state in _LAUNCHABLE) and not training
         shrunk = training and live is not None and len(live.nodes) < run.nodes
         if isinstance(spec, RunSpec) and (may_launch or shrunk):
-            before, unreadable = resume_before(attempts, faults), unreadable_checkpoints(faults)
+            before, unreadable = resume_before(attempts, faults), unreadable_checkpoints(faults, attempts)
             newest = self._newest_checkpoint(spec, run_dir, facts, before, unreadable)
             with self.store.tx() as tx:
                 memory_saves = tx.list_memory_checkpoints(run.number)
-            newest_memory = _newest_memory(memory_saves, attempts, newest, before, unreadable)
+            newest_memory = _newest_memory(memory_saves, attempts, newest, before,
+                                           unreadable_checkpoints(faults, attempts, memory=True))
         view = RunView(
             run=run, attempts=attempts, allocation=allocation, newest_checkpoint=newest,
             newest_memory=newest_memory, commands=tuple(commands),
@@ -449,10 +450,11 @@ def _latest(*times: float | None) -> float | None:
 def _newest_memory(saves: list[MemoryCheckpointRecord], attempts: tuple[Attempt, ...],
                    persistent: CheckpointRef | None, before_step: int | None,
                    unreadable: frozenset[int]) -> MemoryCheckpointRef | None:
-    """The newest save of the memory tier worth resuming from: newer than the newest
-    persistent checkpoint, before a rollback's step, never found unreadable."""
+    """The newest save of the memory tier worth resuming from: as new as the newest
+    persistent checkpoint or newer (a node that holds it is not read from storage),
+    before a rollback's step, never found unreadable."""
     usable = [s for s in saves
-              if s.step > (persistent.step if persistent else 0) and s.step not in unreadable
+              if s.step >= (persistent.step if persistent else 1) and s.step not in unreadable
               and (before_step is None or s.step < before_step) and 0 < s.attempt <= len(attempts)]
     if not usable:
         return None

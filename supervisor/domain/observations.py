@@ -121,7 +121,7 @@ class RunView:
     attempts: tuple[Attempt, ...]
     allocation: tuple[Node, ...]  # nodes this run holds, drained ones included
     newest_checkpoint: CheckpointRef | None
-    # The newest in-memory save newer than newest_checkpoint (and not ruled out by a
+    # The newest in-memory save as new as newest_checkpoint or newer (and not ruled out by a
     # rollback): the next attempt resumes from it if its nodes still hold every rank's state.
     newest_memory: MemoryCheckpointRef | None = None
     commands: tuple[Command, ...] = ()

@@ -368,10 +368,21 @@ def backoff(view: RunView, streak: list[Attempt]) -> tuple[float, int]:
 # --- rollback and data skips --------------------------------------------------------
 
 
-def unreadable_checkpoints(faults: Iterable[FaultRecord]) -> frozenset[int]:
-    """Steps of the run's checkpoints that a trainer could not read (exit code 3): never
-    resumed from again, though their markers say complete."""
-    return frozenset(f.step for f in faults if f.kind is FaultKind.CHECKPOINT)
+def unreadable_checkpoints(faults: Iterable[FaultRecord], attempts: Iterable[Attempt] = (), *,
+                           memory: bool = False) -> frozenset[int]:
+    """Steps of the run's checkpoints that a trainer could not read (exit code 3), or that
+    did not hold what was saved: never resumed from again, though their markers say
+    complete. Each tier's own: a failed restore of an attempt that resumed from the memory
+    tier rules out memory saves of that step (``memory``), never the persistent
+    checkpoint of the same step, and the other way round."""
+    from_memory = {a.number for a in attempts if is_memory_resume(a.resume_from)}
+    return frozenset(f.step for f in faults
+                     if f.kind is FaultKind.CHECKPOINT and (f.attempt in from_memory) == memory)
+
+
+def is_memory_resume(resume_from: str | None) -> bool:
+    """Whether an attempt resumed from the memory tier (``memory:ATTEMPT:STEP``)."""
+    return resume_from is not None and resume_from.startswith("memory:")
 
 
 def resume_before(attempts: Iterable[Attempt], faults: Iterable[FaultRecord]) -> int | None:

@@ -78,3 +78,25 @@ def test_when_a_node_and_its_replica_holder_are_lost_the_persistent_checkpoint_i
     [lost] = [e for e in of(effects, Emit) if e.kind == "memory.lost"]
     assert "n1, n2" in lost.message and "resuming from the checkpoint at step 40" in lost.message
     assert lost.data["step"] == 45
+
+
+def test_a_memory_save_as_new_as_the_persistent_checkpoint_is_the_one_resumed_from() -> None:
+    """The node lived: its memory holds step 40 as storage does, and reading memory reads
+    no storage. An older memory save never wins; one the trainer could not read is passed."""
+    from supervisor.domain import FaultKind, FaultRecord, MemoryCheckpointRecord
+    from supervisor.observe import _newest_memory
+    from supervisor.policy import unreadable_checkpoints
+
+    attempts = (attempt(1, AttemptState.ENDED, nodes=("a", "b")),)
+    saves = [MemoryCheckpointRecord(attempt=1, step=s, duration_s=0.1, created_at=NOW) for s in (35, 40)]
+    newest = _newest_memory(saves, attempts, CheckpointRef(step=40, path="/ck/40"), None, frozenset())
+    assert newest is not None and newest.step == 40
+    assert _newest_memory(saves, attempts, CheckpointRef(step=45, path="/ck/45"), None, frozenset()) is None
+    # Attempt 2 resumed from memory:1:40 and could not read it (exit 3): memory's 40 is out, storage's 40 is not.
+    tried = (*attempts, attempt(2, AttemptState.ENDED, resume_from="memory:1:40", resume_step=40))
+    failed = [FaultRecord(id=1, run_number=7, attempt=2, kind=FaultKind.CHECKPOINT, ranks=(0,), nodes=(),
+                          step=40, summary="x", detected_at=NOW, recovered_at=None)]
+    assert unreadable_checkpoints(failed, tried, memory=True) == {40}
+    assert unreadable_checkpoints(failed, tried) == frozenset()
+    assert _newest_memory(saves, tried, CheckpointRef(step=40, path="/ck/40"), None,
+                          unreadable_checkpoints(failed, tried, memory=True)) is None
