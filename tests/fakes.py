@@ -26,6 +26,7 @@ class FakeCluster:
     procs: dict[str, dict[int, tuple[ProcState, int | None]]] = field(default_factory=dict)  # info -> rank -> state
     markers: dict[str, str] = field(default_factory=dict)  # marker -> launch_info
     drained: set[str] = field(default_factory=set)  # what the cluster shows drained
+    dead: set[str] = field(default_factory=set)  # nodes killed (kill_node): their own processes are gone
 
 
 class ScriptedLauncher:
@@ -95,7 +96,8 @@ class ScriptedLauncher:
 
     def observe(self, launch_info: str) -> list[RankProc]:
         d = json.loads(launch_info)
-        return [RankProc(rank=r, node=d["nodes"][r // d["rpn"]], proc=s, exit_code=c)
+        node_of = {r: d["nodes"][r // d["rpn"]] for r in self.procs.get(launch_info, {})}
+        return [RankProc(rank=r, node=node_of[r], proc=s, exit_code=c, node_up=node_of[r] not in self.cluster.dead)
                 for r, (s, c) in sorted(self.procs.get(launch_info, {}).items())]
 
     def stop(self, launch_info: str, *, force: bool) -> None:
@@ -144,6 +146,7 @@ class ScriptedLauncher:
             raise LaunchError(f"node {node} has no running process")
         for r in victims:
             self.procs[launch_info][r] = (ProcState.EXITED, -signal.SIGKILL)
+        self.cluster.dead.add(node)
         return f"SIGKILL to node {node}"
 
     def freeze_node(self, launch_info: str, node: str) -> str:

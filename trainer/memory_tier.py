@@ -15,7 +15,8 @@ tier keeps it there, for the supervisor to resume from when it can:
   writes the replica it receives from rank ``r - ranks_per_node``. Both go through a
   gloo group of their own, so the training thread's collectives never wait behind them.
   After a barrier on that group, the save of step N is whole: rank 0 reports it (tier
-  "memory") and each node keeps only its newest ``KEEP`` saves.
+  "memory"). Before each save a node deletes every save but its newest whole one, so it
+  holds two at most and never loses the one the supervisor last heard of.
 - Restore (``--resume memory:A:N``, attempt A's save of step N): each rank lists what its
   node holds of it, the ranks share the lists, and for every rank whose own file is not
   on its node, the lowest rank holding a copy sends it over. If some rank's state is on
@@ -65,9 +66,7 @@ from trainer import checkpoint, distributed, state_file
 from trainer.errors import CheckpointUnreadable, UsageError
 from trainer.staging import StagedCopy, Staging
 
-# Memory saves each node keeps once a new one is whole: it alone (while the next one is
-# written, two). An older one is never resumed from: the newest whole save supersedes it.
-KEEP = 1
+WHOLE = "whole"  # in a save's directory once every rank's file and replica are in (the node leader's)
 _SAVE_DIR = re.compile(r"a(\d{4,})-s(\d{8})")
 _RESUME = re.compile(r"memory:(\d+):(\d+)")
 
@@ -175,6 +174,8 @@ class MemoryTier:
                on_whole: Callable[[Saved], None]) -> Saved:
         directory = self.node_dir / save_dir_name(self.attempt, step)
         directory.mkdir(parents=True, exist_ok=True)
+        if self.is_node_leader:
+            self._prune(writing=step)
         own = directory / _own(self.rank)
         tmp = _tmp_name(own)
         state = copy.done()
@@ -191,26 +192,31 @@ class MemoryTier:
             os.replace(_tmp_name(replica), replica)
         dist.barrier(group=self.group)  # every rank's file and replica are in memory
         if self.is_node_leader:
-            self._prune(keep_from=step)
+            (directory / WHOLE).touch()
         saved = Saved(step=step, blocking_s=waited + copy.blocked_s(), total_s=time.perf_counter() - started,
                       size=self.size)
         on_whole(saved)
         return saved
 
-    def _prune(self, keep_from: int) -> None:
-        """This node's saves but the newest ``KEEP`` of this attempt (other attempts'
-        saves are older than a whole one of this attempt)."""
-        mine = []
+    def _prune(self, writing: int) -> None:
+        """Before this attempt's save of step ``writing`` is written: every save of this
+        node but this attempt's newest whole one goes (other attempts' saves too, once
+        this attempt has a whole one: they are older). The newest whole save stays until
+        the next one is whole and the one after starts, so the save the supervisor last
+        heard of is there whatever instant a rank dies; the node holds two at most."""
+        saves = []
         for entry in self.node_dir.iterdir():
             match = _SAVE_DIR.fullmatch(entry.name)
-            if match is None:
-                continue
-            if int(match.group(1)) == self.attempt and int(match.group(2)) <= keep_from:
-                mine.append((int(match.group(2)), entry))
-            elif int(match.group(1)) != self.attempt:
+            if match is not None:
+                saves.append((int(match.group(1)), int(match.group(2)), entry))
+        whole = [(step, entry) for attempt, step, entry in saves
+                 if attempt == self.attempt and step != writing and (entry / WHOLE).exists()]
+        if not whole:
+            return
+        keep = max(whole)[1]
+        for attempt, step, entry in saves:
+            if entry != keep and not (attempt == self.attempt and step == writing):
                 shutil.rmtree(entry, ignore_errors=True)
-        for _step, entry in sorted(mine)[:-KEEP]:
-            shutil.rmtree(entry, ignore_errors=True)
 
     # --- restore ------------------------------------------------------------------
 

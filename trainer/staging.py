@@ -98,11 +98,19 @@ class Staging:
         self._stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
         self._lock = threading.Lock()  # one copy at a time: prepare's, then the saves'
 
-    def prepare(self, state: Any) -> None:
+    def prepare(self, state: Any) -> threading.Thread:
         """Allocate the buffers for ``state`` (views of the live tensors, built on the
-        training thread) by a first copy beside training, never fenced: its content is
-        not kept, only its buffers."""
-        self.begin(state)
+        training thread) by a first copy on a thread of its own, never fenced: its content
+        is not kept, only its buffers (on a GPU, allocating and pinning them takes seconds,
+        which no save should wait for; the first ``begin`` waits only if it comes sooner)."""
+        def run() -> None:
+            if self._stream is not None:
+                torch.cuda.set_device(self.device)  # a new thread's device is 0
+            self.begin(state).done()
+
+        thread = threading.Thread(target=run, name="staging-prepare", daemon=True)
+        thread.start()
+        return thread
 
     def begin(self, state: Any) -> StagedCopy:
         """Start copying ``state`` into this staging's host buffers; the copy is valid until

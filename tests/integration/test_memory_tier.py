@@ -106,9 +106,13 @@ def test_saves_beside_training_commit_verified_checkpoints_and_a_finished_run_fr
 def test_each_node_holds_its_ranks_saves_and_the_previous_nodes_replicas(scenario: Scenario) -> None:
     assert scenario.crash_codes == [1, 1]
     assert scenario.crashed_memory == {
-        "n0": ["a0001-s00000025/rank_00000.pt", "a0001-s00000025/replica_00001.pt"],
-        "n1": ["a0001-s00000025/rank_00001.pt", "a0001-s00000025/replica_00000.pt"],
-    }, "the newest whole save per node; older ones are pruned once it is whole"
+        "n0": ["a0001-s00000020/rank_00000.pt", "a0001-s00000020/replica_00001.pt",
+               "a0001-s00000025/rank_00000.pt", "a0001-s00000025/replica_00001.pt"],
+        "n1": ["a0001-s00000020/rank_00001.pt", "a0001-s00000020/replica_00000.pt",
+               "a0001-s00000025/rank_00001.pt", "a0001-s00000025/replica_00000.pt"],
+    }, "the two newest whole saves per node: the older goes when the save after the newest starts"
+    assert all((scenario.crashed / "memory-after-crash" / node / "a0001-s00000025" / "whole").is_file()
+               for node in ("n0", "n1")), "each marked whole once every rank's file and replica were in"
 
 
 def _restore_memory(scenario: Scenario, lost: tuple[str, ...]) -> None:

@@ -106,7 +106,7 @@ def test_a_run_from_submit_through_a_fault_to_success(world, tmp_path: Path) -> 
 
     make_checkpoint(tmp_path, 4)
     assert a1.launch_info is not None
-    launcher.kill_rank(a1.launch_info, 1)
+    launcher.kill_node(a1.launch_info, "node-2")
     rec.tick()  # the death is seen; attribution waits for the settle window
     assert attempts(store)[0].state is AttemptState.RUNNING
     clock.t += 1
@@ -117,7 +117,7 @@ def test_a_run_from_submit_through_a_fault_to_success(world, tmp_path: Path) -> 
     a1, a2 = attempts(store)
     assert a1.outcome is AttemptOutcome.FAILED and a2.resume_step == 4 and a2.nodes == ("node-1", "node-3")
     with store.tx() as tx:
-        [fault] = tx.list_faults(1)  # one rank per node: the node's only process vanished
+        [fault] = tx.list_faults(1)  # the node's rank vanished, and the node's own process with it
         assert (fault.kind.value, fault.ranks, fault.nodes) == ("node-lost", (1,), ("node-2",))
         assert fault.recovered_at is None
         assert tx.get_node("node-2").state is NodeState.DRAINED
