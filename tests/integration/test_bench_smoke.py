@@ -286,7 +286,7 @@ def test_checkpoint_tiers_bench_times_each_tier_and_restores_beside_memcpy() -> 
 
 
 def test_gpu_recovery_bench_runs_the_supervisor_through_two_faults_on_this_cpu() -> None:
-    """Without a GPU the same program runs a 13 M-parameter shape: the rank killed alone
+    """Without a GPU the same program runs a 3.3 M-parameter shape: the rank killed alone
     resumes on its node from its memory, the node killed resumes on the spare from the
     persistent checkpoint, each save's blocking and each restore beside the limits."""
     report = run_bench("gpu_recovery.py", "--cpu", timeout_s=300)
@@ -305,4 +305,4 @@ def test_gpu_recovery_bench_runs_the_supervisor_through_two_faults_on_this_cpu()
     assert all(0 <= s["blocked_s"] < s["whole_s"] for s in report["saves"]), report["saves"]
     assert [r["tier"] for r in report["restores"]] == ["memory", "persistent"]
     assert report["cold_start_s"] > 0 and report["standby"], report
-    assert report["train"]["step_time_s"] > 0 and report["state_bytes_per_rank"] > 100_000_000
+    assert report["train"]["step_time_s"] > 0 and report["state_bytes_per_rank"] > 30_000_000
