@@ -29,8 +29,10 @@ summary; ``ratio`` is the figure over its limit, 1.0 at the limit):
 - ``saves``: per save, what it blocked training (``blocked_s``, against the device-to-host
   copy of a rank's state at the pinned rate: ``copy_limit_s``) and the whole save
   (``whole_s``, and its GB/s);
-- ``restores``: per restore, seconds and GB/s of a rank's state, against host-to-device
-  (memory tier) and storage read plus host-to-device (persistent);
+- ``restores``: per restore, seconds and GB/s of a rank's state against host-to-device
+  (from pinned memory: the limit either tier's bytes reach the device at), and where the
+  seconds went: the live state laid out (a fresh optimizer's moments made), the bytes
+  read (and verified) and copied in, the state handed to the model and optimizer;
 - ``recoveries``: SIGKILL to the first resumed step, per fault, and the ``cold_start_s``
   (attempt 1's launch to its first step) they compare with;
 - ``standby``: a warm standby's time to import and to make its device ready;
@@ -75,7 +77,8 @@ CPU = {"model": "tiny", "overrides": {"hidden_size": 256, "intermediate_size": 7
 _SAVED = re.compile(r"^checkpoint step (\d+) committed to \S+ in (\S+) s "
                     r"\(beside training; it blocked (\S+) s")
 _MEMORY = re.compile(r"^memory checkpoint step (\d+) whole in (\S+) s \(training blocked (\S+) s")
-_RESUMED = re.compile(r"^resumed from (\S+) at step (\d+) in (\S+) s \((\d+) bytes, ")
+_RESUMED = re.compile(r"^resumed from (\S+) at step (\d+) in (\S+) s \((\d+) bytes, \S+ GB/s a rank; "
+                      r"state laid out in (\S+) s, read and copied in (\S+) s, applied in (\S+) s")
 _STANDBY = re.compile(r"^standby: pid \d+ warm in (\S+) s \((\S+) ready in (\S+) s\)")
 
 
@@ -236,6 +239,7 @@ def figures(state: Path, summary: dict[str, Any], lim: dict[str, Any]) -> dict[s
         gb_s = nbytes / seconds / GB if seconds > 0 else None
         restores.append({"attempt": attempt, "tier": tier, "from": m[1], "step": int(m[2]),
                          "seconds": seconds, "bytes": nbytes, "gb_s": _round(gb_s), "limit_gb_s": h2d,
+                         "layout_s": float(m[5]), "read_s": float(m[6]), "apply_s": float(m[7]),
                          "ratio": _round(gb_s / h2d) if gb_s and h2d else None})
     history = {a["number"]: a for a in summary["attempt_history"]}
     first = history.get(1, {})

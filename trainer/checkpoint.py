@@ -35,6 +35,20 @@ from trainer.checkpoint_io import HashingWriter, VerifyingReader
 from trainer.errors import CheckpointMismatch, CheckpointStorageFull, CheckpointUnreadable
 
 
+@dataclass(slots=True)
+class RestoreTimes:
+    """Where a restore's time went, on this rank (seconds), and the bytes it read."""
+
+    layout_s: float = 0.0  # the live state laid out to load into (a fresh optimizer's moments made)
+    read_s: float = 0.0  # the bytes read (and verified, where this rank verifies them) and copied in
+    apply_s: float = 0.0  # handed to the model and optimizer
+    size: int = 0
+
+    def __str__(self) -> str:
+        return (f"state laid out in {self.layout_s:.3f} s, read and copied in {self.read_s:.3f} s, "
+                f"applied in {self.apply_s:.3f} s")
+
+
 @dataclass(frozen=True, slots=True)
 class SaveResult:
     path: Path  # the committed step_N directory
@@ -178,11 +192,12 @@ def _save(root: Path, meta: layout.TrainerMeta, state: dict[str, Any], *, keep: 
     return SaveResult(path=final, duration_s=time.monotonic() - started, deleted=deleted)
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, io_threads: int = 2) -> int:
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+         io_threads: int = 2) -> RestoreTimes:
     """Restore model and optimizer state in place from a complete checkpoint, reading its
-    files with ``io_threads`` threads a rank; returns the bytes this rank read.
+    files with ``io_threads`` threads a rank; returns where the time went.
 
-    Each file is checked against the checkpoint's manifest as it is read
+    Each file is checked against the checkpoint's manifest as it is read, by one rank
     (trainer/checkpoint_io.py). Raises CheckpointUnreadable when a file differs from the
     manifest, or a shard cannot be read (truncated, corrupt, gone): DCP shares what each
     rank found, so all of them raise it together."""
@@ -190,15 +205,18 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, io_t
         manifest = layout.read_manifest(path)
     except CheckpointMismatch as e:
         raise CheckpointUnreadable(str(e)) from e
-    reader = VerifyingReader(path, manifest=manifest, threads=io_threads)
+    rank, world = distributed.rank_and_world()
+    reader = VerifyingReader(path, manifest=manifest, threads=io_threads, rank=rank, world_size=world)
+    times = RestoreTimes()
     try:
-        _load(model, optimizer, reader)
+        _load(model, optimizer, reader, times)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         mismatch = next((x for x in _behind(e) if isinstance(x, CheckpointMismatch)), None)
         if mismatch is not None:
             raise CheckpointUnreadable(str(mismatch)) from e
         raise CheckpointUnreadable(f"{path}: {type(e).__name__}: {_reason(e)}") from e
-    return reader.bytes_read
+    times.size = reader.bytes_read
+    return times
 
 
 def _reason(e: BaseException) -> str:
@@ -208,12 +226,18 @@ def _reason(e: BaseException) -> str:
     return (errors[0] if errors else lines[0] if lines else "")[:500]
 
 
-def _load(model: nn.Module, optimizer: torch.optim.Optimizer, reader: VerifyingReader) -> None:
+def _load(model: nn.Module, optimizer: torch.optim.Optimizer, reader: VerifyingReader,
+          times: RestoreTimes) -> None:
+    started = time.perf_counter()
     # get_state_dict gives the sharded tensors to load into (and creates the optimizer
     # state entries that a fresh AdamW does not have yet, by a zero-lr step).
     model_state, optim_state = get_state_dict(model, optimizer)
+    laid_out = time.perf_counter()
     # DCP loads in place into the tensors of this dict (and may replace the entries of
     # non-tensor values), so read them back out of it before handing them over.
     state = {"model": model_state, "optimizer": optim_state}
     dcp_load(state, storage_reader=reader)
+    read = time.perf_counter()
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    times.layout_s, times.read_s = laid_out - started, read - laid_out
+    times.apply_s = time.perf_counter() - read

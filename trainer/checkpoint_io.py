@@ -8,11 +8,12 @@ DCP reader loads it (and reshards it to another world size). What this module ad
 - ``HashingWriter``: ``io_threads`` threads write a rank's shards into as many files, and
   each thread hashes its file's bytes as it writes them (BLAKE3: trainer/
   checkpoint_layout.py). The manifest's entries come from there: nothing is read back.
-- ``VerifyingReader``: the files a rank's load plan touches are read whole by
-  ``io_threads`` threads, each file hashed as it is read and checked against the
-  manifest before any of its tensors is used; then its tensors are loaded from memory.
-  The check costs no second read, and a file that differs fails the load on every rank
-  (DCP gathers the ranks' errors) with the manifest's words.
+- ``VerifyingReader``: each file is verified by one rank, the one that wrote it, which
+  reads it whole with one of ``io_threads`` threads, hashing it as it reads and checking
+  it against the manifest before any of its tensors is used; then its tensors are loaded
+  from memory. What a rank needs of another rank's files it reads by range. The check
+  costs no second read, and a file that differs fails the load on every rank (DCP
+  gathers the ranks' errors) with the manifest's words.
 
 ``io_threads`` defaults to the cores of the node shared out over its ranks, from 2 to 8:
 one file per thread keeps a rank's writes and hashes in parallel without splitting its
@@ -24,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import threading
+import zlib
 from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -193,40 +196,82 @@ def read_verified(path: Path, want: dict[str, Any] | None) -> bytearray:
 
 
 class VerifyingReader(FileSystemReader):
-    """DCP's reader, each file read once by one of ``threads`` threads, verified against
-    ``manifest`` (file name -> entry; None: a checkpoint written without one) as read,
-    then loaded from memory."""
+    """DCP's reader with ``threads`` threads and the manifest's check (``manifest``: file
+    name -> entry; None: a checkpoint written without one).
 
-    def __init__(self, path: Path, *, manifest: dict[str, dict[str, Any]] | None, threads: int) -> None:
+    Every file is verified by one rank (``verifier``: the rank that wrote it, as a rank of
+    this world), which reads it whole, hashing it as it reads, before using any of it:
+    with the world size it was saved at, that is each rank's own files, which hold all it
+    needs. The bytes a rank needs from a file another rank verifies it reads alone, by
+    range: a shared item (the optimizer's step count, kept once) does not make it read
+    another rank's whole file. A file that differs fails the verifying rank, and with it
+    every rank (DCP gathers their errors)."""
+
+    def __init__(self, path: Path, *, manifest: dict[str, dict[str, Any]] | None, threads: int,
+                 rank: int = 0, world_size: int = 1) -> None:
         super().__init__(path)
         self.manifest = manifest
         self.threads = threads
+        self.reader_rank, self.world_size = rank, world_size  # (DCP's own ``rank`` may be unset)
         self.bytes_read = 0
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        mine = {name for name in (self.manifest or {})
+                if name != ".metadata" and verifier(name, self.world_size) == self.reader_rank}
+        for name in mine:
+            per_file.setdefault(name, [])
         lock = threading.Lock()  # the planner's bookkeeping is not made for threads
 
         def one(relative_path: str, items: list[ReadItem]) -> int:
+            path = Path(self.path) / relative_path
+            if relative_path not in mine:  # another rank's to verify: only the bytes needed
+                return self._read_ranges(path, sorted(items, key=self._offset), planner, lock)
             want = None if self.manifest is None else self.manifest.get(relative_path)
-            if self.manifest is not None and want is None:
-                raise CheckpointMismatch(f"{self.path}: {relative_path} is not in its manifest")
-            data = memoryview(read_verified(Path(self.path) / relative_path, want))
-            for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
-                self._load(item, data, planner, lock)
+            data = memoryview(read_verified(path, want))
+            for item in sorted(items, key=self._offset):
+                self._load(item, data[self._offset(item):], planner, lock)
             return len(data)
 
+        if self.manifest is not None:
+            unlisted = sorted(set(per_file) - set(self.manifest))
+            if unlisted:
+                raise CheckpointMismatch(f"{self.path}: {unlisted[0]} is not in its manifest")
         with ThreadPoolExecutor(max_workers=max(1, self.threads), thread_name_prefix="ckpt-read") as pool:
             self.bytes_read = sum(_all(pool, one, per_file.items()))
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _load(self, item: ReadItem, data: memoryview, planner: LoadPlanner, lock: threading.Lock) -> None:
+    def _offset(self, item: ReadItem) -> int:
+        return int(self.storage_data[item.storage_index].offset)
+
+    def _read_ranges(self, path: Path, items: list[ReadItem], planner: LoadPlanner,
+                     lock: threading.Lock) -> int:
+        """Load ``items`` from ``path`` reading only their bytes; the bytes read."""
+        done = 0
+        try:
+            with open(path, "rb", buffering=0) as f:
+                for item in items:
+                    length = int(self.storage_data[item.storage_index].length)
+                    data = bytearray(length)
+                    n = os.preadv(f.fileno(), [data], self._offset(item)) if length else 0
+                    if n != length:
+                        raise CheckpointMismatch(f"{path.name}: {n} bytes at {self._offset(item)}, "
+                                                 f"expected {length}")
+                    self._load(item, memoryview(data), planner, lock, at=0)
+                    done += length
+        except OSError as e:
+            raise CheckpointMismatch(f"{path.name}: {e.strerror or e}") from e
+        return done
+
+    def _load(self, item: ReadItem, data: memoryview, planner: LoadPlanner, lock: threading.Lock, *,
+              at: int = 0) -> None:
+        """Load ``item`` from ``data``, which holds its bytes from ``at`` on."""
         info = self.storage_data[item.storage_index]
-        piece = _MemoryFile(data[info.offset:info.offset + info.length])
+        piece = _MemoryFile(data[at:at + info.length])
         stream = self.transforms.transform_load_stream(item, info.transform_descriptors or (),
                                                        cast(IO[bytes], piece))
         if item.type == LoadItemType.BYTE_IO:
@@ -251,6 +296,17 @@ class VerifyingReader(FileSystemReader):
             # DCP's index is a pickle: checked before it is unpickled.
             read_verified(Path(self.path) / ".metadata", self.manifest[".metadata"])
         return super().read_metadata(*args, **kwargs)
+
+
+_WRITER = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def verifier(name: str, world_size: int) -> int:
+    """The rank that verifies the file ``name`` on restore: the one that wrote it (DCP names
+    a rank's files ``__<rank>_<k>.distcp``), as a rank of a world of ``world_size``; any
+    other file by its name's CRC."""
+    match = _WRITER.fullmatch(name)
+    return (int(match.group(1)) if match else zlib.crc32(name.encode())) % max(1, world_size)
 
 
 def _all(pool: ThreadPoolExecutor, fn: Callable[[str, list[ReadItem]], int],

@@ -129,6 +129,7 @@ class MemoryTier:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-tier")
         self._pending: Future[Saved] | None = None
         self._copy: StagedCopy | None = None  # the copy of the save in flight, until fenced
+        self.restored_times = checkpoint.RestoreTimes()  # where the last restore's time went
         self.size = 0  # bytes of this rank's state, once a save measured it
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -269,7 +270,7 @@ class MemoryTier:
                 raise
             payload = torch.load(io.BytesIO(data), weights_only=True)
             meta, saved = payload["meta"], payload["state"]
-        _load_into(model, optimizer, saved, threads=self.io_threads)
+        _load_into(model, optimizer, saved, threads=self.io_threads, times=self.restored_times)
         return dict(meta)
 
     def bytes_held(self, attempt: int, step: int, rank: int) -> int:
@@ -417,10 +418,16 @@ def _pair(live: Any, saved: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]],
 
 
 def _load_into(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], *,
-               threads: int) -> None:
+               threads: int, times: checkpoint.RestoreTimes) -> None:
+    started = time.perf_counter()
     model_state, optim_state = get_state_dict(model, optimizer)  # creates AdamW's state entries
+    laid_out = time.perf_counter()
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     model_state = _pair(model_state, saved["model"], pairs, "model")
     optim_state = _pair(optim_state, saved["optimizer"], pairs, "optimizer")
     state_file.copy_into(pairs, threads=threads)
+    read = time.perf_counter()
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    times.layout_s, times.read_s = laid_out - started, read - laid_out
+    times.apply_s = time.perf_counter() - read
+    times.size = sum(dst.numel() * dst.element_size() for dst, _ in pairs)

@@ -314,11 +314,11 @@ class _Runner:
                   f"(config digest {meta.config_digest}, now {config_digest(self.config)})",
                   file=sys.stderr, flush=True)
         started = time.monotonic()
-        size = checkpoint.load(path, self.model, self.optimizer, io_threads=self.io_threads) or size
+        times = checkpoint.load(path, self.model, self.optimizer, io_threads=self.io_threads)
         self.step, self.consumed, self.last_loss = (
             meta.step, meta.consumed_samples, meta.last_loss)
         self.last_checkpoint = str(path)
-        self._restored(str(path), TIER_PERSISTENT, time.monotonic() - started, size)
+        self._restored(str(path), TIER_PERSISTENT, time.monotonic() - started, times.size or size, times)
         return str(path)
 
     def _restore_from_memory(self, attempt: int, step: int) -> str:
@@ -331,19 +331,21 @@ class _Runner:
                               model_shape=asdict(self.config.shape), reshard=False)
         self.step, self.consumed, self.last_loss = meta.step, meta.consumed_samples, meta.last_loss
         self.last_checkpoint = memory_tier.resume_name(attempt, step)
-        self._restored(self.last_checkpoint, TIER_MEMORY, time.monotonic() - started, size,
-                       f" (attempt {attempt}'s save in node memory)")
+        times = self.memory.restored_times
+        self._restored(self.last_checkpoint, TIER_MEMORY, time.monotonic() - started, times.size or size,
+                       times, f"; attempt {attempt}'s save in node memory")
         return self.last_checkpoint
 
-    def _restored(self, where: str, tier: str, seconds: float, size: int, note: str = "") -> None:
+    def _restored(self, where: str, tier: str, seconds: float, size: int, times: checkpoint.RestoreTimes,
+                  note: str = "") -> None:
         """Resumed after ``self.step`` from ``where``: said in the log and on telemetry
         (the restore's pace sets the supervisor's allowance for the next one)."""
         self.telemetry.restored(self.step)
         if self.ctx.is_main:
             self.telemetry.checkpoint_restored(step=self.step, path=where, tier=tier, duration_s=seconds,
                                                size=size)
-        pace = f" ({size} bytes, {size / seconds / 1e9:.3f} GB/s a rank)" if size and seconds > 0 else ""
-        self._say(f"resumed from {where} at step {self.step} in {seconds:.3f} s{pace}{note}")
+        pace = f"{size} bytes, {size / seconds / 1e9:.3f} GB/s a rank; " if size and seconds > 0 else ""
+        self._say(f"resumed from {where} at step {self.step} in {seconds:.3f} s ({pace}{times}{note})")
 
     def _train_step(self, step: int) -> StepStats:
         """One optimizer step. Besides the wall time (equal on every rank: they wait for

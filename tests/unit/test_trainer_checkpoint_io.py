@@ -174,3 +174,24 @@ def test_a_copy_beside_training_is_fenced_before_the_state_changes_and_says_what
     assert same(copy.done(), state()), "the state as it was when the copy began"
     assert 0.0 <= copy.blocked_s(timeout_s=1.0) < 5.0
     staging.close()
+
+
+def test_each_file_is_verified_by_the_rank_that_wrote_it_and_read_by_range_by_the_others(tmp_path: Path) -> None:
+    from trainer.checkpoint_io import verifier
+
+    assert [verifier(f"__{r}_0.distcp", 2) for r in range(4)] == [0, 1, 0, 1]  # written by 4, read by 2
+    assert verifier("other.bin", 3) == verifier("other.bin", 3) in (0, 1, 2)
+    directory, entries = saved(tmp_path)
+    shard = max(directory.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    # Rank 1 of 2 verifies none of rank 0's files: it reads what it needs by range and trusts
+    # rank 0's check (which fails the load of every rank: the test above).
+    reader = VerifyingReader(directory, manifest=entries, threads=2, rank=1, world_size=2)
+    dcp_load(state(), storage_reader=reader, no_dist=True)
+    needed = sum(e["size"] for n, e in entries.items() if n != ".metadata")
+    assert 0 < reader.bytes_read <= needed
+    with pytest.raises(CheckpointException, match="not what was written"):
+        dcp_load(state(), storage_reader=VerifyingReader(directory, manifest=entries, threads=2, rank=0,
+                                                         world_size=2), no_dist=True)
