@@ -42,7 +42,10 @@ of a rank's state from rank 0's log line (``resumed from ... in X s (N bytes, ..
 - ``memory``: a memory save of step 1 (left by a run that crashes at step 2), mapped
   from /dev/shm and copied into the model and optimizer;
 
-beside ``memcpy_gb_s``, this machine's copy of one rank's state size between host
+with where the time went (``layout_s``: the live state laid out to load into, a fresh
+optimizer's moments made; ``read_s``: the bytes read, verified and copied in;
+``apply_s``: handed to the model and optimizer), beside ``memcpy_gb_s``, this machine's
+copy of one rank's state size between host
 buffers already touched, on one thread, measured in the same run (the best of three):
 the limit a restore into host memory is held to.
 
@@ -160,7 +163,8 @@ def analyse(mode: str, lines: list[tuple[float, str]], every: int, steps: int) -
     }
 
 
-_RESUMED = re.compile(r"^resumed from \S+ at step \d+ in (\S+) s \((\d+) bytes, ")
+_RESUMED = re.compile(r"^resumed from \S+ at step \d+ in (\S+) s \((\d+) bytes, \S+ GB/s a rank; "
+                      r"state laid out in (\S+) s, read and copied in (\S+) s, applied in (\S+) s")
 
 
 def restore(what: str, config: Path, ranks: int, resume: str) -> dict[str, Any]:
@@ -174,7 +178,8 @@ def restore(what: str, config: Path, ranks: int, resume: str) -> dict[str, Any]:
     if said is None:
         raise SystemExit(f"restore {what}: no 'resumed from' line:\n" + "\n".join(lines[-20:]))
     seconds, size = float(said[1]), int(said[2])
-    return {"seconds": seconds, "gb_s": round(size / seconds / 1e9, 3), "bytes_per_rank": size}
+    return {"seconds": seconds, "gb_s": round(size / seconds / 1e9, 3), "bytes_per_rank": size,
+            "layout_s": float(said[3]), "read_s": float(said[4]), "apply_s": float(said[5])}
 
 
 def memcpy_gb_s(size: int) -> float:

@@ -280,7 +280,7 @@ def test_checkpoint_tiers_bench_times_each_tier_and_restores_beside_memcpy() -> 
         assert m["saves"] == [2] and len(m["reported_s"]) == len(m["whole_save_s"]) == 1, m
     for tier in ("persistent", "memory"):
         r = report["restore"][tier]
-        assert_keys(r, "seconds gb_s bytes_per_rank ratio_to_memcpy", f"restore.{tier}")
+        assert_keys(r, "seconds gb_s bytes_per_rank layout_s read_s apply_s ratio_to_memcpy", f"restore.{tier}")
         assert r["seconds"] > 0 and r["bytes_per_rank"] > 0, r
     assert report["memcpy_gb_s"] > 0
 
