@@ -202,8 +202,11 @@ def new_hasher(name: str) -> Hasher:
     """A hasher of one of HASHES (BLAKE3 releases the GIL on large inputs: threads hash
     in parallel)."""
     if name == "blake3":
-        import blake3
-
+        try:
+            import blake3
+        except ImportError:  # the checkpoint is fine; this trainer's installation is not
+            raise UsageError("this checkpoint's manifest hashes with BLAKE3 and the blake3 package is not "
+                             "installed (pip install blake3; the trainer's extras have it)") from None
         return blake3.blake3()
     if name == "sha256":
         return hashlib.sha256()

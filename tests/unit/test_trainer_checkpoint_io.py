@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -195,3 +196,13 @@ def test_each_file_is_verified_by_the_rank_that_wrote_it_and_read_by_range_by_th
     with pytest.raises(CheckpointException, match="not what was written"):
         dcp_load(state(), storage_reader=VerifyingReader(directory, manifest=entries, threads=2, rank=0,
                                                          world_size=2), no_dist=True)
+
+
+def test_without_the_blake3_package_new_manifests_use_sha256_and_blake3_ones_say_what_is_missing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.errors import UsageError
+
+    monkeypatch.setitem(sys.modules, "blake3", None)  # as on a node where it is not installed
+    assert layout.hash_name() == "sha256"
+    with pytest.raises(UsageError, match="blake3 package is not installed"):
+        layout.new_hasher("blake3")
