@@ -44,6 +44,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor import user_files
 from trainer.checkpoint_layout import MANIFEST_FILE, read_manifest
 from trainer.errors import CheckpointMismatch
 
@@ -51,6 +52,9 @@ LAYOUTS = ("tsup", "nxd", "nemo", "hf", "megatron", "dcp", "lightning")
 # The largest step a checkpoint may name: what SQLite's INTEGER holds. A name beyond it
 # ("checkpoint-99999999999999999999") is no checkpoint of a real run: it is passed over.
 MAX_STEP = 2**63 - 1
+# A marker file (trainer_meta.json, trainer_state.json, the Megatron tracker) is small;
+# a bigger one is garbage, never read whole.
+_MARKER_MAX_BYTES = 1 << 20
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")  # tsup
 _NXD_DIR = re.compile(r"^step_(\d+)$")  # the tag run_llama_nxd.py uses, not zero-padded
@@ -97,7 +101,7 @@ def _tsup(path: Path) -> Verdict | None:
     if not metadata.is_file() or metadata.stat().st_size == 0:
         return bad("no .metadata (the save did not finish)")
     try:
-        meta = json.loads((path / "trainer_meta.json").read_text())
+        meta = json.loads(user_files.read_text(path / "trainer_meta.json", _MARKER_MAX_BYTES))
     except (OSError, ValueError) as e:
         return bad(f"trainer_meta.json unreadable: {e}")
     if not isinstance(meta, dict) or meta.get("step") != step:
@@ -170,7 +174,7 @@ def _hf(path: Path) -> Verdict | None:
     if not state_file.is_file():
         return _verdict("hf", step, path, "no trainer_state.json (the save did not finish)")
     try:
-        state = json.loads(state_file.read_text())
+        state = json.loads(user_files.read_text(state_file, _MARKER_MAX_BYTES))
     except (OSError, ValueError) as e:
         return _verdict("hf", step, path, f"trainer_state.json unreadable: {e}")
     if not isinstance(state, dict):
@@ -209,7 +213,7 @@ def _dcp(path: Path) -> Verdict | None:
 
 def _read_tracker(root: Path) -> _Tracker:
     try:
-        text = (root / _TRACKER).read_text().strip()
+        text = user_files.read_text(root / _TRACKER, _MARKER_MAX_BYTES).strip()
     except FileNotFoundError:
         return f"no {_TRACKER} (no save has finished)"
     except (OSError, ValueError) as e:
@@ -271,10 +275,9 @@ _ZIP_END = b"PK\x05\x06"  # the end of central directory record, written last
 
 def _zip_problem(path: Path) -> str:
     """Why a torch.save file is not whole: its zip end record is missing (a save cut short)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        f.seek(max(0, size - 65_557))  # the record, and a zip comment of at most 64 KiB
-        tail = f.read()
+    size = user_files.size_of(path)
+    # the record, and a zip comment of at most 64 KiB
+    tail = user_files.read_bytes(path, 65_557, offset=max(0, size - 65_557))
     return "" if _ZIP_END in tail else f"{path.name}: no zip end record (the save was cut short)"
 
 
@@ -322,6 +325,8 @@ def scan(directory: Path, layout: str | None = None, out_of_range: list[Path] | 
         return []
     if "nemo" in layouts:
         entries += _per_job_entries(directory)
+    # A link is never a checkpoint: the directory is its user's, the reader may be root.
+    entries = [p for p in entries if not p.is_symlink()]
     tracker = functools.cache(lambda: _read_tracker(directory))  # read once per scan, if at all
     found = [v for p in entries if (v := _inspect(p, layouts, tracker)) is not None]
     if out_of_range is not None:
@@ -336,7 +341,10 @@ def _per_job_entries(directory: Path) -> list[Path]:
     out: list[Path] = []
     for pattern in ("*/checkpoints", "*/*/checkpoints"):
         for sub in directory.glob(pattern):
-            if SET_ASIDE not in sub.relative_to(directory).parts:
+            parts = sub.relative_to(directory).parts
+            if any((directory.joinpath(*parts[:i + 1])).is_symlink() for i in range(len(parts))):
+                continue  # reached through a link: not the run's own directory
+            if SET_ASIDE not in parts:
                 with contextlib.suppress(OSError):
                     out.extend(sub.iterdir())
     return out
@@ -367,10 +375,8 @@ def set_aside(directory: Path, layout: str | None, keep: Path | None, keep_step:
     for v in scan(directory, layout):
         if v.step < keep_step or (keep is not None and v.path == keep):
             continue
-        into.mkdir(parents=True, exist_ok=True)
-        target = into / v.path.name
-        try:
-            v.path.rename(target)
+        try:  # no link below ``directory`` followed: a planted .set-aside -> /etc moves nothing there
+            target = user_files.move_into(directory, v.path, into)
         except FileNotFoundError:
             continue  # the trainer deleted it meanwhile
         moved.append((v.path, target))

@@ -57,6 +57,7 @@ from supervisor.probes import ProbeScheduler
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore, Tx
 from supervisor.telemetry import TelemetryView
+from supervisor.user_files import UnsafePath
 
 log = logging.getLogger(__name__)
 
@@ -343,11 +344,13 @@ class Executor:
             run_as = users.for_launch(spec.user)
             if run_as is not None:  # its trainers write logs, checkpoints and results there
                 ck = trainer_cmd.checkpoint_dir(spec, run_dir)
-                users.hand_over(run_as, run_dir, config.parent.parent, config.parent, config,
+                users.hand_over(run_as, run_dir.parent, run_dir, config.parent.parent, config.parent, config,
                                 *([ck] if ck.is_relative_to(run_dir) else []))
             info = self.launcher.start(launch)
         except (LaunchError, OSError) as err:  # a launch fault, judged next tick
-            fatal = isinstance(err, CannotExecute)  # no restart can run what cannot be executed
+            # No restart can run what cannot be executed, nor get past a link or special file
+            # planted where the daemon writes.
+            fatal = isinstance(err, (CannotExecute, UnsafePath))
             with self.store.tx() as tx:
                 tx.update_attempt(run.number, e.number, launch_error=str(err)[:2000] or type(err).__name__,
                                   launch_fatal=fatal)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from health import neuron
 from health.model import Action, Status
+from supervisor import user_files
 from trainer import protocol as p
 
 READ_MAX_BYTES = 1 << 20  # per file and poll: a burst of output is read over several ticks
@@ -233,10 +234,8 @@ def _rank_of(name: str, ranks_per_node: int) -> int | None:
 
 
 def _new_lines(f: _File, path: Path) -> list[str]:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(f.offset)
-            data = fh.read(READ_MAX_BYTES)
+    try:  # the run's user's file: never a link, a FIFO or a device (supervisor/user_files.py)
+        data = user_files.read_bytes(path, READ_MAX_BYTES, offset=f.offset)
     except OSError:
         return []
     f.offset += len(data)

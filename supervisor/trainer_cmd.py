@@ -15,13 +15,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from supervisor import user_files
 from supervisor.domain import TrainerResult
 from supervisor.domain.step import DEFERRED, LaunchMode, readable
 from supervisor.errors import SpecError
@@ -94,15 +94,14 @@ def write_attempt_config(spec: RunSpec, run_dir: Path, attempt: int, argv: tuple
     ``every_steps``, ``memory_every_steps``: the tiers' intervals, for a spec that asked
     for ``auto``."""
     path = config_path(run_dir, attempt)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
     content: dict[str, Any] = ({"command": [readable(a) for a in argv]} if spec.command is not None
                                else trainer_config(spec, run_dir, every_steps, memory_every_steps))
     if skips and spec.command is None:
         data = content.setdefault("data", {})
         data["skip"] = [list(r) for r in sorted({*map(tuple, data.get("skip", [])), *skips})]
-    tmp.write_text(json.dumps(content, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    # The run directory's parent is the daemon's; below it, the run's user's (no link followed).
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    user_files.write_atomic(run_dir.parent, path, json.dumps(content, indent=2, sort_keys=True).encode())
     return path
 
 
@@ -213,6 +212,9 @@ def check_trainer_config(spec: RunSpec, run_dir: Path) -> None:
     raise SpecError(f"trainer config check failed (exit {proc.returncode}): {' '.join(lines)[-500:]}")
 
 
+RESULT_MAX_BYTES = 1 << 16
+
+
 def read_result(path: Path | None, run_id: str, attempt: int) -> TrainerResult | None:
     """The trainer's result.json for this very attempt, or None.
 
@@ -222,7 +224,7 @@ def read_result(path: Path | None, run_id: str, attempt: int) -> TrainerResult |
     if path is None:
         return None
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(user_files.read_text(path, RESULT_MAX_BYTES))  # the run's user's file
         if data.get("run_id") != run_id or data.get("attempt") != attempt:
             return None
         return TrainerResult(final_step=int(data["final_step"]), model_digest=str(data["model_digest"]))

@@ -25,6 +25,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor import user_files
 from supervisor.errors import CannotExecute, SpecError
 
 
@@ -128,12 +129,11 @@ def _may(st: os.stat_result, user: RunAs, u: int, g: int, o: int) -> bool:
     return bool(st.st_mode & o)
 
 
-def hand_over(user: RunAs, *paths: Path) -> None:
-    """Make each directory (created if missing) and file the run's user's: its trainers
-    write there. Only a root daemon starting another user's run changes anything."""
+def hand_over(user: RunAs, base: Path, *paths: Path) -> None:
+    """Make each directory (created if missing) and file under ``base`` (a directory of the
+    daemon's) the run's user's: its trainers write there. Only a root daemon starting
+    another user's run changes anything, and never through a link the user planted
+    (``user_files.hand_over``)."""
     if user.is_me:
         return
-    for path in paths:
-        if not path.exists():
-            path.mkdir(parents=True, exist_ok=True)
-        os.chown(path, user.uid, user.gid)
+    user_files.hand_over(base, user, *paths)

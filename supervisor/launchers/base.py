@@ -57,6 +57,14 @@ class LaunchSpec:
     # a standby process per rank slot ready for the next attempt (trainer/standby.py).
     # Empty: no standbys.
     standby_nodes: tuple[str, ...] = ()
+    # A directory of the daemon's above ``log_dir`` (the runs' directory): the paths below
+    # it belong to the run's user, so the launcher reaches them from here without
+    # following a link (supervisor/user_files.py). None: from ``log_dir`` itself.
+    trusted_dir: Path | None = None
+
+    @property
+    def log_base(self) -> Path:
+        return self.trusted_dir if self.trusted_dir is not None else self.log_dir
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

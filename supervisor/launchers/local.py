@@ -33,7 +33,7 @@ from pathlib import Path
 
 import psutil
 
-from supervisor import users
+from supervisor import user_files, users
 from supervisor.domain import ProcState
 from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import CannotExecute, LaunchError, SpecError
@@ -148,7 +148,10 @@ class LocalLauncher:
     def start(self, spec: LaunchSpec) -> str:
         run_as = users.for_launch(spec.user)
         uid, gid, groups = users.popen_ids(run_as)
-        spec.log_dir.mkdir(parents=True, exist_ok=True)
+        if spec.trusted_dir is None:
+            spec.log_dir.mkdir(parents=True, exist_ok=True)
+        with user_files.directory(spec.log_base, spec.log_dir, create=True):
+            pass  # made, or found, without following a link below the daemon's own directory
         step = Step(nnodes=len(spec.nodes), nproc_per_node=spec.ranks_per_node, master_addr="127.0.0.1",
                     master_port=_free_port(), rdzv_id=rdzv_id(spec.run_id, spec.attempt))
         argv = list(step.fill_all(spec.argv))
@@ -172,7 +175,7 @@ class LocalLauncher:
                                         _create_time(warm.pid)) for rank in task.ranks]
                         _note_warm(spec, ranks[-1])
                         continue
-                    with open(log_path, "ab") as log:
+                    with os.fdopen(user_files.open_append(spec.log_base, log_path), "ab") as log:
                         p = subprocess.Popen(
                             argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, process_group=leader, close_fds=True,
@@ -189,9 +192,10 @@ class LocalLauncher:
             self._end_node_processes(nodes)
             # ValueError: what Popen says of an argument or a variable it cannot pass (a NUL
             # byte, a name with "="). Neither that nor a missing or unexecutable program
-            # gets better with a retry.
-            cannot = isinstance(e, ValueError) or e.errno in (errno.ENOENT, errno.EACCES, errno.ENOEXEC,
-                                                              errno.ENOTDIR)
+            # gets better with a retry, nor does a link or special file the run's user planted
+            # where a log goes.
+            cannot = isinstance(e, (ValueError, user_files.UnsafePath)) or e.errno in (
+                errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR)
             raise (CannotExecute if cannot else LaunchError)(f"cannot start {spec.argv[0]!r}: {e}") from e
         self.standbys.plan(spec)
         return _dump(ranks, int(step.master_port), spec, nodes)
@@ -224,9 +228,12 @@ class LocalLauncher:
             return None
         while (proc := self.standbys.take(spec.run_id, node, local_rank)) is not None:
             try:
-                log_path.touch()
-                if uid is not None:
-                    os.chown(log_path, uid, -1 if gid is None else gid)
+                fd = user_files.open_append(spec.log_base, log_path)  # never a link the user planted
+                try:
+                    if uid is not None:
+                        os.fchown(fd, uid, -1 if gid is None else gid)
+                finally:
+                    os.close(fd)
                 sent = {k: v for k, v in env.items() if os.environ.get(k) != v}  # it has the rest
                 StandbyPool.assign(proc, assignment_for(spec, sent, log_path, argv))
             except OSError:
@@ -240,8 +247,11 @@ class LocalLauncher:
         own children, such as data loader workers or a node's torchrun workers, inherit
         the marker)."""
         marked: dict[int, tuple[dict[str, str], float, int]] = {}  # pid -> (env, create time, parent)
-        for p in psutil.process_iter(["pid", "ppid", "create_time"]):
+        uid = _run_uid(spec)  # anybody can set a marker; only the run's user's processes are its
+        for p in psutil.process_iter(["pid", "ppid", "create_time", "uids"]):
             try:
+                if p.info["uids"] is None or p.info["uids"].real != uid:
+                    continue
                 env = p.environ()
                 if env.get("TSUP_MARKER") == spec.marker:
                     marked[p.pid] = (env, float(p.info["create_time"]), int(p.info["ppid"]))
@@ -458,28 +468,50 @@ def _escaped(launch_info: str, ranks: Sequence[_Rank]) -> list[tuple[str, int]]:
 
 
 _WARM_RANKS = "warm-ranks.jsonl"
+_WARM_RANKS_MAX_BYTES = 1 << 22  # a line per rank started warm: 64 bytes or so each
 
 
 def _note_warm(spec: LaunchSpec, r: _Rank) -> None:
     """Record a rank started from a standby before it starts: its environment in /proc is
     the standby's, without the attempt's marker, so ``find`` looks here for it."""
-    with open(spec.log_dir / _WARM_RANKS, "a", encoding="utf-8") as f:
+    with os.fdopen(user_files.open_append(spec.log_base, spec.log_dir / _WARM_RANKS), "a",
+                   encoding="utf-8") as f:
         f.write(json.dumps(asdict(r)) + "\n")
 
 
 def _warm_ranks(spec: LaunchSpec) -> list[_Rank]:
-    """The attempt's ranks started from standbys that still live (by pid and start time)."""
+    """The attempt's ranks started from standbys that still live (by pid and start time),
+    and run as the run's user: the file is in the user's directory, and the daemon signals
+    what it names."""
     try:
-        lines = (spec.log_dir / _WARM_RANKS).read_text(encoding="utf-8").splitlines()
+        lines = user_files.read_text(spec.log_dir / _WARM_RANKS, _WARM_RANKS_MAX_BYTES,
+                                     base=spec.log_base).splitlines()
     except OSError:
         return []
     out = []
     for line in lines:
         with contextlib.suppress(ValueError, TypeError):
             r = _Rank(**json.loads(line))
-            if abs(_create_time(r.pid) - r.create_time) <= _CREATE_TIME_TOLERANCE_S:
+            if (abs(_create_time(r.pid) - r.create_time) <= _CREATE_TIME_TOLERANCE_S
+                    and _uid(r.pid) == _run_uid(spec)):
                 out.append(r)
     return out
+
+
+def _run_uid(spec: LaunchSpec) -> int:
+    """The uid the attempt's ranks run as."""
+    try:
+        run_as = users.for_launch(spec.user)
+    except CannotExecute:
+        return -1  # the user is gone: no process is its
+    return run_as.uid if run_as is not None else os.geteuid()
+
+
+def _uid(pid: int) -> int | None:
+    try:
+        return int(psutil.Process(pid).uids().real)
+    except psutil.Error:
+        return None
 
 
 def _dump(ranks: Sequence[_Rank], port: int, spec: LaunchSpec, nodes: Sequence[_NodeProcess] = ()) -> str:

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor import users
+from supervisor import user_files, users
 from supervisor.errors import CannotExecute
 from supervisor.launchers.base import LaunchSpec
 from trainer.protocol import KEY_ENV
@@ -162,7 +162,7 @@ def _spawn(spec: LaunchSpec, node: str, slot: int) -> subprocess.Popen[bytes] | 
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     try:
-        with open(logs / "standby.log", "ab") as log:
+        with os.fdopen(user_files.open_append(spec.log_base, logs / "standby.log"), "ab") as log:
             return subprocess.Popen(
                 [sys.executable, "-m", "trainer", "--standby", str(logs.parent)], env=env,
                 stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, process_group=0,

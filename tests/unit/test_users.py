@@ -93,6 +93,6 @@ def test_hand_over_gives_the_users_directories_and_files(tmp_path: Path, monkeyp
     if os.geteuid() != 0:
         pytest.skip("chown needs root")
     (tmp_path / "config.json").write_text("{}")
-    users.hand_over(NOBODY, tmp_path / "run", tmp_path / "run" / "checkpoints", tmp_path / "config.json")
+    users.hand_over(NOBODY, tmp_path, tmp_path / "run", tmp_path / "run" / "checkpoints", tmp_path / "config.json")
     for p in (tmp_path / "run", tmp_path / "run" / "checkpoints", tmp_path / "config.json"):
         assert (p.stat().st_uid, p.stat().st_gid) == (NOBODY.uid, NOBODY.gid), p

@@ -1,0 +1,114 @@
+"""A run's user as an attacker of the root daemon that starts their run (issue 26, items
+1 and 7). The daemon runs as root and the run as a real user of this host, whose own
+trainer (a `[command]`, the real second process) plants links, FIFOs and files in the
+directories the user owns. Whatever it plants, the daemon gives nothing of its own away,
+writes nowhere else, and its tick goes on."""
+
+from __future__ import annotations
+
+import json
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.users import RunAs
+from tests.conftest import free_port, wait_for
+from tests.e2e.conftest import Serve, command_spec, serve_config
+from tests.e2e.test_least_privilege import open_dir, remove_user, system_user  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def mallory(open_dir: Path) -> Iterator[RunAs]:  # noqa: F811 - the fixture imported above
+    user = system_user("tsup-mallory", open_dir)
+    try:
+        yield user
+    finally:
+        remove_user(user)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, open_dir: Path) -> Iterator[Serve]:  # noqa: F811
+    """A root daemon whose runs live in a shared directory their users can reach."""
+    state, shared = tmp_path / "state", open_dir / "shared"
+    shared.mkdir(mode=0o755)
+    port = free_port()
+    conf = serve_config(tmp_path / "config.toml", state, port, shared_dir=str(shared))
+    serve = Serve(state, port, config=conf, extra_env={"TSUP_ALLOW_ROOT_RUNS": "false"})
+    try:
+        yield serve
+    finally:
+        serve.kill(15)
+
+
+def submit_as(daemon: Serve, user: RunAs, tmp_path: Path, script: str, **policy: Any) -> str:
+    """A one-rank `[command]` run of ``script`` (sh, with {run_dir} filled in) as ``user``."""
+    spec = command_spec(tmp_path / "hostile.toml", "hostile", ["sh", "-c", script],
+                        resources={"launcher": "local", "nodes": 1, "ranks_per_node": 1},
+                        policy={"backoff_base_s": 0.1, "backoff_max_s": 0.1, **policy})
+    spec.write_text(spec.read_text().replace('name = "hostile"\n', f'name = "hostile"\nuser = "{user.name}"\n', 1))
+    return str(daemon.ctl_json("submit", str(spec))["run_id"])
+
+
+def ended(daemon: Serve, run_id: str, timeout_s: float = 120) -> dict[str, Any]:
+    return wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
+                    timeout_s, f"{run_id} to end", interval_s=0.5)
+
+
+def test_a_link_planted_as_the_next_attempt_does_not_give_the_state_directory_away(
+        daemon: Serve, mallory: RunAs, tmp_path: Path) -> None:
+    """Attempt 1 links attempts/2 to the daemon's state directory and fails. Before: attempt
+    2 wrote its trainer.json there and chowned the state directory to the user (who could
+    then replace api-token, telemetry-secret, supervisor.db)."""
+    run_id = submit_as(daemon, mallory, tmp_path, f"ln -s {daemon.state} {{run_dir}}/attempts/2; exit 3")
+    final = ended(daemon, run_id)
+    assert daemon.state.stat().st_uid == 0, "the state directory is still root's"
+    assert not (daemon.state / "trainer.json").exists(), "nothing written through the link"
+    assert {p.stat().st_uid for p in daemon.state.iterdir() if not p.is_symlink()} == {0}
+    assert final["state"] == "FAILED", final
+    assert "symbolic link" in json.dumps(final) or "not a directory" in json.dumps(final), final
+
+
+def test_a_rank_log_linked_to_a_root_file_is_not_handed_to_the_rank(
+        daemon: Serve, mallory: RunAs, tmp_path: Path, open_dir: Path) -> None:  # noqa: F811
+    """Attempt 1 makes attempts/2 itself and puts its rank's log name there as a link to a
+    file only root may write. Before: the root daemon opened the target for appending and
+    gave the descriptor to the rank, which wrote into it."""
+    victim = open_dir / "root-only"
+    victim.write_text("root's\n")
+    victim.chmod(0o600)
+    script = ("if [ \"$TSUP_ATTEMPT\" = 1 ]; then mkdir {run_dir}/attempts/2 && "
+              f"ln -s {victim} {{run_dir}}/attempts/2/rank-0000.$TSUP_NODE.log; exit 3; fi; echo written-by-the-rank")
+    run_id = submit_as(daemon, mallory, tmp_path, script)
+    final = ended(daemon, run_id)
+    assert victim.read_text() == "root's\n", "the rank wrote into a file of root's"
+    assert victim.stat().st_uid == 0 and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert final["state"] == "FAILED" and "symbolic link" in json.dumps(final), final
+
+
+def test_a_fifo_among_the_rank_logs_does_not_wedge_the_tick(
+        daemon: Serve, mallory: RunAs, tmp_path: Path) -> None:
+    """The trainer makes a FIFO named like a rank's log in its attempt directory, then
+    finishes. Before: the daemon's log reader opened it and blocked for ever (no writer),
+    so the run never ended."""
+    run_id = submit_as(daemon, mallory, tmp_path,
+                       "mkfifo {run_dir}/attempts/$TSUP_ATTEMPT/rank-0007.$TSUP_NODE.log; sleep 2; exit 0")
+    final = ended(daemon, run_id, timeout_s=60)
+    assert final["state"] == "SUCCEEDED", final
+
+
+def test_a_fifo_as_a_checkpoints_marker_does_not_wedge_the_resume(
+        daemon: Serve, mallory: RunAs, tmp_path: Path) -> None:
+    """A save whose trainer_meta.json is a FIFO (a link to /dev/zero would exhaust memory
+    the same way a FIFO blocks). Before: choosing the next attempt's checkpoint blocked the
+    tick for ever. After: the save is judged unreadable and the run starts over."""
+    script = ("if [ \"$TSUP_ATTEMPT\" = 1 ]; then d={run_dir}/checkpoints/step_00000010; mkdir -p $d && "
+              "echo x > $d/.metadata && mkfifo $d/trainer_meta.json; exit 3; fi; exit 0")
+    run_id = submit_as(daemon, mallory, tmp_path, script)
+    final = ended(daemon, run_id, timeout_s=60)
+    assert final["state"] == "SUCCEEDED", final
+    assert final["attempt_history"][-1]["resume_from"] is None, final

@@ -1,0 +1,66 @@
+"""supervisor/user_files.py: how the daemon touches files in directories a run's user owns."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from supervisor import user_files
+
+
+def test_the_users_files_are_read_as_regular_files_only(tmp_path: Path) -> None:
+    """The primitives themselves: a FIFO, a device link and an oversized file are refused
+    at once (never blocking), a link below a trusted directory is never followed."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "zero").symlink_to("/dev/zero")
+    (tmp_path / "big").write_bytes(b"x" * 100)
+    for path in (fifo, tmp_path / "zero"):
+        with pytest.raises(user_files.UnsafePath):
+            user_files.read_text(path, 10)
+    with pytest.raises(user_files.UnsafePath, match="more than the 10"):
+        user_files.read_text(tmp_path / "big", 10)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "hop").symlink_to(tmp_path / "real")
+    with pytest.raises(user_files.UnsafePath, match="not a directory"):
+        user_files.write_atomic(tmp_path, tmp_path / "hop" / "f.json", b"{}")
+    assert not (tmp_path / "real" / "f.json").exists()
+
+
+def test_a_hand_over_through_a_link_gives_nothing_away(tmp_path: Path) -> None:
+    """A link where a directory to hand over should be fails the hand-over; its target keeps
+    its owner (here: the link's target is not chowned, even to the same uid: nothing done)."""
+    (tmp_path / "run").mkdir()
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / "run" / "attempts").symlink_to(target)
+
+    class Nobody:
+        uid, gid = 65534, 65534
+
+    with pytest.raises(user_files.UnsafePath):
+        user_files.hand_over(tmp_path, Nobody(), tmp_path / "run" / "attempts")
+    assert target.stat().st_uid == os.geteuid()
+
+
+def test_a_move_into_a_linked_set_aside_moves_nothing(tmp_path: Path) -> None:
+    ck, outside = tmp_path / "ck", tmp_path / "outside"
+    (ck / "step_20").mkdir(parents=True)
+    outside.mkdir()
+    (ck / ".set-aside").symlink_to(outside)
+    with pytest.raises(user_files.UnsafePath):
+        user_files.move_into(ck, ck / "step_20", ck / ".set-aside" / "attempt-2")
+    assert (ck / "step_20").is_dir() and not any(outside.iterdir())
+
+
+def test_a_planted_temporary_file_is_never_written_through(tmp_path: Path) -> None:
+    """write_atomic's temporary file is its own (O_EXCL): one planted as a link is removed,
+    never written through."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / f".f.json.{os.getpid()}.tmp").symlink_to(victim)
+    user_files.write_atomic(tmp_path, tmp_path / "d" / "f.json", b"{}")
+    assert victim.read_text() == "keep" and (tmp_path / "d" / "f.json").read_text() == "{}"
