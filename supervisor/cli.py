@@ -192,6 +192,7 @@ def serve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> tupl
         mqtt_bind=config.mqtt_bind, mqtt_advertise_url=config.mqtt_advertise_url,
         mqtt_ca_file=config.mqtt_ca_file,
         cluster_id=config.cluster_id, run_as=config.run_as, allow_root_runs=config.allow_root_runs,
+        run_users=tuple(config.run_users) if config.run_users is not None else None,
         shared_dir=config.shared_dir, slurm_admin_prefix=tuple(config.slurm_admin_prefix),
         hyperpod=config.hyperpod,
         retention=Retention(metrics_days=config.retention_metrics_days,

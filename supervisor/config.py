@@ -19,6 +19,8 @@ override that again (``cli.py``). Every error names the key and where it came fr
                                                  # state_dir); two daemons on one broker differ
     run_as = "train"                             # runs execute as (absent: the daemon's user)
     allow_root_runs = false                      # a run executing as root is refused
+    run_users = ["alice", "bob"]                 # who a spec's user may name (absent: any
+                                                 # account with uid >= UID_MIN and a login shell)
     shared_dir = "/fsx/training-supervisor"      # run logs and checkpoints, on every node
                                                  # (absent: state_dir, one host only)
     slurm_admin_prefix = ["sudo", "-n"]          # before scontrol drain/resume (README)
@@ -75,6 +77,7 @@ class ServiceConfig(BaseModel):
     # whether one may execute as root, and where run directories (logs, checkpoints) go.
     run_as: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_.-]{0,31}$")] | None = None
     allow_root_runs: bool = False
+    run_users: list[Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_.-]{0,31}$")]] | None = None
     shared_dir: Path | None = None  # None: the state directory (one host only)
     # Put before the scontrol calls that need Slurm operator rights (drain, resume,
     # reservations) when the daemon's user has none, e.g. ["sudo", "-n"] (README).

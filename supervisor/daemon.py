@@ -89,6 +89,7 @@ class DaemonSettings:
     cluster_id: str | None = None  # in every topic; None: derived from the state directory
     run_as: str | None = None  # runs execute as this user when their spec names none (users.py)
     allow_root_runs: bool = False
+    run_users: tuple[str, ...] | None = None  # who a spec's user may be (None: users.may_run_as)
     shared_dir: Path | None = None  # run directories go under <shared_dir>/runs (None: the state dir)
     slurm_admin_prefix: tuple[str, ...] = ()  # before scontrol's privileged calls, e.g. ("sudo", "-n")
     hyperpod: bool = False  # SageMaker HyperPod: repairs are asked with its Action: reasons
@@ -192,7 +193,7 @@ class Daemon:
                 self.store, self.settings.runs_dir, mqtt_url=self.mqtt_url,
                 launcher=self.launcher, nodes=self.cluster.nodes,
                 check_trainer=self.settings.check_trainer_config, run_as=st.run_as,
-                allow_root_runs=st.allow_root_runs,
+                allow_root_runs=st.allow_root_runs, run_users=st.run_users,
                 clock=self.clock, health=self.health,
             )
             if self.cluster.slurm is not None:

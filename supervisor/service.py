@@ -8,7 +8,7 @@ reconciler alone acts on them, on its next tick.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -58,12 +58,13 @@ class SupervisorService:
         self, store: SqlStore, runs_dir: Path, *, mqtt_url: str | None, launcher: Launcher, nodes: NodeAdmin,
         check_trainer: bool = True, clock: Callable[[], float] = time.time,
         health: Callable[[], DaemonHealth] | None = None,
-        run_as: str | None = None, allow_root_runs: bool = False,
+        run_as: str | None = None, allow_root_runs: bool = False, run_users: Sequence[str] | None = None,
     ) -> None:
         self.store = store
         self.runs_dir = runs_dir
         self.run_as = run_as  # who a run executes as when its spec names no one (supervisor/users.py)
         self.allow_root_runs = allow_root_runs
+        self.run_users = run_users  # who a spec may name as its user (None: users.may_run_as's rule)
         self.mqtt_url = mqtt_url
         self.launcher = launcher  # for submit-time checks of what the cluster can give
         self.node_admin = nodes  # for an operator's probe of one node
@@ -109,7 +110,8 @@ class SupervisorService:
         """The spec with the user its run executes as; SpecError when it must not (root)
         or cannot (this daemon cannot become that user; a checkpoint directory outside
         the run directory that the user cannot write)."""
-        user = users.resolve(spec.user, self.run_as, allow_root=self.allow_root_runs)
+        user = users.resolve(spec.user, self.run_as, allow_root=self.allow_root_runs,
+                             run_users=self.run_users)
         run_dir = self.runs_dir / "run-check"
         ck = trainer_cmd.checkpoint_dir(spec, run_dir)
         if not ck.is_relative_to(run_dir) and not users.writable_by(ck, user):

@@ -9,6 +9,9 @@ can do; a daemon running as a dedicated user starts runs as that user only. Eith
 - ``serve`` refuses a run that would execute as root unless its config sets
   ``allow_root_runs``: the reference trainer loads pickles (DCP metadata) from its
   checkpoint directory, and a user's trainer is whatever its script does;
+- a spec's ``user`` must be a person's account (``may_run_as``: uid from UID_MIN, a
+  login shell) or one the config's ``run_users`` lists: whoever holds the API's write
+  token must not run code as munge or slurm;
 - a run's checkpoint directory must be writable by the run's user (checked at submit,
   from the mode bits of the directory or of its nearest existing parent), so that a
   spec cannot point a run at a directory it could not save in, or at one of root's;
@@ -22,6 +25,7 @@ import grp
 import os
 import pwd
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,8 +91,10 @@ def daemon_user() -> RunAs:
     return lookup(pwd.getpwuid(os.geteuid()).pw_name)
 
 
-def resolve(spec_user: str | None, run_as: str | None, *, allow_root: bool) -> RunAs:
-    """The user a run executes as; SpecError naming the key when it cannot or must not."""
+def resolve(spec_user: str | None, run_as: str | None, *, allow_root: bool,
+            run_users: Sequence[str] | None = None) -> RunAs:
+    """The user a run executes as; SpecError naming the key when it cannot or must not.
+    ``run_users``: the config's allow-list for a spec's ``user`` (None: ``may_run_as``)."""
     key = "user" if spec_user else "run_as (config)" if run_as else None
     name = spec_user or run_as
     user = lookup(name) if name else daemon_user()
@@ -97,11 +103,48 @@ def resolve(spec_user: str | None, run_as: str | None, *, allow_root: bool) -> R
                  "the daemon runs as root and neither the spec (user) nor the config (run_as) names a user")
         raise SpecError(f"user: this run would execute as root ({where}); name another user, or set "
                         "allow_root_runs = true in the daemon's config")
+    # The operator's own choices (run_as, the daemon's user) stand; a spec's is checked.
+    if spec_user and not user.is_root and spec_user != run_as and not user.is_me:
+        refused = may_run_as(user, run_users)
+        if refused:
+            raise SpecError(f"user: a run may not execute as {user.name}: {refused}")
     me = daemon_user()
     if not user.is_me and not me.is_root:
         raise SpecError(f"{key or 'user'}: this daemon runs as {me.name} and can start trainers as "
                         f"{me.name} only, not as {user.name} (that needs a daemon running as root)")
     return user
+
+
+def uid_min(login_defs: Path = Path("/etc/login.defs")) -> int:
+    """The first uid of a person's account (UID_MIN of login.defs; 1000 where unset)."""
+    try:
+        for line in login_defs.read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 2 and fields[0] == "UID_MIN" and fields[1].isdigit():
+                return int(fields[1])
+    except OSError:
+        pass
+    return 1000
+
+
+_NO_LOGIN = ("/usr/sbin/nologin", "/sbin/nologin", "/bin/false", "/usr/bin/false")
+
+
+def may_run_as(user: RunAs, run_users: Sequence[str] | None) -> str:
+    """Why a spec may not name ``user`` ("" when it may). With the config's ``run_users``,
+    only the accounts it lists; without it, a person's account: a uid from UID_MIN on (not
+    ``nobody``) with a login shell. Service accounts (munge, which reads the key that
+    signs every Slurm credential; slurm; daemons) are never a run's user by default."""
+    if run_users is not None:
+        return "" if user.name in run_users else "it is not in run_users (the daemon's config)"
+    if user.uid < uid_min() or user.uid >= 65534:
+        return (f"uid {user.uid} is a service account's (below UID_MIN {uid_min()}, or nobody); list it "
+                "in run_users in the daemon's config if it is meant to run training")
+    shell = pwd.getpwnam(user.name).pw_shell
+    if shell in _NO_LOGIN:
+        return (f"its shell is {shell} (a service account); list it in run_users if it is meant to "
+                "run training")
+    return ""
 
 
 def writable_by(path: Path, user: RunAs) -> bool:

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
-def mallory(open_dir: Path) -> Iterator[RunAs]:  # noqa: F811 - the fixture imported above
-    user = system_user("tsup-mallory", open_dir)
+def eve(open_dir: Path) -> Iterator[RunAs]:  # noqa: F811 - the fixture imported above
+    user = system_user("tsup-eve", open_dir)
     try:
         yield user
     finally:
@@ -60,11 +60,11 @@ def ended(daemon: Serve, run_id: str, timeout_s: float = 120) -> dict[str, Any]:
 
 
 def test_a_link_planted_as_the_next_attempt_does_not_give_the_state_directory_away(
-        daemon: Serve, mallory: RunAs, tmp_path: Path) -> None:
+        daemon: Serve, eve: RunAs, tmp_path: Path) -> None:
     """Attempt 1 links attempts/2 to the daemon's state directory and fails. Before: attempt
     2 wrote its trainer.json there and chowned the state directory to the user (who could
     then replace api-token, telemetry-secret, supervisor.db)."""
-    run_id = submit_as(daemon, mallory, tmp_path, f"ln -s {daemon.state} {{run_dir}}/attempts/2; exit 3")
+    run_id = submit_as(daemon, eve, tmp_path, f"ln -s {daemon.state} {{run_dir}}/attempts/2; exit 3")
     final = ended(daemon, run_id)
     assert daemon.state.stat().st_uid == 0, "the state directory is still root's"
     assert not (daemon.state / "trainer.json").exists(), "nothing written through the link"
@@ -74,7 +74,7 @@ def test_a_link_planted_as_the_next_attempt_does_not_give_the_state_directory_aw
 
 
 def test_a_rank_log_linked_to_a_root_file_is_not_handed_to_the_rank(
-        daemon: Serve, mallory: RunAs, tmp_path: Path, open_dir: Path) -> None:  # noqa: F811
+        daemon: Serve, eve: RunAs, tmp_path: Path, open_dir: Path) -> None:  # noqa: F811
     """Attempt 1 makes attempts/2 itself and puts its rank's log name there as a link to a
     file only root may write. Before: the root daemon opened the target for appending and
     gave the descriptor to the rank, which wrote into it."""
@@ -83,7 +83,7 @@ def test_a_rank_log_linked_to_a_root_file_is_not_handed_to_the_rank(
     victim.chmod(0o600)
     script = ("if [ \"$TSUP_ATTEMPT\" = 1 ]; then mkdir {run_dir}/attempts/2 && "
               f"ln -s {victim} {{run_dir}}/attempts/2/rank-0000.$TSUP_NODE.log; exit 3; fi; echo written-by-the-rank")
-    run_id = submit_as(daemon, mallory, tmp_path, script)
+    run_id = submit_as(daemon, eve, tmp_path, script)
     final = ended(daemon, run_id)
     assert victim.read_text() == "root's\n", "the rank wrote into a file of root's"
     assert victim.stat().st_uid == 0 and stat.S_IMODE(victim.stat().st_mode) == 0o600
@@ -91,24 +91,62 @@ def test_a_rank_log_linked_to_a_root_file_is_not_handed_to_the_rank(
 
 
 def test_a_fifo_among_the_rank_logs_does_not_wedge_the_tick(
-        daemon: Serve, mallory: RunAs, tmp_path: Path) -> None:
+        daemon: Serve, eve: RunAs, tmp_path: Path) -> None:
     """The trainer makes a FIFO named like a rank's log in its attempt directory, then
     finishes. Before: the daemon's log reader opened it and blocked for ever (no writer),
     so the run never ended."""
-    run_id = submit_as(daemon, mallory, tmp_path,
+    run_id = submit_as(daemon, eve, tmp_path,
                        "mkfifo {run_dir}/attempts/$TSUP_ATTEMPT/rank-0007.$TSUP_NODE.log; sleep 2; exit 0")
     final = ended(daemon, run_id, timeout_s=60)
     assert final["state"] == "SUCCEEDED", final
 
 
 def test_a_fifo_as_a_checkpoints_marker_does_not_wedge_the_resume(
-        daemon: Serve, mallory: RunAs, tmp_path: Path) -> None:
+        daemon: Serve, eve: RunAs, tmp_path: Path) -> None:
     """A save whose trainer_meta.json is a FIFO (a link to /dev/zero would exhaust memory
     the same way a FIFO blocks). Before: choosing the next attempt's checkpoint blocked the
     tick for ever. After: the save is judged unreadable and the run starts over."""
     script = ("if [ \"$TSUP_ATTEMPT\" = 1 ]; then d={run_dir}/checkpoints/step_00000010; mkdir -p $d && "
               "echo x > $d/.metadata && mkfifo $d/trainer_meta.json; exit 3; fi; exit 0")
-    run_id = submit_as(daemon, mallory, tmp_path, script)
+    run_id = submit_as(daemon, eve, tmp_path, script)
     final = ended(daemon, run_id, timeout_s=60)
     assert final["state"] == "SUCCEEDED", final
     assert final["attempt_history"][-1]["resume_from"] is None, final
+
+
+def test_a_spec_naming_a_service_account_is_refused(daemon: Serve, tmp_path: Path, open_dir: Path) -> None:  # noqa: F811
+    """A write-token holder names a service account (munge reads the key that signs every
+    Slurm credential). Before: the run was accepted and its trainer ran as that account."""
+    service = system_user("tsup-svc", open_dir, service=True)
+    try:
+        for name in ("munge", "daemon", service.name):
+            spec = command_spec(tmp_path / "svc.toml", "svc", ["true"])
+            spec.write_text(spec.read_text().replace('name = "svc"\n', f'name = "svc"\nuser = "{name}"\n', 1))
+            refused = daemon.ctl("submit", str(spec))
+            if "no user" in refused.stderr:
+                continue  # no munge on this host
+            assert refused.returncode != 0 and f"may not execute as {name}" in refused.stderr, refused.stderr
+    finally:
+        remove_user(service)
+
+
+def test_run_users_lets_the_operator_allow_an_account(tmp_path: Path, open_dir: Path) -> None:  # noqa: F811
+    """The config's run_users is the whole list: a service account it names may run, a
+    person's account it does not name may not."""
+    service = system_user("tsup-svc", open_dir, service=True)
+    person = system_user("tsup-eve", open_dir)
+    state, shared, port = tmp_path / "state", open_dir / "shared", free_port()
+    shared.mkdir(mode=0o755)
+    conf = serve_config(tmp_path / "config.toml", state, port, shared_dir=str(shared), run_users=[service.name])
+    serve = Serve(state, port, config=conf)
+    try:
+        run_id = submit_as(serve, service, tmp_path, "exit 0")
+        assert ended(serve, run_id)["state"] == "SUCCEEDED"
+        spec = command_spec(tmp_path / "eve.toml", "eve", ["true"])
+        spec.write_text(spec.read_text().replace('name = "eve"\n', f'name = "eve"\nuser = "{person.name}"\n', 1))
+        refused = serve.ctl("submit", str(spec))
+        assert refused.returncode != 0 and "not in run_users" in refused.stderr, refused.stderr
+    finally:
+        serve.kill(15)
+        remove_user(service)
+        remove_user(person)

@@ -40,13 +40,16 @@ def open_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def system_user(name: str, home_in: Path) -> RunAs:
+def system_user(name: str, home_in: Path, *, service: bool = False) -> RunAs:
+    """A real user of this host: a person's account (uid from UID_MIN, a login shell), or
+    with ``service`` a service account (``useradd --system``, nologin)."""
     require("useradd", shutil.which("useradd") is not None)
     if os.geteuid() != 0:
         pytest.skip("creating users needs root")
     subprocess.run(["userdel", name], capture_output=True, check=False)  # one a killed run left
-    subprocess.run(["useradd", "--system", "--create-home", "--home-dir", str(home_in / name), "--shell",
-                    "/usr/sbin/nologin", name], check=True, capture_output=True)
+    kind = ["--system", "--shell", "/usr/sbin/nologin"] if service else ["--shell", "/bin/sh"]
+    subprocess.run(["useradd", *kind, "--create-home", "--home-dir", str(home_in / name), name],
+                   check=True, capture_output=True)
     return users.lookup(name)
 
 

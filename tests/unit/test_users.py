@@ -19,7 +19,9 @@ NOBODY = users.lookup("nobody")
 
 
 def test_the_spec_names_the_user_then_the_config_then_the_daemon() -> None:
-    assert users.resolve("nobody", "root", allow_root=False).name == "nobody"
+    assert users.resolve("nobody", "root", allow_root=False, run_users=["nobody"]).name == "nobody"
+    with pytest.raises(SpecError, match="may not execute as nobody: uid 65534 is a service account's"):
+        users.resolve("nobody", "root", allow_root=False)  # nobody is nobody's person
     assert users.resolve(None, "nobody", allow_root=False).name == "nobody"
     assert users.resolve(None, None, allow_root=True) == users.daemon_user()
 
@@ -96,3 +98,18 @@ def test_hand_over_gives_the_users_directories_and_files(tmp_path: Path, monkeyp
     users.hand_over(NOBODY, tmp_path, tmp_path / "run", tmp_path / "run" / "checkpoints", tmp_path / "config.json")
     for p in (tmp_path / "run", tmp_path / "run" / "checkpoints", tmp_path / "config.json"):
         assert (p.stat().st_uid, p.stat().st_gid) == (NOBODY.uid, NOBODY.gid), p
+
+
+def test_a_spec_may_name_a_persons_account_or_one_run_users_lists(tmp_path: Path) -> None:
+    person = RunAs(name="root", uid=1500, gid=1500, groups=(1500,), home="/")  # root's shell: a login one
+    service = RunAs(name="root", uid=105, gid=105, groups=(105,), home="/")
+    nobody = RunAs(name="root", uid=65534, gid=65534, groups=(), home="/")
+    assert users.may_run_as(person, None) == ""
+    assert "service account" in users.may_run_as(service, None)
+    assert "service account" in users.may_run_as(nobody, None)
+    assert users.may_run_as(service, ["root"]) == ""
+    assert "not in run_users" in users.may_run_as(person, ["alice"])
+    defs = tmp_path / "login.defs"
+    defs.write_text("# comment\nUID_MIN\t\t 5000\n")
+    assert users.uid_min(defs) == 5000
+    assert users.uid_min(tmp_path / "missing") == 1000
