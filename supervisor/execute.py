@@ -346,6 +346,7 @@ class Executor:
                 ck = trainer_cmd.checkpoint_dir(spec, run_dir)
                 users.hand_over(run_as, run_dir.parent, run_dir, config.parent.parent, config.parent, config,
                                 *([ck] if ck.is_relative_to(run_dir) else []))
+            trainer_cmd.write_fence(spec, run_dir, e.number, run_as)
             info = self.launcher.start(launch)
         except (LaunchError, OSError) as err:  # a launch fault, judged next tick
             # No restart can run what cannot be executed, nor get past a link or special file

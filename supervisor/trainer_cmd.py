@@ -28,6 +28,7 @@ from supervisor.errors import SpecError
 from supervisor.node_env import accelerator_env
 from supervisor.planning import TIER_MEMORY, first_auto_every_steps
 from supervisor.spec import RunSpec
+from trainer.checkpoint_layout import FENCE_FILE
 from trainer.neuron import launch as neuron_launch
 
 CHECK_TIMEOUT_S = 60.0
@@ -103,6 +104,21 @@ def write_attempt_config(spec: RunSpec, run_dir: Path, attempt: int, argv: tuple
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     user_files.write_atomic(run_dir.parent, path, json.dumps(content, indent=2, sort_keys=True).encode())
     return path
+
+
+def write_fence(spec: RunSpec, run_dir: Path, attempt: int, owner: user_files.Owner | None) -> None:
+    """Tell the reference trainer's ranks which attempt is live (trainer/checkpoint_layout.py's
+    FENCE_FILE), before its ranks start: a rank 0 of an earlier attempt that wakes up then
+    leaves the checkpoints alone. Nothing for a [command] trainer, nor before the first
+    save made the checkpoint directory."""
+    if spec.command is not None:
+        return
+    ck = checkpoint_dir(spec, run_dir)
+    inside = ck.is_relative_to(run_dir)
+    if not inside and not ck.is_dir():
+        return
+    user_files.write_atomic(run_dir.parent if inside else ck, ck / FENCE_FILE,
+                            json.dumps({"attempt": attempt}).encode(), owner)
 
 
 def trainer_argv(config: Path, resume_from: str | None) -> tuple[str, ...]:

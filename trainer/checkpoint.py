@@ -93,18 +93,20 @@ def state_bytes(state: Any) -> int:
 
 def save(root: Path, meta: layout.TrainerMeta, state: dict[str, Any], *, keep: int, is_main: bool,
          before_commit: Callable[[], None] | None = None, group: Any = None,
-         io_threads: int = 2) -> SaveResult:
+         io_threads: int = 2, attempt: int | None = None) -> SaveResult:
     """Write ``state`` (from ``stage``, or its copy), the state after step ``meta.step``,
     with ``io_threads`` writer threads a rank, and commit it as ``root/step_N``. Every
     rank calls it, on the training thread, or on a background thread with ``group`` a
     process group of its own (an asynchronous save).
 
     ``before_commit`` runs on every rank once its shards are written (a chaos drill's
-    hook). A write that fails for lack of space, quota or a read-only file system
-    raises CheckpointStorageFull, after rank 0 removed the partial directory."""
+    hook). ``attempt``: this process's attempt, checked against the supervisor's fence
+    before rank 0 clears, commits or prunes (Superseded when a later one is live). A
+    write that fails for lack of space, quota or a read-only file system raises
+    CheckpointStorageFull, after rank 0 removed the partial directory."""
     try:
         return _save(root, meta, state, keep=keep, is_main=is_main, before_commit=before_commit, group=group,
-                     io_threads=io_threads)
+                     io_threads=io_threads, attempt=attempt)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         error = _storage_error(e)
         if error is None:
@@ -164,10 +166,12 @@ _SHORT_WRITE = re.compile(r"inline_container\.cc:\d+\] \. unexpected pos \d+ vs 
 
 
 def _save(root: Path, meta: layout.TrainerMeta, state: dict[str, Any], *, keep: int, is_main: bool,
-          before_commit: Callable[[], None] | None, group: Any, io_threads: int) -> SaveResult:
+          before_commit: Callable[[], None] | None, group: Any, io_threads: int,
+          attempt: int | None) -> SaveResult:
     started = time.monotonic()
     tmp = layout.tmp_dir_for(root, meta.step)
     if is_main:
+        layout.check_fence(root, attempt)
         layout.clear_tmp(root, meta.step)
     distributed.barrier(group)  # nobody writes into a directory rank 0 is still clearing
     writer = HashingWriter(tmp, threads=io_threads)
@@ -187,6 +191,7 @@ def _save(root: Path, meta: layout.TrainerMeta, state: dict[str, Any], *, keep: 
     deleted: list[Path] = []
     final = tmp.parent / layout.checkpoint_name(meta.step)
     if is_main:
+        layout.check_fence(root, attempt)  # frozen meanwhile? the live attempt's directory is its own
         final = layout.commit(tmp, meta.step)
         deleted = layout.prune(root, keep=keep, committed_step=meta.step)
     return SaveResult(path=final, duration_s=time.monotonic() - started, deleted=deleted)

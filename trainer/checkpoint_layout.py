@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from trainer import atomic
-from trainer.errors import CheckpointMismatch, UsageError
+from trainer.errors import CheckpointMismatch, Superseded, UsageError
 
 META_FILE = "trainer_meta.json"
 MANIFEST_FILE = "manifest.json"
@@ -69,6 +69,9 @@ HASHES = ("blake3", "sha256")  # the algorithms a manifest entry may name, faste
 DCP_METADATA_FILE = ".metadata"
 TMP_PREFIX = ".tmp-"
 META_FORMAT = 1  # bump when trainer_meta.json changes incompatibly
+# The supervisor writes {"attempt": N} here before it starts attempt N: the fence a rank 0
+# of an earlier attempt (frozen, then woken) checks before it clears, commits or prunes.
+FENCE_FILE = ".tsup-attempt"
 
 _NAME = re.compile(r"step_(\d{8})")
 
@@ -300,6 +303,33 @@ def entry_problem(name: str, want: dict[str, Any], got: dict[str, Any]) -> str:
         return (f"{name}'s {algorithm.upper()} is {str(got.get(algorithm))[:12]}..., the manifest says "
                 f"{wanted[:12]}...")
     return ""
+
+
+def live_attempt(root: Path) -> int | None:
+    """The attempt the supervisor last started on ``root`` (None: none said; a run without
+    a supervisor, or one written before the fence)."""
+    try:
+        data = json.loads(_read_small(root / FENCE_FILE, 4096))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise Superseded(f"{root / FENCE_FILE}: unreadable ({e}): this process will not change "
+                         "the run's checkpoints") from e
+    attempt = data.get("attempt") if isinstance(data, dict) else None
+    return attempt if isinstance(attempt, int) else None
+
+
+def check_fence(root: Path, attempt: int | None) -> None:
+    """Raise Superseded when a later attempt than ``attempt`` is live on ``root``: a rank 0
+    frozen through its attempt's end must not remove the live attempt's temporary save,
+    nor prune the new trajectory's checkpoints. (Checked before each change, not held:
+    a process frozen between the check and the change is not covered.)"""
+    if attempt is None:
+        return
+    live = live_attempt(root)
+    if live is not None and live > attempt:
+        raise Superseded(f"attempt {live} of this run is live on {root}; this is attempt {attempt}, "
+                         "which must not clear, commit or prune its checkpoints")
 
 
 def tmp_dir_for(root: Path, step: int) -> Path:

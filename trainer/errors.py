@@ -8,6 +8,7 @@
         │   ├── ConfigError       a bad config file, key or value (also a ValueError)
         │   ├── UsageError        bad command line or launcher environment
         │   ├── CheckpointMismatch a checkpoint written by another world size or model
+        │   ├── Superseded        a later attempt of the run is live (a stale rank woke up)
         │   └── DataError         a token file that is missing, empty or out of vocab range
         ├── CheckpointUnreadable  exit 3: the checkpoint to resume from cannot be read
         │                         (a truncated or corrupt shard): resume from an older one
@@ -67,6 +68,11 @@ class UsageError(DoNotRetry):
 
 class CheckpointMismatch(DoNotRetry):
     """The checkpoint to resume from cannot be loaded into this run."""
+
+
+class Superseded(DoNotRetry):
+    """A later attempt of this run is live: this (stale) process must not touch the
+    run's checkpoints (checkpoint_layout.FENCE_FILE)."""
 
 
 class DataError(DoNotRetry):

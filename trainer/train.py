@@ -564,7 +564,8 @@ class _Runner:
         saved = checkpoint.save(Path(config.checkpoint.dir).absolute(), meta, state,
                                 keep=config.checkpoint.keep, is_main=self.ctx.is_main,
                                 before_commit=lambda: self._in_save(step, started, size),
-                                group=self._persist_group, io_threads=self.io_threads)
+                                group=self._persist_group, io_threads=self.io_threads,
+                                attempt=self.telemetry.identity.attempt)
         self.last_checkpoint = str(saved.path)
         if self.ctx.is_main:
             blocked = saved.duration_s if copy is None else waited_s + copy.blocked_s()
