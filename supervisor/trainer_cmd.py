@@ -15,6 +15,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
+import pwd
 import subprocess
 import sys
 import tempfile
@@ -175,15 +177,22 @@ def attempt_srun_args(spec: RunSpec) -> tuple[str, ...]:
 
 # The Neuron compile cache, on each node's own disk (Neuron's default place): compiles of
 # many nodes at once contend for a shared file system's locks. A spec's env may say otherwise.
-NEURON_COMPILE_CACHE = "/var/tmp/neuron-compile-cache"  # noqa: S108 (a cache path handed to Neuron)
+# One per user: a compiled graph from another user's cache is code run on our devices.
+NEURON_COMPILE_CACHE = "/var/tmp/neuron-compile-cache-{uid}"  # noqa: S108 (a cache path handed to Neuron)
 
 
-def memory_dir(run_dir: Path) -> Path:
+def run_uid(spec: RunSpec) -> int:
+    """The uid the run's ranks execute as (its spec's user, resolved at submit)."""
+    return pwd.getpwnam(spec.user).pw_uid if spec.user else os.geteuid()
+
+
+def memory_dir(run_dir: Path, uid: int) -> Path:
     """The run's directory for the reference trainer's memory tier on every node
-    (trainer/memory_tier.py adds the node's name): node-local memory, one per run."""
+    (trainer/memory_tier.py adds the node's name): node-local memory, one per run, below a
+    directory of the run's user's own (which the trainer makes 0700 and checks)."""
     key = hashlib.sha256(str(run_dir.absolute()).encode()).hexdigest()[:16]
-    shm = Path("/dev/shm")  # noqa: S108 (a directory of the run's own, named by its digest)
-    return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / "tsup-memory" / key
+    shm = Path("/dev/shm")  # noqa: S108 (a directory of the user's own, named by its uid)
+    return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / f"tsup-memory-{uid}" / key
 
 
 def attempt_ids(run_id: str, attempt: int) -> dict[str, str]:
@@ -194,11 +203,13 @@ def attempt_ids(run_id: str, attempt: int) -> dict[str, str]:
 def attempt_env(spec: RunSpec, run_dir: Path) -> dict[str, str]:
     """The variables every rank of an attempt gets beyond the launcher's and the run's ids:
     the accelerators' (supervisor/node_env.py), then the trainer's, then a [command]'s own."""
-    env = {"NEURON_COMPILE_CACHE_URL": NEURON_COMPILE_CACHE, **accelerator_env(spec.resources.accelerator)}
+    uid = run_uid(spec)
+    env = {"NEURON_COMPILE_CACHE_URL": NEURON_COMPILE_CACHE.format(uid=uid),
+           **accelerator_env(spec.resources.accelerator)}
     if spec.command is None:
         env["TSUP_TELEMETRY_AGGREGATE"] = spec.telemetry.aggregate
         if not spec.neuron_backend:  # the memory tier is the torch backend's
-            env["TSUP_MEMORY_DIR"] = str(memory_dir(run_dir))
+            env["TSUP_MEMORY_DIR"] = str(memory_dir(run_dir, uid))
         if spec.chaos:
             env |= {"TSUP_FAULT": ",".join(spec.chaos), "TSUP_FAULT_STATE": str(run_dir / "chaos-fired")}
         return env

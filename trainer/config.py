@@ -239,7 +239,7 @@ class CheckpointConfig:
     asynchronous: bool = False
     # The in-memory tier (trainer/memory_tier.py): every N-th step; 0 = off.
     memory_every_steps: int = 0
-    # Its node-local directory; "" = $TSUP_MEMORY_DIR, else /dev/shm/tsup-memory/<run>.
+    # Its node-local directory; "" = $TSUP_MEMORY_DIR, else /dev/shm/tsup-memory-<uid>/<run>.
     memory_dir: str = ""
     # Threads a rank writes, reads and hashes its checkpoint files with (both tiers);
     # 0 = the node's cores shared out over its ranks, 2 to 8 (trainer/checkpoint_io.py).

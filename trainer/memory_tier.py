@@ -37,7 +37,8 @@ Layout, under the directory ``$TSUP_MEMORY_DIR`` (the supervisor sets one per ru
                                   replica_00000.pt  rank 0's, sent by it (node 0)
 
 (``.pt`` for the name's sake: the files are trainer/state_file.py's, or ``torch.save``'s
-where an earlier trainer wrote them.)
+where an earlier trainer wrote them.) The root is made 0700 and checked as this user's
+own (trainer/private_dir.py): in /dev/shm any user could make the name first.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer import checkpoint, distributed, state_file
 from trainer.errors import CheckpointUnreadable, UsageError
+from trainer.private_dir import private_dir
 from trainer.staging import StagedCopy, Staging
 
 WHOLE = "whole"  # in a save's directory once every rank's file and replica are in (the node leader's)
@@ -72,9 +74,9 @@ _RESUME = re.compile(r"memory:(\d+):(\d+)")
 
 
 def default_root(run_id: str) -> Path:
-    shm = Path("/dev/shm")  # noqa: S108 (a directory of the run's own)
+    shm = Path("/dev/shm")  # noqa: S108 (a directory of this user's own below it: private_dir)
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return base / "tsup-memory" / run_id
+    return base / f"tsup-memory-{os.geteuid()}" / run_id
 
 
 def save_dir_name(attempt: int, step: int) -> str:
@@ -118,7 +120,8 @@ class MemoryTier:
 
     def __init__(self, root: Path, node: str, attempt: int, ranks_per_node: int, *, device: torch.device,
                  io_threads: int) -> None:
-        self.node_dir = root / node
+        # Shards are the user's weights: a directory nobody else can enter or make first.
+        self.node_dir = private_dir(root) / node
         self.attempt = attempt
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.ranks_per_node = ranks_per_node

@@ -42,6 +42,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.errors import UsageError
+from trainer.private_dir import private_dir
 from trainer.protocol import Phase
 
 SLOT = struct.Struct("<4sIqqddd16x")
@@ -53,12 +55,14 @@ AGGREGATE_MODES = ("rank", "node")
 
 
 def default_slots_dir(environ: Mapping[str, str]) -> Path:
-    """``TSUP_SLOTS_DIR``, else /dev/shm where it exists, else the temporary directory."""
+    """``TSUP_SLOTS_DIR``, else this user's own directory in /dev/shm where it exists, else
+    in the temporary directory (made private when the slot file is opened: nobody else can
+    plant a slot file there)."""
     chosen = environ.get("TSUP_SLOTS_DIR")
     if chosen:
         return Path(chosen)
-    shm = Path("/dev/shm")  # noqa: S108 (the file is opened with O_NOFOLLOW and mode 0600)
-    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+    shm = Path("/dev/shm")  # noqa: S108 (a directory of this user's own below it)
+    return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / f"tsup-slots-{os.geteuid()}"
 
 
 def slot_path(directory: Path, run: str, attempt: int, node: str, job: str = "") -> Path:
@@ -108,9 +112,17 @@ class NodeSlots:
     def __init__(self, path: Path, *, rank: int, local_rank: int, local_world_size: int) -> None:
         self.path = path
         self.rank, self.local_rank, self.local_world_size = rank, local_rank, local_world_size
-        # O_NOFOLLOW: in a shared directory, a planted symlink must not redirect the writes.
+        # A directory of this user's alone (another user could make a predictable name first
+        # and write phases into it); O_NOFOLLOW: nor may a link redirect the writes.
+        try:
+            private_dir(path.parent)
+        except UsageError as e:
+            raise PermissionError(str(e)) from None
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if local_rank == 0 else 0)
         self._fd: int | None = os.open(path, flags, 0o600)
+        if os.fstat(self._fd).st_uid != os.geteuid():
+            os.close(self._fd)
+            raise PermissionError(f"{path}: a slot file of another user's")
         self._lock = threading.Lock()
         self._step = 0
         self._phase = Phase.INIT

@@ -81,7 +81,7 @@ def test_trn1_step_environment_is_the_seeds_nxd_one(tmp_path: Path) -> None:
     assert NEURON_ENV.items() <= env.items()
     assert env["WORLD_SIZE"] == "512" and env["LOCAL_WORLD_SIZE"] == "32"
     assert env["MASTER_ADDR"] == "<address of the first node>"
-    assert env["NEURON_COMPILE_CACHE_URL"] == "/var/tmp/neuron-compile-cache"
+    assert env["NEURON_COMPILE_CACHE_URL"] == f"/var/tmp/neuron-compile-cache-{os.geteuid()}"
 
 
 def test_p5_step_is_the_users_torchrun_of_8_ranks_per_node(tmp_path: Path) -> None:

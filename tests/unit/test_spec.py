@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,7 @@ def test_telemetry_aggregation_reaches_the_reference_trainer_only(tmp_path: Path
 
 
 def test_the_neuron_compile_cache_is_node_local_unless_the_spec_says_otherwise(tmp_path: Path) -> None:
-    assert attempt_env(parse_spec(GOOD), tmp_path)["NEURON_COMPILE_CACHE_URL"] == "/var/tmp/neuron-compile-cache"
+    assert attempt_env(parse_spec(GOOD), tmp_path)["NEURON_COMPILE_CACHE_URL"] == f"/var/tmp/neuron-compile-cache-{os.geteuid()}"
     own = parse_spec({"name": "t", "command": {"argv": ["true"], "checkpoint_dir": "ck",
                                                "env": {"NEURON_COMPILE_CACHE_URL": "/local/nvme/cache"}}})
     assert attempt_env(own, tmp_path)["NEURON_COMPILE_CACHE_URL"] == "/local/nvme/cache"
@@ -117,8 +118,8 @@ def test_the_memory_tiers_auto_interval_is_set_apart_from_the_persistent_one(tmp
     with pytest.raises(SpecError, match="memory_every_steps: expected a number of steps or 'auto'"):
         parse_spec({"name": "c", "trainer": {"steps": 3, "checkpoint": {"memory_every_steps": "often"}}})
     env = trainer_cmd.attempt_env(spec, tmp_path)
-    assert env["TSUP_MEMORY_DIR"] == str(trainer_cmd.memory_dir(tmp_path)), "one memory directory per run"
-    assert trainer_cmd.memory_dir(tmp_path) != trainer_cmd.memory_dir(tmp_path / "other")
+    assert env["TSUP_MEMORY_DIR"] == str(trainer_cmd.memory_dir(tmp_path, os.geteuid())), "one memory directory per run"
+    assert trainer_cmd.memory_dir(tmp_path, 0) != trainer_cmd.memory_dir(tmp_path / "other", 0)
 
 
 COMMAND = {"argv": ["torchrun", "train.py"], "checkpoint_dir": "{run_dir}/ck"}

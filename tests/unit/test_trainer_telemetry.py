@@ -198,7 +198,8 @@ def test_global_rank_zero_still_sends_step_metrics_when_aggregated(tmp_path: Pat
 
 
 def test_an_unusable_slot_directory_falls_back_to_per_rank_messages(tmp_path: Path) -> None:
-    agg = Aggregation(slots_dir=tmp_path / "missing")
+    (tmp_path / "a-file").write_text("")
+    agg = Aggregation(slots_dir=tmp_path / "a-file")
     telemetry = Telemetry(IDENTITY, Broker(BrokerUrl("127.0.0.1", 9)), heartbeat_interval_s=10, aggregation=agg)
     telemetry.start()
     try:
