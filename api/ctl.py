@@ -45,6 +45,7 @@ from supervisor import report, trainer_cmd
 from supervisor.config import default_state_dir
 from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import SpecError
+from supervisor.logs import printable, printable_tree
 from supervisor.slurm import requests
 from supervisor.spec import parse_spec
 from supervisor.token_file import READ_TOKEN_FILE_NAME, TOKEN_FILE_NAME, read_token
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     try:
         return int(args.handler(client, args))
     except ApiError as e:
-        print(f"supervisorctl: {e.detail}", file=sys.stderr)
+        detail = "\n".join(printable(line) for line in str(e.detail).splitlines())  # its own lines kept
+        print(f"supervisorctl: {detail}", file=sys.stderr)
         return _STATUS_EXIT.get(e.status, EXIT_ERROR)
     except UsageError as e:
         print(f"supervisorctl: {e}", file=sys.stderr)
@@ -241,7 +243,7 @@ def _show(path: Callable[[argparse.Namespace], str], render: Callable[[Any, argp
         elif names is not None and args.quiet:
             print("\n".join(names(data)))
         else:
-            print(render(data, args))
+            print(render(printable_tree(data), args))
         return EXIT_OK
 
     return handler
@@ -269,7 +271,7 @@ def _events(c: Client, args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(e), flush=True)
             else:
-                print(report.event_line(EventView.model_validate(e)), flush=True)
+                print(report.event_line(EventView.model_validate(printable_tree(e))), flush=True)
         return EXIT_OK
     everything: list[dict[str, Any]] = []
     after = args.after
@@ -282,7 +284,7 @@ def _events(c: Client, args: argparse.Namespace) -> int:
         _print_json(everything)
     else:
         for e in everything:
-            print(report.event_line(EventView.model_validate(e)))
+            print(report.event_line(EventView.model_validate(printable_tree(e))))
     return EXIT_OK
 
 
@@ -369,7 +371,7 @@ def _await_command(c: Client, args: argparse.Namespace, accepted: dict[str, Any]
     if args.json:
         _print_json(outcome)
     else:
-        print(f"{target}: {args.kind} {outcome['result']}")
+        print(printable(f"{target}: {args.kind} {outcome['result']}"))
     return EXIT_ERROR if result is not None and result.startswith("rejected") else EXIT_OK
 
 
@@ -378,6 +380,7 @@ def _probe(c: Client, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(p)
     else:
+        p = printable_tree(p)
         why = f": {p['reason']}" if p["reason"] else ""
         print(f"{p['node']}: {p['status']} (action: {p['action']}){why}")
         for f in p["findings"]:

@@ -182,7 +182,8 @@ def serve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> tupl
     except ValidationError as e:
         err = e.errors()[0]
         key = str(err["loc"][0]) if err["loc"] else ""
-        raise SpecError(f"{_FLAGS.get(key, key)}: {err['msg'].removeprefix('Value error, ')}") from None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise SpecError(f"{_FLAGS.get(key, key)}: {msg}" if key else msg) from None
     host, port = parse_bind(config.api_bind) if config.api_bind else ("127.0.0.1", None)
     settings = DaemonSettings(
         state_dir=config.state_dir or default_state_dir(), mqtt_url=config.mqtt_url, api_host=host,

@@ -41,6 +41,7 @@ override that again (``cli.py``). Every error names the key and where it came fr
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import tomllib
@@ -102,6 +103,10 @@ class ServiceConfig(BaseModel):
     def _tls_pair(self) -> ServiceConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both, or neither for plain HTTP")
+        if self.api_bind and self.tls_cert is None and not _loopback(parse_bind(self.api_bind)[0]):
+            raise ValueError(f"api_bind: {self.api_bind} is reachable from the network and the API has no "
+                             "TLS (tls_cert, tls_key): its tokens would cross the network in clear; set "
+                             "both, or bind 127.0.0.1 (behind a TLS proxy)")
         return self
 
     @field_validator("api_bind")
@@ -133,6 +138,15 @@ class ServiceConfig(BaseModel):
         if self.mqtt_bind is not None and self.mqtt_url is not None:
             raise ValueError("mqtt_bind is where the embedded broker listens: leave it out with mqtt_url")
         return self
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: wherever it resolves, assume the network
 
 
 def parse_bind(text: str) -> tuple[str, int]:

@@ -4,15 +4,49 @@ journald stores each line of stderr as one entry; a JSON line keeps the fields a
 for whatever reads the journal next (``journalctl -o cat | jq``). Fields: ``ts`` (Unix
 seconds), ``level``, ``logger``, ``message``, ``exc`` when an exception is attached, and
 any ``extra={...}`` the call passed.
+
+Trainer text (an exit reason, a log line, a fault's detail) reaches these lines and the
+operator's terminal (supervisorctl). In text form every control character in it is
+escaped (``printable``): a newline cannot forge a line of its own, an escape sequence
+cannot rewrite the operator's screen.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
+from typing import Any
 
 _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with each control character (C0, DEL, C1) as a Python escape: ``\\n``, ``\\x1b``."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def printable_tree(value: Any) -> Any:
+    """Every string in a JSON value made ``printable`` (keys too)."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, list):
+        return [printable_tree(v) for v in value]
+    if isinstance(value, dict):
+        return {printable(k) if isinstance(k, str) else k: printable_tree(v) for k, v in value.items()}
+    return value
+
+
+class TextFormatter(logging.Formatter):
+    """The text form: the message's control characters escaped (a traceback keeps its lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message)
+        return super().formatMessage(record)
 
 
 class JsonFormatter(logging.Formatter):
@@ -34,7 +68,7 @@ def configure(log_format: str, level: int) -> None:
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -303,6 +303,7 @@ class Observer:
             launch_info = found
         procs = self.launcher.observe(launch_info)
         output = self._read_output(run, spec, run_dir, live, now) if spec and spec.command else None
+        self.telemetry.expect(run.run_id, live.number, len(live.nodes) * run.ranks_per_node)
         tele = self.telemetry.ranks(run.run_id, live.number, run.policy.straggler_window)
         # A [command] trainer sends no telemetry, and ranks that cannot reach the broker
         # send none that arrives: then progress is the checkpoints and the output.

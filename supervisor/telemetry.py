@@ -68,7 +68,11 @@ BUSY_TIMES_KEPT = 100  # per rank: the longest window stragglers may be judged o
 # broker's own shutdown (see TelemetryView.link_down).
 WILLS_WITH_THE_BROKER_S = 2.0
 # The reasons a message is dropped (TelemetryView.counts keys, tsup_mqtt_dropped_total).
-DROP_REASONS = ("malformed", "unsigned", "bad_mac", "replay", "will_unattributed", "ended")
+DROP_REASONS = ("malformed", "unsigned", "bad_mac", "replay", "will_unattributed", "ended",
+                "out_of_world")
+# Distinct chaos actions recorded per attempt: a drill names a few; a run's own process
+# sending thousands must not grow the daemon's memory and event log with them.
+_INJECTED_PER_ATTEMPT = 32
 _PRINTED_ALL = frozenset({"loss", "grad_norm"})  # a StepMetrics message carries both
 _ENDED_KEPT = 10_000  # ended attempts remembered, so that their messages stay dropped
 
@@ -187,6 +191,7 @@ class TelemetryView:
     _recent: dict[tuple[str, int], deque[StepSample]] = field(default_factory=dict)  # rank 0's steps
     _step_times: dict[tuple[str, int], deque[float]] = field(default_factory=dict)  # every rank's, pooled
     _injected: set[tuple[str, int, str]] = field(default_factory=set)  # (run, attempt, chaos action)
+    _worlds: dict[tuple[str, int], int] = field(default_factory=dict)  # an attempt's world size, once known
     _keys: dict[tuple[str, int], bytes] = field(default_factory=dict, repr=False)
     _ended: dict[tuple[str, int], None] = field(default_factory=dict)  # oldest first
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -215,6 +220,8 @@ class TelemetryView:
         msg = sealed.msg
         with self._lock:
             why = "ended" if (msg.run, msg.attempt) in self._ended else None
+            if why is None and not self._in_world(msg):
+                why = "out_of_world"
             if why is None and self.secret is not None:
                 why = self._unsealed(topic, sealed)
             if why is not None:
@@ -224,6 +231,20 @@ class TelemetryView:
             self.counts["received"] += 1
             self.counts[msg.kind] += 1
             self._apply(msg, now)
+
+    def expect(self, run_id: str, attempt: int, world_size: int) -> None:
+        """The attempt's world size (the observer's, from the store): a message about a
+        rank outside it is dropped, so that no message grows the view beyond the world."""
+        with self._lock:
+            if (run_id, attempt) not in self._ended:
+                self._worlds[(run_id, attempt)] = world_size
+
+    def _in_world(self, msg: p.Message) -> bool:
+        world = self._worlds.get((msg.run, msg.attempt))
+        if world is None:
+            return True
+        ranks = msg.ranks if isinstance(msg, p.NodeReport) else ()
+        return 0 <= msg.rank < world and all(0 <= r < world for r in ranks)
 
     def _unsealed(self, topic: str, sealed: p.Sealed) -> str | None:
         """Why a message is not authentic (a DROP_REASONS entry), or None when it is."""
@@ -295,9 +316,9 @@ class TelemetryView:
                 self._queue(Received(msg, now))
                 self._run_io(msg.run).restored(msg.duration_s, msg.bytes)
             case p.FaultInjected():
-                key = (msg.run, msg.attempt, msg.action)
-                if key not in self._injected:  # every rank may say so: the first one counts
-                    self._injected.add(key)
+                key = (msg.run, msg.attempt, msg.action[:200])
+                if key not in self._injected and self._injected_room(msg.run, msg.attempt):
+                    self._injected.add(key)  # every rank may say so: the first one counts
                     self._queue(Received(msg, now))
             case p.Exit():
                 rank.exit_code, rank.exit_reason, rank.exit_at = msg.exit_code, msg.reason, now
@@ -306,6 +327,9 @@ class TelemetryView:
                 self._apply_node_report(msg, now)
             case p.Lost():
                 rank.lost, rank.lost_at = True, now
+
+    def _injected_room(self, run_id: str, attempt: int) -> bool:
+        return sum(1 for k in self._injected if k[:2] == (run_id, attempt)) < _INJECTED_PER_ATTEMPT
 
     def phase_from_output(self, run_id: str, attempt: int, rank: int, phase: str, now: float) -> None:
         """The phase a trainer's output shows (supervisor/output_progress.py), for a rank
@@ -458,6 +482,7 @@ class TelemetryView:
             self._step_times.pop((run_id, attempt), None)
             self._injected = {k for k in self._injected if k[:2] != (run_id, attempt)}
             self._keys.pop((run_id, attempt), None)
+            self._worlds.pop((run_id, attempt), None)
             self._ended[(run_id, attempt)] = None
             if len(self._ended) > _ENDED_KEPT:
                 del self._ended[next(iter(self._ended))]

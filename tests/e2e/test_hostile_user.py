@@ -150,3 +150,20 @@ def test_run_users_lets_the_operator_allow_an_account(tmp_path: Path, open_dir: 
         serve.kill(15)
         remove_user(service)
         remove_user(person)
+
+
+def test_trainer_text_cannot_write_escape_sequences_to_the_operators_terminal(
+        daemon: Serve, eve: RunAs, tmp_path: Path) -> None:
+    """The trainer prints a device error carrying a terminal escape (clear the screen, set
+    the window title) and fails. Before: `supervisorctl events` printed the bytes as they
+    came, so the operator's terminal obeyed them."""
+    line = r"uncorrectable ECC error encountered \033]0;pwned\007\033[2J forged"
+    run_id = submit_as(daemon, eve, tmp_path, f"printf '{line}\\n'; exit 1", crash_loop_attempts=2)
+    ended(daemon, run_id)
+    shown = daemon.ctl("events", run_id)
+    assert shown.returncode == 0, shown.stderr
+    assert "uncorrectable ECC error" in shown.stdout, shown.stdout
+    assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout
+    assert r"\x1b[2J" in shown.stdout, shown.stdout
+    raw = daemon.ctl_json("events", run_id)
+    assert any("\x1b[2J" in e["message"] for e in raw), "--json keeps the text exact (JSON escapes it)"

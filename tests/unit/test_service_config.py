@@ -48,6 +48,8 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
     ("launcher = 'slurm'\n", {"TSUP_LAUNCHER": "pbs"}, "environment TSUP_LAUNCHER: launcher: Input should be"),
     ("mqtt_url = 'http://x'\n", {}, "config.toml: mqtt_url: expected mqtt://HOST:PORT"),
     ("[broken\n", {}, "config.toml: not valid TOML"),
+    ("api_bind = '0.0.0.0:8470'\n", {}, "api_bind: 0.0.0.0:8470 is reachable from the network"),
+    ("api_bind = 'ctl.example:8470'\n", {}, "tokens would cross the network in clear"),
 ])
 def test_a_bad_setting_is_named_with_where_it_came_from(tmp_path: Path, text: str, env: dict[str, str],
                                                         complaint: str) -> None:
@@ -117,3 +119,27 @@ def test_healthz_says_stalled_once_no_tick_finished_for_the_limit(tmp_path: Path
     h = d.health()
     assert not h.ok and h.last_tick_age_s is not None and h.last_tick_age_s > daemon_mod._STALLED_AFTER_S
     assert h.mqtt_connected is False
+
+
+def test_the_api_beyond_loopback_needs_tls(tmp_path: Path) -> None:
+    """Before: api_bind = 0.0.0.0 without TLS started, and every token crossed the network
+    in clear (issue 26, item 12)."""
+    with pytest.raises(SpecError, match=r"^api_bind: 10\.0\.0\.5:8470 is reachable from the network"):
+        serve_settings(_parser().parse_args(["serve", "--api-bind", "10.0.0.5:8470"]), {})
+    for loopback in ("127.0.0.1:8470", "[::1]:8470", "localhost:8470"):
+        serve_settings(_parser().parse_args(["serve", "--api-bind", loopback]), {})
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    with_tls = write(tmp_path, f"api_bind = '0.0.0.0:8470'\ntls_cert = '{cert}'\ntls_key = '{key}'\n")
+    assert load_service_config(with_tls, {}).api_bind == "0.0.0.0:8470"
+
+
+def test_the_daemons_text_log_escapes_control_characters(capsys: pytest.CaptureFixture[str]) -> None:
+    """Trainer text in a log line: no forged line, no escape sequence (issue 26, item 12)."""
+    import logging
+
+    from supervisor import logs
+
+    logs.configure("text", logging.INFO)
+    logging.getLogger("t").warning("rank said %s", "boom\n2026-11-26 INFO forged\x1b[2J")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "\x1b" not in err and "boom\\n2026-11-26 INFO forged\\x1b[2J" in err

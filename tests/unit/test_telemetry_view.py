@@ -350,3 +350,32 @@ def test_an_output_phase_does_not_override_a_rank_that_speaks_for_itself() -> No
     assert (ranks[1].phase, ranks[1].phase_at) == ("compile", 2.0)
     v.phase_from_output("run-1", 1, 1, "compile", 3.0)
     assert v.ranks("run-1", 1)[1].phase_at == 2.0, "the same phase again is no new phase"
+
+
+# --- bounds: what a run's own processes can make the daemon hold (issue 26, item 12) ---
+
+
+def report_of(ranks: range) -> p.NodeReport:
+    n = len(ranks)
+    return p.NodeReport(**H, rank=0, node="n0", ranks=tuple(ranks), steps=(1,) * n,
+                        phases=(p.Phase.TRAIN,) * n, ages=(0.0,) * n, step_times=(0.1,) * n, busy=(0.1,) * n)
+
+
+def test_a_node_report_of_ranks_outside_the_world_makes_no_entries() -> None:
+    """Before: each NodeReport made an entry per rank number it named (1,024 a message),
+    whatever the attempt's world."""
+    view, rank = sealed_view()
+    view.expect("run-1", 1, 4)
+    view.ingest(*rank.seal(report_of(range(1024))), 1.0)
+    view.ingest(*Rank(9, rank.key).seal(p.Heartbeat(**H, rank=9, step=1, phase=p.Phase.TRAIN)), 1.0)
+    assert view.ranks("run-1", 1) == {} and view.counts_now()["out_of_world"] == 2
+    view.ingest(*rank.seal(report_of(range(4))), 2.0)
+    assert sorted(view.ranks("run-1", 1)) == [0, 1, 2, 3]
+
+
+def test_thousands_of_distinct_fault_actions_are_recorded_a_few_times_only() -> None:
+    """Before: each distinct action grew a set and made an event row."""
+    view, rank = sealed_view()
+    for i in range(1000):
+        view.ingest(*rank.seal(p.FaultInjected(**H, rank=0, action=f"nan@{i}", step=i, detail="x" * 100)), 1.0)
+    assert view.durable_backlog() == 32
