@@ -121,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
                             "e.g. '--instance-type trn1.32xlarge'")
     serve.add_argument("--return-after", type=int, default=None, metavar="N",
                        help="return a node this supervisor drained to service after N clean sweep probes "
-                            "in a row (default 0: never, an operator does)")
+                            "in a row (default 3; 0: never, an operator does)")
     serve.add_argument("--log-format", choices=("text", "json"), default=None,
                        help="text (default) or json: one object per line, for journald and log shippers")
     return parser

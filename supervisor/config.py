@@ -32,7 +32,8 @@ override that again (``cli.py``). Every error names the key and where it came fr
     tick_s = 0.25                                # reconcile period
     sweep_every_s = 900                          # probe idle and drained nodes; 0: never
     sweep_args = ["--instance-type", "trn1.32xlarge"]
-    return_after = 0                             # clean sweeps that return a drained node
+    return_after = 3                             # clean sweeps in a row that return a node this
+                                                 # daemon drained (0: only an operator does)
     log_format = "text"                          # or "json": one object per line
     api_token_file = "/etc/training-supervisor/api-token"  # absent: <state_dir>/api-token
     tls_cert = "/etc/training-supervisor/tls.crt"          # both: the API speaks HTTPS
@@ -89,7 +90,7 @@ class ServiceConfig(BaseModel):
     tick_s: Annotated[float, Field(gt=0, le=60)] = 0.25
     sweep_every_s: Annotated[float, Field(ge=0, le=30 * 86_400)] = 900.0
     sweep_args: list[Annotated[str, Field(max_length=200)]] = []
-    return_after: Annotated[int, Field(ge=0, le=1000)] = 0
+    return_after: Annotated[int, Field(ge=0, le=1000)] = 3
     log_format: Literal["text", "json"] = "text"
     api_token_file: Path | None = None
     tls_cert: Path | None = None

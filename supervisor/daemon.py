@@ -102,7 +102,7 @@ class DaemonSettings:
     slurm_conf: str | None = None  # None: SLURM_CONF from the environment, or Slurm's default
     sweep_every_s: float | None = None  # probe idle and drained nodes this often (None: never)
     sweep_args: tuple[str, ...] = ()  # extra arguments to the sweep's python -m health
-    return_after: int = 0  # clean sweep probes in a row that return a drained node (0: never)
+    return_after: int = 3  # clean sweep probes in a row that return a node it drained (0: never)
     shutdown_flush_s: float = 5.0  # at most this long publishing the outbox on the way out
     api_token_file: Path | None = None  # None: <state_dir>/api-token (api/auth.py)
     tls_cert: Path | None = None  # both set: the API speaks HTTPS

@@ -106,6 +106,9 @@ class PolicySpec(BaseModel):
     straggler_restart: bool = False
     lemon_faults: Annotated[int, Field(ge=2, le=10_000)] = 3
     lemon_window_s: Annotated[float, Field(gt=0, le=365 * _DAY_S)] = _DAY_S
+    drains_per_fault: Annotated[int, Field(ge=1, le=100_000)] = 2
+    drains_per_window: Annotated[int, Field(ge=1, le=100_000)] = 4
+    drain_window_s: Annotated[float, Field(gt=0, le=365 * _DAY_S)] = 3600.0
     failures_per_node_day: Annotated[float, Field(gt=0, le=100)] = LLAMA3_FAILURES_PER_NODE_DAY
     shrink_after_s: Annotated[float, Field(ge=0, le=365 * _DAY_S)] = 0.0
     shrink_min_nodes: Annotated[int, Field(ge=1, le=4096)] = 1

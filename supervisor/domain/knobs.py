@@ -93,6 +93,14 @@ class Policy:
     # repeating at the same step counts once) within lemon_window_s is drained.
     lemon_faults: int = 3
     lemon_window_s: float = 86_400.0
+    # The drain budget: a fault that would drain more than drains_per_fault nodes, or one
+    # that would bring the run's drains within drain_window_s past drains_per_window, drains
+    # none of them on the trainer's or the telemetry's word: so many nodes failing at once
+    # is the network's (a partition) or the trainer's text, not the nodes'. They are probed
+    # instead; a probe's verdict or the cluster's own (a node it took out) still drains.
+    drains_per_fault: int = 2
+    drains_per_window: int = 4
+    drain_window_s: float = 3600.0
     # Fewer nodes: when a failed attempt's nodes cannot all be replaced (no spare held and
     # none came from the cluster within shrink_after_s of its end), the next attempt runs
     # on the healthy nodes: the most it can, at least shrink_min_nodes, and a count in

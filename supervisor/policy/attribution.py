@@ -137,6 +137,25 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
     return Finding(record, do_not_retry=do_not_retry)
 
 
+def within_budget(view: RunView, live: Attempt, drains: list[tuple[str, str]],
+                  now: float) -> tuple[list[tuple[str, str]], list[str]]:
+    """The drains a fault may make, and the nodes it holds back (to be probed). A node the
+    cluster itself took out of the allocation is drained whatever the budget (the cluster's
+    word); the others only while the fault drains at most ``drains_per_fault`` and the run's
+    drains within ``drain_window_s`` stay within ``drains_per_window`` (every node a NODE_LOST
+    or DEVICE fault named counts: a held-back one too, so a flood never pays)."""
+    policy = view.run.policy
+    dropped = dropped_nodes(view, live)
+    cluster_says = [d for d in drains if d[0] in dropped]
+    ours = [d for d in drains if d[0] not in dropped]
+    draining = (FaultKind.NODE_LOST, FaultKind.DEVICE)
+    recent = sum(len(f.nodes) for f in view.faults
+                 if f.kind in draining and now - f.detected_at <= policy.drain_window_s)
+    if len(ours) > policy.drains_per_fault or recent + len(ours) > policy.drains_per_window:
+        return cluster_says, sorted({n for n, _ in ours})
+    return drains, []
+
+
 def node_lost(ranks: list[RankObs], *, dropped: bool = False) -> bool:
     """The node of ``ranks`` (every rank on it) is gone: they all vanished abruptly, and
     something beyond one process says the node went with them (the module docstring):

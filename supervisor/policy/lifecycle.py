@@ -31,6 +31,7 @@ from supervisor.domain import (
     MarkAttemptRunning,
     MarkFaultsRecovered,
     NodeState,
+    ProbeNodes,
     ProcState,
     RecordFault,
     ReleaseNodes,
@@ -39,7 +40,7 @@ from supervisor.domain import (
     RunView,
     StopAttempt,
 )
-from supervisor.policy.attribution import all_gone, lemons, with_failed_nodes
+from supervisor.policy.attribution import all_gone, lemons, with_failed_nodes, within_budget
 from supervisor.policy.detection import find_fault, transient_spikes
 from supervisor.policy.recovery import (
     data_to_skip,
@@ -241,8 +242,17 @@ def _judge_live_attempt(
         out.append(Emit(kind="fault.detected", message=f"{record.kind}: {record.summary}",
                         data={"attempt": live.number, "step": record.step, "ranks": list(record.ranks),
                               "nodes": list(record.nodes)}))
-        for node, reason in [*found.drains, *lemons(view, record, {n for n, _ in found.drains}, now)]:
+        wanted = [*found.drains, *lemons(view, record, {n for n, _ in found.drains}, now)]
+        drains, held_back = within_budget(view, live, wanted, now)
+        for node, reason in drains:
             out.append(DrainNode(node=node, reason=reason, run_number=view.run.number))
+        if held_back:
+            policy = view.run.policy
+            out.append(Emit(kind="drain.held", message=(
+                f"not draining {', '.join(held_back)}: over the drain budget ({policy.drains_per_fault} a "
+                f"fault, {policy.drains_per_window} in {policy.drain_window_s:g} s); probing them instead"),
+                data={"attempt": live.number, "nodes": held_back}))
+            out.append(ProbeNodes(nodes=tuple(held_back), kind="diagnosis"))
         skip = data_to_skip(view, live, obs, record)
         if skip is not None:
             out.append(skip)

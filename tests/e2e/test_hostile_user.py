@@ -167,3 +167,22 @@ def test_trainer_text_cannot_write_escape_sequences_to_the_operators_terminal(
     assert r"\x1b[2J" in shown.stdout, shown.stdout
     raw = daemon.ctl_json("events", run_id)
     assert any("\x1b[2J" in e["message"] for e in raw), "--json keeps the text exact (JSON escapes it)"
+
+
+def test_a_device_error_printed_on_every_node_drains_none_of_them(
+        daemon: Serve, eve: RunAs, tmp_path: Path) -> None:
+    """Every rank of a four-node run prints a device error and exits (trainer text, or a
+    fault of the network, not of four nodes at once). Before: all four were drained, and
+    with HyperPod each would have been an instance replacement. After: none, and they are
+    probed instead (issue 26, item 9)."""
+    spec = command_spec(tmp_path / "flood.toml", "flood",
+                        ["sh", "-c", "echo 'uncorrectable ECC error encountered'; exit 1"],
+                        resources={"launcher": "local", "nodes": 4, "ranks_per_node": 1},
+                        policy={"backoff_base_s": 0.1, "backoff_max_s": 0.1, "crash_loop_attempts": 2})
+    spec.write_text(spec.read_text().replace('name = "flood"\n', f'name = "flood"\nuser = "{eve.name}"\n', 1))
+    run_id = str(daemon.ctl_json("submit", str(spec))["run_id"])
+    final = ended(daemon, run_id)
+    assert final["drained_nodes"] == [], final
+    events = daemon.ctl_json("events", run_id)
+    held = [e for e in events if e["kind"] == "drain.held"]
+    assert held and "over the drain budget" in held[0]["message"], [e["message"] for e in events]
