@@ -282,6 +282,17 @@ class RunSpec(BaseModel):
     # trainer as TSUP_FAULT in every attempt (trainer/faults.py).
     chaos: list[Annotated[str, Field(pattern=r"^[a-z][a-z-]*@[0-9]+(:[0-9]+)?$")]] = []
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nul_bytes(cls, data: Any) -> Any:
+        """No argument, variable or path can carry a NUL byte (TOML can, as ``\\u0000``):
+        a spec holding one could never be launched, so it is refused here, by its key."""
+        where = _nul_at(data, "")
+        if where is not None:
+            raise ValueError(f"{where}: holds a NUL byte (\\u0000), which no command line, environment "
+                             "variable or path can carry")
+        return data
+
     @model_validator(mode="after")
     def _trainer_keys_the_supervisor_reads(self) -> RunSpec:
         if (self.trainer is None) == (self.command is None):
@@ -388,6 +399,27 @@ class RunSpec(BaseModel):
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+
+
+def _nul_at(value: Any, where: str) -> str | None:
+    """Where in ``value`` (the spec's tables, lists and strings) a NUL byte is first
+    found: ``command.argv[2]``, ``command.env.NAME``; None where there is none."""
+    if isinstance(value, str):
+        return where if "\0" in value else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = f"{where}.{key}" if where else str(key)
+            if "\0" in str(key):
+                return f"{where or 'spec'}: key {str(key)!r}"
+            found = _nul_at(item, name)
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for k, item in enumerate(value):
+            found = _nul_at(item, f"{where}[{k}]")
+            if found is not None:
+                return found
+    return None
 
 
 def parse_spec(data: dict[str, Any], source: str = "spec") -> RunSpec:

@@ -70,11 +70,13 @@ class SlurmCommands:
         limit = timeout_s or self.timeout_s
         uid, gid, groups = popen_ids(user)
         try:
+            # errors="replace": what Slurm prints (a Reason someone wrote) never stops a poll
             done = subprocess.run(list(argv), env=self._env, capture_output=True, text=True, input=stdin,
-                                  timeout=limit, check=False, user=uid, group=gid, extra_groups=groups)
+                                  errors="replace", timeout=limit, check=False, user=uid, group=gid,
+                                  extra_groups=groups)
         except subprocess.TimeoutExpired:
             return Reply(tuple(argv), False, "", "", f"timed out after {limit:g} s")
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: an argument Popen cannot pass (a NUL byte)
             return Reply(tuple(argv), False, "", "", f"cannot run: {e}")
         if done.returncode != 0:
             err = " ".join(done.stderr.split())[:400] or "(no message)"
@@ -92,7 +94,7 @@ class SlurmCommands:
         try:
             p = subprocess.Popen(list(argv), env=self._env, stdin=subprocess.DEVNULL,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        except OSError as e:
+        except (OSError, ValueError) as e:
             log.warning("cannot run %s: %s", argv[0], e)
             return
         with self._lock:
@@ -101,7 +103,8 @@ class SlurmCommands:
     def start_step(
         self, argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, user: RunAs | None = None,
     ) -> subprocess.Popen[bytes]:
-        """Start ``srun`` for a step (as ``user``); raises OSError when it cannot be started."""
+        """Start ``srun`` for a step (as ``user``); raises OSError when it cannot be started,
+        ValueError when an argument or variable cannot be passed (a NUL byte)."""
         self.calls += 1
         uid, gid, groups = popen_ids(user)
         with open(log_path, "ab") as out:

@@ -3,9 +3,12 @@
 How a run maps onto Slurm (builders in supervisor/slurm/requests.py):
 
 - ``allocate``: one batch job of N+S whole nodes (``--nodes=N-(N+S)``: it starts as
-  soon as N are free) whose script only sleeps. Its name, ``<prefix>.<run>.<k>``, is
-  derived from what the store already holds, so a daemon killed between ``sbatch`` and
-  recording the job id finds the job by name and never submits a second one.
+  soon as N are free) whose script only sleeps, submitted as the run's user. Its id and
+  owner are recorded (``allocation_info``), and from then on the job is known by that id
+  alone. Its name, ``<prefix>.<run>.<k>``, is derived from what the store already holds,
+  so a daemon killed between ``sbatch`` and recording the id finds the job by name and
+  never submits a second one; but squeue lists every user's jobs and anyone can name a
+  job so, so only a job of the expected owner is ever adopted by name.
 - ``start``: ``srun --jobid=<allocation>`` on the attempt's nodes, as a step named
   ``<prefix>.<run>.a<attempt>``; srun runs on this host in a session of its own.
 - ``observe``: srun's exit status and its per-task lines (``srun: error: node1: task 1:
@@ -13,7 +16,11 @@ How a run maps onto Slurm (builders in supervisor/slurm/requests.py):
   (after a daemon restart). A rank whose step still runs is UNKNOWN to Slurm: its
   liveness comes from telemetry (heartbeats, last will).
 - ``held``: the allocation as squeue sees it, minus nodes Slurm calls unusable. A
-  failed poll means "unknown", never "ended".
+  failed poll means "unknown", never "ended"; a recorded id that squeue shows owned by
+  someone else (ids start again after slurmctld loses its state) means "ended".
+- Steps are the run's only inside its own allocation and of its owner: the step list,
+  the ``srun`` processes of this host and every ``scancel`` (``--user=``) are matched by
+  job id, step name and uid, never by name alone.
 
 What Slurm says of jobs, steps and nodes comes from ``SlurmState`` (supervisor/slurm/
 state.py): polled off the reconciler's path, shared with node administration
@@ -39,7 +46,7 @@ import psutil
 from supervisor import users
 from supervisor.domain import ProcState
 from supervisor.domain.step import Step, rdzv_id
-from supervisor.errors import LaunchError, SpecError
+from supervisor.errors import CannotExecute, LaunchError, SpecError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
 from supervisor.slurm import parse
 from supervisor.slurm.commands import SlurmCommands
@@ -133,7 +140,7 @@ class SlurmLauncher:
         jobs = self.state.jobs()
         if jobs is None:
             return Grant(nodes=req.held, info=req.info, note="squeue failed; trying again")
-        job = jobs.get(info["job"]) if info["job"] else None
+        job = _recorded(jobs, info)
         if job is not None and job.phase is parse.JobPhase.WAITING:
             return Grant(nodes=(), info=req.info, note=f"job {job.job_id} pending: {job.reason}")
         if job is not None and job.phase is parse.JobPhase.HOLDING:
@@ -141,23 +148,26 @@ class SlurmLauncher:
             if len(have) >= (req.keep or req.minimum):
                 return Grant(nodes=have, info=req.info)
             # Too few healthy nodes left in it: give it back and ask for a new one.
-            self.commands.fire(["scancel", job.job_id])
+            self.commands.fire(["scancel", *_only_of(info["uid"]), job.job_id])
             log.info("allocation %s holds %d healthy nodes, %d needed: replacing it",
                      job.job_id, len(have), req.keep or req.minimum)
         seq = info["seq"] + 1 if info["job"] else max(info["seq"], 1)
         name = f"{self.prefix}.{req.run_id}.{seq}"
-        # A job of this name may exist already: submitted by a daemon that died before
-        # recording its id. Adopt it rather than submit a second.
-        found = [j for j in jobs.values() if j.name == name and j.phase is not parse.JobPhase.ENDED]
-        if found:
-            new_info = _dump_alloc(found[0].job_id, seq)
-            log.info("adopted allocation %s (%s)", found[0].job_id, name)
-            return self.held(req.run_id, new_info) or Grant(nodes=(), info=new_info)
-        sreq = self.sbatch_request(req, seq)
         try:
             owner = users.for_launch(req.user)
         except LaunchError as e:  # the run's user is gone from this host: say why, and wait
             return Grant(nodes=(), info=req.info, note=str(e))
+        uid = _uid_of(owner)
+        # A job of this name may exist already: submitted by a daemon that died before
+        # recording its id. Adopt it rather than submit a second, if it is the owner's:
+        # anyone can name a job so.
+        found = [j for j in jobs.values() if j.name == name and j.phase is not parse.JobPhase.ENDED
+                 and j.owned_by(uid)]
+        if found:
+            new_info = _dump_alloc(found[0].job_id, seq, uid)
+            log.info("adopted allocation %s (%s)", found[0].job_id, name)
+            return self.held(req.run_id, new_info) or Grant(nodes=(), info=new_info)
+        sreq = self.sbatch_request(req, seq)
         if owner is not None and not owner.is_me:
             # The batch script only sleeps, and the daemon's private state directory is
             # no place the run's user may write: its output goes nowhere.
@@ -165,14 +175,14 @@ class SlurmLauncher:
         sreq.output.parent.mkdir(parents=True, exist_ok=True)
         reply = self.commands.run(sbatch_argv(sreq), stdin=allocation_script(sreq), user=owner)
         if not reply.ok:
-            return Grant(nodes=(), info=_dump_alloc(None, seq), note=f"sbatch failed: {reply.why}")
+            return Grant(nodes=(), info=_dump_alloc(None, seq, uid), note=f"sbatch failed: {reply.why}")
         try:
             job_id = parse.parse_sbatch_job_id(reply.stdout)
         except parse.SlurmParseError as e:
-            return Grant(nodes=(), info=_dump_alloc(None, seq), note=str(e))
+            return Grant(nodes=(), info=_dump_alloc(None, seq, uid), note=str(e))
         self.state.refresh()
         log.info("submitted allocation %s (%s) for %d nodes", job_id, name, req.count)
-        return Grant(nodes=(), info=_dump_alloc(job_id, seq), note=f"job {job_id} submitted")
+        return Grant(nodes=(), info=_dump_alloc(job_id, seq, uid), note=f"job {job_id} submitted")
 
     def held(self, run_id: str, info: str | None) -> Grant | None:
         if info is None:
@@ -183,10 +193,12 @@ class SlurmLauncher:
         jobs = self.state.jobs()
         if jobs is None:
             return None
-        job = jobs.get(alloc["job"])
+        job = _recorded(jobs, alloc)
         if job is None or job.phase is parse.JobPhase.ENDED:
-            why = "no longer in squeue" if job is None else f"{job.state} ({job.reason})"
-            return Grant(nodes=(), info=_dump_alloc(None, alloc["seq"]), note=f"job {alloc['job']} {why}")
+            why = ("no longer in squeue" if alloc["job"] not in jobs else
+                   "now someone else's" if job is None else f"{job.state} ({job.reason})")
+            return Grant(nodes=(), info=_dump_alloc(None, alloc["seq"], alloc["uid"]),
+                         note=f"job {alloc['job']} {why}")
         if job.phase is parse.JobPhase.WAITING:
             return Grant(nodes=(), info=info, note=f"job {job.job_id} pending: {job.reason}")
         return Grant(nodes=self._usable(job.nodes, frozenset()), info=info)
@@ -196,12 +208,16 @@ class SlurmLauncher:
         return tuple(n for n in names if n not in drained and (n not in nodes or nodes[n].usable))
 
     def release(self, run_id: str, info: str | None) -> bool:
-        job = load_alloc(info)["job"] if info is not None else None
+        alloc = load_alloc(info)
+        job = alloc["job"]
         if job is None:
             return True
+        jobs = self.state.jobs()
+        if jobs is not None and job in jobs and _recorded(jobs, alloc) is None:
+            return True  # the id is someone else's job now: ours is long gone
         # Waited for, not fired: with slurmctld down scancel fails, and an allocation
         # forgotten then would hold its nodes until its time limit.
-        reply = self.commands.run(["scancel", job])
+        reply = self.commands.run(["scancel", *_only_of(alloc["uid"]), job])
         self.state.refresh()
         if reply.ok or "Invalid job id" in reply.why:  # already gone is given back too
             return True
@@ -238,28 +254,36 @@ class SlurmLauncher:
         try:
             p = self.commands.start_step(srun_argv(req), env=env, log_path=spec.log_dir / "srun.log",
                                          user=run_as)
+        except ValueError as e:
+            # Popen cannot pass it (a NUL byte in an argument or a variable): no retry will.
+            raise CannotExecute(f"cannot start srun for {spec.argv[0]!r}: {e}") from e
         except OSError as e:
             raise LaunchError(f"cannot start srun: {e}") from e
         self._children[p.pid] = p
         ranks = _rank_map(nodes, spec.ranks_per_node)
         self.state.refresh()
-        return json.dumps({"job": job, "step": name, "srun_pid": p.pid, "srun_ct": _create_time(p.pid),
-                           "ranks": ranks, "log": str(spec.log_dir / "srun.log"),
-                           "ranks_per_task": _ranks_per_task(spec)})
+        return json.dumps({"job": job, "step": name, "uid": _uid_of(run_as), "srun_pid": p.pid,
+                           "srun_ct": _create_time(p.pid), "ranks": ranks,
+                           "log": str(spec.log_dir / "srun.log"), "ranks_per_task": _ranks_per_task(spec)})
 
     def find(self, spec: LaunchSpec) -> str | None:
         """A step of this attempt that exists but was never recorded (the daemon died
         between starting srun and writing it down)."""
         name = self.step_name(spec.run_id, spec.attempt)
-        srun = _find_srun(name)
-        steps = self.state.steps()
-        step = next((s for s in steps or [] if s.name == name), None)
+        job = load_alloc(spec.allocation_info)["job"] if spec.allocation_info else None
+        if job is None:
+            return None  # no allocation: no step of this attempt can have started
+        try:
+            uid = _uid_of(users.for_launch(spec.user))
+        except LaunchError:
+            return None  # the run's user is gone from this host: starting again says so
+        srun = _find_srun(name, job, uid)
+        step = _own_step(self.state.steps() or [], job, name, uid)
         if srun is None and step is None:
             return None
-        job = step.job_id if step else load_alloc(spec.allocation_info)["job"]
         nodes = list(step.nodes) if step else list(spec.nodes)
         ranks = _rank_map(nodes, spec.ranks_per_node)
-        return json.dumps({"job": job, "step": name, "srun_pid": srun.pid if srun else 0,
+        return json.dumps({"job": job, "step": name, "uid": uid, "srun_pid": srun.pid if srun else 0,
                            "srun_ct": _create_time(srun.pid) if srun else 0.0, "ranks": ranks,
                            "log": str(spec.log_dir / "srun.log"), "ranks_per_task": _ranks_per_task(spec)})
 
@@ -274,7 +298,8 @@ class SlurmLauncher:
         step_listed: bool | None = None
         if not srun_alive and srun_code is None:
             steps = self.state.steps()
-            step_listed = None if steps is None else any(s.name == info["step"] for s in steps)
+            step_listed = None if steps is None else _own_step(steps, info["job"], info["step"],
+                                                                info.get("uid")) is not None
         out = []
         for rank, node in ranks:
             state, code = ProcState.VANISHED, None
@@ -313,7 +338,8 @@ class SlurmLauncher:
         info = json.loads(launch_info)
         step = self._step_id(info)
         if step is not None:
-            self.commands.fire(["scancel", f"--signal={'KILL' if force else 'TERM'}", step])
+            signal_name = "KILL" if force else "TERM"
+            self.commands.fire(["scancel", *_only_of(info.get("uid")), f"--signal={signal_name}", step])
         _, alive = self._srun_state(info)
         if alive:
             # srun forwards SIGTERM to every task; two SIGINTs within a second make it
@@ -326,8 +352,7 @@ class SlurmLauncher:
                     os.kill(int(info["srun_pid"]), signal.SIGTERM)
 
     def _step_id(self, info: dict[str, Any]) -> str | None:
-        steps = self.state.steps() or []
-        s = next((s for s in steps if s.name == info["step"]), None)
+        s = _own_step(self.state.steps() or [], info["job"], info["step"], info.get("uid"))
         return f"{s.job_id}.{s.step_id}" if s else None
 
     def forget(self, launch_info: str) -> None:
@@ -350,14 +375,45 @@ def _rank_map(nodes: list[str], ranks_per_node: int) -> list[list[int | str]]:
 
 
 def load_alloc(info: str | None) -> dict[str, Any]:
+    """A run's allocation_info: the job id (None: none submitted), the allocation's
+    sequence number, and the uid that owns it (None: recorded before owners were)."""
     if not info:
-        return {"job": None, "seq": 0}
+        return {"job": None, "seq": 0, "uid": None}
     d = json.loads(info)
-    return {"job": d.get("job"), "seq": int(d.get("seq", 0))}
+    uid = d.get("uid")
+    return {"job": d.get("job"), "seq": int(d.get("seq", 0)), "uid": int(uid) if uid is not None else None}
 
 
-def _dump_alloc(job: str | None, seq: int) -> str:
-    return json.dumps({"job": job, "seq": seq})
+def _dump_alloc(job: str | None, seq: int, uid: int | None) -> str:
+    return json.dumps({"job": job, "seq": seq, "uid": uid})
+
+
+def _uid_of(owner: users.RunAs | None) -> int:
+    """The uid whose jobs, steps and srun processes a launch makes: the run's user, or
+    the daemon's own."""
+    return owner.uid if owner is not None else os.geteuid()
+
+
+def _only_of(uid: int | None) -> list[str]:
+    """scancel's filter: given job or step ids, it signals only those of this owner."""
+    return [f"--user={uid}"] if uid is not None else []
+
+
+def _recorded(jobs: dict[str, parse.JobInfo], alloc: dict[str, Any]) -> parse.JobInfo | None:
+    """The allocation's job as squeue lists it; None when it is not listed, or when
+    squeue names another owner for its id."""
+    job = jobs.get(alloc["job"]) if alloc["job"] else None
+    if job is None or job.user_id is None:
+        return job
+    return job if job.owned_by(alloc["uid"]) else None
+
+
+def _own_step(steps: list[parse.StepInfo], job: str | None, name: str,
+              uid: int | None) -> parse.StepInfo | None:
+    """The attempt's step: named ``name``, in the allocation ``job``, and ``uid``'s
+    (where squeue names an owner); another user's step of that name is not."""
+    return next((s for s in steps if s.job_id == job and s.name == name
+                 and (s.user_id is None or s.owned_by(uid))), None)
 
 
 def _task_exits(log_path: Path) -> dict[int, int]:
@@ -399,12 +455,16 @@ def _ranks(text: str) -> list[int]:
     return out
 
 
-def _find_srun(step_name: str) -> psutil.Process | None:
-    flag = f"--job-name={step_name}"
-    for p in psutil.process_iter(["pid", "cmdline"]):
+def _find_srun(step_name: str, job: str, uid: int) -> psutil.Process | None:
+    """The srun of this host that starts ``step_name`` in allocation ``job`` as ``uid``
+    (anyone can start an srun whose command line says so)."""
+    flags = {f"--job-name={step_name}", f"--jobid={job}"}
+    for p in psutil.process_iter(["pid", "cmdline", "uids"]):
         try:
             cmd = p.info["cmdline"] or []
-            if cmd and os.path.basename(cmd[0]) == "srun" and flag in cmd:
+            uids = p.info["uids"]
+            if (cmd and os.path.basename(cmd[0]) == "srun" and flags <= set(cmd)
+                    and uids is not None and uids.real == uid and uids.effective == uid):
                 return p
         except psutil.Error:
             continue

@@ -1,8 +1,10 @@
 """Node administration on Slurm: drains, returns to service, and probes on the nodes.
 
 - ``drain``: ``scontrol update NodeName=... State=DRAIN Reason=...``; ``drained`` reads
-  the node's state flags from the last ``scontrol show node`` (supervisor/slurm/
-  state.py), so the executor sends a drain until Slurm shows it;
+  the node's state flags from the last poll of the node table (supervisor/slurm/
+  state.py), so the executor sends a drain until Slurm shows it. A Reason may quote a
+  trainer's output or an operator's words: it goes to Slurm as one line of printable
+  text, at most REASON_MAX characters (``slurm_reason``);
 - ``probe``: ``srun`` one probe task per node, in the run's allocation when it holds
   the nodes, else as a job of its own that must start at once;
 - ``probe_drained``: a drained node runs no job, so it is reserved, resumed, probed and
@@ -33,6 +35,18 @@ log = logging.getLogger(__name__)
 
 HYPERPOD_REPLACE = "Action:Replace"  # the Reasons HyperPod's agent acts on
 HYPERPOD_REBOOT = "Action:Reboot"
+REASON_MAX = 256
+
+
+def slurm_reason(text: str) -> str:
+    """``text`` as a drain Reason: newlines, tabs and every other unprintable character
+    (controls, bidirectional overrides) become spaces, runs of spaces one, and the whole
+    is cut to REASON_MAX characters. Slurm prints a Reason's lines apart; one line of text
+    is what every reader of a Reason expects."""
+    flat = " ".join("".join(ch if ch.isprintable() else " " for ch in text).split())
+    if len(flat) > REASON_MAX:
+        flat = flat[:REASON_MAX - 3].rstrip() + "..."
+    return flat or "(no reason given)"
 
 
 class SlurmNodes:
@@ -48,7 +62,8 @@ class SlurmNodes:
             state, reason = "State=FAIL", HYPERPOD_REBOOT if reboot else HYPERPOD_REPLACE
         else:
             state = "State=DRAIN"
-        reply = self.commands.admin(["scontrol", "update", f"NodeName={node}", state, f"Reason={reason}"])
+        reply = self.commands.admin(["scontrol", "update", f"NodeName={node}", state,
+                                     f"Reason={slurm_reason(reason)}"])
         if not reply.ok:
             raise LaunchError(f"cannot drain {node}: {reply.why}")
         self.state.refresh()
@@ -121,8 +136,8 @@ class SlurmNodes:
             return self.probe(names, argv, allocation_info=None, timeout_s=timeout_s, reservation=resv)
         finally:
             for node in names:
-                again = self.commands.admin(
-                    ["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={nodes[node]}"])
+                again = self.commands.admin(["scontrol", "update", f"NodeName={node}", "State=DRAIN",
+                                             f"Reason={slurm_reason(nodes[node])}"])
                 if not again.ok:
                     log.error("probe of drained %s: cannot drain it again: %s", node, again.why)
             self.commands.admin(["scontrol", "delete", f"ReservationName={resv}"])

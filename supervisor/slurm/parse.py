@@ -10,21 +10,30 @@ Formats, and which Slurm prints which:
 - ``squeue --json``: 22.05 (openapi v0.0.38) prints flat values (``"job_state":
   "RUNNING"``); 23.02 and later print ``job_state`` as a list of flags and numbers as
   ``{"set": true, "number": N}``. Both are read.
-- ``squeue -h -o "%i|%T|%N|%r|%j"``: every version; the fallback when ``--json`` is
+- ``squeue -h -o "%i|%T|%N|%r|%U|%j"``: every version; the fallback when ``--json`` is
   missing (Slurm before 21.08, or no openapi plugin). squeue lists every user's jobs and
   a name is free text (it may hold ``|``), so the name comes last and takes the rest.
-- ``squeue --steps -h -o "%i|%N|%j"``: steps (22.05's ``--json`` has no steps).
-- ``scontrol -o show node`` / ``show partition``: one record per line of ``Key=Value``
-  pairs (22.05 has no ``scontrol --json``). ``Reason=`` holds spaces and runs to the next
-  ``Key=`` or the end of the line.
+  Each job carries its owner's uid: a job is the supervisor's only when its owner is
+  the one expected (supervisor/slurm/launcher.py), whatever its name says.
+- ``squeue --steps -h -o "%i|%N|%U|%j"``: steps (22.05's ``--json`` has no steps).
+- The node table: ``sinfo --json`` (22.05: one record per node, the state and its flags
+  apart, ``address``, ``reason``) or ``scontrol --json show node`` (23.02 and later;
+  ``state`` a list of flags). Where neither answers, the text of
+  ``scontrol -o show node``. A node's ``Reason=`` there is free text that may carry a
+  trainer's words (the supervisor drains a node with the line that blamed it), so none of
+  it is ever read as fields: it runs to Slurm's ``[user@time]`` stamp when only the keys
+  Slurm prints after a reason follow it (``NODE_KEYS_AFTER_REASON``), else to the end of
+  the line, and no key after it overrides one before it.
   A state ending in ``*`` (``IDLE*``) means the node does not respond.
+- ``scontrol -o show partition`` (and ``show job``, for tests): ``Key=Value`` pairs; a
+  job's ``Reason=`` is Slurm's own word (``None``, ``Resources``).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -81,6 +90,14 @@ class JobInfo:
     phase: JobPhase
     nodes: tuple[str, ...]  # expanded; empty while queued
     reason: str  # Slurm's state reason (Resources, PartitionConfig, None ...)
+    # The owner's uid (None: not printed). Not part of a record's equality: the launcher
+    # checks it wherever a job is taken for the supervisor's (owned_by).
+    user_id: int | None = field(default=None, compare=False)
+
+    def owned_by(self, uid: int | None) -> bool:
+        """The job is ``uid``'s (``uid`` None: no owner expected, as for a record from
+        before owners were kept)."""
+        return uid is None or self.user_id == uid
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,6 +106,10 @@ class StepInfo:
     step_id: str  # "0", "1", "batch", "extern"
     name: str
     nodes: tuple[str, ...]
+    user_id: int | None = field(default=None, compare=False)  # as JobInfo's
+
+    def owned_by(self, uid: int | None) -> bool:
+        return uid is None or self.user_id == uid
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -172,6 +193,10 @@ def _split_top(text: str) -> list[str]:
 
 # --- squeue -------------------------------------------------------------------------
 
+# The supervisor's polls ask for the owner's uid (%U) before the free-text name; the
+# forms without it are for tools and tests that read a box.
+SQUEUE_OWNED_FORMAT = "%i|%T|%N|%r|%U|%j"
+STEPS_OWNED_FORMAT = "%i|%N|%U|%j"
 SQUEUE_FORMAT = "%i|%T|%N|%r|%j"
 STEPS_FORMAT = "%i|%N|%j"
 
@@ -191,23 +216,39 @@ def _number(v: Any) -> Any:
     return v
 
 
-def parse_squeue_json(text: str) -> dict[str, JobInfo]:
+def _uid(v: Any) -> int | None:
+    """An owner's uid as Slurm printed it (a number, wrapped or not, or digits); None
+    when it printed none."""
+    v = _number(v)
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    return int(v) if isinstance(v, str) and v.isdigit() else None
+
+
+def _json_records(text: str, what: str, key: str) -> list[Any]:
+    """The ``key`` list of a Slurm ``--json`` document. Slurm exits 0 with an empty list
+    and an error when slurmctld cannot be reached: that list says nothing about what
+    exists, so an error in the document is a parse error."""
     try:
         doc = json.loads(text)
-        jobs = doc["jobs"]
-        if not isinstance(jobs, list):
-            raise TypeError("jobs is not a list")
+        records = doc[key]
+        if not isinstance(records, list):
+            raise TypeError(f"{key} is not a list")
         errors = doc.get("errors") or []
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise SlurmParseError(f"squeue --json: {e}") from e
+        raise SlurmParseError(f"{what}: {e}") from e
     if errors:
-        # squeue exits 0 with an empty job list and an error when slurmctld cannot be
-        # reached: that list says nothing about which jobs exist.
         first = errors[0] if isinstance(errors[0], dict) else {"error": str(errors[0])}
         words = "; ".join(str(first[k]) for k in ("source", "description", "error") if first.get(k))
-        raise SlurmParseError(f"squeue --json reported an error: {words or first}")
+        raise SlurmParseError(f"{what} reported an error: {words or first}")
+    return records
+
+
+def parse_squeue_json(text: str) -> dict[str, JobInfo]:
     out: dict[str, JobInfo] = {}
-    for j in jobs:
+    for j in _json_records(text, "squeue --json", "jobs"):
         try:
             state = j["job_state"]
             if isinstance(state, list):  # 23.02+: ["RUNNING"] or ["PENDING", "REQUEUED"]
@@ -217,68 +258,104 @@ def parse_squeue_json(text: str) -> dict[str, JobInfo]:
             info = JobInfo(job_id=job_id, name=str(j.get("name", "")), state=str(state),
                            phase=_phase(str(state)),
                            nodes=expand_hostlist(nodes) if _phase(str(state)) is JobPhase.HOLDING else (),
-                           reason=str(j.get("state_reason", "")))
+                           reason=str(j.get("state_reason", "")), user_id=_uid(j.get("user_id")))
         except (KeyError, TypeError, IndexError) as e:
             raise SlurmParseError(f"squeue --json: job record without {e}") from e
         out[info.job_id] = info
     return out
 
 
-def parse_squeue_text(text: str) -> dict[str, JobInfo]:
-    """Output of ``squeue -h -o SQUEUE_FORMAT``."""
+def parse_squeue_text(text: str, *, owners: bool = False) -> dict[str, JobInfo]:
+    """Output of ``squeue -h -o SQUEUE_FORMAT`` (``owners``: SQUEUE_OWNED_FORMAT)."""
+    fields = 6 if owners else 5
     out: dict[str, JobInfo] = {}
     for line in text.splitlines():
         if not line.strip():
             continue
-        parts = line.split("|", 4)
-        if len(parts) != 5:
+        parts = [p.strip() for p in line.split("|", fields - 1)]
+        if len(parts) != fields:
             raise SlurmParseError(f"squeue: cannot read line {line!r}")
-        job_id, state, nodes, reason, name = (p.strip() for p in parts)
+        job_id, state, nodes, reason = parts[:4]
         phase = _phase(state)
-        out[job_id] = JobInfo(job_id=job_id, name=name, state=state, phase=phase,
+        out[job_id] = JobInfo(job_id=job_id, name=parts[-1], state=state, phase=phase,
                               nodes=expand_hostlist(nodes) if phase is JobPhase.HOLDING else (),
-                              reason=reason)
+                              reason=reason, user_id=_uid(parts[4]) if owners else None)
     return out
 
 
-def parse_steps_text(text: str) -> list[StepInfo]:
-    """Output of ``squeue --steps -h -o STEPS_FORMAT``: ``3.0|node[1,3]|tsup.run-1.a2``."""
+def parse_steps_text(text: str, *, owners: bool = False) -> list[StepInfo]:
+    """Output of ``squeue --steps -h -o STEPS_FORMAT``: ``3.0|node[1,3]|tsup.run-1.a2``
+    (``owners``: STEPS_OWNED_FORMAT, ``3.0|node[1,3]|1001|tsup.run-1.a2``)."""
+    fields = 4 if owners else 3
     out = []
     for line in text.splitlines():
         if not line.strip():
             continue
-        parts = line.split("|", 2)
-        if len(parts) != 3 or "." not in parts[0]:
+        parts = line.split("|", fields - 1)
+        if len(parts) != fields or "." not in parts[0]:
             raise SlurmParseError(f"squeue --steps: cannot read line {line!r}")
         job_id, step_id = parts[0].strip().split(".", 1)
-        out.append(StepInfo(job_id=job_id, step_id=step_id, name=parts[2].strip(),
-                            nodes=expand_hostlist(parts[1])))
+        out.append(StepInfo(job_id=job_id, step_id=step_id, name=parts[-1].strip(),
+                            nodes=expand_hostlist(parts[1]),
+                            user_id=_uid(parts[2].strip()) if owners else None))
     return out
 
 
-# --- scontrol -o --------------------------------------------------------------------
+# --- nodes --------------------------------------------------------------------------
 
 
-# Reason= ends where the next key starts: a node's is last on 22.05 but followed by
-# Comment=, Extra= ... on newer Slurm (src/api/node_info.c); a job's is mid-line.
-_AFTER_REASON = re.compile(r" (?=[A-Z][A-Za-z0-9_:/]*=)")
+def parse_nodes_json(text: str, what: str = "sinfo --json") -> dict[str, NodeInfo]:
+    """Output of ``sinfo --json`` (22.05: ``"state": "idle"``, ``"state_flags":
+    ["DRAIN"]``) or ``scontrol --json show node`` (23.02+: ``"state": ["IDLE",
+    "DRAIN"]``): the node table, each Reason a string of its own."""
+    out: dict[str, NodeInfo] = {}
+    for n in _json_records(text, what, "nodes"):
+        try:
+            name = str(n["name"] or "")
+            state = n["state"]
+            flags = [*state] if isinstance(state, list) else [state, *(n.get("state_flags") or [])]
+            words = [str(f).upper() for f in flags if f]
+            address = n.get("address")
+        except (KeyError, TypeError) as e:
+            raise SlurmParseError(f"{what}: node record without {e}") from e
+        if not name:
+            continue  # a blank dynamic node: no node yet
+        if not words:
+            raise SlurmParseError(f"{what}: node {name!r} has no state")
+        out[name] = NodeInfo(name=name, state="+".join(words), addr=str(address or name),
+                             reason=str(n.get("reason") or ""))
+    return out
 
 
-def parse_key_values(line: str) -> dict[str, str]:
-    """One ``scontrol -o`` record. Values hold no spaces except ``Reason``."""
-    reason = ""
-    if " Reason=" in line:
-        line, reason = line.split(" Reason=", 1)
-        reason, *after = _AFTER_REASON.split(reason, maxsplit=1)
-        line = " ".join([line, *after])
-    out: dict[str, str] = {}
-    for token in line.split():
-        key, sep, value = token.partition("=")
-        if sep:
-            out[key] = value
-    if reason:
-        # "probe failed: ECC [root@2026-11-22T08:59:15]": drop Slurm's who-and-when suffix.
-        out["Reason"] = re.sub(r"\s*\[[^\]]*@[^\]]*\]\s*$", "", reason)
+# After a node's Reason and its "[user@time]" stamp, Slurm prints only these, each when
+# set and in this order (src/api/node_info.c: none on 22.05).
+NODE_KEYS_AFTER_REASON = ("Comment", "Extra", "InstanceId", "InstanceType", "ReservationName")
+_STAMP = re.compile(r" \[[^\[\]\s]+@[^\[\]\s]+\]")  # " [root@2026-11-22T08:59:15]"
+_NODE_TAIL = re.compile("".join(rf"(?: {k}=(?P<{k}>.*?))?" for k in NODE_KEYS_AFTER_REASON) + "$")
+
+
+def _node_reason(text: str) -> tuple[str, dict[str, str]]:
+    """What follows ``Reason=`` on a node line: the reason, and the keys Slurm printed
+    after it. The reason is free text, so nothing in it is a key: it runs to the last
+    stamp that only known keys follow (a stamp a trainer wrote comes before Slurm's
+    own), else to the end of the line."""
+    for stamp in reversed(list(_STAMP.finditer(text))):
+        tail = _NODE_TAIL.fullmatch(text[stamp.end():])
+        if tail is not None:
+            return text[:stamp.start()], {k: v for k, v in tail.groupdict().items() if v is not None}
+    return text, {}
+
+
+def parse_node_line(line: str) -> dict[str, str]:
+    """One line of ``scontrol -o show node``: the pairs before ``Reason=``, then the
+    reason whole, then the known keys after it; none overrides one before it."""
+    head, sep, rest = line.partition(" Reason=")
+    out = parse_key_values(head)
+    if sep:
+        reason, after = _node_reason(rest)
+        out["Reason"] = reason
+        for key, value in after.items():
+            out.setdefault(key, value)
     return out
 
 
@@ -288,7 +365,7 @@ def parse_nodes(text: str) -> dict[str, NodeInfo]:
     for line in text.splitlines():
         if not line.strip():
             continue
-        kv = parse_key_values(line)
+        kv = parse_node_line(line)
         if "NodeName" not in kv or "State" not in kv:
             raise SlurmParseError(f"scontrol show node: cannot read line {line[:120]!r}")
         state = kv["State"]
@@ -296,6 +373,32 @@ def parse_nodes(text: str) -> dict[str, NodeInfo]:
             state = state.rstrip("*") + "+NOT_RESPONDING"
         out[kv["NodeName"]] = NodeInfo(name=kv["NodeName"], state=state,
                                        addr=kv.get("NodeAddr", kv["NodeName"]), reason=kv.get("Reason", ""))
+    return out
+
+
+# --- scontrol -o --------------------------------------------------------------------
+
+
+# A job's Reason= is Slurm's own word, mid-line: it ends where the next key starts.
+_AFTER_REASON = re.compile(r" (?=[A-Z][A-Za-z0-9_:/]*=)")
+
+
+def parse_key_values(line: str) -> dict[str, str]:
+    """One ``scontrol -o`` record of a job or partition (a node's: ``parse_node_line``).
+    Values hold no spaces except ``Reason``'s; a key given twice keeps its first value."""
+    reason = ""
+    if " Reason=" in line:
+        line, reason = line.split(" Reason=", 1)
+        reason, *after = _AFTER_REASON.split(reason, maxsplit=1)
+        line = " ".join([line, *after])
+    out: dict[str, str] = {}
+    for token in line.split():
+        key, sep, value = token.partition("=")
+        if sep:
+            out.setdefault(key, value)
+    if reason:
+        # "probe failed: ECC [root@2026-11-22T08:59:15]": drop Slurm's who-and-when suffix.
+        out["Reason"] = re.sub(r"\s*\[[^\]]*@[^\]]*\]\s*$", "", reason)
     return out
 
 

@@ -1,12 +1,12 @@
 """What Slurm said last: its jobs, steps and nodes, polled off the reconciler's path.
 
 The reconciler never waits for slurmctld. Started (``start``), a worker thread polls
-``squeue --json`` (falling back to its text form), ``squeue --steps`` and
-``scontrol show node`` every ``poll_interval_s``, each with the command's own timeout,
-and keeps the last good answer of each. Readers get that answer at once; a failed
-poll keeps the previous one ("status unknown", never "job gone"), and
-``answered_since`` says how fresh it is, so that while slurmctld hangs the supervisor
-knows it, and decides nothing that needs Slurm.
+``squeue --json`` (falling back to its text form), ``squeue --steps`` and the node
+table (``NODE_QUERIES``: JSON where this Slurm prints it) every ``poll_interval_s``, each
+with the command's own timeout, and keeps the last good answer of each. Readers get
+that answer at once; a failed poll keeps the previous one ("status unknown", never "job
+gone"), and ``answered_since`` says how fresh it is, so that while slurmctld hangs the
+supervisor knows it, and decides nothing that needs Slurm.
 
 Not started (tests, the CLIs), a read polls inline when its answer is older than
 ``poll_interval_s``. After an action that changes Slurm's state (sbatch, scancel,
@@ -30,6 +30,17 @@ T = TypeVar("T")
 
 _POLLED = ("jobs", "steps", "nodes")  # what the worker polls each round (partitions: at submit only)
 
+# How the node table is read, best first. A node's Reason may carry a trainer's words
+# (a drain names the line that blamed the node), and only JSON keeps it apart from the
+# node's name, address and state. 22.05 prints it with sinfo (its openapi plugin) and
+# has no scontrol --json; 23.02 and later print it with scontrol. The text form is read
+# where neither answers (parse.parse_nodes never reads a Reason as fields either).
+NODE_QUERIES: tuple[tuple[tuple[str, ...], Callable[[str], dict[str, parse.NodeInfo]]], ...] = (
+    (("sinfo", "--json", "--all"), parse.parse_nodes_json),
+    (("scontrol", "--json", "show", "node"), lambda text: parse.parse_nodes_json(text, "scontrol --json")),
+    (("scontrol", "-o", "show", "node"), parse.parse_nodes),
+)
+
 
 class SlurmState:
     def __init__(self, commands: SlurmCommands, *, poll_interval_s: float = 0.5,
@@ -43,6 +54,7 @@ class SlurmState:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self.node_query: int | None = None  # NODE_QUERIES' first that answered: the one asked from then on
 
     # --- the worker ---------------------------------------------------------------------
 
@@ -132,22 +144,36 @@ class SlurmState:
         if reply.ok:
             return parse.parse_squeue_json(reply.stdout)
         # Slurm without the openapi plugin (or before 21.08): the text form.
-        reply = self.commands.run(["squeue", "-h", "-o", parse.SQUEUE_FORMAT])
+        reply = self.commands.run(["squeue", "-h", "-o", parse.SQUEUE_OWNED_FORMAT])
         if not reply.ok:
             raise parse.SlurmParseError(reply.describe())
-        return parse.parse_squeue_text(reply.stdout)
+        return parse.parse_squeue_text(reply.stdout, owners=True)
 
     def _fetch_steps(self) -> list[parse.StepInfo]:
-        reply = self.commands.run(["squeue", "--steps", "-h", "-o", parse.STEPS_FORMAT])
+        reply = self.commands.run(["squeue", "--steps", "-h", "-o", parse.STEPS_OWNED_FORMAT])
         if not reply.ok:
             raise parse.SlurmParseError(reply.describe())
-        return parse.parse_steps_text(reply.stdout)
+        return parse.parse_steps_text(reply.stdout, owners=True)
 
     def _fetch_nodes(self) -> dict[str, parse.NodeInfo]:
-        reply = self.commands.run(["scontrol", "-o", "show", "node"])
-        if not reply.ok:
-            raise parse.SlurmParseError(reply.describe())
-        return parse.parse_nodes(reply.stdout)
+        """The first of NODE_QUERIES that answers; once one has, only that one (a failure
+        then is Slurm's, not the form's: it is not asked again in another form)."""
+        first = self.node_query
+        tried = [first] if first is not None else range(len(NODE_QUERIES))
+        failures = []
+        for k in tried:
+            argv, read = NODE_QUERIES[k]
+            reply = self.commands.run(argv)
+            try:
+                if not reply.ok:
+                    raise parse.SlurmParseError(reply.describe())
+                nodes = read(reply.stdout)
+            except parse.SlurmParseError as e:
+                failures.append(str(e))
+                continue
+            self.node_query = k
+            return nodes
+        raise parse.SlurmParseError("; ".join(failures))
 
     def _fetch_partitions(self) -> dict[str, parse.PartitionInfo]:
         reply = self.commands.run(["scontrol", "-o", "show", "partition"])
