@@ -43,7 +43,7 @@ from typing import Any
 
 import psutil
 
-from supervisor import users
+from supervisor import user_files, users
 from supervisor.domain import ProcState
 from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import CannotExecute, LaunchError, SpecError
@@ -248,12 +248,15 @@ class SlurmLauncher:
                           launch=spec.launch, step=step)
         env = step_env(spec.env, step, ranks_per_node=spec.ranks_per_node, launch=spec.launch,
                        marker=spec.marker)
-        spec.log_dir.mkdir(parents=True, exist_ok=True)
+        if spec.trusted_dir is None:
+            spec.log_dir.mkdir(parents=True, exist_ok=True)
+        with user_files.directory(spec.log_base, spec.log_dir, create=True):
+            pass  # made, or found, without following a link below the daemon's own directory
         run_as = users.for_launch(spec.user)
         env |= users.login_env(run_as)
         try:
             p = self.commands.start_step(srun_argv(req), env=env, log_path=spec.log_dir / "srun.log",
-                                         user=run_as)
+                                         user=run_as, log_base=spec.log_base)
         except ValueError as e:
             # Popen cannot pass it (a NUL byte in an argument or a variable): no retry will.
             raise CannotExecute(f"cannot start srun for {spec.argv[0]!r}: {e}") from e
@@ -416,11 +419,16 @@ def _own_step(steps: list[parse.StepInfo], job: str | None, name: str,
                  and (s.user_id is None or s.owned_by(uid))), None)
 
 
+_SRUN_LOG_TAIL = 1 << 20  # srun's own lines about its tasks come last
+
+
 def _task_exits(log_path: Path) -> dict[int, int]:
     """Per-task endings srun reported: task -> exit code (negative: the signal)."""
     out: dict[int, int] = {}
-    try:
-        text = log_path.read_text(errors="replace")
+    try:  # the run's user's directory: a regular file only, and only its end (read every tick)
+        size = user_files.size_of(log_path)
+        text = user_files.read_bytes(log_path, _SRUN_LOG_TAIL, offset=max(0, size - _SRUN_LOG_TAIL)).decode(
+            errors="replace")
     except OSError:
         return out
     for line in text.splitlines():
