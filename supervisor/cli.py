@@ -195,6 +195,7 @@ def serve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> tupl
         cluster_id=config.cluster_id, run_as=config.run_as, allow_root_runs=config.allow_root_runs,
         run_users=tuple(config.run_users) if config.run_users is not None else None,
         shared_dir=config.shared_dir, slurm_admin_prefix=tuple(config.slurm_admin_prefix),
+        runs_share_admin_rights=config.runs_share_admin_rights,
         hyperpod=config.hyperpod,
         retention=Retention(metrics_days=config.retention_metrics_days,
                             events_days=config.retention_events_days),

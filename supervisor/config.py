@@ -24,6 +24,8 @@ override that again (``cli.py``). Every error names the key and where it came fr
     shared_dir = "/fsx/training-supervisor"      # run logs and checkpoints, on every node
                                                  # (absent: state_dir, one host only)
     slurm_admin_prefix = ["sudo", "-n"]          # before scontrol drain/resume (README)
+    runs_share_admin_rights = false              # runs may execute as the daemon's user even
+                                                 # with slurm_admin_prefix (one tenant only)
     hyperpod = false                             # SageMaker HyperPod: a node to repair is set
                                                  # FAIL with Reason "Action:Replace" or
                                                  # "Action:Reboot", HyperPod's own words
@@ -84,6 +86,7 @@ class ServiceConfig(BaseModel):
     # Put before the scontrol calls that need Slurm operator rights (drain, resume,
     # reservations) when the daemon's user has none, e.g. ["sudo", "-n"] (README).
     slurm_admin_prefix: list[Annotated[str, Field(min_length=1, max_length=200)]] = []
+    runs_share_admin_rights: bool = False
     hyperpod: bool = False
     launcher: Literal["local", "slurm"] = "local"
     slurm_conf: str | None = None

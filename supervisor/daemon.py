@@ -92,6 +92,7 @@ class DaemonSettings:
     run_users: tuple[str, ...] | None = None  # who a spec's user may be (None: users.may_run_as)
     shared_dir: Path | None = None  # run directories go under <shared_dir>/runs (None: the state dir)
     slurm_admin_prefix: tuple[str, ...] = ()  # before scontrol's privileged calls, e.g. ("sudo", "-n")
+    runs_share_admin_rights: bool = False  # runs may execute as the daemon's user despite that prefix
     hyperpod: bool = False  # SageMaker HyperPod: repairs are asked with its Action: reasons
     api_host: str = "127.0.0.1"
     api_port: int | None = 8470  # None: no API; 0: any free port
@@ -194,6 +195,7 @@ class Daemon:
                 launcher=self.launcher, nodes=self.cluster.nodes,
                 check_trainer=self.settings.check_trainer_config, run_as=st.run_as,
                 allow_root_runs=st.allow_root_runs, run_users=st.run_users,
+                admin_rights=bool(st.slurm_admin_prefix) and not st.runs_share_admin_rights,
                 clock=self.clock, health=self.health,
             )
             if self.cluster.slurm is not None:

@@ -59,12 +59,14 @@ class SupervisorService:
         check_trainer: bool = True, clock: Callable[[], float] = time.time,
         health: Callable[[], DaemonHealth] | None = None,
         run_as: str | None = None, allow_root_runs: bool = False, run_users: Sequence[str] | None = None,
+        admin_rights: bool = False,
     ) -> None:
         self.store = store
         self.runs_dir = runs_dir
         self.run_as = run_as  # who a run executes as when its spec names no one (supervisor/users.py)
         self.allow_root_runs = allow_root_runs
         self.run_users = run_users  # who a spec may name as its user (None: users.may_run_as's rule)
+        self.admin_rights = admin_rights  # runs must not execute as the daemon's user (users.resolve)
         self.mqtt_url = mqtt_url
         self.launcher = launcher  # for submit-time checks of what the cluster can give
         self.node_admin = nodes  # for an operator's probe of one node
@@ -111,7 +113,7 @@ class SupervisorService:
         or cannot (this daemon cannot become that user; a checkpoint directory outside
         the run directory that the user cannot write)."""
         user = users.resolve(spec.user, self.run_as, allow_root=self.allow_root_runs,
-                             run_users=self.run_users)
+                             run_users=self.run_users, admin_rights=self.admin_rights)
         run_dir = self.runs_dir / "run-check"
         ck = trainer_cmd.checkpoint_dir(spec, run_dir)
         if not ck.is_relative_to(run_dir) and not users.writable_by(ck, user):

@@ -92,9 +92,12 @@ def daemon_user() -> RunAs:
 
 
 def resolve(spec_user: str | None, run_as: str | None, *, allow_root: bool,
-            run_users: Sequence[str] | None = None) -> RunAs:
+            run_users: Sequence[str] | None = None, admin_rights: bool = False) -> RunAs:
     """The user a run executes as; SpecError naming the key when it cannot or must not.
-    ``run_users``: the config's allow-list for a spec's ``user`` (None: ``may_run_as``)."""
+    ``run_users``: the config's allow-list for a spec's ``user`` (None: ``may_run_as``).
+    ``admin_rights``: the daemon's own user may drain nodes (``slurm_admin_prefix``), so a
+    run must not execute as it (its trainer would inherit them) unless the config says so
+    (``runs_share_admin_rights``, for a cluster of one tenant)."""
     key = "user" if spec_user else "run_as (config)" if run_as else None
     name = spec_user or run_as
     user = lookup(name) if name else daemon_user()
@@ -103,6 +106,11 @@ def resolve(spec_user: str | None, run_as: str | None, *, allow_root: bool,
                  "the daemon runs as root and neither the spec (user) nor the config (run_as) names a user")
         raise SpecError(f"user: this run would execute as root ({where}); name another user, or set "
                         "allow_root_runs = true in the daemon's config")
+    if admin_rights and user.is_me:
+        raise SpecError(f"user: this run would execute as {user.name}, the daemon's own user, which may "
+                        "drain and resume nodes (slurm_admin_prefix): its trainer would inherit that. Run "
+                        "the daemon as root with runs as their users, or set runs_share_admin_rights = true "
+                        "in the daemon's config on a cluster of one tenant")
     # The operator's own choices (run_as, the daemon's user) stand; a spec's is checked.
     if spec_user and not user.is_root and spec_user != run_as and not user.is_me:
         refused = may_run_as(user, run_users)

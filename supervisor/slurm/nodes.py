@@ -40,10 +40,12 @@ REASON_MAX = 256
 
 def slurm_reason(text: str) -> str:
     """``text`` as a drain Reason: newlines, tabs and every other unprintable character
-    (controls, bidirectional overrides) become spaces, runs of spaces one, and the whole
-    is cut to REASON_MAX characters. Slurm prints a Reason's lines apart; one line of text
+    (controls, bidirectional overrides) become spaces, runs of spaces one, "=" a colon,
+    and the whole is cut to REASON_MAX characters. Slurm prints a Reason's lines apart; one line of text
     is what every reader of a Reason expects."""
-    flat = " ".join("".join(ch if ch.isprintable() else " " for ch in text).split())
+    # "=" becomes ":": nothing in a Reason can read as a field after it (the sudo rule in
+    # systemd/sudoers.training-supervisor admits a Reason without one).
+    flat = " ".join("".join(ch if ch.isprintable() else " " for ch in text).replace("=", ":").split())
     if len(flat) > REASON_MAX:
         flat = flat[:REASON_MAX - 3].rstrip() + "..."
     return flat or "(no reason given)"

@@ -23,7 +23,7 @@ from slurmbox.box import Box
 from supervisor import users
 from supervisor.slurm import parse
 from supervisor.users import RunAs
-from tests.conftest import free_port, require, wait_for
+from tests.conftest import REPO, free_port, require, wait_for
 from tests.e2e.conftest import EXAMPLE, Serve, serve_config, slurm, spec_for_slurm, trainer_processes
 
 pytestmark = pytest.mark.e2e
@@ -112,11 +112,15 @@ def test_serve_refuses_root_runs_and_starts_a_run_as_the_user_its_spec_names(
         daemon.kill(15)
 
 
-# The README's rule for a cluster without Slurm accounting: the daemon's user may run
-# scontrol as root, and nothing else (SLURM_CONF kept: the box's is not the default one).
-SUDOERS = """Defaults:{user} env_keep += "SLURM_CONF"
-{user} ALL=(root) NOPASSWD: /usr/bin/scontrol
-"""
+# The shipped rule for a cluster without Slurm accounting: the daemon's user may change
+# nodes' states and its own probe reservation as root, nothing else (SLURM_CONF kept: the
+# box's is not the default one).
+SUDOERS_FILE = REPO / "systemd" / "sudoers.training-supervisor"
+
+
+def sudoers_for(user: str) -> str:
+    return "".join(line.replace("training-supervisor", user, 1) if not line.startswith("#") else line
+                   for line in SUDOERS_FILE.read_text().splitlines(keepends=True))
 
 
 @pytest.fixture
@@ -126,7 +130,7 @@ def operator(open_dir: Path) -> Iterator[RunAs]:
     user = system_user("tsup-op", open_dir)
     rule = Path("/etc/sudoers.d/tsup-test-op")
     try:
-        rule.write_text(SUDOERS.format(user=user.name))
+        rule.write_text(sudoers_for(user.name))
         rule.chmod(0o440)
         subprocess.run(["visudo", "-cf", str(rule)], check=True, capture_output=True)
         yield user
@@ -145,7 +149,8 @@ def test_on_the_box_the_daemon_runs_as_its_own_user_and_drains_through_sudo(
         d.mkdir()
         os.chown(d, operator.uid, operator.gid)
     conf = serve_config(open_dir / "config.toml", state, port, shared_dir=str(shared), launcher="slurm",
-                        slurm_conf=str(slurm_box.conf), slurm_admin_prefix=["sudo", "-n"])
+                        slurm_conf=str(slurm_box.conf), slurm_admin_prefix=["sudo", "-n"],
+                        runs_share_admin_rights=True)  # its runs execute as itself: one tenant
     daemon = Serve(state, port, config=conf, user=operator, extra_env={"TSUP_ALLOW_ROOT_RUNS": "false"})
     try:
         assert psutil.Process(daemon.proc.pid).uids().real == operator.uid, "the daemon is not root"
@@ -189,3 +194,49 @@ def test_on_the_box_a_root_daemon_starts_the_run_as_the_user_its_spec_names(
         wait_for(lambda: slurm(slurm_box, "squeue", "-h") == "", 60, "alice's allocation given back")
     finally:
         daemon.kill(15)
+
+
+def may_sudo(user: RunAs, *argv: str) -> bool:
+    """Whether ``user``'s sudo rules let it run ``argv`` as root (sudo -l: nothing runs)."""
+    done = subprocess.run(["sudo", "-n", "-l", *argv], user=user.uid, group=user.gid, capture_output=True,
+                          check=False, env={"PATH": "/usr/bin:/bin", "HOME": user.home})
+    return done.returncode == 0
+
+
+def test_the_sudo_rule_admits_the_daemons_node_commands_and_nothing_else_of_slurm(operator: RunAs) -> None:
+    """A trainer of a run executing as the daemon's user (or anyone who becomes it) holds
+    its sudo rule. Before, that rule was all of scontrol: cancel any job, reservations,
+    `scontrol write batch_script JOB PATH` writing any file as root (issue 26, item 4)."""
+    from supervisor.slurm.nodes import SlurmNodes
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.ran: list[list[str]] = []
+
+        def admin(self, argv: list[str]) -> Any:
+            self.ran.append(argv)
+            return type("Reply", (), {"ok": True, "why": "", "out": ""})()
+
+        def run(self, argv: list[str], **_: Any) -> Any:
+            return self.admin(argv)
+
+    recorder = Recorder()
+    nodes = SlurmNodes(recorder, type("State", (), {"refresh": lambda self: None})(),  # type: ignore[arg-type]
+                       prefix="tsup-0a1b2c3d")
+    nodes.drain("node1", "training-supervisor: device fault reported by the trainer: loss=nan (run-1)")
+    nodes.undrain("node1")
+    scontrol = shutil.which("scontrol") or "/usr/bin/scontrol"
+    for argv in recorder.ran:
+        assert may_sudo(operator, scontrol, *argv[1:]), argv
+    assert may_sudo(operator, scontrol, "update", "NodeName=node1", "State=FAIL", "Reason=Action:Replace")
+    assert may_sudo(operator, scontrol, "create", "reservation", "ReservationName=tsup-0a1b2c3d-probe",
+                    "Nodes=node1,node2", f"Users={operator.name}", "StartTime=now", "Duration=3",
+                    "Flags=MAINT,IGNORE_JOBS")
+    assert may_sudo(operator, scontrol, "delete", "ReservationName=tsup-0a1b2c3d-probe")
+    for refused in (["write", "batch_script", "5", "/etc/passwd"], ["update", "PartitionName=debug", "State=DOWN"],
+                    ["update", "NodeName=node1", "State=DRAIN", "Reason=x", "NodeAddr=10.6.6.6"],
+                    ["update", "NodeName=node1", "State=DRAIN", "Reason=x Weight=1"],
+                    ["update", "NodeName=node1", "State=RESUME", "NodeAddr=1.2.3.4"],
+                    ["delete", "ReservationName=someone-elses"], ["cancel", "5"], ["shutdown"]):
+        assert not may_sudo(operator, scontrol, *refused), refused
+    assert not may_sudo(operator, shutil.which("scancel") or "/usr/bin/scancel", "5")

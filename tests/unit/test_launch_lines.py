@@ -125,7 +125,8 @@ class _Commands:
     def __init__(self) -> None:
         self.started: list[tuple[list[str], dict[str, str]]] = []
 
-    def start_step(self, argv: list[str], *, env: dict[str, str], log_path: Path, user: object) -> Any:
+    def start_step(self, argv: list[str], *, env: dict[str, str], log_path: Path, user: object,
+                   log_base: Path | None = None) -> Any:
         self.started.append((list(argv), dict(env)))
         return subprocess.Popen([sys.executable, "-c", "pass"])
 

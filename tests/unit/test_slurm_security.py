@@ -231,10 +231,12 @@ def test_a_drain_reason_goes_to_slurm_as_one_bounded_line_of_printable_text() ->
     [argv] = [a for a in slurm.ran if a[:2] == ["scontrol", "update"]]
     assert argv[:3] == ["scontrol", "update", "NodeName=node3"] and argv[3] == "State=DRAIN"
     reason = argv[4].removeprefix("Reason=")
-    assert reason.startswith(f"training-supervisor: device: rank 1 printed: {ATTACK} NodeName=node2 State=IDLE [2J")
+    shown = ATTACK.replace("=", ":")  # no "=" in a Reason: nothing reads as a field after it
+    assert reason.startswith(f"training-supervisor: device: rank 1 printed: {shown} NodeName:node2 State:IDLE [2J")
     assert len(reason) <= REASON_MAX and reason.endswith("...") and reason.isprintable()
     assert slurm_reason("operator: fan failure") == "operator: fan failure"
     assert slurm_reason("\n\t ") == "(no reason given)"
+    assert "=" not in slurm_reason("loss=nan grad_norm=inf")
 
 
 # --- (6) a NUL byte ---------------------------------------------------------------------

@@ -113,3 +113,12 @@ def test_a_spec_may_name_a_persons_account_or_one_run_users_lists(tmp_path: Path
     defs.write_text("# comment\nUID_MIN\t\t 5000\n")
     assert users.uid_min(defs) == 5000
     assert users.uid_min(tmp_path / "missing") == 1000
+
+
+def test_a_run_may_not_execute_as_a_daemon_user_that_holds_node_admin_rights() -> None:
+    """With slurm_admin_prefix, the daemon's user may drain nodes through sudo: a trainer
+    running as it would inherit that (issue 26, item 4)."""
+    me = users.daemon_user()
+    with pytest.raises(SpecError, match="the daemon's own user, which may drain"):
+        users.resolve(None, None, allow_root=True, admin_rights=True)
+    assert users.resolve(None, None, allow_root=True, admin_rights=False) == me
