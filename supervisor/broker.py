@@ -14,24 +14,310 @@ local launcher, on loopback. ``mqtt_bind`` (HOST or HOST:PORT) and
 several networks. The daemon refuses to start when the advertised address does not
 answer from this host: a typo would otherwise cost every run its telemetry until the
 hang rules fire.
+
+Who may do what (``BrokerAccess``). Nobody gets in without an account, and an account
+publishes and subscribes only where its list says (``<c>``: the daemon's cluster id):
+
+    supervisor   the daemon itself; its password is made on the first start and kept in
+                 <state dir>/broker-password (0600). Reads tsup/v1/<c>/telemetry/#;
+                 writes tsup/v1/<c>/events/# and its presence tsup/v1/<c>/supervisor, the
+                 one message this broker retains.
+    reader       a dashboard; its password is the API's read-only token. Reads the
+                 event log, the telemetry and the presence; writes nothing.
+    <c>/<run>/<attempt>  that attempt's ranks (trainer/protocol.py: attempt_login, its
+                 password derived from the telemetry secret, handed to its ranks in
+                 their environment). Writes tsup/v1/<c>/telemetry/<run>/<attempt>/+/+,
+                 reads the presence; nothing else.
+
+amqtt cannot be told most of this, so the broker is amqtt's with its connection step
+replaced (``_admit``). amqtt drops or takes over the session that holds a client id
+before it authenticates the client that asks for it; here a CONNECT is judged first,
+and refused (CONNACK 5, not authorized) for a bad or missing login, a client id that is
+not the account's (a rank's is ``tsup-<run>-<attempt>-<rank>-<pid>`` of its own
+attempt, the supervisor's starts ``training-supervisor``, a reader's is neither), a
+persistent session (this broker keeps none: what it queued for one would grow without
+bound), and a last will the account could not publish (or retain) itself. A CONNECT
+must come within ``CONNECT_WITHIN_S``. A packet longer than ``MAX_PACKET_BYTES`` (the
+supervisor's own excepted) ends its connection as its header announces it, before its
+body is read (``PacketLimit``). A retained message is kept only from the supervisor on
+its presence topic; from anyone else it is delivered and not kept.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
+import hmac
 import ipaddress
 import json
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from supervisor.errors import SupervisorError
+from trainer import protocol
 from trainer.routes import route_source
 
 _WILDCARD = ("0.0.0.0", "::")  # noqa: S104 - a bind the operator chose, recognised here
 
+SUPERVISOR_USER = "supervisor"
+READER_USER = "reader"
+SUPERVISOR_PASSWORD_FILE = "broker-password"  # noqa: S105 - in the state directory, 0600
+# The longest packet a rank or a reader may send: a NodeReport of MAX_NODE_RANKS ranks
+# (trainer/protocol.py), the longest message the protocol has, is about half of it.
+MAX_PACKET_BYTES = 256 * 1024
+CONNECT_WITHIN_S = 10.0  # a connection that sends no CONNECT in this long is closed
+_SUPERVISOR_IDS = "training-supervisor"  # the supervisor's client ids start so
+_LOGINS_KEPT = 100_000  # logins remembered (each one checked once), for every message's ACL
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Account:
+    """What one login may do: the topic filters it may publish to, subscribe to (and so
+    receive from) and retain on, the client ids that are its own, and the longest packet
+    it may send (None: any)."""
+
+    username: str
+    owns_client_id: Callable[[str], bool]
+    publish: tuple[str, ...] = ()
+    subscribe: tuple[str, ...] = ()
+    retain: tuple[str, ...] = ()
+    max_packet: int | None = MAX_PACKET_BYTES
+
+    def may_publish(self, topic: str) -> bool:
+        return any(covers(f, topic) for f in self.publish)
+
+    def may_subscribe(self, topic_filter: str) -> bool:
+        """Whether every topic ``topic_filter`` matches is one this account may read."""
+        return any(covers(f, topic_filter) for f in self.subscribe)
+
+    def may_retain(self, topic: str) -> bool:
+        return any(covers(f, topic) for f in self.retain)
+
+
+def covers(allowed: str, wanted: str) -> bool:
+    """Whether the topic filter ``allowed`` matches every topic that ``wanted`` (a topic or
+    a filter) matches: ``tsup/v1/c/telemetry/#`` covers ``tsup/v1/c/telemetry/run-1/1/+/step``,
+    and not ``tsup/v1/#``."""
+    have, want = allowed.split("/"), wanted.split("/")
+    for i, level in enumerate(have):
+        if level == "#":
+            return True
+        if i >= len(want) or want[i] == "#" or level not in ("+", want[i]):
+            return False
+    return len(want) == len(have)
+
+
+class BrokerAccess:
+    """The embedded broker's accounts, and what each may do (see the module docstring).
+    ``secret`` is the telemetry secret the attempts' passwords derive from."""
+
+    def __init__(self, cluster: str, secret: bytes, supervisor_password: str,
+                 reader_password: str | None = None) -> None:
+        self.cluster = cluster
+        self._secret = secret
+        self._passwords = {SUPERVISOR_USER: supervisor_password}
+        if reader_password:
+            self._passwords[READER_USER] = reader_password
+        self._logins: dict[tuple[str, str], Account | None] = {}
+
+    def account(self, username: str | None, password: str | None) -> Account | None:
+        """The account a login opens; None for a wrong or missing one."""
+        if not username or password is None:
+            return None
+        login = (username, password)
+        if login not in self._logins:
+            if len(self._logins) >= _LOGINS_KEPT:  # wrong guesses must not grow it for ever
+                self._logins.clear()
+            self._logins[login] = self._check(username, password)
+        return self._logins[login]
+
+    def _check(self, username: str, password: str) -> Account | None:
+        c = self.cluster
+        presence = protocol.presence_topic(c)
+        if username in self._passwords:
+            if not _same(password, self._passwords[username]):
+                return None
+            if username == SUPERVISOR_USER:
+                return Account(username, lambda cid: cid.startswith(_SUPERVISOR_IDS),
+                               publish=(f"tsup/v1/{c}/events/#", presence),
+                               subscribe=(protocol.topic_filter(c),), retain=(presence,), max_packet=None)
+            return Account(username, lambda cid: not cid.startswith((_SUPERVISOR_IDS, "tsup-")),
+                           subscribe=(f"tsup/v1/{c}/events/#", protocol.topic_filter(c), presence))
+        attempt = protocol.attempt_of_login(username)
+        if attempt is None or attempt[0] != c:
+            return None
+        _, run, number = attempt
+        if not _same(password, protocol.attempt_login(self._secret, c, run, number)[1]):
+            return None
+        return Account(username, lambda cid: protocol.attempt_of_client_id(cid) == (run, number),
+                       publish=(f"tsup/v1/{c}/telemetry/{run}/{number}/+/+",), subscribe=(presence,))
+
+    def refusal(self, account: Account | None, *, client_id: str, clean_session: bool,
+                will: tuple[str, bool] | None, holder: str | None) -> str | None:
+        """Why a CONNECT is refused (None: it is not). ``will``: its last will's (topic,
+        retain); ``holder``: the username of a connected session with the same client id."""
+        if account is None:
+            return "no such login"
+        if not account.owns_client_id(client_id):
+            return f"client id {client_id!r} is not one of {account.username!r}'s"
+        if holder is not None and holder != account.username:
+            return f"client id {client_id!r} is another account's"
+        if not clean_session:
+            return "a persistent session (this broker keeps none: connect with a clean session)"
+        if will is not None:
+            topic, retain = will
+            if not account.may_publish(topic):
+                return f"a last will on {topic!r}, where {account.username!r} may not publish"
+            if retain and not account.may_retain(topic):
+                return f"a retained last will on {topic!r}, where {account.username!r} may not retain"
+        return None
+
+
+def _same(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(errors="surrogateescape"), expected.encode())
+
+
+class PacketTooLarge(Exception):
+    """A client announced a packet longer than it may send."""
+
+
+class PacketLimit:
+    """A client's stream, as amqtt reads it (its ReaderAdapter), that ends the connection
+    at a packet longer than ``limit`` bytes (None: any), as the packet's fixed header
+    announces its length: before amqtt reads the body into memory."""
+
+    def __init__(self, reader: asyncio.StreamReader, limit: int | None) -> None:
+        self._reader = reader
+        self.limit = limit
+        self._body_left = 0  # bytes of the current packet still to come
+        self._length: int | None = None  # its remaining length so far; None: at a packet's first byte
+        self._shift = 0
+
+    async def read(self, n: int = -1) -> bytes:
+        data = await (self._reader.read() if n < 0 else self._reader.readexactly(n))
+        self._follow(data)
+        return data
+
+    def feed_eof(self) -> None:
+        self._reader.feed_eof()
+
+    def _follow(self, data: bytes) -> None:
+        """Follow the packets' boundaries through ``data``: a type byte, the remaining
+        length (7 bits a byte, at most 4 bytes), then that many bytes of body."""
+        i = 0
+        while i < len(data):
+            if self._body_left:
+                took = min(self._body_left, len(data) - i)
+                self._body_left -= took
+                i += took
+            elif self._length is None:
+                self._length, self._shift = 0, 0
+                i += 1
+            else:
+                byte = data[i]
+                i += 1
+                self._length += (byte & 0x7F) << self._shift
+                self._shift += 7
+                if byte & 0x80 and self._shift >= 28:
+                    raise PacketTooLarge("a remaining length of more than 4 bytes")
+                if not byte & 0x80:
+                    if self.limit is not None and self._length > self.limit:
+                        raise PacketTooLarge(f"a packet of {self._length} bytes (at most {self.limit})")
+                    self._body_left, self._length = self._length, None
+
+
+async def _admit(broker: Any, reader: Any, writer: Any, address: str, port: int) -> tuple[Any, Any]:
+    """amqtt's connection step, with the checks first (see the module docstring):
+    (its protocol handler, its session), or AMQTTError when refused (amqtt logs it)."""
+    from amqtt.errors import AMQTTError, MQTTError, NoDataError
+    from amqtt.mqtt.connack import NOT_AUTHORIZED, ConnackPacket
+    from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+    from amqtt.utils import gen_client_id
+
+    try:
+        async with asyncio.timeout(CONNECT_WITHIN_S):
+            handler, session = await BrokerProtocolHandler.init_from_connect(reader, writer,
+                                                                             broker.plugins_manager)
+    except (AMQTTError, MQTTError, NoDataError, PacketTooLarge, TimeoutError) as e:
+        await _close(writer)
+        raise AMQTTError(f"{address}:{port}: no acceptable CONNECT: {str(e) or type(e).__name__}") from e
+    session.client_id = session.client_id or gen_client_id()
+    account = broker.access.account(session.username, session.password)
+    held = broker.sessions.get(session.client_id)
+    holder = held[0].username if held is not None and held[0].transitions.is_connected() else None
+    will = (session.will_topic, bool(session.will_retain)) if session.will_flag else None
+    why = broker.access.refusal(account, client_id=session.client_id, clean_session=session.clean_session,
+                                will=will, holder=holder)
+    if why is not None:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(5):
+                await ConnackPacket.build(0, NOT_AUTHORIZED).to_stream(writer)
+        await _close(writer)
+        raise AMQTTError(f"{address}:{port}: refused {session.username or 'anonymous'!r}: {why}")
+    if isinstance(reader, PacketLimit):
+        reader.limit = account.max_packet if account is not None else MAX_PACKET_BYTES
+    # A clean session, as every one is here: the account's own earlier one with this id goes.
+    await broker._delete_session(session.client_id)
+    session.parent = 0
+    return handler, session
+
+
+async def _close(writer: Any) -> None:
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(5):
+            await writer.close()
+
+
+@functools.cache
+def _guarded_broker() -> type:
+    """amqtt's Broker with the checks of the module docstring (amqtt is imported here:
+    only the embedded default needs it)."""
+    from amqtt.adapters import StreamWriterAdapter
+    from amqtt.broker import Broker
+    from amqtt.contexts import Action
+
+    class GuardedBroker(Broker):  # type: ignore[misc]
+        def __init__(self, config: dict[str, Any], access: BrokerAccess) -> None:
+            super().__init__(config)
+            self.access = access
+
+        async def stream_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                   listener_name: str) -> None:
+            await self._client_connected(listener_name, PacketLimit(reader, MAX_PACKET_BYTES),
+                                         StreamWriterAdapter(writer))
+
+        async def _initialize_client_session(self, reader: Any, writer: Any, address: str,
+                                             port: int) -> tuple[Any, Any]:
+            return await _admit(self, reader, writer, address, port)
+
+        async def _authenticate(self, session: Any, _listener: Any) -> bool:
+            return self.access.account(session.username, session.password) is not None
+
+        async def _topic_filtering(self, session: Any, topic: str, action: Action) -> bool:
+            account = self.access.account(session.username, session.password)
+            if account is None:
+                return False
+            if action == Action.PUBLISH:
+                return account.may_publish(topic)
+            return account.may_subscribe(topic)  # SUBSCRIBE, and RECEIVE: what it may read
+
+        async def retain_message(self, source_session: Any, topic_name: str | None, data: Any,
+                                 qos: int | None = None) -> None:
+            if source_session is not None:  # None: the broker's own
+                account = self.access.account(source_session.username, source_session.password)
+                if account is None or topic_name is None or not account.may_retain(topic_name):
+                    log.debug("embedded broker: not retained: %s on %s", source_session.client_id, topic_name)
+                    return
+            await super().retain_message(source_session, topic_name, data, qos)
+
+    return GuardedBroker
 
 
 class EmbeddedBroker:
@@ -47,20 +333,17 @@ class EmbeddedBroker:
         host = "127.0.0.1" if self.host in _WILDCARD else self.host
         return f"mqtt://{f'[{host}]' if ':' in host else host}:{self.port}"
 
-    async def start(self) -> None:
-        from amqtt.broker import Broker  # imported here: only the embedded default needs it
-
+    async def start(self, access: BrokerAccess) -> None:
+        """Listen, letting in only the logins of ``access``."""
         for logger in ("amqtt", "transitions"):
             logging.getLogger(logger).setLevel(logging.WARNING)
         # Trainers that outlived a previous daemon reconnect to the port they know, so
         # a remembered port is reused or the start fails; never silently moved.
         self.port = self.port or self._remembered_port() or _free_port(self.host)
         bind = f"[{self.host}]" if ":" in self.host else self.host
-        config = {
-            "listeners": {"default": {"type": "tcp", "bind": f"{bind}:{self.port}"}},
-            "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
-        }
-        broker = Broker(config)
+        # No plugins: the broker's own checks stand in for amqtt's authentication and topic ones.
+        config = {"listeners": {"default": {"type": "tcp", "bind": f"{bind}:{self.port}"}}, "plugins": {}}
+        broker = _guarded_broker()(config, access)
         try:
             await broker.start()
         except Exception as e:  # amqtt raises its own and OSError subclasses
@@ -73,7 +356,7 @@ class EmbeddedBroker:
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"host": self.host, "port": self.port}))
         tmp.replace(self.state_file)
-        log.info("embedded MQTT broker listening on %s", self.url)
+        log.info("embedded MQTT broker listening on %s (logins required)", self.url)
 
     async def stop(self) -> None:
         if self._broker is not None:

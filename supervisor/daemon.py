@@ -34,7 +34,7 @@ import socket
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TextIO
@@ -43,7 +43,13 @@ import aiomqtt
 import uvicorn
 from sqlalchemy.exc import SQLAlchemyError
 
-from supervisor.broker import EmbeddedBroker, broker_addresses
+from supervisor.broker import (
+    SUPERVISOR_PASSWORD_FILE,
+    SUPERVISOR_USER,
+    BrokerAccess,
+    EmbeddedBroker,
+    broker_addresses,
+)
 from supervisor.domain import LIVE_ATTEMPT_STATES
 from supervisor.errors import StateDirLocked, StoreError, SupervisorError
 from supervisor.launchers.base import ChaosHooks, Launcher, NodeAdmin, waiting_standbys
@@ -73,6 +79,11 @@ log = logging.getLogger(__name__)
 # the daemon instead of spinning: systemd restarts it and the operator sees why.
 _MAX_FAILED_TICKS = 100
 _STALLED_AFTER_S = 30.0  # /healthz answers 503 when no tick finished for this long
+# The telemetry's replay marks (TelemetryView.replay_marks) are kept in the state directory
+# this often and on the way out: a daemon restarted after a crash refuses replays of what
+# its predecessor verified, bar the last few seconds'.
+_REPLAY_MARKS_FILE = "telemetry-replay.json"
+_REPLAY_MARKS_EVERY_S = 5.0
 _OUTBOX_BATCH = 100  # events per outbox read
 
 
@@ -165,7 +176,7 @@ class Daemon:
         self._last_tick_at: float | None = None  # time.monotonic() of the last good tick
         self._api_socket: socket.socket | None = None
         # Built in __aenter__, once the broker's address is known:
-        self.mqtt_url: str = ""  # what ranks are told (it may hold their credentials)
+        self.mqtt_url: str = ""  # what ranks are told (an external broker's may hold their login)
         self.link: MqttLink | None = None
         self.reconciler: Reconciler | None = None
         self.service: SupervisorService | None = None
@@ -182,6 +193,7 @@ class Daemon:
         try:
             self.store.open()
             self._record_start()
+            self._load_replay_marks()
             await self._open_telemetry()
             st = self.settings
             config = ReconcilerConfig(mqtt_url=self.mqtt_url, mqtt_ca_file=st.mqtt_ca_file,
@@ -217,17 +229,28 @@ class Daemon:
         return self
 
     async def _open_telemetry(self) -> None:
-        """Start the embedded broker (or check the external one), and know what to tell ranks."""
+        """Start the embedded broker (or check the external one), and know what to tell ranks.
+
+        The embedded broker takes logins only (supervisor/broker.py): the daemon's own,
+        with the password kept in the state directory, and one per attempt, which its
+        ranks are given in their environment (supervisor/observe.py); the URL ranks are
+        told carries none. An external broker's URL may carry the daemon's password:
+        then ranks must be told another (``mqtt_advertise_url``, with their own account),
+        or the daemon does not start, rather than hand every run's user its login."""
         st = self.settings
-        self.telemetry.secret = _secret(st.state_dir / TELEMETRY_SECRET_NAME).encode()
+        secret = _secret(st.state_dir / TELEMETRY_SECRET_NAME).encode()
+        self.telemetry.secret = secret
         if self.broker is not None:
             slurm = self.cluster.slurm
             nodes = None if slurm is None else [n.addr for n in (slurm.state.nodes() or {}).values()]
             own, port, advertised = broker_addresses(st.mqtt_bind, st.mqtt_advertise_url, nodes)
             self.broker.host, self.broker.port = own, port or 0
-            await self.broker.start()
-            own_url = parse_broker_url(self.broker.url)
+            password = _secret(st.state_dir / SUPERVISOR_PASSWORD_FILE, "embedded broker's password")
+            reader = _secret(st.state_dir / READ_TOKEN_FILE_NAME, "read-only API token", group_may_read=True)
+            await self.broker.start(BrokerAccess(self.cluster_id, secret, password, reader_password=reader))
+            own_url = replace(parse_broker_url(self.broker.url), username=SUPERVISOR_USER, password=password)
             self.mqtt_url = advertised.format(port=self.broker.port)
+            self.telemetry.broker_logins = True
         else:
             assert st.mqtt_url is not None
             own_url = parse_broker_url(st.mqtt_url)
@@ -238,6 +261,15 @@ class Daemon:
         # the key to fix, rather than costing every run its telemetry.
         await _try_broker(self.link, "mqtt_bind" if self.broker else "mqtt_url")
         ranks_url = parse_broker_url(self.mqtt_url)
+        if self.broker is None and own_url.password and (ranks_url.username, ranks_url.password) == (
+                own_url.username, own_url.password):
+            unset = "unset, so " if st.mqtt_advertise_url is None else ""
+            raise SupervisorError(
+                f"mqtt_advertise_url: {unset}ranks would be told the daemon's own login to {own_url}; set "
+                "mqtt_advertise_url to the broker's URL with an account of the ranks' own (one that may "
+                "publish telemetry only)")
+        if self.broker is not None:  # checked with the daemon's login: the ranks' differ by attempt
+            ranks_url = replace(ranks_url, username=own_url.username, password=own_url.password)
         if ranks_url != own_url:
             ranks = MqttLink(ranks_url, TelemetryView(), self.clock, ca_file=st.mqtt_ca_file,
                              client_id=f"training-supervisor-check-{os.getpid()}")
@@ -260,7 +292,29 @@ class Daemon:
     ) -> None:
         await self._close()
 
+    def _load_replay_marks(self) -> None:
+        path = self.settings.state_dir / _REPLAY_MARKS_FILE
+        try:
+            marks = json.loads(path.read_text())
+            self.telemetry.load_replay_marks((str(m[0]), int(m[1]), int(m[2]), int(m[3])) for m in marks)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, TypeError, IndexError) as e:  # the daemon's own file: say so, go on
+            log.warning("%s unreadable (%s): replays of messages sent before this start are not refused",
+                        path, e)
+
+    def _keep_replay_marks(self) -> None:
+        path = self.settings.state_dir / _REPLAY_MARKS_FILE
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(self.telemetry.replay_marks()))
+            tmp.replace(path)
+        except OSError as e:
+            log.warning("cannot keep the telemetry's replay marks in %s: %s", path, e)
+
     async def _close(self) -> None:
+        if self.link is not None and self.reconciler is not None:
+            self._keep_replay_marks()
         if self.reconciler is not None:
             self.reconciler.close()
         self._tick_thread.shutdown(wait=True)
@@ -319,8 +373,12 @@ class Daemon:
 
     async def _reconcile_forever(self) -> None:
         failures, ready = 0, False
+        marks_kept = time.monotonic()
         while True:
             began = time.monotonic()
+            if began - marks_kept >= _REPLAY_MARKS_EVERY_S:
+                self._keep_replay_marks()
+                marks_kept = began
             try:
                 await self._tick()
                 self._last_tick_at = time.monotonic()

@@ -54,7 +54,7 @@ from supervisor.probes import ProbeScheduler
 from supervisor.spec import RunSpec, spec_from_json
 from supervisor.store import SqlStore
 from supervisor.telemetry import RankSeen, TelemetryView
-from trainer.protocol import KEY_ENV, attempt_key
+from trainer.protocol import KEY_ENV, PASSWORD_ENV, USERNAME_ENV, attempt_key, attempt_login
 
 log = logging.getLogger(__name__)
 
@@ -276,15 +276,18 @@ class Observer:
             env["TSUP_CLUSTER"] = self.telemetry.cluster
             if self.mqtt_ca_file is not None:
                 env["TSUP_MQTT_CA_FILE"] = str(self.mqtt_ca_file)
-            if self.telemetry.secret is not None:  # the attempt's key: its ranks' environment only
-                env[KEY_ENV] = attempt_key(self.telemetry.secret, self.telemetry.cluster, run.run_id,
-                                           a.number).hex()
+            secret, cluster, run_id = self.telemetry.secret, self.telemetry.cluster, run.run_id
+            if secret is not None:  # the attempt's key (and login): its ranks' environment only
+                env[KEY_ENV] = attempt_key(secret, cluster, run_id, a.number).hex()
+                if self.telemetry.broker_logins:
+                    env[USERNAME_ENV], env[PASSWORD_ENV] = attempt_login(secret, cluster, run_id, a.number)
         return LaunchSpec(
             run_id=run.run_id, attempt=a.number, nodes=a.nodes, ranks_per_node=run.ranks_per_node,
             argv=trainer_cmd.attempt_argv(spec, run_dir, a.number, a.resume_from, a.resume_step), env=env,
             log_dir=trainer_cmd.attempt_dir(run_dir, a.number), marker=str(config_path),
             allocation_info=run.allocation_info, user=spec.user, cwd=trainer_cmd.attempt_cwd(spec, run_dir),
             srun_args=trainer_cmd.attempt_srun_args(spec), launch=trainer_cmd.launch_mode(spec),
+            trusted_dir=run_dir.parent,
         )
 
     def _observe_attempt(self, run: Run, spec: RunSpec | None, run_dir: Path, live: Attempt,

@@ -41,7 +41,7 @@ import math
 import ssl
 import threading
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -183,6 +183,9 @@ class TelemetryView:
     # The supervisor's secret, from which each attempt's key derives; None: messages are
     # taken unsealed (tests and benches of what the view does with them).
     secret: bytes | None = field(default=None, repr=False)
+    # The broker takes one login per attempt (the embedded one, supervisor/broker.py): each
+    # attempt's ranks are given theirs, derived from ``secret`` (trainer/protocol.py).
+    broker_logins: bool = False
     up_since: float | None = None
     counts: Counter[str] = field(default_factory=Counter)
     _ranks: dict[tuple[str, int], dict[int, RankTelemetry]] = field(default_factory=dict)
@@ -192,6 +195,9 @@ class TelemetryView:
     _step_times: dict[tuple[str, int], deque[float]] = field(default_factory=dict)  # every rank's, pooled
     _injected: set[tuple[str, int, str]] = field(default_factory=set)  # (run, attempt, chaos action)
     _worlds: dict[tuple[str, int], int] = field(default_factory=dict)  # an attempt's world size, once known
+    # Sequence numbers verified before a daemon restart (replay_marks): a message at or
+    # below its rank's is a replay, though this process never saw the original.
+    _seq_floor: dict[tuple[str, int, int], int] = field(default_factory=dict)
     _keys: dict[tuple[str, int], bytes] = field(default_factory=dict, repr=False)
     _ended: dict[tuple[str, int], None] = field(default_factory=dict)  # oldest first
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -232,6 +238,22 @@ class TelemetryView:
             self.counts[msg.kind] += 1
             self._apply(msg, now)
 
+    def replay_marks(self) -> list[tuple[str, int, int, int]]:
+        """(run, attempt, rank, highest verified sequence number) of every live rank: what
+        a restarted daemon needs to refuse a replay of what this one verified."""
+        with self._lock:
+            marks = {(run, attempt, number): r.seq for (run, attempt), ranks in self._ranks.items()
+                     for number, r in ranks.items() if r.seq > 0}
+            for key, seq in self._seq_floor.items():
+                marks[key] = max(marks.get(key, 0), seq)
+            return [(*key, seq) for key, seq in marks.items()]
+
+    def load_replay_marks(self, marks: Iterable[tuple[str, int, int, int]]) -> None:
+        with self._lock:
+            for run, attempt, number, seq in marks:
+                key = (str(run), int(attempt), int(number))
+                self._seq_floor[key] = max(self._seq_floor.get(key, 0), int(seq))
+
     def expect(self, run_id: str, attempt: int, world_size: int) -> None:
         """The attempt's world size (the observer's, from the store): a message about a
         rank outside it is dropped, so that no message grows the view beyond the world."""
@@ -266,7 +288,7 @@ class TelemetryView:
                 return "will_unattributed"
             rank.conn = None  # that connection is gone: its will cannot come twice
             return None
-        if sealed.seq <= rank.seq:
+        if sealed.seq <= max(rank.seq, self._seq_floor.get((msg.run, msg.attempt, msg.rank), 0)):
             return "replay"
         rank.seq, rank.conn = sealed.seq, sealed.conn
         return None
@@ -483,6 +505,7 @@ class TelemetryView:
             self._injected = {k for k in self._injected if k[:2] != (run_id, attempt)}
             self._keys.pop((run_id, attempt), None)
             self._worlds.pop((run_id, attempt), None)
+            self._seq_floor = {k: v for k, v in self._seq_floor.items() if k[:2] != (run_id, attempt)}
             self._ended[(run_id, attempt)] = None
             if len(self._ended) > _ENDED_KEPT:
                 del self._ended[next(iter(self._ended))]

@@ -56,6 +56,16 @@ so that a receiver holding the key rejects a forgery (no or a wrong ``mac``), a 
 (a ``seq`` it has already passed) and a last will of a connection that is not the rank's
 current one. The keys derive from the supervisor's own secret (``attempt_key``): each
 attempt's key is new, and one attempt's ranks can compute no other attempt's.
+
+Broker accounts. The supervisor's embedded broker (supervisor/broker.py) lets nobody in
+without an account. Each attempt has its own, derived from the same secret
+(``attempt_login``): the username ``<cluster>/<run>/<attempt>`` and a password that is
+not the attempt's key (a password crosses the network in the clear on an ``mqtt://``
+broker; the key never does). The ranks find them in ``TSUP_MQTT_USERNAME`` and
+``TSUP_MQTT_PASSWORD``, beside the key. With the account a rank publishes on its own
+attempt's topics only, reads the supervisor's presence only, retains nothing, and
+connects with a client id of its own attempt (``client_id``), so that no other account
+can take its session over.
 """
 
 from __future__ import annotations
@@ -74,6 +84,10 @@ VERSION = 1
 DEFAULT_CLUSTER = "default"
 TIER_PERSISTENT, TIER_MEMORY = "persistent", "memory"  # CheckpointCommitted.tier
 KEY_ENV = "TSUP_TELEMETRY_KEY"  # the attempt's key, hex: in the ranks' environment only
+# The attempt's broker account (attempt_login), in the ranks' environment only; they
+# override the user and password of TSUP_MQTT_URL.
+USERNAME_ENV = "TSUP_MQTT_USERNAME"
+PASSWORD_ENV = "TSUP_MQTT_PASSWORD"  # noqa: S105 - the variable's name, not a password
 WILL_SEQ = 0  # a connection's last will; a sender's own messages count from 1
 _MAC = re.compile(rb',"mac":"([0-9a-f]{64})"}$')
 
@@ -338,6 +352,42 @@ def attempt_key(secret: bytes, cluster: str, run: str, attempt: int) -> bytes:
     """The attempt's key, derived from the supervisor's secret."""
     label = f"tsup/v1/attempt-key/{cluster}/{run}/{attempt}".encode()
     return hmac.new(secret, label, hashlib.sha256).digest()
+
+
+def attempt_login(secret: bytes, cluster: str, run: str, attempt: int) -> tuple[str, str]:
+    """The attempt's account on the embedded broker, (username, password), derived from
+    the supervisor's secret under a label of its own: the password gives away nothing of
+    the attempt's key."""
+    label = f"tsup/v1/broker-password/{cluster}/{run}/{attempt}".encode()
+    return f"{cluster}/{run}/{attempt}", hmac.new(secret, label, hashlib.sha256).hexdigest()
+
+
+def attempt_of_login(username: str) -> tuple[str, str, int] | None:
+    """(cluster, run, attempt) of an attempt's username; None when it is not one."""
+    parts = username.split("/")
+    if len(parts) != 3 or not all(_is_id(x) and len(x) <= _MAX_ID_LEN for x in parts[:2]):
+        return None
+    attempt = _number(parts[2])
+    return None if attempt is None or attempt < 1 else (parts[0], parts[1], attempt)
+
+
+def client_id(run: str, attempt: int, rank: int, pid: int) -> str:
+    """A rank's MQTT client id: ``tsup-<run>-<attempt>-<rank>-<pid>``."""
+    return f"tsup-{run}-{attempt}-{rank}-{pid}"
+
+
+def attempt_of_client_id(value: str) -> tuple[str, int] | None:
+    """(run, attempt) of a rank's client id; None when it is not one. The attempt, rank and
+    pid hold no ``-``, so that the run is what is left: two attempts never share an id."""
+    head, *numbers = value.rsplit("-", 3)
+    if len(numbers) != 3 or not head.startswith("tsup-") or any(_number(n) is None for n in numbers):
+        return None
+    run = head.removeprefix("tsup-")
+    return (run, int(numbers[0])) if _is_id(run) else None
+
+
+def _number(text: str) -> int | None:
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
 
 
 def mac_of(key: bytes, topic: str, signed: bytes) -> str:

@@ -45,6 +45,8 @@ Configuration comes from the environment the supervisor sets:
                     for TLS (port 8883); unset or empty: no telemetry
     TSUP_MQTT_CA_FILE  the CA bundle an mqtts:// broker's certificate is checked against
                     (default: the system's)
+    TSUP_MQTT_USERNAME, TSUP_MQTT_PASSWORD  the attempt's broker account (the embedded
+                    broker's, trainer/protocol.py); set, they replace the URL's
     TSUP_CLUSTER    the supervisor's cluster id, in every topic (default "default")
     TSUP_TELEMETRY_KEY  the attempt's key (hex) that seals every message; unset: unsealed
     TSUP_RUN_ID     run id in topics and messages (default "run-local")
@@ -67,7 +69,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -142,8 +144,11 @@ def broker_from_env(environ: Mapping[str, str]) -> Broker | None:
         key = b""
     if key is not None and len(key) < 16:
         raise UsageError(f"{protocol.KEY_ENV}: expected at least 32 hex digits")
-    return Broker(url=parse_mqtt_url(url), cluster=cluster, key=key,
-                  ca_file=environ.get("TSUP_MQTT_CA_FILE") or None)
+    parsed = parse_mqtt_url(url)
+    username = environ.get(protocol.USERNAME_ENV) or None
+    if username is not None:
+        parsed = replace(parsed, username=username, password=environ.get(protocol.PASSWORD_ENV) or None)
+    return Broker(url=parsed, cluster=cluster, key=key, ca_file=environ.get("TSUP_MQTT_CA_FILE") or None)
 
 
 def aggregation_from_env(environ: Mapping[str, str], *, local_rank: int,
@@ -381,7 +386,7 @@ class Telemetry:
 
     def _make_client(self) -> mqtt.Client:
         ident = self._id
-        client_id = f"tsup-{ident.run}-{ident.attempt}-{ident.rank}-{os.getpid()}"
+        client_id = protocol.client_id(ident.run, ident.attempt, ident.rank, os.getpid())
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id)
         assert self._broker is not None
         url = self._broker.url

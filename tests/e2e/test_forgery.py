@@ -1,5 +1,5 @@
-"""Telemetry nobody can forge: during a live run, a second process without the attempt's
-key publishes a forgery of every kind the protocol has on the real ranks' topics, and
+"""Telemetry nobody can forge: during a live run, a second process with the attempt's
+broker login but without its key publishes a forgery of every kind the protocol has on the real ranks' topics, and
 replays a genuine message it captured (tests/fake_tools/forger.py). Nothing is acted
 on: one attempt, no fault, no drain, the fault-free model; every forgery is counted as
 dropped on /metrics. On the local launcher and on the multi-host Slurm box, where the
@@ -20,17 +20,25 @@ from typing import Any
 import pytest
 
 from slurmbox.box import Box
+from supervisor.slurm.launcher import prefix_for
+from supervisor.token_file import READ_TOKEN_FILE_NAME, TELEMETRY_SECRET_NAME
 from tests.conftest import REPO, free_port, wait_for
 from tests.e2e.conftest import EXAMPLE, Serve, db_rows, env, slurm_serve, spec_for_slurm, trainer_processes
+from trainer.protocol import attempt_login
 
 pytestmark = pytest.mark.e2e
 
 
 def forge(state: Path, run_id: str, ranks: int, nodes: list[str]) -> dict[str, Any]:
+    """The forger, with what a neighbour of the ranks could learn of the embedded broker's
+    logins: the attempt's (it crosses the network in the clear) and a dashboard's."""
     broker = json.loads((state / "broker.json").read_text())
+    secret = (state / TELEMETRY_SECRET_NAME).read_text().strip().encode()
+    login = ":".join(attempt_login(secret, prefix_for(state), run_id, 1))
+    reader = (state / READ_TOKEN_FILE_NAME).read_text().strip()
     proc = subprocess.run([sys.executable, "-m", "tests.fake_tools.forger", broker["host"], str(broker["port"]),
                            run_id, "1", str(ranks), *nodes], capture_output=True, text=True, timeout=120,
-                          env=env(), cwd=REPO)
+                          env={**env(), "FORGER_LOGIN": login, "FORGER_READER": reader}, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out

@@ -2,7 +2,11 @@
 
     python -m tests.fake_tools.forger HOST PORT RUN_ID ATTEMPT RANKS NODE...
 
-It knows only the public protocol (trainer/protocol.py) and the broker's address. It
+It knows only the public protocol (trainer/protocol.py) and the broker's address, and
+where the broker takes logins only (the embedded one), what a ranks' neighbour on the
+network could learn: the attempt's broker login (``FORGER_LOGIN=USER:PASSWORD``; an
+mqtt:// broker's passwords cross the network in the clear, the attempt's key never
+does), and a dashboard's (``FORGER_READER``, the API's read-only token). It
 learns the supervisor's cluster id from the topics it sees, captures one genuine step
 message of the attempt, then publishes one forgery of every kind the protocol has, on
 the real ranks' topics: exits with codes 2, 3 and 4, last wills of every rank (unsealed,
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import secrets
 import sys
 import threading
@@ -63,11 +68,22 @@ def main(argv: list[str]) -> int:
             seen.update(cluster=parts[2], genuine=(m.topic, bytes(m.payload)))
             got.set()
 
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"forger-{secrets.token_hex(4)}")
-    client.on_message = on_message
-    client.on_connect = lambda c, _u, _f, _r, _p: c.subscribe("tsup/v1/#")
-    client.connect(host, port)
-    client.loop_start()
+    reader = client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"forger-{secrets.token_hex(4)}")
+    login, reader_password = os.environ.get("FORGER_LOGIN"), os.environ.get("FORGER_READER")
+    if login:  # the attempt's login publishes; the dashboard's reads
+        username, _, password = login.partition(":")
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=p.client_id(run, attempt, 0, os.getpid()))
+        client.username_pw_set(username, password)
+        client.connect(host, port)
+        client.loop_start()
+    if reader_password:
+        reader.username_pw_set("reader", reader_password)
+    reader.on_message = on_message
+    # A dashboard may read its own cluster's topics only: the login's username names it.
+    wanted = f"tsup/v1/{login.partition('/')[0]}/telemetry/#" if login and reader_password else "tsup/v1/#"
+    reader.on_connect = lambda c, _u, _f, _r, _p: c.subscribe(wanted)
+    reader.connect(host, port)
+    reader.loop_start()
     if not got.wait(60):
         print(json.dumps({"error": "no genuine step message seen in 60 s"}))
         return 1
@@ -86,8 +102,9 @@ def main(argv: list[str]) -> int:
         send(*p.encode(msg, cluster=cluster, seal=guessed), f"guessed-key {msg.kind}")
     time.sleep(3)  # the genuine rank has sent newer messages since
     send(genuine_topic, genuine, "replayed step")
-    client.loop_stop()
-    client.disconnect()
+    for c in {client, reader}:
+        c.loop_stop()
+        c.disconnect()
     print(json.dumps({"cluster": cluster, "published": published, "total": sum(published.values())}))
     return 0
 

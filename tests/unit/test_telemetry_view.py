@@ -379,3 +379,18 @@ def test_thousands_of_distinct_fault_actions_are_recorded_a_few_times_only() -> 
     for i in range(1000):
         view.ingest(*rank.seal(p.FaultInjected(**H, rank=0, action=f"nan@{i}", step=i, detail="x" * 100)), 1.0)
     assert view.durable_backlog() == 32
+
+
+def test_a_message_replayed_after_a_daemon_restart_is_still_a_replay() -> None:
+    """Before: replay state lived only in memory, so a captured sealed message was accepted
+    once by the next daemon (issue 26, item 12)."""
+    view, rank = sealed_view()
+    captured = rank.seal(p.Heartbeat(**H, rank=0, step=3, phase=p.Phase.TRAIN))
+    view.ingest(*captured, 1.0)
+    view.ingest(*rank.seal(p.Heartbeat(**H, rank=0, step=4, phase=p.Phase.TRAIN)), 2.0)
+    restarted = TelemetryView(cluster="c1", secret=SECRET)
+    restarted.load_replay_marks(view.replay_marks())
+    restarted.ingest(*captured, 3.0)
+    assert restarted.counts_now()["replay"] == 1 and restarted.ranks("run-1", 1)[0].last_seen_at is None
+    restarted.ingest(*rank.seal(p.Heartbeat(**H, rank=0, step=5, phase=p.Phase.TRAIN)), 4.0)
+    assert restarted.ranks("run-1", 1)[0].last_seen_at == 4.0, "the rank's next message is taken"
