@@ -47,6 +47,7 @@ from itertools import islice
 from pathlib import Path
 
 import aiomqtt
+import tenacity
 
 from supervisor.domain import StepSample
 from trainer import protocol as p
@@ -549,35 +550,47 @@ class MqttLink:
             pass
 
     async def run(self) -> None:
-        backoff_s = 0.1
+        """Connected for as long as it runs: a session until the broker or the network ends
+        it, then the next. A connection that cannot be made is tried again after a wait
+        that doubles from 0.1 s to LINK_MAX_BACKOFF_S (tenacity); once a session was up,
+        the waits start again from the shortest."""
         while True:
-            try:
-                async with self.client() as client:
-                    await client.subscribe(p.topic_filter(self.view.cluster))
-                    # Subscribed: the ranks may send what they buffered (trainer/protocol.py).
-                    await client.publish(p.presence_topic(self.view.cluster), p.PRESENCE_ONLINE, qos=1,
-                                         retain=True)
-                    self._client = client
-                    self.view.link_up(self.clock())
-                    log.info("telemetry link up (%s)", self.broker)
-                    backoff_s = 0.1
-                    try:
-                        async for message in client.messages:
-                            self._take(message)
-                    except asyncio.CancelledError:  # the daemon stops: say so, briefly
-                        with contextlib.suppress(Exception):
-                            async with asyncio.timeout(1.0):
-                                await client.publish(p.presence_topic(self.view.cluster), p.PRESENCE_CLEARED,
-                                                     qos=1, retain=True)
-                        raise
-            except aiomqtt.MqttError as e:
-                if self.view.up_since is not None:
-                    log.warning("telemetry link down: %s", e)
-            finally:
-                self._client = None
-                self.view.link_down(self.clock())
-            await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, LINK_MAX_BACKOFF_S)
+            retrying = tenacity.AsyncRetrying(
+                retry=tenacity.retry_if_exception_type(aiomqtt.MqttError),
+                wait=tenacity.wait_exponential(multiplier=0.1, min=0.1, max=LINK_MAX_BACKOFF_S))
+            async for attempt in retrying:
+                with attempt:
+                    await self._session()
+
+    async def _session(self) -> None:
+        """One connection: MqttError when it cannot be made; returns once it ends after it
+        was up."""
+        up = False
+        try:
+            async with self.client() as client:
+                await client.subscribe(p.topic_filter(self.view.cluster))
+                # Subscribed: the ranks may send what they buffered (trainer/protocol.py).
+                await client.publish(p.presence_topic(self.view.cluster), p.PRESENCE_ONLINE, qos=1,
+                                     retain=True)
+                self._client, up = client, True
+                self.view.link_up(self.clock())
+                log.info("telemetry link up (%s)", self.broker)
+                try:
+                    async for message in client.messages:
+                        self._take(message)
+                except asyncio.CancelledError:  # the daemon stops: say so, briefly
+                    with contextlib.suppress(Exception):
+                        async with asyncio.timeout(1.0):
+                            await client.publish(p.presence_topic(self.view.cluster), p.PRESENCE_CLEARED,
+                                                 qos=1, retain=True)
+                    raise
+        except aiomqtt.MqttError as e:
+            if not up:
+                raise
+            log.warning("telemetry link down: %s", e)
+        finally:
+            self._client = None
+            self.view.link_down(self.clock())
 
     def _take(self, message: aiomqtt.Message) -> None:
         payload = message.payload

@@ -15,7 +15,7 @@ their count (Llama 3: 419 interruptions in 54 days on 2,048 nodes). So:
 - a crash loop (the same fault kind at the same step ending ``crash_loop_attempts``
   failed attempts in a row; a lost node is no part of one): FAILED;
 - the n-th failed attempt in a row resumed from one checkpoint waits
-  ``backoff_base_s`` x 2^(n-2), at most ``backoff_max_s`` (tenacity's exponential wait);
+  ``backoff_base_s`` x 2^(n-2), at most ``backoff_max_s``;
 - an operator's ``resume`` starts all of this afresh (``Run.budget_from_attempt``).
 
 Placement keeps the previous attempt's healthy nodes in their places and fills up with
@@ -33,8 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
-
-import tenacity
 
 from supervisor.domain import (
     AllocateNodes,
@@ -346,8 +344,8 @@ def _no_progress(view: RunView, faults: list[FaultRecord]) -> str | None:
 def backoff(view: RunView, streak: list[Attempt]) -> tuple[float, int]:
     """(seconds to wait before the next attempt, failed attempts in a row that resumed from
     the same checkpoint). The first restart after progress is immediate; the n-th in a row
-    (n >= 2) waits backoff_base_s x 2^(n-2), at most backoff_max_s (tenacity's
-    exponential wait)."""
+    (n >= 2) waits backoff_base_s x 2^(n-2), at most backoff_max_s (never less than
+    backoff_base_s)."""
     if not streak:
         return 0.0, 0
     same = 0
@@ -358,11 +356,8 @@ def backoff(view: RunView, streak: list[Attempt]) -> tuple[float, int]:
     policy = view.run.policy
     if same < 2 or policy.backoff_base_s <= 0:
         return 0.0, same
-    wait = tenacity.wait_exponential(multiplier=policy.backoff_base_s, min=policy.backoff_base_s,
-                                     max=policy.backoff_max_s)
-    state = tenacity.RetryCallState(retry_object=tenacity.Retrying(), fn=None, args=(), kwargs={})
-    state.attempt_number = same - 1
-    return float(wait(state)), same
+    doubled = policy.backoff_base_s * 2.0 ** min(same - 2, 64)  # 2^64 x any base is past any max
+    return max(policy.backoff_base_s, min(doubled, policy.backoff_max_s)), same
 
 
 # --- rollback and data skips --------------------------------------------------------
