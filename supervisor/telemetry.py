@@ -352,6 +352,7 @@ class TelemetryView:
                 rank.lost, rank.lost_at = True, now
 
     def _injected_room(self, run_id: str, attempt: int) -> bool:
+        """Room for one more distinct chaos action of this attempt (a few are all a drill has)."""
         return sum(1 for k in self._injected if k[:2] == (run_id, attempt)) < _INJECTED_PER_ATTEMPT
 
     def phase_from_output(self, run_id: str, attempt: int, rank: int, phase: str, now: float) -> None:

@@ -145,8 +145,9 @@ def may_run_as(user: RunAs, run_users: Sequence[str] | None) -> str:
     signs every Slurm credential; slurm; daemons) are never a run's user by default."""
     if run_users is not None:
         return "" if user.name in run_users else "it is not in run_users (the daemon's config)"
-    if user.uid < uid_min() or user.uid >= 65534:
-        return (f"uid {user.uid} is a service account's (below UID_MIN {uid_min()}, or nobody); list it "
+    first = uid_min()
+    if user.uid < first or user.uid >= 65534:
+        return (f"uid {user.uid} is a service account's (below UID_MIN {first}, or nobody); list it "
                 "in run_users in the daemon's config if it is meant to run training")
     shell = pwd.getpwnam(user.name).pw_shell
     if shell in _NO_LOGIN:
