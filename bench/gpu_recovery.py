@@ -183,19 +183,26 @@ def spec_text(shape: dict[str, Any], policy: dict[str, str]) -> str:
         """) + "".join(f"{k} = {v}\n" for k, v in policy.items())
 
 
-def supervise(spec: Path, state: Path, faults: tuple[str, ...], timeout_s: float) -> dict[str, Any]:
+def supervise(spec: Path, state: Path, faults: tuple[str, ...], timeout_s: float,
+              log: Path) -> dict[str, Any]:
+    """Runs the supervisor to the end; its progress goes to ``log`` as it comes (so that a
+    run stopped from outside still leaves it)."""
     argv = [sys.executable, "-m", "supervisor.cli", "run", str(spec), "--state-dir", str(state), "--json"]
     for fault in faults:
         argv += ["--chaos", fault]
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "TSUP_ALLOW_ROOT_RUNS": "true"}
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise SystemExit(f"the supervised run did not end in {timeout_s:.0f} s:\n{err[-4000:]}") from None
+    with log.open("w") as err_file:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err_file,
+                                text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, timed_out = proc.communicate()[0], True
+    err = log.read_text(errors="replace")
+    if timed_out:
+        raise SystemExit(f"the supervised run did not end in {timeout_s:.0f} s:\n{err[-4000:]}")
     if not out.strip():
         raise SystemExit(f"the supervised run printed no summary (exit {proc.returncode}):\n{err[-4000:]}")
     summary: dict[str, Any] = json.loads(out)
@@ -268,6 +275,15 @@ def figures(state: Path, summary: dict[str, Any], lim: dict[str, Any]) -> dict[s
             "recoveries": recoveries, "cold_start_s": _round(cold), "standby": standby[:4]}
 
 
+def _keep_logs(state: Path, into: Path) -> None:
+    """The run's log files (not its checkpoints) into ``into``/logs.tar.gz."""
+    import tarfile
+
+    with tarfile.open(into / "logs.tar.gz", "w:gz") as tar:
+        for log in sorted(state.glob("runs/*/attempts/**/*.log")):
+            tar.add(log, arcname=str(log.relative_to(state)))
+
+
 def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 4) if xs else None
 
@@ -288,6 +304,9 @@ def main() -> None:
                         help="the spec's memory_every_steps (default: the shape's)")
     parser.add_argument("--timeout-s", type=float, default=1500)
     parser.add_argument("--keep", action="store_true", help="keep the state directory")
+    parser.add_argument("--logs", type=Path, default=None,
+                        help="a directory for the supervisor's log and the ranks' logs (logs.tar.gz), "
+                             "kept also when the run fails")
     args = parser.parse_args()
     import torch
 
@@ -301,6 +320,8 @@ def main() -> None:
     out: dict[str, Any] = {"gpu": gpu, "shape": {k: v for k, v in shape.items() if k != "faults"},
                            "faults": list(shape["faults"]), "policy": policy or "default",
                            "state_dir": str(state)}
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
     try:
         say("measuring this machine's copy and hash rates ...")
         out["limits"] = limits(18 * 10**9 if gpu else 40 * 10**6, args.threads)
@@ -309,7 +330,8 @@ def main() -> None:
         spec.write_text(spec_text(shape, policy))
         say(f"supervising {shape['model']} for {shape['steps']} steps with {', '.join(shape['faults'])} ...")
         started = time.monotonic()
-        summary = supervise(spec, state, shape["faults"], args.timeout_s)
+        summary = supervise(spec, state, shape["faults"], args.timeout_s,
+                            (args.logs or state) / "supervisor.log")
         out["wall_s"] = round(time.monotonic() - started, 1)
         for key in ("state", "reason", "attempts", "drained_nodes", "ettr"):
             out[key] = summary[key]
@@ -317,6 +339,8 @@ def main() -> None:
                               for f in summary["faults"]]
         out |= figures(state, summary, out["limits"])
     finally:
+        if args.logs:
+            _keep_logs(state, args.logs)
         if not args.keep and args.state_dir is None:
             shutil.rmtree(state, ignore_errors=True)
     print(json.dumps(out, indent=2))
