@@ -190,7 +190,8 @@ def supervise(spec: Path, state: Path, faults: tuple[str, ...], timeout_s: float
     argv = [sys.executable, "-m", "supervisor.cli", "run", str(spec), "--state-dir", str(state), "--json"]
     for fault in faults:
         argv += ["--chaos", fault]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "TSUP_ALLOW_ROOT_RUNS": "true"}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "TSUP_ALLOW_ROOT_RUNS": "true"}
     with log.open("w") as err_file:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err_file,
                                 text=True, start_new_session=True)
