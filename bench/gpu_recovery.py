@@ -1,7 +1,7 @@
 """The supervisor keeping a real model training on one GPU, and what each of its saves,
 restores and recoveries cost, beside the limits of the machine it ran on.
 
-    python bench/gpu_recovery.py                 # llama3.2-1b in bf16 on one GPU (about 5 min)
+    python bench/gpu_recovery.py                 # llama3.2-1b in bf16 on one GPU (about 4 min)
     python bench/gpu_recovery.py --cpu           # a small shape on this machine's CPU (the smoke test)
 
 Prints one JSON object on stdout, progress on stderr. It runs ``training-supervisor run``
@@ -9,18 +9,22 @@ Prints one JSON object on stdout, progress on stderr. It runs ``training-supervi
 directory) on this spec, the default policy unless ``--policy KEY=VALUE`` says otherwise:
 
     [resources]  launcher = "local", nodes = 1, ranks_per_node = 1, spares = 1, standby = true
-    [trainer]    model = "llama3.2-1b", steps = 40, global_batch_size = 8, micro_batch_size = 2,
+    [trainer]    model = "llama3.2-1b", steps = 120, global_batch_size = 8, micro_batch_size = 2,
                  seq_len = 2048 (bf16 compute, fp32 master weights and AdamW state: 18 GB a rank)
-    [trainer.checkpoint]  every_steps = 10, keep = 1, asynchronous = true, memory_every_steps = 10
+    [trainer.checkpoint]  every_steps = 40, keep = 1, asynchronous = true, memory_every_steps = 40
 
-with two faults: ``kill-rank@27`` SIGKILLs the rank (its node lives on: the next attempt
-runs on the same node from that node's memory save of step 20, as new as the persistent
-one and read from no storage, a warm standby taking the rank), then ``kill-node@34`` takes
-the node, its memory with it (the next attempt runs on the spare, from the persistent
-checkpoint of step 30). The memory tier saves as often as the persistent one: each writes
-18 GB beside training, and a save that comes before the previous one is written waits
-for it (``--memory-every`` to try others). With ``--cpu`` the model is a 3.3 M-parameter
-shape (40 MB of state), 18 steps, memory every 2 and persistent every 6, faults at 10 and 15.
+with two faults: ``kill-rank@75`` SIGKILLs the rank (its node lives on: the next attempt
+runs on the same node from that node's memory save of step 40, as new as the persistent
+one and read from no storage, a warm standby taking the rank), then ``kill-node@115``
+takes the node, its memory with it (the next attempt runs on the spare, from the
+persistent checkpoint of step 80). Each fault comes 35 steps (about 15 s) after the last
+save began: on an H200 a save of 18 GB is whole in 5 to 12 s, so the newest save is
+whole when the fault comes (in the first GPU run, with saves every 10 steps, a fault 7
+steps after one found it unfinished, and the run went back 17 steps). The memory tier
+saves as often as the persistent one: each writes 18 GB beside training, and a save that
+comes before the previous one is written waits for it (``--memory-every`` to try
+others). With ``--cpu`` the model is a 3.3 M-parameter shape (40 MB of state), 18 steps,
+memory every 2 and persistent every 6, faults at 10 and 15.
 
 Figures (each from the run's own records: the trainer's rank-0 logs, its SQLite, the
 summary; ``ratio`` is the figure over its limit, 1.0 at the limit):
@@ -68,8 +72,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 GB = 1e9
-GPU = {"model": "llama3.2-1b", "steps": 40, "global_batch_size": 8, "micro_batch_size": 2, "seq_len": 2048,
-       "every": 10, "memory_every": 10, "faults": ("kill-rank@27", "kill-node@34")}
+GPU = {"model": "llama3.2-1b", "steps": 120, "global_batch_size": 8, "micro_batch_size": 2, "seq_len": 2048,
+       "every": 40, "memory_every": 40, "faults": ("kill-rank@75", "kill-node@115")}
 CPU = {"model": "tiny", "overrides": {"hidden_size": 256, "intermediate_size": 704, "n_layers": 4,
                                        "n_heads": 4, "n_kv_heads": 4},
        "steps": 18, "global_batch_size": 4, "micro_batch_size": 4, "seq_len": 64,

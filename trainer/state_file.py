@@ -135,14 +135,14 @@ def read(data: memoryview) -> tuple[dict[str, Any], Any]:
             if slot.dtype not in _DTYPES or start + slot.offset + slot.nbytes > len(data):
                 raise StateFileError(f"a tensor of dtype {slot.dtype} at byte {slot.offset} that the file "
                                      f"does not hold")
-            flat = _view(data, start + slot.offset, slot.nbytes)
+            flat = view(data, start + slot.offset, slot.nbytes)
             tensors.append(flat.view(_DTYPES[slot.dtype]).reshape(slot.shape))
         return header["meta"], _decode(header["tree"], tensors)
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise StateFileError(f"an unreadable state file: {type(e).__name__}: {e}") from e
 
 
-def _view(data: memoryview, offset: int, nbytes: int) -> torch.Tensor:
+def view(data: memoryview, offset: int, nbytes: int) -> torch.Tensor:
     """``nbytes`` of ``data`` from ``offset``, as a uint8 tensor over them (no copy)."""
     if not nbytes:
         return torch.empty(0, dtype=torch.uint8)

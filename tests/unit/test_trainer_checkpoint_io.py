@@ -6,6 +6,7 @@ byte fails the read with the manifest's words."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import sys
 from pathlib import Path
@@ -18,9 +19,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from trainer import checkpoint_io, state_file
 from trainer import checkpoint_layout as layout
-from trainer import state_file
-from trainer.checkpoint_io import HashingWriter, VerifyingReader, io_threads, read_verified
+from trainer.checkpoint_io import HashingWriter, VerifyingReader, io_threads, read_verified, tensor_in_place
 from trainer.errors import CheckpointMismatch
 from trainer.staging import Staging
 
@@ -79,6 +80,50 @@ def test_a_verified_read_loads_what_was_saved(tmp_path: Path) -> None:
     assert same(into["model"], state()["model"])
     assert torch.equal(into["optimizer"]["state"]["w"]["exp_avg"], state()["optimizer"]["state"]["w"]["exp_avg"])
     assert reader.bytes_read == sum(e["size"] for n, e in entries.items() if n != ".metadata")
+
+
+def test_a_verified_read_copies_the_tensors_from_the_mapped_files_without_torch_load(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    directory, entries = saved(tmp_path)
+    into = state()
+    for t in (into["model"]["w"], into["model"]["h"], into["optimizer"]["state"]["w"]["exp_avg"]):
+        t.zero_()
+    loaded: list[Any] = []
+    real_load = torch.load
+    monkeypatch.setattr(checkpoint_io.torch, "load", lambda *a, **k: loaded.append(a) or real_load(*a, **k))
+    dcp_load(into, storage_reader=VerifyingReader(directory, manifest=entries, threads=2), no_dist=True)
+    assert same(into["model"], state()["model"])
+    tensors_unpickled = [a for a in loaded if not isinstance(a[0], io.BytesIO)]  # (DCP's planner unpickles
+    assert loaded and tensors_unpickled == [], "plain tensors: found in their records"  # the non-tensors)
+
+
+def record_of(tensor: torch.Tensor) -> memoryview:
+    out = io.BytesIO()
+    torch.save(tensor, out)
+    return memoryview(out.getvalue())
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.arange(12, dtype=torch.float32).view(3, 4),
+    torch.arange(12, dtype=torch.float32).view(3, 4).t(),  # strided: its storage's order differs
+    torch.arange(6, dtype=torch.bfloat16), torch.tensor(7.0), torch.tensor([True, False]),
+    torch.arange(5, dtype=torch.int64), torch.empty(0, 3)], ids=str)
+def test_a_plain_tensor_is_read_in_place_from_its_torch_save_record(tensor: torch.Tensor) -> None:
+    back = tensor_in_place(record_of(tensor))
+    assert back is not None and back.dtype == tensor.dtype and torch.equal(back, tensor)
+
+
+def test_anything_else_is_left_to_torch_load() -> None:
+    assert tensor_in_place(record_of(torch.nn.Parameter(torch.ones(2)))) is None  # another class
+    assert tensor_in_place(record_of(torch.ones(2, dtype=torch.complex64))) is None  # a dtype not listed
+    assert tensor_in_place(record_of({"a": torch.ones(2)})) is None  # not one tensor
+    assert tensor_in_place(memoryview(b"PK\x03\x04 not a zip")) is None
+    evil = io.BytesIO()
+    torch.save(torch.ones(2), evil)
+    data = bytearray(evil.getvalue())
+    at = bytes(data).index(b"_rebuild_tensor_v2")
+    data[at:at + 18] = b"_rebuild_parameter"  # a name a plain tensor's pickle does not use
+    assert tensor_in_place(memoryview(bytes(data))) is None
 
 
 def test_a_changed_byte_fails_the_read_before_its_file_is_used(tmp_path: Path) -> None:
