@@ -30,6 +30,8 @@ Figures (each from the run's own records: the trainer's rank-0 logs, its SQLite,
 summary; ``ratio`` is the figure over its limit, 1.0 at the limit):
 
 - ``train``: step time and MFU (medians of attempt 1's steps after the first 3), tokens/s;
+- ``first_steps_s``: each attempt's first 4 step times (what the attempt's set-up costs
+  the steps after its first: the staging buffers are laid out then);
 - ``saves``: per save, what it blocked training (``blocked_s``, against the device-to-host
   copy of a rank's state at the pinned rate: ``copy_limit_s``) and the whole save
   (``whole_s``, and its GB/s);
@@ -83,6 +85,7 @@ _SAVED = re.compile(r"^checkpoint step (\d+) committed to \S+ in (\S+) s "
 _MEMORY = re.compile(r"^memory checkpoint step (\d+) whole in (\S+) s \(training blocked (\S+) s")
 _RESUMED = re.compile(r"^resumed from (\S+) at step (\d+) in (\S+) s \((\d+) bytes, \S+ GB/s a rank; "
                       r"state laid out in (\S+) s, read and copied in (\S+) s, applied in (\S+) s")
+_STEP_TIME = re.compile(r"^step \d+/\d+ .* step_time_s (\S+)")
 _STANDBY = re.compile(r"^standby: pid \d+ warm in (\S+) s \((\S+) ready in (\S+) s\)")
 
 
@@ -235,6 +238,10 @@ def figures(state: Path, summary: dict[str, Any], lim: dict[str, Any]) -> dict[s
     train = {"step_time_s": _median([s[1] for s in steps]),
              "mfu": _median([s[2] for s in steps if s[2] is not None]),
              "tokens_per_s": _median([s[3] for s in steps if s[3] is not None]), "steps_timed": len(steps)}
+    # Each attempt's first steps, which pay for what an attempt sets up once (the staging
+    # buffers are laid out after its first step).
+    first_steps = {a: [float(m[1]) for m in map(_STEP_TIME.match, lines) if m][:4]
+                   for a, lines in sorted(logs.items())}
     resumed = [(a, m) for a, lines in sorted(logs.items()) for m in map(_RESUMED.match, lines) if m]
     size = max((int(m[4]) for _, m in resumed), default=0)
     d2h, h2d = lim.get("d2h_pinned_gb_s"), lim.get("h2d_pinned_gb_s") or lim["memcpy_gb_s"]
@@ -276,8 +283,9 @@ def figures(state: Path, summary: dict[str, Any], lim: dict[str, Any]) -> dict[s
     standby = [{"warm_s": float(m[1]), "device": m[2], "device_ready_s": float(m[3])}
                for log in (state / "runs" / run_id / "attempts").glob("standby.log")
                for m in map(_STANDBY.match, log.read_text(errors="replace").splitlines()) if m]
-    return {"train": train, "state_bytes_per_rank": size, "saves": saves, "restores": restores,
-            "recoveries": recoveries, "cold_start_s": _round(cold), "standby": standby[:4]}
+    return {"train": train, "first_steps_s": first_steps, "state_bytes_per_rank": size, "saves": saves,
+            "restores": restores, "recoveries": recoveries, "cold_start_s": _round(cold),
+            "standby": standby[:4]}
 
 
 def _keep_logs(state: Path, into: Path) -> None:
@@ -307,6 +315,9 @@ def main() -> None:
                         help="a [policy] key of the spec (repeatable); default policy otherwise")
     parser.add_argument("--memory-every", type=int, default=None,
                         help="the spec's memory_every_steps (default: the shape's)")
+    parser.add_argument("--steps", type=int, default=None, help="the shape's steps (default: the shape's)")
+    parser.add_argument("--faults", default=None,
+                        help="comma-separated chaos faults, or 'none' (default: the shape's)")
     parser.add_argument("--timeout-s", type=float, default=1500)
     parser.add_argument("--keep", action="store_true", help="keep the state directory")
     parser.add_argument("--logs", type=Path, default=None,
@@ -319,6 +330,10 @@ def main() -> None:
     shape = dict(GPU if gpu else CPU)
     if args.memory_every is not None:
         shape["memory_every"] = args.memory_every
+    if args.steps is not None:
+        shape["steps"] = args.steps
+    if args.faults is not None:
+        shape["faults"] = tuple(f for f in args.faults.split(",") if f and f != "none")
     policy = dict(kv.split("=", 1) for kv in args.policy)
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else None
     state = args.state_dir or Path(tempfile.mkdtemp(prefix="tsup-gpu-recovery-", dir=base))

@@ -7,8 +7,11 @@ cheap for training:
 - its host buffers are allocated once per run and reused by every save: a fresh buffer
   costs its page faults each time (1.85 GB/s on this project's CPU machine against 10 GB/s
   into buffers already touched), and pinning one for a GPU's DMA costs more;
-- they are allocated (and touched, and on a GPU pinned) ahead of the first save, by a
-  first copy on a thread of its own (``prepare``), so no save pays for it;
+- they are allocated (and touched, and on a GPU pinned) ahead of the first save, on a
+  thread of their own (``prepare``), so no save pays for it. Each buffer's pages are
+  touched before it is pinned: pinning fresh memory faults its pages in while holding the
+  CUDA driver's lock, which stalls the training thread's next CUDA call (on an H200 the
+  second step of a run took 17.5 s while 36 GB of fresh buffers were pinned);
 - the copy runs beside the next step's forward and backward passes, which read the
   parameters and the optimizer's state but do not change them: on a GPU one non-blocking
   device-to-host copy per tensor into pinned memory, on a stream of its own ordered after
@@ -27,10 +30,12 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+from torch.distributed.tensor import DTensor
 
 # How long a save's writer waits to learn what its copy cost training (the next optimizer
 # step's fence) before it reports what it knows.
@@ -106,11 +111,38 @@ class Staging:
         def run() -> None:
             if self._stream is not None:
                 torch.cuda.set_device(self.device)  # a new thread's device is 0
+            with self._lock:
+                self.lay_out(state)
             self.begin(state).done()
 
         thread = threading.Thread(target=run, name="staging-prepare", daemon=True)
         thread.start()
         return thread
+
+    def lay_out(self, state: Any) -> None:
+        """A host buffer for each storage of ``state``, its pages touched, then (on a GPU)
+        pinned, handed to the stager, which copies into it from then on. Touching first
+        keeps the page faults out of the driver's lock: pinning pages already there holds
+        it for much less. (Where the stager keeps no such cache, its first copy lays them
+        out itself.)"""
+        cache = getattr(self._stager, "_cached_storage_mapping", None)
+        if cache is None:
+            return
+        pin = self._stream is not None and getattr(self._stager, "pin_memory", False)
+        min_pinned = getattr(self._stager, "pin_memory_min_bytes", 5)
+        for storage in _storages(state):
+            if storage in cache or storage.nbytes() == 0:
+                continue
+            host = torch.UntypedStorage(storage.nbytes(), device="cpu")  # type: ignore[no-untyped-call]
+            torch.empty(0, dtype=torch.uint8).set_(host).fill_(0)  # the page faults, here
+            if pin and host.nbytes() >= min_pinned:
+                cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+                status = int(cudart.cudaHostRegister(host.data_ptr(), host.nbytes(), 1))  # portable
+                if status != 0:
+                    raise RuntimeError(f"pinning {host.nbytes()} bytes of staging failed: cudaError {status}")
+                unpin = weakref.finalize(host, cudart.cudaHostUnregister, host.data_ptr())
+                unpin.atexit = False  # not after the CUDA context is gone
+            cache[storage] = host
 
     def begin(self, state: Any) -> StagedCopy:
         """Start copying ``state`` into this staging's host buffers; the copy is valid until
@@ -152,3 +184,24 @@ class Staging:
         """Give the buffers back (a pinned buffer is unpinned once freed)."""
         with self._lock:
             self._stager.close()  # type: ignore[no-untyped-call]
+
+
+def _storages(state: Any) -> list[torch.UntypedStorage]:
+    """The storages of every tensor in ``state`` (a DTensor's local shard's), each once."""
+    found: dict[int, torch.UntypedStorage] = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, torch.Tensor):
+            local = node.to_local() if isinstance(node, DTensor) else node
+            if local.data_ptr() != 0:
+                storage = local.untyped_storage()
+                found.setdefault(id(storage), storage)
+        elif isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                walk(value)
+
+    walk(state)
+    return list(found.values())

@@ -211,6 +211,22 @@ def test_staging_reuses_its_host_buffers_and_copies_what_the_state_is_now() -> N
     staging.close()
 
 
+def test_the_buffers_are_laid_out_before_any_copy_and_every_copy_uses_them() -> None:
+    live = state()
+    staging = Staging(torch.device("cpu"))
+    staging.lay_out(live)  # what prepare does first, on its thread
+    laid_out = {host.data_ptr() for host in staging._stager._cached_storage_mapping.values()}  # prepare's
+    tensors = [live["model"]["w"], live["model"]["b"], live["model"]["h"],
+               live["optimizer"]["state"]["w"]["exp_avg"], live["optimizer"]["state"]["w"]["step"]]
+    assert len(laid_out) == len(tensors)
+    copied = staging.stage(live)
+    got = [copied["model"]["w"], copied["model"]["b"], copied["model"]["h"],
+           copied["optimizer"]["state"]["w"]["exp_avg"], copied["optimizer"]["state"]["w"]["step"]]
+    assert {t.untyped_storage().data_ptr() for t in got} == laid_out, "no buffer allocated by a save"
+    assert all(torch.equal(a, b) for a, b in zip(got, tensors, strict=True))
+    staging.close()
+
+
 def test_a_copy_beside_training_is_fenced_before_the_state_changes_and_says_what_it_cost() -> None:
     live = state()
     staging = Staging(torch.device("cpu"))
