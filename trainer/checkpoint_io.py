@@ -450,8 +450,7 @@ def verifier(name: str, world_size: int) -> int:
     return (int(match.group(1)) if match else zlib.crc32(name.encode())) % max(1, world_size)
 
 
-def _all(pool: ThreadPoolExecutor, fn: Callable[[str, list[ReadItem]], int],
-         items: Iterable[tuple[str, list[ReadItem]]]) -> list[int]:
+def _all(pool: ThreadPoolExecutor, fn: Callable[..., int], items: Iterable[tuple[Any, ...]]) -> list[int]:
     """Every result, or the first error once every task has ended (none is left running)."""
     futures = [pool.submit(fn, *args) for args in items]
     errors = [f.exception() for f in futures]

@@ -128,7 +128,7 @@ class MemoryTier:
         self.is_node_leader = self.rank % ranks_per_node == 0
         self.group = distributed.background_group()
         self.io_threads = io_threads
-        self.staging = Staging(device)
+        self.staging = Staging(device, threads=io_threads)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-tier")
         self._pending: Future[Saved] | None = None
         self._copy: StagedCopy | None = None  # the copy of the save in flight, until fenced

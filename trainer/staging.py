@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -40,13 +41,15 @@ from torch.distributed.tensor import DTensor
 # How long a save's writer waits to learn what its copy cost training (the next optimizer
 # step's fence) before it reports what it knows.
 FENCE_WAIT_S = 600.0
+_TOUCH_PIECE = 256 << 20  # bytes of a buffer one thread touches at a time, laying it out
 
 
 class StagedCopy:
     """One copy in flight: ``state`` holds it once ``done``."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, threads: int = 2) -> None:
         self.device = device
+        self.threads = threads  # that touch the buffers' pages when they are laid out
         self.state: Any = None
         self.begun_s = 0.0  # the training thread's time to start the copy
         self.copied = threading.Event()  # the copy is issued (on a GPU) or made (elsewhere)
@@ -96,8 +99,9 @@ class Staging:
     """One kind of save's host copy of this rank's state (a tier each: their copies are
     read by their own background writers, so they cannot share one)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, threads: int = 2) -> None:
         self.device = device
+        self.threads = threads  # that touch the buffers' pages when they are laid out
         cuda = device.type == "cuda"
         self._stager = StateDictStager(pin_memory=cuda, share_memory=False)
         self._stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
@@ -134,7 +138,7 @@ class Staging:
             if storage in cache or storage.nbytes() == 0:
                 continue
             host = torch.UntypedStorage(storage.nbytes(), device="cpu")  # type: ignore[no-untyped-call]
-            torch.empty(0, dtype=torch.uint8).set_(host).fill_(0)  # the page faults, here
+            _touch(torch.empty(0, dtype=torch.uint8).set_(host), self.threads)  # the page faults, here
             if pin and host.nbytes() >= min_pinned:
                 cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
                 status = int(cudart.cudaHostRegister(host.data_ptr(), host.nbytes(), 1))  # portable
@@ -184,6 +188,19 @@ class Staging:
         """Give the buffers back (a pinned buffer is unpinned once freed)."""
         with self._lock:
             self._stager.close()  # type: ignore[no-untyped-call]
+
+
+def _touch(buffer: torch.Tensor, threads: int) -> None:
+    """Fault in every page of ``buffer`` (bytes), ``threads`` pieces at a time: a fresh
+    page's first write is what costs (2.4 GB/s on one thread here, 4.7 on two; on an H200
+    node 36 GB took 17 s on one)."""
+    piece = _TOUCH_PIECE
+    starts = range(0, buffer.numel(), piece)
+    if threads <= 1 or len(starts) == 1:
+        buffer.fill_(0)
+        return
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="staging-touch") as pool:
+        list(pool.map(lambda a: buffer[a:a + piece].fill_(0), starts))
 
 
 def _storages(state: Any) -> list[torch.UntypedStorage]:

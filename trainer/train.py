@@ -176,7 +176,7 @@ class _Runner:
         self._persist_worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
                                 if asynchronous else None)
         # The host copy an asynchronous save writes from (trainer/staging.py).
-        self._persist_staging = Staging(ctx.device) if asynchronous else None
+        self._persist_staging = Staging(ctx.device, threads=self.io_threads) if asynchronous else None
         source = open_source(config.data, seed=config.seed,
                              vocab_size=config.shape.vocab_size, seq_len=config.seq_len)
         self.reader = BatchReader(source, seed=config.seed,
