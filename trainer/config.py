@@ -102,7 +102,7 @@ def _raise_if(problems: list[str]) -> None:
 class OptimizerConfig:
     """AdamW with linear warm-up then cosine decay to ``min_lr`` at the last step.
 
-    The defaults are the Llama pre-training recipe (DESIGN.md): lr 3e-4 -> 3e-5, 2000
+    The defaults are the seeds' Llama pre-training recipe: lr 3e-4 -> 3e-5, 2000
     warm-up steps, weight decay 0.1, betas (0.9, 0.95), eps 1e-5, grad clip 1.0. A config
     file (config_from_dict) of the ``tiny`` model gets tiny_defaults instead for the keys
     it leaves out: a 10x larger lr and a short warm-up, which suit a 0.1 M parameter model

@@ -1,7 +1,7 @@
 """Named Llama model shapes (stdlib only, so config validation needs no torch).
 
-The table follows DESIGN.md "The reference trainer's model shapes": the FSDP test
-case's sizes, with rope theta and vocab from Meta's published configs. ``tiny`` is this
+The table holds the shapes the seeds train: the FSDP test case's sizes, with rope theta
+and vocab from Meta's published configs. ``tiny`` is this
 project's own shape for tests and laptops (about 0.1 M parameters).
 """
 
@@ -93,7 +93,7 @@ SHAPES: dict[str, ModelShape] = {
         hidden_size=2048, intermediate_size=8192, n_layers=16, n_heads=32, n_kv_heads=8,
         vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,
     ),
-    # DESIGN.md: the FSDP test case lists 11008 here; Meta's published config says 8192.
+    # The FSDP test case lists 11008 here; Meta's published config says 8192.
     "llama3.2-3b": ModelShape(
         hidden_size=3072, intermediate_size=8192, n_layers=28, n_heads=24, n_kv_heads=8,
         vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,

@@ -1,4 +1,4 @@
-"""Dependencies point one way (DESIGN.md, "Top level"): checked on real imports, and by the
+"""Dependencies point one way (docs/ARCHITECTURE.md, "Layers"): checked on real imports, and by the
 import-linter contracts in pyproject.toml that ``make lint`` runs (each shown to fail on a
 forbidden import)."""
 
