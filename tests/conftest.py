@@ -7,6 +7,7 @@ but FAILS under CI (CI=true), where `make test` has installed it.
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import signal
@@ -26,13 +27,34 @@ REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
-def require(what: str, available: bool) -> None:
+def require(what: str, available: bool, *, missing: str = "is not installed (make test installs it as root)",
+            ) -> None:
+    """Skip the test where ``what`` is not available here, and fail it under CI, where
+    everything a test needs is (a skipped test is not a passing one)."""
     if available:
         return
-    message = f"{what} is not installed (make test installs it as root)"
+    message = f"{what} {missing}"
     if IN_CI:
         pytest.fail(f"CI: {message}")
     pytest.skip(message)
+
+
+def require_root(what: str) -> None:
+    """Root, for what only root can do here (start another user's process, chown, create a
+    user): missing, the test skips, and fails under CI (which runs as root)."""
+    require(what, os.geteuid() == 0, missing="needs root (CI runs the suite as root)")
+
+
+def require_module(name: str, what: str) -> Any:
+    """The module ``name``, imported, for a test module that needs it (``what``: where it
+    comes from); missing, the module's tests skip, and under CI its collection fails."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        message = f"{name} ({what}) is not installed"
+        if IN_CI:
+            pytest.fail(f"CI: {message}", pytrace=False)
+        pytest.skip(message, allow_module_level=True)
 
 
 def free_port() -> int:

@@ -23,7 +23,7 @@ from slurmbox.box import Box
 from supervisor import users
 from supervisor.slurm import parse
 from supervisor.users import RunAs
-from tests.conftest import REPO, free_port, require, wait_for
+from tests.conftest import REPO, free_port, require, require_root, wait_for
 from tests.e2e.conftest import EXAMPLE, Serve, serve_config, slurm, spec_for_slurm, trainer_processes
 
 pytestmark = pytest.mark.e2e
@@ -44,8 +44,7 @@ def system_user(name: str, home_in: Path, *, service: bool = False) -> RunAs:
     """A real user of this host: a person's account (uid from UID_MIN, a login shell), or
     with ``service`` a service account (``useradd --system``, nologin)."""
     require("useradd", shutil.which("useradd") is not None)
-    if os.geteuid() != 0:
-        pytest.skip("creating users needs root")
+    require_root("creating users")
     subprocess.run(["userdel", name], capture_output=True, check=False)  # one a killed run left
     kind = ["--system", "--shell", "/usr/sbin/nologin"] if service else ["--shell", "/bin/sh"]
     subprocess.run(["useradd", *kind, "--create-home", "--home-dir", str(home_in / name), name],

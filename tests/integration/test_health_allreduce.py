@@ -13,9 +13,9 @@ import pytest
 
 from health import allreduce
 from health.model import Action, Status
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, require_module
 
-torch = pytest.importorskip("torch")  # the trainer extra; CPU wheel on machines without a GPU
+torch = require_module("torch", "the trainer extra; the CPU wheel on machines without a GPU")
 
 
 def run_ranks(*args: str, world: int = 2, timeout_s: float = 60) -> list[subprocess.CompletedProcess[str]]:

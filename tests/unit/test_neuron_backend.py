@@ -5,6 +5,7 @@ and the clear failure when the Neuron SDK is missing. No Neuron SDK needed."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from supervisor import checkpoint_scan
-from tests.conftest import REPO
+from tests.conftest import REPO, require
 from trainer.config import config_digest, config_from_dict
 from trainer.errors import EXIT_DO_NOT_RETRY, ConfigError, UsageError
 from trainer.neuron import checkpoints, launch
@@ -202,7 +203,7 @@ def test_the_node_environment_is_the_seeds() -> None:
 
 
 def test_training_without_the_neuron_sdk_is_a_config_error(tmp_path: Path) -> None:
-    pytest.importorskip("torch")
+    require("torch (the trainer extra)", importlib.util.find_spec("torch") is not None)
     if subprocess.run([sys.executable, "-c", "import neuronx_distributed"], capture_output=True).returncode == 0:
         pytest.skip("the Neuron SDK is installed here")
     path = tmp_path / "neuron.json"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import require_root
 from trainer.errors import UsageError
 from trainer.private_dir import private_dir
 from trainer.slots import NodeSlots
@@ -34,8 +35,7 @@ def shm() -> Iterator[Path]:
 
 
 def as_nobody(*argv: str) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("another user's process needs root to start")
+    require_root("starting a process of another user")
     subprocess.run(list(argv), check=True, user=NOBODY, group=NOBODY, capture_output=True)
 
 

@@ -14,6 +14,7 @@ import pytest
 from supervisor import users
 from supervisor.errors import CannotExecute, SpecError
 from supervisor.users import RunAs
+from tests.conftest import require_root
 
 NOBODY = users.lookup("nobody")
 
@@ -26,8 +27,8 @@ def test_the_spec_names_the_user_then_the_config_then_the_daemon() -> None:
     assert users.resolve(None, None, allow_root=True) == users.daemon_user()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="as root: the refusal of root runs")
 def test_a_run_as_root_is_refused_unless_the_config_allows_it() -> None:
+    require_root("a daemon that runs as root")
     with pytest.raises(SpecError) as e:
         users.resolve(None, None, allow_root=False)
     assert str(e.value).startswith("user: this run would execute as root (the daemon runs as root and neither")
@@ -92,8 +93,7 @@ def test_writable_by_reads_the_mode_bits_of_the_nearest_existing_directory(open_
 
 
 def test_hand_over_gives_the_users_directories_and_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("chown needs root")
+    require_root("chown")
     (tmp_path / "config.json").write_text("{}")
     users.hand_over(NOBODY, tmp_path, tmp_path / "run", tmp_path / "run" / "checkpoints", tmp_path / "config.json")
     for p in (tmp_path / "run", tmp_path / "run" / "checkpoints", tmp_path / "config.json"):

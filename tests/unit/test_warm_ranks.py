@@ -11,17 +11,16 @@ import subprocess
 from pathlib import Path
 
 import psutil
-import pytest
 
 from supervisor.launchers.base import LaunchSpec
 from supervisor.launchers.local import _warm_ranks
+from tests.conftest import require_root
 
 NOBODY = 65534
 
 
 def test_a_planted_line_naming_another_users_process_is_not_a_rank(tmp_path: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("a process of another user needs root to start")
+    require_root("starting a process of another user")
     attempt = tmp_path / "attempts" / "2"
     attempt.mkdir(parents=True)
     own = subprocess.Popen(["sleep", "30"], user=NOBODY, group=NOBODY)
