@@ -327,6 +327,12 @@ def choose_chaos(chaos: list[str], seed: int, size: int = CHAOS_SUBSET) -> list[
     return chosen + rng.sample(rest, max(0, min(len(rest), size - len(chosen))))
 
 
+def missing_always(chaos: list[str]) -> list[str]:
+    """The scenarios of CHAOS_ALWAYS that none of the node ids ``chaos`` names."""
+    return [name for name in CHAOS_ALWAYS
+            if not any(c.split("::")[-1].split("[")[0] == name for c in chaos)]
+
+
 @pytest.hookimpl(trylast=True)  # after -k and -m have chosen: a scenario named that way runs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep a seeded subset of the chaos scenarios (deselected, not skipped: `make chaos`
@@ -335,6 +341,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     chaos = sorted((i for i in items if i.get_closest_marker("chaos")), key=lambda i: i.nodeid)
     if config.getoption("--chaos-all") or len(chaos) <= CHAOS_SUBSET:
         return
+    missing = missing_always([i.nodeid for i in chaos])
+    if missing:  # renamed or removed: the subset would quietly run without it
+        raise pytest.UsageError(f"chaos: {', '.join(missing)} (tests/conftest.py CHAOS_ALWAYS) is not among "
+                                f"the {len(chaos)} scenarios collected")
     seed = config.getoption("--seed")
     chosen_ids = set(choose_chaos([i.nodeid for i in chaos], seed))
     dropped = [i for i in chaos if i.nodeid not in chosen_ids]

@@ -3,7 +3,7 @@ the commit, always with the daemon SIGKILL and exactly one scenario on the Slurm
 
 from __future__ import annotations
 
-from tests.conftest import CHAOS_ALWAYS, CHAOS_SUBSET, choose_chaos
+from tests.conftest import CHAOS_ALWAYS, CHAOS_SUBSET, choose_chaos, missing_always
 
 LOCAL = [f"tests/chaos/test_local.py::test_local_{k}" for k in range(16)]
 SLURM = [f"tests/chaos/test_slurm.py::test_slurm_{k}" for k in range(6)]
@@ -25,3 +25,17 @@ def test_the_subset_rotates_with_the_seed_and_repeats_with_it() -> None:
     assert choose_chaos(ALL, 1234) == choose_chaos(ALL, 1234)
     seen = set().union(*subsets)
     assert seen == set(ALL), "over a few commits every scenario runs"
+
+
+def test_an_always_run_scenario_that_is_not_collected_is_named() -> None:
+    assert missing_always(ALL) == []
+    assert missing_always([c + "[seed-3]" for c in ALL]) == [], "a parametrized one counts"
+    assert missing_always(LOCAL + SLURM) == list(CHAOS_ALWAYS)  # renamed or removed
+
+
+def test_the_always_run_scenarios_exist_in_the_chaos_suite() -> None:
+    from pathlib import Path
+
+    sources = "".join(p.read_text() for p in (Path(__file__).parents[1] / "chaos").glob("test_*.py"))
+    for name in CHAOS_ALWAYS:
+        assert f"def {name}(" in sources, name
