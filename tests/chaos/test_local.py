@@ -25,6 +25,7 @@ import pytest
 from tests.chaos.conftest import assert_records
 from tests.conftest import REPO, free_port, require, start_mosquitto, stop_by_pid, wait_for
 from tests.e2e.conftest import EXAMPLE, Serve, ctl, db_rows, env, summary_of, trainer_processes, tsup
+from trainer.checkpoint_layout import FENCE_FILE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 
@@ -527,8 +528,8 @@ def test_a_full_checkpoint_filesystem_stops_the_run_and_resume_finishes_it(
             assert failed["reason"].startswith("not retrying: checkpoint storage full (exit code 5): ")
             assert "No space left on device" in failed["reason"] and "free space, then resume" in failed["reason"]
             assert [f["kind"] for f in failed["faults"]] == ["storage"]
-            assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000020", "step_00000040"], \
-                "the partial save of step 60 was removed"
+            assert sorted(p.name for p in ckpt.iterdir()) == [FENCE_FILE, "step_00000020", "step_00000040"], \
+                "the partial save of step 60 was removed (the live attempt's fence stays)"
             assert db_rows(state, "SELECT count(*) FROM nodes WHERE state = 'DRAINED'")[0][0] == 0
 
             subprocess.run(["mount", "-o", "remount,size=64m", str(ckpt)], check=True)

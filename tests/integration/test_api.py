@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +12,9 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.auth import TokenAuth
 from supervisor.domain import FaultKind, Node, NodeState, RunState
+from supervisor.launchers.base import waiting_standbys
 from supervisor.launchers.local import LocalLauncher
+from supervisor.launchers.standby import _RunPool, _Standby
 from supervisor.metrics import SupervisorMetrics
 from supervisor.recorder import TelemetryRecorder
 from supervisor.service import SupervisorService
@@ -244,13 +247,20 @@ def test_the_event_stream_sends_what_is_recorded_and_ends_with_the_run(client: T
 
 
 def test_metrics_for_prometheus(tmp_path: Path) -> None:
-    """With the daemon's registry: runs by state, faults and their latencies."""
+    """With the daemon's registry: runs by state, faults and their latencies, and the
+    launcher's live standbys (real processes in its pool; a dead one is not counted)."""
     store = SqlStore(tmp_path / "supervisor.db")
     store.open()
     service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
                                 launcher=(local := LocalLauncher(max_nodes=4)), nodes=local, check_trainer=False)
-    metrics = SupervisorMetrics(store, TelemetryView(), lambda: True,
-                                standbys=lambda: {"run-1": {"local-1": 2, "local-3": 1}})
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(4)]
+    local.standbys._runs["run-1"] = _RunPool(  # as a refill leaves it: two per node
+        spec=object(), refill_at=0.0,  # type: ignore[arg-type]
+        waiting=[_Standby(proc, node, slot) for proc, (node, slot)
+                 in zip(procs, [("local-1", 0), ("local-1", 1), ("local-3", 0), ("local-3", 1)], strict=True)])
+    procs[3].kill()
+    procs[3].wait()
+    metrics = SupervisorMetrics(store, TelemetryView(), lambda: True, standbys=waiting_standbys(local))
     metrics.tick_seconds.observe(0.004)
     client = TestClient(create_app(service, TokenAuth(TOKEN), metrics),
                         headers={"Authorization": f"Bearer {TOKEN}"})
@@ -259,7 +269,12 @@ def test_metrics_for_prometheus(tmp_path: Path) -> None:
         tx.add_fault(1, attempt=1, kind=FaultKind.RANK_EXIT, ranks=[3], nodes=["local-2"], step=1,
                      summary="rank 3 killed", now=103.0, last_step_at=100.0)
         tx.mark_faults_recovered(1, 112.0)
-    text = client.get("/metrics").text
+    try:
+        text = client.get("/metrics").text
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
     store.close()
     assert 'tsup_runs{state="PENDING"} 1.0' in text
     assert 'tsup_faults_total{kind="rank-exit"} 1.0' in text

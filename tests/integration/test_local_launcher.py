@@ -210,6 +210,10 @@ def test_one_torchrun_per_node_spawns_the_ranks_and_a_rank_is_killed_under_it(
         assert found is not None
         assert [(r["rank"], r["pid"]) for r in json.loads(found)["ranks"]] == [(r["rank"], r["pid"]) for r in ranks]
 
+        # Node 1's two workers, alive now (torchrun may end them itself once node 2 fails).
+        workers = [p for p in psutil.Process(ranks[0]["pid"]).children() if p.is_running()]
+        assert len(workers) == 2, workers
+        assert all(os.getpgid(p.pid) != ranks[0]["pgid"] for p in workers), "sessions of their own"
         # kill-rank reaches the worker of that rank, under its node's torchrun.
         said = launcher.kill_rank(info, 3)
         assert "rank 3" in said and str(ranks[3]["pid"]) not in said.split("(pid ")[1]
@@ -218,10 +222,9 @@ def test_one_torchrun_per_node_spawns_the_ranks_and_a_rank_is_killed_under_it(
         assert states(launcher, info)[2] == states(launcher, info)[3] and states(launcher, info)[3][1] != 0
 
         # torchrun puts its workers in sessions of their own: SIGKILL of node 1's torchrun
-        # alone would leave them training. A forced stop reaches them too. (Node 1's
-        # torchrun may have ended its workers itself, seeing node 2 leave the rendezvous.)
-        workers = [p for p in psutil.Process(ranks[0]["pid"]).children() if p.is_running()]
-        assert all(os.getpgid(p.pid) != ranks[0]["pgid"] for p in workers)
+        # alone would leave them training. A forced stop reaches them too, unless node 1's
+        # torchrun ended them itself, seeing node 2 leave the rendezvous; either way none
+        # is left.
         launcher.stop(info, force=True)
         wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers), 20,
                  "node 1's workers to die with their torchrun")

@@ -150,7 +150,9 @@ def test_activation_checkpointing_recomputes_the_chosen_blocks_in_the_backward_p
     assert all(torch.equal(a, b) for a, b in zip(grads, plain, strict=True))
 
 
-def test_compile_compiles_each_block() -> None:
+def test_compile_wraps_each_block_not_the_whole_model() -> None:
+    """Where compile is applied (the blocks, as FSDP2 wraps each); that the compiled blocks
+    run and learn what the plain ones do is tests/integration/test_trainer_options.py's."""
     model = meta_model(SHAPES["tiny"])
     model.prepare_blocks(activation_checkpointing="none", compile=True)
     assert all(block._compiled_call_impl is not None for block in model.blocks())
