@@ -2,10 +2,13 @@
 
     training-supervisor run SPEC.toml [--state-dir DIR] [--chaos KIND@STEP ...] [--json]
     training-supervisor serve [--state-dir DIR] [--api-bind HOST:PORT] [--mqtt-url URL]
+    training-supervisor advise --nodes N --checkpoint-s S [--step-time-s S] [--json]
 
-Exit codes: 0 the run succeeded (run) or a clean shutdown (serve); 1 the run failed or
-was cancelled, or the daemon stopped on an error; 2 bad input (usage, spec, state
-directory in use); 130 interrupted.
+`advise` prints the Young/Daly checkpoint interval for a job (supervisor/planning.py).
+
+Exit codes: 0 the run succeeded (run), a clean shutdown (serve), or advice printed
+(advise); 1 the run failed or was cancelled, or the daemon stopped on an error; 2 bad
+input (usage, spec, flags, state directory in use); 130 interrupted.
 """
 
 from __future__ import annotations

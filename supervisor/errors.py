@@ -1,18 +1,27 @@
 """The supervisor's one error tree.
 
     SupervisorError                 anything this package raises on purpose
-    ├── SpecError                   a run spec or config file is invalid (names the key)
-    ├── NotFound                    an unknown run, node or attempt
-    ├── Conflict                    a request that the current state forbids
+    ├── SpecError                   a run spec, config file or command-line flag is invalid
+    │                               (names the key), or names a user the run may not execute as
+    ├── NotFound                    an unknown run, node or command
+    ├── Conflict                    a change the current state forbids
     ├── StateDirLocked              another daemon holds the state directory
-    ├── StoreError                  the database is unusable (schema too new, corrupt)
-    └── LaunchError                 the launcher could not start or control processes
+    ├── StoreError                  the database is unusable (schema too new, corrupt, not open)
+    └── LaunchError                 the launcher could not start or control processes, or
+        │                           the cluster refused a node command (drain, return)
         └── CannotExecute           the command itself cannot be run (no such program, not
-                                    executable, a NUL byte in an argument): no retry helps
+                                    executable, a NUL byte in an argument, a user that no
+                                    longer exists): no retry helps
 
-The API maps these to HTTP statuses in one handler (api/app.py) and the CLIs map
-them to exit codes (supervisor/cli.py, api/ctl.py). Adapters translate foreign
-exceptions into these with ``raise ... from e``.
+Two subclasses live beside the code that raises them: ``IllegalTransition`` (a
+``Conflict``: a state change the transition table forbids, supervisor/policy/
+transitions.py) and ``SlurmParseError`` (Slurm printed what cannot be read,
+supervisor/slurm/parse.py). The daemon raises a bare ``SupervisorError`` when it
+cannot start or a root task dies.
+
+The API maps these to HTTP statuses in one handler (api/app.py); supervisor/cli.py
+maps them to exit codes, and supervisorctl (api/ctl.py) maps the API's statuses to its
+own. Adapters translate foreign exceptions into these with ``raise ... from e``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,28 @@
-"""Execute: record a decision and carry it out.
+"""Execute: record a run's decision and carry it out.
 
-``apply`` writes everything a run's decision says (its state changes, checked against
-the transition table, its records, its events and their outbox rows) and what was
-observed with it (the allocation granted, the checkpoints found) in one SQLite
-transaction, and then acts: starts and stops attempts, asks for nodes, gives them back,
-submits probes. Decisions about nodes (probe results, operators' drains) and the drains
-and returns of a run's decision go through ``NodeEffects`` (supervisor/execute_nodes.py).
+``Executor.apply`` writes everything a run's decision says (its state changes, its
+records, its events and their outbox rows) and what was observed with it (``Facts``: the
+allocation granted, the checkpoints found) in one SQLite transaction, and then acts:
+starts and stops attempts, kills orphans, asks for nodes, gives them back, submits
+probes, forgets an attempt that ended. Every run and attempt state change an effect
+makes is checked against the transition table (supervisor/policy/transitions.py) before
+it is written; an illegal one raises, the whole transaction rolls back, and nothing of
+the decision is acted on.
 
-An attempt's state changes are checked against the transition table before they are
-written; an illegal one raises and the whole transaction rolls back.
+Starting an attempt (``_start``) first prepares what its trainer reads: the data windows
+the run skips, the checkpoint intervals set to "auto" (Young/Daly, per tier, from what
+the run measured, supervisor/planning.py), newer checkpoints set aside from a [command]
+trainer's way, the attempt's config (its files handed over to the run's user), and the
+fence that keeps an earlier attempt's rank 0 off the checkpoints. Once the launcher has
+started it, the attempt is recorded RUNNING (the one state write that is not an
+effect's). A launch that fails is recorded on the attempt (``launch_error``;
+``launch_fatal`` when no restart can help: a command that cannot be executed, an unsafe
+path) and judged by the core at the next tick.
+
+Decisions about nodes (probe results, operators' drains) and the drains and returns of a
+run's decision go through ``NodeEffects`` (supervisor/execute_nodes.py): a run's drains
+are recorded in the run's own transaction, then sent as intents until the cluster shows
+them.
 """
 
 from __future__ import annotations

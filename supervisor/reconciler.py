@@ -1,16 +1,19 @@
 """The reconciler: observe, decide, record and act; once per tick, for every run and node.
 
-    observe.py   Observer: what each run looks like now (read-only)
-    policy/      decide(), judge_probes(), node_command(): the pure core
-    execute.py   Executor: one transaction per decision, then the effects, and the
-                 intents (drains, returns) sent until the cluster shows them
-    probes.py    ProbeScheduler: probe rounds on worker threads, the periodic sweep
+    observe.py        Observer: what each run looks like now (read-only)
+    policy/           decide(), judge_probes(), node_command(): the pure core
+    execute.py        Executor: one transaction per run's decision, then its effects
+    execute_nodes.py  NodeEffects: decisions about nodes, and the intents (drains,
+                      returns) sent until the cluster shows them
+    probes.py         ProbeScheduler: probe rounds on worker threads, the periodic sweep
+    recorder.py       TelemetryRecorder: the telemetry that must outlive the daemon, and retention
 
-A tick: trainer telemetry that must survive a restart is recorded (and, once a
-minute, what retention lets go is deleted); finished probe
-rounds and operators' node commands are judged and carried out; each run is observed,
-decided and executed; the node intents are pushed. A run whose reconciliation raises is
-logged and tried again next tick; it never stops the other runs.
+A tick: trainer telemetry that must survive a restart is recorded; finished probe
+rounds are judged, a sweep is started when one is due, and operators' node commands
+are carried out; each run is observed, decided and executed; the node intents are
+pushed, nodes the cluster repaired are taken back, and (once a minute) what retention
+lets go is deleted. A run whose reconciliation raises is logged and tried again next
+tick; it never stops the other runs.
 
 Level-triggered and idempotent: everything it needs is in SQLite or observable, so a
 restarted daemon carries on where a killed one stopped. An attempt is recorded before

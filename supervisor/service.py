@@ -1,8 +1,19 @@
-"""Use cases behind the API and the CLIs: submit, inspect, and queue operator commands.
+"""Use cases behind the API and the CLIs: submit, inspect, probe a node, queue operators' commands.
 
 Reads go straight to the store (SQLite in WAL mode lets them run beside the
-reconciler). Writes are limited to creating a run and queueing a command; the
-reconciler alone acts on them, on its next tick.
+reconciler). A run's detail and goodput grow with its attempts and faults, never with
+its steps: they read the per-attempt stats and the downsampled loss curve that are
+kept as steps are recorded (supervisor/recorder.py).
+
+``submit`` refuses a spec (SpecError) before anything is recorded when this daemon
+cannot run it: another launcher or broker, resources the cluster cannot give, a
+[trainer] table the reference trainer rejects, a user the run may not or cannot
+execute as, a checkpoint directory that user cannot write; the run is recorded with
+the user it executes as. Other writes only queue a command for a run (cancel, pause,
+resume, restart) or a node (drain, undrain): the reconciler alone acts on them, on its
+next tick. The exception is an operator's probe of a node, which runs at once (the
+call waits for it) and is recorded; drains follow only from the probes the reconciler
+runs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,14 @@
 """Which run and attempt states may follow which: the one table, checked on every change.
 
-The core (``decide``) asks ``run_transition`` before it emits a state change, and the
-executor asks again before it writes one: an illegal transition raises
-``IllegalTransition`` and nothing is written, so a bug shows as an error in the log and
-a state left as it was, never as a run in a state no rule leads to.
+``RUN_TRANSITIONS`` and ``ATTEMPT_TRANSITIONS`` map each state to the states that may
+follow it. The core calls ``check_run`` before it emits a run's state change
+(policy/lifecycle.py, policy/recovery.py); the executor calls ``check_run`` again, and
+``check_attempt`` for an attempt's, before it writes one (supervisor/execute.py). An
+illegal transition raises ``IllegalTransition`` and nothing of that decision is written
+(the executor's transaction rolls back whole), so a bug shows as an error in the log, the
+run retried next tick, and a state left as it was, never as a run in a state no rule
+leads to. One write is not checked here: the executor marks an attempt RUNNING once the
+launcher has started it (LAUNCHING -> RUNNING, which the table allows).
 """
 
 from __future__ import annotations

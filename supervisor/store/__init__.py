@@ -7,10 +7,11 @@
 
     engine.py     opening, pragmas, explicit transactions, migrations
     schema.py     the tables and their migrations
+    tx.py         Tx: one transaction, every query below
     runs.py       runs, attempts, operators' commands
     nodes.py      nodes, probes, node intents
-    history.py    checkpoints, faults, stragglers, data skips
-    telemetry.py  step metrics, events and the outbox
+    history.py    checkpoints (persistent and in memory), faults, stragglers, data skips
+    telemetry.py  step metrics, attempt stats, the loss curve, events and the outbox
     rows.py       row <-> record mapping
 """
 

@@ -1,4 +1,4 @@
-"""Queries of a run's history: checkpoints, faults, stragglers and data skips."""
+"""Queries of a run's history: checkpoints (persistent and in memory), faults, stragglers and data skips."""
 
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
 """The SQLite schema and its migrations.
 
 The database records the supervisor's whole memory: a restarted daemon re-derives
-everything from these tables plus the launcher. ``SCHEMA_VERSION`` is stored in the
-``schema_version`` table; ``MIGRATIONS[i]`` takes a database from version i to i + 1.
+everything from these tables plus the launcher. A database's version is stored in the
+``schema_version`` table; ``MIGRATIONS[i]`` takes a database from version i to i + 1, up
+to ``SCHEMA_VERSION`` (one per migration); a newer database is refused, never guessed at.
 Add a migration, never edit an old one (``_v1`` creates the tables from the current
-``metadata``, so each later one checks before it adds). The store runs every
-migration of an upgrade in one transaction (an explicit BEGIN: supervisor/store.py), so
-one that fails midway leaves the database as it was.
+``metadata``, so each later one checks before it adds). ``migrate`` runs every
+migration of an upgrade in one transaction, on a connection that begins with an
+explicit BEGIN (supervisor/store/engine.py), so one that fails midway leaves the
+database as it was.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Queries of what the trainers and the supervisor said: step metrics, events, the outbox."""
+"""Queries of what the trainers and the supervisor said: step metrics and what is kept of them
+(per-attempt stats, the downsampled loss curve), events, the outbox, and their retention."""
 
 from __future__ import annotations
 
