@@ -14,10 +14,10 @@ the run skips, the checkpoint intervals set to "auto" (Young/Daly, per tier, fro
 the run measured, supervisor/planning.py), newer checkpoints set aside from a [command]
 trainer's way, the attempt's config (its files handed over to the run's user), and the
 fence that keeps an earlier attempt's rank 0 off the checkpoints. Once the launcher has
-started it, the attempt is recorded RUNNING (the one state write that is not an
-effect's). A launch that fails is recorded on the attempt (``launch_error``;
-``launch_fatal`` when no restart can help: a command that cannot be executed, an unsafe
-path) and judged by the core at the next tick.
+started it, the attempt is recorded RUNNING (the one state write that is not an effect's,
+checked against the table like the others). A launch that fails is recorded on the
+attempt (``launch_error``; ``launch_fatal`` when no restart can help: a command that
+cannot be executed, an unsafe path) and judged by the core at the next tick.
 
 Decisions about nodes (probe results, operators' drains) and the drains and returns of a
 run's decision go through ``NodeEffects`` (supervisor/execute_nodes.py): a run's drains
@@ -372,8 +372,9 @@ class Executor:
             return
         started = self.clock()
         with self.store.tx() as tx:
-            tx.update_attempt(run.number, e.number, state=AttemptState.RUNNING, launch_info=info,
-                              started_at=started)
+            recorded = {a.number: a for a in tx.list_attempts(run.number)}
+            self._attempt_to(tx, recorded, e.number, AttemptState.RUNNING, launch_info=info,
+                             started_at=started)
             if run.started_at is None:
                 tx.update_run(run.number, started_at=started)
             tx.add_event(run.number, "attempt.started",

@@ -7,8 +7,8 @@ follow it. The core calls ``check_run`` before it emits a run's state change
 illegal transition raises ``IllegalTransition`` and nothing of that decision is written
 (the executor's transaction rolls back whole), so a bug shows as an error in the log, the
 run retried next tick, and a state left as it was, never as a run in a state no rule
-leads to. One write is not checked here: the executor marks an attempt RUNNING once the
-launcher has started it (LAUNCHING -> RUNNING, which the table allows).
+leads to. That includes the one attempt write no effect asks for: the executor marks an
+attempt RUNNING once the launcher has started it (LAUNCHING -> RUNNING).
 """
 
 from __future__ import annotations
