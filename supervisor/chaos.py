@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Literal
 
 from supervisor import checkpoint_scan
-from supervisor.domain import AttemptState, run_id_of
+from supervisor.domain import AttemptState, EventKind, run_id_of
 from supervisor.errors import LaunchError, SpecError
 from supervisor.launchers.base import ChaosHooks
 from supervisor.reconciler import Reconciler
@@ -174,7 +174,7 @@ class ChaosMonkey:
             if action.kind in ENDS_ATTEMPT:
                 self.ended = (live.number, action.step)
             self.reconciler.post_event(
-                self.run_number, "chaos.injected", f"chaos {action} at step {step}: {what}",
+                self.run_number, EventKind.CHAOS_INJECTED, f"chaos {action} at step {step}: {what}",
                 {"action": str(action), "step": step, "attempt": live.number},
             )
 
@@ -205,7 +205,8 @@ class ChaosMonkey:
             except LaunchError as e:
                 log.warning("chaos: cannot heal %s: %s", node, e)
                 continue
-            self.reconciler.post_event(self.run_number, "chaos.healed", f"chaos: {said}", {"node": node})
+            self.reconciler.post_event(self.run_number, EventKind.CHAOS_HEALED, f"chaos: {said}",
+                                       {"node": node})
 
     def heal_all(self) -> None:
         """Bring back every link still cut (the run ended before its heal was due)."""

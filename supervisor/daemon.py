@@ -51,6 +51,7 @@ from supervisor.broker import (
     broker_addresses,
 )
 from supervisor.domain import LIVE_ATTEMPT_STATES
+from supervisor.domain.events import EventKind
 from supervisor.errors import StateDirLocked, StoreError, SupervisorError
 from supervisor.launchers.base import ChaosHooks, Launcher, NodeAdmin, waiting_standbys
 from supervisor.launchers.local import LocalLauncher
@@ -284,7 +285,7 @@ class Daemon:
             message = f"training-supervisor started (pid {os.getpid()})"
             if live:
                 message += f"; taking over live attempts {', '.join(live)}"
-            tx.add_event(None, "daemon.started", message, {"pid": os.getpid(), "live_attempts": live},
+            tx.add_event(None, EventKind.DAEMON_STARTED, message, {"pid": os.getpid(), "live_attempts": live},
                          self.clock())
 
     async def __aexit__(

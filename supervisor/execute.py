@@ -62,6 +62,7 @@ from supervisor.domain import (
     StopAttempt,
     StragglerRecord,
 )
+from supervisor.domain.events import EventKind
 from supervisor.errors import CannotExecute, LaunchError
 from supervisor.execute_nodes import NodeEffects
 from supervisor.launchers.base import AllocationRequest, Launcher, NodeAdmin
@@ -110,12 +111,13 @@ class Executor:
             changed = tx.record_checkpoint(n, step=v.step, path=str(v.path), complete=v.ok, duration_s=None,
                                            attempt=None, now=now)
             if changed and not v.ok:
-                tx.add_event(n, "checkpoint.rejected",
+                tx.add_event(n, EventKind.CHECKPOINT_REJECTED,
                              f"checkpoint at step {v.step} fails verification: {v.why}",
                              {"step": v.step, "path": str(v.path)}, now)
         for path in seen.facts.out_of_range:
             if self.observer.note_out_of_range(n, path):
-                tx.add_event(n, "checkpoint.skipped", f"{path}: its step is beyond what a run can reach; "
+                tx.add_event(n, EventKind.CHECKPOINT_SKIPPED,
+                             f"{path}: its step is beyond what a run can reach; "
                              "not a checkpoint of this run, passed over", {"path": str(path)}, now)
 
     def _record_grant(self, tx: Tx, n: int, changes: GrantChanges, now: float) -> None:
@@ -124,11 +126,11 @@ class Executor:
         for node in changes.puts:
             tx.put_node(node, now)
         if changes.added:
-            tx.add_event(n, "nodes.allocated", f"allocated {', '.join(changes.added)}",
+            tx.add_event(n, EventKind.NODES_ALLOCATED, f"allocated {', '.join(changes.added)}",
                          {"nodes": list(changes.added)},
                          now)
         if changes.released:
-            tx.add_event(n, "nodes.released", f"no longer held: {', '.join(changes.released)}",
+            tx.add_event(n, EventKind.NODES_RELEASED, f"no longer held: {', '.join(changes.released)}",
                          {"nodes": list(changes.released)}, now)
 
     def _record(self, tx: Tx, run: Run, state: RunState, attempts: dict[int, Attempt], e: Effect,
@@ -154,12 +156,12 @@ class Executor:
             case StopAttempt():
                 self._attempt_to(tx, attempts, e.number, AttemptState.STOPPING, stop_requested_at=now,
                                  outcome=e.outcome, reason=e.reason)
-                tx.add_event(n, "attempt.stopping", f"attempt {e.number}: stopping ({e.reason})",
+                tx.add_event(n, EventKind.ATTEMPT_STOPPING, f"attempt {e.number}: stopping ({e.reason})",
                              {"attempt": e.number}, now)
             case EndAttempt():
                 self._attempt_to(tx, attempts, e.number, AttemptState.ENDED, ended_at=now, outcome=e.outcome,
                                  reason=e.reason, final_step=e.final_step)
-                tx.add_event(n, "attempt.ended",
+                tx.add_event(n, EventKind.ATTEMPT_ENDED,
                              f"attempt {e.number} ended {e.outcome} at step {e.final_step}: "
                              f"{e.reason}", {"attempt": e.number, "outcome": e.outcome.value,
                                              "final_step": e.final_step}, now)
@@ -170,14 +172,14 @@ class Executor:
                              injected_at=tx.injected_at(n, e.attempt, now))
             case MarkFaultsRecovered():
                 if tx.mark_faults_recovered(n, now):
-                    tx.add_event(n, "run.recovered", "training again after the fault", {}, now)
+                    tx.add_event(n, EventKind.RUN_RECOVERED, "training again after the fault", {}, now)
             case ReleaseNodes():
                 for node in tx.allocation(n):  # a drained node keeps the run that drained it
                     if node.state is NodeState.ALLOCATED:
                         tx.put_node(Node(name=node.name, state=NodeState.IDLE), now)
             case SkipData():
                 tx.add_data_skip(n, e.start, e.end, e.reason, now)
-                tx.add_event(n, "data.skip",
+                tx.add_event(n, EventKind.DATA_SKIP,
                              f"skipping samples {e.start} to {e.end} from the next attempt on: "
                              f"{e.reason}", {"start": e.start, "end": e.end}, now)
             case ReportStraggler():
@@ -185,7 +187,7 @@ class Executor:
                                                     busy_s=e.busy_s,
                                                     typical_s=e.typical_s, window=e.window, at=now))
                 slower = e.busy_s / e.typical_s - 1.0 if e.typical_s > 0 else float("inf")
-                tx.add_event(n, "straggler",
+                tx.add_event(n, EventKind.STRAGGLER,
                              f"rank {e.rank} on {e.node} straggles: {e.busy_s:.3f} s of compute per step "
                              f"against {e.typical_s:.3f} s typical ({slower:+.0%}) over {e.window} steps",
                              {"attempt": e.attempt, "rank": e.rank, "node": e.node, "busy_s": e.busy_s,
@@ -209,7 +211,7 @@ class Executor:
             data |= {"final_step": e.final_step, "model_digest": e.model_digest}
         else:
             tx.update_run(n, state=new, reason=e.reason)
-        tx.add_event(n, "run.state", f"{state} -> {new}: {e.reason}", data, now)
+        tx.add_event(n, EventKind.RUN_STATE, f"{state} -> {new}: {e.reason}", data, now)
         return new
 
     @staticmethod
@@ -246,7 +248,8 @@ class Executor:
                                    argv=node_health.probe_argv(spec.health.args),
                                    timeout_s=spec.health.timeout_s,
                                    allocation_info=info)
-                self.post_event(run.number, "probe.started", f"{e.kind} probe of {', '.join(e.nodes)}",
+                probed = ", ".join(e.nodes)
+                self.post_event(run.number, EventKind.PROBE_STARTED, f"{e.kind} probe of {probed}",
                                 {"nodes": list(e.nodes), "kind": e.kind})
             case EndAttempt():
                 info = attempts[e.number].launch_info
@@ -254,7 +257,7 @@ class Executor:
                     self.launcher.forget(info)
                 self.telemetry.forget(run.run_id, e.number)
                 self.observer.forget_attempt(run.number, e.number)
-            case Emit(kind="spike.transient"):
+            case Emit(kind=EventKind.SPIKE_TRANSIENT):
                 self.observer.spikes_said.setdefault((run.number, int(str(e.data["attempt"]))), set()).add(
                     int(str(e.data["step"])))
             case _:
@@ -262,7 +265,8 @@ class Executor:
 
     # --- acting ---------------------------------------------------------------------
 
-    def post_event(self, run_number: int | None, kind: str, message: str, data: dict[str, object]) -> None:
+    def post_event(self, run_number: int | None, kind: EventKind, message: str,
+                   data: dict[str, object]) -> None:
         with self.store.tx() as tx:
             tx.add_event(run_number, kind, message, dict(data), self.clock())
 
@@ -288,7 +292,7 @@ class Executor:
             short = (count, got) if got < count else None
             if short is not None and self._short.get(run.number) != short:  # say it once, not every tick
                 why = f" ({grant.note})" if grant.note else ""
-                tx.add_event(run.number, "nodes.short",
+                tx.add_event(run.number, EventKind.NODES_SHORT,
                              f"asked for {count} nodes, holding {got}; waiting{why}",
                              {"asked": count, "got": got, "note": grant.note}, now)
             self._short[run.number] = short
@@ -312,7 +316,7 @@ class Executor:
             auto = planning.auto_every_steps(cost, step_s / steps if steps else None, run.nodes,
                                              run.policy.failures_per_node_day, spec.total_steps, tier)
             what = "memory checkpoint" if tier == planning.TIER_MEMORY else "checkpoint"
-            tx.add_event(run.number, "checkpoint.interval", f"{what} {auto.why}",
+            tx.add_event(run.number, EventKind.CHECKPOINT_INTERVAL, f"{what} {auto.why}",
                          {"every_steps": auto.every_steps, "tier": tier}, now)
         return auto.every_steps
 
@@ -331,7 +335,7 @@ class Executor:
             names = ", ".join(src.name for src, _ in moved)
             start = keep.name if keep is not None else "scratch"
             with self.store.tx() as tx:
-                tx.add_event(run.number, "checkpoint.set-aside",
+                tx.add_event(run.number, EventKind.CHECKPOINT_SET_ASIDE,
                              f"attempt {e.number} resumes from {start}: moved {names} out of the trainer's "
                              f"way into {moved[0][1].parent}",
                              {"attempt": e.number, "moved": [str(src) for src, _ in moved]}, now)
@@ -377,6 +381,6 @@ class Executor:
                              started_at=started)
             if run.started_at is None:
                 tx.update_run(run.number, started_at=started)
-            tx.add_event(run.number, "attempt.started",
+            tx.add_event(run.number, EventKind.ATTEMPT_STARTED,
                          f"attempt {e.number} started: {len(e.nodes) * run.ranks_per_node} ranks on "
                          f"{', '.join(e.nodes)}", {"attempt": e.number, "nodes": list(e.nodes)}, started)

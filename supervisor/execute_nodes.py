@@ -32,6 +32,7 @@ from supervisor.domain import (
     RecordProbe,
     ReturnNode,
 )
+from supervisor.domain.events import EventKind
 from supervisor.errors import LaunchError
 from supervisor.launchers.base import NodeAdmin
 from supervisor.observe import Observer
@@ -72,14 +73,14 @@ class NodeEffects:
                                  run_number=e.run_number),
                             now)
                 tx.want(e.node, DRAIN_REBOOT if e.reboot else "drain", e.reason, now)
-                tx.add_event(e.run_number, "node.drained", e.message or f"node {e.node} drained: {e.reason}",
-                             {"node": e.node}, now)
+                tx.add_event(e.run_number, EventKind.NODE_DRAINED,
+                             e.message or f"node {e.node} drained: {e.reason}", {"node": e.node}, now)
             case ReturnNode():
                 # Idle again; a run whose allocation still has it takes it back at its next
                 # look at what it holds (launchers.base.Launcher.held).
                 tx.put_node(Node(name=e.node, state=NodeState.IDLE), now)
                 tx.want(e.node, "undrain", "", now)
-                tx.add_event(e.run_number, "node.returned", e.message, {"node": e.node,
+                tx.add_event(e.run_number, EventKind.NODE_RETURNED, e.message, {"node": e.node,
                                                                         "operator": e.operator}, now)
             case RecordProbe():
                 tx.add_probe(e.record)
@@ -157,7 +158,7 @@ class NodeEffects:
                 if error is not None and error != it.last_error:  # said once, not every tick
                     node = next(iter(tx.nodes_named([it.node])), None)
                     verb = "drain" if want_drained else "return"
-                    tx.add_event(node.run_number if node else None, f"node.{verb}_failed",
+                    tx.add_event(node.run_number if node else None, EventKind.node_failed(verb),
                                  f"{error}; sending it again until the cluster shows it",
                                  {"node": it.node, "sent": it.sent + 1}, now)
 

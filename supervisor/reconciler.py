@@ -37,6 +37,7 @@ from pathlib import Path
 
 from supervisor import node_health
 from supervisor.domain import NodeState
+from supervisor.domain.events import EventKind
 from supervisor.errors import NotFound
 from supervisor.execute import Executor
 from supervisor.launchers.base import Launcher, NodeAdmin
@@ -106,8 +107,9 @@ class Reconciler:
         self.executor.node_effects.take_back_repaired(now)
         self.recorder.prune(now)
 
-    def post_event(self, run_number: int | None, kind: str, message: str, data: dict[str, object]) -> None:
-        """Record an event from outside the loop (chaos injection, operator notes)."""
+    def post_event(self, run_number: int | None, kind: EventKind, message: str,
+                   data: dict[str, object]) -> None:
+        """Record an event from outside the loop (chaos injection)."""
         self.executor.post_event(run_number, kind, message, data)
 
     def _judge_probes(self, now: float) -> None:

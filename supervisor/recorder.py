@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, replace
 
 from supervisor.domain import AttemptStats, CurvePoint, MetricRecord
+from supervisor.domain.events import EventKind
 from supervisor.goodput import with_step
 from supervisor.store import SqlStore, Tx
 from supervisor.telemetry import Received, TelemetryView
@@ -121,7 +122,7 @@ class _Batch:
                     attempt=msg.attempt, step=msg.step, loss=msg.loss, grad_norm=msg.grad_norm,
                     step_time_s=msg.step_time_s, at=item.at))
         elif isinstance(msg, p.FaultInjected):  # a drill's fault, injected by the trainer itself
-            tx.add_event(number, "chaos.injected",
+            tx.add_event(number, EventKind.CHAOS_INJECTED,
                          f"chaos {msg.action} fired in the trainer at step {msg.step}: {msg.detail} "
                          f"(rank {msg.rank})",
                          {"action": msg.action, "step": msg.step, "attempt": msg.attempt, "rank": msg.rank},
@@ -129,7 +130,7 @@ class _Batch:
         elif isinstance(msg, p.CheckpointRestored):
             timed = msg.bytes and msg.duration_s > 0
             pace = f", {msg.bytes / msg.duration_s / 1e9:.2f} GB/s" if timed else ""
-            tx.add_event(number, "checkpoint.restored",
+            tx.add_event(number, EventKind.CHECKPOINT_RESTORED,
                          f"attempt {msg.attempt} resumed after step {msg.step} from {msg.path} in "
                          f"{msg.duration_s:.2f} s ({msg.bytes / 1e9:.3g} GB a rank{pace})",
                          {"step": msg.step, "path": msg.path, "tier": msg.tier, "attempt": msg.attempt,
@@ -147,7 +148,7 @@ class _Batch:
                 self.stats[(number, msg.attempt)] = replace(stats, checkpoints=stats.checkpoints + 1,
                                                             checkpoint_s=saved_s)
                 took = f" in {duration:.2f} s" if duration is not None else ""
-                tx.add_event(number, "checkpoint.committed",
+                tx.add_event(number, EventKind.CHECKPOINT_COMMITTED,
                              f"checkpoint at step {msg.step} committed{took}",
                              {"step": msg.step, "path": msg.path, "attempt": msg.attempt}, item.at)
 

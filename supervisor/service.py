@@ -34,6 +34,7 @@ from supervisor.domain import (
     Run,
     parse_run_id,
 )
+from supervisor.domain.events import EventKind
 from supervisor.errors import NotFound, SpecError
 from supervisor.launchers.base import Launcher, NodeAdmin, waiting_standbys
 from supervisor.spec import RunSpec
@@ -113,7 +114,7 @@ class SupervisorService:
                 spares=spec.resources.spares, total_steps=spec.total_steps,
                 policy=spec.policy.to_policy(spec.shrink_counts), now=now,
             )
-            tx.add_event(run.number, "run.submitted",
+            tx.add_event(run.number, EventKind.RUN_SUBMITTED,
                          f"{run.run_id} ({spec.name}) submitted: {spec.resources.nodes} nodes x "
                          f"{spec.resources.ranks_per_node} ranks + {spec.resources.spares} spare(s), "
                          f"{spec.total_steps} steps", {"name": spec.name}, now)
@@ -159,7 +160,7 @@ class SupervisorService:
             drained = [n.name for n in tx.allocation(number) if n.state is NodeState.DRAINED]
             stragglers = [StragglerView(attempt=x.attempt, rank=x.rank, node=x.node, busy_s=x.busy_s,
                                         typical_s=x.typical_s) for x in tx.list_stragglers(number)]
-            transient_spikes = tx.count_events(number, "spike.transient")
+            transient_spikes = tx.count_events(number, EventKind.SPIKE_TRANSIENT)
         summary = run_summary(run, attempts, _newest(stats))
         return RunDetail(
             **summary.model_dump(), model_digest=run.model_digest, final_step=run.final_step,
@@ -196,7 +197,7 @@ class SupervisorService:
         with self.store.tx() as tx:
             tx.add_probe(record)
             why = f" ({record.reason})" if record.reason else ""
-            tx.add_event(node.run_number, f"probe.{record.status}",
+            tx.add_event(node.run_number, EventKind.probe(record.status),
                          f"manual probe of {name}: {record.status}{why}",
                          {"node": name, "status": record.status, "action": record.action}, self.clock())
         return probe_view(record)

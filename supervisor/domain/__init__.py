@@ -10,6 +10,7 @@ seconds (float) from the supervisor's clock, never the trainer's.
     records.py       Run, Attempt, Node, FaultRecord, events, metrics, intents, ...
     observations.py  RankObs, AttemptObs, RunView: what decide() sees
     effects.py       what decide() asks for
+    events.py        EventKind: every kind of event the audit log holds
 """
 
 from supervisor.domain.effects import (
@@ -38,6 +39,7 @@ from supervisor.domain.effects import (
     StartAttempt,
     StopAttempt,
 )
+from supervisor.domain.events import EventKind
 from supervisor.domain.knobs import (
     TSUP_EXIT_CODES,
     ExitMeaning,
@@ -107,6 +109,7 @@ __all__ = [
     "Emit",
     "EndAttempt",
     "EnsureStopped",
+    "EventKind",
     "EventRecord",
     "ExitMeaning",
     "FaultKind",

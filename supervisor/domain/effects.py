@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from supervisor.domain.events import EventKind
 from supervisor.domain.records import ProbeRecord
 from supervisor.domain.states import AttemptOutcome, FaultKind, RunState
 
@@ -13,7 +14,7 @@ class Emit:
     """Append an event to the audit log (and the outbox): the run's that was decided about,
     or ``run_number``'s (a node's decision names the run holding the node, if any)."""
 
-    kind: str
+    kind: EventKind
     message: str
     data: dict[str, object] = field(default_factory=dict)
     run_number: int | None = None

@@ -40,6 +40,7 @@ from supervisor.domain import (
     RunView,
     StopAttempt,
 )
+from supervisor.domain.events import EventKind
 from supervisor.policy.attribution import all_gone, lemons, with_failed_nodes, within_budget
 from supervisor.policy.detection import find_fault, transient_spikes
 from supervisor.policy.recovery import (
@@ -96,8 +97,9 @@ def decide(view: RunView, obs: AttemptObs | None, now: float) -> list[Effect]:
     elif live is None and holds_nodes and _paused_long(view, state, now):
         out.append(ReleaseNodes())
         grace = view.run.policy.pause_release_s
-        out.append(Emit(kind="allocation.released", message=f"paused for {grace:g} s or more: its nodes go "
-                        "back to the cluster; a resume asks for new ones"))
+        out.append(Emit(kind=EventKind.ALLOCATION_RELEASED,
+                        message=f"paused for {grace:g} s or more: its nodes go back to the cluster; "
+                                "a resume asks for new ones"))
     return out
 
 
@@ -126,7 +128,8 @@ def _finish_stopping(
         alive = (ProcState.RUNNING, ProcState.UNKNOWN)
         stuck = sorted({r.node for r in obs.ranks if r.proc in alive}) if obs else []
         why = f"processes survived SIGKILL for {waited_s:.0f} s on {', '.join(stuck) or 'unknown nodes'}"
-        out.append(Emit(kind="attempt.abandoned", message=f"attempt {live.number}: {why}; abandoning it",
+        out.append(Emit(kind=EventKind.ATTEMPT_ABANDONED,
+                        message=f"attempt {live.number}: {why}; abandoning it",
                         data={"attempt": live.number, "nodes": stuck}))
         for node in stuck:
             out.append(DrainNode(node=node, reason=f"training-supervisor: {why} ({view.run.run_id})",
@@ -148,12 +151,12 @@ def _apply_command(
 ) -> tuple[RunState, Attempt | None]:
     def reject(why: str) -> tuple[RunState, Attempt | None]:
         out.append(CommandHandled(command_id=cmd.id, result=f"rejected: {why}"))
-        out.append(Emit(kind="command.rejected", message=f"{cmd.kind} rejected: {why}"))
+        out.append(Emit(kind=EventKind.COMMAND_REJECTED, message=f"{cmd.kind} rejected: {why}"))
         return state, live
 
     def accept() -> None:
         out.append(CommandHandled(command_id=cmd.id, result="accepted"))
-        out.append(Emit(kind="command.accepted", message=f"{cmd.kind} accepted"))
+        out.append(Emit(kind=EventKind.COMMAND_ACCEPTED, message=f"{cmd.kind} accepted"))
 
     if cmd.kind in (CommandKind.CANCEL, CommandKind.PAUSE):
         if state not in _ACTIVE and not (cmd.kind is CommandKind.CANCEL and state is RunState.PAUSED):
@@ -206,17 +209,17 @@ def _judge_live_attempt(
         out.append(KillOrphans(number=live.number, launch_info=obs.orphans))
     if obs.found is not None:
         out.append(AdoptAttempt(number=live.number, launch_info=obs.found))
-        out.append(Emit(kind="attempt.adopted", data={"attempt": live.number},
+        out.append(Emit(kind=EventKind.ATTEMPT_ADOPTED, data={"attempt": live.number},
                         message=f"attempt {live.number}: found its processes running, adopted them"))
     if obs.never_started:
         if obs.launch_error is None:
             reason = "launch interrupted: no process of this attempt exists (supervisor restarted)"
             out.append(_end(live, AttemptOutcome.ABORTED, reason, obs))
-            out.append(Emit(kind="attempt.aborted", message=f"attempt {live.number}: {reason}"))
+            out.append(Emit(kind=EventKind.ATTEMPT_ABORTED, message=f"attempt {live.number}: {reason}"))
             return state, None
         out.append(RecordFault(kind=FaultKind.LAUNCH, attempt=live.number, ranks=(), nodes=(),
                                summary=obs.launch_error, step=live.resume_step))
-        out.append(Emit(kind="fault.detected", message=f"launch: {obs.launch_error}",
+        out.append(Emit(kind=EventKind.FAULT_DETECTED, message=f"launch: {obs.launch_error}",
                         data={"attempt": live.number}))
         out.append(_end(live, AttemptOutcome.FAILED, f"launch failed: {obs.launch_error}", obs))
         if obs.launch_fatal:  # what cannot be executed will not be by a restart
@@ -239,7 +242,7 @@ def _judge_live_attempt(
     if found is not None:
         record = found.record
         out.append(record)
-        out.append(Emit(kind="fault.detected", message=f"{record.kind}: {record.summary}",
+        out.append(Emit(kind=EventKind.FAULT_DETECTED, message=f"{record.kind}: {record.summary}",
                         data={"attempt": live.number, "step": record.step, "ranks": list(record.ranks),
                               "nodes": list(record.nodes)}))
         wanted = [*found.drains, *lemons(view, record, {n for n, _ in found.drains}, now)]
@@ -248,7 +251,7 @@ def _judge_live_attempt(
             out.append(DrainNode(node=node, reason=reason, run_number=view.run.number))
         if held_back:
             policy = view.run.policy
-            out.append(Emit(kind="drain.held", message=(
+            out.append(Emit(kind=EventKind.DRAIN_HELD, message=(
                 f"not draining {', '.join(held_back)}: over the drain budget ({policy.drains_per_fault} a "
                 f"fault, {policy.drains_per_window} in {policy.drain_window_s:g} s); probing them instead"),
                 data={"attempt": live.number, "nodes": held_back}))
@@ -286,7 +289,7 @@ def _report_transient_spikes(view: RunView, live: Attempt, obs: AttemptObs, out:
     persist = view.run.policy.spike_persist_steps
     for spike in transient_spikes(obs.recent, view.run.policy):
         if spike.step not in view.spikes_said:
-            out.append(Emit(kind="spike.transient",
+            out.append(Emit(kind=EventKind.SPIKE_TRANSIENT,
                             message=f"{spike.summary}: not acted on (shorter than {persist} steps)",
                             data={"attempt": live.number, "step": spike.step, "steps": spike.steps}))
 

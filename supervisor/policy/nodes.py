@@ -37,6 +37,7 @@ from supervisor.domain import (
     ReturnNode,
     run_id_of,
 )
+from supervisor.domain.events import EventKind
 
 DRAINED_BY_US = "training-supervisor:"  # how every drain Reason this supervisor writes begins
 
@@ -56,7 +57,7 @@ def judge_probes(*, kind: str, run_number: int | None, round_: int, answers: Map
         statuses, reasons = [p.status for p in recent], [p.reason for p in recent]
         verdict = node_health.judge(statuses, reasons)
         why = f" ({record.reason})" if record.reason else ""
-        out.append(Emit(kind=f"probe.{record.status}", run_number=run_number,
+        out.append(Emit(kind=EventKind.probe(record.status), run_number=run_number,
                         message=f"{kind} probe of {node}: {record.status}{why}",
                         data={"node": node, "status": record.status, "action": record.action}))
         current = known.get(node)
@@ -85,7 +86,7 @@ def node_command(cmd: NodeCommand, node: Node | None) -> list[Effect]:
     """An operator's drain or undrain of ``node`` (None: a node the store does not know)."""
     def rejected(why: str, run_number: int | None) -> list[Effect]:
         return [CommandHandled(command_id=cmd.id, result=f"rejected: {why}"),
-                Emit(kind="command.rejected", message=f"{cmd.kind} {cmd.node} rejected: {why}",
+                Emit(kind=EventKind.COMMAND_REJECTED, message=f"{cmd.kind} {cmd.node} rejected: {why}",
                      data={"node": cmd.node}, run_number=run_number)]
 
     if node is None:

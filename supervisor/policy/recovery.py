@@ -59,6 +59,7 @@ from supervisor.domain import (
     StepSample,
     StopAttempt,
 )
+from supervisor.domain.events import EventKind
 from supervisor.policy.attribution import numbers_text
 from supervisor.policy.detection import find_stragglers
 from supervisor.policy.memory import unrecoverable
@@ -97,7 +98,7 @@ def launch(view: RunView, state: RunState, drained_now: set[str], out: list[Effe
     if wait_s > 0:
         last = streak[-1]
         if last.number in ended_now:  # said once, when the attempt ends
-            out.append(Emit(kind="attempt.backoff",
+            out.append(Emit(kind=EventKind.ATTEMPT_BACKOFF,
                             message=f"{stuck} failed attempts in a row resumed from step {last.resume_step}: "
                                     f"waiting {wait_s:.0f} s before the next",
                             data={"wait_s": wait_s, "failures_in_a_row": stuck}))
@@ -115,7 +116,7 @@ def launch(view: RunView, state: RunState, drained_now: set[str], out: list[Effe
         if fewer is None:
             return state
         count = fewer
-        out.append(Emit(kind="run.shrunk",
+        out.append(Emit(kind=EventKind.RUN_SHRUNK,
                         message=f"continuing on {fewer} of {run.nodes} nodes: no spare left and no node "
                                 f"came from the cluster; the run grows back when nodes return",
                         data={"nodes": fewer, "of": run.nodes}))
@@ -124,7 +125,8 @@ def launch(view: RunView, state: RunState, drained_now: set[str], out: list[Effe
     number = len(view.attempts) + 1
     resume_from, resume_step, origin = _resume_point(view, nodes, out)
     out.append(StartAttempt(number=number, nodes=nodes, resume_from=resume_from, resume_step=resume_step))
-    out.append(Emit(kind="attempt.launching", message=f"attempt {number} on {', '.join(nodes)} from {origin}",
+    out.append(Emit(kind=EventKind.ATTEMPT_LAUNCHING,
+                    message=f"attempt {number} on {', '.join(nodes)} from {origin}",
                     data={"attempt": number, "nodes": list(nodes), "resume_step": resume_step}))
     if state in (RunState.STARTING, RunState.RECOVERING):
         return state
@@ -145,7 +147,7 @@ def _resume_point(view: RunView, nodes: tuple[str, ...], out: list[Effect]) -> t
                f"attempt {save.attempt}" if len(save.nodes) == len(nodes) else
                f"it was saved on {len(save.nodes)} nodes and restores only on as many; this attempt has "
                f"{len(nodes)}")
-        out.append(Emit(kind="memory.lost",
+        out.append(Emit(kind=EventKind.MEMORY_LOST,
                         message=f"the memory save of step {save.step} cannot be resumed from: {why}; "
                                 f"resuming from {fallback}",
                         data={"step": save.step, "attempt": save.attempt, "nodes": lost}))
@@ -168,11 +170,11 @@ def _place(view: RunView, healthy: list[str], out: list[Effect], count: int) -> 
         left_out = sorted(n for n in slow & healthy_set if n not in chosen)
         kept = sorted(n for n in slow if n in chosen)
         if left_out:
-            out.append(Emit(kind="straggler.left-out",
+            out.append(Emit(kind=EventKind.STRAGGLER_LEFT_OUT,
                             message=f"leaving out {', '.join(left_out)}: it straggled in attempt {prev}",
                             data={"attempt": prev, "nodes": left_out}))
         if kept:
-            out.append(Emit(kind="straggler.kept",
+            out.append(Emit(kind=EventKind.STRAGGLER_KEPT,
                             message=f"keeping {', '.join(kept)} though it straggled in attempt {prev}: "
                                     "no other node is free", data={"attempt": prev, "nodes": kept}))
     return nodes
@@ -224,7 +226,8 @@ def grow_back(view: RunView, live: Attempt, state: RunState, out: list[Effect]) 
         return state, live  # not before the shrunk attempt's work is on storage
     reason = (f"growing back to {run.nodes} nodes: {', '.join(free[: run.nodes - len(live.nodes)])} "
               f"joined the {len(live.nodes)} of attempt {live.number}")
-    out.append(Emit(kind="run.grow", message=reason, data={"attempt": live.number, "nodes": run.nodes}))
+    out.append(Emit(kind=EventKind.RUN_GROW, message=reason,
+                    data={"attempt": live.number, "nodes": run.nodes}))
     out.append(StopAttempt(number=live.number, outcome=AttemptOutcome.INTERRUPTED, reason=reason, force=True))
     state = set_state(state, RunState.RECOVERING, reason, out)
     return state, replace(live, state=AttemptState.STOPPING)
@@ -458,7 +461,7 @@ def judge_stragglers(view: RunView, live: Attempt, obs: AttemptObs, state: RunSt
         return state, live
     slow_nodes = sorted({s.node for s in found})
     if not _spares_for(view, live.nodes, set(slow_nodes)):
-        out.append(Emit(kind="straggler.kept",
+        out.append(Emit(kind=EventKind.STRAGGLER_KEPT,
                         message=f"not restarting without {', '.join(slow_nodes)}: no free spare",
                         data={"attempt": live.number, "nodes": slow_nodes}))
         return state, live
@@ -467,7 +470,7 @@ def judge_stragglers(view: RunView, live: Attempt, obs: AttemptObs, state: RunSt
                "restarting without it (straggler_restart)")
     out.append(RecordFault(kind=FaultKind.STRAGGLER, attempt=live.number, ranks=tuple(s.rank for s in found),
                            nodes=tuple(slow_nodes), summary=summary, step=step))
-    out.append(Emit(kind="fault.detected", message=f"{FaultKind.STRAGGLER}: {summary}",
+    out.append(Emit(kind=EventKind.FAULT_DETECTED, message=f"{FaultKind.STRAGGLER}: {summary}",
                     data={"attempt": live.number, "step": step, "nodes": slow_nodes}))
     out.append(StopAttempt(number=live.number, outcome=AttemptOutcome.FAILED,
                            reason=f"{FaultKind.STRAGGLER}: {summary}", force=True))

@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Select, delete, func, insert, literal_column, select, update
 
-from supervisor.domain import AttemptStats, CurvePoint, EventRecord, MetricRecord
+from supervisor.domain import AttemptStats, CurvePoint, EventKind, EventRecord, MetricRecord
 from supervisor.store import schema as t
 from supervisor.store.rows import STATS_COLUMNS, event_of, finite, new_id, stats_of
 
@@ -116,7 +116,7 @@ class TelemetryQueries:
     # --- events and outbox ----------------------------------------------------------
 
     def add_event(
-        self, run_number: int | None, kind: str, message: str, data: dict[str, Any], now: float
+        self, run_number: int | None, kind: EventKind, message: str, data: dict[str, Any], now: float
     ) -> int:
         res = self.c.execute(
             insert(t.events).values(run_number=run_number, ts=now, kind=kind, message=message,
@@ -139,12 +139,13 @@ class TelemetryQueries:
     def injected_at(self, run_number: int, attempt: int, before: float) -> float | None:
         """When a drill last injected a fault into ``attempt`` at or before ``before``."""
         q = select(t.events.c.ts, t.events.c.data).where(
-            t.events.c.run_number == run_number, t.events.c.kind == "chaos.injected", t.events.c.ts <= before,
+            t.events.c.run_number == run_number, t.events.c.kind == EventKind.CHAOS_INJECTED,
+            t.events.c.ts <= before,
         ).order_by(t.events.c.id.desc()).limit(50)
         times = (float(ts) for ts, data in self.c.execute(q) if json.loads(data).get("attempt") == attempt)
         return next(times, None)
 
-    def count_events(self, run_number: int, kind: str) -> int:
+    def count_events(self, run_number: int, kind: EventKind) -> int:
         q = select(func.count()).select_from(t.events).where(t.events.c.run_number == run_number,
                                                               t.events.c.kind == kind)
         return int(self.c.execute(q).scalar_one())
