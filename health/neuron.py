@@ -4,7 +4,7 @@ Every ``check_*`` is a pure parser: text in, ``Finding``s out; it never raises, 
 truncated or unrecognised output is ``probe_failed`` (UNKNOWN), never healthy. The runners
 (``probe_*``, ``run_all``) only run a tool (an argv list, a timeout, never a shell) and hand
 its output to the parser. Formats, field meanings and actions follow
-``probe-formats.md`` §1 (the Neuron SDK docs: neuron-ls.rst, neuron-monitor-user-guide.rst,
+``docs/probe-formats.md`` §1 (the Neuron SDK docs: neuron-ls.rst, neuron-monitor-user-guide.rst,
 nccom-test.rst, nrt-troubleshoot.rst, the Neuron node-problem-detector rules).
 
 ==============  ==========================  ===================================================  ===========
@@ -69,7 +69,7 @@ Tools and the exact argv (looked up in ``$TSUP_HEALTH_TOOLS`` first, then ``PATH
 - ``neuron-monitor`` (no config: every metric group, a report every 5 s); read until the first
   complete JSON report, then killed; 15 s at most.
 - ``nccom-test -r <NeuronCores> -b 32MB -e 256MB -f 2 -n 5 -w 2 -d fp32 allr`` (only with
-  ``run_bandwidth``), 50 s; 256 MB is the size probe-formats.md says to judge bandwidth at.
+  ``run_bandwidth``), 50 s; bandwidth is judged at 256 MB, the largest size (docs/probe-formats.md §1.3).
   A largest size under 32 MiB is latency-bound: under the floor there is at most DEGRADED.
 
 Only neuron-ls decides whether the node has Neuron devices (absent: ``no_devices``); with
@@ -111,8 +111,8 @@ INSTANCE_TYPES: dict[str, tuple[int, int]] = {
 }
 DEFAULT_LNC: dict[str, int] = {"trn2": 2}  # instance family -> default logical NeuronCore config; else 1
 
-# Corrected ECC errors are "recoverable" (the monitor's "transient" class) and probe-formats.md
-# says record/trend only. No Neuron threshold is published: this one is ours, per device per
+# Corrected ECC errors are "recoverable" (the monitor's "transient" class): record them only
+# (docs/probe-formats.md §1.2). No Neuron threshold is published: this one is ours, per device per
 # report, and only ever DEGRADED.
 ECC_CORRECTED_DEGRADED = 100
 FAR_BELOW = 0.5  # nccom-test busbw under this fraction of the floor: UNHEALTHY, not DEGRADED

@@ -5,7 +5,7 @@ Every ``check_*`` (and ``classify_xids``) is a pure parser: text in, ``Finding``
 raises, and empty, truncated or unrecognised output is ``probe_failed`` (UNKNOWN), never healthy.
 The runners (``probe_*``, ``run_all``) only run a tool (an argv list, a timeout, never a shell)
 and hand its output to the parser. Formats, field meanings and actions follow
-``probe-formats.md`` §2 (nccl-tests src/util.cu and common.cu, NVIDIA/DCGM dcgmi/Diag.cpp, the
+``docs/probe-formats.md`` §2 (nccl-tests src/util.cu and common.cu, NVIDIA/DCGM dcgmi/Diag.cpp, the
 Xid buckets of NVIDIA's r590 Xid catalog as used by awsome-distributed-training's health checks).
 
 ==============  ============================  =================================================  ===========
@@ -67,8 +67,8 @@ if it comes back" is the operator's (or supervisor's) escalation, not this modul
   hint only: a DEGRADED finding never drains); 92 high single-bit ECC error rate; any code not in
   the table; 154 whose new recovery action is "None".
 
-63, 92 and 94 are memory events but not drains: probe-formats.md §2.3 ("63 and 94 alone =>
-don't drain") and the catalog's buckets (63 and 92 IGNORE, 94 RESTART_APP) say so; the memory
+63, 92 and 94 are memory events but not drains: docs/probe-formats.md §2.3 (none of them alone
+drains a node) and the catalog's buckets (63 and 92 IGNORE, 94 RESTART_APP) say so; the memory
 itself is judged by the ECC counters and the remapped-rows query above, which do drain.
 
 Tools and the exact argv (looked up in ``$TSUP_HEALTH_TOOLS`` first, then ``PATH``):
@@ -506,7 +506,7 @@ def _xid_154(message: str) -> XidRule:
 # --------------------------------------------------------------------------------------------
 # dcgmi diag
 
-# dcgmi exits with the dcgmReturn_t as an unsigned byte (dcgm_structs.h; probe-formats.md §2.4).
+# dcgmi exits with the dcgmReturn_t as an unsigned byte (dcgm_structs.h; docs/probe-formats.md §2.4).
 DCGMI_EXIT_CODES: dict[int, str] = {
     205: "DCGM_ST_NVVS_ISOLATE_ERROR: an error with ISOLATE priority",
     226: "DCGM_ST_NVVS_ERROR: a test reported an error",
