@@ -484,6 +484,23 @@ def classify_xids(text: str) -> list[Finding]:
     return findings
 
 
+_XID_PLAIN = re.compile(r"\bXid[ :]+(\d+)\b\s*,?\s*(.*)")  # "Xid 79", "Xid: 79" (a message quoting one)
+
+
+def xid_rule(line: str) -> tuple[int, XidRule] | None:
+    """The Xid a line reports (the kernel's ``Xid (PCI:...): N, ...``, or a plain ``Xid N``)
+    and its rule in ``XID_ACTIONS``; None when the line reports none."""
+    m = _XID.search(line)
+    if m:
+        code, message = int(m.group(2)), _xid_message(m.group(3))
+    else:
+        plain = _XID_PLAIN.search(line)
+        if not plain:
+            return None
+        code, message = int(plain.group(1)), _xid_message(plain.group(2))
+    return code, _xid_154(message) if code == 154 else XID_ACTIONS.get(code, _UNKNOWN_XID)
+
+
 def _xid_message(raw: str) -> str:
     text = _XID_NOISE.sub("", raw.strip(), count=1)
     text = text.split('\\"', 1)[0]  # the line quoted inside JSON (HyperPod's health agent)

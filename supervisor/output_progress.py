@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from health import neuron
+from health import neuron, nvidia
 from health.model import Action, Status
 from supervisor import user_files
 from trainer import protocol as p
@@ -75,7 +75,7 @@ PATTERNS: tuple[Format, ...] = (
 
 # Errors a GPU job prints; Neuron's are health.neuron's table (the node probe's own).
 _GPU_SIGNATURES: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"uncorrectable ECC error encountered|Xid \d+"), "device"),
+    (re.compile(r"uncorrectable ECC error encountered"), "device"),
     (re.compile(r"\bnccl(?:System|Internal|UnhandledCuda|Remote)Error\b|"
                 r"Watchdog caught collective operation timeout"), "peer"),
 )
@@ -87,6 +87,10 @@ def fatal_signature(line: str) -> str | None:
     for pattern, kind in _GPU_SIGNATURES:
         if pattern.search(line):
             return kind
+    xid = nvidia.xid_rule(line) if "Xid" in line else None
+    if xid is not None:  # the node's only where the Xid table drains it (not 13, 31, 43, 63, 94, ...)
+        rule = xid[1]
+        return "device" if rule.status is Status.UNHEALTHY and rule.action is not Action.NONE else None
     for sig in neuron.SIGNATURES:
         if sig.status is not Status.HEALTHY and sig.pattern.search(line):
             return "device" if sig.action is not Action.NONE else "peer"

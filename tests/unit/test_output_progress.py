@@ -56,6 +56,15 @@ def test_a_specs_own_pattern_comes_first() -> None:
      "error or a remote process exiting prematurely.", "peer"),
     ("[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE) ran for 600000 "
      "milliseconds before timing out.", "peer"),
+    ("[12345.678] NVRM: Xid (PCI:0000:53:00): 79, pid=1234, GPU has fallen off the bus.", "device"),
+    ("NVRM: Xid (PCI:0000:10:1c): 48, pid=1, An uncorrectable double bit error", "device"),
+    ("health: Xid 74 on GPU 3", "device"),  # a plain "Xid N", as a tool quotes one
+    # An application's own fault, or an event the node survives: not the node's.
+    ("NVRM: Xid (PCI:0000:53:00): 13, pid=1234, Graphics SM Warp Exception", None),
+    ("NVRM: Xid (PCI:0000:53:00): 31, pid=1234, Ch 00000008, MMU Fault", None),
+    ("NVRM: Xid (PCI:0000:53:00): 63, pid=1234, Row Remapper: New row marked for remapping", None),
+    ("NVRM: Xid (PCI:0000:53:00): 94, pid=1234, Contained: SM ECC error", None),
+    ("NVRM: Xid (PCI:0000:53:00): 999, pid=1, something new", None),  # not in the table: watched
     ("Batch 3 Loss: 1.2, Speed: 2 samples/sec, lr: 0.1", None),
     ("Timeout waiting for RX (waited 120 sec) - retrying", None),  # Neuron: transient, nobody's fault
 ])
