@@ -109,7 +109,9 @@ INSTANCE_TYPES: dict[str, tuple[int, int]] = {
     "inf2.24xlarge": (6, 12),
     "inf2.48xlarge": (12, 24),
 }
-DEFAULT_LNC: dict[str, int] = {"trn2": 2}  # instance family -> default logical NeuronCore config; else 1
+# Instance family -> default logical NeuronCore config (else 1). trn2u and trn2n are Trainium2
+# machines too: their neuron-ls may not print the config either.
+DEFAULT_LNC: dict[str, int] = {"trn2": 2, "trn2u": 2, "trn2n": 2}
 
 # Corrected ECC errors are "recoverable" (the monitor's "transient" class): record them only
 # (docs/probe-formats.md §1.2). No Neuron threshold is published: this one is ours, per device per

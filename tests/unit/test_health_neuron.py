@@ -617,3 +617,15 @@ def test_without_neuron_tools_run_all_says_no_neuron_devices(tools: Path, monkey
     # a kernel that reports a Neuron hardware error says there is a device after all
     with_errors = neuron.run_all(kernel_log=fixture("dmesg_neuron_hw_err.txt"))
     assert with_errors[0] == findings[0] and verdict(with_errors).action is Action.REPLACE
+
+
+@pytest.mark.parametrize("itype", ["trn2.48xlarge", "trn2u.48xlarge", "trn2n.48xlarge"])
+def test_every_trainium2_family_counts_logical_cores_at_its_default_config(itype: str) -> None:
+    """16 devices of 4 logical NeuronCores (LNC 2: 128 physical) where neuron-ls prints no
+    config: whole on every Trainium2 machine, not only the trn2 family."""
+    devices = [{**d, "nc_count": 4, "neuroncore_ids": list(range(4 * i, 4 * i + 4))}
+               for i, d in enumerate((json.loads(fixture(JSON_OK)) * 2)[:16])]
+    for i, d in enumerate(devices):
+        d["neuron_device"] = i
+    f = only(neuron.check_neuron_ls(json.dumps(devices), instance_type=itype))
+    assert (f.status, f.action) == (Status.HEALTHY, Action.NONE), f.evidence
