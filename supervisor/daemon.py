@@ -60,6 +60,7 @@ from supervisor.reconciler import Reconciler, ReconcilerConfig
 from supervisor.recorder import Retention
 from supervisor.sdnotify import Notifier
 from supervisor.service import SupervisorService
+from supervisor.settled import SettledHistory
 from supervisor.slurm.cluster import SlurmCluster, slurm_cluster
 from supervisor.slurm.launcher import prefix_for
 from supervisor.store import SqlStore
@@ -182,9 +183,10 @@ class Daemon:
         self.reconciler: Reconciler | None = None
         self.service: SupervisorService | None = None
         self.notifier = Notifier()
+        self.history = SettledHistory()  # the API's and the metrics' reads share what settled
         self.metrics = SupervisorMetrics(self.store, self.telemetry,
                                          lambda: self.link is not None and self.link.connected, clock,
-                                         standbys=waiting_standbys(self.launcher))
+                                         standbys=waiting_standbys(self.launcher), history=self.history)
         self.api_tokens: ApiTokens | None = None
 
     async def __aenter__(self) -> Daemon:
@@ -209,7 +211,7 @@ class Daemon:
                 check_trainer=self.settings.check_trainer_config, run_as=st.run_as,
                 allow_root_runs=st.allow_root_runs, run_users=st.run_users,
                 admin_rights=bool(st.slurm_admin_prefix) and not st.runs_share_admin_rights,
-                clock=self.clock, health=self.health,
+                clock=self.clock, health=self.health, history=self.history,
             )
             if self.cluster.slurm is not None:
                 self.cluster.slurm.state.start()

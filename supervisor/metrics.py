@@ -50,6 +50,7 @@ from prometheus_client.registry import Collector
 
 from supervisor import goodput
 from supervisor.domain import TERMINAL_RUN_STATES, NodeState, RunState
+from supervisor.settled import SettledHistory
 from supervisor.store import SqlStore
 from supervisor.telemetry import DROP_REASONS, TelemetryView
 
@@ -66,34 +67,40 @@ class SupervisorMetrics:
 
     def __init__(self, store: SqlStore, telemetry: TelemetryView, mqtt_connected: Callable[[], bool],
                  clock: Callable[[], float] = time.time,
-                 standbys: Callable[[], Mapping[str, Mapping[str, int]]] = dict) -> None:
+                 standbys: Callable[[], Mapping[str, Mapping[str, int]]] = dict,
+                 history: SettledHistory | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.tick_seconds = Histogram("tsup_reconcile_tick_seconds", "Reconciler tick duration",
                                       buckets=TICK_BUCKETS, registry=self.registry)
-        self.registry.register(_StoreCollector(store, telemetry, mqtt_connected, clock, standbys))
+        self.registry.register(_StoreCollector(store, telemetry, mqtt_connected, clock, standbys,
+                                               history or SettledHistory()))
 
 
 class _StoreCollector(Collector):
     def __init__(self, store: SqlStore, telemetry: TelemetryView, mqtt_connected: Callable[[], bool],
-                 clock: Callable[[], float], standbys: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+                 clock: Callable[[], float], standbys: Callable[[], Mapping[str, Mapping[str, int]]],
+                 history: SettledHistory) -> None:
         self.store, self.telemetry, self.mqtt_connected, self.clock = store, telemetry, mqtt_connected, clock
         self.standbys = standbys
+        self.history = history
 
     def describe(self) -> list[Metric]:
         return []  # families are built at scrape time; nothing to check at registration
 
     def collect(self) -> Iterator[Metric]:
         now = self.clock()
-        with self.store.tx() as tx:  # O(runs + attempts + faults): never the runs' steps
+        with self.store.tx() as tx:  # settled history decoded once (supervisor/settled.py), steps never
             runs = tx.list_runs()
-            attempts = {r.number: tx.list_attempts(r.number) for r in runs}
-            faults = tx.faults_since(0.0)
+            histories = {r.number: self.history.read(tx, r.number, over=r.state in TERMINAL_RUN_STATES)
+                         for r in runs}
+            attempts = {n: h.attempts for n, h in histories.items()}
+            faults = [f for h in histories.values() for f in h.faults]
             nodes = tx.list_nodes()
             probes = tx.probe_counts()
             outbox = tx.outbox_size()
             recent = [r for r in runs if r.state not in TERMINAL_RUN_STATES
                       or (r.ended_at is not None and now - r.ended_at <= RECENT_S)]
-            per_run = {r.number: (tx.attempt_stats(r.number), tx.list_checkpoints(
+            per_run = {r.number: (histories[r.number].stats, tx.list_checkpoints(
                 r.number, steps={a.resume_step for a in attempts[r.number]})) for r in recent}
 
         g = GaugeMetricFamily("tsup_runs", "Runs in each state", labels=["state"])

@@ -51,6 +51,7 @@ from supervisor.output_progress import AttemptOutput
 from supervisor.policy import resume_before, unreadable_checkpoints
 from supervisor.policy.detection import STALL_GAP_S
 from supervisor.probes import ProbeScheduler
+from supervisor.settled import SettledHistory
 from supervisor.spec import RunSpec, spec_from_json
 from supervisor.store import SqlStore
 from supervisor.telemetry import RankSeen, TelemetryView
@@ -133,6 +134,7 @@ class Observer:
         self.mqtt_url = mqtt_url
         self.mqtt_ca_file = mqtt_ca_file
         self.clock = clock
+        self.history = SettledHistory()  # each run's ended attempts and recovered faults, decoded once
         self._specs: dict[int, tuple[RunSpec | str, Path]] = {}  # run -> its spec (or why it is invalid)
         self._dead_since: dict[tuple[int, int, int], float] = {}  # (run, attempt, rank) -> first seen dead
         # (run, attempt) -> (checkpoint step, when first seen, when scanned): [command] trainers
@@ -199,11 +201,11 @@ class Observer:
 
     def observe(self, run: Run, commands: list[Command], now: float) -> Observed:
         spec, run_dir = self.spec(run.number)
-        with self.store.tx() as tx:
-            attempts = tuple(tx.list_attempts(run.number))
+        with self.store.tx() as tx:  # the settled part of the history decoded once, not every tick
+            history = self.history.read(tx, run.number, over=run.state in TERMINAL_RUN_STATES)
+            attempts, faults = tuple(history.attempts), tuple(history.faults)
             known = tx.allocation(run.number)
             open_faults = tx.count_open_faults(run.number)
-            faults = tuple(tx.list_faults(run.number))
             stragglers = tuple(StragglerReport(attempt=s.attempt, rank=s.rank, node=s.node)
                                for s in tx.list_stragglers(run.number))
         live = attempts[-1] if attempts and attempts[-1].state in LIVE_ATTEMPT_STATES else None

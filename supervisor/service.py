@@ -25,6 +25,7 @@ from pathlib import Path
 
 from supervisor import goodput, node_health, trainer_cmd, users
 from supervisor.domain import (
+    TERMINAL_RUN_STATES,
     Attempt,
     AttemptStats,
     CommandKind,
@@ -37,6 +38,7 @@ from supervisor.domain import (
 from supervisor.domain.events import EventKind
 from supervisor.errors import NotFound, SpecError
 from supervisor.launchers.base import Launcher, NodeAdmin, waiting_standbys
+from supervisor.settled import SettledHistory
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore, Tx
 from supervisor.views import (
@@ -71,9 +73,10 @@ class SupervisorService:
         check_trainer: bool = True, clock: Callable[[], float] = time.time,
         health: Callable[[], DaemonHealth] | None = None,
         run_as: str | None = None, allow_root_runs: bool = False, run_users: Sequence[str] | None = None,
-        admin_rights: bool = False,
+        admin_rights: bool = False, history: SettledHistory | None = None,
     ) -> None:
         self.store = store
+        self.history = history or SettledHistory()  # a run's settled attempts and faults, decoded once
         self.runs_dir = runs_dir
         self.run_as = run_as  # who a run executes as when its spec names no one (supervisor/users.py)
         self.allow_root_runs = allow_root_runs
@@ -145,15 +148,15 @@ class SupervisorService:
             return run_summary(tx.get_run(number), tx.list_attempts(number), tx.newest_stats(number))
 
     def get_run(self, run_id: str) -> RunDetail:
-        """Everything about a run; its cost grows with its attempts, faults and checkpoints,
-        never with its steps (the stats: supervisor/recorder.py)."""
+        """Everything about a run. Its settled history is decoded once (supervisor/settled.py)
+        and its steps are never read (the stats: supervisor/recorder.py): what a read costs
+        grows with neither."""
         number = _number(run_id)
         now = self.clock()
         with self.store.tx() as tx:
             run = tx.get_run(number)
-            attempts = tx.list_attempts(number)
-            stats = tx.attempt_stats(number)
-            faults = tx.list_faults(number)
+            history = self.history.read(tx, number, over=run.state in TERMINAL_RUN_STATES)
+            attempts, stats, faults = history.attempts, history.stats, history.faults
             checkpoints = tx.list_checkpoints(number, newest=CHECKPOINTS_SHOWN)
             memory = tx.list_memory_checkpoints(number)[-1:]
             g = _account(tx, run, attempts, stats, faults, now)

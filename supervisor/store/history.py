@@ -121,8 +121,10 @@ class HistoryQueries:
         )
         return int(self.c.execute(q).scalar_one())
 
-    def list_faults(self, run_number: int) -> list[FaultRecord]:
-        return self._faults(select(t.faults).where(t.faults.c.run_number == run_number))
+    def list_faults(self, run_number: int, after_id: int = 0) -> list[FaultRecord]:
+        """The run's faults recorded after the fault ``after_id``, oldest first."""
+        return self._faults(select(t.faults).where(t.faults.c.run_number == run_number,
+                                                   t.faults.c.id > after_id))
 
     def faults_since(self, since: float) -> list[FaultRecord]:
         """Every run's faults detected at or after ``since``, oldest first."""

@@ -100,8 +100,10 @@ class RunQueries:
             .values(**values)
         )
 
-    def list_attempts(self, run_number: int) -> list[Attempt]:
-        q = select(t.attempts).where(t.attempts.c.run_number == run_number).order_by(t.attempts.c.number)
+    def list_attempts(self, run_number: int, after: int = 0) -> list[Attempt]:
+        """The run's attempts numbered above ``after``, in order."""
+        q = (select(t.attempts).where(t.attempts.c.run_number == run_number, t.attempts.c.number > after)
+             .order_by(t.attempts.c.number))
         return [attempt_of(r) for r in self.c.execute(q)]
 
     # --- commands -------------------------------------------------------------------

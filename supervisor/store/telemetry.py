@@ -51,8 +51,10 @@ class TelemetryQueries:
         row = self.c.execute(q).first()
         return None if row is None else (row.attempt, row.loss)
 
-    def attempt_stats(self, run_number: int) -> dict[int, AttemptStats]:
-        q = select(t.attempt_stats).where(t.attempt_stats.c.run_number == run_number)
+    def attempt_stats(self, run_number: int, after: int = 0) -> dict[int, AttemptStats]:
+        """The stats of the run's attempts numbered above ``after``."""
+        q = select(t.attempt_stats).where(t.attempt_stats.c.run_number == run_number,
+                                          t.attempt_stats.c.attempt > after)
         return {r.attempt: stats_of(r) for r in self.c.execute(q)}
 
     def stats_of_attempt(self, run_number: int, attempt: int) -> AttemptStats | None:

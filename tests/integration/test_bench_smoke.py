@@ -137,6 +137,19 @@ def test_soak_bench_records_every_step_fed_through_the_real_daemon() -> None:
     assert report["durable_dropped"] == 0
 
 
+def test_history_reads_bench_times_both_reads_at_each_size_both_ways() -> None:
+    report = run_bench("history_reads.py", "--attempts", "3,12", "--requests", 3, timeout_s=60)
+    assert_keys(report, "requests sizes", "top level")
+    assert [s["attempts"] for s in report["sizes"]] == [3, 12]
+    for size in report["sizes"]:
+        assert_keys(size, "attempts settled cold", f"sizes[{size['attempts']}]")
+        for mode in ("settled", "cold"):
+            assert_keys(size[mode], "run_detail metrics", mode)
+            for read in ("run_detail", "metrics"):
+                assert_keys(size[mode][read], "p50_ms p99_ms", f"{mode}.{read}")
+                assert 0 < size[mode][read]["p50_ms"] <= size[mode][read]["p99_ms"]
+
+
 # --- the trainer's processes, no supervisor ----------------------------------------------
 
 

@@ -1,0 +1,94 @@
+"""A run's settled history, decoded once: its ended attempts, their stats, its recovered faults.
+
+A run that lasts weeks has hundreds of attempts (Llama 3's rate: 419 interruptions in 54
+days), and a read of its detail (the API) or a /metrics scrape that decoded them all
+from SQLite every time grew with the run's age (bench/soak.py: 51 ms at 451 attempts).
+Most of those rows never change again. An attempt is settled once it has ENDED and
+``SETTLE_BEHIND`` newer attempts exist (or its run is over): nothing writes to it or to
+its stats by then (the executor writes to the live attempt; a late step of a stopped
+attempt is recorded within a tick or two, long before two more attempts have started).
+A fault is settled once it is recovered and its attempt is settled. ``SettledHistory``
+keeps, per run, the settled prefix of each, and each read asks SQLite only for what came
+after it: a read costs the same at 10 attempts and at 1,000.
+
+Reads go through the caller's transaction, so they see one snapshot. Only what a
+read-only transaction saw is kept (the API's and the metrics' reads write nothing), so
+no row a rollback takes back is ever cached. Nothing here deletes a run's history, nor
+does the store: a cached prefix stays true.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from supervisor.domain import Attempt, AttemptState, AttemptStats, FaultRecord
+from supervisor.store import Tx
+
+SETTLE_BEHIND = 2  # an ended attempt settles once this many newer ones exist
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """A run's attempts (in order), their stats, and its faults (oldest first)."""
+
+    attempts: list[Attempt]
+    stats: dict[int, AttemptStats]
+    faults: list[FaultRecord]
+
+
+@dataclass(slots=True)
+class _Settled:
+    attempts: list[Attempt] = field(default_factory=list)  # numbers 1..len, every one ENDED
+    stats: dict[int, AttemptStats] = field(default_factory=dict)
+    faults: list[FaultRecord] = field(default_factory=list)  # recovered, of settled attempts
+
+    @property
+    def last_fault_id(self) -> int:
+        return self.faults[-1].id if self.faults else 0
+
+
+class SettledHistory:
+    """Per run, the settled prefix of its history; any thread may read through it."""
+
+    def __init__(self) -> None:
+        self._runs: dict[int, _Settled] = {}
+        self._lock = threading.Lock()
+
+    def read(self, tx: Tx, run_number: int, *, over: bool = False) -> History:
+        """The run's whole history: the settled part from memory, the rest from ``tx``.
+        ``over``: the run is over (terminal), so its last attempts settle too."""
+        with self._lock:
+            known = self._runs.get(run_number) or _Settled()
+        settled = len(known.attempts)
+        attempts = known.attempts + tx.list_attempts(run_number, after=settled)
+        stats = {**known.stats, **tx.attempt_stats(run_number, after=settled)}
+        faults = known.faults + tx.list_faults(run_number, after_id=known.last_fault_id)
+        grown = _settle(attempts, stats, faults, over=over)
+        if len(grown.attempts) > settled or len(grown.faults) > len(known.faults):
+            with self._lock:
+                current = self._runs.get(run_number)
+                if current is None or len(current.attempts) <= len(grown.attempts):
+                    self._runs[run_number] = grown
+        return History(attempts=attempts, stats=stats, faults=faults)
+
+
+def _settle(attempts: list[Attempt], stats: dict[int, AttemptStats], faults: list[FaultRecord], *,
+            over: bool) -> _Settled:
+    """The settled prefix of a run's history as ``attempts`` (all of them, in order), their
+    ``stats`` and ``faults`` (oldest first) show it."""
+    newest = attempts[-1].number if attempts else 0
+    limit = newest if over else newest - SETTLE_BEHIND
+    count = 0
+    for expected, a in enumerate(attempts, start=1):
+        if a.number != expected or a.number > limit or a.state is not AttemptState.ENDED:
+            break
+        count = expected
+    done = attempts[:count]
+    kept = 0
+    for f in faults:
+        if f.recovered_at is None or f.attempt > count:
+            break
+        kept += 1
+    return _Settled(attempts=done, stats={a.number: stats[a.number] for a in done if a.number in stats},
+                    faults=faults[:kept])
