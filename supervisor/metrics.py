@@ -100,8 +100,6 @@ class _StoreCollector(Collector):
             outbox = tx.outbox_size()
             recent = [r for r in runs if r.state not in TERMINAL_RUN_STATES
                       or (r.ended_at is not None and now - r.ended_at <= RECENT_S)]
-            per_run = {r.number: (histories[r.number].stats, tx.list_checkpoints(
-                r.number, steps={a.resume_step for a in attempts[r.number]})) for r in recent}
 
         g = GaugeMetricFamily("tsup_runs", "Runs in each state", labels=["state"])
         for state in RunState:
@@ -133,10 +131,10 @@ class _StoreCollector(Collector):
         step = GaugeMetricFamily("tsup_run_step", "The newest step", labels=["run_id", "name"])
         tries = GaugeMetricFamily("tsup_run_attempts", "Attempts so far", labels=["run_id", "name"])
         for r in recent:
-            stats, checkpoints = per_run[r.number]
-            account = goodput.account(r, attempts[r.number], stats,
-                                      [f for f in faults if f.run_number == r.number],
-                                      goodput.checkpoint_times(checkpoints), now)
+            history = histories[r.number]
+            stats = history.stats
+            account = goodput.account(r, history.attempts, stats, history.faults, history.checkpoint_times,
+                                      now)
             labels = [r.run_id, r.name]
             if account.ettr is not None:
                 ettr.add_metric(labels, account.ettr)

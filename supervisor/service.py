@@ -26,13 +26,10 @@ from pathlib import Path
 from supervisor import goodput, node_health, trainer_cmd, users
 from supervisor.domain import (
     TERMINAL_RUN_STATES,
-    Attempt,
     AttemptStats,
     CommandKind,
-    FaultRecord,
     NodeCommandKind,
     NodeState,
-    Run,
     parse_run_id,
 )
 from supervisor.domain.events import EventKind
@@ -40,7 +37,7 @@ from supervisor.errors import NotFound, SpecError
 from supervisor.launchers.base import Launcher, NodeAdmin, waiting_standbys
 from supervisor.settled import SettledHistory
 from supervisor.spec import RunSpec
-from supervisor.store import SqlStore, Tx
+from supervisor.store import SqlStore
 from supervisor.views import (
     CHECKPOINTS_SHOWN,
     HISTORY_SHOWN,
@@ -157,9 +154,9 @@ class SupervisorService:
             run = tx.get_run(number)
             history = self.history.read(tx, number, over=run.state in TERMINAL_RUN_STATES)
             attempts, stats, faults = history.attempts, history.stats, history.faults
+            g = goodput.account(run, attempts, stats, faults, history.checkpoint_times, now)
             checkpoints = tx.list_checkpoints(number, newest=CHECKPOINTS_SHOWN)
             memory = tx.list_memory_checkpoints(number)[-1:]
-            g = _account(tx, run, attempts, stats, faults, now)
             drained = [n.name for n in tx.allocation(number) if n.state is NodeState.DRAINED]
             stragglers = [StragglerView(attempt=x.attempt, rank=x.rank, node=x.node, busy_s=x.busy_s,
                                         typical_s=x.typical_s) for x in tx.list_stragglers(number)]
@@ -216,8 +213,8 @@ class SupervisorService:
         number = _number(run_id)
         with self.store.tx() as tx:
             run = tx.get_run(number)
-            g = _account(tx, run, tx.list_attempts(number), tx.attempt_stats(number), tx.list_faults(number),
-                         self.clock())
+            h = self.history.read(tx, number, over=run.state in TERMINAL_RUN_STATES)
+        g = goodput.account(run, h.attempts, h.stats, h.faults, h.checkpoint_times, self.clock())
         return goodput_view(g)
 
     def step_metrics(self, run_id: str, max_points: int = 1000) -> list[StepMetricView]:
@@ -261,10 +258,3 @@ def _number(run_id: str) -> int:
 def _newest(stats: dict[int, AttemptStats]) -> AttemptStats | None:
     """The newest attempt's stats that has a step: the run's latest step and loss."""
     return next((stats[a] for a in sorted(stats, reverse=True) if stats[a].steps), None)
-
-
-def _account(tx: Tx, run: Run, attempts: list[Attempt], stats: dict[int, AttemptStats],
-             faults: list[FaultRecord], now: float) -> goodput.Goodput:
-    """The run's goodput, reading only the checkpoints its attempts resumed from."""
-    resumed_from = tx.list_checkpoints(run.number, steps={a.resume_step for a in attempts})
-    return goodput.account(run, attempts, stats, faults, goodput.checkpoint_times(resumed_from), now)

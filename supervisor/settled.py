@@ -7,9 +7,10 @@ Most of those rows never change again. An attempt is settled once it has ENDED a
 ``SETTLE_BEHIND`` newer attempts exist (or its run is over): nothing writes to it or to
 its stats by then (the executor writes to the live attempt; a late step of a stopped
 attempt is recorded within a tick or two, long before two more attempts have started).
-A fault is settled once it is recovered and its attempt is settled. ``SettledHistory``
-keeps, per run, the settled prefix of each, and each read asks SQLite only for what came
-after it: a read costs the same at 10 attempts and at 1,000.
+A fault is settled once it is recovered and its attempt is settled; so is the time into
+its attempt at which each checkpoint a settled attempt resumed from was committed (what
+goodput needs of the checkpoints). ``SettledHistory`` keeps, per run, the settled prefix
+of each, and each read asks SQLite only for what came after it.
 
 Reads go through the caller's transaction, so they see one snapshot. Only what a
 read-only transaction saw is kept (the API's and the metrics' reads write nothing), so
@@ -22,6 +23,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from supervisor import goodput
 from supervisor.domain import Attempt, AttemptState, AttemptStats, FaultRecord
 from supervisor.store import Tx
 
@@ -30,11 +32,13 @@ SETTLE_BEHIND = 2  # an ended attempt settles once this many newer ones exist
 
 @dataclass(frozen=True, slots=True)
 class History:
-    """A run's attempts (in order), their stats, and its faults (oldest first)."""
+    """A run's attempts (in order), their stats, its faults (oldest first), and the
+    checkpoints its attempts resumed from as goodput reads them (goodput.checkpoint_times)."""
 
     attempts: list[Attempt]
     stats: dict[int, AttemptStats]
     faults: list[FaultRecord]
+    checkpoint_times: dict[tuple[int, int], float]
 
 
 @dataclass(slots=True)
@@ -42,6 +46,7 @@ class _Settled:
     attempts: list[Attempt] = field(default_factory=list)  # numbers 1..len, every one ENDED
     stats: dict[int, AttemptStats] = field(default_factory=dict)
     faults: list[FaultRecord] = field(default_factory=list)  # recovered, of settled attempts
+    checkpoint_times: dict[tuple[int, int], float] = field(default_factory=dict)  # their resume points
 
     @property
     def last_fault_id(self) -> int:
@@ -64,13 +69,18 @@ class SettledHistory:
         attempts = known.attempts + tx.list_attempts(run_number, after=settled)
         stats = {**known.stats, **tx.attempt_stats(run_number, after=settled)}
         faults = known.faults + tx.list_faults(run_number, after_id=known.last_fault_id)
+        fresh = goodput.checkpoint_times(tx.list_checkpoints(
+            run_number, steps={a.resume_step for a in attempts[settled:]}))
+        times = {**known.checkpoint_times, **fresh}
         grown = _settle(attempts, stats, faults, over=over)
         if len(grown.attempts) > settled or len(grown.faults) > len(known.faults):
+            steps = {a.resume_step for a in grown.attempts}
+            grown.checkpoint_times = {key: v for key, v in times.items() if key[1] in steps}
             with self._lock:
                 current = self._runs.get(run_number)
                 if current is None or len(current.attempts) <= len(grown.attempts):
                     self._runs[run_number] = grown
-        return History(attempts=attempts, stats=stats, faults=faults)
+        return History(attempts=attempts, stats=stats, faults=faults, checkpoint_times=times)
 
 
 def _settle(attempts: list[Attempt], stats: dict[int, AttemptStats], faults: list[FaultRecord], *,

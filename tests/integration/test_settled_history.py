@@ -8,6 +8,7 @@ from pathlib import Path
 
 from sqlalchemy import update
 
+from supervisor import goodput
 from supervisor.domain import (
     Attempt,
     AttemptOutcome,
@@ -31,9 +32,12 @@ def new_store(tmp_path: Path) -> SqlStore:
     return store
 
 
-def whole(store: SqlStore) -> tuple[list[Attempt], dict[int, AttemptStats], list[FaultRecord]]:
+def whole(store: SqlStore) -> tuple[list[Attempt], dict[int, AttemptStats], list[FaultRecord],
+                                    dict[tuple[int, int], float]]:
     with store.tx() as tx:
-        return tx.list_attempts(1), tx.attempt_stats(1), tx.list_faults(1)
+        attempts = tx.list_attempts(1)
+        times = goodput.checkpoint_times(tx.list_checkpoints(1, steps={a.resume_step for a in attempts}))
+        return attempts, tx.attempt_stats(1), tx.list_faults(1), times
 
 
 def test_every_read_is_the_whole_history_as_the_store_has_it(tmp_path: Path) -> None:
@@ -51,9 +55,12 @@ def test_every_read_is_the_whole_history_as_the_store_has_it(tmp_path: Path) -> 
             with store.tx() as tx:
                 tx.put_attempt_stats(1, AttemptStats(attempt=n, steps=step + 1, last_step=(n - 1) * 10 + step + 1,
                                                      step_time_s=float(step + 1)))
+                if step == 1:  # the checkpoint the next attempt resumes from
+                    tx.record_checkpoint(1, step=n * 10, path=f"/ck/{n}", complete=True, duration_s=0.1,
+                                         attempt=n, now=now, attempt_time_s=float(step + 1))
             with store.tx() as tx:
                 got = history.read(tx, 1)
-            assert (got.attempts, got.stats, got.faults) == whole(store)
+            assert (got.attempts, got.stats, got.faults, got.checkpoint_times) == whole(store)
         with store.tx() as tx:
             tx.add_fault(1, attempt=n, kind=FaultKind.RANK_EXIT, ranks=[1], nodes=["a"], step=n * 10,
                          summary="killed", now=now + 5)
@@ -62,11 +69,12 @@ def test_every_read_is_the_whole_history_as_the_store_has_it(tmp_path: Path) -> 
                 tx.mark_faults_recovered(1, now + 8)
         with store.tx() as tx:
             got = history.read(tx, 1)
-        assert (got.attempts, got.stats, got.faults) == whole(store)
+        assert (got.attempts, got.stats, got.faults, got.checkpoint_times) == whole(store)
         now += 10
     with store.tx() as tx:
         got = history.read(tx, 1, over=True)
-    assert (got.attempts, got.stats, got.faults) == whole(store)
+    assert (got.attempts, got.stats, got.faults, got.checkpoint_times) == whole(store)
+    assert got.checkpoint_times, "some attempts resumed from a recorded checkpoint"
     store.close()
 
 
