@@ -73,8 +73,10 @@ def judge_probes(*, kind: str, run_number: int | None, round_: int, answers: Map
         if verdict.drain:
             where = f"{run_id_of(run_number)}, {kind}" if run_number is not None else kind
             reason = f"{DRAINED_BY_US} probe: {verdict.reason[:200]} ({where})"
+            # A node whose probe could not tell (unknown: it hung, timed out, found no tool)
+            # is rebooted where the cluster repairs nodes, never replaced on no evidence.
             out.append(DrainNode(node=node, reason=reason, run_number=run_number,
-                                 reboot=record.action == "reboot"))
+                                 reboot=record.action == "reboot" or record.status == "unknown"))
         elif verdict.confirm:
             again.append(node)
     if again and round_ < node_health.CONFIRMATIONS:

@@ -10,6 +10,8 @@ from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from supervisor.domain import Node, NodeState, RunState
 from supervisor.launchers.local import LocalLauncher
 from supervisor.reconciler import Reconciler, ReconcilerConfig
@@ -48,6 +50,7 @@ class ProbedLauncher(ScriptedLauncher):
         self.probed: list[tuple[str, ...]] = []
         self.drained_probes: list[dict[str, str]] = []
         self.drains: list[tuple[str, str]] = []
+        self.reboots: list[bool] = []  # each drain's: a reboot is the fix (HyperPod: Action:Reboot)
         self.undrained: list[str] = []
 
     def _answer(self, node: str) -> str:
@@ -69,6 +72,7 @@ class ProbedLauncher(ScriptedLauncher):
 
     def drain(self, node: str, reason: str, *, reboot: bool = False) -> None:
         self.drains.append((node, reason))
+        self.reboots.append(reboot)
         self.drained_now.add(node)
 
     def undrain(self, node: str) -> None:
@@ -121,6 +125,25 @@ def test_preflight_holds_the_launch_until_the_nodes_are_judged_and_drains_a_conf
     with store.tx() as tx:
         assert tx.get_run(1).state is RunState.STARTING
         assert [p.status for p in tx.recent_probes("node-2", 5)] == ["unhealthy", "unhealthy"]
+
+
+@pytest.mark.parametrize(("status", "reboot"), [("unhealthy", False), ("unknown", True)])
+def test_a_node_whose_probe_cannot_tell_twice_is_drained_for_a_reboot_not_a_replacement(
+        tmp_path: Path, status: str, reboot: bool) -> None:
+    """Confirmed unhealthy with the tool's "replace": replaced. Confirmed unknown (the probe
+    hung, or found no tool) says nothing about the hardware: a reboot, never a replacement."""
+    launcher = ProbedLauncher({"node-2": [status, status]})
+    store, clock, rec, pool = make(tmp_path, launcher)
+    service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
+                                launcher=(local := LocalLauncher(max_nodes=8)), nodes=local, check_trainer=False,
+                                clock=clock)
+    service.submit(parse_spec({**SPEC, "health": {"preflight": True}}))
+    rec.tick()
+    rec.tick()
+    for _ in range(2):  # the round, then the confirmation
+        assert pool.finish() == 1
+        rec.tick()
+    assert [d[0] for d in launcher.drains] == ["node-2"] and launcher.reboots == [reboot]
 
 
 def test_one_flaky_preflight_result_drains_nothing(tmp_path: Path) -> None:
