@@ -7,8 +7,9 @@ plainly.
 lines, as the supervisor reads it through srun), a line per finding otherwise.
 
 As Slurm's HealthCheckProgram (``--drain-self``), an unhealthy verdict drains this node
-with the findings as the Reason; every tool has a timeout so the whole check stays
-inside Slurm's 60-second budget.
+with the findings as the Reason. Every tool has a timeout; the default checks stay inside
+Slurm's 60-second budget, but ``--dcgm`` (dcgmi diag, up to 60 s by itself) and
+``--bandwidth`` (up to 50 s) do not: leave them out of a HealthCheckProgram line.
 """
 
 from __future__ import annotations
