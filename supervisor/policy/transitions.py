@@ -1,7 +1,8 @@
 """Which run and attempt states may follow which: the one table, checked on every change.
 
-``RUN_TRANSITIONS`` and ``ATTEMPT_TRANSITIONS`` map each state to the states that may
-follow it. The core calls ``check_run`` before it emits a run's state change
+``RUN_TRANSITIONS``, ``ATTEMPT_TRANSITIONS`` and ``NODE_TRANSITIONS`` map each state to
+the states that may follow it. The store checks a node's (``check_node``) on every write of
+its record (supervisor/store/nodes.py). The core calls ``check_run`` before it emits a run's state change
 (policy/lifecycle.py, policy/recovery.py); the executor calls ``check_run`` again, and
 ``check_attempt`` for an attempt's, before it writes one (supervisor/execute.py). An
 illegal transition raises ``IllegalTransition`` and nothing of that decision is written
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from supervisor.domain import AttemptState, RunState
+from supervisor.domain import AttemptState, NodeState, RunState
 from supervisor.errors import Conflict
 
 _ACTIVE_EXITS = frozenset({RunState.PAUSED, RunState.CANCELLED, RunState.FAILED, RunState.SUCCEEDED})
@@ -45,6 +46,16 @@ ATTEMPT_TRANSITIONS: Mapping[AttemptState, frozenset[AttemptState]] = {
     AttemptState.ENDED: frozenset(),
 }
 
+NODE_TRANSITIONS: Mapping[NodeState, frozenset[NodeState]] = {
+    # a run takes it; it is drained (a probe, the policy, an operator)
+    NodeState.IDLE: frozenset({NodeState.IDLE, NodeState.ALLOCATED, NodeState.DRAINED}),
+    # the run gives it back (or the cluster took it); it is drained; a grant names its run again
+    NodeState.ALLOCATED: frozenset({NodeState.ALLOCATED, NodeState.IDLE, NodeState.DRAINED}),
+    # returned to service (probes, an operator, a repaired node); drained again with a new
+    # reason. Never straight to a run: a drained node the cluster grants stays drained.
+    NodeState.DRAINED: frozenset({NodeState.DRAINED, NodeState.IDLE}),
+}
+
 
 class IllegalTransition(Conflict):
     """A state change the table forbids: a bug in a rule, never acted on."""
@@ -59,4 +70,10 @@ def check_run(old: RunState, new: RunState) -> None:
 def check_attempt(old: AttemptState, new: AttemptState) -> None:
     if new not in ATTEMPT_TRANSITIONS[old]:
         raise IllegalTransition(f"attempt state {old} -> {new} is not a transition "
+                                "(supervisor/policy/transitions.py)")
+
+
+def check_node(old: NodeState, new: NodeState) -> None:
+    if new not in NODE_TRANSITIONS[old]:
+        raise IllegalTransition(f"node state {old} -> {new} is not a transition "
                                 "(supervisor/policy/transitions.py)")

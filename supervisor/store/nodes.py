@@ -7,8 +7,9 @@ from collections.abc import Collection
 
 from sqlalchemy import Connection, func, insert, select, update
 
-from supervisor.domain import Node, NodeCommand, NodeCommandKind, NodeIntent, ProbeRecord
+from supervisor.domain import Node, NodeCommand, NodeCommandKind, NodeIntent, NodeState, ProbeRecord
 from supervisor.errors import NotFound
+from supervisor.policy.transitions import check_node
 from supervisor.store import schema as t
 from supervisor.store.rows import intent_of, new_id, node_of
 
@@ -37,6 +38,11 @@ class NodeQueries:
         return [node_of(r) for r in self.c.execute(q)]
 
     def put_node(self, node: Node, now: float) -> None:
+        """Write a node's record, its state change checked against the table (an illegal
+        one raises IllegalTransition, and the transaction rolls back)."""
+        old = self.c.execute(select(t.nodes.c.state).where(t.nodes.c.name == node.name)).scalar_one_or_none()
+        if old is not None:
+            check_node(NodeState(old), node.state)
         values = {"state": node.state.value, "reason": node.reason, "run_number": node.run_number,
                   "updated_at": now}
         done = self.c.execute(update(t.nodes).where(t.nodes.c.name == node.name).values(**values))

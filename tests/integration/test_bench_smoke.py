@@ -304,9 +304,11 @@ def test_gpu_recovery_bench_runs_the_supervisor_through_two_faults_on_this_cpu()
     persistent checkpoint, each save's blocking and each restore beside the limits."""
     report = run_bench("gpu_recovery.py", "--cpu", timeout_s=300)
     assert_keys(report, "gpu shape faults policy state_dir limits wall_s state reason attempts drained_nodes ettr "
-                        "faults_seen train state_bytes_per_rank saves restores recoveries cold_start_s standby",
-                "top level")
+                        "faults_seen train first_steps_s state_bytes_per_rank saves restores recoveries "
+                        "cold_start_s standby", "top level")
     assert report["state"] == "SUCCEEDED" and report["gpu"] is False, report.get("reason")
+    assert sorted(report["first_steps_s"]) == ["1", "2", "3"], "each attempt's first step times"
+    assert all(0 < len(times) <= 4 for times in report["first_steps_s"].values())
     assert_keys(report["limits"], "bytes memcpy_gb_s memcpy_threads_gb_s threads blake3_gb_s device "
                                   "host_memory_gb shm_gb", "limits")
     killed, lost = report["recoveries"]

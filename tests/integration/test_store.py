@@ -14,6 +14,7 @@ from supervisor.domain import (
     AttemptState,
     CommandKind,
     CurvePoint,
+    EventKind,
     FaultKind,
     Node,
     NodeCommandKind,
@@ -22,6 +23,7 @@ from supervisor.domain import (
     RunState,
 )
 from supervisor.errors import NotFound, StoreError
+from supervisor.policy.transitions import IllegalTransition
 from supervisor.store import SqlStore
 from supervisor.store import schema as store_schema
 
@@ -337,3 +339,19 @@ def test_memory_checkpoints_are_recorded_once_and_only_the_newest_are_kept(store
         kept = tx.list_memory_checkpoints(number)
         assert [(m.attempt, m.step) for m in kept] == [(2, s) for s in range(10, 10 + 5 * MEMORY_CHECKPOINTS_KEPT, 5)]
         assert [(m.step, m.duration_s) for m in tx.list_memory_checkpoints(other)] == [(5, None)]
+
+
+def test_a_node_record_changes_only_as_the_node_table_allows(store: SqlStore, tmp_path: Path) -> None:
+    """A drained node written straight into a run's allocation raises, and nothing of that
+    transaction is kept."""
+    run = new_run(store, tmp_path)
+    with store.tx() as tx:
+        tx.put_node(Node(name="n1", state=NodeState.DRAINED, reason="probe: bad"), 1.0)
+    with pytest.raises(IllegalTransition), store.tx() as tx:
+        tx.add_event(None, EventKind.DAEMON_STARTED, "in the same transaction", {}, 2.0)
+        tx.put_node(Node(name="n1", state=NodeState.ALLOCATED, run_number=run), 2.0)
+    with store.tx() as tx:
+        assert [(n.name, n.state) for n in tx.list_nodes()] == [("n1", NodeState.DRAINED)]
+        assert tx.list_events(None, 0, 10) == []
+        tx.put_node(Node(name="n1", state=NodeState.IDLE), 3.0)  # returned to service, then a run's
+        tx.put_node(Node(name="n1", state=NodeState.ALLOCATED, run_number=run), 4.0)
