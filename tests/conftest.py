@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,21 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() == "true"
+# pytest-timeout's limit for one test (pyproject.toml). A wait of a test's own must end
+# well inside it, through the test's own abort (stacks shown, children killed): ``own_wait``.
+TEST_TIMEOUT_S = float(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+                       ["timeout"])
+ABORT_GRACE_S = 60.0  # what a test's own abort takes: stacks dumped, processes killed, the report
+
+
+def own_wait(timeout_s: float) -> float:
+    """``timeout_s``, checked to end (with its abort) inside pytest-timeout's limit: a wait
+    that outlived it would be cut off by pytest-timeout, which kills no child and shows no
+    stack of the process waited for."""
+    if timeout_s + ABORT_GRACE_S > TEST_TIMEOUT_S:
+        raise ValueError(f"a wait of {timeout_s:g} s and its abort do not fit in pytest's {TEST_TIMEOUT_S:g} s "
+                         f"per test: at most {TEST_TIMEOUT_S - ABORT_GRACE_S:g}")
+    return timeout_s
 
 
 def require(what: str, available: bool, *, missing: str = "is not installed (make test installs it as root)",

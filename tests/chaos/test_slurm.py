@@ -364,7 +364,7 @@ def test_a_train_sh_job_recovers_from_a_killed_rank_its_first_nodes_loss_and_a_h
                                                "GLOO_SOCKET_IFNAME": "eth0"})
     state = tmp_path / "state"
     proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "kill-rank@12:3", "--chaos",
-                "kill-node@25:0", "--chaos", "hang-rank@45:1", timeout_s=600)
+                "kill-node@25:0", "--chaos", "hang-rank@45:1", timeout_s=520)
     s = summary_of(proc)
     assert s["state"] == "SUCCEEDED", s
     killed, lost, hung = s["faults"]

@@ -22,7 +22,7 @@ import pytest
 
 from slurmbox.box import Box
 from supervisor.users import RunAs, login_env, popen_ids
-from tests.conftest import REPO, port_open, wait_for
+from tests.conftest import REPO, own_wait, port_open, wait_for
 
 EXAMPLE = REPO / "examples" / "tiny-llama.toml"
 
@@ -37,6 +37,7 @@ def tsup(*args: str | Path, timeout_s: float = 400) -> subprocess.CompletedProce
     """`training-supervisor ARGS`, waited for. One that outlives ``timeout_s`` gets SIGABRT
     (PYTHONFAULTHANDLER: every thread's stack on its stderr), and the failure shows where
     it was stuck."""
+    own_wait(timeout_s)
     proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**env(), "PYTHONFAULTHANDLER": "1"},
                             cwd=REPO)

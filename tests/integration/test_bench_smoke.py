@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import REPO, _mosquitto_binary, require
+from tests.conftest import REPO, _mosquitto_binary, own_wait, require
 
 pytestmark = pytest.mark.integration
 
@@ -42,6 +42,7 @@ def run_bench(script: str, *args: object, timeout_s: float = 120) -> dict[str, A
 
     A script that outlives ``timeout_s`` gets SIGTERM (each script then stops what it
     started), SIGKILL 30 s later; whatever it started and left is killed by pid."""
+    own_wait(timeout_s)
     command = [sys.executable, str(BENCH / script), *map(str, args)]
     proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

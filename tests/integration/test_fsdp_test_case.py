@@ -35,7 +35,7 @@ def spec(tmp_path: Path, *faults: str) -> Path:
 
 def supervised(tmp_path: Path, *args: str) -> tuple[dict[str, Any], Path]:
     state = tmp_path / "state"
-    proc = tsup("run", *args, "--state-dir", state, "--json", timeout_s=600)
+    proc = tsup("run", *args, "--state-dir", state, "--json", timeout_s=520)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return summary_of(proc), state / "runs" / "run-1"
 

@@ -39,3 +39,4 @@ def test_the_always_run_scenarios_exist_in_the_chaos_suite() -> None:
     sources = "".join(p.read_text() for p in (Path(__file__).parents[1] / "chaos").glob("test_*.py"))
     for name in CHAOS_ALWAYS:
         assert f"def {name}(" in sources, name
+
