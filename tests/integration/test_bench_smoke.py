@@ -95,11 +95,23 @@ def needs_mosquitto() -> None:
 def small_spec(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """examples/tiny-llama.toml on 2 nodes of 1 rank (plus its spare), 6 steps, a checkpoint
     every 2: what the benchmarks that train run on, so that a launch takes seconds."""
+    return _example_spec(tmp_path_factory, "small", steps=6)
+
+
+@pytest.fixture(scope="module")
+def recovery_spec(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same with 60 steps: after a fault at step 3 the resumed attempt trains on long
+    enough for a bench to see its first step before the run ends (with 6, a loaded machine
+    could see the run finish first)."""
+    return _example_spec(tmp_path_factory, "recovery", steps=60)
+
+
+def _example_spec(tmp_path_factory: pytest.TempPathFactory, name: str, *, steps: int) -> Path:
     text = EXAMPLE.read_text()
-    for key, value in (("ranks_per_node", 1), ("steps", 6), ("every_steps", 2)):
+    for key, value in (("ranks_per_node", 1), ("steps", steps), ("every_steps", 2)):
         text, found = re.subn(rf"^{key} = \d+$", f"{key} = {value}", text, flags=re.MULTILINE)
         assert found == 1, f"{EXAMPLE}: expected one line `{key} = N`"
-    spec = tmp_path_factory.mktemp("bench-smoke") / "small.toml"
+    spec = tmp_path_factory.mktemp("bench-smoke") / f"{name}.toml"
     spec.write_text(text)
     return spec
 
@@ -239,10 +251,10 @@ def test_scale_bench_prints_its_figures_at_a_tiny_size() -> None:
 # --- training processes, a supervisor, a real mosquitto ----------------------------------
 
 
-def test_mttr_bench_times_one_supervised_recovery_on_a_small_spec(small_spec: Path) -> None:
+def test_mttr_bench_times_one_supervised_recovery_on_a_small_spec(recovery_spec: Path) -> None:
     needs_mosquitto()
     report = run_bench("mttr.py", "--parts", "supervisor", "--kinds", "kill-rank", "--trials", 1,
-                       "--fault-step", 3, "--spec", small_spec, "--trial-timeout-s", 180, timeout_s=300)
+                       "--fault-step", 3, "--spec", recovery_spec, "--trial-timeout-s", 180, timeout_s=300)
     assert_keys(report, "bench quick trials_per_kind kinds kinds_left_out fault_step faulty_rank spec machine "
                         "spec_shape supervisor supervisor_overhead_vs_cold_resume_s loadavg_1m_max bench_wall_s",
                 "top level", optional="note")
