@@ -87,7 +87,7 @@ import selectors
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from health.model import Action, Finding, Status, no_devices, probe_failed
@@ -437,20 +437,28 @@ def _runtime_findings(rt: dict[str, object], ue_actions: set[Action]) -> list[Fi
     return out
 
 
+def _looks_like_report(doc: dict[str, object]) -> bool:
+    return any(k in doc for k in ("neuron_hardware_info", "system_data", "neuron_runtime_data"))
+
+
 def _first_report(text: str) -> dict[str, object] | str:
     """The first complete JSON object that looks like a neuron-monitor report, or why none."""
     body = text.strip()
     if not body:
         return "neuron-monitor printed nothing"
-    first = _first_json_object(body)
+    first = _first_json_object(body, _looks_like_report)
     if first is None:
         return f"no complete JSON report in the output (truncated?): {_excerpt(body.splitlines()[0])!r}"
-    if not any(k in first for k in ("neuron_hardware_info", "system_data", "neuron_runtime_data")):
+    if not _looks_like_report(first):
         return f"not a neuron-monitor report (keys: {', '.join(list(first)[:6]) or 'none'})"
     return first
 
 
-def _first_json_object(body: str) -> dict[str, object] | None:
+def _first_json_object(body: str, wanted: Callable[[dict[str, object]], bool]) -> dict[str, object] | None:
+    """The first JSON object of ``body`` that is ``wanted``; else the first one at all (None:
+    none). A stream of JSON lines whose first line was cut decodes an inner object of that
+    line first: the whole lines after it are tried before that one is taken."""
+    found: list[dict[str, object]] = []
     start = body.find("{")
     if start >= 0:
         try:
@@ -458,7 +466,9 @@ def _first_json_object(body: str) -> dict[str, object] | None:
         except ValueError:
             doc = None
         if isinstance(doc, dict):
-            return doc
+            if wanted(doc):
+                return doc
+            found.append(doc)
     for line in body.splitlines():  # JSON lines whose first line was cut
         if line.lstrip().startswith("{"):
             try:
@@ -466,8 +476,10 @@ def _first_json_object(body: str) -> dict[str, object] | None:
             except ValueError:
                 continue
             if isinstance(doc, dict):
-                return doc
-    return None
+                if wanted(doc):
+                    return doc
+                found.append(doc)
+    return found[0] if found else None
 
 
 def _obj(value: object) -> dict[str, object]:

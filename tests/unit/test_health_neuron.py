@@ -203,6 +203,15 @@ def test_neuron_monitor_stream_uses_the_first_complete_report() -> None:
     assert verdict(cut_first).action is Action.REPLACE
 
 
+@pytest.mark.parametrize("cut", [50, 300, 3000])
+def test_a_stream_whose_first_line_lost_its_start_uses_the_next_whole_report(cut: int) -> None:
+    """The cut line's first "{" opens an inner object that decodes on its own: it is not a
+    report, and the whole line after it is."""
+    first, second = fixture(MON_STREAM).splitlines()
+    found = neuron.check_neuron_monitor(f"{first[cut:]}\n{second}\n")
+    assert verdict(found).action is Action.REPLACE, [f.evidence for f in found]
+
+
 @pytest.mark.parametrize(("counters", "status", "action", "evidence"), [
     ({"sram_ecc_uncorrected": 2}, Status.UNHEALTHY, Action.REPLACE, "sram_ecc_uncorrected=2 on neuron_device 7 (SRAM)"),
     ({"mem_ecc_repairable_uncorrected": 1}, Status.UNHEALTHY, Action.REBOOT,
