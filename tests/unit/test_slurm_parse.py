@@ -248,7 +248,7 @@ def test_squeue_format_is_five_fields() -> None:
 
 def test_squeue_text_22_05_fixture_5_fields() -> None:
     # Derived from squeue-22.05-text.txt: its fields reordered to SQUEUE_FORMAT, %l dropped.
-    jobs = parse_squeue_text(fixture("squeue-22.05-text-5field.txt"))
+    jobs = parse_squeue_text(fixture("squeue-22.05-text-5field-SYNTHESIZED.txt"))
     assert jobs == {
         "4": JobInfo(job_id="4", name="tsup.pending", state="PENDING", phase=JobPhase.WAITING, nodes=(),
                      reason="Resources"),
@@ -258,7 +258,7 @@ def test_squeue_text_22_05_fixture_5_fields() -> None:
 
 
 def test_squeue_text_and_json_agree_on_the_recorded_jobs() -> None:
-    text = parse_squeue_text(fixture("squeue-22.05-text-5field.txt"))
+    text = parse_squeue_text(fixture("squeue-22.05-text-5field-SYNTHESIZED.txt"))
     js = parse_squeue_json(fixture("squeue-22.05-running-pending-cancelled.json"))
     assert text == {k: js[k] for k in ("3", "4")}
 
