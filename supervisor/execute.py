@@ -1,6 +1,6 @@
 """Execute: record a run's decision and carry it out.
 
-``Executor.apply`` writes everything a run's decision says (its state changes, its
+``DecisionExecutor.apply`` writes everything a run's decision says (its state changes, its
 records, its events and their outbox rows) and what was observed with it (``Facts``: the
 allocation granted, the checkpoints found) in one SQLite transaction, and then acts:
 starts and stops attempts, kills orphans, asks for nodes, gives them back, submits
@@ -77,7 +77,7 @@ from supervisor.user_files import UnsafePath
 log = logging.getLogger(__name__)
 
 
-class Executor:
+class DecisionExecutor:
     def __init__(self, store: SqlStore, launcher: Launcher, nodes: NodeAdmin, telemetry: TelemetryView,
                  probes: ProbeScheduler, observer: Observer, clock: Callable[[], float]) -> None:
         self.store = store

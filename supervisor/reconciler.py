@@ -2,7 +2,7 @@
 
     observe.py        Observer: what each run looks like now (read-only)
     policy/           decide(), judge_probes(), node_command(): the pure core
-    execute.py        Executor: one transaction per run's decision, then its effects
+    execute.py        DecisionExecutor: one transaction per run's decision, then its effects
     execute_nodes.py  NodeEffects: decisions about nodes, and the intents (drains,
                       returns) sent until the cluster shows them
     probes.py         ProbeScheduler: probe rounds on worker threads, the periodic sweep
@@ -31,7 +31,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor as Pool
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +39,7 @@ from supervisor import node_health
 from supervisor.domain import NodeState
 from supervisor.domain.events import EventKind
 from supervisor.errors import NotFound
-from supervisor.execute import Executor
+from supervisor.execute import DecisionExecutor
 from supervisor.launchers.base import Launcher, NodeAdmin
 from supervisor.observe import Observer
 from supervisor.policy import decide
@@ -69,7 +69,7 @@ class ReconcilerConfig:
 class Reconciler:
     def __init__(self, store: SqlStore, telemetry: TelemetryView, config: ReconcilerConfig, *,
                  launcher: Launcher, nodes: NodeAdmin, clock: Callable[[], float] = time.time,
-                 probe_pool: Pool | None = None) -> None:
+                 probe_pool: Executor | None = None) -> None:
         self.store = store
         self.config = config
         self.clock = clock
@@ -78,7 +78,7 @@ class Reconciler:
                                      sweep_timeout_s=config.sweep_timeout_s, pool=probe_pool)
         self.observer = Observer(store, launcher, telemetry, self.probes, mqtt_url=config.mqtt_url,
                                  mqtt_ca_file=config.mqtt_ca_file, clock=clock)
-        self.executor = Executor(store, launcher, nodes, telemetry, self.probes, self.observer, clock)
+        self.executor = DecisionExecutor(store, launcher, nodes, telemetry, self.probes, self.observer, clock)
         self.recorder = TelemetryRecorder(store, telemetry, config.retention)
         self.hooks: list[Callable[[], None]] = []  # run first in every tick, on its thread (chaos drills)
 
