@@ -23,6 +23,10 @@ Decisions about nodes (probe results, operators' drains) and the drains and retu
 run's decision go through ``NodeEffects`` (supervisor/execute_nodes.py): a run's drains
 are recorded in the run's own transaction, then sent as intents until the cluster shows
 them.
+
+Every kind of effect is named in both steps, recording and acting (``_record``, ``_act``,
+and NodeEffects' ``record`` and ``act`` for the node effects), each ending in
+``assert_never``: an effect added to the core and forgotten here fails ``make typecheck``.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 
 from supervisor import checkpoint_scan, node_health, planning, trainer_cmd, users
 from supervisor.domain import (
@@ -39,6 +43,8 @@ from supervisor.domain import (
     AllocateNodes,
     Attempt,
     AttemptState,
+    CommandHandled,
+    DrainNode,
     Effect,
     Emit,
     EndAttempt,
@@ -49,11 +55,14 @@ from supervisor.domain import (
     MarkFaultsRecovered,
     Node,
     NodeState,
+    ProbeAgain,
     ProbeNodes,
     RecordFault,
+    RecordProbe,
     ReleaseNodes,
     ReportStraggler,
     ResumeRun,
+    ReturnNode,
     Run,
     RunState,
     SetRunState,
@@ -192,8 +201,12 @@ class DecisionExecutor:
                              f"against {e.typical_s:.3f} s typical ({slower:+.0%}) over {e.window} steps",
                              {"attempt": e.attempt, "rank": e.rank, "node": e.node, "busy_s": e.busy_s,
                               "typical_s": e.typical_s, "window": e.window}, now)
-            case _:
+            case AllocateNodes() | EnsureStopped() | ProbeNodes() | KillOrphans():
+                pass  # nothing to record before acting
+            case DrainNode() | ReturnNode() | RecordProbe() | ProbeAgain() | CommandHandled():
                 self.node_effects.record(tx, e, now)
+            case _:
+                assert_never(e)
         return state
 
     def _record_state(self, tx: Tx, run: Run, state: RunState, e: SetRunState | FinishRun | ResumeRun,
@@ -260,8 +273,14 @@ class DecisionExecutor:
             case Emit(kind=EventKind.SPIKE_TRANSIENT):
                 self.observer.spikes_said.setdefault((run.number, int(str(e.data["attempt"]))), set()).add(
                     int(str(e.data["step"])))
-            case _:
+            case DrainNode() | ReturnNode() | RecordProbe() | ProbeAgain() | CommandHandled():
                 self.node_effects.act(e)
+            case (Emit() | SetRunState() | FinishRun() | ResumeRun() | AdoptAttempt() | MarkAttemptRunning()
+                  | RecordFault() | MarkFaultsRecovered() | SkipData() | ReportStraggler()
+                  | AllocateNodes() | StartAttempt() | ProbeNodes()):
+                pass  # recorded, nothing to do outside (or, without a spec, nothing it can do)
+            case _:
+                assert_never(e)
 
     # --- acting ---------------------------------------------------------------------
 

@@ -15,20 +15,18 @@ sends it after its restart. While the cluster cannot tell what it shows, nothing
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import assert_never
 
 from supervisor import node_health
 from supervisor.domain import (
-    AllocateNodes,
     CommandHandled,
     DrainNode,
-    Effect,
     Emit,
-    EnsureStopped,
-    KillOrphans,
     Node,
+    NodeEffect,
     NodeState,
     ProbeAgain,
-    ProbeNodes,
     RecordProbe,
     ReturnNode,
 )
@@ -56,7 +54,7 @@ class NodeEffects:
         self.observer = observer
         self._repairs_looked_at = -REPAIR_LOOK_S
 
-    def apply(self, effects: list[Effect], now: float) -> None:
+    def apply(self, effects: Sequence[NodeEffect | Emit], now: float) -> None:
         """Record and carry out a decision about nodes (supervisor/policy/nodes.py)."""
         with self.store.tx() as tx:
             for e in effects:
@@ -64,7 +62,7 @@ class NodeEffects:
         for e in effects:
             self.act(e)
 
-    def record(self, tx: Tx, e: Effect, now: float) -> None:
+    def record(self, tx: Tx, e: NodeEffect | Emit, now: float) -> None:
         match e:
             case Emit():
                 tx.add_event(e.run_number, e.kind, e.message, e.data, now)
@@ -86,12 +84,12 @@ class NodeEffects:
                 tx.add_probe(e.record)
             case CommandHandled():
                 tx.finish_command(e.command_id, e.result, now)
-            case AllocateNodes() | EnsureStopped() | ProbeNodes() | ProbeAgain() | KillOrphans():
+            case ProbeAgain():
                 pass  # nothing to record before acting
             case _:
-                raise TypeError(f"not an effect the executor knows: {e!r}")
+                assert_never(e)
 
-    def act(self, e: Effect) -> None:
+    def act(self, e: NodeEffect | Emit) -> None:
         if isinstance(e, ProbeAgain):
             info = None
             drained: dict[str, str] = {}

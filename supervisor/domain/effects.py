@@ -202,6 +202,10 @@ class CommandHandled:
     result: str
 
 
+# The effects a decision about nodes is made of (supervisor/policy/nodes.py; the drains of
+# a run's decision too), carried out by supervisor/execute_nodes.py.
+NodeEffect = DrainNode | ReturnNode | RecordProbe | ProbeAgain | CommandHandled
+
 Effect = (
     Emit
     | SetRunState

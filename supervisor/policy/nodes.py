@@ -25,11 +25,11 @@ from supervisor import node_health
 from supervisor.domain import (
     CommandHandled,
     DrainNode,
-    Effect,
     Emit,
     Node,
     NodeCommand,
     NodeCommandKind,
+    NodeEffect,
     NodeState,
     ProbeAgain,
     ProbeRecord,
@@ -44,10 +44,10 @@ DRAINED_BY_US = "training-supervisor:"  # how every drain Reason this supervisor
 
 def judge_probes(*, kind: str, run_number: int | None, round_: int, answers: Mapping[str, str | None],
                  known: Mapping[str, Node], history: Mapping[str, Sequence[ProbeRecord]], return_after: int,
-                 now: float) -> list[Effect]:
+                 now: float) -> list[NodeEffect | Emit]:
     """One finished round of probes of ``answers``' nodes (None: the node gave no answer).
     ``history``: each node's earlier results, newest first."""
-    out: list[Effect] = []
+    out: list[NodeEffect | Emit] = []
     again: list[str] = []
     sweep = run_number is None
     for node, answer in answers.items():
@@ -84,9 +84,9 @@ def judge_probes(*, kind: str, run_number: int | None, round_: int, answers: Map
     return out
 
 
-def node_command(cmd: NodeCommand, node: Node | None) -> list[Effect]:
+def node_command(cmd: NodeCommand, node: Node | None) -> list[NodeEffect | Emit]:
     """An operator's drain or undrain of ``node`` (None: a node the store does not know)."""
-    def rejected(why: str, run_number: int | None) -> list[Effect]:
+    def rejected(why: str, run_number: int | None) -> list[NodeEffect | Emit]:
         return [CommandHandled(command_id=cmd.id, result=f"rejected: {why}"),
                 Emit(kind=EventKind.COMMAND_REJECTED, message=f"{cmd.kind} {cmd.node} rejected: {why}",
                      data={"node": cmd.node}, run_number=run_number)]
