@@ -12,6 +12,9 @@ its attempt at which each checkpoint a settled attempt resumed from was committe
 goodput needs of the checkpoints). ``SettledHistory`` keeps, per run, the settled prefix
 of each, and each read asks SQLite only for what came after it.
 
+At most ``MAX_RUNS`` runs are held, the least recently read dropped first (read again,
+a run is decoded again): the memory stays bounded in a daemon that runs for years.
+
 Reads go through the caller's transaction, so they see one snapshot. Only what a
 read-only transaction saw is kept (the API's and the metrics' reads write nothing), so
 no row a rollback takes back is ever cached. Nothing here deletes a run's history, nor
@@ -21,6 +24,7 @@ does the store: a cached prefix stays true.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from supervisor import goodput
@@ -28,6 +32,7 @@ from supervisor.domain import Attempt, AttemptState, AttemptStats, FaultRecord
 from supervisor.store import Tx
 
 SETTLE_BEHIND = 2  # an ended attempt settles once this many newer ones exist
+MAX_RUNS = 1024  # runs held (the least recently read go first): memory stays bounded over years
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +61,9 @@ class _Settled:
 class SettledHistory:
     """Per run, the settled prefix of its history; any thread may read through it."""
 
-    def __init__(self) -> None:
-        self._runs: dict[int, _Settled] = {}
+    def __init__(self, max_runs: int = MAX_RUNS) -> None:
+        self._runs: OrderedDict[int, _Settled] = OrderedDict()
+        self._max_runs = max_runs
         self._lock = threading.Lock()
 
     def read(self, tx: Tx, run_number: int, *, over: bool = False) -> History:
@@ -65,6 +71,8 @@ class SettledHistory:
         ``over``: the run is over (terminal), so its last attempts settle too."""
         with self._lock:
             known = self._runs.get(run_number) or _Settled()
+            if run_number in self._runs:
+                self._runs.move_to_end(run_number)
         settled = len(known.attempts)
         attempts = known.attempts + tx.list_attempts(run_number, after=settled)
         stats = {**known.stats, **tx.attempt_stats(run_number, after=settled)}
@@ -80,6 +88,9 @@ class SettledHistory:
                 current = self._runs.get(run_number)
                 if current is None or len(current.attempts) <= len(grown.attempts):
                     self._runs[run_number] = grown
+                    self._runs.move_to_end(run_number)
+                    while len(self._runs) > self._max_runs:
+                        self._runs.popitem(last=False)
         return History(attempts=attempts, stats=stats, faults=faults, checkpoint_times=times)
 
 

@@ -103,3 +103,21 @@ def test_a_settled_row_is_decoded_once_and_the_live_ones_every_time(tmp_path: Pa
         fresh = SettledHistory().read(tx, 1)
     assert [a.reason for a in fresh.attempts] == ["changed"] * 5, "a new cache reads everything"
     store.close()
+
+
+def test_the_runs_held_are_bounded_the_least_recently_read_going_first(tmp_path: Path) -> None:
+    store = new_store(tmp_path)
+    with store.tx() as tx:
+        for _ in range(2):
+            tx.create_run(name="r", spec_json="{}", run_dir_root=tmp_path, nodes=1, ranks_per_node=1, spares=0,
+                          total_steps=10, policy=Policy(), now=0.0)
+        for run in (1, 2, 3):
+            for n in range(1, 4):
+                tx.add_attempt(Attempt(run_number=run, number=n, state=AttemptState.ENDED, nodes=("a",),
+                                       resume_from=None, resume_step=0, created_at=float(n)))
+    history = SettledHistory(max_runs=2)
+    with store.tx() as tx:
+        for run in (1, 2, 1, 3):  # 2 is then the least recently read
+            assert [a.number for a in history.read(tx, run).attempts] == [1, 2, 3]
+    assert list(history._runs) == [1, 3]
+    store.close()
