@@ -50,7 +50,7 @@ from prometheus_client.registry import Collector
 
 from supervisor import goodput
 from supervisor.domain import TERMINAL_RUN_STATES, NodeState, RunState
-from supervisor.settled import SettledHistory
+from supervisor.settled import SettledHistory, is_over
 from supervisor.store import SqlStore
 from supervisor.telemetry import DROP_REASONS, TelemetryView
 
@@ -91,7 +91,7 @@ class _StoreCollector(Collector):
         now = self.clock()
         with self.store.tx() as tx:  # settled history decoded once (supervisor/settled.py), steps never
             runs = tx.list_runs()
-            histories = {r.number: self.history.read(tx, r.number, over=r.state in TERMINAL_RUN_STATES)
+            histories = {r.number: self.history.read(tx, r.number, over=is_over(r, now))
                          for r in runs}
             attempts = {n: h.attempts for n, h in histories.items()}
             faults = [f for h in histories.values() for f in h.faults]

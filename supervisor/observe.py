@@ -51,7 +51,7 @@ from supervisor.output_progress import AttemptOutput
 from supervisor.policy import resume_before, unreadable_checkpoints
 from supervisor.policy.detection import STALL_GAP_S
 from supervisor.probes import ProbeScheduler
-from supervisor.settled import SettledHistory
+from supervisor.settled import SettledHistory, is_over
 from supervisor.spec import RunSpec, spec_from_json
 from supervisor.store import SqlStore
 from supervisor.telemetry import RankSeen, TelemetryView
@@ -202,7 +202,7 @@ class Observer:
     def observe(self, run: Run, commands: list[Command], now: float) -> Observed:
         spec, run_dir = self.spec(run.number)
         with self.store.tx() as tx:  # the settled part of the history decoded once, not every tick
-            history = self.history.read(tx, run.number, over=run.state in TERMINAL_RUN_STATES)
+            history = self.history.read(tx, run.number, over=is_over(run, now))
             attempts, faults = tuple(history.attempts), tuple(history.faults)
             known = tx.allocation(run.number)
             open_faults = tx.count_open_faults(run.number)

@@ -25,7 +25,6 @@ from pathlib import Path
 
 from supervisor import goodput, node_health, trainer_cmd, users
 from supervisor.domain import (
-    TERMINAL_RUN_STATES,
     AttemptStats,
     CommandKind,
     NodeCommandKind,
@@ -35,7 +34,7 @@ from supervisor.domain import (
 from supervisor.domain.events import EventKind
 from supervisor.errors import NotFound, SpecError
 from supervisor.launchers.base import Launcher, NodeAdmin, waiting_standbys
-from supervisor.settled import SettledHistory
+from supervisor.settled import SettledHistory, is_over
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore
 from supervisor.views import (
@@ -152,7 +151,7 @@ class SupervisorService:
         now = self.clock()
         with self.store.tx() as tx:
             run = tx.get_run(number)
-            history = self.history.read(tx, number, over=run.state in TERMINAL_RUN_STATES)
+            history = self.history.read(tx, number, over=is_over(run, now))
             attempts, stats, faults = history.attempts, history.stats, history.faults
             g = goodput.account(run, attempts, stats, faults, history.checkpoint_times, now)
             checkpoints = tx.list_checkpoints(number, newest=CHECKPOINTS_SHOWN)
@@ -213,7 +212,7 @@ class SupervisorService:
         number = _number(run_id)
         with self.store.tx() as tx:
             run = tx.get_run(number)
-            h = self.history.read(tx, number, over=run.state in TERMINAL_RUN_STATES)
+            h = self.history.read(tx, number, over=is_over(run, self.clock()))
         g = goodput.account(run, h.attempts, h.stats, h.faults, h.checkpoint_times, self.clock())
         return goodput_view(g)
 

@@ -28,11 +28,19 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from supervisor import goodput
-from supervisor.domain import Attempt, AttemptState, AttemptStats, FaultRecord
+from supervisor.domain import TERMINAL_RUN_STATES, Attempt, AttemptState, AttemptStats, FaultRecord, Run
 from supervisor.store import Tx
 
 SETTLE_BEHIND = 2  # an ended attempt settles once this many newer ones exist
+OVER_FOR_S = 60.0  # a run over for this long has its last attempts settled too
 MAX_RUNS = 1024  # runs held (the least recently read go first): memory stays bounded over years
+
+
+def is_over(run: Run, now: float) -> bool:
+    """The run ended ``OVER_FOR_S`` ago or more: the telemetry of its last attempt is in
+    (a late step is recorded within a tick or two), and nothing starts another unless an
+    operator resumes it, which leaves the ended attempts as they are."""
+    return run.state in TERMINAL_RUN_STATES and run.ended_at is not None and now - run.ended_at >= OVER_FOR_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +76,7 @@ class SettledHistory:
 
     def read(self, tx: Tx, run_number: int, *, over: bool = False) -> History:
         """The run's whole history: the settled part from memory, the rest from ``tx``.
-        ``over``: the run is over (terminal), so its last attempts settle too."""
+        ``over``: the run is over (``is_over``), so its last attempts settle too."""
         with self._lock:
             known = self._runs.get(run_number) or _Settled()
             if run_number in self._runs:

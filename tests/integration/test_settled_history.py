@@ -17,8 +17,9 @@ from supervisor.domain import (
     FaultKind,
     FaultRecord,
     Policy,
+    RunState,
 )
-from supervisor.settled import SETTLE_BEHIND, SettledHistory
+from supervisor.settled import OVER_FOR_S, SETTLE_BEHIND, SettledHistory, is_over
 from supervisor.store import SqlStore
 from supervisor.store import schema as t
 
@@ -120,4 +121,16 @@ def test_the_runs_held_are_bounded_the_least_recently_read_going_first(tmp_path:
         for run in (1, 2, 1, 3):  # 2 is then the least recently read
             assert [a.number for a in history.read(tx, run).attempts] == [1, 2, 3]
     assert list(history._runs) == [1, 3]
+    store.close()
+
+
+def test_a_run_is_over_for_the_cache_a_minute_after_it_ended(tmp_path: Path) -> None:
+    store = new_store(tmp_path)
+    with store.tx() as tx:
+        running = tx.get_run(1)
+        tx.update_run(1, state=RunState.SUCCEEDED, ended_at=100.0)
+        ended = tx.get_run(1)
+    assert not is_over(running, 1000.0), "not while it runs"
+    assert not is_over(ended, 100.0 + OVER_FOR_S - 1), "its last steps may still be on their way"
+    assert is_over(ended, 100.0 + OVER_FOR_S)
     store.close()
