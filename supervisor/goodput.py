@@ -1,4 +1,5 @@
-"""Goodput accounting: where a run's wall-clock time went. Pure, and O(attempts + faults).
+"""Goodput accounting: where a run's wall-clock time went. Pure; O(attempts + faults), or
+with a ``Ledger`` of the settled history, O(what is not settled).
 
 ETTR (effective training time ratio) = kept training time / wall time, where
 
@@ -66,66 +67,217 @@ def checkpoint_times(checkpoints: Sequence[CheckpointRecord]) -> dict[tuple[int,
 
 def account(run: Run, attempts: Sequence[Attempt], stats: Mapping[int, AttemptStats],
             faults: Sequence[FaultRecord], checkpoint_times: Mapping[tuple[int, int], float],
-            now: float) -> Goodput:
+            now: float, ledger: Ledger | None = None) -> Goodput:
     """``checkpoint_times``: (attempt, step) -> the attempt's summed step time when it
-    committed the checkpoint of that step."""
-    started = [a.started_at for a in attempts if a.started_at is not None]
-    if not started:
+    committed the checkpoint of that step. ``ledger``: what the first attempts and faults
+    (in the order given here, which never change) add, summed once; the rest is summed
+    afresh, so that the cost grows with what is not settled, not with the run's history."""
+    ordered = sorted(attempts, key=lambda a: a.number)
+    k, m = (ledger.attempts, ledger.faults) if ledger is not None else (0, 0)
+    rest, open_faults = ordered[k:], faults[m:]
+    end = run.ended_at if run.ended_at is not None else now
+    # The rest on its own: its own rewinds, first faults and next starts all lie within it
+    # (or, for first faults, among the settled faults when a settled fault names it).
+    detected = _first_faults(open_faults)
+    if ledger is not None:
+        detected = {**detected, **ledger.first_faults}
+    started_after = _started_after(rest)
+    total = _sum_attempts(rest, _rewound_to(rest), stats, checkpoint_times, detected, now)
+    total = total.plus(_sum_faults(open_faults, started_after, end, _first_start(rest), ledger))
+    if ledger is not None:
+        total = total.plus(ledger.sums(_lowest_resume(rest), _first_start(rest), started_after, detected,
+                                       checkpoint_times, end, now))
+    if total.first_start is None:
         return Goodput(wall_s=0.0, productive_s=0.0, lost_s=0.0, checkpoint_s=0.0, startup_s=0.0,
                        detection_s=0.0, recovery_s=0.0, other_s=0.0, ettr=None, kept_steps=0, lost_steps=0)
-    wall_s = max(0.0, (run.ended_at or now) - min(started))
+    wall_s = max(0.0, end - total.first_start)
+    accounted = (total.productive_s + total.lost_s + total.checkpoint_s + total.startup_s + total.detection_s
+                 + total.recovery_s)
+    return Goodput(
+        wall_s=wall_s, productive_s=total.productive_s, lost_s=total.lost_s, checkpoint_s=total.checkpoint_s,
+        startup_s=total.startup_s, detection_s=total.detection_s, recovery_s=total.recovery_s,
+        other_s=max(0.0, wall_s - accounted), ettr=total.productive_s / wall_s if wall_s > 0 else None,
+        kept_steps=total.kept_steps, lost_steps=total.lost_steps,
+    )
 
-    productive_s = lost_s = 0.0
+
+@dataclass(frozen=True, slots=True)
+class _Sums:
+    productive_s: float = 0.0
+    lost_s: float = 0.0
+    kept_steps: int = 0
+    lost_steps: int = 0
+    checkpoint_s: float = 0.0
+    startup_s: float = 0.0
+    detection_s: float = 0.0
+    recovery_s: float = 0.0
+    first_start: float | None = None  # the earliest attempt's start
+
+    def plus(self, o: _Sums) -> _Sums:
+        starts = [x for x in (self.first_start, o.first_start) if x is not None]
+        return _Sums(self.productive_s + o.productive_s, self.lost_s + o.lost_s,
+                     self.kept_steps + o.kept_steps, self.lost_steps + o.lost_steps,
+                     self.checkpoint_s + o.checkpoint_s, self.startup_s + o.startup_s,
+                     self.detection_s + o.detection_s, self.recovery_s + o.recovery_s,
+                     min(starts) if starts else None)
+
+
+def _sum_attempts(ordered: Sequence[Attempt], rewound_to: Sequence[int | None],
+                  stats: Mapping[int, AttemptStats], checkpoint_times: Mapping[tuple[int, int], float],
+                  detected: Mapping[int, float], now: float) -> _Sums:
+    """What ``ordered`` (consecutive attempts, in order) add: their kept and lost training
+    (each cut at ``rewound_to``, the oldest step a later attempt resumed from), their
+    blocking saves, their startup."""
+    productive_s = lost_s = checkpoint_s = startup_s = 0.0
     kept_steps = lost_steps = 0
-    ordered = sorted(attempts, key=lambda a: a.number)
-    rewound_to = _rewound_to(ordered)
-    for i, a in enumerate(ordered):
+    first_start: float | None = None
+    for a, later in zip(ordered, rewound_to, strict=True):
         s = stats.get(a.number)
-        if s is None or s.steps == 0 or s.last_step is None:
+        if a.started_at is not None:
+            first_start = a.started_at if first_start is None else min(first_start, a.started_at)
+            if s is not None and s.first_at is not None:
+                startup_s += max(0.0, s.first_at - (s.first_step_time_s or 0.0) - a.started_at)
+            else:  # never reached a step: starting until it failed, ended, or now
+                until = detected.get(a.number, a.ended_at if a.ended_at is not None else now)
+                startup_s += max(0.0, until - a.started_at)
+        if s is None:
             continue
-        later = rewound_to[i]
-        cut = s.last_step if later is None else later
-        if cut >= s.last_step:
-            kept_s, kept = s.step_time_s, s.steps
-        elif cut <= a.resume_step:
-            kept_s, kept = 0.0, 0
-        else:  # rewound to a step inside this attempt: its checkpoint says how much came before
-            span = max(1, s.last_step - a.resume_step)
-            kept = min(s.steps, cut - a.resume_step)
-            kept_s = checkpoint_times.get((a.number, cut), s.step_time_s * (cut - a.resume_step) / span)
+        checkpoint_s += s.checkpoint_s
+        if s.steps == 0 or s.last_step is None:
+            continue
+        kept_s, kept = _kept(a, s, later, checkpoint_times)
         productive_s += kept_s
         lost_s += s.step_time_s - kept_s
         kept_steps += kept
         lost_steps += s.steps - kept
+    return _Sums(productive_s, lost_s, kept_steps, lost_steps, checkpoint_s, startup_s, 0.0, 0.0, first_start)
 
-    checkpoint_s = sum(s.checkpoint_s for s in stats.values())
-    detected = {f.attempt: f.detected_at for f in reversed(faults)}  # first fault per attempt
-    startup_s = 0.0
-    for a in attempts:
-        if a.started_at is None:
-            continue
-        s = stats.get(a.number)
-        if s is not None and s.first_at is not None:
-            startup_s += max(0.0, s.first_at - (s.first_step_time_s or 0.0) - a.started_at)
-        else:  # never reached a step: starting until it failed, ended, or now
-            until = detected.get(a.number, a.ended_at if a.ended_at is not None else now)
-            startup_s += max(0.0, until - a.started_at)
 
+def _kept(a: Attempt, s: AttemptStats, later: int | None,
+          checkpoint_times: Mapping[tuple[int, int], float]) -> tuple[float, int]:
+    """The step time and steps of ``a`` that survive a rewind to ``later`` (None: none)."""
+    assert s.last_step is not None
+    cut = s.last_step if later is None else later
+    if cut >= s.last_step:
+        return s.step_time_s, s.steps
+    if cut <= a.resume_step:
+        return 0.0, 0
+    # rewound to a step inside this attempt: its checkpoint says how much came before
+    span = max(1, s.last_step - a.resume_step)
+    kept = min(s.steps, cut - a.resume_step)
+    return checkpoint_times.get((a.number, cut), s.step_time_s * (cut - a.resume_step) / span), kept
+
+
+def _sum_faults(faults: Sequence[FaultRecord], started_after: Mapping[int, float], end: float,
+                first_start_after: float | None, ledger: Ledger | None) -> _Sums:
+    """What ``faults`` add: detection (from the last step before each) and recovery (to the
+    next attempt's start; ``first_start_after`` for a fault of a settled attempt whose next
+    start lies beyond the settled ones; else the run's end, or now)."""
     detection_s = recovery_s = 0.0
-    started_after = _started_after(ordered)
     for f in faults:
         if f.last_step_at is not None:  # (a fault before the first step is startup time, counted above)
             detection_s += max(0.0, f.detected_at - f.last_step_at)
         resumed_at = started_after.get(f.attempt)
-        recovery_s += max(0.0, (resumed_at or run.ended_at or now) - f.detected_at)
+        if resumed_at is None and ledger is not None and f.attempt <= ledger.last:
+            resumed_at = ledger.started_after.get(f.attempt, first_start_after)
+        recovery_s += max(0.0, (resumed_at if resumed_at is not None else end) - f.detected_at)
+    return _Sums(detection_s=detection_s, recovery_s=recovery_s)
 
-    accounted = productive_s + lost_s + checkpoint_s + startup_s + detection_s + recovery_s
-    return Goodput(
-        wall_s=wall_s, productive_s=productive_s, lost_s=lost_s, checkpoint_s=checkpoint_s,
-        startup_s=startup_s, detection_s=detection_s, recovery_s=recovery_s,
-        other_s=max(0.0, wall_s - accounted), ettr=productive_s / wall_s if wall_s > 0 else None,
-        kept_steps=kept_steps, lost_steps=lost_steps,
-    )
+
+@dataclass(slots=True)
+class Ledger:
+    """What a run's settled history adds to its account, summed once: its first
+    ``attempts`` attempts and first ``faults`` faults, which never change again. What the
+    later history can still change about them is small and taken into account at each
+    call: the oldest step a later attempt resumed from (which may cut their kept steps; a
+    memo per value), the start of the first later attempt (their last faults' recovery),
+    and the first faults of settled attempts that never reached a step."""
+
+    attempts: int
+    faults: int
+    last: int  # the number of the last settled attempt (0: none)
+    first_faults: dict[int, float]  # attempt -> its first settled fault's detection
+    started_after: dict[int, float]  # attempt -> the next settled attempt's start
+    _ordered: list[Attempt]
+    _rewound: list[int | None]  # within the settled attempts
+    _fixed: _Sums  # what no later history changes: saves, detection, most startups and recoveries
+    _unresolved: list[FaultRecord]  # settled faults whose next start lies beyond the settled attempts
+    _no_step: list[Attempt]  # settled attempts without a step and without a settled fault
+    _stats: dict[int, AttemptStats]
+    _kept: dict[int | None, _Sums]  # the oldest later resume step -> the kept and lost training
+
+    @classmethod
+    def of(cls, attempts: Sequence[Attempt], stats: Mapping[int, AttemptStats],
+           faults: Sequence[FaultRecord]) -> Ledger:
+        """The ledger of ``attempts`` and ``faults`` (a run's first ones, settled), with
+        ``stats`` as account gets them."""
+        ordered = sorted(attempts, key=lambda a: a.number)
+        first_faults = _first_faults(faults)
+        started_after = _started_after(ordered)
+        checkpoint_s = startup_s = 0.0
+        no_step: list[Attempt] = []
+        for a in ordered:
+            st = stats.get(a.number)
+            checkpoint_s += st.checkpoint_s if st is not None else 0.0
+            if a.started_at is None:
+                continue
+            if st is not None and st.first_at is not None:
+                startup_s += max(0.0, st.first_at - (st.first_step_time_s or 0.0) - a.started_at)
+            elif a.number in first_faults:
+                startup_s += max(0.0, first_faults[a.number] - a.started_at)
+            else:  # its first fault, if it ever has one, is not settled: judged at each call
+                no_step.append(a)
+        resolved = [f for f in faults if f.attempt in started_after]
+        starts = [a.started_at for a in ordered if a.started_at is not None]
+        fixed = _Sums(checkpoint_s=checkpoint_s, startup_s=startup_s, first_start=min(starts, default=None))
+        detection = _sum_faults(faults, {}, 0.0, None, None).detection_s  # every settled fault's
+        recovery = _sum_faults(resolved, started_after, 0.0, None, None).recovery_s  # those resolved here
+        fixed = fixed.plus(_Sums(detection_s=detection, recovery_s=recovery))
+        return cls(attempts=len(ordered), faults=len(faults), last=ordered[-1].number if ordered else 0,
+                   first_faults=first_faults, started_after=started_after, _ordered=ordered,
+                   _rewound=_rewound_to(ordered), _fixed=fixed,
+                   _unresolved=[f for f in faults if f.attempt not in started_after], _no_step=no_step,
+                   _stats={a.number: st for a in ordered if (st := stats.get(a.number)) is not None},
+                   _kept={})
+
+    def sums(self, lowest_later: int | None, first_start_after: float | None,
+             started_after: Mapping[int, float], detected: Mapping[int, float],
+             checkpoint_times: Mapping[tuple[int, int], float], end: float, now: float) -> _Sums:
+        """What the settled history adds, given the oldest step a later attempt resumed
+        from, the first later attempt's start, the next start after each later attempt,
+        every attempt's first fault, the run's end (or now) and now."""
+        kept = self._kept.get(lowest_later)
+        if kept is None:
+            rewound = [x if lowest_later is None else (lowest_later if x is None else min(x, lowest_later))
+                       for x in self._rewound]
+            full = _sum_attempts(self._ordered, rewound, self._stats, checkpoint_times, {}, 0.0)
+            kept = _Sums(full.productive_s, full.lost_s, full.kept_steps, full.lost_steps)
+            if len(self._kept) > 8:
+                self._kept.clear()
+            self._kept[lowest_later] = kept
+        startups = 0.0
+        for a in self._no_step:
+            assert a.started_at is not None
+            until = detected.get(a.number, a.ended_at if a.ended_at is not None else now)
+            startups += max(0.0, until - a.started_at)
+        recovery_s = 0.0
+        for f in self._unresolved:
+            resumed_at = first_start_after if f.attempt <= self.last else started_after.get(f.attempt)
+            recovery_s += max(0.0, (resumed_at if resumed_at is not None else end) - f.detected_at)
+        return self._fixed.plus(kept).plus(_Sums(startup_s=startups, recovery_s=recovery_s))
+
+
+def _first_faults(faults: Sequence[FaultRecord]) -> dict[int, float]:
+    """Attempt number -> the detection of its first fault (in the order given)."""
+    return {f.attempt: f.detected_at for f in reversed(faults)}
+
+
+def _lowest_resume(ordered: Sequence[Attempt]) -> int | None:
+    return min((a.resume_step for a in ordered), default=None)
+
+
+def _first_start(ordered: Sequence[Attempt]) -> float | None:
+    return next((a.started_at for a in ordered if a.started_at is not None), None)
 
 
 def _rewound_to(ordered: Sequence[Attempt]) -> list[int | None]:

@@ -48,7 +48,6 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from supervisor import goodput
 from supervisor.domain import TERMINAL_RUN_STATES, NodeState, RunState
 from supervisor.settled import SettledHistory, is_over
 from supervisor.store import SqlStore
@@ -133,8 +132,7 @@ class _StoreCollector(Collector):
         for r in recent:
             history = histories[r.number]
             stats = history.stats
-            account = goodput.account(r, history.attempts, stats, history.faults, history.checkpoint_times,
-                                      now)
+            account = history.account(r, now)
             labels = [r.run_id, r.name]
             if account.ettr is not None:
                 ettr.add_metric(labels, account.ettr)

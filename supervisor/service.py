@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from supervisor import goodput, node_health, trainer_cmd, users
+from supervisor import node_health, trainer_cmd, users
 from supervisor.domain import (
     AttemptStats,
     CommandKind,
@@ -153,7 +153,7 @@ class SupervisorService:
             run = tx.get_run(number)
             history = self.history.read(tx, number, over=is_over(run, now))
             attempts, stats, faults = history.attempts, history.stats, history.faults
-            g = goodput.account(run, attempts, stats, faults, history.checkpoint_times, now)
+            g = history.account(run, now)
             checkpoints = tx.list_checkpoints(number, newest=CHECKPOINTS_SHOWN)
             memory = tx.list_memory_checkpoints(number)[-1:]
             drained = [n.name for n in tx.allocation(number) if n.state is NodeState.DRAINED]
@@ -213,7 +213,7 @@ class SupervisorService:
         with self.store.tx() as tx:
             run = tx.get_run(number)
             h = self.history.read(tx, number, over=is_over(run, self.clock()))
-        g = goodput.account(run, h.attempts, h.stats, h.faults, h.checkpoint_times, self.clock())
+        g = h.account(run, self.clock())
         return goodput_view(g)
 
     def step_metrics(self, run_id: str, max_points: int = 1000) -> list[StepMetricView]:

@@ -10,7 +10,8 @@ attempt is recorded within a tick or two, long before two more attempts have sta
 A fault is settled once it is recovered and its attempt is settled; so is the time into
 its attempt at which each checkpoint a settled attempt resumed from was committed (what
 goodput needs of the checkpoints). ``SettledHistory`` keeps, per run, the settled prefix
-of each, and each read asks SQLite only for what came after it.
+of each, with what it adds to the goodput account summed once (``goodput.Ledger``), and
+each read asks SQLite only for what came after it, and sums only that.
 
 At most ``MAX_RUNS`` runs are held, the least recently read dropped first (read again,
 a run is decoded again): the memory stays bounded in a daemon that runs for years.
@@ -52,6 +53,12 @@ class History:
     stats: dict[int, AttemptStats]
     faults: list[FaultRecord]
     checkpoint_times: dict[tuple[int, int], float]
+    ledger: goodput.Ledger | None  # what the settled part adds to the goodput account, summed once
+
+    def account(self, run: Run, now: float) -> goodput.Goodput:
+        """The run's goodput account (goodput.account, the settled part from the ledger)."""
+        return goodput.account(run, self.attempts, self.stats, self.faults, self.checkpoint_times, now,
+                               ledger=self.ledger)
 
 
 @dataclass(slots=True)
@@ -60,6 +67,7 @@ class _Settled:
     stats: dict[int, AttemptStats] = field(default_factory=dict)
     faults: list[FaultRecord] = field(default_factory=list)  # recovered, of settled attempts
     checkpoint_times: dict[tuple[int, int], float] = field(default_factory=dict)  # their resume points
+    ledger: goodput.Ledger | None = None
 
     @property
     def last_fault_id(self) -> int:
@@ -88,10 +96,11 @@ class SettledHistory:
         fresh = goodput.checkpoint_times(tx.list_checkpoints(
             run_number, steps={a.resume_step for a in attempts[settled:]}))
         times = {**known.checkpoint_times, **fresh}
-        grown = _settle(attempts, stats, faults, over=over)
-        if len(grown.attempts) > settled or len(grown.faults) > len(known.faults):
+        grown = _settle(known, attempts, stats, faults, over=over)
+        if grown is not known:
             steps = {a.resume_step for a in grown.attempts}
             grown.checkpoint_times = {key: v for key, v in times.items() if key[1] in steps}
+            grown.ledger = goodput.Ledger.of(grown.attempts, grown.stats, grown.faults)
             with self._lock:
                 current = self._runs.get(run_number)
                 if current is None or len(current.attempts) <= len(grown.attempts):
@@ -99,25 +108,31 @@ class SettledHistory:
                     self._runs.move_to_end(run_number)
                     while len(self._runs) > self._max_runs:
                         self._runs.popitem(last=False)
-        return History(attempts=attempts, stats=stats, faults=faults, checkpoint_times=times)
+            known = grown
+        return History(attempts=attempts, stats=stats, faults=faults, checkpoint_times=times,
+                       ledger=known.ledger)
 
 
-def _settle(attempts: list[Attempt], stats: dict[int, AttemptStats], faults: list[FaultRecord], *,
-            over: bool) -> _Settled:
+def _settle(known: _Settled, attempts: list[Attempt], stats: dict[int, AttemptStats],
+            faults: list[FaultRecord], *, over: bool) -> _Settled:
     """The settled prefix of a run's history as ``attempts`` (all of them, in order), their
-    ``stats`` and ``faults`` (oldest first) show it."""
+    ``stats`` and ``faults`` (oldest first) show it, looked for after the ``known`` one (a
+    settled row stays settled: the scan costs what is new, not the run's age)."""
     newest = attempts[-1].number if attempts else 0
     limit = newest if over else newest - SETTLE_BEHIND
-    count = 0
-    for expected, a in enumerate(attempts, start=1):
-        if a.number != expected or a.number > limit or a.state is not AttemptState.ENDED:
+    count = len(known.attempts)
+    for a in attempts[count:]:
+        if a.number != count + 1 or a.number > limit or a.state is not AttemptState.ENDED:
             break
-        count = expected
-    done = attempts[:count]
-    kept = 0
-    for f in faults:
+        count += 1
+    kept = len(known.faults)
+    for f in faults[kept:]:
         if f.recovered_at is None or f.attempt > count:
             break
         kept += 1
-    return _Settled(attempts=done, stats={a.number: stats[a.number] for a in done if a.number in stats},
+    if count == len(known.attempts) and kept == len(known.faults):
+        return known
+    added = attempts[len(known.attempts):count]
+    return _Settled(attempts=attempts[:count],
+                    stats={**known.stats, **{a.number: stats[a.number] for a in added if a.number in stats}},
                     faults=faults[:kept])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
 from sqlalchemy import update
 
 from supervisor import goodput
@@ -19,7 +20,7 @@ from supervisor.domain import (
     Policy,
     RunState,
 )
-from supervisor.settled import OVER_FOR_S, SETTLE_BEHIND, SettledHistory, is_over
+from supervisor.settled import OVER_FOR_S, SETTLE_BEHIND, History, SettledHistory, is_over
 from supervisor.store import SqlStore
 from supervisor.store import schema as t
 
@@ -39,6 +40,17 @@ def whole(store: SqlStore) -> tuple[list[Attempt], dict[int, AttemptStats], list
         attempts = tx.list_attempts(1)
         times = goodput.checkpoint_times(tx.list_checkpoints(1, steps={a.resume_step for a in attempts}))
         return attempts, tx.attempt_stats(1), tx.list_faults(1), times
+
+
+def same_account(store: SqlStore, got: History, now: float) -> None:
+    """The account from the ledger of the settled part is the account summed whole."""
+    attempts, stats, faults, times = whole(store)
+    with store.tx() as tx:
+        run = tx.get_run(1)
+    want, have = goodput.account(run, attempts, stats, faults, times, now), got.account(run, now)
+    for name in goodput.Goodput.__dataclass_fields__:
+        a, b = getattr(want, name), getattr(have, name)
+        assert (a is None and b is None) or a == pytest.approx(b, rel=1e-9, abs=1e-9), (name, want, have)
 
 
 def test_every_read_is_the_whole_history_as_the_store_has_it(tmp_path: Path) -> None:
@@ -62,6 +74,7 @@ def test_every_read_is_the_whole_history_as_the_store_has_it(tmp_path: Path) -> 
             with store.tx() as tx:
                 got = history.read(tx, 1)
             assert (got.attempts, got.stats, got.faults, got.checkpoint_times) == whole(store)
+            same_account(store, got, now + 1)
         with store.tx() as tx:
             tx.add_fault(1, attempt=n, kind=FaultKind.RANK_EXIT, ranks=[1], nodes=["a"], step=n * 10,
                          summary="killed", now=now + 5)
@@ -71,6 +84,8 @@ def test_every_read_is_the_whole_history_as_the_store_has_it(tmp_path: Path) -> 
         with store.tx() as tx:
             got = history.read(tx, 1)
         assert (got.attempts, got.stats, got.faults, got.checkpoint_times) == whole(store)
+        same_account(store, got, now + 7)
+        assert got.ledger is not None or n <= SETTLE_BEHIND
         now += 10
     with store.tx() as tx:
         got = history.read(tx, 1, over=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from supervisor.domain import (
     Attempt,
@@ -18,7 +20,7 @@ from supervisor.domain import (
     Run,
     RunState,
 )
-from supervisor.goodput import account, with_step
+from supervisor.goodput import Goodput, Ledger, account, with_step
 
 
 def metric(attempt: int, step: int, at: float) -> MetricRecord:
@@ -94,3 +96,58 @@ def test_stats_kept_as_steps_arrive_equal_stats_of_every_step() -> None:
     assert stats_from(metrics) == {1: running}
     assert (running.steps, running.first_step, running.last_step, running.step_time_s) == (12, 1, 12, 12.0)
     assert (running.first_at, running.last_at, running.first_step_time_s) == (5.0, 16.0, 1.0)
+
+
+# --- the ledger of a settled history ---------------------------------------------------------
+
+_RUN = Run(number=1, name="t", state=RunState.RUNNING, reason="", nodes=1, ranks_per_node=1, spares=0,
+           total_steps=100, policy=Policy(), created_at=0.0)
+
+
+@st.composite
+def histories(draw: st.DrawFn) -> tuple[list[Attempt], dict[int, AttemptStats], list[FaultRecord],
+                                         dict[tuple[int, int], float]]:
+    """Attempts in order (some never started, some without a step), their stats, faults of
+    any attempt (in id order), and checkpoint times at some resume points."""
+    n = draw(st.integers(0, 9))
+    attempts, stats, t = [], {}, 0.0
+    for number in range(1, n + 1):
+        t += draw(st.floats(0, 50))
+        started = None if draw(st.integers(0, 9)) == 0 else t
+        resume = draw(st.integers(0, 60))
+        ended = t + draw(st.floats(0, 40)) if number < n or draw(st.booleans()) else None
+        attempts.append(Attempt(run_number=1, number=number, state=AttemptState.ENDED, nodes=("a",),
+                                resume_from=None, resume_step=resume, created_at=t, started_at=started,
+                                ended_at=ended))
+        if started is not None and draw(st.integers(0, 4)) > 0:
+            steps = draw(st.integers(0, 30))
+            stats[number] = AttemptStats(
+                attempt=number, steps=steps, first_step=resume + 1 if steps else None,
+                last_step=resume + steps if steps else None,
+                first_at=started + draw(st.floats(0, 5)) if steps else None, first_step_time_s=1.0,
+                step_time_s=float(steps), checkpoint_s=draw(st.floats(0, 3)))
+    faults = [FaultRecord(id=i + 1, run_number=1, attempt=draw(st.integers(1, max(1, n))), kind=FaultKind.RANK_EXIT,
+                          ranks=(0,), nodes=("a",), step=0, summary="", detected_at=draw(st.floats(0, 500)),
+                          recovered_at=None, last_step_at=draw(st.one_of(st.none(), st.floats(0, 500))))
+              for i in range(draw(st.integers(0, 8)))]
+    times = {(a.number, a.resume_step + draw(st.integers(1, 10))): draw(st.floats(0, 30))
+             for a in attempts if draw(st.booleans())}
+    return attempts, stats, faults, times
+
+
+@given(history=histories(), data=st.data())
+def test_the_ledger_of_any_settled_prefix_gives_the_account_of_the_whole_history(
+        history: tuple[list[Attempt], dict[int, AttemptStats], list[FaultRecord], dict[tuple[int, int], float]],
+        data: st.DataObject) -> None:
+    """Summed once for its first attempts and faults, then asked at two later times (and
+    with a run that ended), the ledger's account equals the one summed whole."""
+    attempts, stats, faults, times = history
+    k = data.draw(st.integers(0, len(attempts)))
+    m = data.draw(st.integers(0, len(faults)))
+    ledger = Ledger.of(attempts[:k], stats, faults[:m])
+    for run, now in ((_RUN, 600.0), (_RUN, 900.0), (replace(_RUN, ended_at=700.0), 1000.0)):
+        whole = account(run, attempts, stats, faults, times, now)
+        summed = account(run, attempts, stats, faults, times, now, ledger=ledger)
+        for name in Goodput.__dataclass_fields__:
+            a, b = getattr(whole, name), getattr(summed, name)
+            assert (a is None and b is None) or a == pytest.approx(b, rel=1e-9, abs=1e-9), (name, whole, summed)
