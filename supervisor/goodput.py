@@ -26,7 +26,7 @@ length of the run. The rest of the wall time is broken down as
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from supervisor.domain import Attempt, AttemptStats, CheckpointRecord, FaultRecord, MetricRecord, Run
@@ -81,12 +81,21 @@ def account(run: Run, attempts: Sequence[Attempt], stats: Mapping[int, AttemptSt
     detected = _first_faults(open_faults)
     if ledger is not None:
         detected = {**detected, **ledger.first_faults}
-    started_after = _started_after(rest)
+    started_after, first_start_rest = _started_after(rest), _first_start(rest)
+
+    def next_start(attempt: int) -> float | None:
+        """When the first attempt after ``attempt`` that started did so (None: none did)."""
+        if attempt in started_after:
+            return started_after[attempt]
+        if ledger is not None and attempt <= ledger.last:  # a settled one: the next start is
+            return ledger.started_after.get(attempt, first_start_rest)  # settled too, or the rest's first
+        return None
+
     total = _sum_attempts(rest, _rewound_to(rest), stats, checkpoint_times, detected, now)
-    total = total.plus(_sum_faults(open_faults, started_after, end, _first_start(rest), ledger))
+    total = total.plus(_sum_faults(open_faults, next_start, end))
     if ledger is not None:
-        total = total.plus(ledger.sums(_lowest_resume(rest), _first_start(rest), started_after, detected,
-                                       checkpoint_times, end, now))
+        settled = ledger.sums(_lowest_resume(rest), next_start, detected, checkpoint_times, end, now)
+        total = total.plus(settled)
     if total.first_start is None:
         return Goodput(wall_s=0.0, productive_s=0.0, lost_s=0.0, checkpoint_s=0.0, startup_s=0.0,
                        detection_s=0.0, recovery_s=0.0, other_s=0.0, ettr=None, kept_steps=0, lost_steps=0)
@@ -135,11 +144,7 @@ def _sum_attempts(ordered: Sequence[Attempt], rewound_to: Sequence[int | None],
         s = stats.get(a.number)
         if a.started_at is not None:
             first_start = a.started_at if first_start is None else min(first_start, a.started_at)
-            if s is not None and s.first_at is not None:
-                startup_s += max(0.0, s.first_at - (s.first_step_time_s or 0.0) - a.started_at)
-            else:  # never reached a step: starting until it failed, ended, or now
-                until = detected.get(a.number, a.ended_at if a.ended_at is not None else now)
-                startup_s += max(0.0, until - a.started_at)
+            startup_s += _startup_s(a, s, detected, now)
         if s is None:
             continue
         checkpoint_s += s.checkpoint_s
@@ -151,6 +156,17 @@ def _sum_attempts(ordered: Sequence[Attempt], rewound_to: Sequence[int | None],
         kept_steps += kept
         lost_steps += s.steps - kept
     return _Sums(productive_s, lost_s, kept_steps, lost_steps, checkpoint_s, startup_s, 0.0, 0.0, first_start)
+
+
+def _startup_s(a: Attempt, s: AttemptStats | None, detected: Mapping[int, float], now: float) -> float:
+    """From ``a``'s start to its first step; for one that never reached a step, until its
+    first fault (``detected``), its end, or now."""
+    if a.started_at is None:
+        return 0.0
+    if s is not None and s.first_at is not None:
+        return max(0.0, s.first_at - (s.first_step_time_s or 0.0) - a.started_at)
+    until = detected.get(a.number, a.ended_at if a.ended_at is not None else now)
+    return max(0.0, until - a.started_at)
 
 
 def _kept(a: Attempt, s: AttemptStats, later: int | None,
@@ -168,18 +184,15 @@ def _kept(a: Attempt, s: AttemptStats, later: int | None,
     return checkpoint_times.get((a.number, cut), s.step_time_s * (cut - a.resume_step) / span), kept
 
 
-def _sum_faults(faults: Sequence[FaultRecord], started_after: Mapping[int, float], end: float,
-                first_start_after: float | None, ledger: Ledger | None) -> _Sums:
+def _sum_faults(faults: Sequence[FaultRecord], next_start: Callable[[int], float | None],
+                end: float) -> _Sums:
     """What ``faults`` add: detection (from the last step before each) and recovery (to the
-    next attempt's start; ``first_start_after`` for a fault of a settled attempt whose next
-    start lies beyond the settled ones; else the run's end, or now)."""
+    next attempt's start, ``next_start`` of the fault's attempt; else the run's end, or now)."""
     detection_s = recovery_s = 0.0
     for f in faults:
         if f.last_step_at is not None:  # (a fault before the first step is startup time, counted above)
             detection_s += max(0.0, f.detected_at - f.last_step_at)
-        resumed_at = started_after.get(f.attempt)
-        if resumed_at is None and ledger is not None and f.attempt <= ledger.last:
-            resumed_at = ledger.started_after.get(f.attempt, first_start_after)
+        resumed_at = next_start(f.attempt)
         recovery_s += max(0.0, (resumed_at if resumed_at is not None else end) - f.detected_at)
     return _Sums(detection_s=detection_s, recovery_s=recovery_s)
 
@@ -219,19 +232,16 @@ class Ledger:
         for a in ordered:
             st = stats.get(a.number)
             checkpoint_s += st.checkpoint_s if st is not None else 0.0
-            if a.started_at is None:
-                continue
-            if st is not None and st.first_at is not None:
-                startup_s += max(0.0, st.first_at - (st.first_step_time_s or 0.0) - a.started_at)
-            elif a.number in first_faults:
-                startup_s += max(0.0, first_faults[a.number] - a.started_at)
-            else:  # its first fault, if it ever has one, is not settled: judged at each call
-                no_step.append(a)
+            stepped = st is not None and st.first_at is not None
+            if a.started_at is not None and not stepped and a.number not in first_faults:
+                no_step.append(a)  # its first fault, if it ever has one, is not settled: judged at each call
+            else:
+                startup_s += _startup_s(a, st, first_faults, 0.0)
         resolved = [f for f in faults if f.attempt in started_after]
         starts = [a.started_at for a in ordered if a.started_at is not None]
         fixed = _Sums(checkpoint_s=checkpoint_s, startup_s=startup_s, first_start=min(starts, default=None))
-        detection = _sum_faults(faults, {}, 0.0, None, None).detection_s  # every settled fault's
-        recovery = _sum_faults(resolved, started_after, 0.0, None, None).recovery_s  # those resolved here
+        detection = _sum_faults(faults, lambda _: None, 0.0).detection_s  # every settled fault's
+        recovery = _sum_faults(resolved, started_after.get, 0.0).recovery_s  # those resolved here
         fixed = fixed.plus(_Sums(detection_s=detection, recovery_s=recovery))
         return cls(attempts=len(ordered), faults=len(faults), last=ordered[-1].number if ordered else 0,
                    first_faults=first_faults, started_after=started_after, _ordered=ordered,
@@ -240,12 +250,12 @@ class Ledger:
                    _stats={a.number: st for a in ordered if (st := stats.get(a.number)) is not None},
                    _kept={})
 
-    def sums(self, lowest_later: int | None, first_start_after: float | None,
-             started_after: Mapping[int, float], detected: Mapping[int, float],
-             checkpoint_times: Mapping[tuple[int, int], float], end: float, now: float) -> _Sums:
+    def sums(self, lowest_later: int | None, next_start: Callable[[int], float | None],
+             detected: Mapping[int, float], checkpoint_times: Mapping[tuple[int, int], float], end: float,
+             now: float) -> _Sums:
         """What the settled history adds, given the oldest step a later attempt resumed
-        from, the first later attempt's start, the next start after each later attempt,
-        every attempt's first fault, the run's end (or now) and now."""
+        from, the next start after each attempt, every attempt's first fault, the run's end
+        (or now) and now."""
         kept = self._kept.get(lowest_later)
         if kept is None:
             rewound = [x if lowest_later is None else (lowest_later if x is None else min(x, lowest_later))
@@ -255,15 +265,8 @@ class Ledger:
             if len(self._kept) > 8:
                 self._kept.clear()
             self._kept[lowest_later] = kept
-        startups = 0.0
-        for a in self._no_step:
-            assert a.started_at is not None
-            until = detected.get(a.number, a.ended_at if a.ended_at is not None else now)
-            startups += max(0.0, until - a.started_at)
-        recovery_s = 0.0
-        for f in self._unresolved:
-            resumed_at = first_start_after if f.attempt <= self.last else started_after.get(f.attempt)
-            recovery_s += max(0.0, (resumed_at if resumed_at is not None else end) - f.detected_at)
+        startups = sum(_startup_s(a, None, detected, now) for a in self._no_step)
+        recovery_s = _sum_faults(self._unresolved, next_start, end).recovery_s  # (their detection: fixed)
         return self._fixed.plus(kept).plus(_Sums(startup_s=startups, recovery_s=recovery_s))
 
 

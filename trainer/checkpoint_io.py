@@ -287,6 +287,16 @@ def _layout_of(storage: Any, offset: int, size: Any, stride: Any, *_rest: Any) -
     return storage, int(offset), tuple(size), tuple(stride)
 
 
+def _target(item: ReadItem, tensor: torch.Tensor, planner: LoadPlanner, lock: threading.Lock) -> torch.Tensor:
+    """The live tensor ``item`` loads into, checked to be the size of what was saved."""
+    with lock:
+        target = planner.resolve_tensor(item).detach()
+    if target.size() != tensor.size():
+        raise CheckpointMismatch(f"{item.storage_index}: saved as {tuple(tensor.size())}, "
+                                 f"this run's is {tuple(target.size())}")
+    return target
+
+
 def _narrowed(item: ReadItem, tensor: torch.Tensor) -> torch.Tensor:
     """The part of a saved chunk that ``item`` asks for (a resharded load reads a part)."""
     for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
@@ -374,11 +384,7 @@ class VerifyingReader(FileSystemReader):
                     self._load(item, blob, planner, lock)
                     continue
                 tensor = _narrowed(item, saved)
-                target = planner.resolve_tensor(item).detach()
-                if target.size() != tensor.size():
-                    raise CheckpointMismatch(f"{item.storage_index}: saved as {tuple(tensor.size())}, "
-                                             f"this run's is {tuple(target.size())}")
-                pairs.append((item, target, tensor))
+                pairs.append((item, _target(item, tensor, planner, lock), tensor))
         flat = [(t, s) for _, t, s in pairs if t.is_contiguous() and s.is_contiguous()]
         state_file.copy_into(flat, threads=self.threads)
         for _, target, tensor in pairs:
@@ -423,11 +429,7 @@ class VerifyingReader(FileSystemReader):
             return
         loaded = cast(torch.Tensor, torch.load(stream, map_location="cpu", weights_only=True))
         tensor = _narrowed(item, loaded)
-        with lock:
-            target = planner.resolve_tensor(item).detach()
-        if target.size() != tensor.size():
-            raise CheckpointMismatch(f"{item.storage_index}: saved as {tuple(tensor.size())}, "
-                                     f"this run's is {tuple(target.size())}")
+        target = _target(item, tensor, planner, lock)
         target.copy_(tensor)
         with lock:
             planner.commit_tensor(item, target)

@@ -38,6 +38,8 @@ import torch
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.tensor import DTensor
 
+from trainer.checkpoint import map_tensors
+
 # How long a save's writer waits to learn what its copy cost training (the next optimizer
 # step's fence) before it reports what it knows.
 FENCE_WAIT_S = 600.0
@@ -47,9 +49,8 @@ _TOUCH_PIECE = 256 << 20  # bytes of a buffer one thread touches at a time, layi
 class StagedCopy:
     """One copy in flight: ``state`` holds it once ``done``."""
 
-    def __init__(self, device: torch.device, *, threads: int = 2) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.threads = threads  # that touch the buffers' pages when they are laid out
         self.state: Any = None
         self.begun_s = 0.0  # the training thread's time to start the copy
         self.copied = threading.Event()  # the copy is issued (on a GPU) or made (elsewhere)
@@ -207,18 +208,11 @@ def _storages(state: Any) -> list[torch.UntypedStorage]:
     """The storages of every tensor in ``state`` (a DTensor's local shard's), each once."""
     found: dict[int, torch.UntypedStorage] = {}
 
-    def walk(node: Any) -> None:
-        if isinstance(node, torch.Tensor):
-            local = node.to_local() if isinstance(node, DTensor) else node
-            if local.data_ptr() != 0:
-                storage = local.untyped_storage()
-                found.setdefault(id(storage), storage)
-        elif isinstance(node, dict):
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, (list, tuple)):
-            for value in node:
-                walk(value)
+    def note(t: torch.Tensor) -> None:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if local.data_ptr() != 0:
+            storage = local.untyped_storage()
+            found.setdefault(id(storage), storage)
 
-    walk(state)
+    map_tensors(state, note)
     return list(found.values())
