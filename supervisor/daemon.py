@@ -299,7 +299,7 @@ class Daemon:
         path = self.settings.state_dir / _REPLAY_MARKS_FILE
         try:
             marks = json.loads(path.read_text())
-            self.telemetry.load_replay_marks((str(m[0]), int(m[1]), int(m[2]), int(m[3])) for m in marks)
+            self.telemetry.load_replay_marks((str(m[0]), int(m[1]), str(m[2]), int(m[3])) for m in marks)
         except FileNotFoundError:
             return
         except (OSError, ValueError, TypeError, IndexError) as e:  # the daemon's own file: say so, go on

@@ -310,6 +310,7 @@ class Observer:
         output = self._read_output(run, spec, run_dir, live, now) if spec and spec.command else None
         self.telemetry.expect(run.run_id, live.number, len(live.nodes) * run.ranks_per_node)
         tele = self.telemetry.ranks(run.run_id, live.number, run.policy.straggler_window)
+        agents = self.telemetry.agents(run.run_id, live.number)
         # A [command] trainer sends no telemetry, and ranks that cannot reach the broker
         # send none that arrives: then progress is the checkpoints and the output.
         unheard = not any(t.last_seen_at is not None for t in tele.values())
@@ -322,17 +323,26 @@ class Observer:
         ranks = []
         for proc in procs:
             t = tele.get(proc.rank)
+            agent = agents.get(proc.node)
+            # A rank that says nothing itself (a [command] trainer's) goes with its node: the
+            # agent's last will is its own.
+            lost = (t is not None and t.lost) or (
+                agent is not None and agent.lost and (t is None or t.last_seen_at is None))
+            node_up = proc.node_up
+            if node_up is None and agent is not None:
+                node_up = not agent.lost
             dead_since = None
-            lost_unseen = proc.proc is ProcState.UNKNOWN and t is not None and t.lost
+            lost_unseen = proc.proc is ProcState.UNKNOWN and lost
             if proc.proc in (ProcState.EXITED, ProcState.VANISHED) or lost_unseen:
                 dead_since = self._dead_since.setdefault((run.number, live.number, proc.rank), now)
             ranks.append(RankObs(
                 rank=proc.rank, node=proc.node, proc=proc.proc, exit_code=proc.exit_code,
-                process=proc.process, node_up=proc.node_up,
+                process=proc.process, node_up=node_up,
                 reported_exit_code=t.exit_code if t else None,
                 reported_reason=t.exit_reason if t else "",
                 reported_exit_at=t.exit_at if t else None,
-                lost=t.lost if t else False,
+                lost=lost,
+                node_seen_at=agent.last_seen_at if agent else None,
                 dead_since=dead_since,
                 last_step=max(t.last_step if t else 0, quiet[0] if quiet else 0, live.resume_step),
                 progress_at=_latest(t.progress_at if t else None, quiet[1] if quiet else None),

@@ -15,6 +15,11 @@ would where the rank's step advanced (a step time for the pooled window, a busy 
 the straggler rule). A rank whose slot stops being written grows older in each report:
 it is not seen again, so the silence and hang rules judge it as if its messages stopped.
 
+A node agent's ``agent`` message (``AgentReport``, supervisor/agent.py) says that its
+node lives, whatever the trainer says, and carries the node's slots as a NodeReport
+does; its last will (``agent_lost``) says the node went. ``agents`` hands the reconciler
+what each node's agent last said.
+
 Authenticity (trainer/protocol.py): the daemon's view holds the supervisor's secret and
 acts only on messages sealed with their attempt's key. It drops, and counts by reason,
 a message without a seal (``unsigned``), with a wrong one (``bad_mac``), one whose
@@ -98,6 +103,31 @@ class RankTelemetry:
     busy_times: deque[float] = field(default_factory=lambda: deque(maxlen=BUSY_TIMES_KEPT))
     nonfinite_step: int | None = None  # the first step whose loss or grad norm was NaN or infinite
     first_step: int | None = None  # the lowest step it reported in this attempt (its first)
+
+
+@dataclass(slots=True)
+class AgentTelemetry:
+    """What a node's agent last said (its index in the attempt is its key)."""
+
+    conn: str | None = None
+    seq: int = 0
+    node: str | None = None
+    pid: int | None = None
+    last_seen_at: float | None = None
+    lost: bool = False  # its last will arrived: the node went (or was cut off)
+    lost_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentSeen:
+    """A copy of one node agent's telemetry, for the reconciler's thread."""
+
+    index: int
+    node: str
+    pid: int | None
+    last_seen_at: float | None
+    lost: bool
+    lost_at: float | None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -190,15 +220,17 @@ class TelemetryView:
     up_since: float | None = None
     counts: Counter[str] = field(default_factory=Counter)
     _ranks: dict[tuple[str, int], dict[int, RankTelemetry]] = field(default_factory=dict)
+    _agents: dict[tuple[str, int], dict[int, AgentTelemetry]] = field(default_factory=dict)  # by node index
     _durable: deque[Received] = field(default_factory=deque)
     _io: dict[str, CheckpointIo] = field(default_factory=dict)  # run -> its recent checkpoint I/O
     _recent: dict[tuple[str, int], deque[StepSample]] = field(default_factory=dict)  # rank 0's steps
     _step_times: dict[tuple[str, int], deque[float]] = field(default_factory=dict)  # every rank's, pooled
     _injected: set[tuple[str, int, str]] = field(default_factory=set)  # (run, attempt, chaos action)
     _worlds: dict[tuple[str, int], int] = field(default_factory=dict)  # an attempt's world size, once known
-    # Sequence numbers verified before a daemon restart (replay_marks): a message at or
-    # below its rank's is a replay, though this process never saw the original.
-    _seq_floor: dict[tuple[str, int, int], int] = field(default_factory=dict)
+    # Sequence numbers verified before a daemon restart (replay_marks), by (run, attempt,
+    # sender): a message at or below its sender's is a replay, though this process never
+    # saw the original.
+    _seq_floor: dict[tuple[str, int, str], int] = field(default_factory=dict)
     _keys: dict[tuple[str, int], bytes] = field(default_factory=dict, repr=False)
     _ended: dict[tuple[str, int], None] = field(default_factory=dict)  # oldest first
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -213,9 +245,12 @@ class TelemetryView:
         once the link is back, by its silence or by Slurm."""
         with self._lock:
             self.up_since = None
-            for rank in (r for ranks in self._ranks.values() for r in ranks.values()):
-                if rank.lost and rank.lost_at is not None and now - rank.lost_at <= WILLS_WITH_THE_BROKER_S:
-                    rank.lost = False
+            senders: list[RankTelemetry | AgentTelemetry] = [
+                *(r for ranks in self._ranks.values() for r in ranks.values()),
+                *(a for agents in self._agents.values() for a in agents.values())]
+            for who in senders:
+                if who.lost and who.lost_at is not None and now - who.lost_at <= WILLS_WITH_THE_BROKER_S:
+                    who.lost = False
 
     def ingest(self, topic: str, payload: bytes | str, now: float) -> None:
         try:
@@ -239,20 +274,23 @@ class TelemetryView:
             self.counts[msg.kind] += 1
             self._apply(msg, now)
 
-    def replay_marks(self) -> list[tuple[str, int, int, int]]:
-        """(run, attempt, rank, highest verified sequence number) of every live rank: what
-        a restarted daemon needs to refuse a replay of what this one verified."""
+    def replay_marks(self) -> list[tuple[str, int, str, int]]:
+        """(run, attempt, sender, highest verified sequence number) of every live sender (a
+        rank's number, a node agent's ``n<index>``: trainer/protocol.sender): what a
+        restarted daemon needs to refuse a replay of what this one verified."""
         with self._lock:
-            marks = {(run, attempt, number): r.seq for (run, attempt), ranks in self._ranks.items()
+            marks = {(run, attempt, str(number)): r.seq for (run, attempt), ranks in self._ranks.items()
                      for number, r in ranks.items() if r.seq > 0}
+            marks |= {(run, attempt, f"n{index}"): a.seq for (run, attempt), agents in self._agents.items()
+                      for index, a in agents.items() if a.seq > 0}
             for key, seq in self._seq_floor.items():
                 marks[key] = max(marks.get(key, 0), seq)
             return [(*key, seq) for key, seq in marks.items()]
 
-    def load_replay_marks(self, marks: Iterable[tuple[str, int, int, int]]) -> None:
+    def load_replay_marks(self, marks: Iterable[tuple[str, int, str | int, int]]) -> None:
         with self._lock:
-            for run, attempt, number, seq in marks:
-                key = (str(run), int(attempt), int(number))
+            for run, attempt, who, seq in marks:
+                key = (str(run), int(attempt), str(who))
                 self._seq_floor[key] = max(self._seq_floor.get(key, 0), int(seq))
 
     def expect(self, run_id: str, attempt: int, world_size: int) -> None:
@@ -266,8 +304,10 @@ class TelemetryView:
         world = self._worlds.get((msg.run, msg.attempt))
         if world is None:
             return True
-        ranks = msg.ranks if isinstance(msg, p.NodeReport) else ()
-        return 0 <= msg.rank < world and all(0 <= r < world for r in ranks)
+        ranks = msg.ranks if isinstance(msg, (p.NodeReport, p.AgentReport)) else ()
+        # A node holds one rank at least: a node index is below the world size too.
+        number = msg.index if isinstance(msg, (p.AgentReport, p.AgentLost)) else msg.rank
+        return 0 <= number < world and all(0 <= r < world for r in ranks)
 
     def _unsealed(self, topic: str, sealed: p.Sealed) -> str | None:
         """Why a message is not authentic (a DROP_REASONS entry), or None when it is."""
@@ -283,16 +323,22 @@ class TelemetryView:
             self._keys[(msg.run, msg.attempt)] = key
         if not hmac.compare_digest(p.mac_of(key, topic, sealed.signed), sealed.mac):
             return "bad_mac"
-        rank = self._ranks.setdefault((msg.run, msg.attempt), {}).setdefault(msg.rank, RankTelemetry())
-        if isinstance(msg, p.Lost):
-            if sealed.seq != p.WILL_SEQ or rank.conn is None or sealed.conn != rank.conn:
+        who = self._sender(msg)
+        if isinstance(msg, (p.Lost, p.AgentLost)):
+            if sealed.seq != p.WILL_SEQ or who.conn is None or sealed.conn != who.conn:
                 return "will_unattributed"
-            rank.conn = None  # that connection is gone: its will cannot come twice
+            who.conn = None  # that connection is gone: its will cannot come twice
             return None
-        if sealed.seq <= max(rank.seq, self._seq_floor.get((msg.run, msg.attempt, msg.rank), 0)):
+        if sealed.seq <= max(who.seq, self._seq_floor.get((msg.run, msg.attempt, p.sender(msg)), 0)):
             return "replay"
-        rank.seq, rank.conn = sealed.seq, sealed.conn
+        who.seq, who.conn = sealed.seq, sealed.conn
         return None
+
+    def _sender(self, msg: p.Message) -> RankTelemetry | AgentTelemetry:
+        """The state of the rank or node agent that sent ``msg`` (made on first word)."""
+        if isinstance(msg, (p.AgentReport, p.AgentLost)):
+            return self._agents.setdefault((msg.run, msg.attempt), {}).setdefault(msg.index, AgentTelemetry())
+        return self._ranks.setdefault((msg.run, msg.attempt), {}).setdefault(msg.rank, RankTelemetry())
 
     def apply(self, msg: p.Message, now: float) -> None:
         with self._lock:
@@ -316,6 +362,9 @@ class TelemetryView:
             return dict(self.counts)
 
     def _apply(self, msg: p.Message, now: float) -> None:
+        if isinstance(msg, (p.AgentReport, p.AgentLost)):
+            self._apply_agent(msg, now)
+            return
         rank = self._ranks.setdefault((msg.run, msg.attempt), {}).setdefault(msg.rank, RankTelemetry())
         if not isinstance(msg, p.Lost):
             rank.last_seen_at = now
@@ -350,6 +399,15 @@ class TelemetryView:
                 self._apply_node_report(msg, now)
             case p.Lost():
                 rank.lost, rank.lost_at = True, now
+
+    def _apply_agent(self, msg: p.AgentMessage, now: float) -> None:
+        agent = self._agents.setdefault((msg.run, msg.attempt), {}).setdefault(msg.index, AgentTelemetry())
+        match msg:
+            case p.AgentReport():
+                agent.node, agent.pid, agent.last_seen_at, agent.lost = msg.node, msg.pid, now, False
+                self._fan_out_slots(msg, now)
+            case p.AgentLost():
+                agent.lost, agent.lost_at = True, now
 
     def _injected_room(self, run_id: str, attempt: int) -> bool:
         """Room for one more distinct chaos action of this attempt (a few are all a drill has)."""
@@ -400,8 +458,11 @@ class TelemetryView:
             self._recent.setdefault((msg.run, msg.attempt), deque(maxlen=RECENT_STEPS_KEPT)).append(sample)
 
     def _apply_node_report(self, msg: p.NodeReport, now: float) -> None:
-        """Fan one node's report out to its ranks (see the module docstring)."""
-        ranks = self._ranks[(msg.run, msg.attempt)]
+        self._fan_out_slots(msg, now)
+
+    def _fan_out_slots(self, msg: p.NodeReport | p.AgentReport, now: float) -> None:
+        """Fan one node's slots out to its ranks (see the module docstring)."""
+        ranks = self._ranks.setdefault((msg.run, msg.attempt), {})
         entries = zip(msg.ranks, msg.steps, msg.phases, msg.ages, msg.step_times, msg.busy, strict=True)
         for number, step, phase, age, step_time, busy in entries:
             rank = ranks.get(number)
@@ -465,6 +526,13 @@ class TelemetryView:
                 busy_recent=tuple(islice(r.busy_times, max(0, len(r.busy_times) - busy_window), None)))
                 for number, r in self._ranks.get((run_id, attempt), {}).items()}
 
+    def agents(self, run_id: str, attempt: int) -> dict[str, AgentSeen]:
+        """What each node's agent last said, by node name (agents not yet heard by name are left out)."""
+        with self._lock:
+            return {a.node: AgentSeen(index=index, node=a.node, pid=a.pid, last_seen_at=a.last_seen_at,
+                                      lost=a.lost, lost_at=a.lost_at)
+                    for index, a in self._agents.get((run_id, attempt), {}).items() if a.node is not None}
+
     def max_step(self, run_id: str, attempt: int) -> int:
         with self._lock:
             return max((r.last_step for r in self._ranks.get((run_id, attempt), {}).values()), default=0)
@@ -502,6 +570,7 @@ class TelemetryView:
     def forget(self, run_id: str, attempt: int) -> None:
         with self._lock:
             self._ranks.pop((run_id, attempt), None)
+            self._agents.pop((run_id, attempt), None)
             self._recent.pop((run_id, attempt), None)
             self._step_times.pop((run_id, attempt), None)
             self._injected = {k for k in self._injected if k[:2] != (run_id, attempt)}

@@ -41,6 +41,14 @@ The ``lost`` kind is never published by a live rank: each rank registers it as i
 MQTT last will, so the broker publishes it when the rank's connection dies without a
 clean disconnect (process killed, node gone).
 
+Node agents (supervisor/agent.py, one per node of an attempt) speak the same protocol
+under a sender of their own: the node's index in the attempt, written ``n<index>`` in
+the topic (``tsup/v1/<cluster>/telemetry/<run>/<attempt>/n<index>/<kind>``) and carried
+as ``index`` in the header in place of ``rank``. An agent sends ``agent`` once a
+heartbeat interval (``AgentReport``: the node is alive, whatever its trainer says, with
+the slots of its ranks where the trainer aggregates per node) and leaves ``agent_lost``
+as its last will: the node's own word that it went, for any trainer.
+
 Authenticity. Anyone who can publish to the broker could otherwise make the supervisor
 act (a NaN loss rolls a run back, a last will drains a node), so every message is sealed
 with the attempt's key, which only the attempt's ranks hold (``TSUP_TELEMETRY_KEY``, in
@@ -89,6 +97,7 @@ KEY_ENV = "TSUP_TELEMETRY_KEY"  # the attempt's key, hex: in the ranks' environm
 USERNAME_ENV = "TSUP_MQTT_USERNAME"
 PASSWORD_ENV = "TSUP_MQTT_PASSWORD"  # noqa: S105 - the variable's name, not a password
 WILL_SEQ = 0  # a connection's last will; a sender's own messages count from 1
+NODE_AGENT_ENV = "TSUP_NODE_AGENT"  # "1" in the ranks' environment: a node agent reports their slots
 _MAC = re.compile(rb',"mac":"([0-9a-f]{64})"}$')
 
 _MAX_ID_LEN = 64
@@ -248,15 +257,60 @@ class Lost(Header):
     kind: ClassVar[str] = "lost"
 
 
-Message = (Register | Heartbeat | StepMetrics | PhaseChange | CheckpointCommitted | CheckpointRestored | Exit
-           | FaultInjected | NodeReport | Lost)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentHeader:
+    """The header of a node agent's messages: ``index`` (the node's place in the
+    attempt's node list, 0-based) stands where a rank's message has ``rank``."""
+
+    run: str
+    attempt: int
+    index: int
+    ts: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentReport(AgentHeader):
+    """A node agent, once a heartbeat interval: the node lives. Where the trainer keeps
+    slots (``[telemetry] aggregate = "node"``) the lists are every rank of the node, as
+    in NodeReport; otherwise they are empty."""
+
+    kind: ClassVar[str] = "agent"
+    node: str
+    pid: int
+    hostname: str
+    ranks: tuple[int, ...] = ()
+    steps: tuple[int, ...] = ()
+    phases: tuple[Phase, ...] = ()
+    ages: tuple[float, ...] = ()
+    step_times: tuple[float, ...] = ()
+    busy: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentLost(AgentHeader):
+    """A node agent's last will: its connection died without a goodbye (the node went,
+    or was cut off)."""
+
+    kind: ClassVar[str] = "agent_lost"
+
+
+RankMessage = (Register | Heartbeat | StepMetrics | PhaseChange | CheckpointCommitted | CheckpointRestored
+               | Exit | FaultInjected | NodeReport | Lost)
+AgentMessage = AgentReport | AgentLost
+Message = RankMessage | AgentMessage
 
 _TYPES: dict[str, type[Any]] = {
     cls.kind: cls
     for cls in (Register, Heartbeat, StepMetrics, PhaseChange, CheckpointCommitted, CheckpointRestored, Exit,
-                FaultInjected, NodeReport, Lost)
+                FaultInjected, NodeReport, Lost, AgentReport, AgentLost)
 }
 KINDS = frozenset(_TYPES)
+AGENT_KINDS = frozenset({AgentReport.kind, AgentLost.kind})
+
+
+def sender(msg: Message) -> str:
+    """Who sent ``msg``, as its topic names it: a rank's number, or ``n<index>`` for a node agent."""
+    return f"n{msg.index}" if isinstance(msg, (AgentReport, AgentLost)) else str(msg.rank)
 
 
 DEFAULT_PORT = 1883
@@ -309,7 +363,8 @@ def parse_mqtt_url(url: str) -> tuple[str, int]:
     return broker.host, broker.port
 
 
-def topic_for(run: str, attempt: int, rank: int, kind: str, cluster: str = DEFAULT_CLUSTER) -> str:
+def topic_for(run: str, attempt: int, rank: int | str, kind: str, cluster: str = DEFAULT_CLUSTER) -> str:
+    """The topic of a message; ``rank``: the sender (a rank's number, or ``sender``'s text)."""
     return f"tsup/v1/{cluster}/telemetry/{run}/{attempt}/{rank}/{kind}"
 
 
@@ -371,19 +426,23 @@ def attempt_of_login(username: str) -> tuple[str, str, int] | None:
     return None if attempt is None or attempt < 1 else (parts[0], parts[1], attempt)
 
 
-def client_id(run: str, attempt: int, rank: int, pid: int) -> str:
-    """A rank's MQTT client id: ``tsup-<run>-<attempt>-<rank>-<pid>``."""
+def client_id(run: str, attempt: int, rank: int | str, pid: int) -> str:
+    """A sender's MQTT client id: ``tsup-<run>-<attempt>-<sender>-<pid>`` (the sender: a
+    rank's number, or a node agent's ``n<index>``)."""
     return f"tsup-{run}-{attempt}-{rank}-{pid}"
 
 
 def attempt_of_client_id(value: str) -> tuple[str, int] | None:
-    """(run, attempt) of a rank's client id; None when it is not one. The attempt, rank and
-    pid hold no ``-``, so that the run is what is left: two attempts never share an id."""
-    head, *numbers = value.rsplit("-", 3)
-    if len(numbers) != 3 or not head.startswith("tsup-") or any(_number(n) is None for n in numbers):
+    """(run, attempt) of a sender's client id; None when it is not one. The attempt, sender
+    and pid hold no ``-``, so that the run is what is left: two attempts never share an id."""
+    head, *parts = value.rsplit("-", 3)
+    if len(parts) != 3 or not head.startswith("tsup-"):
+        return None
+    attempt, who, pid = parts
+    if _number(attempt) is None or _number(pid) is None or _number(who.removeprefix("n")) is None:
         return None
     run = head.removeprefix("tsup-")
-    return (run, int(numbers[0])) if _is_id(run) else None
+    return (run, int(attempt)) if _is_id(run) else None
 
 
 def _number(text: str) -> int | None:
@@ -399,7 +458,7 @@ def encode(msg: Message, *, cluster: str = DEFAULT_CLUSTER, seal: Seal | None = 
     body: dict[str, Any] = {"v": VERSION, "kind": msg.kind}
     for name, value in asdict(msg).items():
         body[name] = _to_json(value)
-    topic = topic_for(msg.run, msg.attempt, msg.rank, msg.kind, cluster)
+    topic = topic_for(msg.run, msg.attempt, sender(msg), msg.kind, cluster)
     if seal is None:
         return topic, json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
     body["conn"], body["seq"] = seal.conn, seal.seq
@@ -467,13 +526,13 @@ def decode_sealed(payload: bytes | str, topic: str | None = None, *,
     if body:
         raise ProtocolError(f"{kind}: unknown field(s) {sorted(body)}")
     msg: Message = cls(**values)
-    if isinstance(msg, NodeReport):
+    if isinstance(msg, (NodeReport, AgentReport)):
         _check_node_report(msg)
     if isinstance(msg, (CheckpointCommitted, CheckpointRestored)) and msg.tier not in (TIER_PERSISTENT,
                                                                                        TIER_MEMORY):
         raise ProtocolError(f"{msg.kind}.tier: expected {TIER_PERSISTENT!r} or {TIER_MEMORY!r}, "
                             f"got {msg.tier!r}")
-    if topic is not None and topic != topic_for(msg.run, msg.attempt, msg.rank, msg.kind, cluster):
+    if topic is not None and topic != topic_for(msg.run, msg.attempt, sender(msg), msg.kind, cluster):
         raise ProtocolError(f"topic {topic!r} does not match the message header")
     return Sealed(msg=msg, conn=conn, seq=seq, mac=mac, signed=signed)
 
@@ -520,17 +579,17 @@ def _check_field(kind: str, name: str, annotation: Any, value: Any) -> Any:
     raise AssertionError(f"unhandled field type {annotation!r} for {where}")
 
 
-def _check_node_report(msg: NodeReport) -> None:
+def _check_node_report(msg: NodeReport | AgentReport) -> None:
     """What field checks alone cannot say: the lists are parallel, ranks unique, ages finite."""
     lists = {"steps": msg.steps, "phases": msg.phases, "ages": msg.ages, "step_times": msg.step_times,
              "busy": msg.busy}
     for name, values in lists.items():
         if len(values) != len(msg.ranks):
-            raise ProtocolError(f"node.{name}: {len(values)} entries for {len(msg.ranks)} ranks")
+            raise ProtocolError(f"{msg.kind}.{name}: {len(values)} entries for {len(msg.ranks)} ranks")
     if len(set(msg.ranks)) != len(msg.ranks):
-        raise ProtocolError("node.ranks: a rank is listed twice")
+        raise ProtocolError(f"{msg.kind}.ranks: a rank is listed twice")
     if not all(math.isfinite(a) and a >= 0 for a in msg.ages):
-        raise ProtocolError("node.ages: expected finite numbers >= 0")
+        raise ProtocolError(f"{msg.kind}.ages: expected finite numbers >= 0")
 
 
 def _is_id(value: str) -> bool:

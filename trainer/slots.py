@@ -41,10 +41,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from trainer.errors import UsageError
 from trainer.private_dir import private_dir
-from trainer.protocol import Phase
+from trainer.protocol import MAX_NODE_RANKS, Phase
 
 SLOT = struct.Struct("<4sIqqddd16x")
 SLOT_BYTES = SLOT.size  # 64
@@ -98,6 +99,42 @@ def unpack(data: bytes) -> Slot | None:
         return None
     return Slot(rank=rank, step=step, phase=_PHASES[code], written_at=written_at,
                 step_time_s=step_time_s, busy_s=busy_s)
+
+
+def _slots_in(data: bytes) -> list[Slot]:
+    found = (unpack(data[i:i + SLOT_BYTES]) for i in range(0, len(data) - SLOT_BYTES + 1, SLOT_BYTES))
+    return [s for s in found if s is not None]
+
+
+def read_file(path: Path) -> list[Slot]:
+    """Every written slot of a node's slot file, read by a process that writes none (the
+    node agent, supervisor/agent.py): [] while there is no file, or one of another user's."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return []
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            return []
+        data = os.pread(fd, MAX_NODE_RANKS * SLOT_BYTES, 0)
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
+    return _slots_in(data)
+
+
+def report_fields(slots: list[Slot], now: float) -> dict[str, Any]:
+    """The slots as a node report's parallel lists (trainer/protocol.py NodeReport and
+    AgentReport), a rank written twice (a stale slot) by its newest slot."""
+    newest: dict[int, Slot] = {}
+    for slot in slots:
+        if slot.rank not in newest or slot.written_at > newest[slot.rank].written_at:
+            newest[slot.rank] = slot
+    kept = list(newest.values())
+    return {"ranks": tuple(s.rank for s in kept), "steps": tuple(s.step for s in kept),
+            "phases": tuple(s.phase for s in kept), "ages": tuple(max(0.0, now - s.written_at) for s in kept),
+            "step_times": tuple(s.step_time_s for s in kept), "busy": tuple(s.busy_s for s in kept)}
 
 
 class NodeSlots:
@@ -168,8 +205,7 @@ class NodeSlots:
                 data = os.pread(self._fd, self.local_world_size * SLOT_BYTES, 0)
             except OSError:
                 return []
-        found = (unpack(data[i:i + SLOT_BYTES]) for i in range(0, len(data) - SLOT_BYTES + 1, SLOT_BYTES))
-        return [s for s in found if s is not None]
+        return _slots_in(data)
 
     def close(self) -> None:
         """Close the file; local rank 0 also removes it (best effort: a killed one cannot)."""

@@ -32,8 +32,10 @@ one heartbeat a second and one StepMetrics a step from every rank. ``node`` cuts
 supervisor's load by the ranks per node: every rank keeps its state (step, phase, last
 step time and busy time) in its slot of the node's slot file (trainer/slots.py; the
 training thread writes it with one pwrite, the sender rewrites it every heartbeat
-interval), and only the node's local rank 0 publishes, once a heartbeat interval, a
-``NodeReport`` of every slot instead of its heartbeat. No rank sends Heartbeat or
+interval), and one reader publishes, once a heartbeat interval, every slot of the node:
+its node agent where the supervisor started one (``TSUP_NODE_AGENT=1``, supervisor/
+agent.py, an ``AgentReport``), else the node's local rank 0 (a ``NodeReport``, instead
+of its heartbeat). No rank sends Heartbeat or
 PhaseChange then, and only global rank 0 sends StepMetrics (the loss, which the
 supervisor stores and judges). Register, CheckpointCommitted, FaultInjected, Exit and
 the will (``Lost``) stay per rank, each on the rank's own connection. If the slot file
@@ -55,6 +57,11 @@ Configuration comes from the environment the supervisor sets:
     TSUP_TELEMETRY_AGGREGATE  "rank" (default) or "node"
     TSUP_SLOTS_DIR  node-local directory of the slot files (trainer/slots.py); default
                     /dev/shm if it exists, else the temporary directory
+    TSUP_NODE_AGENT "1": a node agent reads the slot file and reports the node
+
+Extending: a sender that is not a rank (the node agent) subclasses ``Telemetry`` and
+overrides the methods that say who it is: ``_header``, ``_will``, ``_hello``, ``_beat``,
+``_first_word`` and ``_last_word``; the connection, sealing, buffering and reconnects stay this class's.
 """
 
 from __future__ import annotations
@@ -79,7 +86,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from trainer import protocol
 from trainer.errors import UsageError
 from trainer.protocol import Phase
-from trainer.slots import AGGREGATE_MODES, NodeSlots, Slot, default_slots_dir, slot_path
+from trainer.slots import AGGREGATE_MODES, NodeSlots, default_slots_dir, report_fields, slot_path
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +115,7 @@ class Aggregation:
 
     slots_dir: Path
     job: str = ""  # MASTER_PORT, in the slot file's name (trainer/slots.py)
+    agent: bool = False  # a node agent reports the slots: local rank 0 does not
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +174,8 @@ def aggregation_from_env(environ: Mapping[str, str], *, local_rank: int,
     if not 0 <= local_rank < local_world_size:
         raise UsageError(f"TSUP_TELEMETRY_AGGREGATE=node: LOCAL_RANK {local_rank} is not within "
                          f"LOCAL_WORLD_SIZE {local_world_size}")
-    return Aggregation(slots_dir=default_slots_dir(environ), job=environ.get("MASTER_PORT", ""))
+    return Aggregation(slots_dir=default_slots_dir(environ), job=environ.get("MASTER_PORT", ""),
+                       agent=environ.get(protocol.NODE_AGENT_ENV) == "1")
 
 
 def settings_from_env(environ: Mapping[str, str], *, rank: int, local_rank: int,
@@ -207,7 +216,7 @@ class Telemetry:
         # attribute assignment is atomic under the GIL, so no lock is needed.
         self._phase = Phase.INIT
         self._step = 0
-        self._final: protocol.Exit | None = None
+        self._final: protocol.Message | None = None
         self._stopping = threading.Event()
         self._close_deadline = 0.0  # time.monotonic() by which the sender must give up
         self._connected = threading.Event()
@@ -267,8 +276,9 @@ class Telemetry:
         self._thread = threading.Thread(target=self._run_sender, name="telemetry-sender",
                                         daemon=True)
         self._thread.start()
-        if self._slots is None:
-            self._put(protocol.PhaseChange(**self._header(), phase=self._phase, step=self._step))
+        first = self._first_word()
+        if first is not None:
+            self._put(first)
 
     def _open_slots(self, aggregation: Aggregation) -> None:
         ident = self._id
@@ -344,8 +354,7 @@ class Telemetry:
         """Publish ``Exit``, disconnect cleanly, stop the sender; waits at most timeout_s."""
         if self._thread is None:
             return
-        self._final = protocol.Exit(**self._header(), exit_code=exit_code,
-                                    final_step=final_step, reason=reason[:2000])
+        self._final = self._last_word(exit_code, final_step, reason)
         self._close_deadline = time.monotonic() + timeout_s
         self._stopping.set()
         self._put(None, count_drop=False)  # wake the sender if it is waiting
@@ -353,10 +362,6 @@ class Telemetry:
         self._thread = None
         if self._slots is not None:
             self._slots.close()
-
-    def _header(self) -> dict[str, Any]:
-        return {"run": self._id.run, "attempt": self._id.attempt, "rank": self._id.rank,
-                "ts": time.time()}
 
     def _put(self, msg: protocol.Message | None, *, count_drop: bool = True) -> None:
         if self._broker is None:
@@ -386,7 +391,8 @@ class Telemetry:
 
     def _make_client(self) -> mqtt.Client:
         ident = self._id
-        client_id = protocol.client_id(ident.run, ident.attempt, ident.rank, os.getpid())
+        who = protocol.sender(self._will())
+        client_id = protocol.client_id(ident.run, ident.attempt, who, os.getpid())
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id)
         assert self._broker is not None
         url = self._broker.url
@@ -406,7 +412,7 @@ class Telemetry:
         """Before each connection attempt: a new connection id, and a will that names it."""
         with self._publish_lock:
             self._conn = secrets.token_hex(8)
-            topic, payload = self._encode(protocol.Lost(**self._header()), protocol.WILL_SEQ)
+            topic, payload = self._encode(self._will(), protocol.WILL_SEQ)
         client.will_set(topic, payload, qos=0, retain=False)
 
     def _on_connect_fail(self, _client: mqtt.Client, _userdata: Any) -> None:
@@ -427,12 +433,10 @@ class Telemetry:
         self._presence_since, self._supervisor_online = time.monotonic(), False
         assert self._broker is not None
         client.subscribe(protocol.presence_topic(self._broker.cluster), qos=0)
-        ident = self._id
-        register = protocol.Register(
-            **self._header(), local_rank=ident.local_rank, world_size=ident.world_size,
-            node=ident.node, pid=os.getpid(), hostname=socket.gethostname()[:64])
-        self._publish(client, register)
-        self._connected.set()  # after Register, so that it is this connection's first message
+        hello = self._hello()
+        if hello is not None:
+            self._publish(client, hello)
+        self._connected.set()  # after the hello, so that it is this connection's first message
 
     def _on_presence(self, _client: mqtt.Client, _userdata: Any, message: Any) -> None:
         """The supervisor's presence: ``online`` lets the buffer go; anything else (its will
@@ -488,11 +492,45 @@ class Telemetry:
         return held
 
     def _heartbeat(self) -> None:
-        """Per rank: a Heartbeat. Aggregated: local rank 0 reports its node, the others nothing."""
+        beat = self._beat()
+        if beat is not None:
+            self._try_publish(beat)
+
+    # ---- who this sender is (what a subclass that is not a rank overrides) ------------
+
+    def _header(self) -> dict[str, Any]:
+        return {"run": self._id.run, "attempt": self._id.attempt, "rank": self._id.rank,
+                "ts": time.time()}
+
+    def _will(self) -> protocol.Message:
+        """The last will the broker publishes if this connection dies."""
+        return protocol.Lost(**self._header())
+
+    def _hello(self) -> protocol.Message | None:
+        """The first message of every connection: who this sender is."""
+        ident = self._id
+        return protocol.Register(
+            **self._header(), local_rank=ident.local_rank, world_size=ident.world_size,
+            node=ident.node, pid=os.getpid(), hostname=socket.gethostname()[:64])
+
+    def _first_word(self) -> protocol.Message | None:
+        """Queued when the sender starts: a rank's phase, unless its slot says it."""
+        if self._slots is not None:
+            return None
+        return protocol.PhaseChange(**self._header(), phase=self._phase, step=self._step)
+
+    def _last_word(self, exit_code: int, final_step: int, reason: str) -> protocol.Message | None:
+        """Published by ``close``, last: a rank's Exit."""
+        return protocol.Exit(**self._header(), exit_code=exit_code, final_step=final_step,
+                             reason=reason[:2000])
+
+    def _beat(self) -> protocol.Message | None:
+        """What goes out every heartbeat interval. Per rank: a Heartbeat. Aggregated: local
+        rank 0 reports its node (unless its agent does), the others nothing."""
         if self._slots is None:
-            self._try_publish(protocol.Heartbeat(**self._header(), step=self._step, phase=self._phase))
-        elif self._id.local_rank == 0:
-            self._try_publish(self.node_report())
+            return protocol.Heartbeat(**self._header(), step=self._step, phase=self._phase)
+        agent = self._aggregation is not None and self._aggregation.agent
+        return self.node_report() if self._id.local_rank == 0 and not agent else None
 
     def _rewrite_slot_when_due(self) -> None:
         if self._slots is not None and time.monotonic() >= self._next_slot_write:
@@ -502,17 +540,8 @@ class Telemetry:
     def node_report(self) -> protocol.NodeReport:
         """Every slot of this node as one message (aggregated mode, local rank 0)."""
         assert self._slots is not None
-        now = time.time()
-        newest: dict[int, Slot] = {}
-        for slot in self._slots.read_all():  # a rank twice (a stale slot): the newest counts
-            if slot.rank not in newest or slot.written_at > newest[slot.rank].written_at:
-                newest[slot.rank] = slot
-        slots = list(newest.values())
-        return protocol.NodeReport(
-            **self._header(), node=self._id.node, ranks=tuple(s.rank for s in slots),
-            steps=tuple(s.step for s in slots), phases=tuple(s.phase for s in slots),
-            ages=tuple(max(0.0, now - s.written_at) for s in slots),
-            step_times=tuple(s.step_time_s for s in slots), busy=tuple(s.busy_s for s in slots))
+        fields = report_fields(self._slots.read_all(), time.time())
+        return protocol.NodeReport(**self._header(), node=self._id.node, **fields)
 
     def _finish(self, held: protocol.Message | None) -> None:
         """Flush what is queued, publish Exit, and wait (bounded) until it is written."""

@@ -47,6 +47,10 @@ class RankObs:
     phase_at: float | None = None  # when it entered that phase (the hang clock starts again then)
     phase_bytes: int = 0  # the bytes of its state the phase moves, when it said (a save, a restore)
     last_seen_at: float | None = None  # its last message of any kind (heartbeats included)
+    # From its node's agent (supervisor/agent.py; None: no agent heard): its last report.
+    # Its last will counts as the node's ranks' (``lost``, ``node_up`` False) for ranks that
+    # say nothing themselves.
+    node_seen_at: float | None = None
     nonfinite_step: int | None = None  # the first step it reported a NaN/Inf loss or grad norm
     busy_recent_s: tuple[float, ...] = ()  # its busy time in its recent steps, oldest first
     first_step: int | None = None  # the first step it reported in this attempt
@@ -54,6 +58,13 @@ class RankObs:
     # (supervisor/output_progress.py), and what failed: "device" or "network".
     fatal_line: str = ""
     fatal_kind: str = ""
+
+
+    @property
+    def heard_at(self) -> float | None:
+        """The last word from the rank or its node's agent (None: neither was ever heard)."""
+        times = [t for t in (self.last_seen_at, self.node_seen_at) if t is not None]
+        return max(times) if times else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,10 +1,12 @@
 """The local launcher: a run's "nodes" are groups of processes on this machine.
 
 Each simulated node is one process group, so a node dies as a unit with ``killpg``, as
-every process of a real node would. The group's leader is the node's own process (a
-``sleep``, standing for what a real node runs besides the trainer: its slurmd, its
-agent): a node whose own process died with its ranks is a lost node, one whose own
-process lives on lost only its ranks (supervisor/policy/attribution.py). Ranks get the
+every process of a real node would. The group's leader is the node's own process: its
+node agent (``python -m supervisor.agent``, supervisor/agent.py) where the attempt has
+telemetry, else a ``sleep`` standing for what a real node runs besides the trainer. A
+node whose own process died with its ranks is a lost node, one whose own process lives
+on lost only its ranks (supervisor/policy/attribution.py). The agent's output goes to
+``agent.<node>.log``. Ranks get the
 torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, ...) and write their output to one
 log file each. With ``launch = "node"`` each node runs one process (the
 user's torchrun), given the node's part of that environment (GROUP_RANK, MASTER_ADDR,
@@ -27,6 +29,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +42,7 @@ from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import CannotExecute, LaunchError, SpecError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
 from supervisor.launchers.standby import StandbyPool, assignment_for
+from trainer.protocol import NODE_AGENT_ENV
 
 # psutil's create_time is a float rounded differently across calls on some kernels;
 # two readings of one process agree to well within this.
@@ -65,6 +69,7 @@ class _NodeProcess:
 
 
 NODE_PROCESS_ENV = "TSUP_NODE_PROCESS"  # set in a node's own process: ``find`` tells it from a rank
+AGENT_INDEX_ENV = "TSUP_NODE_INDEX"  # the node's index in the attempt, for its agent (supervisor/agent.py)
 
 
 class LocalLauncher:
@@ -156,11 +161,14 @@ class LocalLauncher:
                     master_port=_free_port(), rdzv_id=rdzv_id(spec.run_id, spec.attempt))
         argv = list(step.fill_all(spec.argv))
         base_env = {**os.environ, **users.login_env(run_as), **{k: step.fill(v) for k, v in spec.env.items()}}
+        if base_env.get("TSUP_MQTT_URL"):
+            base_env[NODE_AGENT_ENV] = "1"  # each node's agent reports its slots (supervisor/agent.py)
         ranks: list[_Rank] = []
         nodes: list[_NodeProcess] = []
         try:
             for node_index, node in enumerate(spec.nodes):
-                own = self._start_node_process(spec, node, base_env, uid, gid, groups)
+                node_env = {**base_env, "MASTER_PORT": str(step.master_port)}
+                own = self._start_node_process(spec, node, node_index, node_env, uid, gid, groups)
                 nodes.append(own)
                 leader = own.pid  # the node's process leads its group: the ranks started cold join it
                 for task in _tasks(spec, step, node_index):
@@ -200,14 +208,21 @@ class LocalLauncher:
         self.standbys.plan(spec)
         return _dump(ranks, int(step.master_port), spec, nodes)
 
-    def _start_node_process(self, spec: LaunchSpec, node: str, env: dict[str, str], uid: int | None,
-                            gid: int | None, groups: list[int] | None) -> _NodeProcess:
+    def _start_node_process(self, spec: LaunchSpec, node: str, index: int, env: dict[str, str],
+                            uid: int | None, gid: int | None, groups: list[int] | None) -> _NodeProcess:
         """The node's own process, leading a new process group (see the module docstring)."""
-        sleep = shutil.which("sleep") or "/bin/sleep"
-        own_env = {**env, "TSUP_NODE": node, "TSUP_MARKER": spec.marker, NODE_PROCESS_ENV: "1"}
-        p = subprocess.Popen([sleep, "infinity"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, process_group=0, close_fds=True, user=uid, group=gid,
-                             extra_groups=groups, env=own_env)
+        own_env = {**env, "TSUP_NODE": node, "TSUP_MARKER": spec.marker, NODE_PROCESS_ENV: "1",
+                   AGENT_INDEX_ENV: str(index)}
+        if env.get(NODE_AGENT_ENV) == "1":
+            argv = [sys.executable, "-m", "supervisor.agent"]
+            out = os.fdopen(user_files.open_append(spec.log_base, spec.log_dir / f"agent.{node}.log"), "ab")
+        else:
+            argv = [shutil.which("sleep") or "/bin/sleep", "infinity"]
+            out = open(os.devnull, "wb")  # noqa: SIM115 (closed below, once the child has it)
+        with out:
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                 process_group=0, close_fds=True, user=uid, group=gid, extra_groups=groups,
+                                 env=own_env, cwd="/")
         self._children[p.pid] = p
         return _NodeProcess(node=node, pid=p.pid, create_time=_create_time(p.pid))
 

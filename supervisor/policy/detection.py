@@ -13,7 +13,8 @@ In the order they are judged (the first that holds is the fault):
   that step before (its steps are deterministic): that checkpoint is not what was saved;
 - a loss or grad norm that is not finite;
 - a loss or grad-norm spike that has lasted ``spike_persist_steps`` steps;
-- every rank of a node silent for ``silence_timeout_s`` while other nodes are heard;
+- a node silent for ``silence_timeout_s`` (neither its agent nor any of its ranks heard)
+  while other nodes are heard;
 - every rank exited 0 and no result was written;
 - no step progress, and no phase begun or ended, for ``hang_limit`` (never while the
   broker link is down).
@@ -68,10 +69,12 @@ def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fin
         first_seen = min(r.dead_since if r.dead_since is not None else now for r in dead)
         if now - first_seen < view.run.policy.fault_settle_s and not all_gone(obs):
             return None  # let ranks that die together (a node) show themselves first
-        unseen = obs.unheard and any(r.proc is ProcState.UNKNOWN for r in obs.ranks)
+        unseen = obs.unheard and any(r.proc is ProcState.UNKNOWN and r.node_seen_at is None
+                                     for r in obs.ranks)
         if unseen and now - first_seen < view.run.policy.silence_timeout_s:
-            # Ranks nothing can see (a [command] trainer's, on Slurm) may have died with their
-            # node, the others of its peers' loss: give the cluster time to say which.
+            # Ranks nothing can see (a [command] trainer's on Slurm, with no node agent heard)
+            # may have died with their node, the others of its peers' loss: give the cluster
+            # time to say which. A node agent's word (its reports, its last will) says it now.
             return None
         return attribute(view, live, obs.ranks, dead, step)
     wrong = _wrong_resume(live, obs) or _resume_diverged(live, obs)
@@ -141,7 +144,9 @@ def _resume_diverged(live: Attempt, obs: AttemptObs) -> Finding | None:
 
 
 def _find_silent_node(view: RunView, live: Attempt, obs: AttemptObs, now: float, step: int) -> Finding | None:
-    """Every rank of a node silent past the limit while other nodes' ranks are heard.
+    """A node silent past the limit (no word from its agent or from any of its ranks)
+    while other nodes are heard. A node agent (supervisor/agent.py) makes this hold for
+    trainers that say nothing themselves (a [command] trainer's).
 
     Judged only while the supervisor's own broker link has been up for longer than the
     limit (after a reconnect, heartbeats need time to arrive again), and never when
@@ -152,7 +157,8 @@ def _find_silent_node(view: RunView, live: Attempt, obs: AttemptObs, now: float,
         return None
 
     def silent(r: RankObs) -> bool:
-        return (r.last_seen_at is not None and now - r.last_seen_at > limit_s
+        heard = r.heard_at
+        return (heard is not None and now - heard > limit_s
                 and r.reported_exit_code is None and r.proc not in (ProcState.EXITED, ProcState.VANISHED))
 
     by = by_node(obs.ranks)
@@ -163,13 +169,16 @@ def _find_silent_node(view: RunView, live: Attempt, obs: AttemptObs, now: float,
     if not quiet or len(quiet) == len(by):
         return None
     blamed = [r for r in obs.ranks if r.node in quiet]
-    heard_s = now - max(r.last_seen_at or now for r in blamed)
+    heard_s = now - max(r.heard_at or now for r in blamed)
     where = f"{view.run.run_id}, attempt {live.number}, step {step}"
-    summary = (f"every rank of node {', '.join(quiet)} silent for {heard_s:.0f} s while the others are heard "
+    agent = any(r.node_seen_at is not None for r in blamed)
+    who = "its agent and every rank" if agent else "every rank"
+    summary = (f"node {', '.join(quiet)} silent for {heard_s:.0f} s ({who}) while the others are heard "
                f"(ranks {ranks_text(blamed)}): node lost")
     record = RecordFault(kind=FaultKind.NODE_LOST, attempt=live.number, ranks=tuple(r.rank for r in blamed),
                          nodes=tuple(quiet), summary=summary, step=step)
-    why = f"training-supervisor: node silent, no heartbeat from any rank for {heard_s:.0f} s ({where})"
+    why = (f"training-supervisor: node silent, no heartbeat from {'its agent or ' if agent else ''}any rank "
+           f"for {heard_s:.0f} s ({where})")
     return Finding(record, [(n, why) for n in quiet])
 
 
@@ -289,7 +298,7 @@ def _node_going_silent(view: RunView, obs: AttemptObs, now: float) -> bool:
     by = by_node(obs.ranks)
     if len(by) < 2:
         return False
-    quiet_for = {n: now - max(r.last_seen_at or 0.0 for r in rs) for n, rs in by.items()}
+    quiet_for = {n: now - max(r.heard_at or 0.0 for r in rs) for n, rs in by.items()}
     heard = [n for n, q in quiet_for.items() if q <= STALL_GAP_S]
     limit = view.run.policy.silence_timeout_s + STALL_GAP_S
     return bool(heard) and any(STALL_GAP_S < q <= limit for q in quiet_for.values())

@@ -10,7 +10,10 @@ How a run maps onto Slurm (builders in supervisor/slurm/requests.py):
   never submits a second one; but squeue lists every user's jobs and anyone can name a
   job so, so only a job of the expected owner is ever adopted by name.
 - ``start``: ``srun --jobid=<allocation>`` on the attempt's nodes, as a step named
-  ``<prefix>.<run>.a<attempt>``; srun runs on this host in a session of its own.
+  ``<prefix>.<run>.a<attempt>``; srun runs on this host in a session of its own. Where
+  the attempt has telemetry, the node agents (supervisor/agent.py) go first, as a step
+  of their own (``<prefix>.<run>.a<attempt>.agent``, one task a node, overlapping); they
+  are stopped when the attempt is forgotten.
 - ``observe``: srun's exit status and its per-task lines (``srun: error: node1: task 1:
   Exited with exit code 3``) when srun is ours; Slurm's step list when it is not
   (after a daemon restart). A rank whose step still runs is UNKNOWN to Slurm: its
@@ -37,6 +40,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -53,15 +58,18 @@ from supervisor.slurm.commands import SlurmCommands
 from supervisor.slurm.requests import (
     SbatchRequest,
     StepRequest,
+    agent_srun_argv,
     allocation_script,
     sbatch_argv,
     srun_argv,
     step_env,
 )
 from supervisor.slurm.state import SlurmState
+from trainer.protocol import NODE_AGENT_ENV
 
 log = logging.getLogger(__name__)
 
+AGENT_SUFFIX = ".agent"  # the node agents' step: the trainer's step name and this
 # "srun: error: node1: task 1: Exited with exit code 3", "...: tasks 0-1: Killed"
 _TASK_LINE = re.compile(r"srun: error: (\S+): tasks? ([0-9,\-]+): (.+)$")
 
@@ -254,6 +262,9 @@ class SlurmLauncher:
             pass  # made, or found, without following a link below the daemon's own directory
         run_as = users.for_launch(spec.user)
         env |= users.login_env(run_as)
+        agents = self._start_agents(req, env, spec, run_as) if env.get("TSUP_MQTT_URL") else None
+        if agents is not None:
+            env[NODE_AGENT_ENV] = "1"  # the agents report the nodes' slots (trainer/telemetry.py)
         try:
             p = self.commands.start_step(srun_argv(req), env=env, log_path=spec.log_dir / "srun.log",
                                          user=run_as, log_base=spec.log_base)
@@ -267,7 +278,24 @@ class SlurmLauncher:
         self.state.refresh()
         return json.dumps({"job": job, "step": name, "uid": _uid_of(run_as), "srun_pid": p.pid,
                            "srun_ct": _create_time(p.pid), "ranks": ranks,
-                           "log": str(spec.log_dir / "srun.log"), "ranks_per_task": _ranks_per_task(spec)})
+                           "log": str(spec.log_dir / "srun.log"), "ranks_per_task": _ranks_per_task(spec),
+                           **({"agent_step": req.step_name + AGENT_SUFFIX, "agent_pid": agents.pid}
+                              if agents is not None else {})})
+
+    def _start_agents(self, req: StepRequest, env: dict[str, str], spec: LaunchSpec,
+                      run_as: users.RunAs | None) -> subprocess.Popen[bytes] | None:
+        """The attempt's node agents' step (None, logged, when srun cannot be started: the
+        trainer runs without them, as before there were any)."""
+        agent_req = replace(req, step_name=req.step_name + AGENT_SUFFIX)
+        try:
+            p = self.commands.start_step(agent_srun_argv(agent_req, sys.executable), env=env,
+                                         log_path=spec.log_dir / "srun-agent.log", user=run_as,
+                                         log_base=spec.log_base)
+        except (OSError, ValueError) as e:
+            log.warning("%s: cannot start the node agents: %s", req.step_name, e)
+            return None
+        self._children[p.pid] = p
+        return p
 
     def find(self, spec: LaunchSpec) -> str | None:
         """A step of this attempt that exists but was never recorded (the daemon died
@@ -359,10 +387,26 @@ class SlurmLauncher:
         return f"{s.job_id}.{s.step_id}" if s else None
 
     def forget(self, launch_info: str) -> None:
-        pid = int(json.loads(launch_info)["srun_pid"])
+        info = json.loads(launch_info)
+        self._stop_agents(info)
+        pid = int(info["srun_pid"])
         child = self._children.get(pid)
         if child is not None and child.poll() is not None:
             del self._children[pid]
+
+    def _stop_agents(self, info: dict[str, Any]) -> None:
+        """The attempt is over: its node agents go (SIGTERM through our srun, which passes it
+        to every agent; and scancel of their step, for one a restarted daemon adopted)."""
+        name = info.get("agent_step")
+        if not name:
+            return
+        child = self._children.pop(int(info.get("agent_pid", 0)), None)
+        if child is not None and child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signal.SIGTERM)
+        step = _own_step(self.state.steps() or [], info["job"], name, info.get("uid"))
+        if step is not None:
+            self.commands.fire(["scancel", *_only_of(info.get("uid")), f"{step.job_id}.{step.step_id}"])
 
 
 # --- helpers ---------------------------------------------------------------------------

@@ -143,6 +143,21 @@ def srun_argv(req: StepRequest) -> list[str]:
     ]
 
 
+AGENT_MODULE = "supervisor.agent"
+
+
+def agent_srun_argv(req: StepRequest, python: str) -> list[str]:
+    """The attempt's node agents (supervisor/agent.py) as a step of their own: one task on
+    each of the attempt's nodes, overlapping the trainer's step, run by ``python`` (the
+    daemon's interpreter, at the same path on every node), output in ``agent-<task>.log``."""
+    return [
+        "srun", f"--jobid={req.job_id}", f"--job-name={req.step_name}", f"--nodes={len(req.nodes)}",
+        f"--nodelist={','.join(req.nodes)}", f"--ntasks={len(req.nodes)}", "--ntasks-per-node=1",
+        "--distribution=block", "--overlap", "--kill-on-bad-exit=0", f"--output={req.log_dir}/agent-%t.log",
+        "--chdir=/", python, "-m", AGENT_MODULE,
+    ]
+
+
 def step_env(env: Mapping[str, str], step: Step, *, ranks_per_node: int, launch: LaunchMode,
              marker: str) -> dict[str, str]:
     """srun's environment for a step beyond its own: the attempt's ``env`` (its step

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import command_spec, summary_of, tsup
+from tests.e2e.conftest import command_spec, summary_of, trainer_processes, tsup
 
 SCRIPT = textwrap.dedent('''
     """A tiny data-parallel trainer, in the style of a user's torchrun script."""
@@ -30,6 +30,7 @@ SCRIPT = textwrap.dedent('''
     ap.add_argument("--out", required=True)
     ap.add_argument("--crash_at", type=int, default=0)
     ap.add_argument("--resume_from_checkpoint", default=None)
+    ap.add_argument("--sleep", type=float, default=0.05)
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -60,7 +61,9 @@ SCRIPT = textwrap.dedent('''
         if step % args.every == 0:
             dcp.save({"model": model.state_dict(), "step": torch.tensor(step)},
                      checkpoint_id=os.path.join(args.save_dir, f"llama_v3-{step}steps"))
-        time.sleep(0.05)
+        if rank == 0:  # the FSDP test case's line, 0-based (supervisor/output_progress.py)
+            print(f"Batch {step - 1} Loss: {loss.item():.5f}, Speed: 80.00 samples/sec, lr: 0.050000", flush=True)
+        time.sleep(args.sleep)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"weight": model.weight.flatten().tolist(), "bias": model.bias.tolist()}, f)
@@ -154,3 +157,33 @@ def test_a_command_runs_in_its_cwd_on_the_local_launcher(tmp_path: Path) -> None
     assert s["state"] == "SUCCEEDED", s
     run_dir = state / "runs" / "run-1"
     assert (run_dir / "cwd").read_text().strip() == str(run_dir / "attempts")
+
+
+def test_a_frozen_node_of_a_trainer_that_sends_nothing_is_found_by_its_agents_silence(tmp_path: Path) -> None:
+    """The trainer sends no telemetry, so only the node agents (supervisor/agent.py, each
+    simulated node's own process) are heard. Every process of the second node is stopped
+    (SIGSTOP): no exit, no will, its peer blocked in all_reduce. The agent's silence past
+    silence_timeout_s finds the node, which is drained and replaced by the spare; before
+    the agents, this was a hang that blamed no node."""
+    script = tmp_path / "user_train.py"
+    script.write_text(SCRIPT)
+    argv = [sys.executable, str(script), "--steps", "60", "--every", "10", "--save_dir", "{checkpoint_dir}",
+            "--out", "{run_dir}/final.json", "--sleep", "0.2"]
+    spec = command_spec(tmp_path / "frozen.toml", "frozen", argv,
+                        resources={"nodes": 2, "ranks_per_node": 1, "spares": 1},
+                        policy={"silence_timeout_s": 4, "hang_timeout_s": 120}, checkpoint_layout="dcp",
+                        steps=60, resume=["--resume_from_checkpoint={checkpoint}"])
+    state = tmp_path / "state"
+    proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "freeze-node@20", timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = summary_of(proc)
+    assert s["state"] == "SUCCEEDED" and s["final_step"] == 60, s
+    [fault] = s["faults"]
+    assert fault["kind"] == "node-lost" and fault["nodes"] == ["local-2"], fault
+    assert "its agent and every rank" in fault["summary"], fault["summary"]
+    # Silence counts from the agent's last report, up to an interval (1 s) before the freeze.
+    assert 4 - 1.5 <= fault["detected_at"] - fault["injected_at"] <= 4 + 3, fault
+    assert s["drained_nodes"] == ["local-2"]
+    assert [a["nodes"] for a in s["attempt_history"]] == [["local-1", "local-2"], ["local-1", "local-3"]]
+    assert s["attempt_history"][1]["resume_step"] >= 20
+    assert trainer_processes(state) == [], "the frozen node's processes are gone too"

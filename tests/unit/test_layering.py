@@ -35,6 +35,7 @@ def test_the_decision_core_does_no_io() -> None:
     ("health.__main__", {"supervisor", "trainer", "api"}),
     ("trainer.train", {"supervisor", "api", "health"}),
     ("trainer.protocol", {"supervisor", "api", "health", "torch"}),
+    ("supervisor.agent", {"sqlalchemy", "aiomqtt", "fastapi", "torch", "api", "health"}),
 ])
 def test_standalone_packages_import_nothing_of_the_others(package: str, forbidden: set[str]) -> None:
     assert not loaded_after(package) & forbidden
@@ -65,6 +66,7 @@ def lint_copy(tmp_path: Path, edit: tuple[str, str] | None = None) -> subprocess
     ("trainer/train.py", "import supervisor.spec", "The trainer stands alone"),
     ("health/wire.py", "import trainer.protocol", "The node probes stand alone"),
     ("supervisor/launchers/local.py", "import slurmbox.box", "The product never imports the development Slurm box"),
+    ("supervisor/agent.py", "import supervisor.store", "The node agent stands alone"),
 ])
 def test_make_lint_fails_on_a_forbidden_import(tmp_path: Path, path: str, line: str, contract: str) -> None:
     out = lint_copy(tmp_path, (path, line))

@@ -1089,3 +1089,41 @@ def test_a_resumed_step_whose_loss_differs_from_before_quarantines_its_checkpoin
     assert not of(decide(view(run(), history), obs(recent=(replace(sample, loss=2.5),), expected_first=(41, 2.5)),
                          NOW), RecordFault), "the same loss: the checkpoint held what was saved"
     assert not of(decide(view(run(), history), obs(recent=(sample,)), NOW), RecordFault), "nothing to compare"
+
+
+def test_a_node_agents_last_will_is_its_nodes_loss_at_once_for_ranks_that_say_nothing() -> None:
+    """The train.sh case on Slurm: a [command] trainer's ranks are UNKNOWN to the launcher
+    and send nothing. n1 dies; its agent's last will arrives (the observer makes it the
+    will of n1's silent ranks, and n1's node_up False) while n2's torchrun exits 1 on the
+    loss of its peer. Slurm still holds n1 (SlurmdTimeout is minutes away): the agent's
+    word is enough, with no wait for the cluster's."""
+    gone = [rank(r, ProcState.UNKNOWN, lost=True, node_up=False, node_seen_at=NOW - 6, dead_since=NOW - 5)
+            for r in (0, 1)]
+    peers = [rank(r, ProcState.EXITED, exit_code=1, node_up=True, node_seen_at=NOW - 0.5, dead_since=NOW - 4)
+             for r in (2, 3)]
+    effects = decide(view(run(), (attempt(),)), obs(*gone, *peers, unheard=True), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n1",) and fault.ranks == (0, 1)
+    assert [d.node for d in of(effects, DrainNode)] == ["n1"]
+    # Without an agent's word the same deaths wait for the cluster (the test above).
+    silent = [replace(r, lost=False, node_up=None, node_seen_at=None, dead_since=None) for r in gone]
+    bare = [replace(r, node_up=None, node_seen_at=None) for r in peers]
+    assert not of(decide(view(run(), (attempt(),)), obs(*silent, *bare, unheard=True), NOW), RecordFault)
+
+
+def test_a_node_whose_agent_falls_silent_is_lost_for_a_trainer_that_says_nothing() -> None:
+    """A [command] trainer's ranks are never heard; only the agents are. n1's agent silent
+    past silence_timeout_s (10 s) while n2's is heard: n1 is lost (cut off, frozen), and the
+    reason names the agent. Under the limit, nothing yet."""
+    ranks = [rank(r, ProcState.UNKNOWN, node_seen_at=NOW - (12 if r < 2 else 0.5)) for r in range(4)]
+    effects = decide(view(run(), (attempt(),)), obs(*ranks, unheard=True), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n1",)
+    assert "its agent and every rank" in fault.summary
+    [drain] = of(effects, DrainNode)
+    assert drain.node == "n1" and "no heartbeat from its agent or any rank for 12 s" in drain.reason
+    early = [replace(r, node_seen_at=NOW - 8) if r.rank < 2 else r for r in ranks]
+    assert not of(decide(view(run(), (attempt(),)), obs(*early, unheard=True), NOW), RecordFault)
+    # Every agent silent at once is the broker or the link, not the nodes.
+    all_quiet = [replace(r, node_seen_at=NOW - 12) for r in ranks]
+    assert not of(decide(view(run(), (attempt(),)), obs(*all_quiet, unheard=True), NOW), DrainNode)

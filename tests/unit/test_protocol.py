@@ -26,16 +26,27 @@ SAMPLES: list[p.Message] = [
                  ages=(0.25, 0.0), step_times=(0.1, math.nan), busy=(0.08, math.nan)),
     p.Lost(**H),
 ]
+# A node agent's (supervisor/agent.py): the node's index stands where a rank's number does.
+AH = {"run": "run-4", "attempt": 2, "index": 3, "ts": 1700000000.5}
+AGENT_SAMPLES: list[p.Message] = [
+    p.AgentReport(**AH, node="node4", pid=77, hostname="node4", ranks=(6, 7), steps=(17, 17),
+                  phases=(p.Phase.TRAIN, p.Phase.TRAIN), ages=(0.1, 0.2), step_times=(0.1, 0.1),
+                  busy=(math.nan, 0.05)),
+    p.AgentReport(**AH, node="node4", pid=77, hostname="node4"),  # a trainer without slots: no lists
+    p.AgentLost(**AH),
+]
 
 
 def test_every_kind_has_a_sample() -> None:
-    assert {m.kind for m in SAMPLES} == p.KINDS
+    assert {m.kind for m in [*SAMPLES, *AGENT_SAMPLES]} == p.KINDS
+    assert {m.kind for m in AGENT_SAMPLES} == p.AGENT_KINDS
 
 
-@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: m.kind)
+@pytest.mark.parametrize("msg", SAMPLES + AGENT_SAMPLES, ids=lambda m: m.kind)
 def test_every_kind_round_trips_on_its_own_topic(msg: p.Message) -> None:
     topic, payload = p.encode(msg)
-    assert topic == f"tsup/v1/default/telemetry/run-4/2/3/{msg.kind}"
+    sender = "n3" if msg.kind in p.AGENT_KINDS else "3"
+    assert topic == f"tsup/v1/default/telemetry/run-4/2/{sender}/{msg.kind}"
     assert _same(p.decode(payload, topic), msg)
     body = json.loads(payload)
     assert body["v"] == p.VERSION and body["kind"] == msg.kind
@@ -237,3 +248,29 @@ def test_an_older_senders_phase_and_commit_decode_with_nothing_said_of_sizes() -
         assert getattr(msg, "bytes") == 0
     commit = p.decode(json.dumps({"v": 1, "kind": "checkpoint", **H, "step": 3, "path": "/c", "duration_s": 0.5}))
     assert isinstance(commit, p.CheckpointCommitted) and math.isnan(commit.total_s)
+
+
+def test_an_agent_message_on_a_ranks_topic_and_a_ranks_on_an_agents_are_refused() -> None:
+    _, agent_payload = p.encode(AGENT_SAMPLES[0])
+    with pytest.raises(p.ProtocolError, match="does not match"):
+        p.decode(agent_payload, "tsup/v1/default/telemetry/run-4/2/3/agent")
+    _, rank_payload = p.encode(SAMPLES[1])
+    with pytest.raises(p.ProtocolError, match="does not match"):
+        p.decode(rank_payload, "tsup/v1/default/telemetry/run-4/2/n3/heartbeat")
+
+
+def test_an_agent_report_with_uneven_lists_is_refused() -> None:
+    body = json.loads(p.encode(AGENT_SAMPLES[0])[1])
+    body["steps"] = [17]
+    with pytest.raises(p.ProtocolError, match=r"agent\.steps: 1 entries for 2 ranks"):
+        p.decode(json.dumps(body).encode())
+
+
+@pytest.mark.parametrize(("value", "attempt"), [
+    ("tsup-run-4-2-3-999", ("run-4", 2)),
+    ("tsup-run-4-2-n3-999", ("run-4", 2)),  # a node agent's
+    ("tsup-run-4-2-x3-999", None),
+    ("tsup-run-4-2-n-999", None),
+])
+def test_client_ids_of_ranks_and_agents_name_their_attempt(value: str, attempt: object) -> None:
+    assert p.attempt_of_client_id(value) == attempt

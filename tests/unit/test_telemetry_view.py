@@ -394,3 +394,62 @@ def test_a_message_replayed_after_a_daemon_restart_is_still_a_replay() -> None:
     assert restarted.counts_now()["replay"] == 1 and restarted.ranks("run-1", 1)[0].last_seen_at is None
     restarted.ingest(*rank.seal(p.Heartbeat(**H, rank=0, step=5, phase=p.Phase.TRAIN)), 4.0)
     assert restarted.ranks("run-1", 1)[0].last_seen_at == 4.0, "the rank's next message is taken"
+
+
+# --- node agents (supervisor/agent.py) ---------------------------------------------------
+
+AH = {"run": "run-1", "attempt": 1, "ts": 0.0}
+
+
+def agent_report(index: int, node: str, **slots: object) -> p.AgentReport:
+    return p.AgentReport(**AH, index=index, node=node, pid=50 + index, hostname=node, **slots)  # type: ignore[arg-type]
+
+
+def agent_will(key: bytes, index: int, conn: str) -> tuple[str, bytes]:
+    return p.encode(p.AgentLost(**AH, index=index), cluster="c1", seal=p.Seal(key=key, conn=conn, seq=p.WILL_SEQ))
+
+
+def test_an_agent_report_says_its_node_lives_and_fans_its_slots_out_to_the_ranks() -> None:
+    v = TelemetryView()
+    feed(v, agent_report(1, "node2", ranks=(2, 3), steps=(7, 6), phases=(p.Phase.TRAIN, p.Phase.TRAIN),
+                         ages=(0.5, 0.0), step_times=(0.1, 0.1), busy=(0.08, 0.09)), 10.0)
+    seen = v.agents("run-1", 1)["node2"]
+    assert (seen.index, seen.pid, seen.last_seen_at, seen.lost) == (1, 51, 10.0, False)
+    ranks = v.ranks("run-1", 1)
+    assert {n: (r.node, r.last_step, r.last_seen_at) for n, r in ranks.items()} == {
+        2: ("node2", 7, 9.5), 3: ("node2", 6, 10.0)}
+    feed(v, agent_report(0, "node1"), 11.0)  # a trainer with no slots: the node, and no ranks
+    assert set(v.agents("run-1", 1)) == {"node1", "node2"} and set(v.ranks("run-1", 1)) == {2, 3}
+    v.forget("run-1", 1)
+    assert v.agents("run-1", 1) == {}
+
+
+def test_an_agents_last_will_counts_for_its_current_connection_only_and_never_for_a_rank() -> None:
+    view = TelemetryView(cluster="c1", secret=SECRET)
+    key = p.attempt_key(SECRET, "c1", "run-1", 1)
+    agent = Rank(0, key, conn="00000000000000cc")
+    view.ingest(*agent_will(key, 0, agent.conn), 0.5)  # nothing heard on that connection yet
+    assert view.counts_now()["will_unattributed"] == 1 and view.agents("run-1", 1) == {}
+    view.ingest(*agent.seal(agent_report(0, "node1")), 1.0)
+    view.ingest(*agent_will(key, 0, agent.conn), 2.0)
+    seen = view.agents("run-1", 1)["node1"]
+    assert seen.lost and seen.lost_at == 2.0 and seen.last_seen_at == 1.0
+    assert view.ranks("run-1", 1) == {}, "an agent's index is not a rank"
+    view.ingest(*agent.seal(agent_report(0, "node1")), 3.0)  # it came back (a blip)
+    assert not view.agents("run-1", 1)["node1"].lost
+
+
+def test_an_agents_and_a_ranks_numbers_are_counted_apart_and_survive_a_restart() -> None:
+    """Rank 0 and node 0's agent each count their own sequence numbers: neither is taken
+    for a replay of the other, and a restarted daemon still refuses a replayed report."""
+    view, rank = sealed_view()
+    agent = Rank(0, p.attempt_key(SECRET, "c1", "run-1", 1), conn="00000000000000cc")
+    for _ in range(5):
+        view.ingest(*rank.seal(p.Heartbeat(**H, rank=0, step=3, phase=p.Phase.TRAIN)), 1.0)
+    captured = agent.seal(agent_report(0, "node1"))
+    view.ingest(*captured, 2.0)
+    assert "replay" not in view.counts_now() and view.agents("run-1", 1)["node1"].last_seen_at == 2.0
+    restarted = TelemetryView(cluster="c1", secret=SECRET)
+    restarted.load_replay_marks(view.replay_marks())
+    restarted.ingest(*captured, 3.0)
+    assert restarted.counts_now()["replay"] == 1 and restarted.agents("run-1", 1) == {}

@@ -1,0 +1,161 @@
+"""The node agent: one small process on every node of an attempt (``python -m supervisor.agent``).
+
+The launcher starts it beside the trainer: the local launcher as each simulated node's
+own process (supervisor/launchers/local.py), Slurm as a step of its own in the run's
+allocation, one task per node, overlapping the trainer's step (supervisor/slurm/
+launcher.py). It has no database and keeps nothing: a restarted daemon hears it again on
+the broker, as it hears the ranks.
+
+What it does:
+
+- **The node's heartbeat**, whatever the trainer says. Every ``TSUP_AGENT_INTERVAL_S``
+  (1 s) it sends an ``AgentReport`` on a connection of its own, sealed with the attempt's
+  key like the ranks' telemetry (trainer/protocol.py), and leaves ``agent_lost`` as its
+  last will. A node killed outright is known by that will at once, and one cut off or
+  frozen by its silence within ``silence_timeout_s``: for a ``[command]`` trainer that
+  sends nothing of its own too (supervisor/policy/detection.py).
+- **Node aggregation.** Where the ranks keep their state in the node's slot file
+  (``[telemetry] aggregate = "node"``, trainer/slots.py) it reads every slot and carries
+  them in that report, so the controller receives one message per node and interval;
+  the trainer's local rank 0 then sends none (``TSUP_NODE_AGENT=1``).
+
+It never ends on its own: it runs until the launcher stops it (SIGTERM or SIGINT: a
+clean disconnect, so no last will) or kills it with its node. An environment it cannot
+use (no broker URL, a bad key) is logged, and it stays a silent node process: the
+launcher watches it as the node's own life either way.
+
+Configuration is the attempt's environment, as the ranks get it (``TSUP_MQTT_URL``,
+``TSUP_TELEMETRY_KEY``, ``TSUP_MQTT_USERNAME``/``PASSWORD``, ``TSUP_CLUSTER``,
+``TSUP_RUN_ID``, ``TSUP_ATTEMPT``, ``TSUP_NODE``, ``MASTER_PORT``, ``TSUP_SLOTS_DIR``:
+trainer/telemetry.py), and:
+
+    TSUP_NODE_INDEX       the node's index in the attempt's node list; on Slurm,
+                          ``SLURM_NODEID`` stands in (the agent step has one task a node)
+    TSUP_AGENT_INTERVAL_S  seconds between reports (default 1)
+
+This module imports only the standard library and the trainer's telemetry sender
+(paho): it runs on every node, where the daemon's own dependencies need not be.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer import protocol
+from trainer.errors import UsageError
+from trainer.slots import default_slots_dir, read_file, report_fields, slot_path
+from trainer.telemetry import Identity, Telemetry, broker_from_env, settings_from_env
+
+log = logging.getLogger("supervisor.agent")
+
+INDEX_ENV = "TSUP_NODE_INDEX"
+INTERVAL_ENV = "TSUP_AGENT_INTERVAL_S"
+DEFAULT_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSettings:
+    identity: Identity  # the attempt, and the node as the ranks name it (``rank`` is unused)
+    index: int  # the node's index in the attempt
+    node: str  # the node as the cluster names it, in every report
+    slots: Path  # the node's slot file, where the trainer keeps one
+    interval_s: float
+
+
+def settings_from(environ: Mapping[str, str]) -> AgentSettings:
+    """The agent's settings from the attempt's environment; UsageError naming a bad value."""
+    raw = environ.get(INDEX_ENV) or environ.get("SLURM_NODEID") or ""
+    if not (raw.isascii() and raw.isdigit()):
+        raise UsageError(f"{INDEX_ENV} (or SLURM_NODEID): expected the node's index, got {raw!r}")
+    raw_interval = environ.get(INTERVAL_ENV) or str(DEFAULT_INTERVAL_S)
+    try:
+        interval = float(raw_interval)
+    except ValueError:
+        interval = 0.0
+    if not 0.05 <= interval <= 60:
+        raise UsageError(f"{INTERVAL_ENV}: expected seconds from 0.05 to 60, got {raw_interval!r}")
+    identity, _ = settings_from_env(environ, rank=0, local_rank=0, world_size=1)
+    slots = slot_path(default_slots_dir(environ), identity.run, identity.attempt, identity.node,
+                      environ.get("MASTER_PORT", ""))
+    node = environ.get("TSUP_NODE") or environ.get("SLURMD_NODENAME") or identity.node
+    return AgentSettings(identity=identity, index=int(raw), node=node[:64], slots=slots, interval_s=interval)
+
+
+class AgentLink(Telemetry):
+    """The agent's sender: the trainer's telemetry connection (sealing, reconnects, the
+    supervisor's presence) speaking for a node instead of a rank."""
+
+    def __init__(self, settings: AgentSettings, broker: Any) -> None:
+        super().__init__(settings.identity, broker, heartbeat_interval_s=settings.interval_s)
+        self.settings = settings
+
+    def _header(self) -> dict[str, Any]:
+        ident = self.settings.identity
+        return {"run": ident.run, "attempt": ident.attempt, "index": self.settings.index, "ts": time.time()}
+
+    def _will(self) -> protocol.Message:
+        return protocol.AgentLost(**self._header())
+
+    def _hello(self) -> protocol.Message | None:
+        return self.report()  # the first word of a connection is a report like every other
+
+    def _beat(self) -> protocol.Message | None:
+        return self.report()
+
+    def _first_word(self) -> protocol.Message | None:
+        return None  # its hello says it all
+
+    def _last_word(self, exit_code: int, final_step: int, reason: str) -> protocol.Message | None:
+        return None  # a clean disconnect is its goodbye: the broker drops its will
+
+    def report(self) -> protocol.AgentReport:
+        """The node now: alive, with its ranks' slots (none where the trainer keeps no slot file)."""
+        fields = report_fields(read_file(self.settings.slots), time.time())
+        return protocol.AgentReport(**self._header(), node=self.settings.node, pid=os.getpid(),
+                                    hostname=socket.gethostname()[:64], **fields)
+
+
+def run(environ: Mapping[str, str], stop: threading.Event) -> int:
+    """Report until ``stop`` is set; 0. With an environment it cannot use, wait for ``stop`` silently."""
+    try:
+        settings = settings_from(environ)
+        broker = broker_from_env(environ)
+    except UsageError as e:
+        log.error("node agent: %s; staying up without reporting", e)
+        stop.wait()
+        return 0
+    if broker is None:
+        log.warning("node agent: no TSUP_MQTT_URL; staying up without reporting")
+        stop.wait()
+        return 0
+    link = AgentLink(settings, broker)
+    link.start()
+    log.info("node agent for %s attempt %d, node %s (index %d): reporting every %.2g s",
+             settings.identity.run, settings.identity.attempt, settings.node, settings.index,
+             settings.interval_s)
+    stop.wait()
+    # A clean goodbye: the broker discards the will, so stopping the agent is no node loss.
+    link.close(exit_code=0, final_step=0, reason="stopped", timeout_s=2.0)
+    return 0
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return run(os.environ, stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
