@@ -5,12 +5,14 @@
     python bench/scale.py --ranks 16 --window-s 0.5 --warmup-s 0.2 --step-s 0.25 \
         --hang-floor-s 0.5 --silence-timeout-s 2    # ~15 s: a smoke test, no measurement
 
-Two telemetry variants (``--aggregate``, both by default), measured one after the other
+Three telemetry variants (``--aggregate``, all by default), measured one after the other
 at each R, each with everything below:
 
 - ``rank``: every rank publishes for itself (``[telemetry] aggregate = "rank"``, the
   default): a ``Heartbeat`` a second and a ``StepMetrics`` a step, R (1 + 1/step_s)
   messages a second;
+- ``agent``: as ``node``, but each node's agent (supervisor/agent.py) sends the report
+  (an ``AgentReport`` on its own topic), as a run under the supervisor's launchers does;
 - ``node``: node aggregation (``aggregate = "node"``, trainer/telemetry.py): each node's
   local rank 0 sends one ``NodeReport`` a second carrying all its ranks (step, phase,
   the age of each rank's slot, last step and busy time), and only global rank 0 sends
@@ -172,10 +174,14 @@ from supervisor.domain import (
 from supervisor.launchers.base import RankProc
 from supervisor.observe import Observer
 from supervisor.policy import decide, hang_limit
+from supervisor.reconciler import pause_after
 from supervisor.spec import RunSpec
 from supervisor.telemetry import STEP_TIMES_KEPT, MqttLink, TelemetryView
 from trainer import protocol as p
-from trainer.slots import AGGREGATE_MODES
+
+# The telemetry variants: every rank for itself, node reports from each node's local rank
+# 0, or from each node's agent (supervisor/agent.py).
+VARIANTS = ("rank", "node", "agent")
 
 RUN_ID, RUN_NUMBER, ATTEMPT = "run-1", 1, 1
 SLICES_PER_S = 50
@@ -200,6 +206,7 @@ class Templates:
     heartbeat: bytes  # % (rank, ts, step)
     step: bytes  # % (rank, ts, step, step_time_s, tokens_per_s, first_sample)
     node: bytes  # % (rank, ts, node, ranks, steps, phases, ages, step_times, busy): lists without brackets
+    agent: bytes  # % (index, ts, node, pid, hostname, ranks, steps, phases, ages, step_times, busy)
 
     @classmethod
     def for_run(cls, run: str, attempt: int) -> Templates:
@@ -214,6 +221,9 @@ class Templates:
                                   b'"mfu":"nan","val_loss":"nan"}',
             node=head % b"node" + b',"node":"%s","ranks":[%s],"steps":[%s],"phases":[%s],"ages":[%s],'
                                   b'"step_times":[%s],"busy":[%s]}',
+            agent=(head % b"agent").replace(b'"rank"', b'"index"')
+            + b',"node":"%s","pid":%d,"hostname":"%s","ranks":[%s],"steps":[%s],"phases":[%s],"ages":[%s],'
+              b'"step_times":[%s],"busy":[%s]}',
         )
 
     def check(self, run: str, attempt: int) -> None:
@@ -232,6 +242,12 @@ class Templates:
              p.NodeReport(**hdr, node="n00000", ranks=(7, 8), steps=(12, 11), phases=(p.Phase.TRAIN,) * 2,
                           ages=(0.25, 0.0), step_times=(2.0, 2.0), busy=(float("nan"),) * 2)),
         ]
+        agent_hdr: dict[str, Any] = {"run": run, "attempt": attempt, "index": 7, "ts": ts}
+        cases.append((self.agent % (7, ts, b"n00007", 4242, b"n00007", b"56,57", b"12,11", b'"train","train"',
+                                    b"0.250,0.000", b"2.0,2.0", b'"nan","nan"'),
+                      p.AgentReport(**agent_hdr, node="n00007", pid=4242, hostname="n00007", ranks=(56, 57),
+                                    steps=(12, 11), phases=(p.Phase.TRAIN,) * 2, ages=(0.25, 0.0),
+                                    step_times=(2.0, 2.0), busy=(float("nan"),) * 2)))
         for payload, msg in cases:
             topic, expected = p.encode(msg)
             assert json.loads(payload) == json.loads(expected), (payload, expected)
@@ -371,14 +387,16 @@ class Generator(threading.Thread):
         sent, node_last = self.sent, self.node_last_sent
         # The node variant: each rank's slot (written at its steps and rewritten each
         # second), read by its node's local rank 0, whose report goes out in its own slice.
-        by_node = self.aggregate == "node"
+        by_node = self.aggregate in ("node", "agent")  # the ranks keep slots; a node report carries them
+        by_agent = self.aggregate == "agent"
         written_at = [time.time()] * ranks
         # Reports go out half a second after the node's ranks rewrite their slots (as
         # unaligned threads would on average): a report's ages are 0.5 s, not 0.
         report_slots = spread(len(nodes), SLICES_PER_S)
         half = SLICES_PER_S // 2
         report_slots = report_slots[half:] + report_slots[:half]
-        topic_node = [mqtt_string(p.topic_for(RUN_ID, ATTEMPT, n * per_node, "node"))
+        topic_node = [mqtt_string(p.topic_for(RUN_ID, ATTEMPT, f"n{n}", "agent") if by_agent
+                                  else p.topic_for(RUN_ID, ATTEMPT, n * per_node, "node"))
                       for n in range(len(nodes))]
         node_ranks = [range(n * per_node, min(ranks, (n + 1) * per_node)) for n in range(len(nodes))]
         phases = [b",".join([b'"train"'] * len(rs)) for rs in node_ranks]
@@ -435,10 +453,12 @@ class Generator(threading.Thread):
                 if n in silenced:
                     continue
                 rs = node_ranks[n]
-                payload = t.node % (
-                    rs[0], now, nodes[n].encode(), b",".join(b"%d" % r for r in rs),
-                    b",".join(b"%d" % last_step[r] for r in rs), phases[n],
-                    b",".join(b"%.3f" % max(0.0, now - written_at[r]) for r in rs), step_times[n], busy[n])
+                lists = (b",".join(b"%d" % r for r in rs), b",".join(b"%d" % last_step[r] for r in rs),
+                         phases[n], b",".join(b"%.3f" % max(0.0, now - written_at[r]) for r in rs),
+                         step_times[n], busy[n])
+                name = nodes[n].encode()
+                payload = (t.agent % (n, now, name, 200_000 + n, name, *lists) if by_agent
+                           else t.node % (rs[0], now, name, *lists))
                 put(rs[0], topic_node[n], payload)
                 sent["node"] += 1
                 node_last[n] = now
@@ -582,11 +602,12 @@ class Judge:
               "nnodes": len(fault.nodes), "summary": fault.summary[:300]})
 
     async def tick_forever(self) -> None:
-        """Like the daemon's _reconcile_forever: a tick, then sleep what is left of tick_s."""
+        """Like the daemon's _reconcile_forever: a tick, then the daemon's pause (what is left
+        of tick_s, and never less than keeps the ticks to their share of the time)."""
         while True:
             began = time.monotonic()
             self.tick()
-            await asyncio.sleep(max(0.0, TICK_S - (time.monotonic() - began)))
+            await asyncio.sleep(pause_after(TICK_S, time.monotonic() - began))
 
     def stats(self) -> dict[str, Any]:
         """Cumulative counters; the tick times and lags since the last call."""
@@ -752,7 +773,7 @@ def received(stats: dict[str, Any]) -> int:
 
 def expected_per_s(layout: Layout, step_s: float, aggregate: str) -> float:
     """Messages a second the schedule calls for, registers left out."""
-    if aggregate == "node":
+    if aggregate in ("node", "agent"):
         return len(layout.nodes) + 1 / step_s
     return layout.ranks * (1 + 1 / step_s)
 
@@ -934,9 +955,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ranks", help=f"comma-separated rank counts (default {DEFAULT_RANKS}; "
                                         f"--quick: {QUICK_RANKS})")
     parser.add_argument("--quick", action="store_true", help="short windows and small R: about 4 minutes")
-    parser.add_argument("--aggregate", default=",".join(AGGREGATE_MODES),
-                        help="comma-separated telemetry variants to measure at each R: rank, node "
-                             "(default both)")
+    parser.add_argument("--aggregate", default=",".join(VARIANTS),
+                        help="comma-separated telemetry variants to measure at each R: rank, node, agent "
+                             "(default all three)")
     parser.add_argument("--ranks-per-node", type=int, default=8)
     parser.add_argument("--connections", type=int, default=32, help="most MQTT connections of the generator")
     parser.add_argument("--step-s", type=float, default=2.0,
@@ -956,8 +977,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.ranks = [int(x) for x in (args.ranks or (QUICK_RANKS if args.quick else DEFAULT_RANKS)).split(",")]
     args.aggregate = [x.strip() for x in args.aggregate.split(",") if x.strip()]
-    if not args.aggregate or any(x not in AGGREGATE_MODES for x in args.aggregate):
-        parser.error(f"--aggregate: expected a comma-separated choice of {', '.join(AGGREGATE_MODES)}")
+    if not args.aggregate or any(x not in VARIANTS for x in args.aggregate):
+        parser.error(f"--aggregate: expected a comma-separated choice of {', '.join(VARIANTS)}")
     args.window_s = args.window_s or (8.0 if args.quick else 30.0)
     args.warmup_s = args.warmup_s or (3.0 if args.quick else 5.0)
     return args

@@ -281,6 +281,16 @@ def _remove_network(box: Box) -> None:
     _ip("link", "del", box.bridge, check=False)
 
 
+def set_slurmd_timeout(box: Box, seconds: int) -> None:
+    """Change the box's ``SlurmdTimeout`` (10 s as made) and tell the daemons
+    (``scontrol reconfigure``): a test that must not lean on Slurm noticing a lost node
+    sets Slurm's default, 300 s."""
+    conf = box.conf.read_text().splitlines()
+    box.conf.write_text("\n".join(f"SlurmdTimeout={seconds}" if line.startswith("SlurmdTimeout=") else line
+                                  for line in conf) + "\n")
+    _run(["scontrol", "reconfigure"], box).check_returncode()
+
+
 def partition_node(box: Box, node: str) -> None:
     """Take the node's link down: it and its processes live on, cut off from everyone."""
     _ip("link", "set", box.link(node), "down")

@@ -56,7 +56,7 @@ from supervisor.errors import StateDirLocked, StoreError, SupervisorError
 from supervisor.launchers.base import ChaosHooks, Launcher, NodeAdmin, waiting_standbys
 from supervisor.launchers.local import LocalLauncher
 from supervisor.metrics import SupervisorMetrics
-from supervisor.reconciler import Reconciler, ReconcilerConfig
+from supervisor.reconciler import Reconciler, ReconcilerConfig, pause_after
 from supervisor.recorder import Retention
 from supervisor.sdnotify import Notifier
 from supervisor.service import SupervisorService
@@ -396,7 +396,7 @@ class Daemon:
                 log.error("reconciler tick failed (%d in a row): %s", failures, e)
                 if failures >= _MAX_FAILED_TICKS:
                     raise
-            await asyncio.sleep(max(0.0, self.settings.tick_s - (time.monotonic() - began)))
+            await asyncio.sleep(pause_after(self.settings.tick_s, time.monotonic() - began))
 
     def health(self) -> DaemonHealth:
         """Healthy while the reconciler keeps ticking (a stalled loop is the one thing

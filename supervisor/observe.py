@@ -54,7 +54,7 @@ from supervisor.probes import ProbeScheduler
 from supervisor.settled import SettledHistory, is_over
 from supervisor.spec import RunSpec, spec_from_json
 from supervisor.store import SqlStore
-from supervisor.telemetry import RankSeen, TelemetryView
+from supervisor.telemetry import NOTHING_HEARD, RankSeen, TelemetryView
 from trainer.protocol import KEY_ENV, PASSWORD_ENV, USERNAME_ENV, attempt_key, attempt_login
 
 log = logging.getLogger(__name__)
@@ -320,40 +320,37 @@ class Observer:
             # A [command] trainer's progress lines are the job's (its rank 0 alone prints
             # them, as a rule): every rank is as far as the newest one says.
             quiet = (max([quiet[0], *(t.last_step for t in tele.values())]), quiet[1])
+        # One RankObs per rank, every tick (32,768 at scale: bench/scale.py), so the loop
+        # below keeps to plain lookups.
+        floor_step = max(quiet[0] if quiet else 0, live.resume_step)
+        quiet_at = quiet[1] if quiet else None
+        fatal = output.fatal if output is not None else {}
         ranks = []
         for proc in procs:
-            t = tele.get(proc.rank)
+            t = tele.get(proc.rank) or NOTHING_HEARD
             agent = agents.get(proc.node)
             # A rank that says nothing itself (a [command] trainer's) goes with its node: the
             # agent's last will is its own.
-            lost = (t is not None and t.lost) or (
-                agent is not None and agent.lost and (t is None or t.last_seen_at is None))
+            lost = t.lost or (agent is not None and agent.lost and t.last_seen_at is None)
             node_up = proc.node_up
             if node_up is None and agent is not None:
                 node_up = not agent.lost
             dead_since = None
-            lost_unseen = proc.proc is ProcState.UNKNOWN and lost
-            if proc.proc in (ProcState.EXITED, ProcState.VANISHED) or lost_unseen:
+            if proc.proc in _ENDED or (proc.proc is ProcState.UNKNOWN and lost):
                 dead_since = self._dead_since.setdefault((run.number, live.number, proc.rank), now)
+            progress_at = t.progress_at
+            if quiet_at is not None and (progress_at is None or quiet_at > progress_at):
+                progress_at = quiet_at
+            said = fatal.get(proc.rank)
             ranks.append(RankObs(
                 rank=proc.rank, node=proc.node, proc=proc.proc, exit_code=proc.exit_code,
-                process=proc.process, node_up=node_up,
-                reported_exit_code=t.exit_code if t else None,
-                reported_reason=t.exit_reason if t else "",
-                reported_exit_at=t.exit_at if t else None,
-                lost=lost,
-                node_seen_at=agent.last_seen_at if agent else None,
-                dead_since=dead_since,
-                last_step=max(t.last_step if t else 0, quiet[0] if quiet else 0, live.resume_step),
-                progress_at=_latest(t.progress_at if t else None, quiet[1] if quiet else None),
-                phase=t.phase if t else None,
-                phase_at=t.phase_at if t else None,
-                phase_bytes=t.phase_bytes if t else 0,
-                last_seen_at=t.last_seen_at if t else None,
-                nonfinite_step=t.nonfinite_step if t else None,
-                busy_recent_s=t.busy_recent if t else (),
-                first_step=t.first_step if t else None,
-                **_fatal(output, proc.rank),
+                process=proc.process, node_up=node_up, reported_exit_code=t.exit_code,
+                reported_reason=t.exit_reason, reported_exit_at=t.exit_at, lost=lost,
+                node_seen_at=agent.last_seen_at if agent else None, dead_since=dead_since,
+                last_step=t.last_step if t.last_step > floor_step else floor_step, progress_at=progress_at,
+                phase=t.phase, phase_at=t.phase_at, phase_bytes=t.phase_bytes, last_seen_at=t.last_seen_at,
+                nonfinite_step=t.nonfinite_step, busy_recent_s=t.busy_recent, first_step=t.first_step,
+                fatal_line=said.line if said else "", fatal_kind=said.kind if said else "",
             ))
         result = self._result(run, spec, run_dir, live, ranks) if spec else None
         p99, samples = self.telemetry.step_time_p99(run.run_id, live.number)
@@ -452,10 +449,7 @@ class Observer:
         return step, _latest(step_seen_at, output_at)
 
 
-def _fatal(output: AttemptOutput | None, rank: int) -> dict[str, str]:
-    """A rank's fatal line from its output, as RankObs fields (none: empty)."""
-    fatal = output.fatal.get(rank) if output is not None else None
-    return {"fatal_line": fatal.line, "fatal_kind": fatal.kind} if fatal else {}
+_ENDED = (ProcState.EXITED, ProcState.VANISHED)
 
 
 def _latest(*times: float | None) -> float | None:

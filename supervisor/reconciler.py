@@ -22,7 +22,11 @@ the attempt's processes by their marker, or learns that none exist, and never st
 a second copy.
 
 The tick runs on a worker thread of its own (supervisor/daemon.py), never on the event
-loop that serves the broker, the telemetry link and the API.
+loop that serves the broker, the telemetry link and the API. Both share the
+interpreter, so a tick may take at most ``TICK_DUTY`` of the time (``pause_after``): a
+tick that takes longer than that share of ``tick_s`` (an attempt of tens of thousands
+of ranks) lengthens the period rather than running back to back and leaving telemetry
+unread (bench/scale.py).
 """
 
 from __future__ import annotations
@@ -50,6 +54,14 @@ from supervisor.store import SqlStore
 from supervisor.telemetry import TelemetryView
 
 log = logging.getLogger(__name__)
+
+TICK_DUTY = 0.25  # the share of the time the ticks may take; the rest is telemetry's
+
+
+def pause_after(tick_s: float, took_s: float) -> float:
+    """How long to wait after a tick that took ``took_s`` before the next: what is left of
+    ``tick_s``, and never less than keeps the ticks to TICK_DUTY of the time."""
+    return max(tick_s - took_s, took_s * (1 - TICK_DUTY) / TICK_DUTY)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -48,7 +48,6 @@ import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 
 import aiomqtt
@@ -130,9 +129,10 @@ class AgentSeen:
     lost_at: float | None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class RankSeen:
-    """A copy of one rank's telemetry, for the reconciler's thread."""
+    """A copy of one rank's telemetry, for the reconciler's thread (made for every rank on
+    every tick, so not frozen, which triples its cost: nobody changes a copy)."""
 
     node: str | None
     pid: int | None
@@ -149,6 +149,12 @@ class RankSeen:
     nonfinite_step: int | None
     first_step: int | None
     busy_recent: tuple[float, ...]  # its newest busy times, oldest first
+
+
+NOTHING_HEARD = RankSeen(  # a rank never heard
+    node=None, pid=None, last_seen_at=None, last_step=0, progress_at=None, phase=None, phase_at=None,
+    phase_bytes=0, exit_code=None, exit_reason="", exit_at=None, lost=False, nonfinite_step=None,
+    first_step=None, busy_recent=())
 
 
 @dataclass(frozen=True, slots=True)
@@ -523,7 +529,7 @@ class TelemetryView:
                 exit_code=r.exit_code, exit_reason=r.exit_reason,
                 exit_at=r.exit_at, lost=r.lost,
                 nonfinite_step=r.nonfinite_step, first_step=r.first_step,
-                busy_recent=tuple(islice(r.busy_times, max(0, len(r.busy_times) - busy_window), None)))
+                busy_recent=_newest(r.busy_times, busy_window))
                 for number, r in self._ranks.get((run_id, attempt), {}).items()}
 
     def agents(self, run_id: str, attempt: int) -> dict[str, AgentSeen]:
@@ -581,6 +587,11 @@ class TelemetryView:
             if len(self._ended) > _ENDED_KEPT:
                 del self._ended[next(iter(self._ended))]
 
+
+
+def _newest(values: deque[float], count: int) -> tuple[float, ...]:
+    """The newest ``count`` of ``values``, oldest first."""
+    return tuple(values)[max(0, len(values) - count):] if values else ()
 
 # A broker that comes back is heard again within this (a local reconnect attempt is cheap).
 LINK_MAX_BACKOFF_S = 1.0

@@ -5,8 +5,10 @@ In the order they are judged (the first that holds is the fault):
 - a rank died (``attribute`` says whom it blames), once every rank is gone or
   ``fault_settle_s`` after the first death was seen: processes of one node killed
   together are not reaped together; while ranks nothing can see remain (no telemetry,
-  unknown to the launcher), up to ``silence_timeout_s``, for the cluster to say whether
-  their node died (``with_failed_nodes``);
+  unknown to the launcher, no node agent heard), up to ``silence_timeout_s``, for the
+  cluster to say whether their node died (``with_failed_nodes``). A node that fell
+  silent before the deaths (cut off, frozen: its peers die of it) is judged first, by
+  the silence rule below, waiting up to ``silence_timeout_s`` for it;
 - a resumed trainer whose first step is not after the checkpoint it resumed from (it
   did not load it, or loaded another): the run fails, never retried from step zero;
 - a resumed reference trainer whose first step's loss differs from the one reported for
@@ -54,6 +56,7 @@ from supervisor.policy.attribution import (
     attribute,
     by_node,
     cut_off_together,
+    gone,
     held_nodes,
     is_dead,
     ranks_text,
@@ -69,6 +72,11 @@ def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fin
         first_seen = min(r.dead_since if r.dead_since is not None else now for r in dead)
         if now - first_seen < view.run.policy.fault_settle_s and not all_gone(obs):
             return None  # let ranks that die together (a node) show themselves first
+        silent = _find_silent_node(view, live, obs, now, step)
+        if silent is not None:
+            return silent  # the node that fell silent is why its peers died
+        if _silent_before(obs, now) and now - first_seen < view.run.policy.silence_timeout_s:
+            return None  # a node went quiet before these deaths: its silence is judged first
         unseen = obs.unheard and any(r.proc is ProcState.UNKNOWN and r.node_seen_at is None
                                      for r in obs.ranks)
         if unseen and now - first_seen < view.run.policy.silence_timeout_s:
@@ -302,6 +310,17 @@ def _node_going_silent(view: RunView, obs: AttemptObs, now: float) -> bool:
     heard = [n for n, q in quiet_for.items() if q <= STALL_GAP_S]
     limit = view.run.policy.silence_timeout_s + STALL_GAP_S
     return bool(heard) and any(STALL_GAP_S < q <= limit for q in quiet_for.values())
+
+
+def _silent_before(obs: AttemptObs, now: float) -> bool:
+    """Some node, none of whose ranks is gone, unheard (ranks and agent) for STALL_GAP_S
+    while another node is heard: cut off or frozen, most likely the cause of its peers'
+    deaths. A node whose own ranks ended is no such node: their silence is their death."""
+    by = by_node(obs.ranks)
+    quiet_for = {n: now - max(r.heard_at or 0.0 for r in rs) for n, rs in by.items()}
+    heard = [n for n, q in quiet_for.items() if q <= STALL_GAP_S]
+    return bool(heard) and any(q > STALL_GAP_S and not any(gone(r) or is_dead(r) for r in by[n])
+                               for n, q in quiet_for.items())
 
 
 def _all_cut_off(view: RunView, obs: AttemptObs, now: float) -> bool:

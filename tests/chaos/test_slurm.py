@@ -339,6 +339,19 @@ def test_every_node_cut_off_briefly_is_the_network_nothing_is_drained_and_traini
 TRAIN_SH = REPO / "tests" / "standins" / "train.sh"
 
 
+def train_sh_spec(tmp_path: Path) -> Path:
+    """`srun ./train.sh` of the FSDP test case's stand-in: 2 nodes of 2 ranks and a spare."""
+    argv = [str(TRAIN_SH), str(FSDP_TEST_CASE), *FSDP_TRAIN, "--checkpoint_dir={checkpoint_dir}",
+            "--out={run_dir}/final.pt", "--fault_dir={run_dir}"]
+    return command_spec(tmp_path / "train-sh.toml", "train-sh", argv, launch="node",
+                        resources={"launcher": "slurm", "nodes": 2, "ranks_per_node": 2, "spares": 1},
+                        policy={"hang_floor_s": 10, "hang_timeout_s": 120},
+                        resume=["--resume_from_checkpoint={checkpoint_dir}"], checkpoint_layout="dcp",
+                        steps=FSDP_STEPS, env={"TORCHRUN": str(Path(sys.executable).parent / "torchrun"),
+                                               "PROCESSES_PER_NODE": "{nproc_per_node}",
+                                               "GLOO_SOCKET_IFNAME": "eth0"})
+
+
 def test_a_train_sh_job_recovers_from_a_killed_rank_its_first_nodes_loss_and_a_hung_rank(
         slurm_box: Box, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsdp_never_failed: dict[str, Any]) -> None:
     """`srun ./train.sh`, one task per node: torchrun with --nnodes $SLURM_NTASKS --node_rank
@@ -350,23 +363,14 @@ def test_a_train_sh_job_recovers_from_a_killed_rank_its_first_nodes_loss_and_a_h
 
     A chaos scenario (`make chaos`; drawn into `make test` by the rotating seed): the blame
     for the first node's loss depends on timing and is not yet stable (its own issue)."""
-    import sys
-
     monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
-    argv = [str(TRAIN_SH), str(FSDP_TEST_CASE), *FSDP_TRAIN, "--checkpoint_dir={checkpoint_dir}",
-            "--out={run_dir}/final.pt", "--fault_dir={run_dir}"]
-    spec = command_spec(tmp_path / "train-sh.toml", "train-sh", argv, launch="node",
-                        resources={"launcher": "slurm", "nodes": 2, "ranks_per_node": 2, "spares": 1},
-                        policy={"hang_floor_s": 10, "hang_timeout_s": 120},
-                        resume=["--resume_from_checkpoint={checkpoint_dir}"], checkpoint_layout="dcp",
-                        steps=FSDP_STEPS, env={"TORCHRUN": str(Path(sys.executable).parent / "torchrun"),
-                                               "PROCESSES_PER_NODE": "{nproc_per_node}",
-                                               "GLOO_SOCKET_IFNAME": "eth0"})
+    spec = train_sh_spec(tmp_path)
     state = tmp_path / "state"
     proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "kill-rank@12:3", "--chaos",
                 "kill-node@25:0", "--chaos", "hang-rank@45:1", timeout_s=520)
     s = summary_of(proc)
     assert s["state"] == "SUCCEEDED", s
+    assert len(s["faults"]) == 3, [(f["kind"], f["nodes"], f["summary"]) for f in s["faults"]]
     killed, lost, hung = s["faults"]
     assert killed["kind"] == "rank-exit" and 3 in killed["ranks"], killed
     assert (lost["kind"], lost["nodes"]) == ("node-lost", ["node1"]), lost
@@ -386,3 +390,27 @@ def test_a_train_sh_job_recovers_from_a_killed_rank_its_first_nodes_loss_and_a_h
     times = {f["kind"]: (round(f["detected_at"] - f["injected_at"], 2), round(f["recovered_at"] - f["injected_at"], 2))
              for f in s["faults"]}
     print(json.dumps({"detect_and_recover_s": times}))
+
+
+def test_a_train_sh_node_cut_off_is_found_by_its_agents_silence_with_slurm_none_the_wiser(
+        slurm_box: Box, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsdp_never_failed: dict[str, Any]) -> None:
+    """The train.sh job sends no telemetry of its own. node2's link goes down for 30 s at
+    step 25, with Slurm's SlurmdTimeout at its default 300 s: Slurm says nothing of node2
+    for minutes, its processes live on, cut off. Its node agent's silence finds it within
+    silence_timeout_s (10 s) + 2 s: drained, resumed on the spare, the same weights."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
+    slurm_box_mod.set_slurmd_timeout(slurm_box, 300)
+    state = tmp_path / "state"
+    proc = tsup("run", train_sh_spec(tmp_path), "--state-dir", state, "--json", "--chaos", "partition-node@25/30",
+                timeout_s=520)
+    s = summary_of(proc)
+    assert s["state"] == "SUCCEEDED", s
+    assert len(s["faults"]) == 1, [(f["kind"], f["nodes"], f["summary"]) for f in s["faults"]]
+    [fault] = s["faults"]
+    assert (fault["kind"], fault["nodes"]) == ("node-lost", ["node2"]), fault
+    assert "its agent and every rank" in fault["summary"], fault["summary"]
+    assert fault["detected_at"] - fault["injected_at"] <= 10 + 2.0, fault
+    assert s["drained_nodes"] == ["node2"]
+    assert [a["nodes"] for a in s["attempt_history"]] == [["node1", "node2"], ["node1", "node3"]]
+    assert_same_weights(state / "runs" / "run-1" / "final.pt", fsdp_never_failed)
+    print(json.dumps({"detected_s": round(fault["detected_at"] - fault["injected_at"], 2)}))

@@ -227,11 +227,11 @@ def test_scale_bench_prints_its_figures_at_a_tiny_size() -> None:
     assert_keys(report, "cpu_cores quick ranks_per_node connections_max step_s heartbeat_hz tick_s window_s "
                         "warmup_s prefill policy aggregate mosquitto scaled_to results", "top level")
     assert report["policy"] == {"hang_floor_s": 0.5, "hang_k": 3.0, "silence_timeout_s": 2.0}
-    assert report["aggregate"] == ["rank", "node"]
+    assert report["aggregate"] == ["rank", "node", "agent"]
     [result] = report["results"]
-    assert_keys(result, "ranks nodes summary rank node", "results[0]")
+    assert_keys(result, "ranks nodes summary rank node agent", "results[0]")
     assert (result["ranks"], result["nodes"]) == (16, 2)
-    for variant in ("rank", "node"):
+    for variant in ("rank", "node", "agent"):
         assert_keys(result["summary"][variant], "received_ratio lag_p99_ms supervisor_cpu_pct saturated "
                                                 "hang_latency_s node_lost_latency_s unexpected_faults",
                     f"summary.{variant}")

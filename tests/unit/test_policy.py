@@ -1127,3 +1127,24 @@ def test_a_node_whose_agent_falls_silent_is_lost_for_a_trainer_that_says_nothing
     # Every agent silent at once is the broker or the link, not the nodes.
     all_quiet = [replace(r, node_seen_at=NOW - 12) for r in ranks]
     assert not of(decide(view(run(), (attempt(),)), obs(*all_quiet, unheard=True), NOW), DrainNode)
+
+
+def test_peers_dying_after_a_node_fell_silent_wait_for_its_silence_to_be_judged() -> None:
+    """n1 is cut off (its agent unheard for 6 s); then n2's ranks exit 1 (their peer is
+    gone). Blaming n2 now would drain nothing and keep n1: the deaths wait, up to
+    silence_timeout_s, and n1's silence, once past the limit, is the fault."""
+    quiet = [rank(r, ProcState.UNKNOWN, node_seen_at=NOW - 6) for r in (0, 1)]
+    peers = [rank(r, ProcState.EXITED, exit_code=1, node_seen_at=NOW - 0.5, dead_since=NOW - 3) for r in (2, 3)]
+    assert not of(decide(view(run(), (attempt(),)), obs(*quiet, *peers, unheard=True), NOW), RecordFault)
+    later = NOW + 5
+    quiet = [replace(r, node_seen_at=NOW - 6) for r in quiet]
+    peers = [replace(r, node_seen_at=later - 0.5) for r in peers]
+    effects = decide(view(run(), (attempt(),)), obs(*quiet, *peers, unheard=True), later)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n1",)
+    assert [d.node for d in of(effects, DrainNode)] == ["n1"]
+    # A node whose own ranks died is silent because they did: no wait for it.
+    crashed = [rank(r, ProcState.EXITED, exit_code=1, last_seen_at=NOW - 6, dead_since=NOW - 3) for r in (0, 1)]
+    heard = [rank(r, last_seen_at=NOW - 0.5) for r in (2, 3)]
+    [fault] = of(decide(view(run(), (attempt(),)), obs(*crashed, *heard), NOW), RecordFault)
+    assert fault.kind is FaultKind.RANK_EXIT
