@@ -18,9 +18,15 @@ What it does:
   (``[telemetry] aggregate = "node"``, trainer/slots.py) it reads every slot and carries
   them in that report, so the controller receives one message per node and interval;
   the trainer's local rank 0 then sends none (``TSUP_NODE_AGENT=1``).
+- **Fencing.** It listens for its attempt's fence (trainer/protocol.py: published,
+  retained, once the attempt has ended) and, on an authentic one, SIGKILLs every
+  process of the attempt left on its node (this user's processes carrying the attempt's
+  ``TSUP_MARKER``: ranks the launcher could no longer reach, such as those of a node
+  cut off while its attempt ended), then ends. A node that comes back from a partition
+  reconnects, reads the retained fence, and stops training beside the next attempt.
 
-It never ends on its own: it runs until the launcher stops it (SIGTERM or SIGINT: a
-clean disconnect, so no last will) or kills it with its node. An environment it cannot
+It never ends on its own but on a fence: it runs until the launcher stops it (SIGTERM
+or SIGINT: a clean disconnect, so no last will) or kills it with its node. An environment it cannot
 use (no broker URL, a bad key) is logged, and it stays a silent node process: the
 launcher watches it as the node's own life either way.
 
@@ -51,10 +57,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from trainer import protocol
 from trainer.errors import UsageError
 from trainer.slots import default_slots_dir, read_file, report_fields, slot_path
-from trainer.telemetry import Identity, Telemetry, broker_from_env, settings_from_env
+from trainer.telemetry import Broker, Identity, Telemetry, broker_from_env, settings_from_env
 
 log = logging.getLogger("supervisor.agent")
 
@@ -70,6 +78,7 @@ class AgentSettings:
     node: str  # the node as the cluster names it, in every report
     slots: Path  # the node's slot file, where the trainer keeps one
     interval_s: float
+    marker: str  # TSUP_MARKER: what every process of the attempt carries ("" when not given)
 
 
 def settings_from(environ: Mapping[str, str]) -> AgentSettings:
@@ -88,16 +97,20 @@ def settings_from(environ: Mapping[str, str]) -> AgentSettings:
     slots = slot_path(default_slots_dir(environ), identity.run, identity.attempt, identity.node,
                       environ.get("MASTER_PORT", ""))
     node = environ.get("TSUP_NODE") or environ.get("SLURMD_NODENAME") or identity.node
-    return AgentSettings(identity=identity, index=int(raw), node=node[:64], slots=slots, interval_s=interval)
+    return AgentSettings(identity=identity, index=int(raw), node=node[:64], slots=slots, interval_s=interval,
+                         marker=environ.get("TSUP_MARKER", ""))
 
 
 class AgentLink(Telemetry):
     """The agent's sender: the trainer's telemetry connection (sealing, reconnects, the
     supervisor's presence) speaking for a node instead of a rank."""
 
-    def __init__(self, settings: AgentSettings, broker: Any) -> None:
+    def __init__(self, settings: AgentSettings, broker: Broker, wake: threading.Event) -> None:
         super().__init__(settings.identity, broker, heartbeat_interval_s=settings.interval_s)
         self.settings = settings
+        self.broker = broker
+        self.fenced: str | None = None  # the fence's reason, once an authentic one came
+        self._wake = wake
 
     def _header(self) -> dict[str, Any]:
         ident = self.settings.identity
@@ -118,6 +131,21 @@ class AgentLink(Telemetry):
     def _last_word(self, exit_code: int, final_step: int, reason: str) -> protocol.Message | None:
         return None  # a clean disconnect is its goodbye: the broker drops its will
 
+    def _subscriptions(self) -> list[str]:
+        ident = self.settings.identity
+        return [protocol.fence_topic(self.broker.cluster, ident.run, ident.attempt)]
+
+    def _on_control(self, topic: str, payload: bytes) -> None:
+        ident = self.settings.identity
+        key = self.broker.key
+        if key is None:
+            return  # unsealed telemetry: no fence can be told from a forgery
+        reason = protocol.fence_reason(payload, topic, key=key, cluster=self.broker.cluster, run=ident.run,
+                                       attempt=ident.attempt)
+        if reason is not None:
+            self.fenced = reason
+            self._wake.set()
+
     def report(self) -> protocol.AgentReport:
         """The node now: alive, with its ranks' slots (none where the trainer keeps no slot file)."""
         fields = report_fields(read_file(self.settings.slots), time.time())
@@ -125,8 +153,29 @@ class AgentLink(Telemetry):
                                     hostname=socket.gethostname()[:64], **fields)
 
 
+def fence(marker: str) -> list[int]:
+    """SIGKILL every process of this user's that carries ``marker`` (TSUP_MARKER) but this
+    one: what is left of a fenced attempt on this node. The pids signalled."""
+    me, uid = os.getpid(), os.geteuid()
+    killed: list[int] = []
+    if not marker:
+        return killed
+    for proc in psutil.process_iter(["pid", "uids"]):
+        try:
+            if proc.pid == me or proc.info["uids"] is None or proc.info["uids"].real != uid:
+                continue
+            if proc.environ().get("TSUP_MARKER") != marker:
+                continue
+            proc.send_signal(signal.SIGKILL)
+            killed.append(proc.pid)
+        except psutil.Error:
+            continue
+    return killed
+
+
 def run(environ: Mapping[str, str], stop: threading.Event) -> int:
-    """Report until ``stop`` is set; 0. With an environment it cannot use, wait for ``stop`` silently."""
+    """Report until ``stop`` is set or the attempt is fenced; 0. With an environment it
+    cannot use, wait for ``stop`` silently."""
     try:
         settings = settings_from(environ)
         broker = broker_from_env(environ)
@@ -138,12 +187,16 @@ def run(environ: Mapping[str, str], stop: threading.Event) -> int:
         log.warning("node agent: no TSUP_MQTT_URL; staying up without reporting")
         stop.wait()
         return 0
-    link = AgentLink(settings, broker)
+    link = AgentLink(settings, broker, stop)
     link.start()
     log.info("node agent for %s attempt %d, node %s (index %d): reporting every %.2g s",
              settings.identity.run, settings.identity.attempt, settings.node, settings.index,
              settings.interval_s)
     stop.wait()
+    if link.fenced is not None:
+        killed = fence(settings.marker)
+        log.info("fenced (%s): SIGKILL to %d process(es) of the attempt on this node%s", link.fenced,
+                 len(killed), f" ({', '.join(map(str, killed))})" if killed else "")
     # A clean goodbye: the broker discards the will, so stopping the agent is no node loss.
     link.close(exit_code=0, final_step=0, reason="stopped", timeout_s=2.0)
     return 0

@@ -20,14 +20,15 @@ publishes and subscribes only where its list says (``<c>``: the daemon's cluster
 
     supervisor   the daemon itself; its password is made on the first start and kept in
                  <state dir>/broker-password (0600). Reads tsup/v1/<c>/telemetry/#;
-                 writes tsup/v1/<c>/events/# and its presence tsup/v1/<c>/supervisor, the
-                 one message this broker retains.
+                 writes tsup/v1/<c>/events/#, the fences of ended attempts
+                 (tsup/v1/<c>/control/#) and its presence tsup/v1/<c>/supervisor, the
+                 only messages this broker retains.
     reader       a dashboard; its password is the API's read-only token. Reads the
                  event log, the telemetry and the presence; writes nothing.
     <c>/<run>/<attempt>  that attempt's ranks (trainer/protocol.py: attempt_login, its
                  password derived from the telemetry secret, handed to its ranks in
                  their environment). Writes tsup/v1/<c>/telemetry/<run>/<attempt>/+/+,
-                 reads the presence; nothing else.
+                 reads the presence and its own attempt's fence; nothing else.
 
 amqtt cannot be told most of this, so the broker is amqtt's with its connection step
 replaced (``_admit``). amqtt drops or takes over the session that holds a client id
@@ -145,9 +146,11 @@ class BrokerAccess:
             if not _same(password, self._passwords[username]):
                 return None
             if username == SUPERVISOR_USER:
+                fences = protocol.fence_filter(c)
                 return Account(username, lambda cid: cid.startswith(_SUPERVISOR_IDS),
-                               publish=(f"tsup/v1/{c}/events/#", presence),
-                               subscribe=(protocol.topic_filter(c),), retain=(presence,), max_packet=None)
+                               publish=(f"tsup/v1/{c}/events/#", presence, fences),
+                               subscribe=(protocol.topic_filter(c),), retain=(presence, fences),
+                               max_packet=None)
             return Account(username, lambda cid: not cid.startswith((_SUPERVISOR_IDS, "tsup-")),
                            subscribe=(f"tsup/v1/{c}/events/#", protocol.topic_filter(c), presence))
         attempt = protocol.attempt_of_login(username)
@@ -157,7 +160,8 @@ class BrokerAccess:
         if not _same(password, protocol.attempt_login(self._secret, c, run, number)[1]):
             return None
         return Account(username, lambda cid: protocol.attempt_of_client_id(cid) == (run, number),
-                       publish=(f"tsup/v1/{c}/telemetry/{run}/{number}/+/+",), subscribe=(presence,))
+                       publish=(f"tsup/v1/{c}/telemetry/{run}/{number}/+/+",),
+                       subscribe=(presence, protocol.fence_topic(c, run, number)))
 
     def refusal(self, account: Account | None, *, client_id: str, clean_session: bool,
                 will: tuple[str, bool] | None, holder: str | None) -> str | None:

@@ -50,7 +50,7 @@ from supervisor.broker import (
     EmbeddedBroker,
     broker_addresses,
 )
-from supervisor.domain import LIVE_ATTEMPT_STATES
+from supervisor.domain import LIVE_ATTEMPT_STATES, EventRecord, run_id_of
 from supervisor.domain.events import EventKind
 from supervisor.errors import StateDirLocked, StoreError, SupervisorError
 from supervisor.launchers.base import ChaosHooks, Launcher, NodeAdmin, waiting_standbys
@@ -73,7 +73,7 @@ from supervisor.token_file import (
     ensure_token,
 )
 from supervisor.views import DaemonHealth
-from trainer.protocol import parse_broker_url
+from trainer.protocol import attempt_key, encode_fence, parse_broker_url
 
 log = logging.getLogger(__name__)
 
@@ -427,10 +427,26 @@ class Daemon:
             body = {"id": e.id, "ts": e.ts, "kind": e.kind, "message": e.message, "data": e.data}
             if not await self.link.publish(topic, json.dumps(body).encode()):
                 break
+            fence = self._fence_of(e)
+            if fence is not None and not await self.link.publish(*fence, retain=True):
+                break
             published.append(e.id)
         with self.store.tx() as tx:
             tx.mark_published(published)
         return len(published), len(published) == len(events) and len(events) < _OUTBOX_BATCH
+
+    def _fence_of(self, e: EventRecord) -> tuple[str, bytes] | None:
+        """For an attempt that ended: its fence (trainer/protocol.py), retained, for its node
+        agents to end whatever of it is left on their nodes; None for any other event."""
+        secret = self.telemetry.secret
+        attempt = e.data.get("attempt")
+        if e.kind != EventKind.ATTEMPT_ENDED or secret is None or not e.run_number:
+            return None
+        if not isinstance(attempt, int):
+            return None
+        run_id = run_id_of(e.run_number)
+        key = attempt_key(secret, self.cluster_id, run_id, attempt)
+        return encode_fence(run_id, attempt, e.message, key=key, cluster=self.cluster_id)
 
     async def _flush_outbox(self) -> int:
         """Publish until the outbox is empty (the caller bounds the time)."""

@@ -684,12 +684,12 @@ class MqttLink:
     def connected(self) -> bool:
         return self._client is not None
 
-    async def publish(self, topic: str, payload: bytes) -> bool:
+    async def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> bool:
         client = self._client
         if client is None:
             return False
         try:
-            await client.publish(topic, payload, qos=1)
+            await client.publish(topic, payload, qos=1, retain=retain)
         except aiomqtt.MqttError:
             return False
         return True

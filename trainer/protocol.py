@@ -49,6 +49,16 @@ heartbeat interval (``AgentReport``: the node is alive, whatever its trainer say
 the slots of its ranks where the trainer aggregates per node) and leaves ``agent_lost``
 as its last will: the node's own word that it went, for any trainer.
 
+Fences go the other way. Once an attempt has ended, the supervisor publishes, retained,
+a ``fence`` on ``tsup/v1/<cluster>/control/<run>/<attempt>/fence``: a JSON object
+``{"v", "kind": "fence", "run", "attempt", "reason", "mac"}`` sealed with the attempt's
+key like the ranks' messages (``encode_fence``). Each of the attempt's node agents
+subscribes to it and, on an authentic one (``fence_reason``), ends whatever of the
+attempt is left on its node: ranks the launcher could no longer reach (a node cut off
+while its attempt ended), which would otherwise train on, and write, beside the next.
+Only the supervisor and the attempt's own ranks hold the key: a forged fence is
+ignored, and a rank can at most fence its own attempt.
+
 Authenticity. Anyone who can publish to the broker could otherwise make the supervisor
 act (a NaN loss rolls a run back, a last will drains a node), so every message is sealed
 with the attempt's key, which only the attempt's ranks hold (``TSUP_TELEMETRY_KEY``, in
@@ -376,6 +386,49 @@ PRESENCE_WAIT_S = 10.0  # a rank holds its buffer this long for a supervisor tha
 def presence_topic(cluster: str = DEFAULT_CLUSTER) -> str:
     """The supervisor's retained presence (see the module docstring)."""
     return f"tsup/v1/{cluster}/supervisor"
+
+
+def fence_topic(cluster: str, run: str, attempt: int) -> str:
+    """Where the supervisor fences an attempt that has ended (see the module docstring)."""
+    return f"tsup/v1/{cluster}/control/{run}/{attempt}/fence"
+
+
+def fence_filter(cluster: str) -> str:
+    """Every attempt's fence topic of ``cluster``: what the supervisor may publish on."""
+    return f"tsup/v1/{cluster}/control/#"
+
+
+def encode_fence(run: str, attempt: int, reason: str, *, key: bytes,
+                 cluster: str = DEFAULT_CLUSTER) -> tuple[str, bytes]:
+    """(topic, payload) of the attempt's fence, sealed with its key."""
+    topic = fence_topic(cluster, run, attempt)
+    body = {"v": VERSION, "kind": "fence", "run": run, "attempt": attempt, "reason": reason[:_MAX_TEXT_LEN]}
+    signed = json.dumps(body, separators=(",", ":")).encode()
+    return topic, signed[:-1] + b',"mac":"' + mac_of(key, topic, signed).encode() + b'"}'
+
+
+def fence_reason(payload: bytes, topic: str, *, key: bytes, cluster: str, run: str,
+                 attempt: int) -> str | None:
+    """Why the attempt was fenced, when ``payload`` is its authentic fence on its own
+    topic; None for anything else (a forgery, another attempt's, an empty retained
+    message that cleared it)."""
+    if topic != fence_topic(cluster, run, attempt):
+        return None
+    found = _MAC.search(payload)
+    if found is None:
+        return None
+    signed = payload[:found.start()] + b"}"
+    if not hmac.compare_digest(mac_of(key, topic, signed), found.group(1).decode()):
+        return None
+    try:
+        body = json.loads(signed)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(body, dict) or (body.get("kind"), body.get("run"), body.get("attempt")) != (
+            "fence", run, attempt):
+        return None
+    reason = body.get("reason")
+    return reason if isinstance(reason, str) else ""
 
 
 def topic_filter(cluster: str = DEFAULT_CLUSTER) -> str:

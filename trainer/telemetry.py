@@ -61,7 +61,8 @@ Configuration comes from the environment the supervisor sets:
 
 Extending: a sender that is not a rank (the node agent) subclasses ``Telemetry`` and
 overrides the methods that say who it is: ``_header``, ``_will``, ``_hello``, ``_beat``,
-``_first_word`` and ``_last_word``; the connection, sealing, buffering and reconnects stay this class's.
+``_first_word`` and ``_last_word``, and hears the supervisor through ``_subscriptions``
+and ``_on_control``; the connection, sealing, buffering and reconnects stay this class's.
 """
 
 from __future__ import annotations
@@ -404,7 +405,7 @@ class Telemetry:
         client.on_pre_connect = self._on_pre_connect
         client.on_connect = self._on_connect
         client.on_connect_fail = self._on_connect_fail
-        client.on_message = self._on_presence
+        client.on_message = self._on_message
         client.on_disconnect = self._on_disconnect
         return client
 
@@ -433,12 +434,21 @@ class Telemetry:
         self._presence_since, self._supervisor_online = time.monotonic(), False
         assert self._broker is not None
         client.subscribe(protocol.presence_topic(self._broker.cluster), qos=0)
+        for topic in self._subscriptions():
+            client.subscribe(topic, qos=1)
         hello = self._hello()
         if hello is not None:
             self._publish(client, hello)
         self._connected.set()  # after the hello, so that it is this connection's first message
 
-    def _on_presence(self, _client: mqtt.Client, _userdata: Any, message: Any) -> None:
+    def _on_message(self, _client: mqtt.Client, _userdata: Any, message: Any) -> None:
+        assert self._broker is not None
+        if message.topic == protocol.presence_topic(self._broker.cluster):
+            self._on_presence(message)
+        else:
+            self._on_control(message.topic, bytes(message.payload))
+
+    def _on_presence(self, message: Any) -> None:
         """The supervisor's presence: ``online`` lets the buffer go; anything else (its will
         or clean stop cleared it) holds it again, for at most PRESENCE_WAIT_S."""
         online = message.payload == protocol.PRESENCE_ONLINE
@@ -523,6 +533,13 @@ class Telemetry:
         """Published by ``close``, last: a rank's Exit."""
         return protocol.Exit(**self._header(), exit_code=exit_code, final_step=final_step,
                              reason=reason[:2000])
+
+    def _subscriptions(self) -> list[str]:
+        """Topics the supervisor speaks to this sender on, beside its presence (a rank: none)."""
+        return []
+
+    def _on_control(self, topic: str, payload: bytes) -> None:
+        """A message on one of ``_subscriptions`` (paho's thread: return quickly)."""
 
     def _beat(self) -> protocol.Message | None:
         """What goes out every heartbeat interval. Per rank: a Heartbeat. Aggregated: local

@@ -28,6 +28,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from supervisor.daemon import Cluster, Daemon, DaemonSettings
+from supervisor.domain import Policy
 from supervisor.errors import SupervisorError
 from supervisor.spec import parse_spec
 from supervisor.token_file import READ_TOKEN_FILE_NAME, TELEMETRY_SECRET_NAME, ensure_token
@@ -473,3 +474,32 @@ def test_a_message_replayed_after_a_daemon_restart_is_dropped(tmp_path: Path) ->
         assert counts.get("replay") == 1 and not counts.get("received"), counts
     finally:
         second.stop()
+
+
+def test_an_ended_attempts_fence_reaches_its_own_agents_only_and_cannot_be_forged(running: Running) -> None:
+    """The daemon fences an attempt once it ended (its outbox publishes the fence,
+    retained): the attempt's own account reads it, sealed with the attempt's key; another
+    attempt's account may not subscribe to it, and no rank may write one."""
+    with running.daemon.store.tx() as tx:
+        tx.add_event(None, "attempt.ended", "not a run's: no fence", {"attempt": 1}, time.time())
+    secret = (running.state / TELEMETRY_SECRET_NAME).read_text().strip().encode()
+    with running.daemon.store.tx() as tx:
+        run_number = tx.create_run(name="fenced", spec_json="{}", run_dir_root=running.state / "runs", nodes=1,
+                                   ranks_per_node=1, spares=0, total_steps=10, policy=Policy(), now=time.time()).number
+    assert run_number == 1
+    with running.daemon.store.tx() as tx:
+        tx.add_event(run_number, "attempt.ended", "attempt 2 ended FAILED at step 25: node-lost",
+                     {"attempt": 2, "outcome": "FAILED", "final_step": 25}, time.time())
+    fence = p.fence_topic(CLUSTER, "run-1", 2)
+    wait_for(lambda: fence in running.retained(), 10, "the fence, retained")
+    key = p.attempt_key(secret, CLUSTER, "run-1", 2)
+    assert p.fence_reason(running.retained()[fence], fence, key=key, cluster=CLUSTER, run="run-1",
+                          attempt=2) == "attempt 2 ended FAILED at step 25: node-lost"
+    own, other, forger = attack(running.port, {
+        **running.login("run-1", 2), "client_id": "tsup-run-1-2-n0-9", "subscribe": [fence], "linger": 2.0}, {
+        **running.login("run-1", 3), "client_id": "tsup-run-1-3-n0-9", "subscribe": [fence], "linger": 2.0}, {
+        **running.login("run-1", 3), "client_id": "tsup-run-1-3-0-9",
+        "publish": [{"topic": p.fence_topic(CLUSTER, "run-1", 3), "qos": 1, "retain": True}]})
+    assert own["granted"] == {fence: True} and [t for t, *_ in own["received"]] == [fence], own
+    assert other["granted"] == {fence: False} and other["received"] == [], other
+    assert p.fence_topic(CLUSTER, "run-1", 3) not in running.retained(), "a rank wrote a fence"

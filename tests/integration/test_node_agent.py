@@ -8,8 +8,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
 
 from supervisor.telemetry import MqttLink, TelemetryView
 from tests.conftest import Broker
@@ -114,3 +118,59 @@ def test_an_agent_with_an_environment_it_cannot_use_stays_up_and_silent(mosquitt
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_fence_ends_what_is_left_of_its_attempt_on_the_node_and_a_forged_one_nothing(
+        mosquitto: Broker, tmp_path: Path) -> None:
+    """The attempt has ended, but a rank of it lives on (its node was cut off while the
+    supervisor ended it). A forged fence, retained before the agent connects, changes
+    nothing; the authentic one (retained too: an agent back from a partition reads it on
+    reconnecting) has the agent SIGKILL the attempt's processes on its node, and only
+    those, and end."""
+    marker = str(tmp_path / "attempts" / "2" / "trainer.json")
+    env = {**node_env(mosquitto, tmp_path / "slots"), "TSUP_MARKER": marker}
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    leftover = subprocess.Popen(sleeper, env=env)
+    other = subprocess.Popen(sleeper, env={**env, "TSUP_MARKER": marker + ".next"})  # the next attempt's
+    key = p.attempt_key(SECRET, "it", "run-3", 2)
+    publisher = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="supervisor-test")
+    publisher.connect(mosquitto.host, mosquitto.port)
+    publisher.loop_start()
+    log = tmp_path / "agent.log"
+    procs = [leftover, other]
+    try:
+        forged = p.encode_fence("run-3", 2, "forged", key=b"not the key" * 3, cluster="it")
+        publisher.publish(*forged, qos=1, retain=True).wait_for_publish(5)
+        with open(log, "wb") as out:
+            procs.append(subprocess.Popen([sys.executable, "-m", "supervisor.agent"], env=env, stdout=out,
+                                          stderr=subprocess.STDOUT))
+        time.sleep(3.0)
+        assert leftover.poll() is None and procs[2].poll() is None, "a forged fence was obeyed"
+        genuine = p.encode_fence("run-3", 2, "attempt 2 ended FAILED at step 25: node-lost", key=key, cluster="it")
+        publisher.publish(*genuine, qos=1, retain=True).wait_for_publish(5)
+        assert leftover.wait(20) == -signal.SIGKILL
+        assert procs[2].wait(20) == 0, log.read_text()
+        assert other.poll() is None, "a process of another attempt was killed"
+        said = log.read_text()
+        assert "fenced (attempt 2 ended FAILED at step 25: node-lost): SIGKILL to 1 process(es)" in said, said
+    finally:
+        publisher.loop_stop()
+        publisher.disconnect()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def test_a_fence_is_authentic_only_for_its_own_attempt_and_topic() -> None:
+    key = p.attempt_key(SECRET, "it", "run-3", 2)
+    topic, payload = p.encode_fence("run-3", 2, "ended", key=key, cluster="it")
+    assert p.fence_reason(payload, topic, key=key, cluster="it", run="run-3", attempt=2) == "ended"
+    assert p.fence_reason(payload, topic, key=key, cluster="it", run="run-3", attempt=3) is None
+    assert p.fence_reason(payload, p.fence_topic("it", "run-3", 3), key=key, cluster="it", run="run-3",
+                          attempt=3) is None
+    other_key = p.attempt_key(SECRET, "it", "run-3", 3)
+    assert p.fence_reason(payload, topic, key=other_key, cluster="it", run="run-3", attempt=2) is None
+    assert p.fence_reason(b"", topic, key=key, cluster="it", run="run-3", attempt=2) is None  # cleared
+    tampered = payload.replace(b"ended", b"ENDED")
+    assert p.fence_reason(tampered, topic, key=key, cluster="it", run="run-3", attempt=2) is None

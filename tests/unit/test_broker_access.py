@@ -128,3 +128,17 @@ def test_a_ranks_login_comes_from_its_environment_over_the_urls() -> None:
     assert "pw" not in str(broker.url)
     broker = broker_from_env({"TSUP_MQTT_URL": "mqtts://site:site-pw@b:8883"})
     assert broker is not None and (broker.url.username, broker.url.password) == ("site", "site-pw")
+
+
+def test_fences_are_the_supervisors_to_retain_and_each_attempts_own_to_read() -> None:
+    """The supervisor fences an ended attempt (retained); that attempt's agents read it;
+    no account but the supervisor's writes one, and an attempt reads no other's."""
+    supervisor = ACCESS.account("supervisor", "sup-pass")
+    assert supervisor is not None
+    fence = p.fence_topic("c1", "run-1", 2)
+    assert supervisor.may_publish(fence) and supervisor.may_retain(fence)
+    rank = ACCESS.account(*p.attempt_login(SECRET, "c1", "run-1", 2))
+    assert rank is not None
+    assert rank.may_subscribe(fence) and not rank.may_publish(fence)
+    assert not rank.may_subscribe(p.fence_topic("c1", "run-1", 3)) and not rank.may_subscribe(p.fence_filter("c1"))
+    assert p.attempt_of_client_id(p.client_id("run-1", 2, "n0", 4242)) == ("run-1", 2), "its agent's id is its own"
