@@ -197,7 +197,8 @@ class Tap:
         """The run's messages of one kind (``protocol.Header``: of every kind), oldest first."""
         with self._lock:
             return [m for m in self._msgs if m.run == run and isinstance(m, kind)
-                    and (attempt is None or m.attempt == attempt) and (rank is None or m.rank == rank)]
+                    and (attempt is None or m.attempt == attempt)
+                    and (rank is None or getattr(m, "rank", None) == rank)]
 
     def steps(self, run: str, attempt: int | None = None) -> list[protocol.StepMetrics]:
         """Rank 0's step reports (one per step and attempt)."""

@@ -177,6 +177,7 @@ from supervisor.policy import decide, hang_limit
 from supervisor.reconciler import pause_after
 from supervisor.spec import RunSpec
 from supervisor.telemetry import STEP_TIMES_KEPT, MqttLink, TelemetryView
+from supervisor.tick_state import LaunchSpecs, RunMemory
 from trainer import protocol as p
 
 # The telemetry variants: every rank for itself, node reports from each node's local rank
@@ -520,7 +521,8 @@ class Judge:
         self.launcher = SlurmLikeLauncher()
         # Only the live attempt's observation is used: it reads the launcher and the telemetry
         # view, never the store nor the probes.
-        self.observer = Observer(None, self.launcher, view, None, mqtt_url=mqtt_url,  # type: ignore[arg-type]
+        self.observer = Observer(None, self.launcher, view, RunMemory(None),  # type: ignore[arg-type]
+                                 LaunchSpecs(view, mqtt_url=mqtt_url), probing=lambda _: False,
                                  clock=time.time)
         self.spec = RunSpec(name="scale", trainer={"steps": 10**9})
         self.run_dir = run_dir

@@ -144,7 +144,7 @@ class Feeder:
         self.keys: dict[int, bytes] = {}  # attempt -> its key
         self.seqs: dict[tuple[int, int], int] = {}  # (attempt, rank) -> the last sequence number used
 
-    def ingest(self, msg: p.Message) -> None:
+    def ingest(self, msg: p.RankMessage) -> None:
         """Sealed as a rank seals it (one connection per rank and attempt): the daemon's view
         drops unsealed messages."""
         view = self.daemon.telemetry

@@ -75,12 +75,18 @@ from supervisor.domain.events import EventKind
 from supervisor.errors import CannotExecute, LaunchError
 from supervisor.execute_nodes import NodeEffects
 from supervisor.launchers.base import AllocationRequest, Launcher, NodeAdmin
-from supervisor.observe import GrantChanges, Observed, Observer, grant_changes
 from supervisor.policy.transitions import check_attempt, check_run
-from supervisor.probes import ProbeScheduler
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore, Tx
 from supervisor.telemetry import TelemetryView
+from supervisor.tick_state import (
+    GrantChanges,
+    LaunchSpecs,
+    Observed,
+    ProbeSubmitter,
+    RunMemory,
+    grant_changes,
+)
 from supervisor.user_files import UnsafePath
 
 log = logging.getLogger(__name__)
@@ -88,16 +94,18 @@ log = logging.getLogger(__name__)
 
 class DecisionExecutor:
     def __init__(self, store: SqlStore, launcher: Launcher, nodes: NodeAdmin, telemetry: TelemetryView,
-                 probes: ProbeScheduler, observer: Observer, clock: Callable[[], float]) -> None:
+                 probes: ProbeSubmitter, memory: RunMemory, launch_specs: LaunchSpecs,
+                 clock: Callable[[], float]) -> None:
         self.store = store
         self.launcher = launcher
         self.nodes = nodes
         self.telemetry = telemetry
         self.probes = probes
-        self.observer = observer
+        self.memory = memory  # the run's memory between ticks: the reconciler's (tick_state.py)
+        self.launch_specs = launch_specs
         self.clock = clock
         self._short: dict[int, tuple[int, int] | None] = {}  # run -> last (asked, got) shortage said
-        self.node_effects = NodeEffects(store, nodes, probes, observer)
+        self.node_effects = NodeEffects(store, nodes, probes, memory)
 
     # --- a run's decision -----------------------------------------------------------
 
@@ -124,7 +132,7 @@ class DecisionExecutor:
                              f"checkpoint at step {v.step} fails verification: {v.why}",
                              {"step": v.step, "path": str(v.path)}, now)
         for path in seen.facts.out_of_range:
-            if self.observer.note_out_of_range(n, path):
+            if self.memory.note_out_of_range(n, path):
                 tx.add_event(n, EventKind.CHECKPOINT_SKIPPED,
                              f"{path}: its step is beyond what a run can reach; "
                              "not a checkpoint of this run, passed over", {"path": str(path)}, now)
@@ -269,10 +277,10 @@ class DecisionExecutor:
                 if info:
                     self.launcher.forget(info)
                 self.telemetry.forget(run.run_id, e.number)
-                self.observer.forget_attempt(run.number, e.number)
+                self.memory.forget_attempt(run.number, e.number)
             case Emit(kind=EventKind.SPIKE_TRANSIENT):
-                self.observer.spikes_said.setdefault((run.number, int(str(e.data["attempt"]))), set()).add(
-                    int(str(e.data["step"])))
+                said = self.memory.attempt(run.number, int(str(e.data["attempt"]))).spikes_said
+                said.add(int(str(e.data["step"])))
             case DrainNode() | ReturnNode() | RecordProbe() | ProbeAgain() | CommandHandled():
                 self.node_effects.act(e)
             case (Emit() | SetRunState() | FinishRun() | ResumeRun() | AdoptAttempt() | MarkAttemptRunning()
@@ -315,7 +323,7 @@ class DecisionExecutor:
                              f"asked for {count} nodes, holding {got}; waiting{why}",
                              {"asked": count, "got": got, "note": grant.note}, now)
             self._short[run.number] = short
-        self.observer.note_allocated(run.number, changes.added)
+        self.memory.note_allocated(run.number, changes.added)
 
     def _checkpoint_interval(self, run: Run, spec: RunSpec, now: float, tier: str) -> int:
         """``every_steps = "auto"`` (or ``memory_every_steps``, ``tier`` memory): Young/Daly
@@ -366,7 +374,7 @@ class DecisionExecutor:
             with self.store.tx() as tx:  # this tick may have changed it (an allocation granted)
                 run = tx.get_run(run.number)
                 skips = tx.list_data_skips(run.number)  # the data windows spikes made the run skip
-            launch = self.observer.launch_spec(run, spec, run_dir, attempt)
+            launch = self.launch_specs.of(run, spec, run_dir, attempt)
             if spec.resources.standby:  # kept on every healthy node the run holds, spares too
                 with self.store.tx() as tx:
                     held = tuple(x.name for x in tx.allocation(run.number) if x.state is NodeState.ALLOCATED)

@@ -33,11 +33,10 @@ from supervisor.domain import (
 from supervisor.domain.events import EventKind
 from supervisor.errors import LaunchError
 from supervisor.launchers.base import NodeAdmin
-from supervisor.observe import Observer
 from supervisor.policy.nodes import DRAINED_BY_US
-from supervisor.probes import ProbeScheduler
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore, Tx
+from supervisor.tick_state import ProbeSubmitter, RunMemory
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +46,11 @@ REPAIR_LOOK_S = 5.0  # how often nodes handed to the cluster's repair are looked
 
 
 class NodeEffects:
-    def __init__(self, store: SqlStore, nodes: NodeAdmin, probes: ProbeScheduler, observer: Observer) -> None:
+    def __init__(self, store: SqlStore, nodes: NodeAdmin, probes: ProbeSubmitter, memory: RunMemory) -> None:
         self.store = store
         self.nodes = nodes
         self.probes = probes
-        self.observer = observer
+        self.memory = memory
         self._repairs_looked_at = -REPAIR_LOOK_S
 
     def apply(self, effects: Sequence[NodeEffect | Emit], now: float) -> None:
@@ -99,7 +98,7 @@ class NodeEffects:
                 else:
                     drained = {x.name: x.reason for x in tx.nodes_named(e.nodes)
                                if x.state is NodeState.DRAINED}
-            spec = self.observer.spec(e.run_number)[0] if e.run_number is not None else None
+            spec = self.memory.spec(e.run_number)[0] if e.run_number is not None else None
             args = spec.health.args if isinstance(spec, RunSpec) else self.probes.sweep_args
             timeout_s = spec.health.timeout_s if isinstance(spec, RunSpec) else self.probes.sweep_timeout_s
             self.probes.submit(run_number=e.run_number, kind=e.kind, nodes=list(e.nodes),

@@ -9,8 +9,10 @@ records them with the decision's effects in one transaction. Adopting an unrecor
 attempt and killing a half-started one are decisions of the core: this module only
 reports what it found.
 
-The caches here (when a rank was first seen dead, a [command] trainer's last scan)
-are observations of this process, rebuilt after a restart.
+What it remembers between ticks (when a rank was first seen dead, a [command] trainer's
+last scan) it keeps in the run's memory (supervisor/tick_state.py), which the
+reconciler owns and the executor forgets an attempt from once it ended: observations of
+this process, rebuilt after a restart.
 """
 
 from __future__ import annotations
@@ -18,11 +20,9 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor import checkpoint_scan, output_progress, trainer_cmd
-from supervisor.checkpoint_scan import Verdict
 from supervisor.domain import (
     LIVE_ATTEMPT_STATES,
     TERMINAL_RUN_STATES,
@@ -35,8 +35,6 @@ from supervisor.domain import (
     FaultRecord,
     MemoryCheckpointRecord,
     MemoryCheckpointRef,
-    Node,
-    NodeState,
     ProcState,
     RankObs,
     Run,
@@ -45,17 +43,22 @@ from supervisor.domain import (
     StragglerReport,
     TrainerResult,
 )
-from supervisor.errors import SpecError
-from supervisor.launchers.base import Grant, Launcher, LaunchSpec
+from supervisor.launchers.base import Launcher
 from supervisor.output_progress import AttemptOutput
 from supervisor.policy import resume_before, unreadable_checkpoints
 from supervisor.policy.detection import STALL_GAP_S
-from supervisor.probes import ProbeScheduler
 from supervisor.settled import SettledHistory, is_over
-from supervisor.spec import RunSpec, spec_from_json
+from supervisor.spec import RunSpec
 from supervisor.store import SqlStore
 from supervisor.telemetry import NOTHING_HEARD, RankSeen, TelemetryView
-from trainer.protocol import KEY_ENV, PASSWORD_ENV, USERNAME_ENV, attempt_key, attempt_login
+from supervisor.tick_state import (
+    Facts,
+    LaunchSpecs,
+    Observed,
+    RunMemory,
+    allocation_after,
+    grant_changes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,91 +66,18 @@ _QUIET_SCAN_S = 2.0  # how often a [command] trainer's checkpoint directory is s
 _LAUNCHABLE = (RunState.PENDING, RunState.STARTING, RunState.RECOVERING)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GrantChanges:
-    """What a grant changes in the store's node records for one run."""
-
-    info: str | None
-    puts: tuple[Node, ...]  # node records to write
-    added: tuple[str, ...]  # nodes the run holds now and did not before
-    released: tuple[str, ...]  # nodes it held and holds no more
-
-
-def grant_changes(known: list[Node], run_number: int, grant: Grant) -> GrantChanges:
-    """Make the node records say what ``grant`` says the run holds (pure). A drained node
-    stays drained; a node held no more is idle again."""
-    by_name = {x.name: x for x in known}
-    puts: list[Node] = []
-    added: list[str] = []
-    for name in grant.nodes:
-        node = by_name.get(name)
-        if node is not None and node.state is NodeState.DRAINED:
-            continue  # ours, but out of service: it stays drained
-        if node is None or node.run_number != run_number or node.state is not NodeState.ALLOCATED:
-            puts.append(Node(name=name, state=NodeState.ALLOCATED, run_number=run_number))
-            added.append(name)
-    granted = set(grant.nodes)
-    gone = [x for x in known if x.run_number == run_number and x.name not in granted
-            and x.state is NodeState.ALLOCATED]
-    puts.extend(Node(name=x.name, state=NodeState.IDLE) for x in gone)
-    return GrantChanges(info=grant.info, puts=tuple(puts), added=tuple(added),
-                        released=tuple(x.name for x in gone))
-
-
-def allocation_after(known: list[Node], run_number: int, changes: GrantChanges | None) -> tuple[Node, ...]:
-    """The run's nodes (drained ones included) once ``changes`` are recorded."""
-    nodes = {x.name: x for x in known}
-    for x in changes.puts if changes else ():
-        nodes[x.name] = x
-    return tuple(sorted((x for x in nodes.values() if x.run_number == run_number), key=lambda x: x.name))
-
-
-@dataclass(slots=True, kw_only=True)
-class Facts:
-    """What observing learnt that the executor records with the decision."""
-
-    grant: GrantChanges | None = None
-    checkpoints: list[Verdict] = field(default_factory=list)  # the newest ok one, and newer failed ones
-    out_of_range: list[Path] = field(default_factory=list)  # checkpoint directories no step column holds
-
-
-@dataclass(slots=True, kw_only=True)
-class Observed:
-    """One run, as seen this tick."""
-
-    run: Run
-    spec: RunSpec | None  # None: the stored spec no longer validates (view.spec_error says why)
-    run_dir: Path
-    view: RunView
-    obs: AttemptObs | None
-    facts: Facts
-
-
 class Observer:
-    def __init__(self, store: SqlStore, launcher: Launcher, telemetry: TelemetryView, probes: ProbeScheduler,
-                 *, mqtt_url: str | None, clock: Callable[[], float],
-                 mqtt_ca_file: Path | None = None) -> None:
+    def __init__(self, store: SqlStore, launcher: Launcher, telemetry: TelemetryView, memory: RunMemory,
+                 launch_specs: LaunchSpecs, *, probing: Callable[[int], bool],
+                 clock: Callable[[], float]) -> None:
         self.store = store
         self.launcher = launcher
         self.telemetry = telemetry
-        self.probes = probes
-        self.mqtt_url = mqtt_url
-        self.mqtt_ca_file = mqtt_ca_file
+        self.memory = memory  # the run's memory between ticks: the reconciler's (tick_state.py)
+        self.launch_specs = launch_specs
+        self.probing = probing  # whether some of a run's nodes are being probed
         self.clock = clock
         self.history = SettledHistory()  # each run's ended attempts and recovered faults, decoded once
-        self._specs: dict[int, tuple[RunSpec | str, Path]] = {}  # run -> its spec (or why it is invalid)
-        self._dead_since: dict[tuple[int, int, int], float] = {}  # (run, attempt, rank) -> first seen dead
-        # (run, attempt) -> (checkpoint step, when first seen, when scanned): [command] trainers
-        self._quiet: dict[tuple[int, int], tuple[int, float | None, float]] = {}
-        self._output: dict[tuple[int, int], AttemptOutput] = {}  # (run, attempt) -> its output read so far
-        # (run, attempt) -> its expected first step and loss (_expected_first)
-        self._expected: dict[tuple[int, int], tuple[int, float] | None] = {}
-        self.spikes_said: dict[tuple[int, int], set[int]] = {}  # (run, attempt) -> short spikes reported
-        self._allocated: dict[int, list[str]] = {}  # run -> nodes an allocation gave it since the last look
-        self._out_of_range: set[tuple[int, str]] = set()  # (run, path) of checkpoints said to be out of range
-        # (run, attempt) -> when any of its ranks was last heard; when heard again after all fell silent
-        self._heard: dict[tuple[int, int], float] = {}
-        self._back_at: dict[tuple[int, int], float] = {}
         # A cluster whose newest answer is older than this is not answering (its controller
         # is down or hung): a poll every 0.5 s, a command's timeout 10 s.
         self.stale_after_s = 10.0
@@ -162,45 +92,11 @@ class Observer:
             for number in {c.run_number for c in commands} | tx.finished_runs_holding_resources():
                 if number not in busy:
                     runs.append(tx.get_run(number))
-        for number in [n for n in self._specs if n not in {r.number for r in runs}]:
-            del self._specs[number]
+        self.memory.keep_specs({r.number for r in runs})
         return [(r, [c for c in commands if c.run_number == r.number]) for r in runs]
 
-    def note_allocated(self, run_number: int, nodes: tuple[str, ...]) -> None:
-        """Nodes an allocation just gave the run: newly allocated in its next view."""
-        self._allocated.setdefault(run_number, []).extend(nodes)
-
-    def note_out_of_range(self, run_number: int, path: Path) -> bool:
-        """True the first time ``path`` is seen out of range (to say so once)."""
-        key = (run_number, str(path))
-        if key in self._out_of_range:
-            return False
-        self._out_of_range.add(key)
-        return True
-
-    def forget_attempt(self, run_number: int, attempt: int) -> None:
-        for key in [k for k in self._dead_since if k[:2] == (run_number, attempt)]:
-            del self._dead_since[key]
-        self._quiet.pop((run_number, attempt), None)
-        self._output.pop((run_number, attempt), None)
-        self._expected.pop((run_number, attempt), None)
-        self._heard.pop((run_number, attempt), None)
-        self._back_at.pop((run_number, attempt), None)
-        self.spikes_said.pop((run_number, attempt), None)
-
-    def spec(self, number: int) -> tuple[RunSpec | str, Path]:
-        """The run's stored spec, validated once; or why it no longer validates."""
-        if number not in self._specs:
-            with self.store.tx() as tx:
-                text, run_dir = tx.run_spec_and_dir(number)
-            try:
-                self._specs[number] = (spec_from_json(text), run_dir)
-            except SpecError as e:
-                self._specs[number] = (str(e), run_dir)
-        return self._specs[number]
-
     def observe(self, run: Run, commands: list[Command], now: float) -> Observed:
-        spec, run_dir = self.spec(run.number)
+        spec, run_dir = self.memory.spec(run.number)
         with self.store.tx() as tx:  # the settled part of the history decoded once, not every tick
             history = self.history.read(tx, run.number, over=is_over(run, now))
             attempts, faults = tuple(history.attempts), tuple(history.faults)
@@ -247,13 +143,13 @@ class Observer:
         view = RunView(
             run=run, attempts=attempts, allocation=allocation, newest_checkpoint=newest,
             newest_memory=newest_memory, commands=tuple(commands),
-            open_faults=open_faults, faults=faults, probing=self.probes.probing(run.number),
+            open_faults=open_faults, faults=faults, probing=self.probing(run.number),
             diagnose=isinstance(spec, RunSpec) and spec.health.diagnose, stragglers=stragglers,
             cluster_faults=cluster_faults, preflight=isinstance(spec, RunSpec) and spec.health.preflight,
-            newly_allocated=(*self._allocated.pop(run.number, ()),
+            newly_allocated=(*self.memory.take_allocated(run.number),
                              *(facts.grant.added if facts.grant else ())),
-            spikes_said=frozenset(self.spikes_said.get((run.number, live.number),
-                                                       ())) if live else frozenset(),
+            spikes_said=(frozenset(self.memory.attempt(run.number, live.number).spikes_said) if live
+                         else frozenset()),
             cluster_answering=answering, spec_error=spec if isinstance(spec, str) else None,
             exit_codes=spec.exit_meanings if isinstance(spec, RunSpec) else TSUP_EXIT_CODES)
         return Observed(run=run, spec=spec if isinstance(spec, RunSpec) else None, run_dir=run_dir, view=view,
@@ -269,29 +165,6 @@ class Observer:
 
     # --- the live attempt -----------------------------------------------------------
 
-    def launch_spec(self, run: Run, spec: RunSpec, run_dir: Path, a: Attempt) -> LaunchSpec:
-        """What starts (or what to look for of) an attempt: one description for both."""
-        config_path = trainer_cmd.config_path(run_dir, a.number)
-        env = {**trainer_cmd.attempt_env(spec, run_dir), **trainer_cmd.attempt_ids(run.run_id, a.number)}
-        if self.mqtt_url:
-            env["TSUP_MQTT_URL"] = self.mqtt_url
-            env["TSUP_CLUSTER"] = self.telemetry.cluster
-            if self.mqtt_ca_file is not None:
-                env["TSUP_MQTT_CA_FILE"] = str(self.mqtt_ca_file)
-            secret, cluster, run_id = self.telemetry.secret, self.telemetry.cluster, run.run_id
-            if secret is not None:  # the attempt's key (and login): its ranks' environment only
-                env[KEY_ENV] = attempt_key(secret, cluster, run_id, a.number).hex()
-                if self.telemetry.broker_logins:
-                    env[USERNAME_ENV], env[PASSWORD_ENV] = attempt_login(secret, cluster, run_id, a.number)
-        return LaunchSpec(
-            run_id=run.run_id, attempt=a.number, nodes=a.nodes, ranks_per_node=run.ranks_per_node,
-            argv=trainer_cmd.attempt_argv(spec, run_dir, a.number, a.resume_from, a.resume_step), env=env,
-            log_dir=trainer_cmd.attempt_dir(run_dir, a.number), marker=str(config_path),
-            allocation_info=run.allocation_info, user=spec.user, cwd=trainer_cmd.attempt_cwd(spec, run_dir),
-            srun_args=trainer_cmd.attempt_srun_args(spec), launch=trainer_cmd.launch_mode(spec),
-            trusted_dir=run_dir.parent,
-        )
-
     def _observe_attempt(self, run: Run, spec: RunSpec | None, run_dir: Path, live: Attempt,
                          now: float) -> AttemptObs | None:
         launch_info = live.launch_info
@@ -300,13 +173,14 @@ class Observer:
             if live.launch_error is not None:
                 return AttemptObs(ranks=(), never_started=True, launch_error=live.launch_error,
                                   launch_fatal=live.launch_fatal)
-            found = self.launcher.find(self.launch_spec(run, spec, run_dir, live)) if spec else None
+            found = self.launcher.find(self.launch_specs.of(run, spec, run_dir, live)) if spec else None
             if found is None:
                 return AttemptObs(ranks=(), never_started=True)
             if len(self.launcher.observe(found)) < len(live.nodes) * run.ranks_per_node:
                 return AttemptObs(ranks=(), never_started=True, orphans=found)
             launch_info = found
         procs = self.launcher.observe(launch_info)
+        memory = self.memory.attempt(run.number, live.number)
         output = self._read_output(run, spec, run_dir, live, now) if spec and spec.command else None
         self.telemetry.expect(run.run_id, live.number, len(live.nodes) * run.ranks_per_node)
         tele = self.telemetry.ranks(run.run_id, live.number, run.policy.straggler_window)
@@ -337,7 +211,7 @@ class Observer:
                 node_up = not agent.lost
             dead_since = None
             if proc.proc in _ENDED or (proc.proc is ProcState.UNKNOWN and lost):
-                dead_since = self._dead_since.setdefault((run.number, live.number, proc.rank), now)
+                dead_since = memory.dead_since.setdefault(proc.rank, now)
             progress_at = t.progress_at
             if quiet_at is not None and (progress_at is None or quiet_at > progress_at):
                 progress_at = quiet_at
@@ -368,13 +242,13 @@ class Observer:
         between the nodes and the broker): for the policy, the link was down meanwhile."""
         up = self.telemetry.up_since
         heard = max((t.last_seen_at for t in tele.values() if t.last_seen_at is not None), default=None)
-        key = (run.number, live.number)
-        before = self._heard.get(key)
+        memory = self.memory.attempt(run.number, live.number)
+        before = memory.heard
         if heard is not None:
             if before is not None and heard - before > STALL_GAP_S:
-                self._back_at[key] = heard
-            self._heard[key] = heard
-        back = self._back_at.get(key)
+                memory.back_at = heard
+            memory.heard = heard
+        back = memory.back_at
         return up if up is None or back is None else max(up, back)
 
     @staticmethod
@@ -397,8 +271,8 @@ class Observer:
         step no attempt reached or whose loss was not finite, an earlier attempt on another
         number of nodes (the same batch, its sums taken in another order: equal only up
         to rounding)."""
-        key = (run.number, live.number)
-        if key not in self._expected:
+        memory = self.memory.attempt(run.number, live.number)
+        if not memory.expected_known:
             expected = None
             if spec.trainer is not None and live.resume_from is not None:
                 with self.store.tx() as tx:
@@ -410,15 +284,15 @@ class Observer:
                     attempt, loss = before
                     if loss is not None and math.isfinite(loss) and sizes.get(attempt) == len(live.nodes):
                         expected = (live.resume_step + 1, loss)
-            self._expected[key] = expected
-        return self._expected[key]
+            memory.expected, memory.expected_known = expected, True
+        return memory.expected
 
     def _read_output(self, run: Run, spec: RunSpec, run_dir: Path, live: Attempt,
                      now: float) -> AttemptOutput:
         """Steps and fatal errors in a [command] trainer's output since the last tick; the
         steps go to the telemetry view, as if the trainer had sent them."""
         assert spec.command is not None
-        state = self._output.setdefault((run.number, live.number), AttemptOutput())
+        state = self.memory.attempt(run.number, live.number).output
         formats = output_progress.formats_for(spec.command.progress_pattern)
         for read in output_progress.read_output(
                 state, trainer_cmd.attempt_dir(run_dir, live.number), run_id=run.run_id, attempt=live.number,
@@ -434,14 +308,14 @@ class Observer:
         without telemetry: a new checkpoint is a step; new output is a sign of life, until
         its lines are understood (steps, a compile phase): then only its progress lines
         are, so that a hung job printing warnings is still a hang."""
-        key = (live.run_number, live.number)
-        step, step_seen_at, scanned_at = self._quiet.get(key, (live.resume_step, None, 0.0))
+        memory = self.memory.attempt(live.run_number, live.number)
+        step, step_seen_at, scanned_at = memory.quiet or (live.resume_step, None, 0.0)
         if now - scanned_at >= _QUIET_SCAN_S:
             newest, _ = checkpoint_scan.pick(trainer_cmd.checkpoint_dir(spec, run_dir),
                                              trainer_cmd.checkpoint_layout(spec))
             if newest is not None and newest.step > step:
                 step, step_seen_at = newest.step, now
-            self._quiet[key] = (step, step_seen_at, now)
+            memory.quiet = (step, step_seen_at, now)
         if output is not None and output.understood:
             return step, _latest(step_seen_at, output.line_at)
         logs = trainer_cmd.attempt_dir(run_dir, live.number).glob("*.log")

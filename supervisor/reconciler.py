@@ -52,6 +52,7 @@ from supervisor.probes import ProbeScheduler
 from supervisor.recorder import Retention, TelemetryRecorder
 from supervisor.store import SqlStore
 from supervisor.telemetry import TelemetryView
+from supervisor.tick_state import LaunchSpecs, RunMemory
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +89,14 @@ class Reconciler:
         self.probes = ProbeScheduler(nodes, clock, sweep_every_s=config.sweep_every_s,
                                      sweep_args=config.sweep_args,
                                      sweep_timeout_s=config.sweep_timeout_s, pool=probe_pool)
-        self.observer = Observer(store, launcher, telemetry, self.probes, mqtt_url=config.mqtt_url,
-                                 mqtt_ca_file=config.mqtt_ca_file, clock=clock)
-        self.executor = DecisionExecutor(store, launcher, nodes, telemetry, self.probes, self.observer, clock)
+        # The run's memory between ticks has one owner, this one: the observer notes in it,
+        # the executor forgets an attempt from it once it ended (supervisor/tick_state.py).
+        self.memory = RunMemory(store)
+        launch_specs = LaunchSpecs(telemetry, mqtt_url=config.mqtt_url, mqtt_ca_file=config.mqtt_ca_file)
+        self.observer = Observer(store, launcher, telemetry, self.memory, launch_specs,
+                                 probing=self.probes.probing, clock=clock)
+        self.executor = DecisionExecutor(store, launcher, nodes, telemetry, self.probes, self.memory,
+                                         launch_specs, clock)
         self.recorder = TelemetryRecorder(store, telemetry, config.retention)
         self.hooks: list[Callable[[], None]] = []  # run first in every tick, on its thread (chaos drills)
 

@@ -317,7 +317,9 @@ def _silent_before(obs: AttemptObs, now: float) -> bool:
     while another node is heard: cut off or frozen, most likely the cause of its peers'
     deaths. A node whose own ranks ended is no such node: their silence is their death."""
     by = by_node(obs.ranks)
-    quiet_for = {n: now - max(r.heard_at or 0.0 for r in rs) for n, rs in by.items()}
+    last = {n: max((t for t in (r.heard_at for r in rs) if t is not None), default=None)
+            for n, rs in by.items()}
+    quiet_for = {n: now - t for n, t in last.items() if t is not None}  # a node never heard is not one
     heard = [n for n, q in quiet_for.items() if q <= STALL_GAP_S]
     return bool(heard) and any(q > STALL_GAP_S and not any(gone(r) or is_dead(r) for r in by[n])
                                for n, q in quiet_for.items())

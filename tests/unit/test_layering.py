@@ -63,6 +63,12 @@ def lint_copy(tmp_path: Path, edit: tuple[str, str] | None = None) -> subprocess
     ("supervisor/domain/records.py", "import sqlalchemy", "The decision core imports no I/O library"),
     ("supervisor/daemon.py", "import api.app", "Layers: CLI and API, daemon"),
     ("supervisor/store/runs.py", "import supervisor.reconciler", "Layers: CLI and API, daemon"),
+    # observe, execute, probes and recorder are independent siblings (tick_state holds what they share)
+    ("supervisor/execute.py", "import supervisor.observe", "Layers: CLI and API, daemon"),
+    ("supervisor/observe.py", "import supervisor.probes", "Layers: CLI and API, daemon"),
+    ("supervisor/recorder.py", "import supervisor.execute", "Layers: CLI and API, daemon"),
+    ("supervisor/probes.py", "import supervisor.recorder", "Layers: CLI and API, daemon"),
+    ("supervisor/execute_nodes.py", "import supervisor.observe", "Layers: CLI and API, daemon"),
     ("trainer/train.py", "import supervisor.spec", "The trainer stands alone"),
     ("health/wire.py", "import trainer.protocol", "The node probes stand alone"),
     ("supervisor/launchers/local.py", "import slurmbox.box", "The product never imports the development Slurm box"),
