@@ -133,6 +133,13 @@ def test_a_node_report_carries_nan_as_a_string_and_tuples_back() -> None:
         (_node_payload(ranks=5), "node.ranks: expected a list"),
         (_node_payload(ranks=[2, -3]), "node.ranks: must not be negative"),
         (_node_payload(ranks=[2, 3.5]), "node.ranks: expected an integer"),
+        # What the one-pass check of a list (_fast_list) must leave to the entry-by-entry one:
+        (_node_payload(ranks=[2, True]), "node.ranks: expected an integer"),
+        (_node_payload(steps=[1, "7"]), "node.steps: expected an integer"),
+        (_node_payload(steps=[1, 2**63]), "node.steps: out of range"),
+        (_node_payload(step_times=[0.1, False]), "node.step_times: expected a number"),
+        (_node_payload(step_times=[0.1, None]), "node.step_times: expected a number"),
+        (_node_payload(phases=["train", 3]), "unknown phase 3"),
         (_node_payload(steps=[1]), "node.steps: 1 entries for 2 ranks"),
         (_node_payload(phases=["train", "nap"]), "unknown phase 'nap'"),
         (_node_payload(ages=[0.1, "nan"]), "node.ages: expected finite numbers >= 0"),
