@@ -73,9 +73,10 @@ DEFAULT_INTERVAL_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class AgentSettings:
-    identity: Identity  # the attempt, and the node as the ranks name it (``rank`` is unused)
+    # The attempt, and the node as its ranks name it (TSUP_NODE, else SLURMD_NODENAME, else the
+    # host name), in every report; ``rank`` is unused.
+    identity: Identity
     index: int  # the node's index in the attempt
-    node: str  # the node as the cluster names it, in every report
     slots: Path  # the node's slot file, where the trainer keeps one
     interval_s: float
     marker: str  # TSUP_MARKER: what every process of the attempt carries ("" when not given)
@@ -96,8 +97,7 @@ def settings_from(environ: Mapping[str, str]) -> AgentSettings:
     identity, _ = settings_from_env(environ, rank=0, local_rank=0, world_size=1)
     slots = slot_path(default_slots_dir(environ), identity.run, identity.attempt, identity.node,
                       environ.get("MASTER_PORT", ""))
-    node = environ.get("TSUP_NODE") or environ.get("SLURMD_NODENAME") or identity.node
-    return AgentSettings(identity=identity, index=int(raw), node=node[:64], slots=slots, interval_s=interval,
+    return AgentSettings(identity=identity, index=int(raw), slots=slots, interval_s=interval,
                          marker=environ.get("TSUP_MARKER", ""))
 
 
@@ -149,7 +149,7 @@ class AgentLink(Telemetry):
     def report(self) -> protocol.AgentReport:
         """The node now: alive, with its ranks' slots (none where the trainer keeps no slot file)."""
         fields = report_fields(read_file(self.settings.slots), time.time())
-        return protocol.AgentReport(**self._header(), node=self.settings.node, pid=os.getpid(),
+        return protocol.AgentReport(**self._header(), node=self.settings.identity.node, pid=os.getpid(),
                                     hostname=socket.gethostname()[:64], **fields)
 
 
@@ -190,7 +190,7 @@ def run(environ: Mapping[str, str], stop: threading.Event) -> int:
     link = AgentLink(settings, broker, stop)
     link.start()
     log.info("node agent for %s attempt %d, node %s (index %d): reporting every %.2g s",
-             settings.identity.run, settings.identity.attempt, settings.node, settings.index,
+             settings.identity.run, settings.identity.attempt, settings.identity.node, settings.index,
              settings.interval_s)
     stop.wait()
     if link.fenced is not None:

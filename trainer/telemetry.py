@@ -53,7 +53,8 @@ Configuration comes from the environment the supervisor sets:
     TSUP_TELEMETRY_KEY  the attempt's key (hex) that seals every message; unset: unsealed
     TSUP_RUN_ID     run id in topics and messages (default "run-local")
     TSUP_ATTEMPT    attempt number, >= 1 (default 1)
-    TSUP_NODE       node name for the rank-to-node map (default: this host's name)
+    TSUP_NODE       node name for the rank-to-node map (default: Slurm's SLURMD_NODENAME,
+                    else this host's name)
     TSUP_TELEMETRY_AGGREGATE  "rank" (default) or "node"
     TSUP_SLOTS_DIR  node-local directory of the slot files (trainer/slots.py); default
                     /dev/shm if it exists, else the temporary directory
@@ -192,7 +193,9 @@ def settings_from_env(environ: Mapping[str, str], *, rank: int, local_rank: int,
         attempt = 0
     if attempt < 1:
         raise UsageError(f"TSUP_ATTEMPT: expected an integer >= 1, got {raw_attempt!r}")
-    node = environ.get("TSUP_NODE") or socket.gethostname()
+    # Slurm's name for the node where the launcher sets none: on hosts that share a name (the
+    # development box's namespaced nodes), the node's slot file and memory directory are its own.
+    node = environ.get("TSUP_NODE") or environ.get("SLURMD_NODENAME") or socket.gethostname()
     broker = broker_from_env(environ)
     identity = Identity(run=run, attempt=attempt, rank=rank, local_rank=local_rank,
                         world_size=world_size, node=node[:64], local_world_size=local_world_size)

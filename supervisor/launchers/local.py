@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -69,6 +70,7 @@ class _NodeProcess:
 
 
 NODE_PROCESS_ENV = "TSUP_NODE_PROCESS"  # set in a node's own process: ``find`` tells it from a rank
+NODE_PROCESS_GRACE_S = 2.0  # a node's own process ends within this of SIGTERM, or is killed
 AGENT_INDEX_ENV = "TSUP_NODE_INDEX"  # the node's index in the attempt, for its agent (supervisor/agent.py)
 
 
@@ -227,14 +229,25 @@ class LocalLauncher:
         return _NodeProcess(node=node, pid=p.pid, create_time=_create_time(p.pid))
 
     def _end_node_processes(self, nodes: Sequence[_NodeProcess]) -> None:
-        """SIGKILL the nodes' own processes (those still ours: not a reused pid), and reap them."""
+        """End the nodes' own processes (those still ours: not a reused pid) and reap them:
+        SIGTERM first, so that an agent says goodbye (no last will: its attempt ended, its
+        node did not), then SIGKILL to any still there after NODE_PROCESS_GRACE_S."""
+        alive = [n for n in nodes if self._running(n.pid, n.create_time)]
+        for n in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(n.pid, signal.SIGTERM)
+        deadline = time.monotonic() + NODE_PROCESS_GRACE_S
         for n in nodes:
-            if self._running(n.pid, n.create_time):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(n.pid, signal.SIGKILL)
             child = self._children.pop(n.pid, None)
             if child is not None:
-                child.wait()
+                try:
+                    child.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+            elif n in alive and self._running(n.pid, n.create_time):  # adopted: not ours to wait for
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(n.pid, signal.SIGKILL)
 
     def _warm_start(self, spec: LaunchSpec, node: str, local_rank: int, env: dict[str, str], argv: list[str],
                     log_path: Path, uid: int | None, gid: int | None) -> subprocess.Popen[bytes] | None:

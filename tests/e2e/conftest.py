@@ -153,12 +153,13 @@ def trainer_processes(marker: Path) -> list[psutil.Process]:
 
 
 def node_processes(marker: Path) -> list[psutil.Process]:
-    """The local launcher's nodes' own processes (supervisor/launchers/local.py) of
-    attempts whose marker is under ``marker`` (a state directory)."""
+    """The local launcher's nodes' own processes (supervisor/launchers/local.py: a node
+    agent, or a ``sleep`` where the attempt has no telemetry) of attempts whose marker is
+    under ``marker`` (a state directory)."""
     found = []
-    for p in psutil.process_iter(["name"]):
+    for p in psutil.process_iter():
         try:
-            env = p.environ() if p.info["name"] == "sleep" else {}
+            env = p.environ()
             if env.get("TSUP_NODE_PROCESS") and str(marker) in env.get("TSUP_MARKER", ""):
                 found.append(p)
         except psutil.Error:

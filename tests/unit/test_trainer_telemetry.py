@@ -41,6 +41,8 @@ def test_settings_defaults_and_overrides() -> None:
          "TSUP_ATTEMPT": "3", "TSUP_NODE": "node7"}, rank=0, local_rank=0, world_size=1)
     assert broker == Broker(BrokerUrl("broker.example", 1884))
     assert (identity.run, identity.attempt, identity.node) == ("run-42", 3, "node7")
+    on_slurm, _ = settings_from_env({"SLURMD_NODENAME": "trn1-12"}, rank=0, local_rank=0, world_size=1)
+    assert on_slurm.node == "trn1-12", "Slurm's node name, where the launcher sets none"
     assert parse_mqtt_url("mqtt://h") == BrokerUrl("h", 1883)
     _, sealed = settings_from_env(
         {"TSUP_MQTT_URL": "mqtts://tr:pw@b", "TSUP_CLUSTER": "c-1", "TSUP_TELEMETRY_KEY": "ab" * 32,
