@@ -57,12 +57,14 @@ from supervisor.tick_state import LaunchSpecs, RunMemory
 log = logging.getLogger(__name__)
 
 TICK_DUTY = 0.25  # the share of the time the ticks may take; the rest is telemetry's
+PAUSE_MAX_S = 1.0  # ... but one slow tick (a stalled disk) never holds the next one back longer
 
 
 def pause_after(tick_s: float, took_s: float) -> float:
     """How long to wait after a tick that took ``took_s`` before the next: what is left of
-    ``tick_s``, and never less than keeps the ticks to TICK_DUTY of the time."""
-    return max(tick_s - took_s, took_s * (1 - TICK_DUTY) / TICK_DUTY)
+    ``tick_s``, and never less than keeps the ticks to TICK_DUTY of the time, up to
+    PAUSE_MAX_S."""
+    return max(tick_s - took_s, min(took_s * (1 - TICK_DUTY) / TICK_DUTY, PAUSE_MAX_S))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -25,6 +25,7 @@ import pytest
 from slurmbox import box as slurm_box_mod
 from slurmbox.box import Box
 from supervisor.slurm import parse
+from supervisor.slurm.launcher import AGENT_SUFFIX
 from tests.chaos.conftest import assert_records
 from tests.conftest import FSDP_STEPS, FSDP_TEST_CASE, FSDP_TRAIN, REPO, free_port, wait_for
 from tests.e2e.conftest import (
@@ -171,11 +172,14 @@ def test_sigkill_of_the_daemon_readopts_the_slurm_job_and_step(
     port = free_port()
     daemon = slurm_serve(state, port, slurm_box)
     seen_steps: list[set[str]] = []
+    seen_agents: list[set[str]] = []  # the node agents' step (supervisor/agent.py), beside the trainer's
     seen_jobs: list[set[str]] = []
 
     def look() -> None:
         steps = parse.parse_steps_text(slurm(slurm_box, "squeue", "--steps", "-h", "-o", parse.STEPS_FORMAT))
-        seen_steps.append({f"{s.job_id}.{s.step_id}" for s in steps if s.step_id.isdigit()})
+        numbered = [s for s in steps if s.step_id.isdigit()]
+        seen_steps.append({f"{s.job_id}.{s.step_id}" for s in numbered if not s.name.endswith(AGENT_SUFFIX)})
+        seen_agents.append({f"{s.job_id}.{s.step_id}" for s in numbered if s.name.endswith(AGENT_SUFFIX)})
         seen_jobs.append(set(parse.parse_squeue_text(
             slurm(slurm_box, "squeue", "-h", "-o", parse.SQUEUE_FORMAT))))
 
@@ -200,6 +204,7 @@ def test_sigkill_of_the_daemon_readopts_the_slurm_job_and_step(
     assert final["attempts"] == 1 and final["faults"] == [], "the step was adopted, not relaunched"
     assert final["model_digest"] == fault_free["model_digest"]
     assert max(len(s) for s in seen_steps) == 1, f"never two trainer steps at once: {seen_steps}"
+    assert max(len(s) for s in seen_agents) == 1, f"the node agents' step adopted too, not doubled: {seen_agents}"
     assert max(len(j) for j in seen_jobs) == 1, f"never a second allocation: {seen_jobs}"
     assert db_rows(state, "SELECT count(*) FROM attempts")[0][0] == 1
     starts = db_rows(state, "SELECT message FROM events WHERE kind = 'daemon.started' ORDER BY id")
