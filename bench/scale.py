@@ -172,11 +172,12 @@ from supervisor.domain import (
     RunView,
 )
 from supervisor.launchers.base import RankProc
+from supervisor.mqtt_link import MqttLink
 from supervisor.observe import Observer
 from supervisor.policy import decide, hang_limit
 from supervisor.reconciler import pause_after
 from supervisor.spec import RunSpec
-from supervisor.telemetry import STEP_TIMES_KEPT, MqttLink, TelemetryView
+from supervisor.telemetry import STEP_TIMES_KEPT, TelemetryView
 from supervisor.tick_state import LaunchSpecs, RunMemory
 from trainer import protocol as p
 

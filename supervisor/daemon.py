@@ -56,6 +56,7 @@ from supervisor.errors import StateDirLocked, StoreError, SupervisorError
 from supervisor.launchers.base import ChaosHooks, Launcher, NodeAdmin, waiting_standbys
 from supervisor.launchers.local import LocalLauncher
 from supervisor.metrics import SupervisorMetrics
+from supervisor.mqtt_link import MqttLink
 from supervisor.reconciler import Reconciler, ReconcilerConfig, pause_after
 from supervisor.recorder import Retention
 from supervisor.sdnotify import Notifier
@@ -64,7 +65,7 @@ from supervisor.settled import SettledHistory
 from supervisor.slurm.cluster import SlurmCluster, slurm_cluster
 from supervisor.slurm.launcher import prefix_for
 from supervisor.store import SqlStore
-from supervisor.telemetry import MqttLink, TelemetryView
+from supervisor.telemetry import TelemetryView
 from supervisor.token_file import (
     READ_TOKEN_FILE_NAME,
     TELEMETRY_SECRET_NAME,

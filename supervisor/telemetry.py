@@ -1,9 +1,9 @@
-"""Trainer telemetry: MQTT ingestion (aiomqtt) into an in-memory view.
+"""Trainer telemetry: the in-memory view of what the ranks and node agents said.
 
-``MqttLink`` subscribes to every rank's topic (trainer/protocol.py) and feeds each
-message to ``TelemetryView``, which keeps the latest state per (run, attempt, rank)
-for the reconciler to read. Times in the view are the supervisor's receipt times,
-never the trainer's clock. Malformed messages are counted and dropped.
+``MqttLink`` (supervisor/mqtt_link.py) subscribes to every rank's topic
+(trainer/protocol.py) and feeds each message to ``TelemetryView``, which keeps the
+latest state per (run, attempt, rank) for the reconciler to read. Times in the view are
+the supervisor's receipt times, never the trainer's clock. Malformed messages are counted and dropped.
 
 Rank 0's step metrics and checkpoint commits are also queued for the reconciler to
 persist, so the loss curve and the goodput accounting survive a restart.
@@ -38,20 +38,13 @@ the structures ingestion is changing.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hmac
 import logging
 import math
-import ssl
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
-
-import aiomqtt
-import tenacity
 
 from supervisor.domain import StepSample
 from trainer import protocol as p
@@ -402,7 +395,7 @@ class TelemetryView:
                 rank.exit_code, rank.exit_reason, rank.exit_at = msg.exit_code, msg.reason, now
                 self._progress(rank, msg.final_step, now)
             case p.NodeReport():
-                self._apply_node_report(msg, now)
+                self._fan_out_slots(msg, now)
             case p.Lost():
                 rank.lost, rank.lost_at = True, now
 
@@ -462,9 +455,6 @@ class TelemetryView:
                                 grad_norm=math.nan if msg.grad_norm is None else msg.grad_norm,
                                 first_sample=msg.first_sample)
             self._recent.setdefault((msg.run, msg.attempt), deque(maxlen=RECENT_STEPS_KEPT)).append(sample)
-
-    def _apply_node_report(self, msg: p.NodeReport, now: float) -> None:
-        self._fan_out_slots(msg, now)
 
     def _fan_out_slots(self, msg: p.NodeReport | p.AgentReport, now: float) -> None:
         """Fan one node's slots out to its ranks (see the module docstring)."""
@@ -592,104 +582,3 @@ class TelemetryView:
 def _newest(values: deque[float], count: int) -> tuple[float, ...]:
     """The newest ``count`` of ``values``, oldest first."""
     return tuple(values)[max(0, len(values) - count):] if values else ()
-
-# A broker that comes back is heard again within this (a local reconnect attempt is cheap).
-LINK_MAX_BACKOFF_S = 1.0
-
-
-class MqttLink:
-    """One aiomqtt connection: subscribes to all telemetry, publishes supervisor events.
-
-    Reconnects with capped backoff for as long as it runs; stop it by cancelling its task.
-    """
-
-    def __init__(
-        self, broker: p.BrokerUrl, view: TelemetryView, clock: Callable[[], float],
-        *, client_id: str = "training-supervisor", ca_file: Path | None = None,
-    ) -> None:
-        self.broker = broker
-        self.view = view
-        self.clock = clock
-        self.client_id = client_id
-        self.ca_file = ca_file
-        self._client: aiomqtt.Client | None = None
-
-    def client(self) -> aiomqtt.Client:
-        """A client for the broker (not connected): credentials and TLS as its URL says."""
-        b = self.broker
-        tls = None
-        if b.tls:
-            tls = ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
-        # Gone without a word (killed, cut off): the broker clears the presence for us.
-        will = aiomqtt.Will(p.presence_topic(self.view.cluster), p.PRESENCE_CLEARED, qos=1, retain=True)
-        return aiomqtt.Client(b.host, b.port, identifier=self.client_id, username=b.username,
-                              password=b.password, tls_context=tls, keepalive=10, timeout=5, will=will)
-
-    async def check(self) -> None:
-        """Connect once and hang up: MqttError (refused, unreachable, bad TLS) if it cannot."""
-        async with self.client():
-            pass
-
-    async def run(self) -> None:
-        """Connected for as long as it runs: a session until the broker or the network ends
-        it, then the next. A connection that cannot be made is tried again after a wait
-        that doubles from 0.1 s to LINK_MAX_BACKOFF_S (tenacity); once a session was up,
-        the waits start again from the shortest."""
-        while True:
-            retrying = tenacity.AsyncRetrying(
-                retry=tenacity.retry_if_exception_type(aiomqtt.MqttError),
-                wait=tenacity.wait_exponential(multiplier=0.1, min=0.1, max=LINK_MAX_BACKOFF_S))
-            async for attempt in retrying:
-                with attempt:
-                    await self._session()
-
-    async def _session(self) -> None:
-        """One connection: MqttError when it cannot be made; returns once it ends after it
-        was up."""
-        up = False
-        try:
-            async with self.client() as client:
-                await client.subscribe(p.topic_filter(self.view.cluster))
-                # Subscribed: the ranks may send what they buffered (trainer/protocol.py).
-                await client.publish(p.presence_topic(self.view.cluster), p.PRESENCE_ONLINE, qos=1,
-                                     retain=True)
-                self._client, up = client, True
-                self.view.link_up(self.clock())
-                log.info("telemetry link up (%s)", self.broker)
-                try:
-                    async for message in client.messages:
-                        self._take(message)
-                except asyncio.CancelledError:  # the daemon stops: say so, briefly
-                    with contextlib.suppress(Exception):
-                        async with asyncio.timeout(1.0):
-                            await client.publish(p.presence_topic(self.view.cluster), p.PRESENCE_CLEARED,
-                                                 qos=1, retain=True)
-                    raise
-        except aiomqtt.MqttError as e:
-            if not up:
-                raise
-            log.warning("telemetry link down: %s", e)
-        finally:
-            self._client = None
-            self.view.link_down(self.clock())
-
-    def _take(self, message: aiomqtt.Message) -> None:
-        payload = message.payload
-        if isinstance(payload, (bytes, str)):
-            self.view.ingest(message.topic.value, payload, self.clock())
-        else:
-            self.view.count("malformed")
-
-    @property
-    def connected(self) -> bool:
-        return self._client is not None
-
-    async def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> bool:
-        client = self._client
-        if client is None:
-            return False
-        try:
-            await client.publish(topic, payload, qos=1, retain=retain)
-        except aiomqtt.MqttError:
-            return False
-        return True

@@ -12,7 +12,8 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
-from supervisor.telemetry import MqttLink, TelemetryView
+from supervisor.mqtt_link import MqttLink
+from supervisor.telemetry import TelemetryView
 from tests.conftest import Broker, start_mosquitto, stop_by_pid
 from trainer.protocol import StepMetrics, attempt_key, encode, parse_broker_url
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
-from supervisor.telemetry import MqttLink, TelemetryView
+from supervisor.mqtt_link import MqttLink
+from supervisor.telemetry import TelemetryView
 from tests.conftest import Broker
 from tests.integration.test_mqtt_mosquitto import SECRET, publisher_env, until
 from trainer import protocol as p
