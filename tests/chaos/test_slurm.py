@@ -344,6 +344,18 @@ def test_every_node_cut_off_briefly_is_the_network_nothing_is_drained_and_traini
 TRAIN_SH = REPO / "tests" / "standins" / "train.sh"
 
 
+def what_happened(s: dict[str, Any], run_dir: Path) -> str:
+    """A wrong count of faults, explained: each fault, then the last lines of each
+    attempt's logs (srun's, the nodes', the agents'), for the box's directory may not
+    outlive the run that failed."""
+    lines = [f"{f['kind']} {f['nodes']} (attempt {f['attempt']}): {f['summary']}" for f in s["faults"]]
+    for attempt in sorted((run_dir / "attempts").iterdir(), key=lambda p: (len(p.name), p.name)):
+        for log in sorted(attempt.glob("*.log")):
+            said = [line for line in log.read_text(errors="replace").splitlines() if not line.startswith("[W")]
+            lines += [f"--- attempt {attempt.name}: {log.name}", *said[-8:]]
+    return "\n".join(lines)
+
+
 def train_sh_spec(tmp_path: Path) -> Path:
     """`srun ./train.sh` of the FSDP test case's stand-in: 2 nodes of 2 ranks and a spare."""
     argv = [str(TRAIN_SH), str(FSDP_TEST_CASE), *FSDP_TRAIN, "--checkpoint_dir={checkpoint_dir}",
@@ -375,7 +387,8 @@ def test_a_train_sh_job_recovers_from_a_killed_rank_its_first_nodes_loss_and_a_h
                 "kill-node@25:0", "--chaos", "hang-rank@45:1", timeout_s=520)
     s = summary_of(proc)
     assert s["state"] == "SUCCEEDED", s
-    assert len(s["faults"]) == 3, [(f["kind"], f["nodes"], f["summary"]) for f in s["faults"]]
+    run_dir = state / "runs" / "run-1"
+    assert len(s["faults"]) == 3, what_happened(s, run_dir)
     killed, lost, hung = s["faults"]
     assert killed["kind"] == "rank-exit" and 3 in killed["ranks"], killed
     assert (lost["kind"], lost["nodes"]) == ("node-lost", ["node1"]), lost
@@ -385,7 +398,6 @@ def test_a_train_sh_job_recovers_from_a_killed_rank_its_first_nodes_loss_and_a_h
     assert [a["nodes"] for a in history] == [["node1", "node2"], ["node1", "node2"], ["node2", "node3"],
                                              ["node2", "node3"]]
     assert [a["resume_step"] for a in history] == [0, 10, 20, 40]
-    run_dir = state / "runs" / "run-1"
     for attempt, nodes in enumerate((a["nodes"] for a in history), start=1):
         said = [line for task in (0, 1) for line in
                 (run_dir / "attempts" / str(attempt) / f"node-{task}.log").read_text().splitlines()
@@ -410,7 +422,7 @@ def test_a_train_sh_node_cut_off_is_found_by_its_agents_silence_with_slurm_none_
                 timeout_s=520)
     s = summary_of(proc)
     assert s["state"] == "SUCCEEDED", s
-    assert len(s["faults"]) == 1, [(f["kind"], f["nodes"], f["summary"]) for f in s["faults"]]
+    assert len(s["faults"]) == 1, what_happened(s, state / "runs" / "run-1")
     [fault] = s["faults"]
     assert (fault["kind"], fault["nodes"]) == ("node-lost", ["node2"]), fault
     assert "its agent and every rank" in fault["summary"], fault["summary"]
