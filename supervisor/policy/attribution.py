@@ -76,12 +76,15 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
 
     if lost_nodes:
         blamed = [r for r in dead if r.node in lost_nodes]
+        evidence = {n: node_lost_evidence(by[n], dropped=n in dropped) for n in lost_nodes}
+        said = "; ".join(dict.fromkeys(evidence.values()))
         summary = (f"every rank of node {', '.join(lost_nodes)} vanished at once "
-                   f"(ranks {ranks_text(blamed)}): node lost")
-        why = f"training-supervisor: node lost, all its ranks vanished at once ({where})"
+                   f"(ranks {ranks_text(blamed)}), and {said}: node lost")
         record = RecordFault(kind=FaultKind.NODE_LOST, attempt=live.number, nodes=tuple(lost_nodes),
                              ranks=tuple(r.rank for r in blamed), summary=summary, step=step)
-        return Finding(record, [(n, why) for n in lost_nodes], do_not_retry)
+        drains = [(n, f"training-supervisor: node lost, all its ranks vanished at once, and {evidence[n]} "
+                      f"({where})"[:500]) for n in lost_nodes]
+        return Finding(record, drains, do_not_retry)
 
     # The trainer's own word that a device failed (its exit code, or a device error in its
     # output: supervisor/output_progress.py) is evidence enough to drain.
@@ -170,6 +173,19 @@ def node_lost(ranks: list[RankObs], *, dropped: bool = False) -> bool:
         return False in watched
     processes = {r.process if r.process is not None else ("rank", r.rank) for r in ranks}
     return len(processes) >= 2
+
+
+def node_lost_evidence(ranks: list[RankObs], *, dropped: bool = False) -> str:
+    """What beyond its ranks says the node of ``ranks`` went (``node_lost`` held): the
+    words a fault and a drain give for it."""
+    if dropped:
+        return "the cluster took it out of the allocation"
+    if any(r.node_up is False and r.node_seen_at is not None for r in ranks):
+        return "its node agent went with them"
+    if any(r.node_up is False for r in ranks):
+        return "the node's own process died with them"
+    processes = {r.process if r.process is not None else ("rank", r.rank) for r in ranks}
+    return f"{len(processes)} of its processes vanished together"
 
 
 def dropped_nodes(view: RunView, live: Attempt) -> set[str]:

@@ -73,7 +73,8 @@ def test_kill_node_drains_it_and_resumes_on_the_spare_in_the_same_allocation(
     # Slurm itself says why the node is out of service.
     node2 = parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", "node2"))["node2"]
     assert "DRAIN" in node2.flags
-    assert node2.reason.startswith("training-supervisor: node lost, all its ranks vanished at once (run-1")
+    assert node2.reason.startswith("training-supervisor: node lost, all its ranks vanished at once, and "), \
+        node2.reason
 
     # The run is over: its allocation is given back and nothing is left running.
     wait_for(lambda: parse.parse_squeue_text(
@@ -392,6 +393,7 @@ def test_a_train_sh_job_recovers_from_a_killed_rank_its_first_nodes_loss_and_a_h
     killed, lost, hung = s["faults"]
     assert killed["kind"] == "rank-exit" and 3 in killed["ranks"], killed
     assert (lost["kind"], lost["nodes"]) == ("node-lost", ["node1"]), lost
+    assert "and its node agent went with them" in lost["summary"], lost["summary"]  # its last will
     assert hung["kind"] == "hang" and hung["detected_at"] - hung["injected_at"] <= 10 + 2.0, hung
     assert s["drained_nodes"] == ["node1"]
     history = s["attempt_history"]

@@ -220,6 +220,7 @@ def test_every_rank_of_a_node_sigkilled_is_node_lost_and_drains_only_that_node()
     effects = decide(view(run(), (attempt(),)), obs(*ranks), NOW)
     [fault] = of(effects, RecordFault)
     assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n2",) and fault.ranks == (2, 3)
+    assert fault.summary.endswith("(ranks 2, 3), and 2 of its processes vanished together: node lost")
     [drain] = of(effects, DrainNode)
     assert drain.node == "n2"
     assert drain.reason.startswith("training-supervisor: node lost") and "run-7" in drain.reason
@@ -284,6 +285,7 @@ def test_a_one_rank_node_whose_own_process_died_with_its_rank_is_lost_and_draine
                      NOW)
     [fault] = of(effects, RecordFault)
     assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n2",)
+    assert "and the node's own process died with them: node lost" in fault.summary
     assert [d.node for d in of(effects, DrainNode)] == ["n2"]
 
 
@@ -295,6 +297,7 @@ def test_a_one_rank_node_the_cluster_took_out_of_the_allocation_is_lost() -> Non
     effects = decide(view(run(ranks_per_node=1), (attempt(),), alloc), o, NOW)
     [fault] = of(effects, RecordFault)
     assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n2",)
+    assert "and the cluster took it out of the allocation: node lost" in fault.summary
 
 
 def test_a_nodes_one_torchrun_killed_is_one_process_however_many_ranks_it_ran() -> None:
@@ -1104,7 +1107,9 @@ def test_a_node_agents_last_will_is_its_nodes_loss_at_once_for_ranks_that_say_no
     effects = decide(view(run(), (attempt(),)), obs(*gone, *peers, unheard=True), NOW)
     [fault] = of(effects, RecordFault)
     assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n1",) and fault.ranks == (0, 1)
-    assert [d.node for d in of(effects, DrainNode)] == ["n1"]
+    assert fault.summary.endswith("(ranks 0, 1), and its node agent went with them: node lost"), fault.summary
+    [drain] = of(effects, DrainNode)
+    assert drain.node == "n1" and "its node agent went with them (run-7" in drain.reason, drain.reason
     # Without an agent's word the same deaths wait for the cluster (the test above).
     silent = [replace(r, lost=False, node_up=None, node_seen_at=None, dead_since=None) for r in gone]
     bare = [replace(r, node_up=None, node_seen_at=None) for r in peers]
