@@ -309,3 +309,24 @@ def test_on_hyperpod_a_lost_node_is_handed_to_its_repair_and_taken_back_when_it_
         assert "FAIL" not in node2().flags and "DRAIN" not in node2().flags, "nothing took it out again"
     finally:
         daemon.kill(15)
+
+
+def test_each_box_node_has_a_dev_shm_of_its_own_that_a_killed_node_loses(slurm_box: Box, tmp_path: Path) -> None:
+    """The memory tier's premise on the box: /dev/shm is a node's own memory. What a step
+    writes there on node1 node1's next step reads, and neither node2 nor the controller
+    sees; node1 killed (SIGKILL to everything it runs) and started again has an empty one."""
+    from slurmbox import box as box_mod
+
+    shm = f"/dev/shm/tsup-node-memory-{tmp_path.name}"
+
+    def on(node: str, script: str) -> str:
+        return slurm(slurm_box, "srun", "--nodes=1", f"--nodelist={node}", "/bin/sh", "-c", script)
+
+    assert on("node1", f"echo node1 > {shm} && cat {shm}") == "node1\n"
+    assert on("node1", f"cat {shm}") == "node1\n", "a node keeps its memory between steps"
+    assert on("node2", f"test ! -e {shm} && echo absent") == "absent\n", "node2 sees node1's memory"
+    assert not Path(shm).exists(), "the controller sees node1's memory"
+    box_mod.kill_node(slurm_box, "node1")
+    box_mod.start_node(slurm_box, "node1")
+    box_mod.wait_idle(slurm_box, 60)
+    assert on("node1", f"test ! -e {shm} && echo gone") == "gone\n", "a killed node's memory outlived it"
