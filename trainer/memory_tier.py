@@ -133,6 +133,7 @@ class MemoryTier:
         self._pending: Future[Saved] | None = None
         self._copy: StagedCopy | None = None  # the copy of the save in flight, until fenced
         self.restored_times = checkpoint.RestoreTimes()  # where the last restore's time went
+        self.restored_from_peers = 0  # ranks whose state the last restore sent over from another node
         self.size = 0  # bytes of this rank's state, once a save measured it
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -244,6 +245,7 @@ class MemoryTier:
                         f"of this attempt (its node and the next one were both lost)")
                 sources[rank] = having[0]
         local = sources[self.rank] == self.rank
+        self.restored_from_peers = sum(1 for rank, source in sources.items() if source != rank)
         received: bytearray | None = None
         for rank in range(self.world):  # the same order everywhere: each send meets its receive
             source = sources[rank]

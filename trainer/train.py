@@ -332,8 +332,10 @@ class _Runner:
         self.step, self.consumed, self.last_loss = meta.step, meta.consumed_samples, meta.last_loss
         self.last_checkpoint = memory_tier.resume_name(attempt, step)
         times = self.memory.restored_times
+        peers = self.memory.restored_from_peers
+        sent = f", {peers} rank(s)' state sent over from the node holding its replica" if peers else ""
         self._restored(self.last_checkpoint, TIER_MEMORY, time.monotonic() - started, times.size or size,
-                       times, f"; attempt {attempt}'s save in node memory")
+                       times, f"; attempt {attempt}'s save in node memory{sent}")
         return self.last_checkpoint
 
     def _restored(self, where: str, tier: str, seconds: float, size: int, times: checkpoint.RestoreTimes,

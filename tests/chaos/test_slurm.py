@@ -315,6 +315,36 @@ def succeeds_on_the_box(box: Box, state: Path, fault_free: dict[str, Any], chaos
     return s
 
 
+
+def test_a_node_killed_while_the_next_node_holds_its_replica_resumes_from_memory_on_the_box(
+        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory tier on the box, whose nodes each have a /dev/shm of their own: kill-node@47
+    takes node2 and its memory with it (everything it ran is killed, its tmpfs gone). node1
+    holds the replicas of node2's ranks, so attempt 2 on node1 and the spare node3 resumes
+    from memory (node3's ranks get their state from node1 over the box's network), not from
+    the persistent checkpoint of step 40. Same model."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
+    spec = tmp_path / "memory.toml"
+    spec.write_text(EXAMPLE.read_text().replace('launcher = "local"', 'launcher = "slurm"')
+                    .replace("keep = 3", "keep = 3\nmemory_every_steps = 5\nasynchronous = true"))
+    state = tmp_path / "state"
+    proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "kill-node@47")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    assert [(f["kind"], f["nodes"]) for f in s["faults"]] == [("node-lost", ["node2"])], what_happened(
+        s, state / "runs" / "run-1")
+    first, second = s["attempt_history"]
+    assert second["nodes"] == ["node1", "node3"]
+    assert second["resume_from"] in ("memory:1:45", "memory:1:50"), second
+    log = (state / "runs" / "run-1" / "attempts" / "2" / "rank-0.log").read_text()
+    assert f"resumed from memory:1:{second['resume_step']} at step {second['resume_step']} in " in log
+    # node3's two ranks: their state was on no node of attempt 2 but node1, their replica's.
+    assert "save in node memory, 2 rank(s)' state sent over from the node holding its replica" in log, log[-2000:]
+    times = {f["kind"]: (round(f["detected_at"] - f["injected_at"], 2), round(f["recovered_at"] - f["injected_at"], 2))
+             for f in s["faults"]}
+    print(json.dumps({"detect_and_recover_s": times, "resume_from": second["resume_from"]}))
+
 def test_a_node_cut_off_from_the_network_is_found_by_silence_drained_and_replaced(
         slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """node2's link goes down for 20 s at step 40: its processes live on, cut off. The
