@@ -132,6 +132,36 @@ def test_without_spares_a_lost_node_gets_a_new_allocation_that_excludes_it(
     assert_records(state, s, injected=1)
 
 
+
+def test_a_node_lost_with_no_node_to_get_on_the_box_continues_on_fewer_ranks(
+        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No spare, and the box's third node drained by its operator: after kill-node@47 the
+    supervisor asks Slurm for a node, none comes within shrink_after_s, and attempt 2 goes on
+    with node1's 2 ranks alone, a step of the same allocation, from the 4-rank checkpoint of
+    step 40 resharded. It ends with the loss of the fault-free run, up to rounding."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
+    slurm(slurm_box, "scontrol", "update", "NodeName=node3", "State=DRAIN", "Reason=operator: memory upgrade")
+    spec = spec_for_slurm(tmp_path)
+    spec.write_text(spec.read_text().replace("spares = 1", "spares = 0")
+                    .replace("[policy]", "[policy]\nshrink_after_s = 2"))
+    state = tmp_path / "state"
+    proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "kill-node@47")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["final_step"] == 80, s
+    assert [(f["kind"], f["nodes"]) for f in s["faults"]] == [("node-lost", ["node2"])], what_happened(
+        s, state / "runs" / "run-1")
+    first, second = s["attempt_history"]
+    assert first["nodes"] == ["node1", "node2"] and second["nodes"] == ["node1"], s["attempt_history"]
+    assert second["resume_step"] == 40
+    jobs = [json.loads(i)["job"] for (i,) in db_rows(state, "SELECT launch_info FROM attempts ORDER BY number")]
+    assert jobs[0] == jobs[1], "the same allocation, one node fewer"
+    [shrunk] = db_rows(state, "SELECT message FROM events WHERE kind = 'run.shrunk'")
+    assert "continuing on 1 of 2 nodes" in shrunk[0]
+    log = (state / "runs" / "run-1" / "attempts" / "2" / "rank-0.log").read_text()
+    assert "resharding step_00000040 from 4 to 2 ranks" in log
+    assert s["loss"] == pytest.approx(fault_free["loss"], rel=1e-3)
+
 def test_an_allocation_ended_by_slurm_is_replaced_and_the_run_resumes(
         slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path) -> None:
     """Preemption, a time limit, or an operator's scancel: the allocation is gone, the
