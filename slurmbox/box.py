@@ -350,7 +350,8 @@ def start_node(box: Box, node: str, *, timeout_s: float = 30.0) -> int:
     box.spool(node).mkdir(parents=True, exist_ok=True)
     pid_file = box.slurmd_pid_file(node)
     pid_file.unlink(missing_ok=True)
-    argv = ["nsenter", f"--net={NETNS_DIR / box.netns(node)}", "unshare", "--mount", "--propagation", "private",
+    argv = ["nsenter", f"--net={NETNS_DIR / box.netns(node)}",
+            "unshare", "--mount", "--propagation", "private",
             "sh", "-c", _NODE_SHM, "node-shm", f"tsup-shm-{box.netns(node)}",
             str(SBIN / "slurmd"), "-f", str(box.conf), "-N", node]
     subprocess.run(argv, env=box.env, check=True, capture_output=True, timeout=timeout_s)

@@ -41,7 +41,10 @@ bound), and a last will the account could not publish (or retain) itself. A CONN
 must come within ``CONNECT_WITHIN_S``. A packet longer than ``MAX_PACKET_BYTES`` (the
 supervisor's own excepted) ends its connection as its header announces it, before its
 body is read (``PacketLimit``). A retained message is kept only from the supervisor on
-its presence topic; from anyone else it is delivered and not kept.
+its presence topic and its fences; from anyone else it is delivered and not kept. A
+retained message reaches only a session that may subscribe to its filter: amqtt itself
+hands a session that connects the retained messages of every filter any session has
+subscribed to, unchecked (another attempt's fence, for one).
 """
 
 from __future__ import annotations
@@ -311,6 +314,13 @@ def _guarded_broker() -> type:
             if action == Action.PUBLISH:
                 return account.may_publish(topic)
             return account.may_subscribe(topic)  # SUBSCRIBE, and RECEIVE: what it may read
+
+        async def _publish_retained_messages_for_subscription(self, subscription: tuple[str, int],
+                                                              session: Any) -> None:
+            # amqtt hands a session that connects the retained messages of every filter any
+            # session subscribed to, unchecked: a login reads here only what it may subscribe to.
+            if await self._topic_filtering(session, subscription[0], Action.SUBSCRIBE):
+                await super()._publish_retained_messages_for_subscription(subscription, session)
 
         async def retain_message(self, source_session: Any, topic_name: str | None, data: Any,
                                  qos: int | None = None) -> None:

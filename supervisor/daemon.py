@@ -18,7 +18,8 @@ WATCHDOG=1 after each tick that completes (supervisor/sdnotify.py).
 Root tasks, created here and nowhere else:
     reconciler   observe/decide/persist/act, every ``tick_s``
     telemetry    the MQTT link (trainer telemetry in, supervisor events out)
-    outbox       publishes recorded events on MQTT
+    outbox       publishes recorded events, and ended attempts' fences, on MQTT
+                 (supervisor/outbox.py)
     api          the HTTP API (uvicorn), when a port is configured
 """
 
@@ -50,13 +51,14 @@ from supervisor.broker import (
     EmbeddedBroker,
     broker_addresses,
 )
-from supervisor.domain import LIVE_ATTEMPT_STATES, EventRecord, run_id_of
+from supervisor.domain import LIVE_ATTEMPT_STATES
 from supervisor.domain.events import EventKind
 from supervisor.errors import StateDirLocked, StoreError, SupervisorError
 from supervisor.launchers.base import ChaosHooks, Launcher, NodeAdmin, waiting_standbys
 from supervisor.launchers.local import LocalLauncher
 from supervisor.metrics import SupervisorMetrics
 from supervisor.mqtt_link import MqttLink
+from supervisor.outbox import Outbox
 from supervisor.reconciler import Reconciler, ReconcilerConfig, pause_after
 from supervisor.recorder import Retention
 from supervisor.sdnotify import Notifier
@@ -74,7 +76,7 @@ from supervisor.token_file import (
     ensure_token,
 )
 from supervisor.views import DaemonHealth
-from trainer.protocol import attempt_key, encode_fence, parse_broker_url
+from trainer.protocol import parse_broker_url
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +89,6 @@ _STALLED_AFTER_S = 30.0  # /healthz answers 503 when no tick finished for this l
 # its predecessor verified, bar the last few seconds'.
 _REPLAY_MARKS_FILE = "telemetry-replay.json"
 _REPLAY_MARKS_EVERY_S = 5.0
-_OUTBOX_BATCH = 100  # events per outbox read
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -181,6 +182,7 @@ class Daemon:
         # Built in __aenter__, once the broker's address is known:
         self.mqtt_url: str = ""  # what ranks are told (an external broker's may hold their login)
         self.link: MqttLink | None = None
+        self.outbox: Outbox | None = None
         self.reconciler: Reconciler | None = None
         self.service: SupervisorService | None = None
         self.notifier = Notifier()
@@ -261,6 +263,7 @@ class Daemon:
             self.mqtt_url = st.mqtt_advertise_url or st.mqtt_url
         self.link = MqttLink(own_url, self.telemetry, self.clock, ca_file=st.mqtt_ca_file,
                              client_id=f"training-supervisor-{self.cluster_id}-{os.getpid()}")
+        self.outbox = Outbox(self.store, self.link, self.cluster_id, self.telemetry.secret)
         # Both ends are tried once now: a bad address or credentials stop the start with
         # the key to fix, rather than costing every run its telemetry.
         await _try_broker(self.link, "mqtt_bind" if self.broker else "mqtt_url")
@@ -333,11 +336,11 @@ class Daemon:
             self._lock.release()
 
     async def run(self, stop: asyncio.Event) -> None:
-        assert self.link is not None
+        assert self.link is not None and self.outbox is not None
         roots: dict[str, Coroutine[Any, Any, None]] = {
             "reconciler": self._reconcile_forever(),
             "telemetry": self.link.run(),
-            "outbox": self._publish_outbox_forever(),
+            "outbox": self.outbox.publish_forever(),
         }
         if self._api_socket is not None:
             roots["api"] = self._serve_api(self._api_socket)
@@ -355,7 +358,7 @@ class Daemon:
             flushed = 0
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.settings.shutdown_flush_s):
-                    flushed = await self._flush_outbox()
+                    flushed = await self.outbox.flush()
             log.info("stopped: %d event(s) published on the way out", flushed)
         for t in [*tasks.values(), stopper]:
             t.cancel()
@@ -406,57 +409,6 @@ class Daemon:
         ok = age is not None and age < _STALLED_AFTER_S
         linked = self.link is not None and self.link.connected
         return DaemonHealth(ok=ok, last_tick_age_s=age, mqtt_connected=linked)
-
-    async def _publish_outbox_forever(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            try:
-                await self._publish_outbox()
-            except (SQLAlchemyError, StoreError) as e:
-                log.warning("outbox: %s", e)
-
-    async def _publish_outbox(self) -> tuple[int, bool]:
-        """Publish up to a batch of recorded events: (how many, whether the outbox is empty)."""
-        assert self.link is not None
-        if not self.link.connected:
-            return 0, False
-        with self.store.tx() as tx:
-            events = tx.unpublished_events(limit=_OUTBOX_BATCH)
-        published = []
-        for e in events:
-            topic = f"tsup/v1/{self.cluster_id}/events/{f'run-{e.run_number}' if e.run_number else 'daemon'}"
-            body = {"id": e.id, "ts": e.ts, "kind": e.kind, "message": e.message, "data": e.data}
-            if not await self.link.publish(topic, json.dumps(body).encode()):
-                break
-            fence = self._fence_of(e)
-            if fence is not None and not await self.link.publish(*fence, retain=True):
-                break
-            published.append(e.id)
-        with self.store.tx() as tx:
-            tx.mark_published(published)
-        return len(published), len(published) == len(events) and len(events) < _OUTBOX_BATCH
-
-    def _fence_of(self, e: EventRecord) -> tuple[str, bytes] | None:
-        """For an attempt that ended: its fence (trainer/protocol.py), retained, for its node
-        agents to end whatever of it is left on their nodes; None for any other event."""
-        secret = self.telemetry.secret
-        attempt = e.data.get("attempt")
-        if e.kind != EventKind.ATTEMPT_ENDED or secret is None or not e.run_number:
-            return None
-        if not isinstance(attempt, int):
-            return None
-        run_id = run_id_of(e.run_number)
-        key = attempt_key(secret, self.cluster_id, run_id, attempt)
-        return encode_fence(run_id, attempt, e.message, key=key, cluster=self.cluster_id)
-
-    async def _flush_outbox(self) -> int:
-        """Publish until the outbox is empty (the caller bounds the time)."""
-        total = 0
-        while True:
-            count, empty = await self._publish_outbox()
-            total += count
-            if empty or count == 0:
-                return total
 
     async def _serve_api(self, sock: socket.socket) -> None:
         assert self.service is not None and self.api_tokens is not None and self._api_factory is not None

@@ -28,7 +28,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from supervisor.daemon import Cluster, Daemon, DaemonSettings
-from supervisor.domain import Policy
+from supervisor.domain import Policy, run_id_of
 from supervisor.errors import SupervisorError
 from supervisor.spec import parse_spec
 from supervisor.token_file import READ_TOKEN_FILE_NAME, TELEMETRY_SECRET_NAME, ensure_token
@@ -503,3 +503,28 @@ def test_an_ended_attempts_fence_reaches_its_own_agents_only_and_cannot_be_forge
     assert own["granted"] == {fence: True} and [t for t, *_ in own["received"]] == [fence], own
     assert other["granted"] == {fence: False} and other["received"] == [], other
     assert p.fence_topic(CLUSTER, "run-1", 3) not in running.retained(), "a rank wrote a fence"
+
+
+def test_a_connecting_client_is_not_handed_the_retained_messages_of_other_clients_subscriptions(
+        running: Running) -> None:
+    """amqtt offers a session that connects the retained messages of every filter any
+    session subscribed to. Attempt 2's agent holds a subscription to its fence; attempt 3's
+    account then connects, subscribing to nothing: it reads no fence of attempt 2's."""
+    with running.daemon.store.tx() as tx:
+        run_number = tx.create_run(name="fenced", spec_json="{}", run_dir_root=running.state / "runs", nodes=1,
+                                   ranks_per_node=1, spares=0, total_steps=10, policy=Policy(), now=time.time()).number
+        tx.add_event(run_number, "attempt.ended", "attempt 2 ended FAILED at step 25: node-lost",
+                     {"attempt": 2, "outcome": "FAILED", "final_step": 25}, time.time())
+    fence = p.fence_topic(CLUSTER, run_id_of(run_number), 2)
+    wait_for(lambda: fence in running.retained(), 10, "the fence, retained")
+    login = running.login(run_id_of(run_number), 2)
+    agent = Listener(running.port, login["username"], login["password"], (fence,),
+                     client_id=f"tsup-{run_id_of(run_number)}-2-n0-7")
+    try:
+        wait_for(lambda: agent.received, 10, "the agent to read its fence")
+        [other] = attack(running.port, {**running.login(run_id_of(run_number), 3),
+                                        "client_id": f"tsup-{run_id_of(run_number)}-3-n0-9", "linger": 1.5})
+        assert not other["refused"], other
+        assert other["received"] == [], other
+    finally:
+        agent.close()
