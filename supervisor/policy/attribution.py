@@ -171,8 +171,13 @@ def node_lost(ranks: list[RankObs], *, dropped: bool = False) -> bool:
     watched = {r.node_up for r in ranks} - {None}
     if watched:
         return False in watched
-    processes = {r.process if r.process is not None else ("rank", r.rank) for r in ranks}
-    return len(processes) >= 2
+    return len(_processes(ranks)) >= 2
+
+
+def _processes(ranks: list[RankObs]) -> set[object]:
+    """The distinct processes ``ranks`` ran in (a node's torchrun for all of its ranks, or
+    each rank its own)."""
+    return {r.process if r.process is not None else ("rank", r.rank) for r in ranks}
 
 
 def node_lost_evidence(ranks: list[RankObs], *, dropped: bool = False) -> str:
@@ -184,8 +189,7 @@ def node_lost_evidence(ranks: list[RankObs], *, dropped: bool = False) -> str:
         return "its node agent went with them"
     if any(r.node_up is False for r in ranks):
         return "the node's own process died with them"
-    processes = {r.process if r.process is not None else ("rank", r.rank) for r in ranks}
-    return f"{len(processes)} of its processes vanished together"
+    return f"{len(_processes(ranks))} of its processes vanished together"
 
 
 def dropped_nodes(view: RunView, live: Attempt) -> set[str]:

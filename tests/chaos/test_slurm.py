@@ -354,9 +354,8 @@ def test_a_node_killed_while_the_next_node_holds_its_replica_resumes_from_memory
     from memory (node3's ranks get their state from node1 over the box's network), not from
     the persistent checkpoint of step 40. Same model."""
     monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
-    spec = tmp_path / "memory.toml"
-    spec.write_text(EXAMPLE.read_text().replace('launcher = "local"', 'launcher = "slurm"')
-                    .replace("keep = 3", "keep = 3\nmemory_every_steps = 5\nasynchronous = true"))
+    spec = spec_for_slurm(tmp_path)
+    spec.write_text(spec.read_text().replace("keep = 3", "keep = 3\nmemory_every_steps = 5\nasynchronous = true"))
     state = tmp_path / "state"
     proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "kill-node@47")
     s = summary_of(proc)
