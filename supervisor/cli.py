@@ -276,7 +276,7 @@ async def _run(args: argparse.Namespace) -> int:
         task = asyncio.create_task(daemon.run(stop), name="daemon")
         try:
             while not task.done():
-                if out.poll():
+                if await asyncio.to_thread(out.poll):  # its reads off the loop that hears the nodes
                     break
                 await asyncio.sleep(0.2)
         finally:

@@ -228,7 +228,7 @@ class Observer:
             ))
         result = self._result(run, spec, run_dir, live, ranks) if spec else None
         p99, samples = self.telemetry.step_time_p99(run.run_id, live.number)
-        up_since = self._up_since(run, live, tele)
+        up_since = self._up_since(run, live, tele, now)
         io = self.telemetry.checkpoint_io(run.run_id)
         return AttemptObs(ranks=tuple(ranks), result=result, telemetry_up_since=up_since, unheard=unheard,
                           expected_first=self._expected_first(run, spec, live) if spec else None,
@@ -236,11 +236,12 @@ class Observer:
                           save_s=io.save_s, save_gb_s=io.save_gb_s, restore_gb_s=io.restore_gb_s,
                           recent=self.telemetry.recent_steps(run.run_id, live.number), found=found)
 
-    def _up_since(self, run: Run, live: Attempt, tele: dict[int, RankSeen]) -> float | None:
+    def _up_since(self, run: Run, live: Attempt, tele: dict[int, RankSeen], now: float) -> float | None:
         """Since when telemetry flows for this attempt: the broker link's up time, or the
         moment its ranks were heard again after all of them fell silent together (a cut
-        between the nodes and the broker): for the policy, the link was down meanwhile."""
-        up = self.telemetry.up_since
+        between the nodes and the broker): for the policy, the link was down meanwhile. A
+        stall of the daemon's own receiving loop counts the same (``flowing_since``)."""
+        up = self.telemetry.flowing_since(now)
         heard = max((t.last_seen_at for t in tele.values() if t.last_seen_at is not None), default=None)
         memory = self.memory.attempt(run.number, live.number)
         before = memory.heard

@@ -48,9 +48,8 @@ class Outbox:
         """Publish up to a batch of recorded events: (how many, whether the outbox is empty)."""
         if not self.link.connected:
             return 0, False
-        with self.store.tx() as tx:
-            events = tx.unpublished_events(limit=BATCH)
-        published = []
+        events = await asyncio.to_thread(self._unpublished)
+        published: list[int] = []
         for e in events:
             topic = f"tsup/v1/{self.cluster_id}/events/{f'run-{e.run_number}' if e.run_number else 'daemon'}"
             body = {"id": e.id, "ts": e.ts, "kind": e.kind, "message": e.message, "data": e.data}
@@ -60,9 +59,19 @@ class Outbox:
             if fence is not None and not await self.link.publish(*fence, retain=True):
                 break
             published.append(e.id)
-        with self.store.tx() as tx:
-            tx.mark_published(published)
+        if published:
+            await asyncio.to_thread(self._mark_published, published)
         return len(published), len(published) == len(events) and len(events) < BATCH
+
+    # The database off the event loop: a commit waits for the disk (synchronous=FULL) and
+    # for the reconciler's transaction, and the loop meanwhile receives the telemetry.
+    def _unpublished(self) -> list[EventRecord]:
+        with self.store.tx() as tx:
+            return tx.unpublished_events(limit=BATCH)
+
+    def _mark_published(self, ids: list[int]) -> None:
+        with self.store.tx() as tx:
+            tx.mark_published(ids)
 
     def fence_of(self, e: EventRecord) -> tuple[str, bytes] | None:
         """For an attempt that ended: its fence (topic, payload), for its node agents to end

@@ -29,7 +29,10 @@ one of a connection the supervisor never heard). Each verified message names its
 connection, so a rank's current connection is that of its newest message.
 
 The view knows whether the broker link is up (``up_since``). While it is down no
-telemetry arrives, and the policy must not read silence as a hang.
+telemetry arrives, and the policy must not read silence as a hang. Nor while the event
+loop that receives it is not running (a stalled loop hears no node, however well they
+are): the daemon reports the loop's pulse (``loop_alive``), and ``flowing_since`` says
+since when telemetry has flowed, counting a stall like an outage.
 
 Messages arrive on the event loop; the reconciler reads on its own thread. One lock
 guards the view: readers get copies (``ranks`` hands back frozen ``RankSeen``), never
@@ -73,6 +76,9 @@ DROP_REASONS = ("malformed", "unsigned", "bad_mac", "replay", "will_unattributed
 # sending thousands must not grow the daemon's memory and event log with them.
 _INJECTED_PER_ATTEMPT = 32
 _PRINTED_ALL = frozenset({"loss", "grad_norm"})  # a StepMetrics message carries both
+# The receiving loop not run for this long is stalled (TelemetryView.loop_alive): what the
+# nodes sent meanwhile waits in its socket, and their silence says nothing of them.
+LOOP_STALL_S = 2.0
 _ENDED_KEPT = 10_000  # ended attempts remembered, so that their messages stay dropped
 
 
@@ -169,6 +175,7 @@ class TelemetryView:
     # attempt's ranks are given theirs, derived from ``secret`` (trainer/protocol.py).
     broker_logins: bool = False
     up_since: float | None = None
+    _loop_at: float | None = None  # when the receiving event loop last ran (loop_alive)
     counts: Counter[str] = field(default_factory=Counter)
     _ranks: dict[tuple[str, int], dict[int, RankTelemetry]] = field(default_factory=dict)
     _agents: dict[tuple[str, int], dict[int, AgentTelemetry]] = field(default_factory=dict)  # by node index
@@ -188,6 +195,27 @@ class TelemetryView:
 
     def link_up(self, now: float) -> None:
         self.up_since = now
+
+    def loop_alive(self, now: float) -> None:
+        """The event loop that receives telemetry ran at ``now`` (its pulse, a few times a
+        second). Back from a stall of LOOP_STALL_S or more, the link counts as up from now:
+        what queued meanwhile is only now arriving, so silence is timed afresh."""
+        with self._lock:
+            last, self._loop_at = self._loop_at, now
+            if last is None or now - last < LOOP_STALL_S:
+                return
+            if self.up_since is not None:
+                self.up_since = max(self.up_since, now)
+        log.warning("the event loop that receives telemetry did not run for %.1f s: no node's silence "
+                    "is judged from that time", now - last)
+
+    def flowing_since(self, now: float) -> float | None:
+        """Since when telemetry has flowed: the link's up time; None while the link is down
+        or while the loop that receives it is stalled (no pulse for LOOP_STALL_S)."""
+        with self._lock:
+            if self._loop_at is not None and now - self._loop_at >= LOOP_STALL_S:
+                return None
+            return self.up_since
 
     def link_down(self, now: float) -> None:
         """The link to the broker is gone. A broker that shuts down publishes every client's

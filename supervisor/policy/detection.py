@@ -300,16 +300,19 @@ STALL_GAP_S = 5.0  # a rank unheard this much longer than the most recently hear
 
 
 def _node_going_silent(view: RunView, obs: AttemptObs, now: float) -> bool:
-    """Every rank of some node unheard for STALL_GAP_S while other nodes are heard, for
-    less than the silence limit (and a grace): the silence rule will judge it a lost node
-    and drain it; a hang verdict now would blame no one."""
+    """Every rank of some node unheard for STALL_GAP_S while other nodes are heard, and
+    the silence rule's verdict on it still to come (and a grace): it will judge it a lost
+    node and drain it; a hang verdict now would blame no one. That verdict waits for the
+    silence limit, counted from the node's last word or, when telemetry flows again after
+    an outage or a stall of the daemon's own loop, from then (``_find_silent_node``)."""
     by = by_node(obs.ranks)
     if len(by) < 2:
         return False
     quiet_for = {n: now - max(r.heard_at or 0.0 for r in rs) for n, rs in by.items()}
     heard = [n for n, q in quiet_for.items() if q <= STALL_GAP_S]
     limit = view.run.policy.silence_timeout_s + STALL_GAP_S
-    return bool(heard) and any(STALL_GAP_S < q <= limit for q in quiet_for.values())
+    flowing_for = now - obs.telemetry_up_since if obs.telemetry_up_since is not None else 0.0
+    return bool(heard) and any(q > STALL_GAP_S and min(q, flowing_for) <= limit for q in quiet_for.values())
 
 
 def _silent_before(obs: AttemptObs, now: float) -> bool:

@@ -178,8 +178,10 @@ def test_a_frozen_node_of_a_trainer_that_sends_nothing_is_found_by_its_agents_si
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = summary_of(proc)
     assert s["state"] == "SUCCEEDED" and s["final_step"] == 60, s
+    told = f"{s['faults']}\n--- the run's output ---\n{proc.stderr[-6000:]}"  # what happened, if wrong
+    assert len(s["faults"]) == 1, told
     [fault] = s["faults"]
-    assert fault["kind"] == "node-lost" and fault["nodes"] == ["local-2"], fault
+    assert fault["kind"] == "node-lost" and fault["nodes"] == ["local-2"], told
     assert "its agent and every rank" in fault["summary"], fault["summary"]
     # Silence counts from the agent's last report, up to an interval (1 s) before the freeze.
     assert 4 - 1.5 <= fault["detected_at"] - fault["injected_at"] <= 4 + 3, fault

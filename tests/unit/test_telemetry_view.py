@@ -20,7 +20,7 @@ from supervisor.domain import (
 )
 from supervisor.errors import SpecError
 from supervisor.policy import decide
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry import LOOP_STALL_S, TelemetryView
 from trainer import protocol as p
 
 H = {"run": "run-1", "attempt": 1, "ts": 0.0}
@@ -157,20 +157,22 @@ def test_a_node_report_never_moves_a_rank_back_nor_undoes_a_last_will() -> None:
     assert not r1.lost and r1.last_seen_at == 22.0, "written after its last will: it is alive"
 
 
-def judge(v: TelemetryView, now: float) -> list[RecordFault]:
+def judge(v: TelemetryView, now: float, up_since: float | None = 0.0,
+          proc: ProcState = ProcState.UNKNOWN) -> list[RecordFault]:
     """The policy's verdict on a 2-node x 2-rank attempt observed only through ``v`` (as
-    supervisor/observe.py builds it: every rank's process UNKNOWN, as under Slurm)."""
+    supervisor/observe.py builds it: every rank's process UNKNOWN, as under Slurm, unless
+    ``proc`` says), with telemetry flowing since ``up_since``."""
     run = Run(number=1, name="t", state=RunState.RUNNING, reason="", nodes=2, ranks_per_node=2, spares=0,
               total_steps=1000, policy=Policy(hang_timeout_s=60), created_at=0.0)
     attempt = Attempt(run_number=1, number=1, state=AttemptState.RUNNING, nodes=("n1", "n2"), resume_from=None,
                       resume_step=0, created_at=0.0, started_at=0.0, first_step_at=1.0, launch_info="{}")
     allocation = tuple(Node(name=n, state=NodeState.ALLOCATED, run_number=1) for n in ("n1", "n2"))
     tele = v.ranks("run-1", 1)
-    ranks = tuple(RankObs(rank=r, node=t.node or "", proc=ProcState.UNKNOWN, last_step=t.last_step,
+    ranks = tuple(RankObs(rank=r, node=t.node or "", proc=proc, last_step=t.last_step,
                           progress_at=t.progress_at, phase=t.phase, last_seen_at=t.last_seen_at,
                           busy_recent_s=t.busy_recent) for r, t in sorted(tele.items()))
     p99, samples = v.step_time_p99("run-1", 1)
-    obs = AttemptObs(ranks=ranks, telemetry_up_since=0.0, step_time_p99_s=p99, step_time_samples=samples)
+    obs = AttemptObs(ranks=ranks, telemetry_up_since=up_since, step_time_p99_s=p99, step_time_samples=samples)
     view = RunView(run=run, attempts=(attempt,), allocation=allocation, newest_checkpoint=None)
     return [e for e in decide(view, obs, now) if isinstance(e, RecordFault)]
 
@@ -203,6 +205,54 @@ def test_the_policy_finds_a_hang_and_a_lost_node_from_node_reports_alone() -> No
     [lost] = faults
     assert lost.nodes == ("n2",) and lost.ranks == (2, 3)
     assert 20 + Policy().silence_timeout_s < now <= 20 + Policy().silence_timeout_s + 2
+
+
+def test_a_stalled_receiving_loop_is_no_silence_of_the_nodes_and_no_hang() -> None:
+    """n2 freezes at t=20 (n1 then waits for it, no step further); the launcher sees every
+    process running (the local launcher's view). From 21 to 35 the event loop that
+    receives telemetry does not run (the daemon's own disk, its GIL): nothing is
+    ingested, no pulse. The reconciler's thread judges on meanwhile. Counted as a link
+    outage, the stall gives no verdict; once the loop is back and n1's queued reports
+    arrive, the silence rule finds n2, not the hang rule. Without the pulse, the same
+    run was judged a hang that blamed no node."""
+
+    def frozen_at_20(pulse: bool) -> tuple[float, RecordFault]:
+        v = TelemetryView()
+        v.link_up(0.0)
+        for now in range(1, 61):
+            stalled = 21 <= now < 35
+            if not stalled:
+                if pulse:
+                    v.loop_alive(float(now))
+                feed(v, node_report("n1", (0, 1), (min(now, 20),) * 2, (0.0, 0.0)), float(now))
+                if now <= 20:
+                    feed(v, node_report("n2", (2, 3), (now, now), (0.0, 0.0)), float(now))
+            faults = judge(v, float(now), v.flowing_since(float(now)), ProcState.RUNNING)
+            if faults:
+                return float(now), faults[0]
+        raise AssertionError("no fault found")
+
+    now, fault = frozen_at_20(pulse=True)
+    assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n2",), fault
+    assert 35 + Policy().silence_timeout_s < now <= 35 + Policy().silence_timeout_s + 2, now
+    now, fault = frozen_at_20(pulse=False)
+    assert fault.kind is FaultKind.HANG and fault.nodes == (), (now, fault)
+    assert now < 35
+
+
+def test_the_links_pulse_counts_a_stall_as_an_outage_from_which_it_came_back() -> None:
+    v = TelemetryView()
+    assert v.flowing_since(5.0) is None, "no link yet"
+    v.link_up(1.0)
+    assert v.flowing_since(5.0) == 1.0, "no pulse yet (a view without a daemon): the link's time"
+    v.loop_alive(5.0)
+    v.loop_alive(5.25)
+    assert v.flowing_since(7.0) == 1.0
+    assert v.flowing_since(5.25 + LOOP_STALL_S) is None, "stalled"
+    v.loop_alive(12.0)
+    assert v.flowing_since(12.0) == 12.0, "back: flowing from its return"
+    v.link_down(13.0)
+    assert v.flowing_since(13.0) is None
 
 
 # --- authenticity: the daemon's view acts only on sealed messages --------------------
