@@ -51,7 +51,8 @@ from prometheus_client.registry import Collector
 from supervisor.domain import TERMINAL_RUN_STATES, NodeState, RunState
 from supervisor.settled import SettledHistory, is_over
 from supervisor.store import SqlStore
-from supervisor.telemetry import DROP_REASONS, TelemetryView
+from supervisor.telemetry import TelemetryView
+from supervisor.telemetry_gate import DROP_REASONS
 
 DETECTION_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RECOVERY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)

@@ -20,13 +20,10 @@ node lives, whatever the trainer says, and carries the node's slots as a NodeRep
 does; its last will (``agent_lost``) says the node went. ``agents`` hands the reconciler
 what each node's agent last said.
 
-Authenticity (trainer/protocol.py): the daemon's view holds the supervisor's secret and
-acts only on messages sealed with their attempt's key. It drops, and counts by reason,
-a message without a seal (``unsigned``), with a wrong one (``bad_mac``), one whose
-sequence number the rank has already passed (``replay``), and a last will that is not
-the rank's current connection's (``will_unattributed``: a forged or replayed will, or
-one of a connection the supervisor never heard). Each verified message names its
-connection, so a rank's current connection is that of its newest message.
+Authenticity: the view holds the supervisor's secret and acts only on messages sealed
+with their attempt's key, of attempts that have not ended, about ranks in their world;
+the others are dropped and counted by reason. Which is which is the gate's to say
+(supervisor/telemetry_gate.py).
 
 The view knows whether the broker link is up (``up_since``). While it is down no
 telemetry arrives, and the policy must not read silence as a hang. Nor while the event
@@ -41,7 +38,6 @@ the structures ingestion is changing.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 import threading
@@ -51,6 +47,7 @@ from dataclasses import dataclass, field
 
 from supervisor.checkpoint_pace import CheckpointIo, IoPace
 from supervisor.domain import StepSample
+from supervisor.telemetry_gate import Gate
 from trainer import protocol as p
 
 log = logging.getLogger(__name__)
@@ -69,9 +66,6 @@ BUSY_TIMES_KEPT = 100  # per rank: the longest window stragglers may be judged o
 # Last wills received this shortly before the broker link went down came with the
 # broker's own shutdown (see TelemetryView.link_down).
 WILLS_WITH_THE_BROKER_S = 2.0
-# The reasons a message is dropped (TelemetryView.counts keys, tsup_mqtt_dropped_total).
-DROP_REASONS = ("malformed", "unsigned", "bad_mac", "replay", "will_unattributed", "ended",
-                "out_of_world")
 # Distinct chaos actions recorded per attempt: a drill names a few; a run's own process
 # sending thousands must not grow the daemon's memory and event log with them.
 _INJECTED_PER_ATTEMPT = 32
@@ -79,7 +73,6 @@ _PRINTED_ALL = frozenset({"loss", "grad_norm"})  # a StepMetrics message carries
 # The receiving loop not run for this long is stalled (TelemetryView.loop_alive): what the
 # nodes sent meanwhile waits in its socket, and their silence says nothing of them.
 LOOP_STALL_S = 2.0
-_ENDED_KEPT = 10_000  # ended attempts remembered, so that their messages stay dropped
 
 
 @dataclass(slots=True)
@@ -184,14 +177,11 @@ class TelemetryView:
     _recent: dict[tuple[str, int], deque[StepSample]] = field(default_factory=dict)  # rank 0's steps
     _step_times: dict[tuple[str, int], deque[float]] = field(default_factory=dict)  # every rank's, pooled
     _injected: set[tuple[str, int, str]] = field(default_factory=set)  # (run, attempt, chaos action)
-    _worlds: dict[tuple[str, int], int] = field(default_factory=dict)  # an attempt's world size, once known
-    # Sequence numbers verified before a daemon restart (replay_marks), by (run, attempt,
-    # sender): a message at or below its sender's is a replay, though this process never
-    # saw the original.
-    _seq_floor: dict[tuple[str, int, str], int] = field(default_factory=dict)
-    _keys: dict[tuple[str, int], bytes] = field(default_factory=dict, repr=False)
-    _ended: dict[tuple[str, int], None] = field(default_factory=dict)  # oldest first
+    _gate: Gate = field(init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self._gate = Gate(self.cluster)
 
     def link_up(self, now: float) -> None:
         self.up_since = now
@@ -240,11 +230,7 @@ class TelemetryView:
             return
         msg = sealed.msg
         with self._lock:
-            why = "ended" if (msg.run, msg.attempt) in self._ended else None
-            if why is None and not self._in_world(msg):
-                why = "out_of_world"
-            if why is None and self.secret is not None:
-                why = self._unsealed(topic, sealed)
+            why = self._gate.why_dropped(topic, sealed, self.secret, self._sender)
             if why is not None:
                 self.counts[why] += 1
                 log.debug("dropped a %s message on %s: %s", msg.kind, topic, why)
@@ -262,56 +248,20 @@ class TelemetryView:
                      for number, r in ranks.items() if r.seq > 0}
             marks |= {(run, attempt, f"n{index}"): a.seq for (run, attempt), agents in self._agents.items()
                       for index, a in agents.items() if a.seq > 0}
-            for key, seq in self._seq_floor.items():
+            for key, seq in self._gate.floors().items():
                 marks[key] = max(marks.get(key, 0), seq)
             return [(*key, seq) for key, seq in marks.items()]
 
     def load_replay_marks(self, marks: Iterable[tuple[str, int, str | int, int]]) -> None:
+        """The marks a daemon before this one kept (``replay_marks``)."""
         with self._lock:
-            for run, attempt, who, seq in marks:
-                key = (str(run), int(attempt), str(who))
-                self._seq_floor[key] = max(self._seq_floor.get(key, 0), int(seq))
+            self._gate.load_floors(marks)
 
     def expect(self, run_id: str, attempt: int, world_size: int) -> None:
         """The attempt's world size (the observer's, from the store): a message about a
         rank outside it is dropped, so that no message grows the view beyond the world."""
         with self._lock:
-            if (run_id, attempt) not in self._ended:
-                self._worlds[(run_id, attempt)] = world_size
-
-    def _in_world(self, msg: p.Message) -> bool:
-        world = self._worlds.get((msg.run, msg.attempt))
-        if world is None:
-            return True
-        ranks = msg.ranks if isinstance(msg, (p.NodeReport, p.AgentReport)) else ()
-        # A node holds one rank at least: a node index is below the world size too.
-        number = msg.index if isinstance(msg, (p.AgentReport, p.AgentLost)) else msg.rank
-        return 0 <= number < world and all(0 <= r < world for r in ranks)
-
-    def _unsealed(self, topic: str, sealed: p.Sealed) -> str | None:
-        """Why a message is not authentic (a DROP_REASONS entry), or None when it is."""
-        assert self.secret is not None
-        msg = sealed.msg
-        if sealed.mac is None or sealed.conn is None or sealed.seq is None:
-            return "unsigned"
-        key = self._keys.get((msg.run, msg.attempt))
-        if key is None:
-            if len(self._keys) > 10_000:  # forged attempt numbers must not grow it for ever
-                self._keys.clear()
-            key = p.attempt_key(self.secret, self.cluster, msg.run, msg.attempt)
-            self._keys[(msg.run, msg.attempt)] = key
-        if not hmac.compare_digest(p.mac_of(key, topic, sealed.signed), sealed.mac):
-            return "bad_mac"
-        who = self._sender(msg)
-        if isinstance(msg, (p.Lost, p.AgentLost)):
-            if sealed.seq != p.WILL_SEQ or who.conn is None or sealed.conn != who.conn:
-                return "will_unattributed"
-            who.conn = None  # that connection is gone: its will cannot come twice
-            return None
-        if sealed.seq <= max(who.seq, self._seq_floor.get((msg.run, msg.attempt, p.sender(msg)), 0)):
-            return "replay"
-        who.seq, who.conn = sealed.seq, sealed.conn
-        return None
+            self._gate.expect(run_id, attempt, world_size)
 
     def _sender(self, msg: p.Message) -> RankTelemetry | AgentTelemetry:
         """The state of the rank or node agent that sent ``msg`` (made on first word)."""
@@ -550,13 +500,7 @@ class TelemetryView:
             self._recent.pop((run_id, attempt), None)
             self._step_times.pop((run_id, attempt), None)
             self._injected = {k for k in self._injected if k[:2] != (run_id, attempt)}
-            self._keys.pop((run_id, attempt), None)
-            self._worlds.pop((run_id, attempt), None)
-            self._seq_floor = {k: v for k, v in self._seq_floor.items() if k[:2] != (run_id, attempt)}
-            self._ended[(run_id, attempt)] = None
-            if len(self._ended) > _ENDED_KEPT:
-                del self._ended[next(iter(self._ended))]
-
+            self._gate.end(run_id, attempt)
 
 
 def _newest(values: deque[float], count: int) -> tuple[float, ...]:
