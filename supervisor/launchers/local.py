@@ -16,7 +16,8 @@ The ranks do not depend on the supervisor: they run in their own process groups 
 their output in files, so a SIGKILL of the daemon leaves them training. A restarted
 daemon re-adopts them from the pids and start times in ``launch_info``; it can no
 longer collect their exit codes (they are not its children), so it reports such a
-rank as VANISHED and the policy reads the rank's own exit report from telemetry.
+rank as VANISHED and the policy reads the rank's own exit report from telemetry. What
+``launch_info`` records, and how the processes are found again, is local_record.py's.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -42,34 +43,24 @@ from supervisor.domain import ProcState
 from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import CannotExecute, LaunchError, SpecError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
+from supervisor.launchers.local_record import (
+    CREATE_TIME_TOLERANCE_S,
+    NODE_PROCESS_ENV,
+    NodeProcess,
+    RankProcess,
+    dump,
+    escaped_processes,
+    load_nodes,
+    load_ranks,
+    note_warm,
+    run_uid,
+    shared,
+    start_time_of,
+    warm_ranks,
+)
 from supervisor.launchers.standby import StandbyPool, assignment_for
 from trainer.protocol import NODE_AGENT_ENV
 
-# psutil's create_time is a float rounded differently across calls on some kernels;
-# two readings of one process agree to well within this.
-_CREATE_TIME_TOLERANCE_S = 0.05
-
-
-@dataclass(frozen=True, slots=True)
-class _Rank:
-    rank: int
-    local_rank: int
-    node: str
-    pid: int
-    pgid: int
-    create_time: float
-
-
-@dataclass(frozen=True, slots=True)
-class _NodeProcess:
-    """A simulated node's own process: it lives as long as the node does."""
-
-    node: str
-    pid: int
-    create_time: float
-
-
-NODE_PROCESS_ENV = "TSUP_NODE_PROCESS"  # set in a node's own process: ``find`` tells it from a rank
 NODE_PROCESS_GRACE_S = 2.0  # a node's own process ends within this of SIGTERM, or is killed
 AGENT_INDEX_ENV = "TSUP_NODE_INDEX"  # the node's index in the attempt, for its agent (supervisor/agent.py)
 
@@ -165,8 +156,8 @@ class LocalLauncher:
         base_env = {**os.environ, **users.login_env(run_as), **{k: step.fill(v) for k, v in spec.env.items()}}
         if base_env.get("TSUP_MQTT_URL"):
             base_env[NODE_AGENT_ENV] = "1"  # each node's agent reports its slots (supervisor/agent.py)
-        ranks: list[_Rank] = []
-        nodes: list[_NodeProcess] = []
+        ranks: list[RankProcess] = []
+        nodes: list[NodeProcess] = []
         try:
             for node_index, node in enumerate(spec.nodes):
                 node_env = {**base_env, "MASTER_PORT": str(step.master_port)}
@@ -181,9 +172,9 @@ class LocalLauncher:
                     local_rank = task.ranks[0] - node_index * spec.ranks_per_node
                     warm = self._warm_start(spec, node, local_rank, env, argv, log_path, uid, gid)
                     if warm is not None:
-                        ranks += [_Rank(rank, rank % spec.ranks_per_node, node, warm.pid, warm.pid,
-                                        _create_time(warm.pid)) for rank in task.ranks]
-                        _note_warm(spec, ranks[-1])
+                        ranks += [RankProcess(rank, rank % spec.ranks_per_node, node, warm.pid, warm.pid,
+                                        start_time_of(warm.pid)) for rank in task.ranks]
+                        note_warm(spec, ranks[-1])
                         continue
                     with os.fdopen(user_files.open_append(spec.log_base, log_path), "ab") as log:
                         p = subprocess.Popen(
@@ -192,8 +183,8 @@ class LocalLauncher:
                             user=uid, group=gid, extra_groups=groups, cwd=spec.cwd,
                         )
                     self._children[p.pid] = p
-                    created = _create_time(p.pid)
-                    ranks += [_Rank(rank, rank % spec.ranks_per_node, node, p.pid, leader, created)
+                    created = start_time_of(p.pid)
+                    ranks += [RankProcess(rank, rank % spec.ranks_per_node, node, p.pid, leader, created)
                               for rank in task.ranks]
         except (OSError, ValueError) as e:
             for pid, pgid in {(r.pid, r.pgid) for r in ranks}:  # no half-started world: kill and reap
@@ -208,10 +199,10 @@ class LocalLauncher:
                 errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR)
             raise (CannotExecute if cannot else LaunchError)(f"cannot start {spec.argv[0]!r}: {e}") from e
         self.standbys.plan(spec)
-        return _dump(ranks, int(step.master_port), spec, nodes)
+        return dump(ranks, int(step.master_port), spec, nodes)
 
     def _start_node_process(self, spec: LaunchSpec, node: str, index: int, env: dict[str, str],
-                            uid: int | None, gid: int | None, groups: list[int] | None) -> _NodeProcess:
+                            uid: int | None, gid: int | None, groups: list[int] | None) -> NodeProcess:
         """The node's own process, leading a new process group (see the module docstring)."""
         own_env = {**env, "TSUP_NODE": node, "TSUP_MARKER": spec.marker, NODE_PROCESS_ENV: "1",
                    AGENT_INDEX_ENV: str(index)}
@@ -226,9 +217,9 @@ class LocalLauncher:
                                  process_group=0, close_fds=True, user=uid, group=gid, extra_groups=groups,
                                  env=own_env, cwd="/")
         self._children[p.pid] = p
-        return _NodeProcess(node=node, pid=p.pid, create_time=_create_time(p.pid))
+        return NodeProcess(node=node, pid=p.pid, create_time=start_time_of(p.pid))
 
-    def _end_node_processes(self, nodes: Sequence[_NodeProcess]) -> None:
+    def _end_node_processes(self, nodes: Sequence[NodeProcess]) -> None:
         """End the nodes' own processes (those still ours: not a reused pid) and reap them:
         SIGTERM first, so that an agent says goodbye (no last will: its attempt ended, its
         node did not), then SIGKILL to any still there after NODE_PROCESS_GRACE_S."""
@@ -275,7 +266,7 @@ class LocalLauncher:
         own children, such as data loader workers or a node's torchrun workers, inherit
         the marker)."""
         marked: dict[int, tuple[dict[str, str], float, int]] = {}  # pid -> (env, create time, parent)
-        uid = _run_uid(spec)  # anybody can set a marker; only the run's user's processes are its
+        uid = run_uid(spec)  # anybody can set a marker; only the run's user's processes are its
         for p in psutil.process_iter(["pid", "ppid", "create_time", "uids"]):
             try:
                 if p.info["uids"] is None or p.info["uids"].real != uid:
@@ -285,47 +276,48 @@ class LocalLauncher:
                     marked[p.pid] = (env, float(p.info["create_time"]), int(p.info["ppid"]))
             except (psutil.Error, ValueError):
                 continue
-        found: list[_Rank] = []
-        nodes: list[_NodeProcess] = []
+        found: list[RankProcess] = []
+        nodes: list[NodeProcess] = []
         for pid, (env, created, parent) in marked.items():
             if parent in marked:
                 continue
             if env.get(NODE_PROCESS_ENV):
-                nodes.append(_NodeProcess(node=env.get("TSUP_NODE", ""), pid=pid, create_time=created))
+                nodes.append(NodeProcess(node=env.get("TSUP_NODE", ""), pid=pid, create_time=created))
                 continue
             try:
                 node, pgid = env["TSUP_NODE"], os.getpgid(pid)
                 if spec.launch == "node":
                     first = int(env["GROUP_RANK"]) * spec.ranks_per_node
-                    found += [_Rank(r, r - first, node, pid, pgid, created)
+                    found += [RankProcess(r, r - first, node, pid, pgid, created)
                               for r in range(first, first + spec.ranks_per_node)]
                 else:
-                    found.append(_Rank(int(env["RANK"]), int(env["LOCAL_RANK"]), node, pid, pgid, created))
+                    rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
+                    found.append(RankProcess(rank, local_rank, node, pid, pgid, created))
             except (KeyError, ValueError, ProcessLookupError):
                 continue
-        found += [r for r in _warm_ranks(spec) if r.rank not in {f.rank for f in found}]
+        found += [r for r in warm_ranks(spec) if r.rank not in {f.rank for f in found}]
         if not found:
             self._end_node_processes(nodes)  # a start that got no further than its nodes' own processes
             return None
-        return _dump(sorted(found, key=lambda r: r.rank), port=0, spec=spec, nodes=nodes)
+        return dump(sorted(found, key=lambda r: r.rank), port=0, spec=spec, nodes=nodes)
 
     def observe(self, launch_info: str) -> list[RankProc]:
         self.standbys.refill()
-        ranks = _load(launch_info)
+        ranks = load_ranks(launch_info)
         states = {r.rank: self._state(r) for r in ranks}
         # A node's own torchrun starts its workers in sessions of their own: once it is gone
         # (killed), its workers may live on. The node's ranks run until they are gone too.
-        ended = {r.node for r in ranks if states[r.rank][0] is not ProcState.RUNNING and _shared(r, ranks)}
+        ended = {r.node for r in ranks if states[r.rank][0] is not ProcState.RUNNING and shared(r, ranks)}
         if ended:
-            living = {node for node, _ in _escaped(launch_info, ranks)}
+            living = {node for node, _ in escaped_processes(launch_info, ranks)}
             for r in ranks:
                 if r.node in ended & living:
                     states[r.rank] = (ProcState.RUNNING, None)
-        node_up = {n.node: self._running(n.pid, n.create_time) for n in _load_nodes(launch_info)}
+        node_up = {n.node: self._running(n.pid, n.create_time) for n in load_nodes(launch_info)}
         return [RankProc(rank=r.rank, node=r.node, proc=states[r.rank][0], exit_code=states[r.rank][1],
                          process=r.pid, node_up=node_up.get(r.node)) for r in ranks]
 
-    def _state(self, r: _Rank) -> tuple[ProcState, int | None]:
+    def _state(self, r: RankProcess) -> tuple[ProcState, int | None]:
         return self._process_state(r.pid, r.create_time)
 
     def _process_state(self, pid: int, create_time: float) -> tuple[ProcState, int | None]:
@@ -335,7 +327,7 @@ class LocalLauncher:
             return (ProcState.RUNNING, None) if code is None else (ProcState.EXITED, code)
         try:
             p = psutil.Process(pid)
-            if abs(p.create_time() - create_time) > _CREATE_TIME_TOLERANCE_S:
+            if abs(p.create_time() - create_time) > CREATE_TIME_TOLERANCE_S:
                 return ProcState.VANISHED, None  # the pid was reused
             if p.status() == psutil.STATUS_ZOMBIE:
                 return ProcState.VANISHED, None
@@ -354,22 +346,23 @@ class LocalLauncher:
         """SIGTERM the attempt's ranks; with ``force`` SIGKILL everything of it, the nodes'
         own processes too."""
         sig = signal.SIGKILL if force else signal.SIGTERM
-        ranks = _load(launch_info)
-        escaped = _escaped(launch_info, ranks) if force or any(_shared(r, ranks) for r in ranks) else []
+        ranks = load_ranks(launch_info)
+        spread = force or any(shared(r, ranks) for r in ranks)  # a node's torchrun may have escaped its group
+        escaped = escaped_processes(launch_info, ranks) if spread else []
         for pgid in self._live_groups(ranks):
             _signal_group(pgid, sig)
         for _, pid in escaped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
         if force:
-            self._end_node_processes(_load_nodes(launch_info))
+            self._end_node_processes(load_nodes(launch_info))
 
     def kill_rank(self, launch_info: str, rank: int, sig: int = signal.SIGKILL) -> str:
-        ranks = _load(launch_info)
+        ranks = load_ranks(launch_info)
         for r in ranks:
             if r.rank == rank and self._alive(r):
                 # One process per node (launch "node"): the rank is one of its workers.
-                pid = _worker_of(r.pid, rank) if _shared(r, ranks) else r.pid
+                pid = _worker_of(r.pid, rank) if shared(r, ranks) else r.pid
                 os.kill(pid, sig)
                 return f"{signal.Signals(sig).name} to rank {rank} (pid {pid}, node {r.node})"
         raise LaunchError(f"rank {rank} is not running")
@@ -390,14 +383,14 @@ class LocalLauncher:
 
     def _signal_node(self, launch_info: str, node: str, sig: signal.Signals) -> str:
         """``sig`` to every process of the node: its group, and what left it (workers)."""
-        ranks = _load(launch_info)
+        ranks = load_ranks(launch_info)
         groups = self._live_groups([r for r in ranks if r.node == node])
-        for own in _load_nodes(launch_info):  # its own process's group, when no rank joined it (warm ranks)
+        for own in load_nodes(launch_info):  # its own process's group, when no rank joined it (warm ranks)
             if own.node == node and own.pid not in groups and self._running(own.pid, own.create_time):
                 groups.append(own.pid)
         if not groups:
             raise LaunchError(f"node {node} has no running process")
-        escaped = [pid for n, pid in _escaped(launch_info, ranks) if n == node]
+        escaped = [pid for n, pid in escaped_processes(launch_info, ranks) if n == node]
         named = ", ".join(map(str, groups))
         for pgid in groups:
             _signal_group(pgid, sig)
@@ -413,10 +406,10 @@ class LocalLauncher:
         raise LaunchError("partition-node: local nodes share this host's loopback, which cannot be cut; "
                           "use the Slurm box (scripts/slurm-box), whose nodes have links of their own")
 
-    def _alive(self, r: _Rank) -> bool:
+    def _alive(self, r: RankProcess) -> bool:
         return self._state(r)[0] is ProcState.RUNNING
 
-    def _live_groups(self, ranks: Sequence[_Rank]) -> list[int]:
+    def _live_groups(self, ranks: Sequence[RankProcess]) -> list[int]:
         """Process groups that may still hold one of our ranks (running, or not
         observable this time): never signal a group whose members are all known to be
         gone, since its id may since belong to someone else."""
@@ -429,8 +422,8 @@ class LocalLauncher:
     def forget(self, launch_info: str) -> None:
         """The attempt has ended: its nodes' own processes go, and the exit codes of its
         children are dropped."""
-        self._end_node_processes(_load_nodes(launch_info))
-        for r in _load(launch_info):
+        self._end_node_processes(load_nodes(launch_info))
+        for r in load_ranks(launch_info):
             p = self._children.get(r.pid)
             if p is not None and p.poll() is not None:
                 del self._children[r.pid]
@@ -469,98 +462,6 @@ def _worker_of(parent: int, rank: int) -> int:
     except psutil.Error:
         pass
     raise LaunchError(f"rank {rank}: no process under its node's launcher (pid {parent}) has RANK={rank}")
-
-
-def _shared(r: _Rank, ranks: Sequence[_Rank]) -> bool:
-    """The rank's process is its node's own launcher (launch "node"): other ranks share it."""
-    return sum(x.pid == r.pid for x in ranks) > 1
-
-
-def _escaped(launch_info: str, ranks: Sequence[_Rank]) -> list[tuple[str, int]]:
-    """(node, pid) of the attempt's processes outside its process groups: what a node's
-    torchrun started in sessions of their own, found by the attempt's TSUP_MARKER."""
-    marker = json.loads(launch_info).get("marker")
-    if not marker:
-        return []
-    groups = {r.pgid for r in ranks}
-    out: list[tuple[str, int]] = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            env = p.environ()
-            if (env.get("TSUP_MARKER") == marker and not env.get(NODE_PROCESS_ENV)
-                    and os.getpgid(p.pid) not in groups):
-                out.append((env.get("TSUP_NODE", ""), p.pid))
-        except (psutil.Error, ProcessLookupError):
-            continue
-    return out
-
-
-_WARM_RANKS = "warm-ranks.jsonl"
-_WARM_RANKS_MAX_BYTES = 1 << 22  # a line per rank started warm: 64 bytes or so each
-
-
-def _note_warm(spec: LaunchSpec, r: _Rank) -> None:
-    """Record a rank started from a standby before it starts: its environment in /proc is
-    the standby's, without the attempt's marker, so ``find`` looks here for it."""
-    with os.fdopen(user_files.open_append(spec.log_base, spec.log_dir / _WARM_RANKS), "a",
-                   encoding="utf-8") as f:
-        f.write(json.dumps(asdict(r)) + "\n")
-
-
-def _warm_ranks(spec: LaunchSpec) -> list[_Rank]:
-    """The attempt's ranks started from standbys that still live (by pid and start time),
-    and run as the run's user: the file is in the user's directory, and the daemon signals
-    what it names."""
-    try:
-        lines = user_files.read_text(spec.log_dir / _WARM_RANKS, _WARM_RANKS_MAX_BYTES,
-                                     base=spec.log_base).splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        with contextlib.suppress(ValueError, TypeError):
-            r = _Rank(**json.loads(line))
-            if (abs(_create_time(r.pid) - r.create_time) <= _CREATE_TIME_TOLERANCE_S
-                    and _uid(r.pid) == _run_uid(spec)):
-                out.append(r)
-    return out
-
-
-def _run_uid(spec: LaunchSpec) -> int:
-    """The uid the attempt's ranks run as."""
-    try:
-        run_as = users.for_launch(spec.user)
-    except CannotExecute:
-        return -1  # the user is gone: no process is its
-    return run_as.uid if run_as is not None else os.geteuid()
-
-
-def _uid(pid: int) -> int | None:
-    try:
-        return int(psutil.Process(pid).uids().real)
-    except psutil.Error:
-        return None
-
-
-def _dump(ranks: Sequence[_Rank], port: int, spec: LaunchSpec, nodes: Sequence[_NodeProcess] = ()) -> str:
-    return json.dumps({"master_port": port, "marker": spec.marker, "ranks": [asdict(r) for r in ranks],
-                       "nodes": [asdict(n) for n in nodes], "memory_dir": spec.env.get("TSUP_MEMORY_DIR")})
-
-
-def _load(launch_info: str) -> list[_Rank]:
-    return [_Rank(**r) for r in json.loads(launch_info)["ranks"]]
-
-
-def _load_nodes(launch_info: str) -> list[_NodeProcess]:
-    """The nodes' own processes (none in an attempt launched before they existed)."""
-    return [_NodeProcess(**n) for n in json.loads(launch_info).get("nodes", [])]
-
-
-def _create_time(pid: int) -> float:
-    try:
-        return float(psutil.Process(pid).create_time())
-    except psutil.Error:
-        return 0.0
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

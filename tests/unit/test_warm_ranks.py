@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 
 from supervisor.launchers.base import LaunchSpec
-from supervisor.launchers.local import _warm_ranks
+from supervisor.launchers.local_record import warm_ranks
 from tests.conftest import require_root
 
 NOBODY = 65534
@@ -32,7 +32,7 @@ def test_a_planted_line_naming_another_users_process_is_not_a_rank(tmp_path: Pat
         (attempt / "warm-ranks.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
         spec = LaunchSpec(run_id="run-1", attempt=2, nodes=("local-1",), ranks_per_node=2, argv=("true",), env={},
                           log_dir=attempt, marker="m", user="nobody", trusted_dir=tmp_path)
-        assert [r.pid for r in _warm_ranks(spec)] == [own.pid]
+        assert [r.pid for r in warm_ranks(spec)] == [own.pid]
     finally:
         own.kill()
         own.wait()
@@ -42,4 +42,4 @@ def test_a_fifo_as_warm_ranks_reads_as_none(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "warm-ranks.jsonl")
     spec = LaunchSpec(run_id="run-1", attempt=2, nodes=("local-1",), ranks_per_node=1, argv=("true",), env={},
                       log_dir=tmp_path, marker="m", trusted_dir=tmp_path)
-    assert _warm_ranks(spec) == []
+    assert warm_ranks(spec) == []
