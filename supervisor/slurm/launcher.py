@@ -37,7 +37,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -64,14 +63,13 @@ from supervisor.slurm.requests import (
     srun_argv,
     step_env,
 )
+from supervisor.slurm.srun import find_srun, start_time_of, task_exits
 from supervisor.slurm.state import SlurmState
 from trainer.protocol import NODE_AGENT_ENV
 
 log = logging.getLogger(__name__)
 
 AGENT_SUFFIX = ".agent"  # the node agents' step: the trainer's step name and this
-# "srun: error: node1: task 1: Exited with exit code 3", "...: tasks 0-1: Killed"
-_TASK_LINE = re.compile(r"srun: error: (\S+): tasks? ([0-9,\-]+): (.+)$")
 
 
 def prefix_for(state_dir: Path) -> str:
@@ -277,7 +275,7 @@ class SlurmLauncher:
         ranks = _rank_map(nodes, spec.ranks_per_node)
         self.state.refresh()
         return json.dumps({"job": job, "step": name, "uid": _uid_of(run_as), "srun_pid": p.pid,
-                           "srun_ct": _create_time(p.pid), "ranks": ranks,
+                           "srun_ct": start_time_of(p.pid), "ranks": ranks,
                            "log": str(spec.log_dir / "srun.log"), "ranks_per_task": _ranks_per_task(spec),
                            **({"agent_step": req.step_name + AGENT_SUFFIX, "agent_pid": agents.pid}
                               if agents is not None else {})})
@@ -308,14 +306,14 @@ class SlurmLauncher:
             uid = _uid_of(users.for_launch(spec.user))
         except LaunchError:
             return None  # the run's user is gone from this host: starting again says so
-        srun = _find_srun(name, job, uid)
+        srun = find_srun(name, job, uid)
         step = _own_step(self.state.steps() or [], job, name, uid)
         if srun is None and step is None:
             return None
         nodes = list(step.nodes) if step else list(spec.nodes)
         ranks = _rank_map(nodes, spec.ranks_per_node)
         return json.dumps({"job": job, "step": name, "uid": uid, "srun_pid": srun.pid if srun else 0,
-                           "srun_ct": _create_time(srun.pid) if srun else 0.0, "ranks": ranks,
+                           "srun_ct": start_time_of(srun.pid) if srun else 0.0, "ranks": ranks,
                            "log": str(spec.log_dir / "srun.log"), "ranks_per_task": _ranks_per_task(spec)})
 
     def observe(self, launch_info: str) -> list[RankProc]:
@@ -323,7 +321,7 @@ class SlurmLauncher:
         ranks: list[tuple[int, str]] = [(int(r), str(n)) for r, n in info["ranks"]]
         # srun names tasks: with launch "node" a task is a node and stands for its ranks
         per_task = int(info.get("ranks_per_task", 1))
-        exits = {task * per_task + i: code for task, code in _task_exits(Path(info["log"])).items()
+        exits = {task * per_task + i: code for task, code in task_exits(Path(info["log"])).items()
                  for i in range(per_task)}
         srun_code, srun_alive = self._srun_state(info)
         step_listed: bool | None = None
@@ -461,73 +459,6 @@ def _own_step(steps: list[parse.StepInfo], job: str | None, name: str,
     (where squeue names an owner); another user's step of that name is not."""
     return next((s for s in steps if s.job_id == job and s.name == name
                  and (s.user_id is None or s.owned_by(uid))), None)
-
-
-_SRUN_LOG_TAIL = 1 << 20  # srun's own lines about its tasks come last
-
-
-def _task_exits(log_path: Path) -> dict[int, int]:
-    """Per-task endings srun reported: task -> exit code (negative: the signal)."""
-    out: dict[int, int] = {}
-    try:  # the run's user's directory: a regular file only, and only its end (read every tick)
-        size = user_files.size_of(log_path)
-        text = user_files.read_bytes(log_path, _SRUN_LOG_TAIL, offset=max(0, size - _SRUN_LOG_TAIL)).decode(
-            errors="replace")
-    except OSError:
-        return out
-    for line in text.splitlines():
-        m = _TASK_LINE.search(line)
-        if m is None:
-            continue
-        what = m.group(3)
-        code_m = re.search(r"exit code (\d+)", what)
-        if code_m:
-            code = int(code_m.group(1))
-        elif "Killed" in what:
-            code = -signal.SIGKILL
-        elif "Terminated" in what:
-            code = -signal.SIGTERM
-        elif "Segmentation" in what:
-            code = -signal.SIGSEGV
-        elif "Aborted" in what:
-            code = -signal.SIGABRT
-        else:
-            code = 1
-        for rank in _ranks(m.group(2)):
-            out[rank] = code
-    return out
-
-
-def _ranks(text: str) -> list[int]:
-    out: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        if lo.isdigit() and (not hi or hi.isdigit()):
-            out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def _find_srun(step_name: str, job: str, uid: int) -> psutil.Process | None:
-    """The srun of this host that starts ``step_name`` in allocation ``job`` as ``uid``
-    (anyone can start an srun whose command line says so)."""
-    flags = {f"--job-name={step_name}", f"--jobid={job}"}
-    for p in psutil.process_iter(["pid", "cmdline", "uids"]):
-        try:
-            cmd = p.info["cmdline"] or []
-            uids = p.info["uids"]
-            if (cmd and os.path.basename(cmd[0]) == "srun" and flags <= set(cmd)
-                    and uids is not None and uids.real == uid and uids.effective == uid):
-                return p
-        except psutil.Error:
-            continue
-    return None
-
-
-def _create_time(pid: int) -> float:
-    try:
-        return float(psutil.Process(pid).create_time())
-    except psutil.Error:
-        return 0.0
 
 
 def _free_port() -> int:

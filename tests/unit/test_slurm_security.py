@@ -32,8 +32,9 @@ from supervisor.errors import CannotExecute, LaunchError, SpecError
 from supervisor.launchers.base import AllocationRequest, LaunchSpec
 from supervisor.slurm import parse
 from supervisor.slurm.commands import Reply, SlurmCommands
-from supervisor.slurm.launcher import SlurmLauncher, _find_srun
+from supervisor.slurm.launcher import SlurmLauncher
 from supervisor.slurm.nodes import REASON_MAX, SlurmNodes, slurm_reason
+from supervisor.slurm.srun import find_srun
 from supervisor.slurm.state import SlurmState
 from supervisor.spec import load_spec
 from tests.conftest import REPO, wait_for
@@ -384,16 +385,16 @@ def fake_srun() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
 def test_an_srun_of_another_job_or_user_is_not_taken_for_the_attempts(fake_srun: Any) -> None:
     flags = ("--jobid=7", "--job-name=tsup-x.run-1.a1")
     mine = fake_srun(*flags)
-    assert _find_srun("tsup-x.run-1.a1", "7", ME).pid == mine.pid  # type: ignore[union-attr]
-    assert _find_srun("tsup-x.run-1.a1", "8", ME) is None, "another allocation's"
-    assert _find_srun("tsup-x.run-1.a1", "7", SOMEONE) is None, "another user's"
+    assert find_srun("tsup-x.run-1.a1", "7", ME).pid == mine.pid  # type: ignore[union-attr]
+    assert find_srun("tsup-x.run-1.a1", "8", ME) is None, "another allocation's"
+    assert find_srun("tsup-x.run-1.a1", "7", SOMEONE) is None, "another user's"
     if ME == 0:  # a real other user's process, as on a shared login node
         mine.kill()
         mine.wait()
         theirs = fake_srun(*flags, user=65534, group=65534, extra_groups=[])
         time.sleep(0.2)
         assert psutil.Process(theirs.pid).uids().real == 65534
-        assert _find_srun("tsup-x.run-1.a1", "7", ME) is None
+        assert find_srun("tsup-x.run-1.a1", "7", ME) is None
 
 
 def test_a_nul_byte_that_reaches_a_slurm_launch_fails_the_run_once_instead_of_relaunching_every_tick(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.slurm.commands import SlurmCommands
-from supervisor.slurm.launcher import _task_exits
+from supervisor.slurm.srun import task_exits
 from supervisor.user_files import UnsafePath
 
 
@@ -22,7 +22,7 @@ def test_a_fifo_or_a_link_to_dev_zero_as_srun_log_reads_as_no_exits_at_once(tmp_
     os.mkfifo(fifo)
     zero.symlink_to("/dev/zero")
     results: list[dict[int, int]] = []
-    reader = threading.Thread(target=lambda: results.extend([_task_exits(fifo), _task_exits(zero)]),
+    reader = threading.Thread(target=lambda: results.extend([task_exits(fifo), task_exits(zero)]),
                               daemon=True)
     reader.start()
     reader.join(timeout=10)
@@ -33,7 +33,7 @@ def test_a_fifo_or_a_link_to_dev_zero_as_srun_log_reads_as_no_exits_at_once(tmp_
 def test_srun_log_is_read_from_its_end(tmp_path: Path) -> None:
     log = tmp_path / "srun.log"
     log.write_text("x" * (3 << 20) + "\nsrun: error: node2: task 3: Exited with exit code 7\n")
-    assert _task_exits(log) == {3: 7}
+    assert task_exits(log) == {3: 7}
 
 
 def test_a_link_planted_as_srun_log_is_not_opened_for_srun(tmp_path: Path) -> None:
