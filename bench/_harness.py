@@ -288,10 +288,13 @@ def goodput(tap: Tap, run: str) -> dict[str, float | int]:
 
 
 def write_spec(base: Path, dest: Path, *, mqtt_url: str, steps: int | None = None,
-               every_steps: int | None = None, standby: bool = False, memory_every_steps: int = 0) -> Path:
+               every_steps: int | None = None, standby: bool = False, memory_every_steps: int = 0,
+               launcher: str | None = None) -> Path:
     """A copy of ``base`` with telemetry on ``mqtt_url`` and, if given, other steps, warm
-    standbys, or the memory tier (with persistent saves beside training)."""
+    standbys, the memory tier (with persistent saves beside training), or another launcher."""
     data = tomllib.loads(base.read_text())
+    if launcher is not None:
+        data.setdefault("resources", {})["launcher"] = launcher
     if standby:
         data.setdefault("resources", {})["standby"] = True
     if memory_every_steps:
@@ -371,7 +374,8 @@ def result_digest(run_dir: Path) -> str | None:
 class SupervisorRun:
     """``training-supervisor run SPEC --json`` in the background; its DB once it is over."""
 
-    def __init__(self, spec: Path, state_dir: Path, chaos: Sequence[str]) -> None:
+    def __init__(self, spec: Path, state_dir: Path, chaos: Sequence[str],
+                 env: Mapping[str, str] | None = None) -> None:
         self.state_dir = state_dir
         state_dir.mkdir(parents=True, exist_ok=True)
         args = [PY, "-m", "supervisor.cli", "run", str(spec), "--state-dir", str(state_dir), "--json",
@@ -381,7 +385,7 @@ class SupervisorRun:
         self.launched_at = time.time()
         with open(state_dir / "summary.json", "wb") as out, open(state_dir / "run.err", "wb") as err:
             self.proc = subprocess.Popen(args, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                         cwd=REPO, start_new_session=True)
+                                         cwd=REPO, start_new_session=True, env={**os.environ, **(env or {})})
         self.exited_at: float | None = None
 
     def wait(self, timeout_s: float) -> bool:
@@ -422,7 +426,10 @@ class SupervisorRun:
         return SupervisorDb(self.state_dir / "supervisor.db")
 
     def rank0_log(self, attempt: int) -> Path | None:
-        logs = sorted((self.state_dir / "runs" / "run-1" / "attempts" / str(attempt)).glob("rank-0000.*.log"))
+        """Rank 0's output: ``rank-0000.<node>.log`` from the local launcher, ``rank-0.log``
+        from srun (its ``%t``)."""
+        where = self.state_dir / "runs" / "run-1" / "attempts" / str(attempt)
+        logs = sorted(where.glob("rank-0000.*.log")) or sorted(where.glob("rank-0.log"))
         return logs[0] if logs else None
 
 

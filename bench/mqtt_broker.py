@@ -1,6 +1,7 @@
 """A throwaway mosquitto for the benchmarks (bench/scale.py, bench/overhead.py).
 
-``mosquitto(workdir)`` starts ``mosquitto`` on a free loopback port with a config
+``mosquitto(workdir)`` starts ``mosquitto`` on a free loopback port (or on ``host``: the
+Slurm box's bridge address, bench/_mttr_slurm.py) with a config
 written into ``workdir`` (anonymous, no persistence, like the integration tests'
 broker), waits until it listens, and stops it by its pid on the way out, SIGKILL
 after 10 s. ``sys_interval`` makes it publish its ``$SYS`` counters that often.
@@ -52,10 +53,10 @@ def binary() -> str:
     return found
 
 
-def _listening(port: int) -> bool:
+def _listening(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        return s.connect_ex((host, port)) == 0
 
 
 def _version(path: str) -> str:
@@ -65,11 +66,12 @@ def _version(path: str) -> str:
 
 
 @contextlib.contextmanager
-def mosquitto(workdir: Path, *, sys_interval: int | None = None) -> Iterator[Mosquitto]:
+def mosquitto(workdir: Path, *, sys_interval: int | None = None,
+              host: str = "127.0.0.1") -> Iterator[Mosquitto]:
     path = binary()
     port = free_port()
     conf = workdir / f"mosquitto-{port}.conf"
-    lines = [f"listener {port} 127.0.0.1", "allow_anonymous true", "persistence false"]
+    lines = [f"listener {port} {host}", "allow_anonymous true", "persistence false"]
     if sys_interval is not None:
         lines.append(f"sys_interval {sys_interval}")
     conf.write_text("\n".join(lines) + "\n")
@@ -78,11 +80,11 @@ def mosquitto(workdir: Path, *, sys_interval: int | None = None) -> Iterator[Mos
         proc = subprocess.Popen([path, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 10
-        while not _listening(port):
+        while not _listening(host, port):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"mosquitto did not start: {log_path.read_text()[-2000:]}")
             time.sleep(0.05)
-        yield Mosquitto("127.0.0.1", port, proc.pid, _version(path))
+        yield Mosquitto(host, port, proc.pid, _version(path))
     finally:
         stop(proc)
 

@@ -114,6 +114,11 @@ true``); the fault at ``--memory-fault-step`` (73: 3 steps after the memory save
 node's ranks are restored from their replicas on the other node (trainer/memory_tier.py).
 ``steps_redone`` shows what the tier saves; ``memory_vs_cold_resume`` as above.
 
+The Slurm box (``slurm``, ``slurm_box`` in the JSON): the cold start, kill-rank and
+kill-node under the supervisor, and the same with the memory tier, on a real Slurm
+cluster of three hosts in network namespaces of this one (bench/_mttr_slurm.py says
+how). It needs root and Slurm's daemons; without them it says why it did not run.
+
 --quick: 1 trial; supervisor kinds kill-rank and hang-rank, torchrun kill-rank and
 hang-rank (waiting 30 s), cold start once. The JSON says which kinds were left out.
 """
@@ -132,20 +137,18 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import _mttr_slurm
 from _harness import (
     DETECTED,
     EXAMPLE_SPEC,
     LAUNCHED,
     TORN_DOWN,
-    AttemptTimes,
-    SupervisorRun,
     Tap,
     Torchrun,
     attempt_times,
     chain,
     exit_on_sigterm,
     faulty_rank,
-    median_of,
     mosquitto,
     plain_spec,
     restore_load_s,
@@ -158,6 +161,16 @@ from _harness import (
     world_of,
     write_spec,
     write_trainer_config,
+)
+from _mttr_trials import (
+    brief_of,
+    chaos_arg,
+    load_now,
+    resumed_in,
+    summary_of,
+    supervisor_trial,
+    totals_of,
+    trainer_phases,
 )
 
 from supervisor.launchers.local import LocalLauncher
@@ -175,8 +188,7 @@ TORCHRUN_CANNOT = {
     "nan": "torchrun watches exit codes only; a NaN loss ends no process, so training goes on with NaN "
            "(the trainer just refuses to checkpoint it)",
 }
-PHASES = ("detect_s", "teardown_s", "schedule_s", "start_s", "init_s", "restore_s", "first_step_s", "total_s",
-          "restore_load_s", "steps_redone", "supervisor_saw_first_step_s")
+
 
 
 # --- cold start -------------------------------------------------------------------------
@@ -199,7 +211,7 @@ def _cold_launch(config: Path, shape: Mapping[str, Any], tap: Tap, url: str, run
     them; the phases from the launch."""
     launcher = LocalLauncher()
     launch = plain_spec(config, run_id, attempt, shape["nodes"], shape["ranks_per_node"], url)
-    load = _load()
+    load = load_now()
     launched = time.time()
     info = launcher.start(launch)
     try:
@@ -208,81 +220,12 @@ def _cold_launch(config: Path, shape: Mapping[str, Any], tap: Tap, url: str, run
         stop_plain(launcher, info)
     t = attempt_times(tap, run_id, attempt, shape["nodes"] * shape["ranks_per_node"])
     log = next(iter(sorted(launch.log_dir.glob("rank-0000.*.log"))), None)
-    return {"completed": ok, "loadavg_1m": load, **_trainer_phases(("launch", launched), t),
+    return {"completed": ok, "loadavg_1m": load, **trainer_phases(("launch", launched), t),
             "total_s": rounded(t.first_step - launched) if t.first_step else None,
             "restore_load_s": restore_load_s(log) if log and t.restore_begin else None}
 
 
-def _trainer_phases(origin: tuple[str, float | None], t: AttemptTimes) -> dict[str, float | None]:
-    """start, init, restore (when the attempt restored) and first step, from ``origin``."""
-    points = [origin, ("start", t.up)]
-    if t.restore_begin is not None:
-        points += [("init", t.restore_begin), ("restore", t.train_begin)]
-    else:
-        points += [("init", t.train_begin)]
-    return chain([*points, ("first_step", t.first_step)])
-
-
 # --- the supervisor -----------------------------------------------------------------------
-
-
-def chaos_arg(kind: str, step: int, rank: int) -> str:
-    return f"{kind}@{step}:{rank}" if kind in ("crash", "device") else f"{kind}@{step}"
-
-
-def _supervisor_trial(kind: str, spec: Path, workdir: Path, tap: Tap, fault_step: int,
-                      timeout_s: float) -> dict[str, Any]:
-    """One fault under ``training-supervisor run``, cancelled at the first resumed step."""
-    tap.clear()
-    load = _load()
-    run = SupervisorRun(spec, workdir / "state", [chaos_arg(kind, fault_step, faulty_rank(spec))])
-    try:
-        resumed = wait_until(lambda: _resumed(tap, "run-1", 1) or (False if run.proc.poll() is not None
-                                                                     else None), timeout_s)
-        time.sleep(1.0)  # let the supervisor record what it saw of the first step (run.recovered)
-        run.cancel()
-    finally:
-        run.close()
-    if not resumed:
-        say(f"  {kind}: no resumed step within {timeout_s:.0f} s; supervisor said: {run.stderr_tail()}")
-    row = _supervisor_phases(run, tap, fault_attempt=1, world=world_of(spec))
-    return {"recovered": bool(resumed), "loadavg_1m": load, **row}
-
-
-def _resumed(tap: Tap, run_id: str, fault_attempt: int) -> bool | None:
-    return True if any(m.attempt > fault_attempt for m in tap.steps(run_id)) else None
-
-
-def _supervisor_phases(run: SupervisorRun, tap: Tap, fault_attempt: int, world: int) -> dict[str, Any]:
-    db = run.db()
-    injected = db.first("chaos.injected")
-    fault_at = tap.first_fault_ts("run-1", fault_attempt) or (injected.ts if injected else None)
-    detected = db.first("fault.detected", lambda e: e.data.get("attempt") == fault_attempt)
-    recovered = db.first("run.recovered")
-    old, new = db.attempts.get(fault_attempt, {}), db.attempts.get(fault_attempt + 1, {})
-    t = attempt_times(tap, "run-1", fault_attempt + 1, world)
-    phases = chain([("fault", fault_at), ("detect", detected.ts if detected else None),
-                    ("teardown", old.get("ended_at")), ("schedule", new.get("started_at")),
-                    ("start", t.up), ("init", t.restore_begin), ("restore", t.train_begin),
-                    ("first_step", t.first_step)])
-    log = run.rank0_log(fault_attempt + 1)
-    fault_step = injected.data.get("step") if injected else None
-    return {**phases, **_totals(fault_at, t, fault_step, new.get("resume_step")),
-            "restore_load_s": restore_load_s(log) if log else None,
-            "supervisor_saw_first_step_s": rounded(recovered.ts - fault_at) if recovered and fault_at
-            else None,
-            "fault": injected.data.get("action") if injected else None,
-            "new_nodes": json.loads(new["nodes"]) if new.get("nodes") else None}
-
-
-def _totals(fault_at: float | None, t: AttemptTimes, fault_step: int | None,
-            resume_step: int | None) -> dict[str, Any]:
-    """The whole recovery, and the steps it ran again (from the checkpoint to the step
-    the fault struck at)."""
-    redone = fault_step - resume_step if fault_step is not None and resume_step is not None else None
-    return {"total_s": rounded(t.first_step - fault_at) if t.first_step and fault_at else None,
-            "fault_step": fault_step, "resume_step": resume_step,
-            "steps_redone": redone if t.first_step else None}
 
 
 # --- torchrun -----------------------------------------------------------------------------
@@ -298,7 +241,7 @@ def _torchrun_trial(kind: str, spec: Path, workdir: Path, tap: Tap, url: str, fa
         env |= {"TSUP_FAULT": chaos_arg(kind, fault_step, faulty_rank(spec)),
                 "TSUP_FAULT_STATE": str(workdir / "fault-state")}
     tap.clear()
-    load = _load()
+    load = load_now()
     job = Torchrun(config, workdir, nproc=world_of(spec), max_restarts=max_restarts, env=env)
     fault_at: float | None = None
     fault_step_seen: int | None = None
@@ -307,7 +250,7 @@ def _torchrun_trial(kind: str, spec: Path, workdir: Path, tap: Tap, url: str, fa
             fault_at = _inject_torchrun(kind, tap, run_id, faulty_rank(spec))
             fault_step_seen = fault_step if kind in TRAINER_KINDS else tap.max_step(run_id, 1)
         resumed = fault_at is not None and wait_until(
-            lambda: _resumed(tap, run_id, 1) or (False if job.exited() else None), wait_s)
+            lambda: resumed_in(tap, run_id, 1) or (False if job.exited() else None), wait_s)
     finally:
         job.close()
     detected = job.first_line(DETECTED, job.launched_at)
@@ -320,7 +263,8 @@ def _torchrun_trial(kind: str, spec: Path, workdir: Path, tap: Tap, url: str, fa
             **chain([("fault", fault_at), ("detect", detected), ("teardown", torn_down),
                      ("schedule", launched), ("start", t.up), ("init", t.restore_begin),
                      ("restore", t.train_begin), ("first_step", t.first_step)]),
-            **_totals(fault_at, t, fault_step_seen, t.first_step_number - 1 if t.first_step_number else None),
+            **totals_of(fault_at, t, fault_step_seen,
+                        t.first_step_number - 1 if t.first_step_number else None),
             "restore_load_s": restore_load_s(log) if log else None,
             "torchrun_noticed": detected is not None}
 
@@ -336,26 +280,7 @@ def _inject_torchrun(kind: str, tap: Tap, run_id: str, rank: int) -> float | Non
     return time.time()
 
 
-def _load() -> float:
-    """This machine's 1-minute load average as a trial starts (other users' work shows here)."""
-    return round(os.getloadavg()[0], 2)
-
-
 # --- summaries ----------------------------------------------------------------------------
-
-
-def _summary(rows: list[dict[str, Any]], ok_key: str = "recovered") -> dict[str, Any]:
-    """Every trial, and the median of each field over the trials that got there."""
-    ok = [r for r in rows if r.get(ok_key)]
-    return {"trials": len(rows), ok_key: len(ok),
-            "median": {k: median_of(ok, k) for k in PHASES if any(k in r for r in rows)},
-            "runs": rows}
-
-
-def _brief(row: Mapping[str, Any]) -> str:
-    if not row.get("recovered"):
-        return f"not recovered (gave up after {row.get('gave_up_after_s', '?')} s)"
-    return ", ".join(f"{k} {row[k]}" for k in ("detect_s", "total_s") if row.get(k) is not None)
 
 
 def _overheads(kinds: Mapping[str, Mapping[str, Any]], floor: float | None) -> dict[str, float | None]:
@@ -374,8 +299,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="1 trial, kill-rank and hang-rank only (minutes)")
     p.add_argument("--trials", type=int, default=None, help="trials per kind (default 5; --quick 1)")
     p.add_argument("--kinds", default=None, help=f"comma-separated subset of {','.join(KINDS)}")
-    p.add_argument("--parts", default="cold,supervisor,warm,memory,torchrun",
-                   help="which of cold,supervisor,warm,memory,torchrun")
+    p.add_argument("--parts", default="cold,supervisor,warm,memory,torchrun,slurm",
+                   help="which of cold,supervisor,warm,memory,torchrun,slurm")
     p.add_argument("--spec", type=Path, default=EXAMPLE_SPEC)
     p.add_argument("--fault-step", type=int, default=30)
     p.add_argument("--warm-fault-step", type=int, default=70, help="the fault's step with warm standbys")
@@ -414,6 +339,10 @@ def main() -> None:
             report |= _measure(args, parts, kinds, trials, hang_wait, (spec, warm, memory), root, tap, url)
         finally:
             tap.close()
+        if "slurm" in parts:
+            report["slurm_box"] = _mttr_slurm.measure(
+                args.spec, root, kinds=kinds, trials=trials, fault_step=args.fault_step,
+                memory_fault_step=args.memory_fault_step, timeout_s=args.trial_timeout_s)
     report["bench_wall_s"] = round(time.monotonic() - began, 1)
     print(json.dumps(report, indent=2))
 
@@ -441,19 +370,19 @@ def _measure(args: argparse.Namespace, parts: set[str], kinds: tuple[str, ...], 
             say(f"  -> fresh {fresh.get('total_s')} s, resumed {resumed.get('total_s')} s")
         for k in sup_kinds:
             say(f"round {i}/{trials}: supervisor {k}")
-            sup[k].append(_supervisor_trial(k, spec, root / f"sup-{k}-{i}", tap, args.fault_step,
-                                            args.trial_timeout_s))
-            say(f"  -> {_brief(sup[k][-1])}")
+            sup[k].append(supervisor_trial(k, spec, root / f"sup-{k}-{i}", tap, args.fault_step,
+                                           args.trial_timeout_s))
+            say(f"  -> {brief_of(sup[k][-1])}")
         for k, rows in warm.items():
             say(f"round {i}/{trials}: supervisor {k}, warm standby")
-            rows.append(_supervisor_trial(k, warm_spec, root / f"warm-{k}-{i}", tap, args.warm_fault_step,
-                                          args.trial_timeout_s))
-            say(f"  -> {_brief(rows[-1])}")
+            rows.append(supervisor_trial(k, warm_spec, root / f"warm-{k}-{i}", tap, args.warm_fault_step,
+                                         args.trial_timeout_s))
+            say(f"  -> {brief_of(rows[-1])}")
         for k, rows in memory.items():
             say(f"round {i}/{trials}: supervisor {k}, warm standby and the memory tier")
-            rows.append(_supervisor_trial(k, memory_spec, root / f"memory-{k}-{i}", tap,
-                                          args.memory_fault_step, args.trial_timeout_s))
-            say(f"  -> {_brief(rows[-1])}")
+            rows.append(supervisor_trial(k, memory_spec, root / f"memory-{k}-{i}", tap,
+                                         args.memory_fault_step, args.trial_timeout_s))
+            say(f"  -> {brief_of(rows[-1])}")
         for k in tr_kinds:
             if k == "hang-rank" and i > args.hang_trials:
                 continue
@@ -461,7 +390,7 @@ def _measure(args: argparse.Namespace, parts: set[str], kinds: tuple[str, ...], 
             wait_s = hang_wait if k == "hang-rank" else args.trial_timeout_s
             tr[k].append(_torchrun_trial(k, spec, root / f"torchrun-{k}-{i}", tap, url, args.fault_step,
                                          args.max_restarts, wait_s, args.trial_timeout_s))
-            say(f"  -> {_brief(tr[k][-1])}")
+            say(f"  -> {brief_of(tr[k][-1])}")
     return _report(parts, kinds, cold, sup, tr, warm, memory)
 
 
@@ -470,20 +399,20 @@ def _report(parts: set[str], kinds: tuple[str, ...], cold: dict[str, list[dict[s
             warm: dict[str, list[dict[str, Any]]], memory: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "cold" in parts:
-        out["cold_start"] = {name: _summary(rows, "completed") for name, rows in cold.items()}
+        out["cold_start"] = {name: summary_of(rows, "completed") for name, rows in cold.items()}
     floor = out.get("cold_start", {}).get("resumed", {}).get("median", {}).get("total_s")
     if "supervisor" in parts:
-        out["supervisor"] = {k: _summary(rows) for k, rows in sup.items()}
+        out["supervisor"] = {k: summary_of(rows) for k, rows in sup.items()}
         out["supervisor_overhead_vs_cold_resume_s"] = _overheads(out["supervisor"], floor)
     for part, rows_of in (("warm", warm), ("memory", memory)):
         if rows_of:
             name = "warm_standby" if part == "warm" else "warm_standby_memory_tier"
-            out[name] = {k: _summary(rows) for k, rows in rows_of.items()}
+            out[name] = {k: summary_of(rows) for k, rows in rows_of.items()}
             totals = {k: v.get("median", {}).get("total_s") for k, v in out[name].items()}
             out[f"{part}_vs_cold_resume"] = {k: round(t / floor, 3) if floor and t else None
                                              for k, t in totals.items()}
     if "torchrun" in parts:
-        out["torchrun"] = {k: _summary(tr[k]) if k in tr else {"run": False, "why": TORCHRUN_CANNOT[k]}
+        out["torchrun"] = {k: summary_of(tr[k]) if k in tr else {"run": False, "why": TORCHRUN_CANNOT[k]}
                            for k in kinds}
         out["torchrun_overhead_vs_cold_resume_s"] = _overheads(
             {k: v for k, v in out["torchrun"].items() if "median" in v}, floor)
