@@ -459,7 +459,7 @@ class SupervisorDb:
                            for r in conn.execute("SELECT id, ts, kind, data FROM events ORDER BY id")]
             self.attempts = {r["number"]: dict(r) for r in conn.execute(
                 "SELECT number, state, nodes, resume_step, created_at, started_at, first_step_at, "
-                "ended_at, outcome, final_step FROM attempts WHERE run_number = 1")}
+                "ended_at, outcome, final_step, launch_info FROM attempts WHERE run_number = 1")}
             run = conn.execute("SELECT started_at, ended_at, state FROM runs WHERE number = 1").fetchone()
             self.run = dict(run) if run else {}
         finally:

@@ -16,10 +16,14 @@ telemetry, which the benchmark hears as the supervisor does.
   kill-node kills the node's slurmd and everything it started, as a power loss would.
 - ``memory_tier``: the same with the memory tier every 5 steps (replicas on the next
   node) and persistent saves beside training, the fault at ``--memory-fault-step``.
-- Warm standby is not kept on Slurm (the spec refuses ``standby`` with the Slurm
-  launcher), so it has no row here; the report says so.
+- ``warm_standby``: the supervisor with ``[resources] standby = true``: each node's
+  standbys, a step started 5 s after the attempt (supervisor/slurm/standby.py), become
+  the next attempt's ranks; the fault at ``--warm-fault-step``, once they are warm.
+- ``warm_standby_memory_tier``: both, the fault at ``--memory-fault-step``.
 
-Each kind's median total_s is set against the cold resume's as ``vs_cold_resume``.
+``--slurm-variants`` picks among cold, supervisor, memory, warm and warm-memory (the
+cold start always runs: it is what the others are set against). Each kind's median
+total_s is set against the cold resume's as ``<variant>_vs_cold_resume``.
 Needs root (network namespaces) and Slurm's daemons (``make test`` installs them);
 without them the part says why it did not run.
 """
@@ -91,17 +95,26 @@ def _box_and_broker() -> Iterator[tuple[Any, str]]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def measure(base_spec: Path, root: Path, *, kinds: tuple[str, ...], trials: int, fault_step: int,
-            memory_fault_step: int, timeout_s: float) -> dict[str, Any]:
+# variant -> (its name in the report, standby, memory tier every N steps, which fault step)
+VARIANTS = {"supervisor": ("supervisor", False, 0, "fault_step"),
+            "memory": ("memory_tier", False, 5, "memory_fault_step"),
+            "warm": ("warm_standby", True, 0, "warm_fault_step"),
+            "warm-memory": ("warm_standby_memory_tier", True, 5, "memory_fault_step")}
+
+
+def measure(base_spec: Path, root: Path, *, kinds: tuple[str, ...], trials: int, variants: tuple[str, ...],
+            fault_steps: dict[str, int], timeout_s: float) -> dict[str, Any]:
     why = unavailable()
     if why is not None:
         return {"run": False, "why": why}
     kinds = tuple(k for k in kinds if k in KINDS)
     if not kinds:
         return {"run": False, "why": f"the box measures {', '.join(KINDS)}, and none of them was asked for"}
+    unknown = set(variants) - {"cold", *VARIANTS}
+    if unknown:
+        raise SystemExit(f"unknown Slurm variants {sorted(unknown)}; choose from cold, {', '.join(VARIANTS)}")
     cold: dict[str, list[dict[str, Any]]] = {"fresh": [], "resumed": []}
-    sup: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
-    memory: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+    rows_of = {v: {k: [] for k in kinds} for v in VARIANTS if v in variants}
     for i in range(1, trials + 1):
         say(f"round {i}/{trials}: Slurm box, cold start")
         fresh, resumed = _cold_trial(base_spec, root / f"slurm-cold-{i}", timeout_s)
@@ -109,29 +122,29 @@ def measure(base_spec: Path, root: Path, *, kinds: tuple[str, ...], trials: int,
         cold["resumed"].append(resumed)
         say(f"  -> fresh {fresh.get('total_s')} s, resumed {resumed.get('total_s')} s")
         for k in kinds:
-            for rows, step, memory_every, name in ((sup[k], fault_step, 0, "supervisor"),
-                                                   (memory[k], memory_fault_step, 5, "the memory tier")):
+            for variant, rows in rows_of.items():
+                name, standby, memory_every, step_key = VARIANTS[variant]
                 say(f"round {i}/{trials}: Slurm box, {name}, {k}")
-                rows.append(_supervisor_trial(k, base_spec, root / f"slurm-{k}-{memory_every}-{i}", step,
-                                              memory_every, timeout_s))
-                say(f"  -> {brief_of(rows[-1])}")
-    out: dict[str, Any] = {"run": True, "nodes": NODES, "kinds": list(kinds),
-                           "warm_standby": "not kept on Slurm: the spec refuses standby with launcher slurm",
+                rows[k].append(_supervisor_trial(k, base_spec, root / f"slurm-{variant}-{k}-{i}",
+                                                 fault_steps[step_key], standby, memory_every, timeout_s))
+                say(f"  -> {brief_of(rows[k][-1])}")
+    out: dict[str, Any] = {"run": True, "nodes": NODES, "kinds": list(kinds), "fault_steps": fault_steps,
                            "cold_start": {name: summary_of(rows, "completed") for name, rows in cold.items()}}
     floor = out["cold_start"]["resumed"]["median"].get("total_s")
-    for name, rows_of in (("supervisor", sup), ("memory_tier", memory)):
-        out[name] = {k: summary_of(rows) for k, rows in rows_of.items()}
+    for variant, by_kind in rows_of.items():
+        name = VARIANTS[variant][0]
+        out[name] = {k: summary_of(rows) for k, rows in by_kind.items()}
         out[f"{name}_vs_cold_resume"] = {
             k: round(t / floor, 3) if floor and (t := v["median"].get("total_s")) else None
             for k, v in out[name].items()}
     return out
 
 
-def _supervisor_trial(kind: str, base_spec: Path, workdir: Path, fault_step: int, memory_every: int,
-                      timeout_s: float) -> dict[str, Any]:
+def _supervisor_trial(kind: str, base_spec: Path, workdir: Path, fault_step: int, standby: bool,
+                      memory_every: int, timeout_s: float) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     with _box_and_broker() as (box, url):
-        spec = write_spec(base_spec, workdir / "spec.toml", mqtt_url=url, launcher="slurm",
+        spec = write_spec(base_spec, workdir / "spec.toml", mqtt_url=url, launcher="slurm", standby=standby,
                           memory_every_steps=memory_every)
         tap = Tap(url)
         try:

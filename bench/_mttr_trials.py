@@ -89,7 +89,9 @@ def supervisor_phases(run: SupervisorRun, tap: Tap, fault_attempt: int, world: i
             "supervisor_saw_first_step_s": rounded(recovered.ts - fault_at) if recovered and fault_at
             else None,
             "fault": injected.data.get("action") if injected else None,
-            "new_nodes": json.loads(new["nodes"]) if new.get("nodes") else None}
+            "new_nodes": json.loads(new["nodes"]) if new.get("nodes") else None,
+            # Made of warm standbys (the Slurm launcher says so; the local one records none).
+            "warm": bool(json.loads(new["launch_info"]).get("warm")) if new.get("launch_info") else None}
 
 
 def totals_of(fault_at: float | None, t: AttemptTimes, fault_step: int | None,

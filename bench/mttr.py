@@ -302,6 +302,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--parts", default="cold,supervisor,warm,memory,torchrun,slurm",
                    help="which of cold,supervisor,warm,memory,torchrun,slurm")
     p.add_argument("--spec", type=Path, default=EXAMPLE_SPEC)
+    p.add_argument("--slurm-variants", default="cold,supervisor,memory,warm,warm-memory",
+                   help="the Slurm box's: which of cold,supervisor,memory,warm,warm-memory")
     p.add_argument("--fault-step", type=int, default=30)
     p.add_argument("--warm-fault-step", type=int, default=70, help="the fault's step with warm standbys")
     p.add_argument("--memory-fault-step", type=int, default=73, help="the fault's step with the memory tier")
@@ -340,9 +342,11 @@ def main() -> None:
         finally:
             tap.close()
         if "slurm" in parts:
+            steps = {"fault_step": args.fault_step, "warm_fault_step": args.warm_fault_step,
+                     "memory_fault_step": args.memory_fault_step}
             report["slurm_box"] = _mttr_slurm.measure(
-                args.spec, root, kinds=kinds, trials=trials, fault_step=args.fault_step,
-                memory_fault_step=args.memory_fault_step, timeout_s=args.trial_timeout_s)
+                args.spec, root, kinds=kinds, trials=trials, variants=tuple(args.slurm_variants.split(",")),
+                fault_steps=steps, timeout_s=args.trial_timeout_s)
     report["bench_wall_s"] = round(time.monotonic() - began, 1)
     print(json.dumps(report, indent=2))
 

@@ -53,16 +53,25 @@ class BoxChaos:
     def kill_rank(self, launch_info: str, rank: int, sig: int = signal.SIGKILL) -> str:
         """``sig`` to the process of ``rank`` in the attempt's step: the topmost one whose
         RANK it is (the rank wrapper sets it; with launch "node", the node's torchrun sets
-        it in its workers), not its own children."""
-        step = json.loads(launch_info)["step"]
+        it in its workers), or that runs the standby task that became it, not its own
+        children."""
+        info = json.loads(launch_info)
+        step, task = info["step"], None
+        # A rank made of a standby (supervisor/slurm/standby.py) keeps the environment it
+        # was started with, its task's: it is known by that task of its node's step.
+        for part in info.get("parts", []):
+            if str(rank) in part["tasks"]:
+                step, task = part["step"], part["tasks"][str(rank)]
         found: dict[int, tuple[int, str | None]] = {}  # pid -> (parent, node)
         for p in psutil.process_iter(["pid", "ppid"]):
             try:
                 env = p.environ()
             except psutil.Error:
                 continue
-            if (env.get("SLURM_STEP_ID") is not None and env.get("SLURM_JOB_NAME") == step
-                    and env.get("RANK") == str(rank) and env.get("TSUP_RUN_ID")):
+            if env.get("SLURM_STEP_ID") is None or env.get("SLURM_JOB_NAME") != step:
+                continue
+            if (env.get("SLURM_PROCID") == str(task) if task is not None
+                    else env.get("RANK") == str(rank) and env.get("TSUP_RUN_ID")):
                 found[p.pid] = (p.info["ppid"], env.get("SLURMD_NODENAME"))
         for pid, (parent, node) in found.items():
             if parent not in found:

@@ -301,8 +301,6 @@ class RunSpec(BaseModel):
         if self.resources.standby and self.command is not None:
             raise ValueError("resources.standby: only the reference trainer ([trainer]) can wait as a "
                              "standby; a [command] is started cold")
-        if self.resources.standby and self.resources.launcher != "local":
-            raise ValueError("resources.standby: warm standbys are kept by the local launcher only, for now")
         if self.trainer is None:
             return self
         steps = self.trainer.get("steps")

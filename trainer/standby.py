@@ -19,6 +19,16 @@ file), sends its output to the rank's log, and runs exactly what ``python -m tra
 with that argv would. What depends on the rank or the resume point (the process group,
 the sharded model, the restore) is done only then.
 
+Under Slurm a generation of standbys is one srun step with ``--input=all``: srun passes
+the line its launcher writes to every task. That line is then a broadcast,
+
+    {"slots": {"NODE/LOCAL_RANK": ASSIGNMENT, ...}}
+
+and each standby takes the assignment of its own slot (``slot_key``: its node, Slurm's
+``SLURMD_NODENAME``, and its local rank, ``SLURM_LOCALID``); one whose slot is not in it
+is not needed, and ends with status 0. The attempt's ranks share its telemetry key, so
+no standby learns what another of its ranks does not know.
+
 The end of its input before an assignment (the launcher gave up on it, or died) ends it
 with status 0. ``LABEL`` is only for people and ``ps``: the launcher passes the run's
 directory. Its name in the process table (``/proc/PID/comm``) says what it is:
@@ -33,7 +43,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -41,6 +51,7 @@ from trainer.errors import EXIT_DO_NOT_RETRY, EXIT_OK
 
 WAITING_NAME = "tsup-standby"
 SLOT_ENV = "TSUP_STANDBY_SLOT"  # the local rank a standby stands in for: its device on a GPU node
+NODE_ENV = "TSUP_NODE"  # the node it waits on (the local launcher's); under Slurm, SLURMD_NODENAME
 WARM_BYTES = 256 << 20  # a first block for the GPU's caching allocator, kept in its cache
 
 
@@ -67,9 +78,44 @@ class Assignment:
             raise ValueError("log: a path; cwd: a path or null")
         return cls(argv=argv, env=env, log=log, cwd=cwd)
 
+    def to_json(self) -> dict[str, Any]:
+        return {"argv": self.argv, "env": self.env, "log": self.log, "cwd": self.cwd}
+
     def encode(self) -> bytes:
-        data = {"argv": self.argv, "env": self.env, "log": self.log, "cwd": self.cwd}
-        return json.dumps(data).encode() + b"\n"
+        return json.dumps(self.to_json()).encode() + b"\n"
+
+
+def slot_key(environ: Mapping[str, str]) -> str:
+    """"NODE/LOCAL_RANK": the slot this standby stands in for, as a broadcast names it."""
+    node = environ.get(NODE_ENV) or environ.get("SLURMD_NODENAME", "")
+    return f"{node}/{slot_of(environ) or 0}"
+
+
+def slot_of(environ: Mapping[str, str]) -> str | None:
+    """The local rank it stands in for: the launcher's word, else Slurm's task's."""
+    return environ.get(SLOT_ENV) or environ.get("SLURM_LOCALID")
+
+
+def parse_line(line: bytes, key: str) -> Assignment | None:
+    """This standby's assignment in ``line``: the line itself, or its slot's of a broadcast
+    (None: the broadcast has no slot ``key``, so it is not needed). ValueError for a line
+    that is neither."""
+    try:
+        data: Any = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if isinstance(data, dict) and set(data) == {"slots"}:
+        slots = data["slots"]
+        if not isinstance(slots, dict):
+            raise ValueError("slots: an object of assignments by NODE/LOCAL_RANK")
+        mine = slots.get(key)
+        return None if mine is None else Assignment.parse(json.dumps(mine).encode())
+    return Assignment.parse(line)
+
+
+def broadcast(assignments: Mapping[str, Assignment]) -> bytes:
+    """One line for a generation of standbys that all read it: each takes its slot's."""
+    return json.dumps({"slots": {key: a.to_json() for key, a in assignments.items()}}).encode() + b"\n"
 
 
 def name_for(attempt: str) -> str:
@@ -85,18 +131,22 @@ def wait(run: Callable[[list[str]], int], stdin: IO[bytes] | None = None) -> int
     from trainer import checkpoint, train  # noqa: F401  (DCP and FSDP, and what they import)
 
     imported = time.monotonic()
-    device = warm_device(os.environ.get(SLOT_ENV))
+    device = warm_device(slot_of(os.environ))
     warm = time.monotonic()
     print(f"standby: pid {os.getpid()} warm in {warm - started:.2f} s ({device} ready in "
           f"{warm - imported:.2f} s), waiting for an assignment", flush=True)
     line = (stdin or sys.stdin.buffer).readline()
     if not line:
         return EXIT_OK
+    key = slot_key(os.environ)
     try:
-        a = Assignment.parse(line)
+        a = parse_line(line, key)
     except ValueError as e:
         print(f"standby: error: a bad assignment: {e}", file=sys.stderr, flush=True)
         return EXIT_DO_NOT_RETRY
+    if a is None:
+        print(f"standby: slot {key} is not in the attempt: not needed", flush=True)
+        return EXIT_OK
     _redirect_output(a.log)
     os.environ.update(a.env)
     if a.cwd is not None:

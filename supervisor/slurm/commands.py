@@ -103,16 +103,18 @@ class SlurmCommands:
 
     def start_step(
         self, argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, user: RunAs | None = None,
-        log_base: Path | None = None,
+        log_base: Path | None = None, input_pipe: bool = False,
     ) -> subprocess.Popen[bytes]:
         """Start ``srun`` for a step (as ``user``), its output appended to ``log_path``, a
         regular file reached from ``log_base`` without following a link (the directory is
-        the run's user's: supervisor/user_files.py). Raises OSError when it cannot be
-        started, ValueError when an argument or variable cannot be passed (a NUL byte)."""
+        the run's user's: supervisor/user_files.py); ``input_pipe``: its input a pipe from
+        here (else nothing). Raises OSError when it cannot be started, ValueError when an
+        argument or variable cannot be passed (a NUL byte)."""
         self.calls += 1
         uid, gid, groups = popen_ids(user)
+        stdin = subprocess.PIPE if input_pipe else subprocess.DEVNULL
         with os.fdopen(user_files.open_append(log_base or log_path.parent, log_path), "ab") as out:
-            return subprocess.Popen(list(argv), env={**self._env, **env}, stdin=subprocess.DEVNULL,
+            return subprocess.Popen(list(argv), env={**self._env, **env}, stdin=stdin,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                     close_fds=True, user=uid, group=gid, extra_groups=groups)
 

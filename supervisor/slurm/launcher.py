@@ -13,7 +13,9 @@ How a run maps onto Slurm (builders in supervisor/slurm/requests.py):
   ``<prefix>.<run>.a<attempt>``; srun runs on this host in a session of its own. Where
   the attempt has telemetry, the node agents (supervisor/agent.py) go first, as a step
   of their own (``<prefix>.<run>.a<attempt>.agent``, one task a node, overlapping); they
-  are stopped when the attempt is forgotten.
+  are stopped when the attempt is forgotten. With warm standby the ranks are instead the
+  tasks of the run's waiting generation of standbys, a step started after the previous
+  attempt (supervisor/slurm/standby.py), handed their assignments in one line.
 - ``observe``: srun's exit status and its per-task lines (``srun: error: node1: task 1:
   Exited with exit code 3``) when srun is ours; Slurm's step list when it is not
   (after a daemon restart). A rank whose step still runs is UNKNOWN to Slurm: its
@@ -63,7 +65,8 @@ from supervisor.slurm.requests import (
     srun_argv,
     step_env,
 )
-from supervisor.slurm.srun import find_srun, start_time_of, task_exits
+from supervisor.slurm.srun import find_srun, rank_state, start_time_of, steps_of, task_exits
+from supervisor.slurm.standby import Generation, SlurmStandbys
 from supervisor.slurm.state import SlurmState
 from trainer.protocol import NODE_AGENT_ENV
 
@@ -97,6 +100,7 @@ class SlurmLauncher:
         self.state_dir = state_dir
         self.prefix = prefix_for(state_dir)
         self._children: dict[int, Any] = {}
+        self.standbys = SlurmStandbys(commands, self.prefix)
 
     def answered_since(self, t: float) -> bool:
         return self.state.answered_since(t)
@@ -214,6 +218,7 @@ class SlurmLauncher:
         return tuple(n for n in names if n not in drained and (n not in nodes or nodes[n].usable))
 
     def release(self, run_id: str, info: str | None) -> bool:
+        self.standbys.release(run_id)
         alloc = load_alloc(info)
         job = alloc["job"]
         if job is None:
@@ -263,6 +268,11 @@ class SlurmLauncher:
         agents = self._start_agents(req, env, spec, run_as) if env.get("TSUP_MQTT_URL") else None
         if agents is not None:
             env[NODE_AGENT_ENV] = "1"  # the agents report the nodes' slots (trainer/telemetry.py)
+        agent_info = {"agent_step": req.step_name + AGENT_SUFFIX, "agent_pid": agents.pid} if agents else {}
+        warm = self.standbys.take(spec, job, nodes)
+        self.standbys.plan(spec, job)
+        if warm is not None:
+            return self._start_warm(spec, job, warm, nodes, step, env, agent_info)
         try:
             p = self.commands.start_step(srun_argv(req), env=env, log_path=spec.log_dir / "srun.log",
                                          user=run_as, log_base=spec.log_base)
@@ -277,8 +287,19 @@ class SlurmLauncher:
         return json.dumps({"job": job, "step": name, "uid": _uid_of(run_as), "srun_pid": p.pid,
                            "srun_ct": start_time_of(p.pid), "ranks": ranks,
                            "log": str(spec.log_dir / "srun.log"), "ranks_per_task": _ranks_per_task(spec),
-                           **({"agent_step": req.step_name + AGENT_SUFFIX, "agent_pid": agents.pid}
-                              if agents is not None else {})})
+                           **agent_info})
+
+    def _start_warm(self, spec: LaunchSpec, job: str, gens: list[Generation], nodes: list[str], step: Step,
+                    env: dict[str, str], agent_info: dict[str, Any]) -> str:
+        """The attempt as the standbys of its nodes (``gens``, one step a node, in the order
+        of ``nodes``)."""
+        parts = self.standbys.hand_over(spec, gens, nodes, list(step.fill_all(spec.argv)), env)
+        for g in gens:
+            self._children[g.proc.pid] = g.proc
+        log.info("%s: attempt %d on the standbys of %s", spec.run_id, spec.attempt, ", ".join(nodes))
+        return json.dumps({"job": job, "step": parts[0]["step"], "uid": gens[0].uid,
+                           "ranks": _rank_map(nodes, spec.ranks_per_node), "parts": parts, "warm": True,
+                           **agent_info})
 
     def _start_agents(self, req: StepRequest, env: dict[str, str], spec: LaunchSpec,
                       run_as: users.RunAs | None) -> subprocess.Popen[bytes] | None:
@@ -318,32 +339,30 @@ class SlurmLauncher:
 
     def observe(self, launch_info: str) -> list[RankProc]:
         info = json.loads(launch_info)
+        self.standbys.refill()
         ranks: list[tuple[int, str]] = [(int(r), str(n)) for r, n in info["ranks"]]
-        # srun names tasks: with launch "node" a task is a node and stands for its ranks
         per_task = int(info.get("ranks_per_task", 1))
-        exits = {task * per_task + i: code for task, code in task_exits(Path(info["log"])).items()
-                 for i in range(per_task)}
-        srun_code, srun_alive = self._srun_state(info)
-        step_listed: bool | None = None
-        if not srun_alive and srun_code is None:
-            steps = self.state.steps()
-            step_listed = None if steps is None else _own_step(steps, info["job"], info["step"],
-                                                                info.get("uid")) is not None
-        out = []
-        for rank, node in ranks:
-            state, code = ProcState.VANISHED, None
-            if rank in exits:
-                state, code = ProcState.EXITED, exits[rank]
-            elif srun_alive or step_listed:
-                state = ProcState.UNKNOWN
-            elif srun_code is not None and srun_code >= 0:
-                # srun names every task that failed and the rest exited 0; when it names
-                # none but failed itself, no task ran (no step could be created).
-                state, code = ProcState.EXITED, srun_code if not exits else 0
-            elif step_listed is None and srun_code is None:
-                state = ProcState.UNKNOWN
-            out.append(RankProc(rank=rank, node=node, proc=state, exit_code=code))
-        return out
+        states: dict[int, tuple[ProcState, int | None]] = {}
+        for part in steps_of(info):
+            by_task = task_exits(Path(part["log"]))
+            mine: dict[int, int] | None = None  # rank -> its task; None: task r is rank r
+            if part.get("tasks") is not None:  # ranks made of standbys: the tasks that were them
+                mine = {int(rank): int(task) for rank, task in part["tasks"].items()}
+                exits = {rank: by_task[task] for rank, task in mine.items() if task in by_task}
+            else:  # srun names tasks: with launch "node" a task is a node and stands for its ranks
+                exits = {task * per_task + i: code for task, code in by_task.items() for i in range(per_task)}
+            srun_code, srun_alive = self._srun_state(part)
+            step_listed: bool | None = None
+            if not srun_alive and srun_code is None:
+                steps = self.state.steps()
+                step_listed = None if steps is None else _own_step(steps, info["job"], part["step"],
+                                                                    info.get("uid")) is not None
+            for rank, _ in ranks:
+                if mine is None or rank in mine:
+                    states[rank] = rank_state(exits.get(rank), srun_code, srun_alive, step_listed,
+                                               failed_named=bool(exits))
+        return [RankProc(rank=rank, node=node, proc=states[rank][0], exit_code=states[rank][1])
+                for rank, node in ranks]
 
     def _srun_state(self, info: dict[str, Any]) -> tuple[int | None, bool]:
         """(srun's exit code if it was ours and ended, whether it still runs)."""
@@ -365,32 +384,34 @@ class SlurmLauncher:
 
     def stop(self, launch_info: str, *, force: bool) -> None:
         info = json.loads(launch_info)
-        step = self._step_id(info)
-        if step is not None:
-            signal_name = "KILL" if force else "TERM"
-            self.commands.fire(["scancel", *_only_of(info.get("uid")), f"--signal={signal_name}", step])
-        _, alive = self._srun_state(info)
-        if alive:
-            # srun forwards SIGTERM to every task; two SIGINTs within a second make it
-            # kill the step (when the step id was not known yet).
-            with contextlib.suppress(ProcessLookupError):
-                if force and step is None:
-                    os.kill(int(info["srun_pid"]), signal.SIGINT)
-                    os.kill(int(info["srun_pid"]), signal.SIGINT)
-                elif not force:
-                    os.kill(int(info["srun_pid"]), signal.SIGTERM)
+        for part in steps_of(info):
+            step = self._step_id(info, part["step"])
+            if step is not None:
+                signal_name = "KILL" if force else "TERM"
+                self.commands.fire(["scancel", *_only_of(info.get("uid")), f"--signal={signal_name}", step])
+            _, alive = self._srun_state(part)
+            if alive:
+                # srun forwards SIGTERM to every task; two SIGINTs within a second make it
+                # kill the step (when the step id was not known yet).
+                with contextlib.suppress(ProcessLookupError):
+                    if force and step is None:
+                        os.kill(int(part["srun_pid"]), signal.SIGINT)
+                        os.kill(int(part["srun_pid"]), signal.SIGINT)
+                    elif not force:
+                        os.kill(int(part["srun_pid"]), signal.SIGTERM)
 
-    def _step_id(self, info: dict[str, Any]) -> str | None:
-        s = _own_step(self.state.steps() or [], info["job"], info["step"], info.get("uid"))
+    def _step_id(self, info: dict[str, Any], name: str) -> str | None:
+        s = _own_step(self.state.steps() or [], info["job"], name, info.get("uid"))
         return f"{s.job_id}.{s.step_id}" if s else None
 
     def forget(self, launch_info: str) -> None:
         info = json.loads(launch_info)
         self._stop_agents(info)
-        pid = int(info["srun_pid"])
-        child = self._children.get(pid)
-        if child is not None and child.poll() is not None:
-            del self._children[pid]
+        for part in steps_of(info):
+            pid = int(part["srun_pid"])
+            child = self._children.get(pid)
+            if child is not None and child.poll() is not None:
+                del self._children[pid]
 
     def _stop_agents(self, info: dict[str, Any]) -> None:
         """The attempt is over: its node agents go (SIGTERM through our srun, which passes it

@@ -158,6 +158,23 @@ def agent_srun_argv(req: StepRequest, python: str) -> list[str]:
     ]
 
 
+def standby_srun_argv(req: StepRequest, python: str, label: str) -> list[str]:
+    """Warm standbys (supervisor/slurm/standby.py) as a step of their own: one ``python -m
+    trainer --standby`` task per rank slot of ``req.nodes`` (one node, as the launcher asks
+    for them), overlapping the attempt's steps. ``--input=all``: the line written to
+    srun's input reaches every task. Their output, until an assignment sends it to a
+    rank's log, goes to ``s<N>-<task>.log``."""
+    per_node = req.ranks_per_node
+    return [
+        "srun", f"--jobid={req.job_id}", f"--job-name={req.step_name}", f"--nodes={len(req.nodes)}",
+        f"--nodelist={','.join(req.nodes)}", f"--ntasks={len(req.nodes) * per_node}",
+        f"--ntasks-per-node={per_node}", "--distribution=block", "--overlap", "--kill-on-bad-exit=0",
+        "--input=all", f"--output={req.log_dir}/{req.step_name.rsplit('.', 1)[-1]}-%t.log",
+        *([f"--chdir={req.cwd}"] if req.cwd is not None else []), *req.extra,
+        python, "-m", "trainer", "--standby", label,
+    ]
+
+
 def step_env(env: Mapping[str, str], step: Step, *, ranks_per_node: int, launch: LaunchMode,
              marker: str) -> dict[str, str]:
     """srun's environment for a step beyond its own: the attempt's ``env`` (its step

@@ -1,7 +1,8 @@
 """An attempt's srun, as the controller sees it (supervisor/slurm/launcher.py): the
-process found again after a daemon restart (``find_srun``), and how each of its tasks
+process found again after a daemon restart (``find_srun``), how each of its tasks
 ended, from srun's own lines at the end of its log (``task_exits``): the exit code, or
-the signal that ended it (negative).
+the signal that ended it (negative), and what that makes of a rank (``rank_state``). An
+attempt made of warm standbys has a step a node (``steps_of``).
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ import os
 import re
 import signal
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from supervisor import user_files
+from supervisor.domain import ProcState
 
 # "srun: error: node1: task 1: Exited with exit code 3", "...: tasks 0-1: Killed"
 TASK_LINE = re.compile(r"srun: error: (\S+): tasks? ([0-9,\-]+): (.+)$")
@@ -82,3 +85,29 @@ def start_time_of(pid: int) -> float:
         return float(psutil.Process(pid).create_time())
     except psutil.Error:
         return 0.0
+
+
+def steps_of(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """The attempt's steps, each with its srun, its log and (made of standbys) the task that
+    is each of its ranks: one, the attempt's own, unless its ranks were standbys, one step
+    a node (supervisor/slurm/standby.py)."""
+    if "parts" in info:
+        return list(info["parts"])
+    return [{"step": info["step"], "srun_pid": info["srun_pid"], "srun_ct": info["srun_ct"],
+             "log": info["log"], "tasks": None}]
+
+
+def rank_state(exit_code: int | None, srun_code: int | None, srun_alive: bool, step_listed: bool | None, *,
+                failed_named: bool) -> tuple[ProcState, int | None]:
+    """A rank's state from its step's: the exit srun named for it; while srun or the step
+    lives, unknown (telemetry knows better); srun ended without naming it: exited 0, or
+    with srun's own code when srun named no task (no step could be created)."""
+    if exit_code is not None:
+        return ProcState.EXITED, exit_code
+    if srun_alive or step_listed:
+        return ProcState.UNKNOWN, None
+    if srun_code is not None and srun_code >= 0:
+        return ProcState.EXITED, 0 if failed_named else srun_code
+    if step_listed is None and srun_code is None:
+        return ProcState.UNKNOWN, None
+    return ProcState.VANISHED, None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -373,6 +374,45 @@ def test_a_node_killed_while_the_next_node_holds_its_replica_resumes_from_memory
     times = {f["kind"]: (round(f["detected_at"] - f["injected_at"], 2), round(f["recovered_at"] - f["injected_at"], 2))
              for f in s["faults"]}
     print(json.dumps({"detect_and_recover_s": times, "resume_from": second["resume_from"]}))
+
+
+def test_warm_standbys_on_the_box_become_the_next_attempts_ranks_after_kill_rank_and_kill_node(
+        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[resources] standby on Slurm: after each attempt starts, a generation of standbys
+    (one srun step, a task per rank slot on node1, node2 and the spare node3, torch
+    imported) waits; kill-rank@30 and kill-node@75 are each recovered by the waiting
+    generation's tasks on the attempt's nodes becoming its ranks, handed their
+    assignments in one line (srun --input=all). The killed node's standbys go with it;
+    those of a node the attempt does not use leave. Same model; none outlives the run."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
+    spec = spec_for_slurm(tmp_path, standby=True)
+    state = tmp_path / "state"
+    proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "kill-rank@30", "--chaos", "kill-node@75")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = state / "runs" / "run-1"
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"], what_happened(s, run_dir)
+    assert [(f["kind"], f["nodes"]) for f in s["faults"]] == [("rank-exit", ["node2"]), ("node-lost", ["node2"])], \
+        what_happened(s, run_dir)
+    assert [a["nodes"] for a in s["attempt_history"]] == [["node1", "node2"], ["node1", "node2"], ["node1", "node3"]]
+    infos = [json.loads(i) for (i,) in db_rows(state, "SELECT launch_info FROM attempts ORDER BY number")]
+    assert "warm" not in infos[0], "the first attempt starts cold: nothing was waiting yet"
+    assert infos[1]["warm"] and infos[2]["warm"], infos
+    assert infos[1]["step"] != infos[2]["step"], "a used generation is not used again"
+    assert len({i["job"] for i in infos}) == 1, "every attempt a step of the one allocation"
+    became: dict[int, set[str]] = {}
+    for n in (2, 3):
+        for log in sorted((run_dir / "attempts" / str(n)).glob("rank-*.log")):
+            first = (log.read_text().splitlines() or [""])[0]
+            m = re.match(r"standby: pid (\d+) is rank (\d+) of attempt (\d+)", first)
+            assert m and (m[2], m[3]) == (log.stem.removeprefix("rank-"), str(n)), (log, first)
+            became.setdefault(n, set()).add(m[1])
+    assert len(became[2]) == 4 and len(became[3]) == 4, became
+    assert trainer_processes(state) == [], "no standby outlives its run"
+    times = {f["kind"]: (round(f["detected_at"] - f["injected_at"], 2), round(f["recovered_at"] - f["injected_at"], 2))
+             for f in s["faults"]}
+    print(json.dumps({"detect_and_recover_s": times}))
+
 
 def test_a_node_cut_off_from_the_network_is_found_by_silence_drained_and_replaced(
         slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

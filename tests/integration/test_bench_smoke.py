@@ -268,28 +268,30 @@ def test_mttr_bench_times_one_supervised_recovery_on_a_small_spec(recovery_spec:
 
 def test_mttr_bench_times_the_cold_start_and_recoveries_on_the_slurm_box(recovery_spec: Path) -> None:
     """Its Slurm part at a tiny size: the cold start through the Slurm launcher class, and
-    kill-rank under the supervisor with and without the memory tier, each on a fresh box."""
+    kill-rank under the supervisor cold and with warm standbys, each on a fresh box."""
     needs_mosquitto()
     require_root("the Slurm box (network namespaces)")
     require("Slurm (slurmctld, slurmd, munge, slurm-client)", slurm_installed())
-    report = run_bench("mttr.py", "--parts", "slurm", "--kinds", "kill-rank", "--trials", 1, "--fault-step", 3,
-                       "--memory-fault-step", 3, "--spec", recovery_spec, "--trial-timeout-s", 180, timeout_s=400)
+    report = run_bench("mttr.py", "--parts", "slurm", "--slurm-variants", "cold,supervisor,warm", "--kinds",
+                       "kill-rank", "--trials", 1, "--fault-step", 3, "--warm-fault-step", 45, "--spec",
+                       recovery_spec, "--trial-timeout-s", 180, timeout_s=400)
     box = report["slurm_box"]
-    assert_keys(box, "run nodes kinds warm_standby cold_start supervisor supervisor_vs_cold_resume memory_tier "
-                     "memory_tier_vs_cold_resume", "slurm_box")
+    assert_keys(box, "run nodes kinds fault_steps cold_start supervisor supervisor_vs_cold_resume warm_standby "
+                     "warm_standby_vs_cold_resume", "slurm_box")
     assert box["run"] is True and box["kinds"] == ["kill-rank"]
     for name in ("fresh", "resumed"):
         cold = box["cold_start"][name]
         assert (cold["trials"], cold["completed"]) == (1, 1), cold
         assert cold["median"]["total_s"] > cold["median"]["start_s"] > 0, cold
     assert box["cold_start"]["resumed"]["median"]["restore_s"] > 0, "the second launch restored"
-    for part in ("supervisor", "memory_tier"):
+    for part, step, warm in (("supervisor", 3, False), ("warm_standby", 45, True)):
         trial = box[part]["kill-rank"]
         assert (trial["trials"], trial["recovered"]) == (1, 1), trial
         run = trial["runs"][0]
-        assert run["fault"] == "kill-rank@3" and run["resume_step"] > 0 and run["total_s"] > run["detect_s"] > 0, run
+        assert run["fault"] == f"kill-rank@{step}" and run["resume_step"] > 0, run
+        assert run["total_s"] > run["detect_s"] > 0 and run["restore_load_s"] is not None, run
+        assert run["warm"] is warm, f"{part}: the resumed attempt made of standbys: {run['warm']}"
         assert box[f"{part}_vs_cold_resume"]["kill-rank"] > 0
-    assert box["memory_tier"]["kill-rank"]["runs"][0]["restore_load_s"] is not None, "rank 0's log was read"
 
 
 def test_ettr_bench_runs_the_fault_schedule_unsupervised_on_a_small_spec(small_spec: Path) -> None:

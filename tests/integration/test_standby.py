@@ -3,6 +3,7 @@ one-rank trainer by it (torch imported before, the rank's environment and log af
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ import pytest
 
 from supervisor.launchers.standby import reference_args
 from tests.conftest import REPO, wait_for
-from trainer.standby import WAITING_NAME, Assignment, name_for
+from trainer.standby import WAITING_NAME, Assignment, broadcast, name_for, parse_line, slot_key
 
 pytestmark = pytest.mark.integration
 
@@ -35,6 +36,25 @@ def test_an_assignment_round_trips_and_names_fit_the_kernels_15_bytes() -> None:
     assert name_for("12") == "tsup-a12" and len(name_for("123456789012345")) == 15
 
 
+def test_a_broadcast_gives_each_standby_its_own_slots_assignment() -> None:
+    """Under Slurm one line reaches every standby of a generation (srun --input=all)."""
+    a = Assignment(argv=["--config", "c"], env={"RANK": "2"}, log="/x/rank-2.log", cwd=None)
+    b = Assignment(argv=["--config", "c"], env={"RANK": "3"}, log="/x/rank-3.log", cwd=None)
+    line = broadcast({"node3/0": a, "node3/1": b})
+    assert parse_line(line, "node3/0") == a and parse_line(line, "node3/1") == b
+    assert parse_line(line, "node2/0") is None, "a slot the attempt does not use: not needed"
+    assert parse_line(a.encode(), "node2/0") == a, "a line for one standby is its own, whatever its slot"
+    with pytest.raises(ValueError, match="slots: an object"):
+        parse_line(b'{"slots": []}\n', "node3/0")
+    with pytest.raises(ValueError, match="argv: a list of strings"):
+        parse_line(b'{"slots": {"node3/0": {"argv": 1, "env": {}, "log": "x", "cwd": null}}}\n', "node3/0")
+    with pytest.raises(ValueError, match="not JSON"):
+        parse_line(b'{"slots"\n', "node3/0")
+    assert slot_key({"SLURMD_NODENAME": "node3", "SLURM_LOCALID": "1"}) == "node3/1", "Slurm's task"
+    assert slot_key({"TSUP_NODE": "local-2", "TSUP_STANDBY_SLOT": "0", "SLURMD_NODENAME": "h",
+                     "SLURM_LOCALID": "1"}) == "local-2/0", "the launcher's word first"
+
+
 def test_only_the_reference_trainer_can_be_a_standby() -> None:
     assert reference_args((sys.executable, "-m", "trainer", "--config", "c", "--resume", "none")) == [
         "--config", "c", "--resume", "none"]
@@ -42,10 +62,11 @@ def test_only_the_reference_trainer_can_be_a_standby() -> None:
     assert reference_args((sys.executable, "-m", "trainer", "--check-config", "c")) is None
 
 
-def _standby(tmp_path: Path) -> subprocess.Popen[bytes]:
+def _standby(tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     with open(tmp_path / "standby.log", "ab") as log:
         return subprocess.Popen([sys.executable, "-m", "trainer", "--standby", str(tmp_path)], cwd=REPO,
-                                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
+                                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
 
 
 def test_a_standby_waits_warm_then_trains_as_its_assignment_says(tmp_path: Path) -> None:
@@ -83,6 +104,15 @@ def test_a_standby_whose_input_ends_leaves_and_a_bad_assignment_exits_2(tmp_path
     started = time.monotonic()
     assert p.wait(timeout=60) == 2 and time.monotonic() - started < 60
     assert "a bad assignment" in (tmp_path / "standby.log").read_text()
+    # Slurm's node3, task 1 of its node, reads a broadcast for node1's slots only.
+    p = _standby(tmp_path, {"SLURMD_NODENAME": "node3", "SLURM_LOCALID": "1"})
+    assert p.stdin is not None
+    other = Assignment(argv=["--config", "c"], env={"RANK": "0"}, log=str(tmp_path / "rank-0.log"), cwd=None)
+    p.stdin.write(broadcast({"node1/0": other, "node1/1": other}))
+    p.stdin.flush()
+    assert p.wait(timeout=60) == 0, "not needed: it leaves, without waiting for the end of its input"
+    assert "slot node3/1 is not in the attempt: not needed" in (tmp_path / "standby.log").read_text()
+    assert not (tmp_path / "rank-0.log").exists()
 
 
 class _Waiting:

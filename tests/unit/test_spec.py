@@ -41,7 +41,6 @@ def test_the_example_spec_loads() -> None:
         ({**GOOD, "surprise": 1}, "unknown key 'surprise'"),
         ({"name": "t", "command": {"argv": ["true"], "checkpoint_dir": "ck"}, "resources": {"standby": True}},
          "resources.standby: only the reference trainer"),
-        ({**GOOD, "resources": {"launcher": "slurm", "standby": True}}, "kept by the local launcher only"),
     ],
 )
 def test_spec_errors_name_the_key(data: dict[str, object], complaint: str) -> None:
