@@ -56,8 +56,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from supervisor import trainer_cmd
 from supervisor.domain import ProcState
-from supervisor.launchers.base import LaunchSpec
-from supervisor.launchers.local import LocalLauncher
+from supervisor.launchers.base import Launcher, LaunchSpec
 from supervisor.spec import load_spec
 from trainer import protocol
 
@@ -426,11 +425,14 @@ class SupervisorRun:
         return SupervisorDb(self.state_dir / "supervisor.db")
 
     def rank0_log(self, attempt: int) -> Path | None:
-        """Rank 0's output: ``rank-0000.<node>.log`` from the local launcher, ``rank-0.log``
-        from srun (its ``%t``)."""
-        where = self.state_dir / "runs" / "run-1" / "attempts" / str(attempt)
-        logs = sorted(where.glob("rank-0000.*.log")) or sorted(where.glob("rank-0.log"))
-        return logs[0] if logs else None
+        return rank0_log(self.state_dir / "runs" / "run-1" / "attempts" / str(attempt))
+
+
+def rank0_log(log_dir: Path) -> Path | None:
+    """Rank 0's output in an attempt's ``log_dir``: ``rank-0000.<node>.log`` from the local
+    launcher, ``rank-0.log`` from srun (its ``%t``)."""
+    logs = sorted(log_dir.glob("rank-0000.*.log")) or sorted(log_dir.glob("rank-0.log"))
+    return logs[0] if logs else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -569,12 +571,13 @@ def plain_spec(config: Path, run_id: str, attempt: int, nodes: int, ranks_per_no
                       log_dir=log_dir, marker=str(config))
 
 
-def all_exited(launcher: LocalLauncher, info: str) -> bool:
+def all_exited(launcher: Launcher, info: str) -> bool:
     return all(r.proc in (ProcState.EXITED, ProcState.VANISHED) for r in launcher.observe(info))
 
 
-def stop_plain(launcher: LocalLauncher, info: str) -> None:
-    """SIGKILL every process group of the launch (frozen ones too) and reap them."""
+def stop_plain(launcher: Launcher, info: str) -> None:
+    """SIGKILL every rank of the launch (frozen ones too: the local launcher's process
+    groups, Slurm's step) and wait for them to be gone."""
     launcher.stop(info, force=True)
     wait_until(lambda: True if all_exited(launcher, info) else None, 30)
     launcher.forget(info)

@@ -35,7 +35,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -45,19 +44,15 @@ import mqtt_broker
 from _harness import (
     REPO,
     Tap,
-    attempt_times,
     plain_spec,
-    restore_load_s,
-    rounded,
     say,
     spec_shape,
     wait_until,
     write_spec,
     write_trainer_config,
 )
-from _mttr_trials import brief_of, load_now, summary_of, supervisor_trial, trainer_phases
+from _mttr_trials import brief_of, summary_of, supervisor_trial, timed_launch
 
-from supervisor.domain import ProcState
 from supervisor.launchers.base import AllocationRequest
 from supervisor.slurm.cluster import slurm_cluster
 
@@ -179,21 +174,7 @@ def _cold_trial(base_spec: Path, workdir: Path, timeout_s: float) -> tuple[dict[
             def launch(attempt: int, until_step: int) -> dict[str, Any]:
                 plain = plain_spec(config, run_id, attempt, shape["nodes"], shape["ranks_per_node"], url)
                 spec_ = replace(plain, nodes=granted.nodes[:shape["nodes"]], allocation_info=granted.info)
-                load = load_now()
-                launched = time.time()
-                info = launcher.start(spec_)
-                try:
-                    ok = tap.wait_step(run_id, until_step, timeout_s, attempt=attempt)
-                finally:
-                    launcher.stop(info, force=True)
-                    wait_until(lambda: True if all(r.proc is not ProcState.RUNNING
-                                                   for r in launcher.observe(info)) else None, 30)
-                    launcher.forget(info)
-                t = attempt_times(tap, run_id, attempt, shape["nodes"] * shape["ranks_per_node"])
-                log = spec_.log_dir / "rank-0.log"
-                return {"completed": ok, "loadavg_1m": load, **trainer_phases(("launch", launched), t),
-                        "total_s": rounded(t.first_step - launched) if t.first_step else None,
-                        "restore_load_s": restore_load_s(log) if log.exists() and t.restore_begin else None}
+                return timed_launch(launcher, spec_, tap, until_step, timeout_s)
 
             fresh = launch(1, shape["every_steps"] + 1)
             resumed = launch(2, 1)

@@ -21,12 +21,16 @@ from _harness import (
     chain,
     faulty_rank,
     median_of,
+    rank0_log,
     restore_load_s,
     rounded,
     say,
+    stop_plain,
     wait_until,
     world_of,
 )
+
+from supervisor.launchers.base import Launcher, LaunchSpec
 
 PHASES = ("detect_s", "teardown_s", "schedule_s", "start_s", "init_s", "restore_s", "first_step_s", "total_s",
           "restore_load_s", "steps_redone", "supervisor_saw_first_step_s")
@@ -40,6 +44,24 @@ def trainer_phases(origin: tuple[str, float | None], t: AttemptTimes) -> dict[st
     else:
         points += [("init", t.train_begin)]
     return chain([*points, ("first_step", t.first_step)])
+
+
+def timed_launch(launcher: Launcher, spec: LaunchSpec, tap: Tap, until_step: int,
+                 timeout_s: float) -> dict[str, Any]:
+    """Launch ``spec``'s ranks (``python -m trainer --resume auto``: a cold start), wait
+    for ``until_step`` of its attempt, kill them; the phases from the launch."""
+    load = load_now()
+    launched = time.time()
+    info = launcher.start(spec)
+    try:
+        ok = tap.wait_step(spec.run_id, until_step, timeout_s, attempt=spec.attempt)
+    finally:
+        stop_plain(launcher, info)
+    t = attempt_times(tap, spec.run_id, spec.attempt, len(spec.nodes) * spec.ranks_per_node)
+    log = rank0_log(spec.log_dir)
+    return {"completed": ok, "loadavg_1m": load, **trainer_phases(("launch", launched), t),
+            "total_s": rounded(t.first_step - launched) if t.first_step else None,
+            "restore_load_s": restore_load_s(log) if log and t.restore_begin else None}
 
 
 def chaos_arg(kind: str, step: int, rank: int) -> str:

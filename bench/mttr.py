@@ -155,7 +155,6 @@ from _harness import (
     rounded,
     say,
     spec_shape,
-    stop_plain,
     wait_until,
     workspace,
     world_of,
@@ -169,8 +168,8 @@ from _mttr_trials import (
     resumed_in,
     summary_of,
     supervisor_trial,
+    timed_launch,
     totals_of,
-    trainer_phases,
 )
 
 from supervisor.launchers.local import LocalLauncher
@@ -207,22 +206,9 @@ def _cold_trial(spec: Path, workdir: Path, tap: Tap, url: str, run_id: str,
 
 def _cold_launch(config: Path, shape: Mapping[str, Any], tap: Tap, url: str, run_id: str, attempt: int,
                  until_step: int, timeout_s: float) -> dict[str, Any]:
-    """Launch the ranks (``--resume auto``), wait for ``until_step`` of this attempt, kill
-    them; the phases from the launch."""
-    launcher = LocalLauncher()
+    """The ranks launched as the local launcher does, until ``until_step``."""
     launch = plain_spec(config, run_id, attempt, shape["nodes"], shape["ranks_per_node"], url)
-    load = load_now()
-    launched = time.time()
-    info = launcher.start(launch)
-    try:
-        ok = tap.wait_step(run_id, until_step, timeout_s, attempt=attempt)
-    finally:
-        stop_plain(launcher, info)
-    t = attempt_times(tap, run_id, attempt, shape["nodes"] * shape["ranks_per_node"])
-    log = next(iter(sorted(launch.log_dir.glob("rank-0000.*.log"))), None)
-    return {"completed": ok, "loadavg_1m": load, **trainer_phases(("launch", launched), t),
-            "total_s": rounded(t.first_step - launched) if t.first_step else None,
-            "restore_load_s": restore_load_s(log) if log and t.restore_begin else None}
+    return timed_launch(LocalLauncher(), launch, tap, until_step, timeout_s)
 
 
 # --- the supervisor -----------------------------------------------------------------------

@@ -89,7 +89,6 @@ _STALLED_AFTER_S = 30.0  # /healthz answers 503 when no tick finished for this l
 # its predecessor verified, bar the last few seconds'.
 _REPLAY_MARKS_FILE = "telemetry-replay.json"
 _REPLAY_MARKS_EVERY_S = 5.0
-_PULSE_S = 0.25  # the event loop's pulse (TelemetryView.loop_alive): well under LOOP_STALL_S
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -342,7 +341,7 @@ class Daemon:
             "reconciler": self._reconcile_forever(),
             "telemetry": self.link.run(),
             "outbox": self.outbox.publish_forever(),
-            "pulse": self._pulse_forever(),
+            "pulse": self.link.pulse_forever(),
         }
         if self._api_socket is not None:
             roots["api"] = self._serve_api(self._api_socket)
@@ -368,13 +367,6 @@ class Daemon:
         for t in died:
             err = t.exception() if not t.cancelled() else None
             raise SupervisorError(f"root task {t.get_name()!r} stopped: {err!r}") from err
-
-    async def _pulse_forever(self) -> None:
-        """The receiving loop's pulse, for the telemetry view to tell a stalled loop (which
-        hears no node) from silent nodes (TelemetryView.loop_alive)."""
-        while True:
-            self.telemetry.loop_alive(self.clock())
-            await asyncio.sleep(_PULSE_S)
 
     async def _tick(self) -> None:
         """One tick on the reconciler's thread; cancelled, it still finishes the tick."""

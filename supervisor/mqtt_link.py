@@ -2,6 +2,7 @@
 agent's telemetry and feeds it to the ``TelemetryView`` (supervisor/telemetry.py), keeps
 the supervisor's retained presence, and publishes what the daemon sends (its events,
 the fences of ended attempts). Reconnects with capped backoff for as long as it runs.
+Its loop's pulse (``pulse_forever``) tells the view when that loop stalled.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 
 # A broker that comes back is heard again within this (a local reconnect attempt is cheap).
 LINK_MAX_BACKOFF_S = 1.0
+PULSE_S = 0.25  # the receiving loop's pulse (TelemetryView.loop_alive): well under LOOP_STALL_S
 
 
 class MqttLink:
@@ -71,6 +73,13 @@ class MqttLink:
             async for attempt in retrying:
                 with attempt:
                     await self._session()
+
+    async def pulse_forever(self) -> None:
+        """The pulse of the loop this link receives on, for the view to tell a stalled loop
+        (which hears no node) from silent nodes (TelemetryView.loop_alive)."""
+        while True:
+            self.view.loop_alive(self.clock())
+            await asyncio.sleep(PULSE_S)
 
     async def _session(self) -> None:
         """One connection: MqttError when it cannot be made; returns once it ends after it

@@ -50,7 +50,8 @@ from supervisor.policy.detection import STALL_GAP_S
 from supervisor.settled import SettledHistory, is_over
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore
-from supervisor.telemetry import NOTHING_HEARD, RankSeen, TelemetryView
+from supervisor.telemetry import TelemetryView
+from supervisor.telemetry_records import NOTHING_HEARD, RankSeen
 from supervisor.tick_state import (
     Facts,
     LaunchSpecs,

@@ -32,8 +32,9 @@ are): the daemon reports the loop's pulse (``loop_alive``), and ``flowing_since`
 since when telemetry has flowed, counting a stall like an outage.
 
 Messages arrive on the event loop; the reconciler reads on its own thread. One lock
-guards the view: readers get copies (``ranks`` hands back frozen ``RankSeen``), never
-the structures ingestion is changing.
+guards the view: readers get copies (``ranks`` hands back ``RankSeen``), never the
+structures ingestion is changing. What the view keeps of each sender, and the copies it
+hands out, are in supervisor/telemetry_records.py.
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ from dataclasses import dataclass, field
 from supervisor.checkpoint_pace import CheckpointIo, IoPace
 from supervisor.domain import StepSample
 from supervisor.telemetry_gate import Gate
+from supervisor.telemetry_records import (
+    BUSY_TIMES_KEPT,
+    AgentSeen,
+    AgentTelemetry,
+    RankSeen,
+    RankTelemetry,
+    Received,
+)
 from trainer import protocol as p
 
 log = logging.getLogger(__name__)
@@ -60,7 +69,6 @@ _DURABLE_QUEUE_MAX = 100_000
 # 32,768 (a sort of every rank's window on every tick did not scale).
 STEP_TIMES_KEPT = 2048
 RECENT_STEPS_KEPT = 400  # rank 0's steps per attempt: the window spikes are judged on
-BUSY_TIMES_KEPT = 100  # per rank: the longest window stragglers may be judged on
 
 
 # Last wills received this shortly before the broker link went down came with the
@@ -73,89 +81,6 @@ _PRINTED_ALL = frozenset({"loss", "grad_norm"})  # a StepMetrics message carries
 # The receiving loop not run for this long is stalled (TelemetryView.loop_alive): what the
 # nodes sent meanwhile waits in its socket, and their silence says nothing of them.
 LOOP_STALL_S = 2.0
-
-
-@dataclass(slots=True)
-class RankTelemetry:
-    conn: str | None = None  # the connection of its newest verified message (None: gone)
-    seq: int = 0  # the highest sequence number verified
-    node: str | None = None
-    pid: int | None = None
-    last_seen_at: float | None = None
-    last_step: int = 0
-    progress_at: float | None = None  # when last_step last increased
-    phase: str | None = None
-    phase_at: float | None = None  # when it entered that phase
-    phase_bytes: int = 0  # the bytes of its state the phase moves, when it said
-    exit_code: int | None = None
-    exit_reason: str = ""
-    exit_at: float | None = None
-    lost: bool = False
-    lost_at: float | None = None
-    busy_times: deque[float] = field(default_factory=lambda: deque(maxlen=BUSY_TIMES_KEPT))
-    nonfinite_step: int | None = None  # the first step whose loss or grad norm was NaN or infinite
-    first_step: int | None = None  # the lowest step it reported in this attempt (its first)
-
-
-@dataclass(slots=True)
-class AgentTelemetry:
-    """What a node's agent last said (its index in the attempt is its key)."""
-
-    conn: str | None = None
-    seq: int = 0
-    node: str | None = None
-    pid: int | None = None
-    last_seen_at: float | None = None
-    lost: bool = False  # its last will arrived: the node went (or was cut off)
-    lost_at: float | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AgentSeen:
-    """A copy of one node agent's telemetry, for the reconciler's thread."""
-
-    index: int
-    node: str
-    pid: int | None
-    last_seen_at: float | None
-    lost: bool
-    lost_at: float | None
-
-
-@dataclass(slots=True, kw_only=True)
-class RankSeen:
-    """A copy of one rank's telemetry, for the reconciler's thread (made for every rank on
-    every tick, so not frozen, which triples its cost: nobody changes a copy)."""
-
-    node: str | None
-    pid: int | None
-    last_seen_at: float | None
-    last_step: int
-    progress_at: float | None
-    phase: str | None
-    phase_at: float | None
-    phase_bytes: int
-    exit_code: int | None
-    exit_reason: str
-    exit_at: float | None
-    lost: bool
-    nonfinite_step: int | None
-    first_step: int | None
-    busy_recent: tuple[float, ...]  # its newest busy times, oldest first
-
-
-NOTHING_HEARD = RankSeen(  # a rank never heard
-    node=None, pid=None, last_seen_at=None, last_step=0, progress_at=None, phase=None, phase_at=None,
-    phase_bytes=0, exit_code=None, exit_reason="", exit_at=None, lost=False, nonfinite_step=None,
-    first_step=None, busy_recent=())
-
-
-@dataclass(frozen=True, slots=True)
-class Received:
-    """A message to persist, with its receipt time."""
-
-    msg: p.StepMetrics | p.CheckpointCommitted | p.CheckpointRestored | p.FaultInjected
-    at: float
 
 
 @dataclass(slots=True)

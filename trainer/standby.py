@@ -65,7 +65,11 @@ class Assignment:
     @classmethod
     def parse(cls, line: bytes) -> Assignment:
         """Raises ValueError for anything but the object described above."""
-        data: Any = json.loads(line)
+        return cls.from_json(json.loads(line))
+
+    @classmethod
+    def from_json(cls, data: Any) -> Assignment:
+        """The assignment ``data`` (decoded JSON) is; ValueError for anything else."""
         if not isinstance(data, dict) or set(data) != {"argv", "env", "log", "cwd"}:
             raise ValueError("an assignment is an object with argv, env, log and cwd")
         argv, env, log, cwd = data["argv"], data["env"], data["log"], data["cwd"]
@@ -109,7 +113,7 @@ def parse_line(line: bytes, key: str) -> Assignment | None:
         if not isinstance(slots, dict):
             raise ValueError("slots: an object of assignments by NODE/LOCAL_RANK")
         mine = slots.get(key)
-        return None if mine is None else Assignment.parse(json.dumps(mine).encode())
+        return None if mine is None else Assignment.from_json(mine)
     return Assignment.parse(line)
 
 
