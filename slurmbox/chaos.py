@@ -56,19 +56,22 @@ class BoxChaos:
         it in its workers), or that runs the standby task that became it, not its own
         children."""
         info = json.loads(launch_info)
-        step, task = info["step"], None
+        step, task, job = info["step"], None, None
         # A rank made of a standby (supervisor/slurm/standby.py) keeps the environment it
-        # was started with, its task's: it is known by that task of its node's step.
+        # was started with, its task's: it is known by that task of its node's step (and
+        # in an attempt split over two jobs, of its job's).
         for part in info.get("parts", []):
             if str(rank) in part["tasks"]:
-                step, task = part["step"], part["tasks"][str(rank)]
+                step, job = part["step"], part.get("job")
+                task = part["tasks"][str(rank)] if info.get("warm") else None
         found: dict[int, tuple[int, str | None]] = {}  # pid -> (parent, node)
         for p in psutil.process_iter(["pid", "ppid"]):
             try:
                 env = p.environ()
             except psutil.Error:
                 continue
-            if env.get("SLURM_STEP_ID") is None or env.get("SLURM_JOB_NAME") != step:
+            if (env.get("SLURM_STEP_ID") is None or env.get("SLURM_JOB_NAME") != step
+                    or (job is not None and env.get("SLURM_JOB_ID") != job)):
                 continue
             if (env.get("SLURM_PROCID") == str(task) if task is not None
                     else env.get("RANK") == str(rank) and env.get("TSUP_RUN_ID")):

@@ -36,7 +36,9 @@ Configuration is the attempt's environment, as the ranks get it (``TSUP_MQTT_URL
 trainer/telemetry.py), and:
 
     TSUP_NODE_INDEX       the node's index in the attempt's node list; on Slurm,
-                          ``SLURM_NODEID`` stands in (the agent step has one task a node)
+                          ``SLURM_NODEID`` stands in (the agent step has one task a node),
+                          plus ``TSUP_NODE_BASE`` in one job's part of an attempt that spans
+                          two (supervisor/slurm/requests.py: split_env)
     TSUP_AGENT_INTERVAL_S  seconds between reports (default 1)
 
 This module imports only the standard library and the trainer's telemetry sender
@@ -67,6 +69,7 @@ from trainer.telemetry import Broker, Identity, Telemetry, broker_from_env, sett
 log = logging.getLogger("supervisor.agent")
 
 INDEX_ENV = "TSUP_NODE_INDEX"
+NODE_BASE_ENV = "TSUP_NODE_BASE"  # set by the launcher for a split attempt's parts
 INTERVAL_ENV = "TSUP_AGENT_INTERVAL_S"
 DEFAULT_INTERVAL_S = 1.0
 
@@ -87,6 +90,11 @@ def settings_from(environ: Mapping[str, str]) -> AgentSettings:
     raw = environ.get(INDEX_ENV) or environ.get("SLURM_NODEID") or ""
     if not (raw.isascii() and raw.isdigit()):
         raise UsageError(f"{INDEX_ENV} (or SLURM_NODEID): expected the node's index, got {raw!r}")
+    base = environ.get(NODE_BASE_ENV) or "0"
+    if not (base.isascii() and base.isdigit()):
+        raise UsageError(f"{NODE_BASE_ENV}: expected the part's first node index, got {base!r}")
+    if not environ.get(INDEX_ENV):  # a part of an attempt split over two jobs counts from its first node
+        raw = str(int(raw) + int(base))
     raw_interval = environ.get(INTERVAL_ENV) or str(DEFAULT_INTERVAL_S)
     try:
         interval = float(raw_interval)

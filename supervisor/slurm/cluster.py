@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.slurm.allocation import SlurmOptions
 from supervisor.slurm.commands import SlurmCommands
-from supervisor.slurm.launcher import SlurmLauncher, SlurmOptions
+from supervisor.slurm.launcher import SlurmLauncher
 from supervisor.slurm.nodes import SlurmNodes
 from supervisor.slurm.state import SlurmState
 

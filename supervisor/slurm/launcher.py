@@ -1,28 +1,25 @@
-"""The Slurm launcher: one allocation per run, the trainer as a job step inside it.
+"""The Slurm launcher: a run's allocation (supervisor/slurm/allocation.py), the trainer as
+job steps inside it.
 
 How a run maps onto Slurm (builders in supervisor/slurm/requests.py):
 
-- ``allocate``: one batch job of N+S whole nodes (``--nodes=N-(N+S)``: it starts as
-  soon as N are free) whose script only sleeps, submitted as the run's user. Its id and
-  owner are recorded (``allocation_info``), and from then on the job is known by that id
-  alone. Its name, ``<prefix>.<run>.<k>``, is derived from what the store already holds,
-  so a daemon killed between ``sbatch`` and recording the id finds the job by name and
-  never submits a second one; but squeue lists every user's jobs and anyone can name a
-  job so, so only a job of the expected owner is ever adopted by name.
+- ``allocate``/``held``/``release``: the run's batch job of whole nodes, and the growth
+  jobs a run that went on with fewer nodes grows back through (supervisor/slurm/
+  allocation.py).
 - ``start``: ``srun --jobid=<allocation>`` on the attempt's nodes, as a step named
   ``<prefix>.<run>.a<attempt>``; srun runs on this host in a session of its own. Where
   the attempt has telemetry, the node agents (supervisor/agent.py) go first, as a step
   of their own (``<prefix>.<run>.a<attempt>.agent``, one task a node, overlapping); they
   are stopped when the attempt is forgotten. With warm standby the ranks are instead the
   tasks of the run's waiting generation of standbys, a step started after the previous
-  attempt (supervisor/slurm/standby.py), handed their assignments in one line.
+  attempt (supervisor/slurm/standby.py), handed their assignments in one line. An
+  attempt whose nodes are in two jobs (a run grown back) is a step in each, its
+  ``parts``: a step cannot span jobs. Each part's tasks are placed in the attempt's
+  world by the rank wrapper (``SplitPart``), and write their logs under their rank.
 - ``observe``: srun's exit status and its per-task lines (``srun: error: node1: task 1:
   Exited with exit code 3``) when srun is ours; Slurm's step list when it is not
   (after a daemon restart). A rank whose step still runs is UNKNOWN to Slurm: its
   liveness comes from telemetry (heartbeats, last will).
-- ``held``: the allocation as squeue sees it, minus nodes Slurm calls unusable. A
-  failed poll means "unknown", never "ended"; a recorded id that squeue shows owned by
-  someone else (ids start again after slurmctld loses its state) means "ended".
 - Steps are the run's only inside its own allocation and of its owner: the step list,
   the ``srun`` processes of this host and every ``scancel`` (``--user=``) are matched by
   job id, step name and uid, never by name alone.
@@ -55,16 +52,9 @@ from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import CannotExecute, LaunchError, SpecError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
 from supervisor.slurm import parse
+from supervisor.slurm.allocation import Alloc, SlurmAllocations, SlurmOptions, only_of, uid_of
 from supervisor.slurm.commands import SlurmCommands
-from supervisor.slurm.requests import (
-    SbatchRequest,
-    StepRequest,
-    agent_srun_argv,
-    allocation_script,
-    sbatch_argv,
-    srun_argv,
-    step_env,
-)
+from supervisor.slurm.requests import StepRequest, agent_srun_argv, split_env, srun_argv, step_env
 from supervisor.slurm.srun import find_srun, rank_state, start_time_of, steps_of, task_exits
 from supervisor.slurm.standby import Generation, SlurmStandbys
 from supervisor.slurm.state import SlurmState
@@ -81,14 +71,6 @@ def prefix_for(state_dir: Path) -> str:
     return "tsup-" + hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:8]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SlurmOptions:
-    partition: str | None = None
-    time_limit_min: int | None = None
-    signal_before_s: int = 120
-    sbatch_extra: tuple[str, ...] = ()
-
-
 class SlurmLauncher:
     kind = "slurm"
 
@@ -101,6 +83,8 @@ class SlurmLauncher:
         self.prefix = prefix_for(state_dir)
         self._children: dict[int, Any] = {}
         self.standbys = SlurmStandbys(commands, self.prefix)
+        self.allocations = SlurmAllocations(commands, state, prefix=self.prefix, state_dir=state_dir,
+                                            options=self.options)
 
     def answered_since(self, t: float) -> bool:
         return self.state.answered_since(t)
@@ -132,108 +116,17 @@ class SlurmLauncher:
             raise SpecError(f"resources.spares: {nodes} nodes + {spares} spare(s) exceed the "
                             f"{part.total_nodes} nodes of partition {part.name!r}")
 
-    # --- allocations ------------------------------------------------------------------
-
-    def sbatch_request(self, req: AllocationRequest, seq: int) -> SbatchRequest:
-        run_id = req.run_id
-        return SbatchRequest(
-            job_name=f"{self.prefix}.{run_id}.{seq}", nodes=req.count, min_nodes=req.minimum,
-            partition=req.partition or self.options.partition,
-            time_limit_min=req.time_limit_min or self.options.time_limit_min,
-            signal_before_s=self.options.signal_before_s if req.handles_usr1 else None,
-            exclude=tuple(sorted(req.drained)),
-            output=self.state_dir / "slurm" / f"{run_id}.alloc-{seq}.out", extra=self.options.sbatch_extra,
-        )
+    # --- allocations (supervisor/slurm/allocation.py) ------------------------------
 
     def allocate(self, req: AllocationRequest) -> Grant:
-        info = load_alloc(req.info)
-        jobs = self.state.jobs()
-        if jobs is None:
-            return Grant(nodes=req.held, info=req.info, note="squeue failed; trying again")
-        job = _recorded(jobs, info)
-        if job is not None and job.phase is parse.JobPhase.WAITING:
-            return Grant(nodes=(), info=req.info, note=f"job {job.job_id} pending: {job.reason}")
-        if job is not None and job.phase is parse.JobPhase.HOLDING:
-            have = self._usable(job.nodes, req.drained)
-            if len(have) >= (req.keep or req.minimum):
-                return Grant(nodes=have, info=req.info)
-            # Too few healthy nodes left in it: give it back and ask for a new one.
-            self.commands.fire(["scancel", *_only_of(info["uid"]), job.job_id])
-            log.info("allocation %s holds %d healthy nodes, %d needed: replacing it",
-                     job.job_id, len(have), req.keep or req.minimum)
-        seq = info["seq"] + 1 if info["job"] else max(info["seq"], 1)
-        name = f"{self.prefix}.{req.run_id}.{seq}"
-        try:
-            owner = users.for_launch(req.user)
-        except LaunchError as e:  # the run's user is gone from this host: say why, and wait
-            return Grant(nodes=(), info=req.info, note=str(e))
-        uid = _uid_of(owner)
-        # A job of this name may exist already: submitted by a daemon that died before
-        # recording its id. Adopt it rather than submit a second, if it is the owner's:
-        # anyone can name a job so.
-        found = [j for j in jobs.values() if j.name == name and j.phase is not parse.JobPhase.ENDED
-                 and j.owned_by(uid)]
-        if found:
-            new_info = _dump_alloc(found[0].job_id, seq, uid)
-            log.info("adopted allocation %s (%s)", found[0].job_id, name)
-            return self.held(req.run_id, new_info) or Grant(nodes=(), info=new_info)
-        sreq = self.sbatch_request(req, seq)
-        if owner is not None and not owner.is_me:
-            # The batch script only sleeps, and the daemon's private state directory is
-            # no place the run's user may write: its output goes nowhere.
-            sreq = replace(sreq, output=Path("/dev/null"))
-        sreq.output.parent.mkdir(parents=True, exist_ok=True)
-        reply = self.commands.run(sbatch_argv(sreq), stdin=allocation_script(sreq), user=owner)
-        if not reply.ok:
-            return Grant(nodes=(), info=_dump_alloc(None, seq, uid), note=f"sbatch failed: {reply.why}")
-        try:
-            job_id = parse.parse_sbatch_job_id(reply.stdout)
-        except parse.SlurmParseError as e:
-            return Grant(nodes=(), info=_dump_alloc(None, seq, uid), note=str(e))
-        self.state.refresh()
-        log.info("submitted allocation %s (%s) for %d nodes", job_id, name, req.count)
-        return Grant(nodes=(), info=_dump_alloc(job_id, seq, uid), note=f"job {job_id} submitted")
+        return self.allocations.allocate(req)
 
     def held(self, run_id: str, info: str | None) -> Grant | None:
-        if info is None:
-            return None
-        alloc = load_alloc(info)
-        if alloc["job"] is None:
-            return None  # nothing submitted yet: allocate() deals with it
-        jobs = self.state.jobs()
-        if jobs is None:
-            return None
-        job = _recorded(jobs, alloc)
-        if job is None or job.phase is parse.JobPhase.ENDED:
-            why = ("no longer in squeue" if alloc["job"] not in jobs else
-                   "now someone else's" if job is None else f"{job.state} ({job.reason})")
-            return Grant(nodes=(), info=_dump_alloc(None, alloc["seq"], alloc["uid"]),
-                         note=f"job {alloc['job']} {why}")
-        if job.phase is parse.JobPhase.WAITING:
-            return Grant(nodes=(), info=info, note=f"job {job.job_id} pending: {job.reason}")
-        return Grant(nodes=self._usable(job.nodes, frozenset()), info=info)
-
-    def _usable(self, names: tuple[str, ...], drained: frozenset[str]) -> tuple[str, ...]:
-        nodes = self.state.nodes() or {}
-        return tuple(n for n in names if n not in drained and (n not in nodes or nodes[n].usable))
+        return self.allocations.held(run_id, info)
 
     def release(self, run_id: str, info: str | None) -> bool:
         self.standbys.release(run_id)
-        alloc = load_alloc(info)
-        job = alloc["job"]
-        if job is None:
-            return True
-        jobs = self.state.jobs()
-        if jobs is not None and job in jobs and _recorded(jobs, alloc) is None:
-            return True  # the id is someone else's job now: ours is long gone
-        # Waited for, not fired: with slurmctld down scancel fails, and an allocation
-        # forgotten then would hold its nodes until its time limit.
-        reply = self.commands.run(["scancel", *_only_of(alloc["uid"]), job])
-        self.state.refresh()
-        if reply.ok or "Invalid job id" in reply.why:  # already gone is given back too
-            return True
-        log.warning("cannot give back allocation %s yet: %s", job, reply.why)
-        return False
+        return self.allocations.release(info)
 
     # --- steps ------------------------------------------------------------------------
 
@@ -241,12 +134,16 @@ class SlurmLauncher:
         return f"{self.prefix}.{run_id}.a{attempt}"
 
     def start(self, spec: LaunchSpec) -> str:
-        job = load_alloc(spec.allocation_info)["job"] if spec.allocation_info else None
-        if job is None:
+        alloc = Alloc.load(spec.allocation_info)
+        if alloc.job is None:
             raise LaunchError("the run holds no Slurm allocation")
+        where = dict(self.allocations.node_jobs(spec.allocation_info))
+        job_of = {n: where.get(n, alloc.job) for n in (*spec.nodes, *spec.standby_nodes)}
         nodes_info = self.state.nodes() or {}
-        order = list(nodes_info)
-        nodes = sorted(spec.nodes, key=lambda n: order.index(n) if n in order else len(order))
+        order, jobs = list(nodes_info), list(alloc.jobs)
+        # Slurm's block distribution in its own node order, job by job (the first job's first).
+        nodes = sorted(spec.nodes, key=lambda n: (jobs.index(job_of[n]) if job_of[n] in jobs else 0,
+                                                  order.index(n) if n in order else len(order)))
         first = nodes_info.get(nodes[0])
         master_addr = first.addr if first else nodes[0]
         local = master_addr in ("127.0.0.1", "localhost")
@@ -254,9 +151,6 @@ class SlurmLauncher:
         name = self.step_name(spec.run_id, spec.attempt)
         step = Step(nnodes=len(nodes), nproc_per_node=spec.ranks_per_node, master_addr=master_addr,
                     master_port=port, rdzv_id=rdzv_id(spec.run_id, spec.attempt))
-        req = StepRequest(job_id=job, step_name=name, nodes=tuple(nodes), ranks_per_node=spec.ranks_per_node,
-                          argv=spec.argv, log_dir=spec.log_dir, cwd=spec.cwd, extra=spec.srun_args,
-                          launch=spec.launch, step=step)
         env = step_env(spec.env, step, ranks_per_node=spec.ranks_per_node, launch=spec.launch,
                        marker=spec.marker)
         if spec.trusted_dir is None:
@@ -265,29 +159,57 @@ class SlurmLauncher:
             pass  # made, or found, without following a link below the daemon's own directory
         run_as = users.for_launch(spec.user)
         env |= users.login_env(run_as)
-        agents = self._start_agents(req, env, spec, run_as) if env.get("TSUP_MQTT_URL") else None
-        if agents is not None:
+        parts = _parts(nodes, job_of, StepRequest(
+            job_id=alloc.job, step_name=name, nodes=tuple(nodes), ranks_per_node=spec.ranks_per_node,
+            argv=spec.argv, log_dir=spec.log_dir, cwd=spec.cwd, extra=spec.srun_args, launch=spec.launch,
+            step=step), _ranks_per_task(spec))
+        agents = self._start_agents(parts, env, spec, run_as) if env.get("TSUP_MQTT_URL") else []
+        if agents:
             env[NODE_AGENT_ENV] = "1"  # the agents report the nodes' slots (trainer/telemetry.py)
-        agent_info = {"agent_step": req.step_name + AGENT_SUFFIX, "agent_pid": agents.pid} if agents else {}
-        warm = self.standbys.take(spec, job, nodes)
-        self.standbys.plan(spec, job)
+        agent_info = {"agent_step": name + AGENT_SUFFIX, "agents": agents} if agents else {}
+        warm = self.standbys.take(spec, job_of, nodes)
+        self.standbys.plan(spec, job_of)
         if warm is not None:
-            return self._start_warm(spec, job, warm, nodes, step, env, agent_info)
+            return self._start_warm(spec, alloc.job, warm, nodes, step, env, agent_info)
+        uid = uid_of(run_as)
+        common = {"job": parts[0].req.job_id, "step": name, "uid": uid,
+                  "ranks": _rank_map(nodes, spec.ranks_per_node),
+                  "ranks_per_task": _ranks_per_task(spec), **agent_info}
+        started: list[dict[str, Any]] = []
         try:
-            p = self.commands.start_step(srun_argv(req), env=env, log_path=spec.log_dir / "srun.log",
-                                         user=run_as, log_base=spec.log_base)
+            for part in parts:
+                log_path = spec.log_dir / _srun_log(part.req.job_id, alloc.job)
+                p = self._start_srun(srun_argv(part.req), env | part.env, log_path, spec, run_as)
+                started.append({"job": part.req.job_id, "step": name, "srun_pid": p.pid,
+                                "srun_ct": start_time_of(p.pid), "log": str(log_path), "tasks": part.tasks})
+        except (CannotExecute, LaunchError):
+            for info in started:  # half an attempt trains nothing: what started goes
+                self._signal_srun(int(info["srun_pid"]), signal.SIGTERM)
+            raise
+        self.state.refresh()
+        if len(started) == 1:
+            [only] = started
+            return json.dumps({**common, **{k: only[k] for k in ("srun_pid", "srun_ct", "log")}})
+        return json.dumps({**common, "parts": started})
+
+    def _start_srun(self, argv: list[str], env: dict[str, str], log_path: Path, spec: LaunchSpec,
+                    run_as: users.RunAs | None) -> subprocess.Popen[bytes]:
+        try:
+            p = self.commands.start_step(argv, env=env, log_path=log_path, user=run_as,
+                                         log_base=spec.log_base)
         except ValueError as e:
             # Popen cannot pass it (a NUL byte in an argument or a variable): no retry will.
             raise CannotExecute(f"cannot start srun for {spec.argv[0]!r}: {e}") from e
         except OSError as e:
             raise LaunchError(f"cannot start srun: {e}") from e
         self._children[p.pid] = p
-        ranks = _rank_map(nodes, spec.ranks_per_node)
-        self.state.refresh()
-        return json.dumps({"job": job, "step": name, "uid": _uid_of(run_as), "srun_pid": p.pid,
-                           "srun_ct": start_time_of(p.pid), "ranks": ranks,
-                           "log": str(spec.log_dir / "srun.log"), "ranks_per_task": _ranks_per_task(spec),
-                           **agent_info})
+        return p
+
+    def _signal_srun(self, pid: int, sig: int) -> None:
+        child = self._children.get(pid)
+        if child is not None and child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(sig)
 
     def _start_warm(self, spec: LaunchSpec, job: str, gens: list[Generation], nodes: list[str], step: Step,
                     env: dict[str, str], agent_info: dict[str, Any]) -> str:
@@ -301,41 +223,63 @@ class SlurmLauncher:
                            "ranks": _rank_map(nodes, spec.ranks_per_node), "parts": parts, "warm": True,
                            **agent_info})
 
-    def _start_agents(self, req: StepRequest, env: dict[str, str], spec: LaunchSpec,
-                      run_as: users.RunAs | None) -> subprocess.Popen[bytes] | None:
-        """The attempt's node agents' step (None, logged, when srun cannot be started: the
-        trainer runs without them, as before there were any)."""
-        agent_req = replace(req, step_name=req.step_name + AGENT_SUFFIX)
-        try:
-            p = self.commands.start_step(agent_srun_argv(agent_req, sys.executable), env=env,
-                                         log_path=spec.log_dir / "srun-agent.log", user=run_as,
-                                         log_base=spec.log_base)
-        except (OSError, ValueError) as e:
-            log.warning("%s: cannot start the node agents: %s", req.step_name, e)
-            return None
-        self._children[p.pid] = p
-        return p
+    def _start_agents(self, parts: list[_Part], env: dict[str, str], spec: LaunchSpec,
+                      run_as: users.RunAs | None) -> list[dict[str, Any]]:
+        """The attempt's node agents, a step in each job of the attempt ([], logged, when
+        srun cannot be started: the trainer runs without them, as before there were any)."""
+        out: list[dict[str, Any]] = []
+        for part in parts:
+            req = replace(part.req, step_name=part.req.step_name + AGENT_SUFFIX)
+            log_path = spec.log_dir / ("srun-agent.log" if len(parts) == 1
+                                       else f"srun-agent-{req.job_id}.log")
+            try:
+                p = self.commands.start_step(agent_srun_argv(req, sys.executable), env=env | part.env,
+                                             log_path=log_path, user=run_as, log_base=spec.log_base)
+            except (OSError, ValueError) as e:
+                log.warning("%s: cannot start the node agents: %s", req.step_name, e)
+                for agent in out:
+                    self._signal_srun(int(agent["pid"]), signal.SIGTERM)
+                return []
+            self._children[p.pid] = p
+            out.append({"job": req.job_id, "pid": p.pid})
+        return out
 
     def find(self, spec: LaunchSpec) -> str | None:
         """A step of this attempt that exists but was never recorded (the daemon died
-        between starting srun and writing it down)."""
+        between starting srun and writing it down), in any of the run's jobs."""
         name = self.step_name(spec.run_id, spec.attempt)
-        job = load_alloc(spec.allocation_info)["job"] if spec.allocation_info else None
-        if job is None:
+        alloc = Alloc.load(spec.allocation_info)
+        if alloc.job is None:
             return None  # no allocation: no step of this attempt can have started
         try:
-            uid = _uid_of(users.for_launch(spec.user))
+            uid = uid_of(users.for_launch(spec.user))
         except LaunchError:
             return None  # the run's user is gone from this host: starting again says so
-        srun = find_srun(name, job, uid)
-        step = _own_step(self.state.steps() or [], job, name, uid)
-        if srun is None and step is None:
+        steps = self.state.steps() or []
+        where = dict(self.allocations.node_jobs(spec.allocation_info))
+        per_task = _ranks_per_task(spec)
+        found: list[dict[str, Any]] = []
+        nodes: list[str] = []
+        for job in alloc.jobs:
+            srun = find_srun(name, job, uid)
+            step = _own_step(steps, job, name, uid)
+            if srun is None and step is None:
+                continue
+            mine = list(step.nodes) if step else [n for n in spec.nodes if where.get(n, alloc.job) == job]
+            first = len(nodes) * spec.ranks_per_node
+            found.append({"job": job, "step": name, "srun_pid": srun.pid if srun else 0,
+                          "srun_ct": start_time_of(srun.pid) if srun else 0.0,
+                          "log": str(spec.log_dir / _srun_log(job, alloc.job)),
+                          "tasks": {str(first + i): i // per_task
+                                    for i in range(len(mine) * spec.ranks_per_node)}})
+            nodes += mine
+        if not found:
             return None
-        nodes = list(step.nodes) if step else list(spec.nodes)
-        ranks = _rank_map(nodes, spec.ranks_per_node)
-        return json.dumps({"job": job, "step": name, "uid": uid, "srun_pid": srun.pid if srun else 0,
-                           "srun_ct": start_time_of(srun.pid) if srun else 0.0, "ranks": ranks,
-                           "log": str(spec.log_dir / "srun.log"), "ranks_per_task": _ranks_per_task(spec)})
+        common = {"job": found[0]["job"], "step": name, "uid": uid,
+                  "ranks": _rank_map(nodes, spec.ranks_per_node), "ranks_per_task": per_task}
+        if len(found) == 1:
+            return json.dumps({**common, **{k: found[0][k] for k in ("srun_pid", "srun_ct", "log")}})
+        return json.dumps({**common, "parts": found})
 
     def observe(self, launch_info: str) -> list[RankProc]:
         info = json.loads(launch_info)
@@ -355,8 +299,8 @@ class SlurmLauncher:
             step_listed: bool | None = None
             if not srun_alive and srun_code is None:
                 steps = self.state.steps()
-                step_listed = None if steps is None else _own_step(steps, info["job"], part["step"],
-                                                                    info.get("uid")) is not None
+                step_listed = None if steps is None else _own_step(steps, part.get("job", info["job"]),
+                                                                    part["step"], info.get("uid")) is not None
             for rank, _ in ranks:
                 if mine is None or rank in mine:
                     states[rank] = rank_state(exits.get(rank), srun_code, srun_alive, step_listed,
@@ -385,10 +329,10 @@ class SlurmLauncher:
     def stop(self, launch_info: str, *, force: bool) -> None:
         info = json.loads(launch_info)
         for part in steps_of(info):
-            step = self._step_id(info, part["step"])
+            step = self._step_id(info, part)
             if step is not None:
                 signal_name = "KILL" if force else "TERM"
-                self.commands.fire(["scancel", *_only_of(info.get("uid")), f"--signal={signal_name}", step])
+                self.commands.fire(["scancel", *only_of(info.get("uid")), f"--signal={signal_name}", step])
             _, alive = self._srun_state(part)
             if alive:
                 # srun forwards SIGTERM to every task; two SIGINTs within a second make it
@@ -400,8 +344,8 @@ class SlurmLauncher:
                     elif not force:
                         os.kill(int(part["srun_pid"]), signal.SIGTERM)
 
-    def _step_id(self, info: dict[str, Any], name: str) -> str | None:
-        s = _own_step(self.state.steps() or [], info["job"], name, info.get("uid"))
+    def _step_id(self, info: dict[str, Any], part: dict[str, Any]) -> str | None:
+        s = _own_step(self.state.steps() or [], part.get("job", info["job"]), part["step"], info.get("uid"))
         return f"{s.job_id}.{s.step_id}" if s else None
 
     def forget(self, launch_info: str) -> None:
@@ -419,13 +363,13 @@ class SlurmLauncher:
         name = info.get("agent_step")
         if not name:
             return
-        child = self._children.pop(int(info.get("agent_pid", 0)), None)
-        if child is not None and child.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                child.send_signal(signal.SIGTERM)
-        step = _own_step(self.state.steps() or [], info["job"], name, info.get("uid"))
-        if step is not None:
-            self.commands.fire(["scancel", *_only_of(info.get("uid")), f"{step.job_id}.{step.step_id}"])
+        steps = self.state.steps() or []
+        for agents in info.get("agents") or [{"job": info["job"], "pid": info.get("agent_pid", 0)}]:
+            self._signal_srun(int(agents["pid"]), signal.SIGTERM)
+            self._children.pop(int(agents["pid"]), None)
+            step = _own_step(steps, agents["job"], name, info.get("uid"))
+            if step is not None:
+                self.commands.fire(["scancel", *only_of(info.get("uid")), f"{step.job_id}.{step.step_id}"])
 
 
 # --- helpers ---------------------------------------------------------------------------
@@ -440,38 +384,39 @@ def _rank_map(nodes: list[str], ranks_per_node: int) -> list[list[int | str]]:
     return [[k * ranks_per_node + i, n] for k, n in enumerate(nodes) for i in range(ranks_per_node)]
 
 
-def load_alloc(info: str | None) -> dict[str, Any]:
-    """A run's allocation_info: the job id (None: none submitted), the allocation's
-    sequence number, and the uid that owns it (None: recorded before owners were)."""
-    if not info:
-        return {"job": None, "seq": 0, "uid": None}
-    d = json.loads(info)
-    uid = d.get("uid")
-    return {"job": d.get("job"), "seq": int(d.get("seq", 0)), "uid": int(uid) if uid is not None else None}
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """The attempt's step in one job, on that job's nodes of the attempt."""
+
+    req: StepRequest
+    env: dict[str, str]  # what places its tasks in the attempt ({}: the attempt is this one step)
+    tasks: dict[str, int]  # rank -> the task of this step that is it (or, launch "node", runs it)
 
 
-def _dump_alloc(job: str | None, seq: int, uid: int | None) -> str:
-    return json.dumps({"job": job, "seq": seq, "uid": uid})
+def _parts(nodes: list[str], job_of: dict[str, str], req: StepRequest, per_task: int) -> list[_Part]:
+    """The attempt's steps: one, or (its nodes in two jobs, a run grown back) one a job."""
+    groups: list[tuple[str, list[str]]] = []
+    for n in nodes:
+        if groups and groups[-1][0] == job_of[n]:
+            groups[-1][1].append(n)
+        else:
+            groups.append((job_of[n], [n]))
+    out, first = [], 0
+    for job, mine in groups:
+        ranks = range(first * req.ranks_per_node, (first + len(mine)) * req.ranks_per_node)
+        tasks = {str(r): (r - ranks.start) // per_task for r in ranks}
+        if len(groups) == 1:
+            out.append(_Part(replace(req, job_id=job), {}, tasks))
+        else:
+            env = split_env(nodes, first, req.ranks_per_node // per_task, req.log_dir)
+            out.append(_Part(replace(req, job_id=job, nodes=tuple(mine), part=True), env, tasks))
+        first += len(mine)
+    return out
 
 
-def _uid_of(owner: users.RunAs | None) -> int:
-    """The uid whose jobs, steps and srun processes a launch makes: the run's user, or
-    the daemon's own."""
-    return owner.uid if owner is not None else os.geteuid()
-
-
-def _only_of(uid: int | None) -> list[str]:
-    """scancel's filter: given job or step ids, it signals only those of this owner."""
-    return [f"--user={uid}"] if uid is not None else []
-
-
-def _recorded(jobs: dict[str, parse.JobInfo], alloc: dict[str, Any]) -> parse.JobInfo | None:
-    """The allocation's job as squeue lists it; None when it is not listed, or when
-    squeue names another owner for its id."""
-    job = jobs.get(alloc["job"]) if alloc["job"] else None
-    if job is None or job.user_id is None:
-        return job
-    return job if job.owned_by(alloc["uid"]) else None
+def _srun_log(job: str, first_job: str | None) -> str:
+    """The srun log of the attempt's step in ``job``: srun.log in the run's first job."""
+    return "srun.log" if job == first_job else f"srun-{job}.log"
 
 
 def _own_step(steps: list[parse.StepInfo], job: str | None, name: str,

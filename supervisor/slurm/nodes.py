@@ -27,8 +27,8 @@ from collections.abc import Mapping, Sequence
 
 from health import wire
 from supervisor.errors import LaunchError
+from supervisor.slurm.allocation import Alloc, recorded
 from supervisor.slurm.commands import SlurmCommands
-from supervisor.slurm.launcher import load_alloc
 from supervisor.slurm.state import SlurmState
 
 log = logging.getLogger(__name__)
@@ -96,19 +96,38 @@ class SlurmNodes:
         """``srun`` one probe task per node: a step of the run's allocation when it holds
         the nodes, else a job of its own that must start at once (``--immediate``). Each
         task prints its verdict in short tagged lines (health/wire.py)."""
-        job = load_alloc(allocation_info)["job"] if allocation_info else None
-        where = [f"--jobid={job}", "--overlap"] if job else ["--immediate=10", "--time=5"]
-        if reservation is not None:
-            where.append(f"--reservation={reservation}")
-        reply = self.commands.run(
-            ["srun", *where, f"--job-name={self.prefix}.probe", f"--nodes={len(nodes)}",
-             f"--nodelist={','.join(nodes)}", "--ntasks-per-node=1", "--kill-on-bad-exit=0", *argv],
-            timeout_s=timeout_s)
-        # srun exits non-zero when a probe says "unhealthy" (exit 2): read the output anyway.
-        out = {node: text for node, text in wire.answers(reply.stdout).items() if node in nodes}
-        if not reply.ok and not out:
-            log.warning("probe of %s: %s", ",".join(nodes), reply.why)
+        out: dict[str, str] = {}
+        for job, some in self._by_job(nodes, allocation_info):
+            where = [f"--jobid={job}", "--overlap"] if job else ["--immediate=10", "--time=5"]
+            if reservation is not None:
+                where.append(f"--reservation={reservation}")
+            reply = self.commands.run(
+                ["srun", *where, f"--job-name={self.prefix}.probe", f"--nodes={len(some)}",
+                 f"--nodelist={','.join(some)}", "--ntasks-per-node=1", "--kill-on-bad-exit=0", *argv],
+                timeout_s=timeout_s)
+            # srun exits non-zero when a probe says "unhealthy" (exit 2): read the output anyway.
+            said = {node: text for node, text in wire.answers(reply.stdout).items() if node in some}
+            if not reply.ok and not said:
+                log.warning("probe of %s: %s", ",".join(some), reply.why)
+            out |= said
         return out
+
+    def _by_job(self, nodes: Sequence[str],
+                allocation_info: str | None) -> list[tuple[str | None, list[str]]]:
+        """The nodes grouped by the run's job that holds them (a run grown back holds two;
+        a node in none is probed in the first), or all in no job when the run holds none."""
+        alloc = Alloc.load(allocation_info)
+        if alloc.job is None:
+            return [(None, list(nodes))]
+        where: dict[str, str] = {}
+        jobs = self.state.jobs() or {}
+        for job_id in alloc.grow:
+            job = recorded(jobs, job_id, alloc.uid)
+            where |= {n: job_id for n in (job.nodes if job is not None else ())}
+        groups: dict[str | None, list[str]] = {}
+        for n in nodes:
+            groups.setdefault(where.get(n, alloc.job), []).append(n)
+        return list(groups.items())
 
     def probe_drained(self, nodes: Mapping[str, str], argv: Sequence[str], *,
                       timeout_s: float) -> dict[str, str]:

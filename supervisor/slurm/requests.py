@@ -44,25 +44,31 @@ from pathlib import Path
 from supervisor.domain.step import LaunchMode, Step
 
 # Inside a step the job-wide variables describe the whole allocation; these make them
-# describe the step's own nodes.
+# describe the step's own nodes (or, for a part of an attempt split over two jobs, the
+# attempt's: ``SplitPart``).
 _STEP_VIEW = (
-    'SLURM_JOB_NODELIST="${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" '
-    'SLURM_NODELIST="${SLURM_STEP_NODELIST:-$SLURM_NODELIST}" '
-    'SLURM_JOB_NUM_NODES="${SLURM_STEP_NUM_NODES:-$SLURM_JOB_NUM_NODES}" '
-    'SLURM_NNODES="${SLURM_STEP_NUM_NODES:-$SLURM_NNODES}"'
+    'SLURM_JOB_NODELIST="${TSUP_STEP_NODES:-${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}}" '
+    'SLURM_NODELIST="${TSUP_STEP_NODES:-${SLURM_STEP_NODELIST:-$SLURM_NODELIST}}" '
+    'SLURM_JOB_NUM_NODES="${TSUP_STEP_NNODES:-${SLURM_STEP_NUM_NODES:-$SLURM_JOB_NUM_NODES}}" '
+    'SLURM_NNODES="${TSUP_STEP_NNODES:-${SLURM_STEP_NUM_NODES:-$SLURM_NNODES}}"'
 )
+# A part's tasks write their own log, named by their place in the attempt (srun's
+# --output can only name the part's task).
+_PART_LOG = '[ -z "$TSUP_TASK_LOGS" ] || exec >>"$TSUP_TASK_LOGS/{name}.log" 2>&1; '
 # Sets the torchrun variables from Slurm's, then runs the trainer's argv unchanged.
 RANK_WRAPPER = (
-    'export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" WORLD_SIZE="$SLURM_NTASKS" '
-    f'GROUP_RANK="$SLURM_NODEID" TSUP_NODE="$SLURMD_NODENAME" {_STEP_VIEW}; exec "$@"'
+    'export RANK="$((SLURM_PROCID + ${TSUP_RANK_BASE:-0}))" LOCAL_RANK="$SLURM_LOCALID" '
+    'WORLD_SIZE="${TSUP_STEP_NTASKS:-$SLURM_NTASKS}" GROUP_RANK="$((SLURM_NODEID + ${TSUP_NODE_BASE:-0}))" '
+    f'TSUP_NODE="$SLURMD_NODENAME" {_STEP_VIEW}; ' + _PART_LOG.format(name="rank-$RANK") + 'exec "$@"'
 )
 # launch = "node": one task per node, whose torchrun (or train.sh) spawns the ranks.
 # torchrun takes --node_rank from PET_NODE_RANK when its command line gives none: a
 # static rendezvous (--master_addr/--master_port, the NxD scripts' form) needs it, and
 # the same argv then runs on every node. Other rendezvous ignore it.
 NODE_WRAPPER = (
-    'export GROUP_RANK="$SLURM_NODEID" NODE_RANK="$SLURM_NODEID" PET_NODE_RANK="$SLURM_NODEID" '
-    f'TSUP_NODE="$SLURMD_NODENAME" {_STEP_VIEW}; exec "$@"'
+    'export GROUP_RANK="$((SLURM_NODEID + ${TSUP_NODE_BASE:-0}))"; '
+    f'export NODE_RANK="$GROUP_RANK" PET_NODE_RANK="$GROUP_RANK" TSUP_NODE="$SLURMD_NODENAME" {_STEP_VIEW}; '
+    + _PART_LOG.format(name="node-$GROUP_RANK") + 'exec "$@"'
 )
 # srun options a [command] may not give: the supervisor sets them for every step.
 SUPERVISOR_SRUN_OPTIONS = (
@@ -127,17 +133,32 @@ class StepRequest:
     extra: tuple[str, ...] = ()  # the spec's srun_args
     launch: LaunchMode = "rank"  # "node": one task per node
     step: Step | None = None  # fills the step placeholders of argv (supervisor/domain/step.py)
+    part: bool = False  # one job's part of an attempt split over two: its tasks write their own logs
+
+
+def split_env(attempt_nodes: Sequence[str], first_node: int, tasks_per_node: int,
+              log_dir: Path) -> dict[str, str]:
+    """The variables that place one job's part of an attempt split over two jobs (a run
+    grown back through a second allocation, supervisor/slurm/allocation.py) in the
+    attempt, for the wrappers: a step cannot span jobs, so each job runs a step on its
+    own nodes, whose tasks Slurm numbers from 0. ``first_node``: the part's first node's
+    index among ``attempt_nodes``; the tasks' logs go to ``log_dir`` under their rank
+    (or node) in the attempt."""
+    return {"TSUP_RANK_BASE": str(first_node * tasks_per_node), "TSUP_NODE_BASE": str(first_node),
+            "TSUP_STEP_NODES": ",".join(attempt_nodes), "TSUP_STEP_NNODES": str(len(attempt_nodes)),
+            "TSUP_STEP_NTASKS": str(len(attempt_nodes) * tasks_per_node), "TSUP_TASK_LOGS": str(log_dir)}
 
 
 def srun_argv(req: StepRequest) -> list[str]:
     per_node = 1 if req.launch == "node" else req.ranks_per_node
     argv = req.step.fill_all(req.argv) if req.step is not None else req.argv
     wrapper, output = (NODE_WRAPPER, "node-%t.log") if req.launch == "node" else (RANK_WRAPPER, "rank-%t.log")
+    output = "/dev/null" if req.part else f"{req.log_dir}/{output}"
     return [
         "srun", f"--jobid={req.job_id}", f"--job-name={req.step_name}", f"--nodes={len(req.nodes)}",
         f"--nodelist={','.join(req.nodes)}", f"--ntasks={len(req.nodes) * per_node}",
         f"--ntasks-per-node={per_node}", "--distribution=block", "--overlap",
-        "--kill-on-bad-exit=0", f"--output={req.log_dir}/{output}",
+        "--kill-on-bad-exit=0", f"--output={output}",
         *([f"--chdir={req.cwd}"] if req.cwd is not None else []), *req.extra,
         "/bin/sh", "-c", wrapper, "tsup-rank", *argv,
     ]
@@ -153,7 +174,8 @@ def agent_srun_argv(req: StepRequest, python: str) -> list[str]:
     return [
         "srun", f"--jobid={req.job_id}", f"--job-name={req.step_name}", f"--nodes={len(req.nodes)}",
         f"--nodelist={','.join(req.nodes)}", f"--ntasks={len(req.nodes)}", "--ntasks-per-node=1",
-        "--distribution=block", "--overlap", "--kill-on-bad-exit=0", f"--output={req.log_dir}/agent-%t.log",
+        "--distribution=block", "--overlap", "--kill-on-bad-exit=0",
+        f"--output={req.log_dir}/agent-{'%j-' if req.part else ''}%t.log",
         "--chdir=/", python, "-m", AGENT_MODULE,
     ]
 

@@ -72,7 +72,7 @@ class Generation:
 @dataclass(slots=True)
 class _Due:
     spec: LaunchSpec
-    job: str
+    job_of: Mapping[str, str]  # node -> the run's job that holds it
     at: float  # monotonic
 
 
@@ -86,13 +86,14 @@ class SlurmStandbys:
         self._started: dict[str, int] = {}  # generations started per run: the next one's number
         self._ending: list[subprocess.Popen[bytes]] = []  # sruns of generations let go, reaped here
 
-    def plan(self, spec: LaunchSpec, job: str) -> None:
-        """The attempt ``spec`` started in allocation ``job``: standbys for the next one on its
-        ``standby_nodes`` from ``refill_after_s`` on (none named: the run keeps none)."""
+    def plan(self, spec: LaunchSpec, job_of: Mapping[str, str]) -> None:
+        """The attempt ``spec`` started: standbys for the next one on its ``standby_nodes``
+        (each a step of the job that holds it, ``job_of``) from ``refill_after_s`` on (none
+        named: the run keeps none)."""
         if not spec.standby_nodes or spec.launch != "rank" or reference_args(spec.argv) is None:
             self.release(spec.run_id)
             return
-        self._due[spec.run_id] = _Due(spec, job, time.monotonic() + self.refill_after_s)
+        self._due[spec.run_id] = _Due(spec, dict(job_of), time.monotonic() + self.refill_after_s)
 
     def refill(self) -> int:
         """Start the standbys that are due on each node that has none whole; let go of those
@@ -104,29 +105,32 @@ class SlurmStandbys:
                 continue
             del self._due[run_id]
             waiting = self._waiting.setdefault(run_id, {})
-            for node in [n for n in waiting if n not in due.spec.standby_nodes or waiting[n].job != due.job]:
+            for node in [n for n in waiting if waiting[n].job != due.job_of.get(n)]:
                 self._stop(waiting.pop(node))
             for node in due.spec.standby_nodes:
+                if node not in due.job_of:
+                    continue
                 g = waiting.get(node)
                 if g is not None and g.alive() == g.ranks_per_node:
                     continue  # they wait there still, every one
                 if g is not None:
                     self._stop(waiting.pop(node))
-                g = self._start(due.spec, due.job, node)
+                g = self._start(due.spec, due.job_of[node], node)
                 if g is not None:
                     waiting[node] = g
                     started += 1
         return started
 
-    def take(self, spec: LaunchSpec, job: str, nodes: Sequence[str]) -> list[Generation] | None:
+    def take(self, spec: LaunchSpec, job_of: Mapping[str, str],
+             nodes: Sequence[str]) -> list[Generation] | None:
         """The standbys of every node of ``nodes``, from now on the attempt's, when each
-        node has them, all alive; None: start cold."""
+        node has them in the job that holds it (``job_of``), all alive; None: start cold."""
         waiting = self._waiting.get(spec.run_id, {})
         if not spec.standby_nodes or spec.launch != "rank" or reference_args(spec.argv) is None:
             return None
         gens = [waiting.get(n) for n in nodes]
-        if any(g is None or g.job != job or g.ranks_per_node != spec.ranks_per_node
-               or g.alive() != g.ranks_per_node for g in gens):
+        if any(g is None or g.job != job_of.get(n) or g.ranks_per_node != spec.ranks_per_node
+               or g.alive() != g.ranks_per_node for n, g in zip(nodes, gens, strict=True)):
             return None
         for n in nodes:
             del waiting[n]
@@ -153,8 +157,8 @@ class SlurmStandbys:
                     raise CannotExecute(str(e)) from e
                 tasks[str(rank)] = local
             self.assign(g, slots)
-            parts.append({"step": g.name, "srun_pid": g.proc.pid, "srun_ct": start_time_of(g.proc.pid),
-                          "log": str(g.log), "tasks": tasks})
+            parts.append({"job": g.job, "step": g.name, "srun_pid": g.proc.pid,
+                          "srun_ct": start_time_of(g.proc.pid), "log": str(g.log), "tasks": tasks})
         return parts
 
     @staticmethod

@@ -163,6 +163,70 @@ def test_a_node_lost_with_no_node_to_get_on_the_box_continues_on_fewer_ranks(
     assert "resharding step_00000040 from 4 to 2 ranks" in log
     assert s["loss"] == pytest.approx(fault_free["loss"], rel=1e-3)
 
+def test_a_run_shrunk_on_the_box_grows_back_through_a_second_allocation(
+        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path) -> None:
+    """No spare, node3 drained by its operator: kill-node@27 leaves node1 alone; a growth job
+    for one node waits in the queue, and after shrink_after_s attempt 2 goes on on node1
+    from step 20. The operator returns node3 as soon as the growth job is asked for (Slurm
+    takes seconds to start a job, far more than shrink_after_s): the growth job gets it,
+    and once attempt 2 has committed a checkpoint of its own the run grows back. Attempt 3 runs on
+    node1 (the first job) and node3 (the growth job), a step in each, from that checkpoint
+    resharded from 2 to 4 ranks, and ends with the fault-free loss up to rounding; both jobs
+    are given back."""
+    slurm(slurm_box, "scontrol", "update", "NodeName=node3", "State=DRAIN", "Reason=operator: memory upgrade")
+    spec = spec_for_slurm(tmp_path)
+    spec.write_text(spec.read_text().replace("spares = 1", "spares = 0")
+                    .replace("[policy]", "[policy]\nshrink_after_s = 0.5"))
+    state = tmp_path / "state"
+    out = open(tmp_path / "run.out", "w+")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "-v", "run", str(spec), "--state-dir", str(state),
+                             "--json", "--chaos", "kill-node@27"], stdout=out, stderr=subprocess.STDOUT,
+                            env={**env(), "SLURM_CONF": str(slurm_box.conf)}, cwd=REPO)
+    try:
+        def growth_asked() -> bool:
+            try:
+                return bool(db_rows(state, "SELECT id FROM events WHERE kind = 'nodes.short' "
+                                           "AND message LIKE '%growth job%'"))
+            except sqlite3.Error:  # the database may not exist yet
+                return False
+
+        wait_for(growth_asked, 240, "a growth job")
+        slurm(slurm_box, "scontrol", "update", "NodeName=node3", "State=RESUME")
+        assert proc.wait(300) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out.seek(0)
+    text = out.read()
+    s = json.loads(text[text.index("{\n"):])
+    assert s["state"] == "SUCCEEDED" and s["final_step"] == 80, text[-3000:]
+    assert [(f["kind"], f["nodes"]) for f in s["faults"]] == [("node-lost", ["node2"])], what_happened(
+        s, state / "runs" / "run-1")
+    assert [a["nodes"] for a in s["attempt_history"]] == [["node1", "node2"], ["node1"], ["node1", "node3"]]
+    grown_from = s["attempt_history"][2]["resume_step"]
+    assert grown_from in (40, 60), "from a checkpoint the shrunk attempt committed"
+    [grow] = db_rows(state, "SELECT message FROM events WHERE kind = 'run.grow'")
+    assert "growing back to 2 nodes: node3 joined the 1 of attempt 2" in grow[0]
+    infos = [json.loads(i) for (i,) in db_rows(state, "SELECT launch_info FROM attempts ORDER BY number")]
+    first_job = infos[0]["job"]
+    assert infos[1]["job"] == first_job and "parts" not in infos[1], "shrunk: one step of the first job"
+    [in_first, in_growth] = infos[2]["parts"]
+    assert in_first["job"] == first_job and in_growth["job"] != first_job, "a step in each job"
+    assert (in_first["tasks"], in_growth["tasks"]) == ({"0": 0, "1": 1}, {"2": 0, "3": 1})
+    growth = parse.parse_key_values(slurm(slurm_box, "scontrol", "-o", "show", "job", in_growth["job"]))
+    assert growth["NodeList"] == "node3" and growth["JobName"].endswith(".run-1.1g1"), growth
+    run_dir = state / "runs" / "run-1" / "attempts" / "3"
+    log = (run_dir / "rank-0.log").read_text()
+    assert f"resharding step_{grown_from:08d} from 2 to 4 ranks" in log, log[-2000:]
+    assert sorted(p.name for p in run_dir.glob("rank-*.log")) == [f"rank-{r}.log" for r in range(4)], \
+        "each task's log under its rank in the attempt, not its task in its job's step"
+    assert s["loss"] == pytest.approx(fault_free["loss"], rel=1e-3)
+    # Both jobs given back; nothing of the run is left running.
+    wait_for(lambda: parse.parse_squeue_text(
+        slurm(slurm_box, "squeue", "-h", "-o", parse.SQUEUE_FORMAT)) == {}, 30, "both jobs to end")
+    assert trainer_processes(state) == []
+
+
 def test_an_allocation_ended_by_slurm_is_replaced_and_the_run_resumes(
         slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path) -> None:
     """Preemption, a time limit, or an operator's scancel: the allocation is gone, the

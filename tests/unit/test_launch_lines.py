@@ -67,7 +67,7 @@ def test_trn1_step_is_one_torchrun_of_32_ranks_per_node(tmp_path: Path) -> None:
     plan = plan_of(TRN1, tmp_path)
     srun = plan["srun"]
     assert {"--nodes=16", "--ntasks=16", "--ntasks-per-node=1", "--overlap"} <= set(srun)
-    assert srun[srun.index("-c") + 1] == NODE_WRAPPER and 'PET_NODE_RANK="$SLURM_NODEID"' in NODE_WRAPPER
+    assert srun[srun.index("-c") + 1] == NODE_WRAPPER and 'PET_NODE_RANK="$GROUP_RANK"' in NODE_WRAPPER
     argv = trainer_part(srun)
     assert Path(argv[0]).name == "torchrun"
     assert argv[1:5] == ["--nproc_per_node=32", "--nnodes=16", "--master_addr=<address of the first node>",
@@ -133,6 +133,9 @@ class _Commands:
 
 class _State:
     def nodes(self) -> dict[str, Any]:
+        return {}
+
+    def jobs(self) -> dict[str, Any]:
         return {}
 
     def refresh(self) -> None:

@@ -269,6 +269,9 @@ class _NoNodes:
     def nodes(self) -> dict[str, parse.NodeInfo]:
         return {}
 
+    def jobs(self) -> dict[str, parse.JobInfo]:
+        return {}
+
     def refresh(self) -> None:
         pass
 

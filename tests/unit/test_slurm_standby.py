@@ -49,24 +49,29 @@ def test_a_nodes_standbys_are_one_step_of_a_task_per_slot_reading_one_broadcast_
         assert flag in argv, flag
 
 
+ALL_IN_7 = {f"node{k}": "7" for k in range(1, 5)}
+ALL_IN_8 = {f"node{k}": "8" for k in range(1, 5)}
+
+
 def test_standbys_become_an_attempt_only_all_alive_on_every_one_of_its_nodes_and_only_once(
         tmp_path: Path) -> None:
     pool = SlurmStandbys(commands=None, prefix="tsup-x")  # type: ignore[arg-type]
     gens = {n: _waiting(tmp_path, n) for n in ("node1", "node2", "node3")}
     pool._waiting["run-1"] = dict(gens)
     spec = _spec(tmp_path, ("node1", "node3"))
-    assert pool.take(spec, "8", spec.nodes) is None, "another allocation's"
-    assert pool.take(_spec(tmp_path, ("node1", "node4")), "7", ("node1", "node4")) is None, "node4 has none"
+    assert pool.take(spec, ALL_IN_8, spec.nodes) is None, "another allocation's"
+    assert pool.take(spec, {**ALL_IN_7, "node3": "8"}, spec.nodes) is None, "node3 is now a growth job's"
+    assert pool.take(_spec(tmp_path, ("node1", "node4")), ALL_IN_7, ("node1", "node4")) is None, "node4 has none"
     # node2 was killed: srun says its tasks ended. An attempt on node1 and node3 does not need them.
     gens["node2"].log.write_text("srun: error: node2: tasks 0-1: Killed\n")
     assert pool.waiting() == {"run-1": {"node1": 2, "node3": 2}}
-    assert pool.take(_spec(tmp_path, ("node1", "node2")), "7", ("node1", "node2")) is None
+    assert pool.take(_spec(tmp_path, ("node1", "node2")), ALL_IN_7, ("node1", "node2")) is None
     gens["node3"].log.write_text("srun: error: node3: task 1: Exited with exit code 1\n")
-    assert pool.take(spec, "7", spec.nodes) is None, "one of node3's standbys is gone"
+    assert pool.take(spec, ALL_IN_7, spec.nodes) is None, "one of node3's standbys is gone"
     gens["node3"].log.write_text("")
-    assert pool.take(spec, "7", spec.nodes) == [gens["node1"], gens["node3"]], "in the attempt's order"
-    assert pool.take(spec, "7", spec.nodes) is None, "used once"
+    assert pool.take(spec, ALL_IN_7, spec.nodes) == [gens["node1"], gens["node3"]], "in the attempt's order"
+    assert pool.take(spec, ALL_IN_7, spec.nodes) is None, "used once"
     pool._waiting["run-1"] = dict(gens)
     gens["node1"].proc.code = 0  # type: ignore[attr-defined]
-    assert pool.take(spec, "7", spec.nodes) is None, "node1's srun ended"
-    assert pool.take(_spec(tmp_path, spec.nodes, ()), "7", spec.nodes) is None, "a spec that keeps none"
+    assert pool.take(spec, ALL_IN_7, spec.nodes) is None, "node1's srun ended"
+    assert pool.take(_spec(tmp_path, spec.nodes, ()), ALL_IN_7, spec.nodes) is None, "a spec that keeps none"

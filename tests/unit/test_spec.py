@@ -204,7 +204,7 @@ def test_a_per_node_torchrun_gets_its_step_in_the_dry_run(tmp_path: Path) -> Non
     assert {"--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--output=<state-dir>/runs/run-N/attempts/1/"
             "node-%t.log"} <= set(srun)
     i = srun.index("/bin/sh")
-    assert "NODE_RANK=\"$SLURM_NODEID\"" in srun[i + 2] and "RANK=\"$SLURM_PROCID\"" not in srun[i + 2]
+    assert "NODE_RANK=\"$GROUP_RANK\"" in srun[i + 2] and "SLURM_PROCID" not in srun[i + 2]
     assert srun[i + 4:] == ["torchrun", "--nnodes=3", "--nproc_per_node=8", "--rdzv_id=run-N.a1",
                             "--rdzv_backend=c10d", "--rdzv_endpoint=<address of the first node>:<port>", "train.py"]
     spec.write_text(spec.read_text().replace('launcher = "slurm"', 'launcher = "local"'))

@@ -1,0 +1,278 @@
+"""A run's nodes on Slurm: the allocation that holds them, and the ones it grows by.
+
+- A run holds one batch job of N+S whole nodes (``--nodes=N-(N+S)``: it starts as soon
+  as N are free) whose script only sleeps, submitted as the run's user. Its id and owner
+  are recorded (``allocation_info``), and from then on the job is known by that id
+  alone. Its name, ``<prefix>.<run>.<k>``, is derived from what the store already holds,
+  so a daemon killed between ``sbatch`` and recording the id finds the job by name and
+  never submits a second one; but squeue lists every user's jobs and anyone can name a
+  job so, so only a job of the expected owner is ever adopted by name.
+- Slurm cannot add nodes to a running job. A run that may go on with fewer nodes
+  (``keep``, supervisor/policy/recovery.py) and holds fewer than it asks for submits a
+  **growth** job for the missing count (``<prefix>.<run>.<k>g<m>``, ``--nodes=1-M``),
+  recorded beside the first; the nodes it gets are the run's like the first job's. An
+  attempt on nodes of both runs a step in each (supervisor/slurm/launcher.py). A growth
+  job that holds nothing usable any more is cancelled; a new first job cancels them all.
+- ``held``: the jobs as squeue sees them, minus nodes Slurm calls unusable. A failed
+  poll means "unknown", never "ended"; a recorded id that squeue shows owned by someone
+  else (ids start again after slurmctld loses its state) means "ended".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from supervisor import users
+from supervisor.errors import LaunchError
+from supervisor.launchers.base import AllocationRequest, Grant
+from supervisor.slurm import parse
+from supervisor.slurm.commands import SlurmCommands
+from supervisor.slurm.requests import SbatchRequest, allocation_script, sbatch_argv
+from supervisor.slurm.state import SlurmState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Alloc:
+    """A run's allocation_info: the first job's id (None: none submitted), its sequence
+    number, the uid that owns the run's jobs (None: recorded before owners were), and the
+    growth jobs with how many were ever submitted beside this first job."""
+
+    job: str | None = None
+    seq: int = 0
+    uid: int | None = None
+    grow: tuple[str, ...] = ()
+    grown: int = 0
+
+    @classmethod
+    def load(cls, info: str | None) -> Alloc:
+        if not info:
+            return cls()
+        d = json.loads(info)
+        uid = d.get("uid")
+        return cls(job=d.get("job"), seq=int(d.get("seq", 0)), uid=int(uid) if uid is not None else None,
+                   grow=tuple(str(j) for j in d.get("grow", ())), grown=int(d.get("grown", 0)))
+
+    def dump(self) -> str:
+        d: dict[str, object] = {"job": self.job, "seq": self.seq, "uid": self.uid}
+        if self.grown:
+            d |= {"grow": list(self.grow), "grown": self.grown}
+        return json.dumps(d)
+
+    @property
+    def jobs(self) -> tuple[str, ...]:
+        """Every job of the run, the first one first."""
+        return (self.job, *self.grow) if self.job else self.grow
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlurmOptions:
+    partition: str | None = None
+    time_limit_min: int | None = None
+    signal_before_s: int = 120
+    sbatch_extra: tuple[str, ...] = ()
+
+
+class SlurmAllocations:
+    def __init__(self, commands: SlurmCommands, state: SlurmState, *, prefix: str, state_dir: Path,
+                 options: SlurmOptions) -> None:
+        self.commands = commands
+        self.state = state
+        self.prefix = prefix
+        self.state_dir = state_dir
+        self.options = options
+
+    def sbatch_request(self, req: AllocationRequest, seq: int) -> SbatchRequest:
+        run_id = req.run_id
+        return SbatchRequest(
+            job_name=f"{self.prefix}.{run_id}.{seq}", nodes=req.count, min_nodes=req.minimum,
+            partition=req.partition or self.options.partition,
+            time_limit_min=req.time_limit_min or self.options.time_limit_min,
+            signal_before_s=self.options.signal_before_s if req.handles_usr1 else None,
+            exclude=tuple(sorted(req.drained)),
+            output=self.state_dir / "slurm" / f"{run_id}.alloc-{seq}.out", extra=self.options.sbatch_extra,
+        )
+
+    def allocate(self, req: AllocationRequest) -> Grant:
+        alloc = Alloc.load(req.info)
+        jobs = self.state.jobs()
+        if jobs is None:
+            return Grant(nodes=req.held, info=req.info, note="squeue failed; trying again")
+        job = recorded(jobs, alloc.job, alloc.uid)
+        if job is not None and job.phase is parse.JobPhase.WAITING:
+            return Grant(nodes=(), info=req.info, note=f"job {job.job_id} pending: {job.reason}")
+        if job is not None and job.phase is parse.JobPhase.HOLDING:
+            have = self._usable(job.nodes, req.drained)
+            if len(have) >= (req.keep or req.minimum):
+                return self._grow(req, alloc, jobs, have)
+            # Too few healthy nodes left in it: give it back and ask for a new one.
+            self.commands.fire(["scancel", *only_of(alloc.uid), job.job_id])
+            log.info("allocation %s holds %d healthy nodes, %d needed: replacing it",
+                     job.job_id, len(have), req.keep or req.minimum)
+        if alloc.grow:  # a new first job asks for every node: the growth jobs go
+            self.commands.fire(["scancel", *only_of(alloc.uid), *alloc.grow])
+        seq = alloc.seq + 1 if alloc.job else max(alloc.seq, 1)
+        try:
+            owner = users.for_launch(req.user)
+        except LaunchError as e:  # the run's user is gone from this host: say why, and wait
+            return Grant(nodes=(), info=req.info, note=str(e))
+        uid = uid_of(owner)
+        job_id, done = self._submit(self.sbatch_request(req, seq), jobs, owner, uid)
+        info = Alloc(job_id, seq, uid).dump()
+        if job_id is None:
+            return Grant(nodes=(), info=info, note=done)
+        if done == "adopted":
+            return self.held(req.run_id, info) or Grant(nodes=(), info=info)
+        return Grant(nodes=(), info=info, note=f"job {job_id} submitted")
+
+    def _grow(self, req: AllocationRequest, alloc: Alloc, jobs: dict[str, parse.JobInfo],
+              have: tuple[str, ...]) -> Grant:
+        """The first job holds enough to keep: add what the growth jobs hold, and when the
+        run may go on with fewer nodes (``req.keep``) and still has fewer than it asks for,
+        ask for the rest in a growth job (one at a time)."""
+        kept: list[str] = []
+        nodes = list(have)
+        waiting: parse.JobInfo | None = None
+        for job_id in alloc.grow:
+            job = recorded(jobs, job_id, alloc.uid)
+            if job is None or job.phase is parse.JobPhase.ENDED:
+                continue
+            if job.phase is parse.JobPhase.WAITING:
+                waiting = job
+            else:
+                usable = self._usable(job.nodes, req.drained)
+                if not usable:  # holds nothing the run can use: give it back
+                    self.commands.fire(["scancel", *only_of(alloc.uid), job_id])
+                    log.info("growth allocation %s holds no usable node: cancelled", job_id)
+                    continue
+                nodes += usable
+            kept.append(job_id)
+        alloc = replace(alloc, grow=tuple(kept))
+        missing = req.count - len(nodes)
+        if waiting is not None and missing <= 0:  # no longer needed
+            self.commands.fire(["scancel", *only_of(alloc.uid), waiting.job_id])
+            alloc = replace(alloc, grow=tuple(j for j in kept if j != waiting.job_id))
+        if req.keep is None or missing <= 0:
+            return Grant(nodes=tuple(nodes), info=alloc.dump())
+        if waiting is not None:
+            return Grant(nodes=tuple(nodes), info=alloc.dump(),
+                         note=f"growth job {waiting.job_id} pending: {waiting.reason}")
+        try:
+            owner = users.for_launch(req.user)
+        except LaunchError as e:
+            return Grant(nodes=tuple(nodes), info=alloc.dump(), note=str(e))
+        number = alloc.grown + 1
+        name = f"{req.run_id}.{alloc.seq}g{number}"
+        sreq = replace(self.sbatch_request(req, alloc.seq), job_name=f"{self.prefix}.{name}", nodes=missing,
+                       min_nodes=1, output=self.state_dir / "slurm" / f"{name}.out")
+        growth, done = self._submit(sreq, jobs, owner, uid_of(owner))
+        if growth is None:
+            return Grant(nodes=tuple(nodes), info=alloc.dump(), note=done)
+        grown = replace(alloc, grow=(*alloc.grow, growth), grown=number)
+        return Grant(nodes=tuple(nodes), info=grown.dump(),
+                     note=f"growth job {growth} {done} for {missing} more node(s)")
+
+    def _submit(self, sreq: SbatchRequest, jobs: dict[str, parse.JobInfo], owner: users.RunAs | None,
+                uid: int) -> tuple[str | None, str]:
+        """sbatch ``sreq`` as ``owner``: (the job id, "submitted" or "adopted"), or (None,
+        why not). A job of its name may exist already, submitted by a daemon that died
+        before recording its id: it is adopted rather than a second one submitted, if it
+        is the owner's (anyone can name a job so)."""
+        found = [j for j in jobs.values() if j.name == sreq.job_name and j.phase is not parse.JobPhase.ENDED
+                 and j.owned_by(uid)]
+        if found:
+            log.info("adopted allocation %s (%s)", found[0].job_id, sreq.job_name)
+            return found[0].job_id, "adopted"
+        if owner is not None and not owner.is_me:
+            # The batch script only sleeps, and the daemon's private state directory is
+            # no place the run's user may write: its output goes nowhere.
+            sreq = replace(sreq, output=Path("/dev/null"))
+        sreq.output.parent.mkdir(parents=True, exist_ok=True)
+        reply = self.commands.run(sbatch_argv(sreq), stdin=allocation_script(sreq), user=owner)
+        if not reply.ok:
+            return None, f"sbatch failed: {reply.why}"
+        try:
+            job_id = parse.parse_sbatch_job_id(reply.stdout)
+        except parse.SlurmParseError as e:
+            return None, str(e)
+        self.state.refresh()
+        log.info("submitted allocation %s (%s) for %d nodes", job_id, sreq.job_name, sreq.nodes)
+        return job_id, "submitted"
+
+    def held(self, run_id: str, info: str | None) -> Grant | None:
+        if info is None:
+            return None
+        alloc = Alloc.load(info)
+        if alloc.job is None:
+            return None  # nothing submitted yet: allocate() deals with it
+        jobs = self.state.jobs()
+        if jobs is None:
+            return None
+        job = recorded(jobs, alloc.job, alloc.uid)
+        if job is None or job.phase is parse.JobPhase.ENDED:
+            why = ("no longer in squeue" if alloc.job not in jobs else
+                   "now someone else's" if job is None else f"{job.state} ({job.reason})")
+            return Grant(nodes=(), info=replace(alloc, job=None).dump(), note=f"job {alloc.job} {why}")
+        if job.phase is parse.JobPhase.WAITING:
+            return Grant(nodes=(), info=info, note=f"job {job.job_id} pending: {job.reason}")
+        return Grant(nodes=tuple(node for node, _ in self.node_jobs(info, jobs)), info=info)
+
+    def node_jobs(self, info: str | None,
+                  jobs: dict[str, parse.JobInfo] | None = None) -> list[tuple[str, str]]:
+        """(node, its job) for each usable node the run's jobs hold, the first job's first."""
+        alloc = Alloc.load(info)
+        jobs = self.state.jobs() if jobs is None else jobs
+        out: list[tuple[str, str]] = []
+        for job_id in alloc.jobs:
+            job = recorded(jobs or {}, job_id, alloc.uid)
+            if job is not None and job.phase is parse.JobPhase.HOLDING:
+                out += [(node, job_id) for node in self._usable(job.nodes, frozenset())]
+        return out
+
+    def _usable(self, names: tuple[str, ...], drained: frozenset[str]) -> tuple[str, ...]:
+        nodes = self.state.nodes() or {}
+        return tuple(n for n in names if n not in drained and (n not in nodes or nodes[n].usable))
+
+    def release(self, info: str | None) -> bool:
+        alloc = Alloc.load(info)
+        if alloc.grow:
+            self.commands.fire(["scancel", *only_of(alloc.uid), *alloc.grow])
+        job = alloc.job
+        if job is None:
+            return True
+        jobs = self.state.jobs()
+        if jobs is not None and job in jobs and recorded(jobs, job, alloc.uid) is None:
+            return True  # the id is someone else's job now: ours is long gone
+        # Waited for, not fired: with slurmctld down scancel fails, and an allocation
+        # forgotten then would hold its nodes until its time limit.
+        reply = self.commands.run(["scancel", *only_of(alloc.uid), job])
+        self.state.refresh()
+        if reply.ok or "Invalid job id" in reply.why:  # already gone is given back too
+            return True
+        log.warning("cannot give back allocation %s yet: %s", job, reply.why)
+        return False
+
+
+def uid_of(owner: users.RunAs | None) -> int:
+    """The uid whose jobs, steps and srun processes a launch makes: the run's user, or
+    the daemon's own."""
+    return owner.uid if owner is not None else os.geteuid()
+
+
+def only_of(uid: int | None) -> list[str]:
+    """scancel's filter: given job or step ids, it signals only those of this owner."""
+    return [f"--user={uid}"] if uid is not None else []
+
+
+def recorded(jobs: dict[str, parse.JobInfo], job_id: str | None, uid: int | None) -> parse.JobInfo | None:
+    """A recorded job as squeue lists it; None when it is not listed, or when squeue
+    names another owner for its id."""
+    job = jobs.get(job_id) if job_id else None
+    if job is None or job.user_id is None:
+        return job
+    return job if job.owned_by(uid) else None
