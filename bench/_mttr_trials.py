@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,7 +34,7 @@ from _harness import (
 from supervisor.launchers.base import Launcher, LaunchSpec
 
 PHASES = ("detect_s", "teardown_s", "schedule_s", "start_s", "init_s", "restore_s", "first_step_s", "total_s",
-          "restore_load_s", "steps_redone", "supervisor_saw_first_step_s")
+          "restore_load_s", "steps_redone", "supervisor_saw_first_step_s", "standby_waited_s")
 
 
 def trainer_phases(origin: tuple[str, float | None], t: AttemptTimes) -> dict[str, float | None]:
@@ -113,7 +114,23 @@ def supervisor_phases(run: SupervisorRun, tap: Tap, fault_attempt: int, world: i
             "fault": injected.data.get("action") if injected else None,
             "new_nodes": json.loads(new["nodes"]) if new.get("nodes") else None,
             # Made of warm standbys (the Slurm launcher says so; the local one records none).
-            "warm": bool(json.loads(new["launch_info"]).get("warm")) if new.get("launch_info") else None}
+            "warm": bool(json.loads(new["launch_info"]).get("warm")) if new.get("launch_info") else None,
+            "standby_waited_s": standby_waited_s(run.state_dir / "runs" / "run-1" / "attempts"
+                                                 / str(fault_attempt + 1))}
+
+
+_TOOK = re.compile(r"standby: pid \d+ is rank \d+ of attempt \S+ "
+                   r"\(warm in [0-9.]+ s, then waited ([0-9.]+) s\)")
+
+
+def standby_waited_s(log_dir: Path) -> float | None:
+    """How long the least rested of an attempt's standbys had waited, warm, for its
+    assignment (trainer/standby.py says so in the rank's log): 0 means one was still
+    importing when the fault came, and its import is then part of ``init_s``. None: no
+    rank of the attempt was a standby."""
+    waits = [float(m.group(1)) for log in log_dir.glob("rank-*.log")
+             for m in _TOOK.finditer(log.read_text(errors="replace")[:20_000])]
+    return min(waits) if waits else None
 
 
 def totals_of(fault_at: float | None, t: AttemptTimes, fault_step: int | None,

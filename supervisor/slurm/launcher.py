@@ -214,14 +214,29 @@ class SlurmLauncher:
     def _start_warm(self, spec: LaunchSpec, job: str, gens: list[Generation], nodes: list[str], step: Step,
                     env: dict[str, str], agent_info: dict[str, Any]) -> str:
         """The attempt as the standbys of its nodes (``gens``, one step a node, in the order
-        of ``nodes``)."""
-        parts = self.standbys.hand_over(spec, gens, nodes, list(step.fill_all(spec.argv)), env)
+        of ``nodes``), recorded in the daemon's own directory before they hear of it."""
+        record = self._warm_record(spec.run_id, spec.attempt)
+        info: dict[str, Any] = {"job": job, "uid": gens[0].uid, "warm": True, "record": record.name,
+                                "ranks": _rank_map(nodes, spec.ranks_per_node), **agent_info}
+
+        def write(parts: list[dict[str, Any]]) -> None:
+            info.update(step=parts[0]["step"], parts=parts)
+            record.parent.mkdir(parents=True, exist_ok=True)
+            tmp = record.with_suffix(".tmp")
+            tmp.write_text(json.dumps(info))
+            os.replace(tmp, record)
+
+        self.standbys.hand_over(spec, gens, nodes, list(step.fill_all(spec.argv)), env, write)
         for g in gens:
             self._children[g.proc.pid] = g.proc
         log.info("%s: attempt %d on the standbys of %s", spec.run_id, spec.attempt, ", ".join(nodes))
-        return json.dumps({"job": job, "step": parts[0]["step"], "uid": gens[0].uid,
-                           "ranks": _rank_map(nodes, spec.ranks_per_node), "parts": parts, "warm": True,
-                           **agent_info})
+        return json.dumps(info)
+
+    def _warm_record(self, run_id: str, attempt: int) -> Path:
+        """Where an attempt made of standbys is written down before they hear of it: its
+        steps are the standbys' (``<prefix>.<run>.s<N>``), not the attempt's name, so a
+        daemon that died before the store recorded it could not find them by name."""
+        return self.state_dir / "slurm" / f"{run_id}.a{attempt}.warm.json"
 
     def _start_agents(self, parts: list[_Part], env: dict[str, str], spec: LaunchSpec,
                       run_as: users.RunAs | None) -> list[dict[str, Any]]:
@@ -251,6 +266,10 @@ class SlurmLauncher:
         alloc = Alloc.load(spec.allocation_info)
         if alloc.job is None:
             return None  # no allocation: no step of this attempt can have started
+        with contextlib.suppress(OSError, ValueError):
+            warm = json.loads(self._warm_record(spec.run_id, spec.attempt).read_text())
+            if isinstance(warm, dict) and warm.get("job") in alloc.jobs:
+                return json.dumps(warm)
         try:
             uid = uid_of(users.for_launch(spec.user))
         except LaunchError:
@@ -351,6 +370,8 @@ class SlurmLauncher:
     def forget(self, launch_info: str) -> None:
         info = json.loads(launch_info)
         self._stop_agents(info)
+        if info.get("record"):
+            (self.state_dir / "slurm" / Path(info["record"]).name).unlink(missing_ok=True)
         for part in steps_of(info):
             pid = int(part["srun_pid"])
             child = self._children.get(pid)

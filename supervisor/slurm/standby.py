@@ -31,7 +31,7 @@ import logging
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,13 +137,16 @@ class SlurmStandbys:
         return [g for g in gens if g is not None]
 
     def hand_over(self, spec: LaunchSpec, gens: Sequence[Generation], nodes: Sequence[str], argv: list[str],
-                  env: Mapping[str, str]) -> list[dict[str, Any]]:
+                  env: Mapping[str, str],
+                  record: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
         """Make the standbys ``gens`` (one a node, in the order of ``nodes``) the attempt
         ``spec``: each slot is handed its rank's environment (``env``, the step's, and what
         the rank wrapper would have exported) and the trainer's ``argv``; local rank k is
-        task k of its node's step. The attempt's steps, for its launch_info."""
+        task k of its node's step. The attempt's steps, for its launch_info, go to
+        ``record`` before any standby hears of them: a daemon that dies in between finds
+        them there (SlurmLauncher.find)."""
         world = len(nodes) * spec.ranks_per_node
-        parts = []
+        parts, handed = [], []
         for index, (node, g) in enumerate(zip(nodes, gens, strict=True)):
             slots, tasks = {}, {}
             for local in range(spec.ranks_per_node):
@@ -156,9 +159,12 @@ class SlurmStandbys:
                 except OSError as e:
                     raise CannotExecute(str(e)) from e
                 tasks[str(rank)] = local
-            self.assign(g, slots)
+            handed.append((g, slots))
             parts.append({"job": g.job, "step": g.name, "srun_pid": g.proc.pid,
                           "srun_ct": start_time_of(g.proc.pid), "log": str(g.log), "tasks": tasks})
+        record(parts)
+        for g, slots in handed:
+            self.assign(g, slots)
         return parts
 
     @staticmethod

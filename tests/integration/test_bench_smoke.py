@@ -291,6 +291,7 @@ def test_mttr_bench_times_the_cold_start_and_recoveries_on_the_slurm_box(recover
         assert run["fault"] == f"kill-rank@{step}" and run["resume_step"] > 0, run
         assert run["total_s"] > run["detect_s"] > 0 and run["restore_load_s"] is not None, run
         assert run["warm"] is warm, f"{part}: the resumed attempt made of standbys: {run['warm']}"
+        assert (run["standby_waited_s"] is not None) is warm, f"{part}: how long its standbys had waited"
         assert box[f"{part}_vs_cold_resume"]["kill-rank"] > 0
 
 

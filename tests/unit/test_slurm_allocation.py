@@ -15,6 +15,7 @@ from supervisor.launchers.base import AllocationRequest, LaunchSpec
 from supervisor.slurm import parse
 from supervisor.slurm.launcher import SlurmLauncher
 from supervisor.slurm.requests import RANK_WRAPPER, split_env
+from supervisor.slurm.standby import Generation
 from tests.unit.test_slurm_security import ME, launcher_on, slurm_of, squeue
 
 # The scripted node table: node1 is down, node2 up, node3 drained; node4 is in no table (usable).
@@ -172,3 +173,32 @@ def test_the_rank_wrapper_places_a_parts_tasks_in_the_attempt_and_logs_them_unde
     done = subprocess.run(["/bin/sh", "-c", RANK_WRAPPER, "tsup-rank", sys.executable, "-c", probe], env=whole,
                           capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.split() == ["1", "2", "0", "node3"], "a whole step is as before"
+
+
+def test_an_attempt_made_of_standbys_is_written_down_before_they_hear_of_it_and_found_after_a_restart(
+        tmp_path: Path) -> None:
+    """Its steps are the standbys' (``s<N>``), not named for the attempt: a daemon killed
+    after handing it over but before the store recorded it finds it in its own directory."""
+    launcher = SlurmLauncher(_Commands(), _TwoJobs(), state_dir=tmp_path / "state")  # type: ignore[arg-type]
+    standbys = {}
+    for node, job in (("node1", "5"), ("node3", "67")):
+        (tmp_path / f"srun-{node}.log").touch()
+        srun = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        standbys[node] = Generation(run_id="run-1", name=f"tsup-x.run-1.s-{node}", job=job, node=node,
+                                    ranks_per_node=2, proc=srun, log=tmp_path / f"srun-{node}.log", uid=ME)
+    launcher.standbys._waiting["run-1"] = dict(standbys)
+    spec = LaunchSpec(run_id="run-1", attempt=3, nodes=("node1", "node3"), ranks_per_node=2,
+                      argv=(sys.executable, "-m", "trainer", "--config", "c.json", "--resume", "auto"), env={},
+                      log_dir=tmp_path / "attempts" / "3", marker="m", standby_nodes=("node1", "node3"),
+                      allocation_info=json.dumps({"job": "5", "seq": 1, "uid": ME, "grow": ["67"], "grown": 1}))
+    launched = launcher.start(spec)
+    info = json.loads(launched)
+    assert info["warm"] and [(p["job"], p["step"]) for p in info["parts"]] == [
+        ("5", "tsup-x.run-1.s-node1"), ("67", "tsup-x.run-1.s-node3")], "each node's standbys in its own job"
+    for g in standbys.values():
+        assert g.proc.wait(10) == 0, "handed its line, and the end of its input"
+
+    restarted = SlurmLauncher(_Commands(), _TwoJobs(), state_dir=tmp_path / "state")  # type: ignore[arg-type]
+    assert restarted.find(spec) == launched
+    restarted.forget(launched)
+    assert restarted.find(spec) is None, "forgotten with the attempt"
