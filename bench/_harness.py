@@ -338,6 +338,15 @@ def spec_shape(spec: Path) -> dict[str, Any]:
             "every_steps": s.trainer.get("checkpoint", {}).get("every_steps")}
 
 
+def steps_past(spec: Path, fault_step: int, after: int = 10) -> int | None:
+    """Steps for a copy of ``spec`` whose run goes ``after`` steps past ``fault_step``, or
+    None when the spec's own do. A fault with warm standbys comes late enough for them to
+    be warm, as faults hours apart find them (on this machine's 2 cores, beside 4
+    training ranks, importing torch and warming takes them 15-25 s)."""
+    steps = int(spec_shape(spec)["steps"])
+    return fault_step + after if fault_step + after > steps else None
+
+
 def world_of(spec: Path) -> int:
     """The spec's ranks (4 in the example: 2 nodes x 2)."""
     shape = spec_shape(spec)

@@ -47,6 +47,7 @@ from _harness import (
     plain_spec,
     say,
     spec_shape,
+    steps_past,
     wait_until,
     write_spec,
     write_trainer_config,
@@ -140,6 +141,7 @@ def _supervisor_trial(kind: str, base_spec: Path, workdir: Path, fault_step: int
     workdir.mkdir(parents=True, exist_ok=True)
     with _box_and_broker() as (box, url):
         spec = write_spec(base_spec, workdir / "spec.toml", mqtt_url=url, launcher="slurm", standby=standby,
+                          steps=steps_past(base_spec, fault_step) if standby else None,
                           memory_every_steps=memory_every)
         tap = Tap(url)
         try:

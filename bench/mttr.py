@@ -101,16 +101,19 @@ Warm standby (``warm``): the supervisor with ``[resources] standby = true``: the
 attempt's ranks are processes that were started, torch imported, before the fault, and
 waited on a pipe for their assignment (trainer/standby.py). Same phases; ``start_s`` is
 then from the launch to the last standby's first telemetry as a rank. The standbys are
-started 5 s after the attempt and need about 8 s here to import torch (beside the
-training ranks on 2 cores), so these trials put the fault at ``--warm-fault-step`` (70:
-the same 10 steps after the step-60 checkpoint that step 30 is after step 20; at step 50
-they were still importing, and the assignment waited for them). ``warm_vs_cold_resume`` gives, per kind, the
+started 5 s after the attempt and need 15-25 s here to import torch and pay the first
+uses of a rank's init and step ahead (trainer/standby.py: ``warm_paths``), beside the
+training ranks on 2 cores, so these trials put the fault at ``--warm-fault-step`` (150,
+the run then 160 steps: the same 10 steps after a checkpoint that step 30 is after step
+20; at step 50, and at step 70 now and then, they were still warming, and the
+assignment waited for them). ``standby_waited_s`` says how long the least rested standby
+had waited for it (0: it was not yet waiting). ``warm_vs_cold_resume`` gives, per kind, the
 median total_s over the cold start's, resumed.
 
 Warm standby and the memory tier (``memory``): the same, with the memory tier every 5
 steps and persistent saves beside training (``memory_every_steps = 5``, ``asynchronous =
-true``); the fault at ``--memory-fault-step`` (73: 3 steps after the memory save of step 70,
-13 after the persistent one of step 60). A killed rank's node keeps its memory; a killed
+true``); the fault at ``--memory-fault-step`` (153: 3 steps after the memory save of step
+150, 13 after the persistent one of step 140). A killed rank's node keeps its memory; a killed
 node's ranks are restored from their replicas on the other node (trainer/memory_tier.py).
 ``steps_redone`` shows what the tier saves; ``memory_vs_cold_resume`` as above.
 
@@ -155,6 +158,7 @@ from _harness import (
     rounded,
     say,
     spec_shape,
+    steps_past,
     wait_until,
     workspace,
     world_of,
@@ -291,8 +295,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--slurm-variants", default="cold,supervisor,memory,warm,warm-memory",
                    help="the Slurm box's: which of cold,supervisor,memory,warm,warm-memory")
     p.add_argument("--fault-step", type=int, default=30)
-    p.add_argument("--warm-fault-step", type=int, default=70, help="the fault's step with warm standbys")
-    p.add_argument("--memory-fault-step", type=int, default=73, help="the fault's step with the memory tier")
+    p.add_argument("--warm-fault-step", type=int, default=150,
+                   help="the fault's step with warm standbys (the run goes 10 steps past it)")
+    p.add_argument("--memory-fault-step", type=int, default=153,
+                   help="the fault's step with the memory tier (the run goes 10 steps past it)")
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts")
     p.add_argument("--hang-wait-s", type=float, default=None,
                    help="how long torchrun gets to recover from a hang (default 120; --quick 30)")
@@ -320,8 +326,10 @@ def main() -> None:
     with workspace("tsup-mttr-") as root, mosquitto(root) as url:
         spec = write_spec(args.spec, root / "spec.toml", mqtt_url=url)
         report["spec_shape"] = spec_shape(spec)
-        warm = write_spec(args.spec, root / "warm.toml", mqtt_url=url, standby=True)
-        memory = write_spec(args.spec, root / "memory.toml", mqtt_url=url, standby=True, memory_every_steps=5)
+        warm = write_spec(args.spec, root / "warm.toml", mqtt_url=url, standby=True,
+                          steps=steps_past(args.spec, args.warm_fault_step))
+        memory = write_spec(args.spec, root / "memory.toml", mqtt_url=url, standby=True, memory_every_steps=5,
+                            steps=steps_past(args.spec, args.memory_fault_step))
         tap = Tap(url)
         try:
             report |= _measure(args, parts, kinds, trials, hang_wait, (spec, warm, memory), root, tap, url)

@@ -221,6 +221,14 @@ def test_a_run_shrunk_on_the_box_grows_back_through_a_second_allocation(
     assert sorted(p.name for p in run_dir.glob("rank-*.log")) == [f"rank-{r}.log" for r in range(4)], \
         "each task's log under its rank in the attempt, not its task in its job's step"
     assert s["loss"] == pytest.approx(fault_free["loss"], rel=1e-3)
+    # The numbers for the note: from the growth job's submission to its node held, and
+    # from the decision to grow to the grown attempt's first step.
+    times = dict(db_rows(state, "SELECT kind, ts FROM events WHERE kind IN ('nodes.allocated', 'run.grow') "
+                                "ORDER BY id"))  # the last of each
+    asked = db_rows(state, "SELECT ts FROM events WHERE message LIKE '%growth job%' ORDER BY id")[0][0]
+    first = db_rows(state, "SELECT min(received_at) FROM metrics WHERE attempt = 3")[0][0]
+    print(json.dumps({"growth_asked_to_node_held_s": round(times["nodes.allocated"] - asked, 2),
+                      "grow_to_first_grown_step_s": round(first - times["run.grow"], 2) if first else None}))
     # Both jobs given back; nothing of the run is left running.
     wait_for(lambda: parse.parse_squeue_text(
         slurm(slurm_box, "squeue", "-h", "-o", parse.SQUEUE_FORMAT)) == {}, 30, "both jobs to end")
