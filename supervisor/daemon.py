@@ -214,7 +214,7 @@ class Daemon:
                 check_trainer=self.settings.check_trainer_config, run_as=st.run_as,
                 allow_root_runs=st.allow_root_runs, run_users=st.run_users,
                 admin_rights=bool(st.slurm_admin_prefix) and not st.runs_share_admin_rights,
-                clock=self.clock, health=self.health, history=self.history,
+                clock=self.clock, health=self.health, history=self.history, probes=self.reconciler.probes,
             )
             if self.cluster.slurm is not None:
                 self.cluster.slurm.state.start()

@@ -9,16 +9,27 @@ are being probed the run launches nothing (``probing``).
 The sweep probes the idle nodes and the nodes this supervisor drained, every
 ``sweep_every_s``, one round at a time; drained nodes go through the cluster's
 out-of-service path (on Slurm no job runs on a drained node).
+
+Every round is a row of the store (``probe_rounds``), open from the moment it is asked
+for until its answers are judged (``done``). A daemon that died in between asks again
+for an open round of a run that still goes on (``reopen``): a preflight is not lost with
+the process that ran it, so no attempt launches on nodes nobody probed. An operator's
+probe of one node (the API's) is a round too, on the same workers, and is refused while
+a round probes that node.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from supervisor.domain import TERMINAL_RUN_STATES, ProbeRoundRecord
+from supervisor.errors import Conflict, NotFound
 from supervisor.launchers.base import NodeAdmin
+from supervisor.store import SqlStore
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +43,17 @@ class ProbeRound:
     timeout_s: float
     round: int
     future: Future[dict[str, str]] = field(repr=False)
+    row: int = 0  # its row in the store's probe_rounds (0: none kept)
 
 
 class ProbeScheduler:
-    def __init__(self, nodes: NodeAdmin, clock: Callable[[], float], *, sweep_every_s: float | None = None,
-                 sweep_args: tuple[str, ...] = (), sweep_timeout_s: float = 60.0,
-                 pool: Executor | None = None) -> None:
+    def __init__(self, nodes: NodeAdmin, clock: Callable[[], float], *, store: SqlStore | None = None,
+                 sweep_every_s: float | None = None, sweep_args: tuple[str, ...] = (),
+                 sweep_timeout_s: float = 60.0, pool: Executor | None = None) -> None:
         self.nodes = nodes
+        self.store = store
+        self.clock = clock
+        self._lock = threading.Lock()  # the rounds in flight: the reconciler's and an operator's
         self.sweep_every_s = sweep_every_s
         self.sweep_args = sweep_args  # extra arguments to the sweep's python -m health
         self.sweep_timeout_s = sweep_timeout_s
@@ -51,13 +66,16 @@ class ProbeScheduler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def probing(self, run_number: int) -> bool:
-        return any(r.run_number == run_number for r in self._rounds)
+        with self._lock:
+            return any(r.run_number == run_number for r in self._rounds)
 
     def submit(self, *, run_number: int | None, kind: str, nodes: list[str], argv: tuple[str, ...],
                timeout_s: float, round_: int = 1, allocation_info: str | None = None,
-               drained: Mapping[str, str] | None = None) -> None:
+               drained: Mapping[str, str] | None = None, row: int = 0) -> None:
         """Probe ``nodes`` (a run's, in its allocation; or the sweep's idle nodes, and the
-        ``drained`` ones with their Reasons)."""
+        ``drained`` ones with their Reasons), recorded as an open round (``row``: the open
+        round this one asks again)."""
+        row = row or self._open_row(run_number, kind, nodes, argv, timeout_s, round_)
         if run_number is None:
             out_of_service = dict(drained or {})
             idle = [n for n in nodes if n not in out_of_service]
@@ -65,14 +83,83 @@ class ProbeScheduler:
         else:
             future = self._pool.submit(self.nodes.probe, nodes, argv, allocation_info=allocation_info,
                                        timeout_s=timeout_s)
-        self._rounds.append(ProbeRound(run_number=run_number, kind=kind, nodes=list(nodes), argv=argv,
-                                       timeout_s=timeout_s, round=round_, future=future))
+        with self._lock:
+            self._rounds.append(ProbeRound(run_number=run_number, kind=kind, nodes=list(nodes), argv=argv,
+                                           timeout_s=timeout_s, round=round_, future=future, row=row))
+
+    def done(self, r: ProbeRound) -> None:
+        """``r``'s answers are judged and recorded: its round is closed."""
+        self._close_row(r.row)
+
+    def reopen(self) -> int:
+        """At start: ask again for every round a daemon before this one left open, of a run
+        that still goes on, in its allocation as it is now; close the others (the sweep
+        comes again by itself). How many were asked again."""
+        if self.store is None:
+            return 0
+        again = 0
+        with self.store.tx() as tx:
+            rounds = tx.open_probe_rounds()
+        for r in rounds:
+            info, live = None, False
+            if r.run_number is not None and r.kind != "manual":
+                with self.store.tx() as tx:
+                    try:
+                        run = tx.get_run(r.run_number)
+                        info, live = run.allocation_info, run.state not in TERMINAL_RUN_STATES
+                    except NotFound:
+                        pass
+            if not live:
+                self._close_row(r.id)
+                continue
+            log.info("asking again for the %s probe of %s (round %d), which the last daemon left open",
+                     r.kind, ", ".join(r.nodes), r.round)
+            self.submit(run_number=r.run_number, kind=r.kind, nodes=list(r.nodes), argv=r.argv,
+                        timeout_s=r.timeout_s, round_=r.round, allocation_info=info, row=r.id)
+            again += 1
+        return again
+
+    def probe_now(self, nodes: list[str], argv: tuple[str, ...], *, run_number: int | None,
+                  allocation_info: str | None, timeout_s: float) -> dict[str, str]:
+        """An operator's probe of ``nodes``, on the rounds' workers, waited for: their
+        answers. Conflict while a round probes one of them (two probes at once on one node
+        would each measure the other)."""
+        with self._lock:
+            busy = next(((n, r) for r in self._rounds for n in nodes if n in r.nodes), None)
+        if busy is not None:
+            node, r = busy
+            raise Conflict(f"node {node} is being probed (a {r.kind} round of "
+                           f"{'run ' + str(r.run_number) if r.run_number is not None else 'the sweep'}); "
+                           "ask again once it is done")
+        row = self._open_row(run_number, "manual", nodes, argv, timeout_s, 1)
+        try:
+            future = self._pool.submit(self.nodes.probe, nodes, argv, allocation_info=allocation_info,
+                                       timeout_s=timeout_s)
+            return future.result()
+        finally:
+            self._close_row(row)
+
+    def _open_row(self, run_number: int | None, kind: str, nodes: list[str], argv: tuple[str, ...],
+                  timeout_s: float, round_: int) -> int:
+        if self.store is None:
+            return 0
+        with self.store.tx() as tx:
+            return tx.add_probe_round(ProbeRoundRecord(
+                id=0, run_number=run_number, kind=kind, nodes=tuple(nodes), argv=argv, timeout_s=timeout_s,
+                round=round_, started_at=self.clock()))
+
+    def _close_row(self, row: int) -> None:
+        if self.store is not None and row:
+            with self.store.tx() as tx:
+                tx.end_probe_round(row, self.clock())
 
     def finished(self) -> list[tuple[ProbeRound, dict[str, str | None]]]:
         """Rounds whose probes are done, each with every node's answer (None: no answer)."""
         out: list[tuple[ProbeRound, dict[str, str | None]]] = []
-        for r in [r for r in self._rounds if r.future.done()]:
-            self._rounds.remove(r)
+        with self._lock:
+            ended = [r for r in self._rounds if r.future.done()]
+            self._rounds = [r for r in self._rounds if r not in ended]
+        for r in ended:
             try:
                 answers = r.future.result()
             except Exception as e:  # an adapter that raised: every node of the round gave no answer
@@ -84,7 +171,9 @@ class ProbeScheduler:
     def sweep_due(self, now: float) -> bool:
         """Time for the next sweep (and none in flight); marks it started."""
         every = self.sweep_every_s
-        if every is None or now - self._swept_at < every or any(r.run_number is None for r in self._rounds):
+        with self._lock:
+            sweeping = any(r.run_number is None for r in self._rounds)
+        if every is None or now - self._swept_at < every or sweeping:
             return False
         self._swept_at = now
         return True

@@ -88,9 +88,10 @@ class Reconciler:
         self.store = store
         self.config = config
         self.clock = clock
-        self.probes = ProbeScheduler(nodes, clock, sweep_every_s=config.sweep_every_s,
+        self.probes = ProbeScheduler(nodes, clock, store=store, sweep_every_s=config.sweep_every_s,
                                      sweep_args=config.sweep_args,
                                      sweep_timeout_s=config.sweep_timeout_s, pool=probe_pool)
+        self.probes.reopen()  # rounds a daemon before this one asked for and never judged
         # The run's memory between ticks has one owner, this one: the observer notes in it,
         # the executor forgets an attempt from it once it ended (supervisor/tick_state.py).
         self.memory = RunMemory(store)
@@ -141,6 +142,7 @@ class Reconciler:
             self.executor.node_effects.apply(judge_probes(
                 kind=r.kind, run_number=r.run_number, round_=r.round, answers=answers, known=known,
                 history=history, return_after=self.config.return_after, now=now), now)
+            self.probes.done(r)
 
     def _maybe_sweep(self, now: float) -> None:
         """Every ``sweep_every_s``: probe the idle nodes and the nodes this supervisor

@@ -34,6 +34,7 @@ from supervisor.domain import (
 from supervisor.domain.events import EventKind
 from supervisor.errors import NotFound, SpecError
 from supervisor.launchers.base import Launcher, NodeAdmin, waiting_standbys
+from supervisor.probes import ProbeScheduler
 from supervisor.settled import SettledHistory, is_over
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore
@@ -70,6 +71,7 @@ class SupervisorService:
         health: Callable[[], DaemonHealth] | None = None,
         run_as: str | None = None, allow_root_runs: bool = False, run_users: Sequence[str] | None = None,
         admin_rights: bool = False, history: SettledHistory | None = None,
+        probes: ProbeScheduler | None = None,
     ) -> None:
         self.store = store
         self.history = history or SettledHistory()  # a run's settled attempts and faults, decoded once
@@ -80,7 +82,9 @@ class SupervisorService:
         self.admin_rights = admin_rights  # runs must not execute as the daemon's user (users.resolve)
         self.mqtt_url = mqtt_url
         self.launcher = launcher  # for submit-time checks of what the cluster can give
-        self.node_admin = nodes  # for an operator's probe of one node
+        # An operator's probe of one node is a round of the reconciler's scheduler (its
+        # workers, its rows; refused while a round probes that node).
+        self.probes = probes or ProbeScheduler(nodes, clock, store=store)
         self.check_trainer = check_trainer
         self.clock = clock
         self._health = health
@@ -185,13 +189,14 @@ class SupervisorService:
             return [node_view(n, next(iter(tx.recent_probes(n.name, 1)), None)) for n in tx.list_nodes()]
 
     def probe(self, name: str, timeout_s: float = 60.0) -> ProbeView:
-        """Run ``python -m health`` on one node now and record the result. Reports only:
+        """Run ``python -m health`` on one node now, as a round of the probe scheduler
+        (Conflict while a round probes the node), and record the result. Reports only:
         drains follow from probes the reconciler runs (supervisor/node_health.py)."""
         with self.store.tx() as tx:
             node = tx.get_node(name)  # NotFound for a node nobody knows
             info = tx.get_run(node.run_number).allocation_info if node.run_number is not None else None
-        answers = self.node_admin.probe([name], node_health.probe_argv(), allocation_info=info,
-                                      timeout_s=timeout_s)
+        answers = self.probes.probe_now([name], node_health.probe_argv(), run_number=node.run_number,
+                                        allocation_info=info, timeout_s=timeout_s)
         record = node_health.record(name, answers.get(name), "manual", node.run_number, self.clock())
         with self.store.tx() as tx:
             tx.add_probe(record)

@@ -71,6 +71,7 @@ from supervisor.domain.records import (
     NodeCommand,
     NodeIntent,
     ProbeRecord,
+    ProbeRoundRecord,
     Run,
     StragglerRecord,
 )
@@ -132,6 +133,7 @@ __all__ = [
     "ProbeAgain",
     "ProbeNodes",
     "ProbeRecord",
+    "ProbeRoundRecord",
     "ProcState",
     "RankObs",
     "RecordFault",

@@ -104,6 +104,22 @@ class ProbeRecord:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ProbeRoundRecord:
+    """A round of probes as stored: asked for, and until its answers are judged, open (a
+    daemon that dies meanwhile asks again for a run's, supervisor/probes.py)."""
+
+    id: int
+    run_number: int | None  # None: the sweep
+    kind: str  # preflight, diagnosis, sweep, manual
+    nodes: tuple[str, ...]
+    argv: tuple[str, ...]  # python -m health and its arguments
+    timeout_s: float
+    round: int  # 1, or the probe asked again of nodes whose first answer could not tell
+    started_at: float
+    ended_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointRef:
     step: int
     path: str

@@ -7,7 +7,15 @@ from collections.abc import Collection
 
 from sqlalchemy import Connection, func, insert, select, update
 
-from supervisor.domain import Node, NodeCommand, NodeCommandKind, NodeIntent, NodeState, ProbeRecord
+from supervisor.domain import (
+    Node,
+    NodeCommand,
+    NodeCommandKind,
+    NodeIntent,
+    NodeState,
+    ProbeRecord,
+    ProbeRoundRecord,
+)
 from supervisor.errors import NotFound
 from supervisor.policy.transitions import check_node
 from supervisor.store import schema as t
@@ -66,6 +74,26 @@ class NodeQueries:
         q = select(t.probes).where(t.probes.c.node == node).order_by(t.probes.c.id.desc()).limit(limit)
         return [ProbeRecord(node=r.node, at=r.at, kind=r.kind, status=r.status, action=r.action,
                             reason=r.reason, findings=json.loads(r.findings), run_number=r.run_number)
+                for r in self.c.execute(q)]
+
+    # --- rounds of probes ------------------------------------------------------------
+
+    def add_probe_round(self, r: ProbeRoundRecord) -> int:
+        """Record a round asked for (``r.id`` is ignored); its id."""
+        res = self.c.execute(insert(t.probe_rounds).values(
+            run_number=r.run_number, kind=r.kind, nodes=json.dumps(list(r.nodes)),
+            argv=json.dumps(list(r.argv)), timeout_s=r.timeout_s, round=r.round, started_at=r.started_at))
+        return new_id(res)
+
+    def end_probe_round(self, round_id: int, at: float) -> None:
+        self.c.execute(update(t.probe_rounds).where(t.probe_rounds.c.id == round_id).values(ended_at=at))
+
+    def open_probe_rounds(self) -> list[ProbeRoundRecord]:
+        """Rounds asked for whose answers were never judged, oldest first."""
+        q = select(t.probe_rounds).where(t.probe_rounds.c.ended_at.is_(None)).order_by(t.probe_rounds.c.id)
+        return [ProbeRoundRecord(id=r.id, run_number=r.run_number, kind=r.kind,
+                                 nodes=tuple(json.loads(r.nodes)), argv=tuple(json.loads(r.argv)),
+                                 timeout_s=r.timeout_s, round=r.round, started_at=r.started_at)
                 for r in self.c.execute(q)]
 
     def add_node_command(self, node: str, kind: NodeCommandKind, reason: str, now: float) -> int:

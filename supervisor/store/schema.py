@@ -108,6 +108,22 @@ probes = Table(
     Index("probes_by_node", "node", "id"),
 )
 
+# One row per round of probes, open until its answers are judged (supervisor/probes.py).
+probe_rounds = Table(
+    "probe_rounds",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_number", Integer, ForeignKey("runs.number")),  # NULL: the sweep
+    Column("kind", String(16), nullable=False),  # preflight, diagnosis, sweep, manual
+    Column("nodes", Text, nullable=False),  # JSON list
+    Column("argv", Text, nullable=False),  # JSON list: python -m health and its arguments
+    Column("timeout_s", Float, nullable=False),
+    Column("round", Integer, nullable=False),
+    Column("started_at", Float, nullable=False),
+    Column("ended_at", Float),  # NULL: open
+    Index("probe_rounds_open", "ended_at"),
+)
+
 checkpoints = Table(
     "checkpoints",
     metadata,
@@ -434,5 +450,10 @@ def _v9(conn: Connection) -> None:
     _add_columns(conn, "metrics", {"param_norm": "FLOAT", "mfu": "FLOAT", "val_loss": "FLOAT"})
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9]
+def _v10(conn: Connection) -> None:
+    """Rounds of probes as rows."""
+    probe_rounds.create(conn, checkfirst=True)
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10]
 SCHEMA_VERSION = len(MIGRATIONS)

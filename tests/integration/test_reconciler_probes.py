@@ -5,6 +5,7 @@ supervisor drained once they probe clean (a real SQLite store, a scripted launch
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from pathlib import Path
@@ -13,12 +14,14 @@ from typing import Any
 import pytest
 
 from supervisor.domain import Node, NodeState, RunState
+from supervisor.errors import Conflict
 from supervisor.launchers.local import LocalLauncher
 from supervisor.reconciler import Reconciler, ReconcilerConfig
 from supervisor.service import SupervisorService
 from supervisor.spec import parse_spec
 from supervisor.store import SqlStore
 from supervisor.telemetry import TelemetryView
+from tests.conftest import wait_for
 from tests.fakes import ScriptedLauncher
 from tests.integration.test_reconciler import SPEC, Clock, kinds
 
@@ -227,3 +230,67 @@ def test_no_sweep_unless_configured(tmp_path: Path) -> None:
     clock.t += 10_000
     rec.tick()
     assert pool.held == [] and launcher.probed == []
+
+
+def open_rounds(store: SqlStore) -> list[tuple[str, tuple[str, ...]]]:
+    with store.tx() as tx:
+        return [(r.kind, r.nodes) for r in tx.open_probe_rounds()]
+
+
+def test_a_preflight_left_open_by_a_daemon_that_died_is_asked_again_before_anything_launches(
+        tmp_path: Path) -> None:
+    """The round is a row from the moment it is asked for: the next daemon asks again for
+    it, and the run launches only once its answers are judged (before, the nodes it had
+    were known new only to the daemon that died, and the next one launched on them
+    unprobed)."""
+    launcher = ProbedLauncher({})
+    store, clock, rec, pool = make(tmp_path, launcher)
+    service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
+                                launcher=(local := LocalLauncher(max_nodes=8)), nodes=local, check_trainer=False,
+                                clock=clock)
+    service.submit(parse_spec({**SPEC, "health": {"preflight": True}}))
+    rec.tick()
+    rec.tick()
+    assert len(pool.held) == 1 and open_rounds(store) == [("preflight", ("node-1", "node-2", "node-3"))]
+    # The daemon dies with the round in flight: its probes are never answered.
+    telemetry = TelemetryView()
+    telemetry.link_up(clock())
+    again = HeldExecutor()
+    rec = Reconciler(store, telemetry, ReconcilerConfig(mqtt_url="mqtt://127.0.0.1:1"), launcher=launcher,
+                     nodes=launcher, clock=clock, probe_pool=again)
+    assert len(again.held) == 1, "asked again at start"
+    for _ in range(3):
+        clock.t += 5
+        rec.tick()
+    assert launcher.started == [], "nothing launches on nodes whose preflight is open"
+    assert again.finish() == 1
+    rec.tick()
+    rec.tick()
+    assert [s.nodes for s in launcher.started] == [("node-1", "node-2")]
+    assert open_rounds(store) == [], "judged: closed"
+    with store.tx() as tx:
+        assert [p.kind for p in tx.recent_probes("node-1", 5)] == ["preflight"], "one answer recorded"
+
+
+def test_an_operators_probe_is_a_round_of_the_scheduler_refused_while_a_round_probes_the_node(
+        tmp_path: Path) -> None:
+    launcher = ProbedLauncher({})
+    store, clock, rec, pool = make(tmp_path, launcher)
+    service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
+                                launcher=(local := LocalLauncher(max_nodes=8)), nodes=local, check_trainer=False,
+                                clock=clock, probes=rec.probes)
+    service.submit(parse_spec({**SPEC, "health": {"preflight": True}}))
+    rec.tick()
+    rec.tick()
+    with pytest.raises(Conflict, match="node node-2 is being probed \\(a preflight round of run 1\\)"):
+        service.probe("node-2")
+    pool.finish()
+    rec.tick()
+    answer: list[Any] = []
+    asking = threading.Thread(target=lambda: answer.append(service.probe("node-2")))
+    asking.start()
+    wait_for(lambda: pool.held, 10, "the operator's probe on the rounds' workers")
+    assert open_rounds(store) == [("manual", ("node-2",))]
+    pool.finish()
+    asking.join(10)
+    assert answer and answer[0].status == "healthy" and open_rounds(store) == []
