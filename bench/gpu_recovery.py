@@ -86,7 +86,7 @@ _MEMORY = re.compile(r"^memory checkpoint step (\d+) whole in (\S+) s \(training
 _RESUMED = re.compile(r"^resumed from (\S+) at step (\d+) in (\S+) s \((\d+) bytes, \S+ GB/s a rank; "
                       r"state laid out in (\S+) s, read and copied in (\S+) s, applied in (\S+) s")
 _STEP_TIME = re.compile(r"^step \d+/\d+ .* step_time_s (\S+)")
-_STANDBY = re.compile(r"^standby: pid \d+ warm in (\S+) s \((\S+) ready in (\S+) s\)")
+_STANDBY = re.compile(r"^standby: pid \d+ warm in (\S+) s \((\S+) ready in (\S+) s[,)]")
 
 
 def say(text: str) -> None:

@@ -136,10 +136,12 @@ def wait(run: Callable[[list[str]], int], stdin: IO[bytes] | None = None) -> int
 
     imported = time.monotonic()
     device = warm_device(slot_of(os.environ))
+    ready = time.monotonic()
     warm_paths()
     warm = time.monotonic()
-    print(f"standby: pid {os.getpid()} warm in {warm - started:.2f} s ({device} and first uses ready in "
-          f"{warm - imported:.2f} s), waiting for an assignment", flush=True)
+    print(f"standby: pid {os.getpid()} warm in {warm - started:.2f} s ({device} ready in "
+          f"{ready - imported:.2f} s, first uses in {warm - ready:.2f} s), waiting for an assignment",
+          flush=True)
     line = (stdin or sys.stdin.buffer).readline()
     if not line:
         return EXIT_OK

@@ -144,7 +144,8 @@ def test_the_pool_hands_a_rank_the_standby_warmed_for_its_slot_and_falls_back_to
 
 
 def test_a_standby_says_its_device_is_ready_before_it_waits(tmp_path: Path) -> None:
-    """On this machine the device is the CPU: nothing to warm, and the line says so."""
+    """On this machine the device is the CPU: nothing to warm but the first uses of a
+    rank's init and step, and the line says so."""
     p = _standby(tmp_path)
     try:
         wait_for(lambda: "waiting for an assignment" in (tmp_path / "standby.log").read_text(), 60, "warm")
@@ -153,4 +154,4 @@ def test_a_standby_says_its_device_is_ready_before_it_waits(tmp_path: Path) -> N
         p.stdin.close()
         p.wait(timeout=60)
     line = (tmp_path / "standby.log").read_text()
-    assert " (cpu ready in " in line, line
+    assert " (cpu ready in " in line and ", first uses in " in line, line
