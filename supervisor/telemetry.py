@@ -42,8 +42,9 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from supervisor.checkpoint_pace import CheckpointIo, IoPace
@@ -93,7 +94,10 @@ class TelemetryView:
     # attempt's ranks are given theirs, derived from ``secret`` (trainer/protocol.py).
     broker_logins: bool = False
     up_since: float | None = None
-    _loop_at: float | None = None  # when the receiving event loop last ran (loop_alive)
+    # A stall of the receiving loop is one of time, whatever the daemon's clock says (the
+    # soak's runs thousands of times faster): timed on this one (loop_alive).
+    monotonic: Callable[[], float] = field(default=time.monotonic, repr=False)
+    _loop_at: float | None = None  # when, on ``monotonic``, the receiving event loop last ran
     counts: Counter[str] = field(default_factory=Counter)
     _ranks: dict[tuple[str, int], dict[int, RankTelemetry]] = field(default_factory=dict)
     _agents: dict[tuple[str, int], dict[int, AgentTelemetry]] = field(default_factory=dict)  # by node index
@@ -115,20 +119,21 @@ class TelemetryView:
         """The event loop that receives telemetry ran at ``now`` (its pulse, a few times a
         second). Back from a stall of LOOP_STALL_S or more, the link counts as up from now:
         what queued meanwhile is only now arriving, so silence is timed afresh."""
+        at = self.monotonic()
         with self._lock:
-            last, self._loop_at = self._loop_at, now
-            if last is None or now - last < LOOP_STALL_S:
+            last, self._loop_at = self._loop_at, at
+            if last is None or at - last < LOOP_STALL_S:
                 return
             if self.up_since is not None:
                 self.up_since = max(self.up_since, now)
         log.warning("the event loop that receives telemetry did not run for %.1f s: no node's silence "
-                    "is judged from that time", now - last)
+                    "is judged from that time", at - last)
 
     def flowing_since(self, now: float) -> float | None:
         """Since when telemetry has flowed: the link's up time; None while the link is down
         or while the loop that receives it is stalled (no pulse for LOOP_STALL_S)."""
         with self._lock:
-            if self._loop_at is not None and now - self._loop_at >= LOOP_STALL_S:
+            if self._loop_at is not None and self.monotonic() - self._loop_at >= LOOP_STALL_S:
                 return None
             return self.up_since
 

@@ -217,9 +217,11 @@ def test_a_stalled_receiving_loop_is_no_silence_of_the_nodes_and_no_hang() -> No
     run was judged a hang that blamed no node."""
 
     def frozen_at_20(pulse: bool) -> tuple[float, RecordFault]:
-        v = TelemetryView()
+        clock = [0.0]  # the daemon's clock is time here: the stall's too
+        v = TelemetryView(monotonic=lambda: clock[0])
         v.link_up(0.0)
         for now in range(1, 61):
+            clock[0] = float(now)
             stalled = 21 <= now < 35
             if not stalled:
                 if pulse:
@@ -241,18 +243,27 @@ def test_a_stalled_receiving_loop_is_no_silence_of_the_nodes_and_no_hang() -> No
 
 
 def test_the_links_pulse_counts_a_stall_as_an_outage_from_which_it_came_back() -> None:
-    v = TelemetryView()
+    real = [0.0]  # time, as a monotonic clock says it
+    v = TelemetryView(monotonic=lambda: real[0])
     assert v.flowing_since(5.0) is None, "no link yet"
     v.link_up(1.0)
     assert v.flowing_since(5.0) == 1.0, "no pulse yet (a view without a daemon): the link's time"
-    v.loop_alive(5.0)
-    v.loop_alive(5.25)
+    for real[0] in (5.0, 5.25):
+        v.loop_alive(real[0])
+    real[0] = 7.0
     assert v.flowing_since(7.0) == 1.0
-    assert v.flowing_since(5.25 + LOOP_STALL_S) is None, "stalled"
+    real[0] = 5.25 + LOOP_STALL_S
+    assert v.flowing_since(real[0]) is None, "stalled"
+    real[0] = 12.0
     v.loop_alive(12.0)
     assert v.flowing_since(12.0) == 12.0, "back: flowing from its return"
     v.link_down(13.0)
     assert v.flowing_since(13.0) is None
+    # A daemon's clock that runs faster than time (the soak's) is no stall: time is what counts.
+    v.link_up(20.0)
+    v.loop_alive(20.0)
+    real[0] = 12.1
+    assert v.flowing_since(5_000.0) == 20.0 and v.flowing_since(20.0 + 100 * LOOP_STALL_S) == 20.0
 
 
 # --- authenticity: the daemon's view acts only on sealed messages --------------------
