@@ -18,6 +18,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,27 +179,17 @@ def test_a_run_shrunk_on_the_box_grows_back_through_a_second_allocation(
     spec.write_text(spec.read_text().replace("spares = 1", "spares = 0")
                     .replace("[policy]", "[policy]\nshrink_after_s = 0.5"))
     state = tmp_path / "state"
-    out = open(tmp_path / "run.out", "w+")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "-v", "run", str(spec), "--state-dir", str(state),
-                             "--json", "--chaos", "kill-node@27"], stdout=out, stderr=subprocess.STDOUT,
-                            env={**env(), "SLURM_CONF": str(slurm_box.conf)}, cwd=REPO)
-    try:
-        def growth_asked() -> bool:
-            try:
-                return bool(db_rows(state, "SELECT id FROM events WHERE kind = 'nodes.short' "
-                                           "AND message LIKE '%growth job%'"))
-            except sqlite3.Error:  # the database may not exist yet
-                return False
 
+    def growth_asked() -> bool:
+        return bool(db_rows_soon(state, "SELECT id FROM events WHERE kind = 'nodes.short' "
+                                        "AND message LIKE '%growth job%'"))
+
+    def return_node3() -> None:
         wait_for(growth_asked, 240, "a growth job")
         slurm(slurm_box, "scontrol", "update", "NodeName=node3", "State=RESUME")
-        assert proc.wait(300) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out.seek(0)
-    text = out.read()
-    s = json.loads(text[text.index("{\n"):])
+
+    s, text = run_acting_meanwhile(slurm_box, tmp_path, ["-v", "run", str(spec), "--state-dir", str(state),
+                                                         "--json", "--chaos", "kill-node@27"], return_node3)
     assert s["state"] == "SUCCEEDED" and s["final_step"] == 80, text[-3000:]
     assert [(f["kind"], f["nodes"]) for f in s["faults"]] == [("node-lost", ["node2"])], what_happened(
         s, state / "runs" / "run-1")
@@ -240,27 +231,18 @@ def test_an_allocation_ended_by_slurm_is_replaced_and_the_run_resumes(
     """Preemption, a time limit, or an operator's scancel: the allocation is gone, the
     supervisor asks for a new one and resumes from the newest checkpoint."""
     state = tmp_path / "state"
-    out = open(tmp_path / "run.out", "w+")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", str(EXAMPLE), "--launcher", "slurm",
-                             "--state-dir", str(state), "--json"], stdout=out, stderr=subprocess.STDOUT,
-                            env={**env(), "SLURM_CONF": str(slurm_box.conf)}, cwd=REPO)
-    try:
-        def step() -> int:
-            try:
-                return int(db_rows(state, "SELECT coalesce(max(step), 0) FROM metrics")[0][0])
-            except sqlite3.Error:  # the database may not exist yet
-                return 0
+    cancelled: list[str] = []
 
-        wait_for(lambda: step() >= 45, 180, "step 45")
+    def scancel_at_step_45() -> None:
+        wait_for(lambda: int((db_rows_soon(state, "SELECT coalesce(max(step), 0) FROM metrics")
+                              or [(0,)])[0][0]) >= 45, 180, "step 45")
         [job] = parse.parse_squeue_text(slurm(slurm_box, "squeue", "-h", "-o", parse.SQUEUE_FORMAT))
         slurm(slurm_box, "scancel", job)
-        assert proc.wait(300) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out.seek(0)
-    text = out.read()
-    s = json.loads(text[text.index("{\n"):])
+        cancelled.append(job)
+
+    s, _ = run_acting_meanwhile(slurm_box, tmp_path, ["run", str(EXAMPLE), "--launcher", "slurm", "--state-dir",
+                                                      str(state), "--json"], scancel_at_step_45)
+    [job] = cancelled
     assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
     assert s["attempts"] == 2 and s["attempt_history"][1]["resume_step"] == 40
     infos = [json.loads(i) for (i,) in db_rows(state, "SELECT launch_info FROM attempts ORDER BY number")]
@@ -514,6 +496,32 @@ def test_every_node_cut_off_briefly_is_the_network_nothing_is_drained_and_traini
 
 
 TRAIN_SH = REPO / "tests" / "standins" / "train.sh"
+
+
+def run_acting_meanwhile(box: Box, tmp_path: Path, args: list[str],
+                         act: Callable[[], None]) -> tuple[dict[str, Any], str]:
+    """``training-supervisor ARGS`` on ``box`` in the background, ``act()`` while it runs;
+    once it exited 0, its summary and its whole output."""
+    out = open(tmp_path / "run.out", "w+")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                            env={**env(), "SLURM_CONF": str(box.conf)}, cwd=REPO)
+    try:
+        act()
+        assert proc.wait(300) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out.seek(0)
+    text = out.read()
+    return json.loads(text[text.index("{\n"):]), text
+
+
+def db_rows_soon(state: Path, sql: str) -> list[tuple[Any, ...]]:
+    """``db_rows``, or none while the run's database is not made yet."""
+    try:
+        return db_rows(state, sql)
+    except sqlite3.Error:
+        return []
 
 
 def what_happened(s: dict[str, Any], run_dir: Path) -> str:

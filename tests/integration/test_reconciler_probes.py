@@ -88,12 +88,33 @@ def make(tmp_path: Path, launcher: ProbedLauncher, **config: Any) -> tuple[SqlSt
     store = SqlStore(tmp_path / "supervisor.db")
     store.open()
     clock = Clock()
+    rec, pool = reconciler_on(store, launcher, clock, **config)
+    return store, clock, rec, pool
+
+
+def reconciler_on(store: SqlStore, launcher: ProbedLauncher, clock: Clock,
+                  **config: Any) -> tuple[Reconciler, HeldExecutor]:
+    """A daemon's reconciler on ``store`` (a restarted one, when another was there), its
+    probes held until the test says."""
     telemetry = TelemetryView()
     telemetry.link_up(clock())
     pool = HeldExecutor()
     rec = Reconciler(store, telemetry, ReconcilerConfig(mqtt_url="mqtt://127.0.0.1:1", **config),
                      launcher=launcher, nodes=launcher, clock=clock, probe_pool=pool)
-    return store, clock, rec, pool
+    return rec, pool
+
+
+def preflighted(tmp_path: Path, store: SqlStore, clock: Clock, rec: Reconciler,
+                **service: Any) -> SupervisorService:
+    """The service, and a run of the example spec with ``[health] preflight`` submitted
+    through it: two ticks later its nodes are allocated and their preflight round asked for."""
+    local = LocalLauncher(max_nodes=8)
+    out = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
+                            launcher=local, nodes=local, check_trainer=False, clock=clock, **service)
+    out.submit(parse_spec({**SPEC, "health": {"preflight": True}}))
+    rec.tick()
+    rec.tick()
+    return out
 
 
 def node_states(store: SqlStore) -> dict[str, tuple[NodeState, str]]:
@@ -105,11 +126,7 @@ def test_preflight_holds_the_launch_until_the_nodes_are_judged_and_drains_a_conf
         tmp_path: Path) -> None:
     launcher = ProbedLauncher({"node-2": ["unhealthy", "unhealthy"]})
     store, clock, rec, pool = make(tmp_path, launcher)
-    service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
-                                launcher=(local := LocalLauncher(max_nodes=8)), nodes=local, check_trainer=False, clock=clock)
-    service.submit(parse_spec({**SPEC, "health": {"preflight": True}}))
-    rec.tick()  # allocates node-1..3
-    rec.tick()  # the core sees them new: their preflight round is in flight
+    preflighted(tmp_path, store, clock, rec)  # node-1..3 allocated, seen new: their preflight round in flight
     assert len(pool.held) == 1 and launcher.started == []
     for _ in range(3):  # however long the probes take, nothing launches meanwhile
         clock.t += 5
@@ -137,12 +154,7 @@ def test_a_node_whose_probe_cannot_tell_twice_is_drained_for_a_reboot_not_a_repl
     hung, or found no tool) says nothing about the hardware: a reboot, never a replacement."""
     launcher = ProbedLauncher({"node-2": [status, status]})
     store, clock, rec, pool = make(tmp_path, launcher)
-    service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
-                                launcher=(local := LocalLauncher(max_nodes=8)), nodes=local, check_trainer=False,
-                                clock=clock)
-    service.submit(parse_spec({**SPEC, "health": {"preflight": True}}))
-    rec.tick()
-    rec.tick()
+    preflighted(tmp_path, store, clock, rec)
     for _ in range(2):  # the round, then the confirmation
         assert pool.finish() == 1
         rec.tick()
@@ -152,11 +164,7 @@ def test_a_node_whose_probe_cannot_tell_twice_is_drained_for_a_reboot_not_a_repl
 def test_one_flaky_preflight_result_drains_nothing(tmp_path: Path) -> None:
     launcher = ProbedLauncher({"node-1": ["unknown"]})
     store, clock, rec, pool = make(tmp_path, launcher)
-    service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
-                                launcher=(local := LocalLauncher(max_nodes=8)), nodes=local, check_trainer=False, clock=clock)
-    service.submit(parse_spec({**SPEC, "health": {"preflight": True}}))
-    rec.tick()
-    rec.tick()
+    preflighted(tmp_path, store, clock, rec)
     pool.finish()
     rec.tick()
     pool.finish()  # the confirmation round: healthy
@@ -245,19 +253,10 @@ def test_a_preflight_left_open_by_a_daemon_that_died_is_asked_again_before_anyth
     unprobed)."""
     launcher = ProbedLauncher({})
     store, clock, rec, pool = make(tmp_path, launcher)
-    service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
-                                launcher=(local := LocalLauncher(max_nodes=8)), nodes=local, check_trainer=False,
-                                clock=clock)
-    service.submit(parse_spec({**SPEC, "health": {"preflight": True}}))
-    rec.tick()
-    rec.tick()
+    preflighted(tmp_path, store, clock, rec)
     assert len(pool.held) == 1 and open_rounds(store) == [("preflight", ("node-1", "node-2", "node-3"))]
     # The daemon dies with the round in flight: its probes are never answered.
-    telemetry = TelemetryView()
-    telemetry.link_up(clock())
-    again = HeldExecutor()
-    rec = Reconciler(store, telemetry, ReconcilerConfig(mqtt_url="mqtt://127.0.0.1:1"), launcher=launcher,
-                     nodes=launcher, clock=clock, probe_pool=again)
+    rec, again = reconciler_on(store, launcher, clock)
     assert len(again.held) == 1, "asked again at start"
     for _ in range(3):
         clock.t += 5
@@ -276,12 +275,7 @@ def test_an_operators_probe_is_a_round_of_the_scheduler_refused_while_a_round_pr
         tmp_path: Path) -> None:
     launcher = ProbedLauncher({})
     store, clock, rec, pool = make(tmp_path, launcher)
-    service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
-                                launcher=(local := LocalLauncher(max_nodes=8)), nodes=local, check_trainer=False,
-                                clock=clock, probes=rec.probes)
-    service.submit(parse_spec({**SPEC, "health": {"preflight": True}}))
-    rec.tick()
-    rec.tick()
+    service = preflighted(tmp_path, store, clock, rec, probes=rec.probes)
     with pytest.raises(Conflict, match="node node-2 is being probed \\(a preflight round of run 1\\)"):
         service.probe("node-2")
     pool.finish()
