@@ -11,16 +11,20 @@ NaN or infinite losses, loss and grad-norm spikes (rank 0's lines), progress for
 
 The patterns (``PATTERNS``): the spec's own ``progress_pattern`` first (named groups
 ``step``, and optionally ``loss`` and ``grad_norm``), then the formats the seeds' trainers
-print out of the box.
+print out of the box, last the training progress bar of NxD Training and NeMo (Lightning's
+tqdm bar, ``parse_progress_bar``): its step, its rate as the step time (the trainer's own
+timing, so a first step of ten minutes sets the hang limit before a second is read), the
+loss and grad norm of its postfix.
 
 Neuron's compiler lines (``COMPILING``) put the rank in its compile phase, which has its
 own allowance (``compile_timeout_s``): a precompile pass or a graph compile of an hour is
 not a hang.
 
 A line a fatal signature matches (``fatal_signature``: Neuron runtime and hardware
-errors, CUDA's uncorrectable ECC error, NCCL's errors) is kept as its rank's ``fatal``
-line: when the attempt fails, attribution drains the node that printed a device error,
-and names (without draining) one that printed an error of the collectives.
+errors, CUDA's uncorrectable ECC error, NCCL's errors, errors of the job's configuration)
+is kept as its rank's ``fatal`` line: when the attempt fails, attribution drains the node
+that printed a device error, names (without draining) one that printed an error of the
+collectives, and fails the run at once on a configuration error.
 """
 
 from __future__ import annotations
@@ -64,13 +68,28 @@ PATTERNS: tuple[Format, ...] = (
     # neuronx-distributed's pipeline examples: "step N step_time Xs throughput ... step loss L grad norm G"
     Format("nxd-pp", re.compile(rf"\bstep (?P<step>\d+) step_time .*step loss (?P<loss>{_NUM})"
                                 rf"(?: grad norm (?P<grad_norm>{_NUM}))?")),
-    # NxD Training / NeMo: Lightning's progress bar postfix, where global_step (0-based)
-    # is the step in progress: "reduced_train_loss=6.790, ..., global_step=3.000, ...,
-    # gradient_norm=6.590]"
-    Format("nemo", re.compile(r"reduced_train_loss=(?P<loss>[-+\w.]+?)[,\]].*?global_step=(?P<step>\d+)"
-                              r"(?:\.\d+)?(?:.*?gradient_norm=(?P<grad_norm>[-+\w.]+?)[,\]])?"),
-           steps_done=1),
 )
+
+# NxD Training / NeMo (PyTorch Lightning): the training loop's tqdm progress bar, redrawn
+# with \r into the job's output (seed 003's llama.out):
+#   "Epoch 0:  11%|█         | 10/91 [1:44:15<14:04:32, 625.59s/it]"
+# then, once metrics are logged to the bar, tqdm's postfix ", key=value, ..." inside the
+# brackets. With no known total tqdm prints "Epoch 0: 10it [1:44:15, 625.59s/it]"; a
+# bar_format without the rate (NeMo's) prints none. The rate is tqdm's "{rate:5.2f}it/s",
+# or "s/it" when a step takes over a second (Lightning 2's bar always prints it/s). Only
+# the training bar, "Epoch N": a validation bar or a data set's "Map: 100%|..." is not a step.
+_BAR = re.compile(
+    r"\bEpoch (?P<epoch>\d+)[^:|\[]*: *"
+    r"(?:\d+%\|[^|]*\| *(?P<n>\d+)/(?P<total>\d+|\?)|(?P<count>\d+)it)"
+    r" \[(?:\d+:)*\d+(?:<(?:(?:\d+:)*\d+|\?))?"
+    r"(?:, *(?:(?P<rate>\d+(?:\.\d+)?)|\?)(?P<unit>s/it|it/s))?"
+    r"(?P<postfix>, [^\]]*)?\]")
+# The postfix's values as Lightning writes them: tqdm's format_num ("{:.3g}" where that is
+# shorter, so 2000.0 is "2e+3" and 12000.0 "1.2e+4"), padded with zeros ("6.790").
+_POSTFIX_ITEM = re.compile(r"(?:^|, )(?P<key>[\w./-]+)=(?P<value>[^,\]]*)")
+_STEP_KEYS = ("global_step",)  # NeMo's: 0-based, the step in progress
+_LOSS_KEYS = ("reduced_train_loss", "train_loss", "loss")
+_GRAD_NORM_KEYS = ("gradient_norm", "grad_norm")
 
 
 # Errors a GPU job prints; Neuron's are health.neuron's table (the node probe's own).
@@ -81,9 +100,29 @@ _GPU_SIGNATURES: tuple[tuple[re.Pattern[str], str], ...] = (
 )
 
 
+# Errors of the job's own configuration: the same on any node and in every attempt, so the
+# run fails at the first one, with the trainer's words, instead of being relaunched into it.
+# Errors that one node's setup may cause (a missing library, FI_EFA_FORK_SAFE, the
+# open-files limit) are not here: another node may not have them.
+_CONFIG_SIGNATURES: tuple[re.Pattern[str], ...] = (
+    # Neuron's collectives: the TP/DP layout's replica groups do not fit the devices (seed
+    # 003, DP 2 x TP 16 on one trn1.32xlarge: "ERROR   ENC:enc_init_comm   [rank 0] failed (2)
+    # to init a collective algorithm for provided replica group.")
+    re.compile(r"failed \(\d+\) to init a collective algorithm"),
+    # Hydra (NxD Training's and NeMo's configs): CONF_FILE names no config
+    re.compile(r"\bCannot find primary config\b"),
+    # neuronx-distributed's and Megatron's ensure_divisibility: a model dimension that the
+    # tensor-parallel degree does not divide ("{} is not divisible by {}")
+    re.compile(r"AssertionError: \d+ is not divisible by \d+"),
+)
+
+
 def fatal_signature(line: str) -> str | None:
-    """What a line says failed: "device" (this node's accelerator: drain it), "peer" (the
-    collectives: this node or another; blame, never drain), or None."""
+    """What a line says failed: "config" (the job's configuration: no restart can fix it),
+    "device" (this node's accelerator: drain it), "peer" (the collectives: this node or
+    another; blame, never drain), or None."""
+    if any(pattern.search(line) for pattern in _CONFIG_SIGNATURES):
+        return "config"
     for pattern, kind in _GPU_SIGNATURES:
         if pattern.search(line):
             return kind
@@ -102,6 +141,7 @@ class ProgressLine:
     step: int
     loss: float | None
     grad_norm: float | None
+    step_time_s: float | None = None  # where the line prints a rate (a progress bar's s/it)
 
 
 # Neuron compiling (torch-neuronx's compiler wrapper, a neuron_parallel_compile pass):
@@ -111,6 +151,8 @@ COMPILING = re.compile(r"\|\|NEURON_CC_WRAPPER\|\|: Call compiler|\|\|NEURON_PAR
 
 
 def parse_progress(line: str, formats: tuple[Format, ...]) -> ProgressLine | None:
+    """The step a line shows: the spec's own pattern and the seeds' formats first, then a
+    Lightning progress bar."""
     for f in formats:
         m = f.pattern.search(line)
         if m is None:
@@ -121,7 +163,43 @@ def parse_progress(line: str, formats: tuple[Format, ...]) -> ProgressLine | Non
         except (KeyError, TypeError, ValueError):
             continue
         return ProgressLine(step, _number(groups.get("loss")), _number(groups.get("grad_norm")))
-    return None
+    return parse_progress_bar(line)
+
+
+def parse_progress_bar(line: str) -> ProgressLine | None:
+    """A Lightning progress bar's redraw (``_BAR``) as a step: NeMo's ``global_step`` where
+    the postfix has it (it counts across epochs and resumes), else the bar's count, made
+    global with its epoch where the bar knows the epoch's length."""
+    m = _BAR.search(line)
+    if m is None:
+        return None
+    postfix = {x["key"]: x["value"].strip() for x in _POSTFIX_ITEM.finditer(m["postfix"] or "")}
+    step: int | None = None
+    for key in _STEP_KEYS:
+        if (value := _number(postfix.get(key))) is not None and math.isfinite(value):
+            step = round(value) + 1
+            break
+    if step is None:
+        count = int(m["n"] or m["count"])
+        epoch, total = m["epoch"], m["total"]
+        step = count + (int(epoch) * int(total) if epoch and total and total != "?" else 0)
+    return ProgressLine(step, _first_number(postfix, _LOSS_KEYS), _first_number(postfix, _GRAD_NORM_KEYS),
+                        _step_time(m["rate"], m["unit"]))
+
+
+def _first_number(postfix: dict[str, str], keys: tuple[str, ...]) -> float | None:
+    return next((x for k in keys if (x := _number(postfix.get(k))) is not None), None)
+
+
+def _step_time(rate: str | None, unit: str | None) -> float | None:
+    """The longest step time a printed rate allows ("0.02it/s" is anything from 0.015 to
+    0.025 it/s): a hang limit built on it may be long, never short."""
+    if rate is None or unit is None:
+        return None
+    half = 0.5 * 10.0 ** -len(rate.partition(".")[2])
+    if unit == "s/it":
+        return float(rate) + half
+    return 1.0 / (float(rate) - half) if float(rate) > half else None
 
 
 def formats_for(progress_pattern: str | None) -> tuple[Format, ...]:
@@ -208,24 +286,32 @@ def read_output(state: AttemptOutput, log_dir: Path, *, run_id: str, attempt: in
                 state.line_at = now
             elif COMPILING.search(line):
                 state.phases[rank] = "compile"
-            if rank not in state.fatal and (kind := fatal_signature(line)) is not None:
+            if (kind := fatal_signature(line)) is not None and _outranks(kind, state.fatal.get(rank)):
                 state.fatal[rank] = Fatal(kind, line.strip()[:500])
         r = state.ranks.setdefault(rank, _Rank())
         new = [x for x in seen if x.step > r.step]
         if not new:
             continue
-        step_time = 0.0  # not timed: the first steps read (left out of the step-time p99)
+        read_pace = 0.0  # not timed: the first steps read (left out of the step-time p99)
         if r.step_read_at is not None and r.step > 0:
-            step_time = (now - r.step_read_at) / (new[-1].step - r.step)
-        for x in new:
+            read_pace = (now - r.step_read_at) / (new[-1].step - r.step)
+        for x in new:  # a rate the line prints is the trainer's own timing: it comes first
             msg = p.StepMetrics(run=run_id, attempt=attempt, rank=rank, ts=now, step=x.step,
                                 loss=math.nan if x.loss is None else x.loss,
-                                grad_norm=x.grad_norm,
-                                lr=math.nan, step_time_s=step_time, tokens_per_s=math.nan)
+                                grad_norm=x.grad_norm, lr=math.nan,
+                                step_time_s=read_pace if x.step_time_s is None else x.step_time_s,
+                                tokens_per_s=math.nan)
             printed = frozenset(k for k, v in (("loss", x.loss), ("grad_norm", x.grad_norm)) if v is not None)
             out.append(ReadStep(msg, printed))
         r.step, r.step_read_at = new[-1].step, now
     return out
+
+
+def _outranks(kind: str, kept: Fatal | None) -> bool:
+    """A rank's first fatal line is kept, unless a configuration error follows the errors
+    of the collectives it caused (Neuron prints "failed to init ENC comm" and the like
+    around the layout's own error)."""
+    return kept is None or (kind == "config" and kept.kind == "peer")
 
 
 def _rank_of(name: str, ranks_per_node: int) -> int | None:

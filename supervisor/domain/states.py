@@ -76,6 +76,7 @@ class FaultKind(StrEnum):
     STORAGE = "storage"  # a rank exited with code 5: no checkpoint can be written (disk full)
     ALLOCATION_ENDED = "allocation-ended"  # the cluster ended the allocation under the attempt
     WRONG_RESUME = "wrong-resume"  # a resumed trainer's first step is not after the checkpoint it was given
+    CONFIG = "config"  # the trainer printed an error of its configuration that no restart can fix
 
 
 _RUN_ID = re.compile(r"^run-([1-9][0-9]{0,17})$")

@@ -103,6 +103,16 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
         record = RecordFault(kind=FaultKind.DEVICE, attempt=live.number, ranks=tuple(r.rank for r in broken),
                              nodes=tuple(nodes), summary=summary, step=step)
         return Finding(record, drains)
+    # An error of the job's own configuration (supervisor/output_progress.py): every
+    # attempt would print it again, so the run ends at the first, in the trainer's words.
+    misconfigured = [r for r in dead if r.fatal_kind == "config"]
+    if misconfigured:
+        first_said = misconfigured[0]
+        summary = (f"the trainer's configuration cannot run: {describe_exit(first_said)} after printing: "
+                   f"{first_said.fatal_line}; fix the job, then resume the run")
+        record = RecordFault(kind=FaultKind.CONFIG, attempt=live.number, nodes=(), summary=summary,
+                             ranks=tuple(r.rank for r in misconfigured), step=step)
+        return Finding(record, do_not_retry=True)
     full = [r for r in dead if meaning(r) is ExitMeaning.STORAGE_FULL]
     if full:  # every later save would fail the same way: stop, keep what is saved, say why
         summary = (f"checkpoint storage full (exit code {exit_code(full[0])}): {describe_exit(full[0])}; "

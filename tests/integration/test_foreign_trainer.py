@@ -149,6 +149,22 @@ def test_an_exit_code_means_a_device_fault_only_when_the_spec_declares_it(tmp_pa
         assert fault["kind"] == "rank-exit" and s["drained_nodes"] == [], s
 
 
+# Seed 003's error for a TP/DP layout that does not fit (DP 2 x TP 16 on one trn1.32xlarge).
+LAYOUT_ERROR = ('echo "2026-Jan-14 11:23:49.987594 95431:108485 ERROR   ENC:enc_init_comm   [rank 0] failed (2) '
+                'to init a collective algorithm for provided replica group."; exit 1')
+
+
+def test_a_configuration_error_fails_the_run_at_its_first_attempt_with_the_trainers_words(tmp_path: Path) -> None:
+    spec = command_spec(tmp_path / "layout.toml", "layout", ["sh", "-c", LAYOUT_ERROR],
+                        resources={"nodes": 1, "ranks_per_node": 1, "spares": 1})
+    proc = tsup("run", spec, "--state-dir", tmp_path / "state", "--json", timeout_s=120)
+    s = summary_of(proc)
+    assert s["state"] == "FAILED" and s["attempts"] == 1, s
+    [fault] = s["faults"]
+    assert fault["kind"] == "config" and "failed (2) to init a collective algorithm" in fault["summary"], s
+    assert "failed (2) to init a collective algorithm" in s["reason"] and s["drained_nodes"] == [], s
+
+
 def test_a_command_runs_in_its_cwd_on_the_local_launcher(tmp_path: Path) -> None:
     spec = command_spec(tmp_path / "cwd.toml", "cwd", ["sh", "-c", 'pwd > "$1/cwd"', "cwd", "{run_dir}"],
                         cwd="{run_dir}/attempts")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.domain import Policy
 from supervisor.output_progress import (
     PATTERNS,
     AttemptOutput,
@@ -16,7 +17,10 @@ from supervisor.output_progress import (
     parse_progress,
     read_output,
 )
+from supervisor.policy import hang_limit
+from supervisor.telemetry import TelemetryView
 from tests.conftest import REPO
+from tests.unit.test_policy import obs, rank
 
 FIXTURES = REPO / "tests" / "fixtures" / "output"
 NEURON_LOGS = REPO / "tests" / "fixtures" / "health" / "neuron"
@@ -41,6 +45,59 @@ def test_nemo_progress_bar_redraws_are_steps() -> None:
     got = steps_in("nemo.log")
     assert [(x.step, x.loss) for x in got] == [(4, 6.79), (5, 6.702)]
     assert got[0].grad_norm == 6.59 and got[1].grad_norm == math.inf
+    assert got[0].step_time_s == pytest.approx(1 / 0.015), "0.02it/s: the slowest rate that prints so"
+
+
+def test_the_tutorials_progress_bar_is_steps_with_its_step_time() -> None:
+    """Seed 003 (HyperPod, Llama 3 8B on NxD Training), its llama.out, lines quoted as
+    they are: "Epoch 0:   1%|          | 1/91 [10:35<15:52:47, 635.19s/it]"."""
+    got = steps_in("nxdt-tutorial-llama.out")
+    assert [(x.step, x.loss, x.grad_norm) for x in got] == [(1, None, None), (2, None, None), (10, None, None)]
+    assert [x.step_time_s for x in got] == pytest.approx([635.195, 632.235, 625.595])
+
+
+@pytest.mark.parametrize(("line", "step", "loss"), [
+    # tqdm's format_num writes a float as "{:.3g}" where that is shorter: 2000.0 is "2e+3"
+    ("Epoch 0:  40%|####      | 2001/5000 [1:00:00<1:30:00, 1.80s/it, reduced_train_loss=2.350, "
+     "global_step=2e+3, consumed_samples=2.05e+6]", 2001, 2.35),
+    ("Epoch 0:  40%|####      | 12001/30000 [1:00:00<1:30:00, 1.80s/it, reduced_train_loss=2.35, "
+     "global_step=1.2e+4]", 12001, 2.35),
+    ("Epoch 0:  40%|####      | 1001/30000 [1:00:00<1:30:00, 1.80s/it, global_step=999.0, loss=nan]", 1000,
+     math.nan),
+    # The bar's own count, made global with the epoch's length; no total, no rate.
+    ("Epoch 2:   6%|6         | 4/62 [03:24<49:27, 14.10it/s]", 2 * 62 + 4, None),
+    ("Epoch 0: 10it [1:44:15, 625.59s/it, train_loss=3.1]", 10, 3.1),
+    ("Epoch 1:  50%|#####     | 31/62 [03:24<03:24, v_num=3, reduced_train_loss=6.790]", 62 + 31, 6.79),
+    ("Epoch 0:   0%|          | 0/91 [00:00<?, ?it/s]", 0, None),
+])
+def test_progress_bar_numbers_in_every_form_tqdm_prints_them(line: str, step: int, loss: float | None) -> None:
+    got = parse_progress(line, PATTERNS)
+    assert got is not None and got.step == step
+    assert (got.loss is None) if loss is None else (got.loss == loss or (math.isnan(loss) and math.isnan(got.loss)))
+
+
+@pytest.mark.parametrize("line", [
+    "Validation DataLoader 0:  50%|#####     | 5/10 [00:01<00:01,  4.50it/s]",  # not a training step
+    "Map: 100%|##########| 1000/1000 [00:00<00:00, 9431.83 examples/s]",  # a data set's preparation
+    "Sanity Checking DataLoader 0: 100%|##########| 2/2 [00:00<00:00,  5.00it/s]",
+])
+def test_other_progress_bars_are_not_steps(line: str) -> None:
+    assert parse_progress(line, PATTERNS) is None
+
+
+def test_a_635_s_step_read_from_the_bar_sets_the_hang_limit_before_a_second_step_is_read(tmp_path: Path) -> None:
+    """The first step's rate is the trainer's own timing: a step read by the poll alone
+    would be untimed, and 300 s (hang_timeout_s) would call the tutorial's second step a hang."""
+    (tmp_path / "rank-0000.log").write_text((FIXTURES / "nxdt-tutorial-llama.out").read_text().splitlines()[0] + "\r")
+    view = TelemetryView()
+    for read in read_output(AttemptOutput(), tmp_path, run_id="run-1", attempt=1, ranks_per_node=1,
+                            formats=PATTERNS, now=700.0):
+        view.apply_from_output(read.msg, 700.0, printed=read.printed)
+    p99, samples = view.step_time_p99("run-1", 1)
+    assert (p99, samples) == (pytest.approx(635.195), 1)
+    limit, why = hang_limit(Policy(), obs(rank(0), step_time_p99_s=p99, step_time_samples=samples),
+                            first_step_seen=True)
+    assert limit == pytest.approx(3 * 635.195) and "slowest step so far" in why
 
 
 def test_a_specs_own_pattern_comes_first() -> None:
@@ -65,6 +122,11 @@ def test_a_specs_own_pattern_comes_first() -> None:
     ("NVRM: Xid (PCI:0000:53:00): 63, pid=1234, Row Remapper: New row marked for remapping", None),
     ("NVRM: Xid (PCI:0000:53:00): 94, pid=1234, Contained: SM ECC error", None),
     ("NVRM: Xid (PCI:0000:53:00): 999, pid=1, something new", None),  # not in the table: watched
+    # The job's configuration: no restart fixes it.
+    ("2026-Jan-14 11:23:49.987594 95431:108485 ERROR   ENC:enc_init_comm                           [rank 0] "
+     "failed (2) to init a collective algorithm for provided replica group.", "config"),  # seed 003
+    ("Cannot find primary config 'hf_llama3_8B_confg'. Check that it's in your config search path.", "config"),
+    ("AssertionError: 32 is not divisible by 12", "config"),
     ("Batch 3 Loss: 1.2, Speed: 2 samples/sec, lr: 0.1", None),
     ("Timeout waiting for RX (waited 120 sec) - retrying", None),  # Neuron: transient, nobody's fault
 ])
@@ -105,3 +167,13 @@ def test_read_output_turns_new_lines_into_steps_and_times_them(tmp_path: Path) -
 def test_a_missing_log_directory_reads_as_nothing(tmp_path: Path) -> None:
     assert read_output(AttemptOutput(), tmp_path / "absent", run_id="run-1", attempt=1, ranks_per_node=1,
                        formats=PATTERNS, now=1.0) == []
+
+
+def test_a_configuration_error_outranks_the_collectives_errors_printed_before_it(tmp_path: Path) -> None:
+    state = AttemptOutput()
+    (tmp_path / "rank-0000.log").write_text(
+        "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.\n"
+        "ERROR   ENC:enc_init_comm   [rank 0] failed (2) to init a collective algorithm for provided replica group.\n"
+        "RuntimeError: CUDA error: uncorrectable ECC error encountered\n")
+    read_output(state, tmp_path, run_id="run-1", attempt=1, ranks_per_node=1, formats=PATTERNS, now=1.0)
+    assert state.fatal[0].kind == "config" and "replica group" in state.fatal[0].line

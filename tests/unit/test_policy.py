@@ -1040,6 +1040,22 @@ def test_an_nccl_error_in_a_ranks_output_names_its_node_without_draining_it() ->
     assert not of(effects, DrainNode)
 
 
+def test_a_configuration_error_in_a_ranks_output_fails_the_run_at_once_with_its_words() -> None:
+    """Seed 003's DP 2 x TP 16 layout: every attempt would fail the same way, so the first
+    ends the run, naming the line, draining nothing, starting nothing."""
+    layout = ("2026-Jan-14 11:23:49.987594 95431:108485 ERROR   ENC:enc_init_comm   [rank 0] failed (2) to "
+              "init a collective algorithm for provided replica group.")
+    ranks = [rank(0, ProcState.EXITED, exit_code=1, fatal_kind="config", fatal_line=layout),
+             rank(1, ProcState.EXITED, exit_code=SIGKILL), rank(2, ProcState.EXITED, exit_code=1),
+             rank(3, ProcState.EXITED, exit_code=1)]
+    effects = decide(view(run(), (attempt(),)), obs(*ranks), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.CONFIG and fault.ranks == (0,) and layout in fault.summary
+    [finish] = of(effects, FinishRun)
+    assert finish.state is RunState.FAILED and layout in finish.reason
+    assert not of(effects, DrainNode) and not of(effects, StartAttempt)
+
+
 def test_a_trainer_that_resumes_at_the_wrong_step_fails_the_run_with_the_reason() -> None:
     resumed = attempt(2, resume_from="/ck/llama_v3-20steps", resume_step=20, first_step_at=None)
     ranks = [rank(0, first_step=1, last_step=1), rank(1), rank(2), rank(3)]
