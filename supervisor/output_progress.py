@@ -76,8 +76,11 @@ PATTERNS: tuple[Format, ...] = (
 # then, once metrics are logged to the bar, tqdm's postfix ", key=value, ..." inside the
 # brackets. With no known total tqdm prints "Epoch 0: 10it [1:44:15, 625.59s/it]"; a
 # bar_format without the rate (NeMo's) prints none. The rate is tqdm's "{rate:5.2f}it/s",
-# or "s/it" when a step takes over a second (Lightning 2's bar always prints it/s). Only
-# the training bar, "Epoch N": a validation bar or a data set's "Map: 100%|..." is not a step.
+# or "s/it" when a step takes over a second; Lightning 2's bar always prints it/s, so a
+# slow step is "0.02it/s" there ("18.79s/it" with Lightning 1.8, NxD Training before 2.23).
+# The count is the batch within the epoch (one batch is one optimizer step in NxD Training's
+# data modules), starting again each epoch. Only the training bar, "Epoch N": a validation
+# bar or a data set's "Map: 100%|..." is not a step.
 _BAR = re.compile(
     r"\bEpoch (?P<epoch>\d+)[^:|\[]*: *"
     r"(?:\d+%\|[^|]*\| *(?P<n>\d+)/(?P<total>\d+|\?)|(?P<count>\d+)it)"
@@ -146,8 +149,10 @@ class ProgressLine:
 
 # Neuron compiling (torch-neuronx's compiler wrapper, a neuron_parallel_compile pass):
 # the rank is in its compile phase, with its own allowance, until its next step.
-COMPILING = re.compile(r"\|\|NEURON_CC_WRAPPER\|\|: Call compiler|\|\|NEURON_PARALLEL_COMPILE\|\||"
-                       r"Compiler status PASS")
+# NxD Training's tutorials show the parallel compile's lines as "||NEURON_PARALLEL_COMPILE||"
+# and as "||PARALLEL_COMPILE||".
+COMPILING = re.compile(r"\|\|NEURON_CC_WRAPPER\|\|: (?:Call compiler|Extracting graphs)|"
+                       r"\|\|(?:NEURON_)?PARALLEL_COMPILE\|\||Compiler status PASS")
 
 
 def parse_progress(line: str, formats: tuple[Format, ...]) -> ProgressLine | None:

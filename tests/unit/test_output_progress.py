@@ -64,6 +64,10 @@ def test_the_tutorials_progress_bar_is_steps_with_its_step_time() -> None:
      "global_step=1.2e+4]", 12001, 2.35),
     ("Epoch 0:  40%|####      | 1001/30000 [1:00:00<1:30:00, 1.80s/it, global_step=999.0, loss=nan]", 1000,
      math.nan),
+    # NxD Training's own tutorial (docs/tutorials/hf_llama3_8B_pretraining.rst, Lightning 1.8):
+    # the running "loss" comes before NeMo's reduced_train_loss, which is the one read.
+    ("Epoch 0:   0%|          | 189/301501 [59:12<1573:03:24, 18.79s/it, loss=7.75, v_num=3-16, "
+     "reduced_train_loss=7.560, global_step=188.0, consumed_samples=24064.0]", 189, 7.56),
     # The bar's own count, made global with the epoch's length; no total, no rate.
     ("Epoch 2:   6%|6         | 4/62 [03:24<49:27, 14.10it/s]", 2 * 62 + 4, None),
     ("Epoch 0: 10it [1:44:15, 625.59s/it, train_loss=3.1]", 10, 3.1),
@@ -177,3 +181,17 @@ def test_a_configuration_error_outranks_the_collectives_errors_printed_before_it
         "RuntimeError: CUDA error: uncorrectable ECC error encountered\n")
     read_output(state, tmp_path, run_id="run-1", attempt=1, ranks_per_node=1, formats=PATTERNS, now=1.0)
     assert state.fatal[0].kind == "config" and "replica group" in state.fatal[0].line
+
+
+@pytest.mark.parametrize("line", [
+    "2024-11-07 09:57:13.000144:  39810  INFO ||NEURON_PARALLEL_COMPILE||: Total graphs: 12",
+    "INFO ||PARALLEL_COMPILE||: Total successful compilations: 12",  # NxD Training's 8B tutorial's spelling
+    "INFO ||NEURON_CC_WRAPPER||: Extracting graphs (/tmp/x.hlo) for ahead-of-time parallel compilation. "
+    "No compilation was done.",
+    "Compiler status PASS",
+])
+def test_neuron_compile_lines_put_the_rank_in_its_compile_phase(tmp_path: Path, line: str) -> None:
+    state = AttemptOutput()
+    (tmp_path / "node-0000.log").write_text(line + "\n")
+    read_output(state, tmp_path, run_id="run-1", attempt=1, ranks_per_node=32, formats=PATTERNS, now=1.0)
+    assert state.phases == {0: "compile"}
