@@ -75,6 +75,7 @@ from supervisor.domain.events import EventKind
 from supervisor.errors import CannotExecute, LaunchError
 from supervisor.execute_nodes import NodeEffects
 from supervisor.launchers.base import AllocationRequest, Launcher, NodeAdmin
+from supervisor.policy import data_step, skip_to
 from supervisor.policy.transitions import check_attempt, check_run
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore, Tx
@@ -194,6 +195,14 @@ class DecisionExecutor:
                 for node in tx.allocation(n):  # a drained node keeps the run that drained it
                     if node.state is NodeState.ALLOCATED:
                         tx.put_node(Node(name=node.name, state=NodeState.IDLE), now)
+            case SkipData(unit="steps"):  # the live attempt's steps, as data steps (policy/recovery.py)
+                start = data_step(e.start, tx.list_data_skips(n))
+                end = start + e.end - e.start
+                tx.add_data_skip(n, start, end, e.reason, now)
+                tx.add_event(n, EventKind.DATA_SKIP,
+                             f"skipping the data of steps {start} to {end - 1} (of the data stream) from "
+                             f"the next attempt on, through {{skip_to_step}}: {e.reason}",
+                             {"start": start, "end": end, "unit": "steps"}, now)
             case SkipData():
                 tx.add_data_skip(n, e.start, e.end, e.reason, now)
                 tx.add_event(n, EventKind.DATA_SKIP,
@@ -278,7 +287,7 @@ class DecisionExecutor:
                     self.launcher.forget(info)
                 self.telemetry.forget(run.run_id, e.number)
                 self.memory.forget_attempt(run.number, e.number)
-            case Emit(kind=EventKind.SPIKE_TRANSIENT):
+            case Emit(kind=EventKind.SPIKE_TRANSIENT | EventKind.SPIKE_PERSISTS):
                 said = self.memory.attempt(run.number, int(str(e.data["attempt"]))).spikes_said
                 said.add(int(str(e.data["step"])))
             case DrainNode() | ReturnNode() | RecordProbe() | ProbeAgain() | CommandHandled():
@@ -367,6 +376,24 @@ class DecisionExecutor:
                              f"way into {moved[0][1].parent}",
                              {"attempt": e.number, "moved": [str(src) for src, _ in moved]}, now)
 
+    def _data_steps(self, run: Run, spec: RunSpec, e: StartAttempt, skips: list[tuple[int, int]],
+                    now: float) -> int | None:
+        """A [command] told {skip_to_step}: the data step its first step reads, past the
+        run's skip windows; a window its checkpoint comes before is widened back to where
+        it starts reading, and said (supervisor/policy/recovery.py). None for the others."""
+        if spec.data_skip_unit != "steps":
+            return None
+        at, widen = skip_to(e.resume_step, skips)
+        if widen is not None:
+            with self.store.tx() as tx:
+                tx.widen_data_skip(run.number, widen[0], widen[1])
+                tx.add_event(run.number, EventKind.DATA_SKIP,
+                             f"attempt {e.number} resumes from step {e.resume_step} and reads the data of "
+                             f"step {at} next: the data of steps {widen[1]} to {at - 1} is stepped over",
+                             {"attempt": e.number, "skip_to_step": at, "start": widen[1], "end": at,
+                              "unit": "steps"}, now)
+        return at
+
     def _start(self, run: Run, spec: RunSpec, run_dir: Path, e: StartAttempt, now: float) -> None:
         attempt = Attempt(run_number=run.number, number=e.number, state=AttemptState.LAUNCHING, nodes=e.nodes,
                           resume_from=e.resume_from, resume_step=e.resume_step, created_at=now)
@@ -374,7 +401,8 @@ class DecisionExecutor:
             with self.store.tx() as tx:  # this tick may have changed it (an allocation granted)
                 run = tx.get_run(run.number)
                 skips = tx.list_data_skips(run.number)  # the data windows spikes made the run skip
-            launch = self.launch_specs.of(run, spec, run_dir, attempt)
+            skip_to_step = self._data_steps(run, spec, e, skips, now)
+            launch = self.launch_specs.of(run, spec, run_dir, attempt, skip_to_step)
             if spec.resources.standby:  # kept on every healthy node the run holds, spares too
                 with self.store.tx() as tx:
                     held = tuple(x.name for x in tx.allocation(run.number) if x.state is NodeState.ALLOCATED)

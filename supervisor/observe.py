@@ -152,7 +152,8 @@ class Observer:
             spikes_said=(frozenset(self.memory.attempt(run.number, live.number).spikes_said) if live
                          else frozenset()),
             cluster_answering=answering, spec_error=spec if isinstance(spec, str) else None,
-            exit_codes=spec.exit_meanings if isinstance(spec, RunSpec) else TSUP_EXIT_CODES)
+            exit_codes=spec.exit_meanings if isinstance(spec, RunSpec) else TSUP_EXIT_CODES,
+            data_skip_unit=spec.data_skip_unit if isinstance(spec, RunSpec) else "samples")
         return Observed(run=run, spec=spec if isinstance(spec, RunSpec) else None, run_dir=run_dir, view=view,
                         obs=obs, facts=facts)
 

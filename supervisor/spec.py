@@ -152,6 +152,9 @@ AUTO = "auto"
 CHECKPOINT_LAYOUTS = ("tsup", "nxd", "nemo", "hf", "megatron", "dcp", "lightning")
 
 
+SKIP_TO_STEP = "{skip_to_step}"
+
+
 class CommandSpec(BaseModel):
     """A trainer the supervisor did not write: a plain command, run on every rank with the
     torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR ...), or with ``launch = "node"``
@@ -161,7 +164,11 @@ class CommandSpec(BaseModel):
     ``env`` and ``cwd``; the step's rendezvous (supervisor/domain/step.py: ``{nnodes}``,
     ``{nproc_per_node}``, ``{master_addr}``, ``{master_port}``, ``{rdzv_id}``) in ``argv``,
     ``env`` and ``resume``; ``{checkpoint}`` (the path of the checkpoint to resume from)
-    and ``{step}`` in ``resume``, whose items are appended to ``argv`` only when resuming.
+    and ``{step}`` in ``resume``, whose items are appended to ``argv`` only when resuming;
+    ``{skip_to_step}`` in ``argv``, ``env`` and ``resume``: the step of the data stream the
+    trainer's next step reads (``TSUP_SKIP_TO_STEP``, always set). It is the step after the
+    checkpoint, until a persistent loss spike makes the run skip data: a trainer whose
+    command names it is told to step over the spike's batches (``skips_data``).
     """
 
     model_config = _Model
@@ -234,6 +241,11 @@ class CommandSpec(BaseModel):
             return {int(code): ExitMeaning(meaning) for code, meaning in self.exit_codes.items()}
         return TSUP_EXIT_CODES if self.exit_codes == "tsup" else {}
 
+    @property
+    def skips_data(self) -> bool:
+        """Its command names ``{skip_to_step}``: it can be told to step over data."""
+        return any(SKIP_TO_STEP in item for item in (*self.argv, *self.resume, *self.env.values()))
+
     @field_validator("checkpoint_layout")
     @classmethod
     def _layout(cls, v: str | None) -> str | None:
@@ -244,7 +256,7 @@ class CommandSpec(BaseModel):
     @model_validator(mode="after")
     def _placeholders(self) -> CommandSpec:
         paths = {"run_dir", "checkpoint_dir"}
-        step = paths | set(STEP_PLACEHOLDERS)
+        step = paths | set(STEP_PLACEHOLDERS) | {"skip_to_step"}
         for where, items, allowed in (("argv", self.argv, step),
                                       ("resume", self.resume, step | {"checkpoint", "step"}),
                                       ("checkpoint_dir", [self.checkpoint_dir], {"run_dir"}),
@@ -345,6 +357,15 @@ class RunSpec(BaseModel):
         """... and so is its memory tier's."""
         ck = self.trainer.get("checkpoint", {}) if self.trainer is not None else {}
         return bool(ck.get("memory_every_steps") == AUTO)
+
+    @property
+    def data_skip_unit(self) -> str | None:
+        """How the trainer steps over a spike's data: "samples" (the reference trainer, by
+        its stream's positions), "steps" (a [command] naming ``{skip_to_step}``), or None
+        (it cannot: a spike is rolled back once, then only reported)."""
+        if self.command is None:
+            return "samples"
+        return "steps" if self.command.skips_data else None
 
     @property
     def exit_meanings(self) -> Mapping[int, ExitMeaning]:

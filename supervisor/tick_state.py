@@ -186,9 +186,14 @@ class LaunchSpecs:
         self.mqtt_url = mqtt_url
         self.mqtt_ca_file = mqtt_ca_file
 
-    def of(self, run: Run, spec: RunSpec, run_dir: Path, a: Attempt) -> LaunchSpec:
+    def of(self, run: Run, spec: RunSpec, run_dir: Path, a: Attempt,
+           skip_to_step: int | None = None) -> LaunchSpec:
+        """``skip_to_step``: the step of the data stream the attempt's first step reads (None:
+        the one after its checkpoint's)."""
         config_path = trainer_cmd.config_path(run_dir, a.number)
-        env = {**trainer_cmd.attempt_env(spec, run_dir), **trainer_cmd.attempt_ids(run.run_id, a.number)}
+        data_step = a.resume_step + 1 if skip_to_step is None else skip_to_step
+        env = {**trainer_cmd.attempt_env(spec, run_dir, data_step),
+               **trainer_cmd.attempt_ids(run.run_id, a.number)}
         if self.mqtt_url:
             env["TSUP_MQTT_URL"] = self.mqtt_url
             env["TSUP_CLUSTER"] = self.telemetry.cluster
@@ -201,7 +206,8 @@ class LaunchSpecs:
                     env[USERNAME_ENV], env[PASSWORD_ENV] = attempt_login(secret, cluster, run_id, a.number)
         return LaunchSpec(
             run_id=run.run_id, attempt=a.number, nodes=a.nodes, ranks_per_node=run.ranks_per_node,
-            argv=trainer_cmd.attempt_argv(spec, run_dir, a.number, a.resume_from, a.resume_step), env=env,
+            argv=trainer_cmd.attempt_argv(spec, run_dir, a.number, a.resume_from, a.resume_step, data_step),
+            env=env,
             log_dir=trainer_cmd.attempt_dir(run_dir, a.number), marker=str(config_path),
             allocation_info=run.allocation_info, user=spec.user, cwd=trainer_cmd.attempt_cwd(spec, run_dir),
             srun_args=trainer_cmd.attempt_srun_args(spec), launch=trainer_cmd.launch_mode(spec),

@@ -138,20 +138,23 @@ def neuron_trainer_argv(config: Path, resume_from: str | None) -> tuple[str, ...
         torchrun=str(Path(sys.executable).with_name("torchrun"))))
 
 
-def _names(spec: RunSpec, run_dir: Path) -> dict[str, str]:
+def _names(spec: RunSpec, run_dir: Path, data_step: int = 0) -> dict[str, str]:
     """What a [command]'s placeholders stand for; the step's own are left for the launcher
-    to fill in (supervisor/domain/step.py)."""
-    return {"run_dir": str(run_dir), "checkpoint_dir": str(checkpoint_dir(spec, run_dir)), **DEFERRED}
+    to fill in (supervisor/domain/step.py). ``data_step``: the last step of the data stream
+    read before the attempt's first step."""
+    return {"run_dir": str(run_dir), "checkpoint_dir": str(checkpoint_dir(spec, run_dir)),
+            "skip_to_step": str(data_step + 1), **DEFERRED}
 
 
 def attempt_argv(spec: RunSpec, run_dir: Path, attempt: int, resume_from: str | None,
-                 resume_step: int) -> tuple[str, ...]:
+                 resume_step: int, skip_to_step: int | None = None) -> tuple[str, ...]:
     """Every rank's (or with ``launch = "node"``, every node's) command line for one
-    attempt, with the step's placeholders still to fill (``Step.fill``)."""
+    attempt, with the step's placeholders still to fill (``Step.fill``). ``skip_to_step``:
+    the step of the data stream its next step reads (None: the one after ``resume_step``)."""
     if spec.command is None:
         reference = neuron_trainer_argv if spec.neuron_backend else trainer_argv
         return reference(config_path(run_dir, attempt), resume_from)
-    names = _names(spec, run_dir)
+    names = _names(spec, run_dir, resume_step if skip_to_step is None else skip_to_step - 1)
     argv = [a.format(**names) for a in spec.command.argv]
     if resume_from is not None:
         argv += [r.format(checkpoint=resume_from, step=resume_step, **names) for r in spec.command.resume]
@@ -200,9 +203,10 @@ def attempt_ids(run_id: str, attempt: int) -> dict[str, str]:
     return {"TSUP_RUN_ID": run_id, "TSUP_ATTEMPT": str(attempt)}
 
 
-def attempt_env(spec: RunSpec, run_dir: Path) -> dict[str, str]:
+def attempt_env(spec: RunSpec, run_dir: Path, skip_to_step: int = 1) -> dict[str, str]:
     """The variables every rank of an attempt gets beyond the launcher's and the run's ids:
-    the accelerators' (supervisor/node_env.py), then the trainer's, then a [command]'s own."""
+    the accelerators' (supervisor/node_env.py), then the trainer's, then a [command]'s own
+    (``skip_to_step``: the step of the data stream its next step reads)."""
     uid = run_uid(spec)
     env = {"NEURON_COMPILE_CACHE_URL": NEURON_COMPILE_CACHE.format(uid=uid),
            **accelerator_env(spec.resources.accelerator)}
@@ -213,7 +217,8 @@ def attempt_env(spec: RunSpec, run_dir: Path) -> dict[str, str]:
         if spec.chaos:
             env |= {"TSUP_FAULT": ",".join(spec.chaos), "TSUP_FAULT_STATE": str(run_dir / "chaos-fired")}
         return env
-    names = _names(spec, run_dir)
+    names = _names(spec, run_dir, skip_to_step - 1)
+    env["TSUP_SKIP_TO_STEP"] = names["skip_to_step"]
     return env | {k: v.format(**names) for k, v in spec.command.env.items()}
 
 

@@ -174,11 +174,14 @@ class ProbeNodes:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SkipData:
-    """From the next attempt on, the trainer steps over samples [start, end) of its data."""
+    """From the next attempt on, the trainer steps over samples [start, end) of its data;
+    with ``unit`` "steps" (a [command] told ``{skip_to_step}``), the data of the live
+    attempt's steps [start, end)."""
 
     start: int
     end: int
     reason: str
+    unit: str = "samples"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

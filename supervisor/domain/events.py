@@ -31,6 +31,7 @@ class EventKind(StrEnum):
     # Faults and what the rules made of them.
     FAULT_DETECTED = "fault.detected"
     SPIKE_TRANSIENT = "spike.transient"  # a one-step loss or grad-norm spike, tolerated
+    SPIKE_PERSISTS = "spike.persists"  # back after its rollback, and the trainer cannot skip data: tolerated
     STRAGGLER = "straggler"  # a rank far slower than the others
     STRAGGLER_KEPT = "straggler.kept"  # ... kept in the next attempt (no spare)
     STRAGGLER_LEFT_OUT = "straggler.left-out"  # ... left out of the next attempt

@@ -157,6 +157,9 @@ class RunView:
     # What the trainer means by its exit codes: the reference trainer's table, or what a
     # [command] spec declares (nothing by default).
     exit_codes: Mapping[int, ExitMeaning] = field(default_factory=lambda: TSUP_EXIT_CODES)
+    # How the trainer steps over a spike's data (RunSpec.data_skip_unit): "samples",
+    # "steps", or None (it cannot: a spike is rolled back once, then only reported).
+    data_skip_unit: str | None = "samples"
 
     @property
     def current(self) -> Attempt | None:

@@ -90,15 +90,24 @@ from supervisor.policy.detection import (
     transient_spikes,
 )
 from supervisor.policy.lifecycle import decide
-from supervisor.policy.recovery import backoff, resume_before, skip_window, unreadable_checkpoints
+from supervisor.policy.recovery import (
+    backoff,
+    data_step,
+    resume_before,
+    skip_to,
+    skip_window,
+    unreadable_checkpoints,
+)
 
 __all__ = [
     "backoff",
+    "data_step",
     "decide",
     "find_spike",
     "find_stragglers",
     "hang_limit",
     "resume_before",
+    "skip_to",
     "skip_window",
     "stalled_first",
     "transient_spikes",

@@ -98,8 +98,8 @@ def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fin
                    + ("; again at this step: skipping its data" if again else ""))
         return Finding(RecordFault(kind=FaultKind.NONFINITE, attempt=live.number, ranks=(), nodes=(), step=at,
                                    summary=summary))
-    spike = find_spike(obs.recent, view.run.policy)
-    if spike is not None:
+    spike = find_spike(obs.recent, view.run.policy, skips=view.data_skip_unit is not None)
+    if spike is not None and not spike_rolled_back(view, live):
         return Finding(RecordFault(kind=FaultKind.SPIKE, attempt=live.number, ranks=(), nodes=(),
                                    step=spike.step, summary=spike.summary))
     silent = _find_silent_node(view, live, obs, now, step)
@@ -398,14 +398,29 @@ def _above(x: StepSample, limits: tuple[float, float]) -> bool:
     return x.loss > limits[0] or x.grad_norm > limits[1]
 
 
-def find_spike(recent: tuple[StepSample, ...], policy: Policy) -> Spike | None:
-    """The first spike that has lasted ``spike_persist_steps`` steps: act on it."""
-    for s in _spikes(recent, policy):
-        if s.steps >= policy.spike_persist_steps:
-            return Spike(step=s.step, steps=s.steps, summary=(
-                f"{s.summary}: rolling back to the newest checkpoint before step {s.step} and skipping "
-                f"{policy.spike_skip_steps} steps of data from it"))
+def find_spike(recent: tuple[StepSample, ...], policy: Policy, *, skips: bool = True) -> Spike | None:
+    """The first spike that has lasted ``spike_persist_steps`` steps: act on it (``skips``:
+    the trainer can step over its data)."""
+    for s in persistent_spikes(recent, policy):
+        then = (f"skipping {policy.spike_skip_steps} steps of data from it" if skips
+                else "training through it if it comes back (the trainer cannot skip data)")
+        return Spike(step=s.step, steps=s.steps, summary=(
+            f"{s.summary}: rolling back to the newest checkpoint before step {s.step} and {then}"))
     return None
+
+
+def persistent_spikes(recent: tuple[StepSample, ...], policy: Policy) -> list[Spike]:
+    """Spikes that have lasted ``spike_persist_steps`` steps."""
+    return [s for s in _spikes(recent, policy) if s.steps >= policy.spike_persist_steps]
+
+
+def spike_rolled_back(view: RunView, live: Attempt) -> bool:
+    """A trainer that cannot skip data replays a spike's batches after its rollback: an
+    earlier attempt's spike past this attempt's checkpoint is the same one, already rolled
+    back once. Another rollback would replay it again, into a crash loop."""
+    return view.data_skip_unit is None and any(
+        f.kind is FaultKind.SPIKE and f.attempt < live.number and f.step > live.resume_step
+        for f in view.faults)
 
 
 def transient_spikes(recent: tuple[StepSample, ...], policy: Policy) -> list[Spike]:

@@ -42,7 +42,12 @@ from supervisor.domain import (
 )
 from supervisor.domain.events import EventKind
 from supervisor.policy.attribution import all_gone, lemons, with_failed_nodes, within_budget
-from supervisor.policy.detection import find_fault, transient_spikes
+from supervisor.policy.detection import (
+    find_fault,
+    persistent_spikes,
+    spike_rolled_back,
+    transient_spikes,
+)
 from supervisor.policy.recovery import (
     data_to_skip,
     grow_back,
@@ -285,13 +290,22 @@ def _judge_live_attempt(
 
 
 def _report_transient_spikes(view: RunView, live: Attempt, obs: AttemptObs, out: list[Effect]) -> None:
-    """Spikes too short to act on are counted and reported: an event each, once."""
+    """Spikes too short to act on are counted and reported: an event each, once; so is a
+    spike back after its rollback in a trainer that cannot skip its data."""
     persist = view.run.policy.spike_persist_steps
     for spike in transient_spikes(obs.recent, view.run.policy):
         if spike.step not in view.spikes_said:
             out.append(Emit(kind=EventKind.SPIKE_TRANSIENT,
                             message=f"{spike.summary}: not acted on (shorter than {persist} steps)",
                             data={"attempt": live.number, "step": spike.step, "steps": spike.steps}))
+    if not spike_rolled_back(view, live):
+        return
+    for spike in persistent_spikes(obs.recent, view.run.policy):
+        if spike.step not in view.spikes_said:
+            out.append(Emit(kind=EventKind.SPIKE_PERSISTS, message=(
+                f"{spike.summary}: back after its rollback, and the trainer cannot skip data (its command "
+                "names no {skip_to_step}): training on, not rolling back again"),
+                data={"attempt": live.number, "step": spike.step, "steps": spike.steps}))
 
 
 def _stop(live: Attempt, outcome: AttemptOutcome, reason: str, *, force: bool) -> StopAttempt:

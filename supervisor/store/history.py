@@ -160,8 +160,15 @@ class HistoryQueries:
         self.c.execute(insert(t.data_skips).values(run_number=run_number, start=start, end=end, reason=reason,
                                                    at=now))
 
+    def widen_data_skip(self, run_number: int, start: int, new_start: int) -> None:
+        """Move the start of the run's skip windows that begin at ``start`` back to ``new_start``."""
+        self.c.execute(update(t.data_skips).where(t.data_skips.c.run_number == run_number,
+                                                  t.data_skips.c.start == start).values(start=new_start))
+
     def list_data_skips(self, run_number: int) -> list[tuple[int, int]]:
-        """Sample ranges [start, end) every later attempt of the run steps over, oldest first."""
+        """Ranges [start, end) of the data every later attempt of the run steps over, oldest
+        first: samples for the reference trainer, data steps for a [command] told
+        ``{skip_to_step}`` (supervisor/policy/recovery.py)."""
         q = select(t.data_skips.c.start, t.data_skips.c.end).where(
             t.data_skips.c.run_number == run_number).order_by(t.data_skips.c.id)
         return [(int(a), int(b)) for a, b in self.c.execute(q)]

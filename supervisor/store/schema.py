@@ -262,8 +262,9 @@ stragglers = Table(
     Column("at", Float, nullable=False),
 )
 
-# Sample ranges of the data stream that every later attempt of the run steps over
-# (a persistent loss spike, a NaN that recurred at one step).
+# Ranges of the data stream that every later attempt of the run steps over (a persistent
+# loss spike, a NaN that recurred at one step): samples for the reference trainer, data
+# steps for a [command] told {skip_to_step} (supervisor/policy/recovery.py).
 data_skips = Table(
     "data_skips",
     metadata,

@@ -21,6 +21,7 @@ from supervisor.domain import (
     Emit,
     EndAttempt,
     EnsureStopped,
+    EventKind,
     FaultKind,
     FaultRecord,
     FinishRun,
@@ -962,6 +963,55 @@ def test_a_nan_again_at_the_same_step_skips_that_steps_data() -> None:
     again = replace(view(run(), (ended(1, 0), live)), faults=(fault_of(1, FaultKind.NONFINITE, step=60),))
     [skip] = of(decide(again, o, NOW), SkipData)
     assert (skip.start, skip.end) == (59 * 16, 60 * 16)
+
+
+def test_a_command_told_skip_to_step_skips_the_spikes_steps() -> None:
+    """A [command] trainer's lines carry no sample position: the window is its own steps,
+    turned into data steps when recorded (supervisor/execute.py)."""
+    live = attempt(started_at=NOW - 100, first_step_at=NOW - 90)
+    o = replace(obs(), recent=tuple(replace(x, first_sample=-1) for x in samples(spiky(40, 5, 44))))
+    effects = decide(replace(view(run(), (live,)), data_skip_unit="steps"), o, NOW)
+    [skip] = of(effects, SkipData)
+    assert (skip.start, skip.end, skip.unit) == (40, 90, "steps")
+
+
+def test_a_spike_a_trainer_cannot_skip_is_rolled_back_once_then_trained_through() -> None:
+    """Without {skip_to_step}, the rollback replays the same batches into the same spike:
+    the second time it is reported, once, and the attempt trains on (no crash loop)."""
+    recent = samples(spiky(40, 5, 44))
+    first = attempt(started_at=NOW - 100, first_step_at=NOW - 90)
+    cannot = replace(view(run(), (first,)), data_skip_unit=None)
+    effects = decide(cannot, replace(obs(), recent=recent), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.SPIKE and "the trainer cannot skip data" in fault.summary
+    assert not of(effects, SkipData)
+    replay = attempt(2, resume_step=30, started_at=NOW - 100, first_step_at=NOW - 90)
+    again = replace(view(run(), (ended(1, 0), replay)), data_skip_unit=None,
+                    faults=(fault_of(1, FaultKind.SPIKE, step=40),))
+    effects = decide(again, replace(obs(), recent=recent), NOW)
+    assert not of(effects, RecordFault) and not of(effects, StopAttempt)
+    [said] = [e for e in of(effects, Emit) if e.kind is EventKind.SPIKE_PERSISTS]
+    assert said.data["step"] == 40 and "not rolling back again" in said.message
+    assert not [e for e in of(decide(replace(again, spikes_said=frozenset({40})), replace(obs(), recent=recent),
+                                     NOW), Emit) if e.kind is EventKind.SPIKE_PERSISTS], "said once"
+    # A spike after the checkpoint this attempt resumed from, not before it: a new one.
+    later = replace(again, attempts=(ended(1, 0), replace(replay, resume_step=45)))
+    assert of(decide(later, replace(obs(), recent=recent), NOW), RecordFault)
+
+
+def test_data_steps_leave_out_the_skip_windows_and_a_window_ahead_is_jumped_to() -> None:
+    from supervisor.policy import data_step, skip_to
+
+    assert [data_step(t, []) for t in (1, 21, 100)] == [1, 21, 100]
+    assert [data_step(t, [(30, 80)]) for t in (29, 30, 31)] == [29, 80, 81]
+    assert [data_step(t, [(30, 80), (60, 90), (95, 100)]) for t in (30, 35)] == [90, 100], "windows merge"
+    # The spike's window lies ahead of the checkpoint at step 20: read from its end at once,
+    # the window widened back to step 21, so that every later resume agrees.
+    assert skip_to(20, [(30, 80)]) == (80, (30, 21))
+    assert [data_step(t, [(21, 80)]) for t in (20, 21, 40)] == [20, 80, 99]
+    assert skip_to(40, [(21, 80)]) == (100, None), "a checkpoint after the jump: 41 + 59"
+    assert skip_to(10, [(21, 80)]) == (80, (21, 11)), "a rollback before an old jump jumps there"
+    assert skip_to(0, []) == (1, None)
 
 
 # --- the network is not the nodes ---------------------------------------------------

@@ -67,6 +67,20 @@ def test_the_neuron_compile_cache_is_node_local_unless_the_spec_says_otherwise(t
     assert attempt_env(own, tmp_path)["NEURON_COMPILE_CACHE_URL"] == "/local/nvme/cache"
 
 
+def test_skip_to_step_is_where_the_data_goes_on_and_says_the_trainer_can_skip(tmp_path: Path) -> None:
+    from supervisor import trainer_cmd
+
+    told = parse_spec({"name": "t", "command": {"argv": ["train", "--data-step={skip_to_step}"], "checkpoint_dir": "ck",
+                                                "resume": ["--from={checkpoint}"], "env": {"SKIP": "{skip_to_step}"}}})
+    assert told.data_skip_unit == "steps" and parse_spec(GOOD).data_skip_unit == "samples"
+    assert parse_spec({"name": "t", "command": {"argv": ["train"], "checkpoint_dir": "ck"}}).data_skip_unit is None
+    assert trainer_cmd.attempt_argv(told, tmp_path, 1, None, 0) == ("train", "--data-step=1")
+    assert trainer_cmd.attempt_argv(told, tmp_path, 2, "/ck/20", 20) == ("train", "--data-step=21", "--from=/ck/20")
+    assert trainer_cmd.attempt_argv(told, tmp_path, 2, "/ck/20", 20, 60)[1] == "--data-step=60"
+    env = attempt_env(told, tmp_path, 60)
+    assert env["TSUP_SKIP_TO_STEP"] == env["SKIP"] == "60"
+
+
 def test_unreadable_and_invalid_files_are_spec_errors(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="no such file"):
         load_spec(tmp_path / "absent.toml")
