@@ -20,7 +20,8 @@ read-only token. ``/healthz`` and the status page's HTML are open. Bodies are li
     GET  /v1/runs/{run}/checkpoints     the newest checkpoints it made or found (?newest=N)
     GET  /v1/runs/{run}/goodput         where its wall-clock time went
     GET  /v1/runs/{run}/metrics         rank 0's step metrics (the loss curve)
-    POST /v1/runs/{run}/{pause|resume|restart|cancel}                             (token)
+    GET  /v1/runs/{run}/logs            a piece of an attempt's log (?attempt, rank|node, offset)
+    POST /v1/runs/{run}/{pause|resume|restart|cancel}  (resume: ?from_step=N)     (token)
     GET  /v1/commands/{id}              what came of a queued command
     GET  /v1/nodes                      every node, its state and last probe
     POST /v1/nodes/{node}/{drain|undrain}                                         (token)
@@ -55,6 +56,7 @@ from supervisor.views import (
     CommandAccepted,
     EventView,
     GoodputView,
+    LogView,
     NodeView,
     ProbeView,
     RunDetail,
@@ -180,6 +182,21 @@ def create_app(service: SupervisorService, auth: TokenAuth, metrics: SupervisorM
     def goodput(run_id: RunId) -> GoodputView:
         return service.goodput(run_id)
 
+    @app.get("/v1/runs/{run_id}/logs", dependencies=read,
+             responses={404: {"description": "no such run, attempt, node of it, or log"}})
+    def logs(
+        run_id: RunId,
+        attempt: Annotated[int | None, Query(ge=1, le=MAX_ID, description="default: the newest")] = None,
+        rank: Annotated[int | None, Query(ge=0, le=10**7, description="default: rank 0")] = None,
+        node: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+                                          description="a node of the attempt: its own log")] = None,
+        offset: Annotated[int, Query(ge=0, le=MAX_ID, description="where to start reading")] = 0,
+        max_bytes: Annotated[int, Query(ge=1, le=1 << 20)] = 65536,
+    ) -> LogView:
+        if rank is not None and node is not None:
+            raise SpecError("give rank or node, not both")
+        return service.logs(run_id, attempt=attempt, rank=rank, node=node, offset=offset, max_bytes=max_bytes)
+
     @app.get("/v1/runs/{run_id}/metrics", dependencies=read)
     def step_metrics(
         run_id: RunId, max_points: Annotated[int, Query(ge=2, le=100_000)] = 1000,
@@ -194,8 +211,19 @@ def create_app(service: SupervisorService, auth: TokenAuth, metrics: SupervisorM
         return handler
 
     for kind in CommandKind:
-        app.post(f"/v1/runs/{{run_id}}/{kind.value}", status_code=202, dependencies=write,
-                 summary=f"{kind.value.capitalize()} a run")(run_command(kind))
+        if kind is not CommandKind.RESUME:
+            app.post(f"/v1/runs/{{run_id}}/{kind.value}", status_code=202, dependencies=write,
+                     summary=f"{kind.value.capitalize()} a run")(run_command(kind))
+
+    @app.post("/v1/runs/{run_id}/resume", status_code=202, dependencies=write, summary="Resume a run",
+              responses={404: {"description": "no such run, or no complete checkpoint of from_step"}})
+    def resume_run(
+        run_id: RunId,
+        from_step: Annotated[int | None, Query(ge=1, le=10**12, description=(
+            "go on from the complete checkpoint of this step (newer ones are set aside); "
+            "absent: the newest"))] = None,
+    ) -> CommandAccepted:
+        return service.request(run_id, CommandKind.RESUME, from_step)
 
     @app.get("/v1/commands/{command_id}", dependencies=read)
     def command_result(command_id: Annotated[int, Path(ge=1, le=MAX_ID)]) -> CommandResult:

@@ -5,7 +5,10 @@
     supervisorctl events RUN [--follow]         its event log (--follow: live, until it ends)
     supervisorctl submit SPEC.toml [--dry-run]  a new run
     supervisorctl pause|resume|restart|cancel RUN
+    supervisorctl resume RUN --from-step N      go on from the checkpoint of step N
     supervisorctl checkpoints RUN               the checkpoints it made or found
+    supervisorctl logs RUN [--attempt N] [--rank R | --node NODE] [--follow]
+                                                an attempt's log (rank 0's by default)
     supervisorctl goodput RUN                   where its wall-clock time went
     supervisorctl nodes [-q]                    every node, its state, drain reason, last probe
     supervisorctl drain NODE --reason TEXT      take a node out of service
@@ -136,8 +139,23 @@ def _parser() -> argparse.ArgumentParser:
     for kind, text in RUN_COMMANDS.items():
         p = command(kind, text, _run_command, kind=kind)
         p.add_argument("run")
+        if kind == "resume":
+            p.add_argument("--from-step", type=int, metavar="N", default=None,
+                           help="go on from the complete checkpoint of step N (newer ones are set aside, "
+                                "nothing deleted); default: the newest")
         _wait_option(p)
     command("checkpoints", "a run's checkpoints", _checkpoints).add_argument("run")
+    p = command("logs", "an attempt's log: rank 0's, a rank's or a node's", _logs)
+    p.add_argument("run")
+    p.add_argument("--attempt", type=int, metavar="N", help="default: the newest")
+    whose = p.add_mutually_exclusive_group()
+    whose.add_argument("--rank", type=int, metavar="R", help="rank R's output (its node's file where the "
+                                                             "node's torchrun or train.sh writes it)")
+    whose.add_argument("--node", metavar="NODE",
+                       help="the node's output (train.sh's llama.out), or its first rank's")
+    p.add_argument("--follow", "-f", action="store_true",
+                   help="keep printing as it grows, until the attempt ends; without --attempt, on into the "
+                        "run's next attempts until the run stops")
     command("goodput", "where a run's wall-clock time went", _goodput).add_argument("run")
     p = command("nodes", "list nodes, with their last probe", _nodes)
     p.add_argument("-q", "--quiet", action="store_true", help="print node names only")
@@ -288,6 +306,63 @@ def _events(c: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+_STOPPED = {"SUCCEEDED", "FAILED", "CANCELLED", "PAUSED"}
+
+
+def _logs(c: Client, args: argparse.Namespace) -> int:
+    """Print the log; a trainer's bytes are shown safely (each redraw of a progress bar on a
+    line of its own, control characters escaped). --json: one object, or with --follow one
+    per piece read."""
+    run, attempt, offset = _segment(args.run), args.attempt, 0
+    whose = {k: v for k, v in (("rank", args.rank), ("node", args.node)) if v is not None}
+    merged: dict[str, Any] | None = None
+    while True:
+        try:
+            piece = c.get(f"/v1/runs/{run}/logs", params={**whose, "offset": offset, "max_bytes": 1 << 20,
+                                                           **({"attempt": attempt} if attempt else {})})
+        except ApiError as e:
+            if not (args.follow and e.status == 404 and offset == 0):
+                raise
+            time.sleep(1.0)  # an attempt that has not written its log yet
+            continue
+        if attempt is None or piece["attempt"] != attempt:
+            attempt, offset = piece["attempt"], 0
+            if args.follow and not args.json:
+                print(f"--- {piece['run_id']} attempt {attempt}, {piece['file']} ---", file=sys.stderr,
+                      flush=True)
+            continue
+        offset = piece["next_offset"]
+        if args.json and args.follow:
+            print(json.dumps(piece), flush=True)
+        elif args.json:
+            merged = piece if merged is None else {**piece, "offset": merged["offset"],
+                                                    "text": merged["text"] + piece["text"]}
+        else:
+            sys.stdout.write(_shown(piece["text"]))
+            sys.stdout.flush()
+        if offset < piece["size"]:
+            continue  # more is there already
+        if not args.follow:
+            break
+        if piece["attempt_state"] == "ENDED":
+            if args.attempt is not None or piece["run_state"] in _STOPPED:
+                break
+            if c.get(f"/v1/runs/{run}")["attempts"] <= attempt:  # attempts are numbered 1, 2, ...
+                time.sleep(1.0)
+                continue
+            attempt = None  # on to the newest
+            continue
+        time.sleep(1.0)
+    if merged is not None:
+        _print_json(merged)
+    return EXIT_OK
+
+
+def _shown(text: str) -> str:
+    """A trainer's output for a terminal: \r redraws as lines, control characters escaped."""
+    return "\n".join(printable(line) for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n"))
+
+
 def _submit(c: Client, args: argparse.Namespace) -> int:
     try:
         spec = tomllib.loads(args.spec.read_text())
@@ -348,7 +423,11 @@ def _dry_run(args: argparse.Namespace, data: dict[str, Any]) -> int:
 
 
 def _run_command(c: Client, args: argparse.Namespace) -> int:
-    accepted = c.post(f"/v1/runs/{_segment(args.run)}/{args.kind}")
+    from_step = getattr(args, "from_step", None)
+    if from_step is not None and from_step < 1:
+        raise UsageError(f"--from-step must be a checkpoint's step (1 or more), not {from_step}")
+    params = {"from_step": from_step} if from_step is not None else None
+    accepted = c.post(f"/v1/runs/{_segment(args.run)}/{args.kind}", params=params)
     return _await_command(c, args, accepted, args.run)
 
 
@@ -406,7 +485,8 @@ def completion_script(shell: str) -> str:
     commands: dict[str, list[str]] = {}
     for name, p in sub.choices.items():
         commands[name] = sorted(o for a in p._actions for o in a.option_strings)
-    takes_run = [n for n in commands if n in {"status", "events", "checkpoints", "goodput", *RUN_COMMANDS}]
+    takes_run = [n for n in commands
+                 if n in {"status", "events", "checkpoints", "goodput", "logs", *RUN_COMMANDS}]
     takes_node = ["drain", "undrain", "probe"]
     cases = "\n".join(f"        {name}) opts=\"{' '.join(opts)}\" ;;"
                       for name, opts in sorted(commands.items()))

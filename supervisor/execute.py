@@ -235,6 +235,8 @@ class DecisionExecutor:
         if isinstance(e, ResumeRun):
             tx.update_run(n, state=new, reason=e.reason, ended_at=None,
                           budget_from_attempt=len(tx.list_attempts(n)))
+            if e.from_step is not None:  # a newer memory save is past the step the operator chose
+                tx.forget_memory_checkpoints_after(n, e.from_step)
         elif isinstance(e, FinishRun):
             tx.update_run(n, state=new, reason=e.reason, ended_at=now, final_step=e.final_step,
                           model_digest=e.model_digest)
@@ -265,6 +267,8 @@ class DecisionExecutor:
                 # else the record stays, and the next tick asks to release again
             case StartAttempt() if spec is not None:
                 self._start(run, spec, seen.run_dir, e, now)
+            case ResumeRun(from_step=int(step)) if spec is not None:
+                self._go_back_to(run, spec, seen.run_dir, step, now)
             case StopAttempt() | EnsureStopped():
                 info = attempts[e.number].launch_info
                 if info:
@@ -355,6 +359,21 @@ class DecisionExecutor:
             tx.add_event(run.number, EventKind.CHECKPOINT_INTERVAL, f"{what} {auto.why}",
                          {"every_steps": auto.every_steps, "tier": tier}, now)
         return auto.every_steps
+
+    def _go_back_to(self, run: Run, spec: RunSpec, run_dir: Path, step: int, now: float) -> None:
+        """An operator's resume from the checkpoint of ``step``: every newer checkpoint is
+        moved out of the way (into .set-aside/ in the checkpoint directory; nothing
+        deleted), so that this resume and every later one goes on from that step."""
+        directory = trainer_cmd.checkpoint_dir(spec, run_dir)
+        layout = trainer_cmd.checkpoint_layout(spec)
+        keep, _ = checkpoint_scan.pick(directory, layout, before_step=step + 1)
+        into = directory / checkpoint_scan.SET_ASIDE / f"resume-{run.run_id}-{now:.0f}"
+        moved = checkpoint_scan.set_aside(directory, layout, keep.path if keep else None, step + 1, into)
+        if moved:
+            names = ", ".join(src.name for src, _ in moved)
+            self.post_event(run.number, EventKind.CHECKPOINT_SET_ASIDE,
+                            f"resuming from step {step}: moved {names} into {moved[0][1].parent}",
+                            {"from_step": step, "moved": [str(src) for src, _ in moved]})
 
     def _clear_the_way(self, run: Run, spec: RunSpec, run_dir: Path, e: StartAttempt, now: float) -> None:
         """A [command] trainer that picks its checkpoint itself (its resume arguments name a

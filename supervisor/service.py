@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from supervisor import node_health, trainer_cmd, users
+from supervisor import attempt_logs, checkpoint_scan, node_health, trainer_cmd, users
 from supervisor.domain import (
     AttemptStats,
     CommandKind,
@@ -36,7 +36,7 @@ from supervisor.errors import NotFound, SpecError
 from supervisor.launchers.base import Launcher, NodeAdmin, waiting_standbys
 from supervisor.probes import ProbeScheduler
 from supervisor.settled import SettledHistory, is_over
-from supervisor.spec import RunSpec
+from supervisor.spec import RunSpec, spec_from_json
 from supervisor.store import SqlStore
 from supervisor.views import (
     CHECKPOINTS_SHOWN,
@@ -46,6 +46,7 @@ from supervisor.views import (
     DaemonHealth,
     EventView,
     GoodputView,
+    LogView,
     MemoryCheckpointView,
     NodeView,
     ProbeView,
@@ -235,11 +236,62 @@ class SupervisorService:
         return [StepMetricView(attempt=m.attempt, step=m.step, loss=m.loss, grad_norm=m.grad_norm,
                                step_time_s=m.step_time_s, at=m.at) for m in points]
 
-    def request(self, run_id: str, kind: CommandKind) -> CommandAccepted:
+    def logs(self, run_id: str, *, attempt: int | None = None, rank: int | None = None,
+             node: str | None = None, offset: int = 0, max_bytes: int = 65536) -> LogView:
+        """A piece of an attempt's log (supervisor/attempt_logs.py): ``rank``'s, or ``node``'s
+        (a node of the attempt), or rank 0's; the newest attempt unless told."""
         number = _number(run_id)
         with self.store.tx() as tx:
-            command_id = tx.add_command(number, kind, self.clock())
+            run = tx.get_run(number)
+            attempts = tx.list_attempts(number)
+            _, run_dir = tx.run_spec_and_dir(number)
+        if not attempts:
+            raise NotFound(f"{run_id} has no attempt yet")
+        chosen = attempts[-1] if attempt is None else next((a for a in attempts if a.number == attempt), None)
+        if chosen is None:
+            raise NotFound(f"{run_id} has no attempt {attempt} (its attempts: 1 to {len(attempts)})")
+        node_index = None
+        if node is not None:
+            if node not in chosen.nodes:
+                raise NotFound(f"{node} is not a node of {run_id}'s attempt {chosen.number} "
+                               f"(its nodes: {', '.join(chosen.nodes)})")
+            node_index = chosen.nodes.index(node)
+        log_dir = trainer_cmd.attempt_dir(run_dir, chosen.number)
+        name = attempt_logs.pick(log_dir, rank=rank, node_index=node_index, ranks_per_node=run.ranks_per_node)
+        piece = attempt_logs.read(log_dir, name, offset, max_bytes)
+        return LogView(run_id=run_id, attempt=chosen.number, attempt_state=chosen.state.value,
+                       run_state=run.state.value, file=piece.file, offset=offset,
+                       next_offset=offset + len(piece.data), size=piece.size,
+                       text=piece.data.decode(errors="replace"))
+
+    def request(self, run_id: str, kind: CommandKind, from_step: int | None = None) -> CommandAccepted:
+        """Queue a command for a run. ``from_step`` (resume only): the step of a complete,
+        verified checkpoint in the run's checkpoint directory to go on from; NotFound,
+        naming those there are, when there is none of that step."""
+        number = _number(run_id)
+        if from_step is not None:
+            if kind is not CommandKind.RESUME:
+                raise SpecError(f"from_step is for resume, not {kind.value}")
+            self._check_resume_point(run_id, number, from_step)
+        with self.store.tx() as tx:
+            command_id = tx.add_command(number, kind, self.clock(), step=from_step)
         return CommandAccepted(command_id=command_id, run_id=run_id, kind=kind.value)
+
+    def _check_resume_point(self, run_id: str, number: int, step: int) -> None:
+        with self.store.tx() as tx:
+            text, run_dir = tx.run_spec_and_dir(number)
+        try:
+            spec = spec_from_json(text)
+        except SpecError as e:
+            raise SpecError(f"{run_id}'s spec no longer validates: {e}") from e
+        directory = trainer_cmd.checkpoint_dir(spec, run_dir)
+        verdicts = checkpoint_scan.scan(directory, trainer_cmd.checkpoint_layout(spec))
+        if any(v.ok and v.step == step for v in verdicts):
+            return
+        there = sorted({v.step for v in verdicts if v.ok})
+        shown = ", ".join(str(s) for s in there[-20:]) if there else "none"
+        raise NotFound(f"{run_id} has no complete checkpoint of step {step}; complete checkpoints at steps: "
+                       f"{shown}" + (f" (the newest 20 of {len(there)})" if len(there) > 20 else ""))
 
     def request_node(self, name: str, kind: NodeCommandKind, reason: str = "") -> CommandAccepted:
         """Queue a drain or an undrain of a node the supervisor knows (NotFound otherwise)."""

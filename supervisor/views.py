@@ -164,6 +164,20 @@ class CommandAccepted(BaseModel):
     kind: str
 
 
+class LogView(BaseModel):
+    """A piece of one log file of an attempt (``GET /v1/runs/{run}/logs``)."""
+
+    run_id: str
+    attempt: int
+    attempt_state: str
+    run_state: str
+    file: str  # its name in the attempt's log directory
+    offset: int  # where this piece starts
+    next_offset: int  # where the next read goes on
+    size: int  # the file's size when read
+    text: str  # the bytes read, decoded (undecodable bytes replaced)
+
+
 class StepMetricView(BaseModel):
     """One step of rank 0's metrics: a point of the loss curve."""
 

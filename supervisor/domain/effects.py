@@ -28,9 +28,12 @@ class SetRunState:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ResumeRun:
-    """Back to PENDING after an operator's resume; the budget for failures starts afresh."""
+    """Back to PENDING after an operator's resume; the budget for failures starts afresh.
+    With ``from_step``, every checkpoint newer than that step is set aside first (and
+    memory saves newer than it forgotten): the run goes on from the one of that step."""
 
     reason: str
+    from_step: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -147,6 +147,7 @@ class Command:
     run_number: int
     kind: CommandKind
     created_at: float
+    step: int | None = None  # resume: the checkpoint step to go back to (None: the newest)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

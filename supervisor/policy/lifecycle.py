@@ -92,7 +92,10 @@ def decide(view: RunView, obs: AttemptObs | None, now: float) -> list[Effect]:
 
     drained_now = {e.node for e in out if isinstance(e, DrainNode)}
     probing = probes_wanted(view, drained_now, out)
-    if live is None and state in _LAUNCHABLE and not probing and not view.probing:
+    # A resume from a chosen step launches next tick, once the newer checkpoints are set
+    # aside: this tick's newest_checkpoint may be one of them.
+    going_back = any(isinstance(e, ResumeRun) and e.from_step is not None for e in out)
+    if live is None and state in _LAUNCHABLE and not probing and not view.probing and not going_back:
         state = launch(view, state, drained_now, out, now)
 
     holds_nodes = (any(n.state is NodeState.ALLOCATED for n in view.allocation)
@@ -198,7 +201,8 @@ def _apply_command(
         return reject(f"run is already {state}")
     accept()
     check_run(state, RunState.PENDING)
-    out.append(ResumeRun(reason="resumed by operator"))
+    at = "" if cmd.step is None else f" from the checkpoint of step {cmd.step}"
+    out.append(ResumeRun(reason=f"resumed by operator{at}", from_step=cmd.step))
     return RunState.PENDING, live
 
 

@@ -83,6 +83,10 @@ class HistoryQueries:
                                                            mc.created_at < oldest_kept))
         return True
 
+    def forget_memory_checkpoints_after(self, run_number: int, step: int) -> None:
+        mc = t.memory_checkpoints.c
+        self.c.execute(t.memory_checkpoints.delete().where(mc.run_number == run_number, mc.step > step))
+
     def list_memory_checkpoints(self, run_number: int) -> list[MemoryCheckpointRecord]:
         """The run's memory saves kept, oldest first."""
         mc = t.memory_checkpoints.c

@@ -108,10 +108,11 @@ class RunQueries:
 
     # --- commands -------------------------------------------------------------------
 
-    def add_command(self, run_number: int, kind: CommandKind, now: float) -> int:
+    def add_command(self, run_number: int, kind: CommandKind, now: float, step: int | None = None) -> int:
         self.get_run(run_number)  # NotFound for an unknown run
         res = self.c.execute(
-            insert(t.commands).values(run_number=run_number, kind=kind.value, reason="", created_at=now)
+            insert(t.commands).values(run_number=run_number, kind=kind.value, reason="", created_at=now,
+                                      step=step)
         )
         return new_id(res)
 
@@ -119,7 +120,8 @@ class RunQueries:
         """Runs' commands not yet carried out, oldest first."""
         q = select(t.commands).where(t.commands.c.handled_at.is_(None), t.commands.c.run_number.is_not(None))
         return [
-            Command(id=r.id, run_number=r.run_number, kind=CommandKind(r.kind), created_at=r.created_at)
+            Command(id=r.id, run_number=r.run_number, kind=CommandKind(r.kind), created_at=r.created_at,
+                    step=r.step)
             for r in self.c.execute(q.order_by(t.commands.c.id))
         ]
 

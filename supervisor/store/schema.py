@@ -228,6 +228,7 @@ commands = Table(
     Column("created_at", Float, nullable=False),
     Column("handled_at", Float),
     Column("result", Text),
+    Column("step", Integer),  # resume --from-step: the checkpoint step the run goes back to
 )
 
 
@@ -456,5 +457,10 @@ def _v10(conn: Connection) -> None:
     probe_rounds.create(conn, checkfirst=True)
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10]
+def _v11(conn: Connection) -> None:
+    """An operator's resume from a chosen checkpoint step."""
+    _add_columns(conn, "commands", {"step": "INTEGER"})
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11]
 SCHEMA_VERSION = len(MIGRATIONS)

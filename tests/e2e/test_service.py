@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import signal
 import ssl
 import stat
@@ -89,6 +90,17 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
         detail = wait_for(lambda: (d := quick_json(daemon, "status", run_id))["faults"]
                           and d["faults"][0]["recovered_at"] and d, 120, "recovery from the kill")
         assert detail["faults"][0]["kind"] == "rank-exit" and detail["faults"][0]["ranks"] == [3]
+        # An attempt's logs, without finding the files: the killed rank's (it prints nothing
+        # of its own), rank 0's (the steps it made until the kill).
+        killed = quick_json(daemon, "logs", run_id, "--attempt", "1", "--rank", "3")
+        assert re.fullmatch(r"rank-0*3\b.*\.log", killed["file"]) and killed["attempt_state"] == "ENDED", killed
+        first = quick_json(daemon, "logs", run_id, "--attempt", "1")
+        assert re.fullmatch(r"rank-0*0\b.*\.log", first["file"]) and first["text"], first
+        assert first["next_offset"] == first["size"] == len(first["text"].encode())
+        shown = quick(daemon, "logs", run_id, "--attempt", "1")
+        assert shown.returncode == 0 and shown.stdout.splitlines()[0] == first["text"].splitlines()[0]
+        absent = quick(daemon, "logs", run_id, "--attempt", "1", "--node", "local-9")
+        assert absent.returncode == 3 and "local-9 is not a node of" in absent.stderr
         scrape = httpx.get(f"{daemon.url}/metrics",
                            headers={"Authorization": f"Bearer {daemon.read_token_file.read_text().strip()}"})
         assert scrape.status_code == 200 and scrape.headers["content-type"].startswith("text/plain")
@@ -104,7 +116,9 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
         assert quick_json(daemon, "pause", run_id)["result"] == "accepted"
         wait_for(lambda: (d := quick_json(daemon, "status", run_id))["state"] == "PAUSED"
                  and d["attempt_state"] == "ENDED", 60, "the pause")
-        assert quick_json(daemon, "resume", run_id)["result"] == "accepted"
+        going_back = quick(daemon, "resume", run_id, "--from-step", "19")
+        assert going_back.returncode == 3 and "no complete checkpoint of step 19" in going_back.stderr
+        assert quick_json(daemon, "resume", run_id, "--from-step", "20")["result"] == "accepted"
         wait_for(lambda: quick_json(daemon, "status", run_id)["state"] == "RUNNING", 120, "the resumed run")
         assert quick_json(daemon, "restart", run_id)["result"] == "accepted"
         wait_for(lambda: (d := quick_json(daemon, "status", run_id))["state"] == "RUNNING" and d["attempts"] == 4,

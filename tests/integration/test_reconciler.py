@@ -22,6 +22,7 @@ from supervisor.domain import (
     ProcState,
     RunState,
 )
+from supervisor.errors import NotFound, SpecError
 from supervisor.launchers.base import LaunchSpec
 from supervisor.launchers.local import LocalLauncher
 from supervisor.reconciler import Reconciler, ReconcilerConfig
@@ -282,6 +283,38 @@ def test_restart_through_the_service_stops_gracefully_and_starts_the_next_attemp
     assert a2.state in (AttemptState.LAUNCHING, AttemptState.RUNNING) and a2.nodes == a1.nodes
     with store.tx() as tx:
         assert tx.get_run(1).state is RunState.RECOVERING and tx.list_faults(1) == []
+
+
+def test_resume_from_an_older_step_sets_the_newer_checkpoints_aside(world, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    store, clock, launcher, telemetry, rec, service = world
+    service.submit(parse_spec(SPEC))
+    rec.tick()
+    rec.tick()
+    for n in (4, 8):
+        make_checkpoint(tmp_path, n)
+    service.request("run-1", CommandKind.PAUSE)
+    rec.tick()
+    clock.t += 1
+    rec.tick()
+    with store.tx() as tx:
+        assert tx.get_run(1).state is RunState.PAUSED
+    with pytest.raises(NotFound, match=r"no complete checkpoint of step 6; complete checkpoints at steps: 4, 8"):
+        service.request("run-1", CommandKind.RESUME, from_step=6)
+    with pytest.raises(SpecError, match="from_step is for resume"):
+        service.request("run-1", CommandKind.RESTART, from_step=4)
+    accepted = service.request("run-1", CommandKind.RESUME, from_step=4)
+    rec.tick()
+    assert service.command_result(accepted.command_id) == "accepted"
+    checkpoints = tmp_path / "runs" / "run-1" / "checkpoints"
+    assert sorted(x.name for x in checkpoints.iterdir() if x.name.startswith("step_")) == ["step_00000004"]
+    assert [x.name for x in (checkpoints / ".set-aside").glob("*/step_*")] == ["step_00000008"], "moved, not deleted"
+    rec.tick()
+    rec.tick()
+    a1, a2 = attempts(store)
+    assert a2.resume_step == 4 and a2.resume_from is not None and a2.resume_from.endswith("step_00000004")
+    with store.tx() as tx:
+        assert "resumed by operator from the checkpoint of step 4" in [e.message.split(": ", 1)[-1]
+                                                                      for e in tx.list_events(1)]
 
 
 def test_an_operator_drains_a_node_in_use_and_the_next_attempt_leaves_it_out(world) -> None:  # type: ignore[no-untyped-def]
