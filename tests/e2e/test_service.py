@@ -99,6 +99,8 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
         assert first["next_offset"] == first["size"] == len(first["text"].encode())
         shown = quick(daemon, "logs", run_id, "--attempt", "1")
         assert shown.returncode == 0 and shown.stdout.splitlines()[0] == first["text"].splitlines()[0]
+        followed = quick(daemon, "logs", run_id, "--attempt", "1", "--follow")  # it has ended: to its end, then out
+        assert followed.returncode == 0 and followed.stdout == shown.stdout
         absent = quick(daemon, "logs", run_id, "--attempt", "1", "--node", "local-9")
         assert absent.returncode == 3 and "local-9 is not a node of" in absent.stderr
         scrape = httpx.get(f"{daemon.url}/metrics",
