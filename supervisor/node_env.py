@@ -4,15 +4,14 @@ Every rank (or, with ``launch = "node"``, every node's torchrun or ``train.sh``)
 these variables through srun's environment; a ``[command]``'s own ``env`` wins over
 them, and a script that exports its own wins over both.
 
-- ``neuron`` (trn1/trn2, EFA): the seeds' NxD settings, as the reference trainer's
-  Neuron backend defines them (trainer/neuron/launch.py: libfabric on EFA, the Neuron
-  runtime's and compiler's settings for transformer training, malloc arenas bounded).
-- ``nvidia`` (p4d/p5, EFA): the FSDP test case's: NCCL over libfabric's EFA provider,
-  huge pages off (a forked data-loader worker could not allocate them), CUDA memory
-  operations left unsynchronized (FSDP's throughput), NCCL's own sockets away from
-  container bridges and loopback, NCCL's INFO lines in the rank logs (the transport it
-  chose, and the evidence when a collective fails), and a failed collective ending the
-  process instead of hanging it.
+- ``neuron`` (trn1/trn2, EFA): as the reference trainer's Neuron backend defines it
+  (trainer/neuron/launch.py): the runtime's and compiler's settings seed 004 gives for
+  transformer training; libfabric on EFA and bounded malloc arenas, this project's.
+- ``nvidia`` (p4d/p5, EFA): seed 002's NCCL_DEBUG=INFO; the rest this project's, each
+  with its reason beside it.
+
+Each value says where it comes from: a seed document (../shared/seeds/, named), or this
+project's choice and why.
 """
 
 from __future__ import annotations
@@ -24,12 +23,15 @@ from trainer.neuron.launch import NODE_ENV as NEURON_NODE_ENV
 Accelerator = Literal["neuron", "nvidia"]
 
 NVIDIA_EFA_ENV = {
-    "FI_PROVIDER": "efa",
-    "FI_EFA_USE_HUGE_PAGE": "0",
-    "FI_EFA_SET_CUDA_SYNC_MEMOPS": "0",
-    "NCCL_SOCKET_IFNAME": "^docker,lo,veth",
+    # Seed 002 (the FSDP test case): "we prefer to use NCCL_DEBUG=INFO for verbose logging"
+    # (the transport NCCL chose, and the evidence when a collective fails).
     "NCCL_DEBUG": "INFO",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    # This project's choices, no seed gives them:
+    "FI_PROVIDER": "efa",  # NCCL over libfabric's EFA provider, never a fallback to TCP
+    "FI_EFA_USE_HUGE_PAGE": "0",  # a forked data-loader worker could not allocate huge pages
+    "FI_EFA_SET_CUDA_SYNC_MEMOPS": "0",  # CUDA memory operations left unsynchronized (throughput)
+    "NCCL_SOCKET_IFNAME": "^docker,lo,veth",  # NCCL's own sockets away from bridges and loopback
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed collective ends the process, not hangs it
     "LOGLEVEL": "INFO",  # torchrun's agent logs which worker failed, with its exit code
 }
 

@@ -29,7 +29,7 @@ from tests.conftest import REPO
 TRN1 = REPO / "examples" / "trn1-16-nxd.toml"
 P5 = REPO / "examples" / "p5-4-torchrun.toml"
 NEURON_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1",
-              "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": "7", "NEURON_FUSE_SOFTMAX": "1",
+              "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": "3", "NEURON_FUSE_SOFTMAX": "1",
               "MALLOC_ARENA_MAX": "128",
               "NEURON_CC_FLAGS": "--model-type=transformer --distribution-strategy=llm-training"}
 NVIDIA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_HUGE_PAGE": "0", "FI_EFA_SET_CUDA_SYNC_MEMOPS": "0",

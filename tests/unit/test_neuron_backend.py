@@ -190,12 +190,19 @@ def test_a_trn1_node_launch_for_16_nodes() -> None:
     assert not any(a.startswith("--node_rank") for a in same_on_every_node)
 
 
-def test_the_node_environment_is_the_seeds() -> None:
+def test_the_node_environment_takes_the_seeds_values_where_they_give_one() -> None:
+    """Seed 004 (the HLAT post, 004_0f1bb56388bab5b8.txt): "We used the compiling flag
+    --distribution-strategy=llm-training ... We also used --model-type=transformer ... We set
+    the Neuron environment variable NEURON_FUSE_SOFTMAX=1 ... Finally, we used
+    NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS=3 to reduce training latency"."""
     env = launch.NODE_ENV
-    assert {k: env[k] for k in ("FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_FORK_SAFE")} == {
-        "FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
     assert env["NEURON_CC_FLAGS"].split() == ["--model-type=transformer", "--distribution-strategy=llm-training"]
-    assert env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "7" and env["NEURON_FUSE_SOFTMAX"] == "1"
+    assert env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "3" and env["NEURON_FUSE_SOFTMAX"] == "1"
+    # This project's own, each marked so beside its value (trainer/neuron/launch.py).
+    assert {k: env[k] for k in ("FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_FORK_SAFE", "MALLOC_ARENA_MAX")} == {
+        "FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1", "MALLOC_ARENA_MAX": "128"}
+    source = (REPO / "trainer" / "neuron" / "launch.py").read_text()
+    assert "# This project's choices, no seed gives them:" in source
     assert launch.precision_env("bfloat16") == {"XLA_DOWNCAST_BF16": "1"} and launch.precision_env("float32") == {}
 
 

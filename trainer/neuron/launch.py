@@ -12,9 +12,10 @@ it runs the trainer with ``NEURON_EXTRACT_GRAPHS_ONLY=1`` (the trainer then runs
 ``EXTRACT_GRAPHS_STEPS`` steps and saves nothing), then compiles every graph it traced
 in parallel into the compile cache, so that the real run finds them compiled.
 
-The environment is the one the seeds' NxD Llama scripts export: libfabric on the EFA
-devices, the runtime's and compiler's settings for transformer training, and a bound on
-glibc's malloc arenas. Precision is the trainer's own (``precision_env``).
+The environment (``NODE_ENV``): the runtime's and compiler's settings for transformer
+training that seed 004 (HLAT) gives, and this project's own choices, each with its
+reason: libfabric on the EFA devices, a bound on glibc's malloc arenas. Precision is the
+trainer's own (``precision_env``).
 """
 
 from __future__ import annotations
@@ -24,21 +25,28 @@ from collections.abc import Sequence
 TRN1_32XLARGE_RANKS = 32  # NeuronCores of a trn1.32xlarge, one rank each
 EXTRACT_GRAPHS_STEPS = 10  # steps a precompile pass traces: the first steps' graphs differ
 
+# Where a value comes from: a seed document (../shared/seeds/, named), or this project's
+# own choice with its reason. (OMP_NUM_THREADS=1, which seeds 000 and 003 export before
+# `srun ./train.sh`, every Slurm step gets anyway: supervisor/slurm/requests.py.)
 NODE_ENV = {
-    "FI_PROVIDER": "efa",  # collectives between nodes over EFA
-    "FI_EFA_USE_DEVICE_RDMA": "1",  # RDMA straight from device memory
-    "FI_EFA_FORK_SAFE": "1",  # ranks fork (data workers, the compiler) with registered memory
-    # Executions the runtime queues ahead of the host (the value of the seeds' Llama runs).
-    "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": "7",
-    "NEURON_FUSE_SOFTMAX": "1",  # the fused softmax kernel in attention
-    "MALLOC_ARENA_MAX": "128",  # 32 ranks' default arenas can exhaust the host's memory
+    # Seed 004 (HLAT, Llama 2 7B on 128 trn1.32xlarge): the compiler flags for transformer
+    # training that shards parameters, gradients and optimizer state across data parallel
+    # ranks; the fused softmax; 3 executions queued ahead of the host (latency).
     "NEURON_CC_FLAGS": "--model-type=transformer --distribution-strategy=llm-training",
+    "NEURON_FUSE_SOFTMAX": "1",
+    "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": "3",
+    # This project's choices, no seed gives them:
+    "FI_PROVIDER": "efa",  # the nodes' collectives over EFA, never a fallback to TCP sockets
+    "FI_EFA_USE_DEVICE_RDMA": "1",  # RDMA straight from device memory (trn1 supports it)
+    "FI_EFA_FORK_SAFE": "1",  # ranks fork (data workers, the compiler) with memory registered
+    "MALLOC_ARENA_MAX": "128",  # 32 ranks' default malloc arenas can exhaust the host's memory
 }
 
 
 def precision_env(dtype: str) -> dict[str, str]:
     """What the trainer sets before torch-xla starts: bfloat16 ("auto" on Neuron) stores
-    float32 tensors as bfloat16 on the device (the seeds' XLA_DOWNCAST_BF16), the
+    float32 tensors as bfloat16 on the device (XLA_DOWNCAST_BF16: this project's choice,
+    torch-xla's way to train in bfloat16 without casting the model; no seed names it), the
     optimizer's state included: unlike the torch backend, there are no float32 master
     weights (NxD's master-weights option is not used)."""
     return {"XLA_DOWNCAST_BF16": "1"} if dtype in ("auto", "bfloat16") else {}
