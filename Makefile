@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/training-supervisor run examples/tiny-llama.toml --state-dir .state/tiny --chaos kill-rank@50
+	$(BIN)/training-supervisor run examples/tiny-llama-fast.toml --state-dir .state/tiny --chaos kill-rank@50
 
 system-deps:
 	scripts/install-system-deps

@@ -190,7 +190,8 @@ def serve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> tupl
     host, port = parse_bind(config.api_bind) if config.api_bind else ("127.0.0.1", None)
     settings = DaemonSettings(
         state_dir=config.state_dir or default_state_dir(), mqtt_url=config.mqtt_url, api_host=host,
-        api_port=port, launcher=config.launcher, slurm_conf=config.slurm_conf, tick_s=config.tick_s,
+        api_port=port, launcher=config.launcher, slurm_conf=config.slurm_conf,
+        slurm_bin_dir=config.slurm_bin_dir, tick_s=config.tick_s,
         sweep_every_s=config.sweep_every_s or None, sweep_args=tuple(config.sweep_args),
         return_after=config.return_after, api_token_file=config.api_token_file,
         mqtt_bind=config.mqtt_bind, mqtt_advertise_url=config.mqtt_advertise_url,

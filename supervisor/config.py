@@ -31,6 +31,7 @@ override that again (``cli.py``). Every error names the key and where it came fr
                                                  # "Action:Reboot", HyperPod's own words
     launcher = "slurm"                           # or "local" (simulated nodes)
     slurm_conf = "/etc/slurm/slurm.conf"         # absent: SLURM_CONF or Slurm's default
+    slurm_bin_dir = "/opt/slurm/bin"             # Slurm's commands (absent: on PATH)
     tick_s = 0.25                                # reconcile period
     sweep_every_s = 900                          # probe idle and drained nodes; 0: never
     sweep_args = ["--instance-type", "trn1.32xlarge"]
@@ -90,6 +91,7 @@ class ServiceConfig(BaseModel):
     hyperpod: bool = False
     launcher: Literal["local", "slurm"] = "local"
     slurm_conf: str | None = None
+    slurm_bin_dir: Path | None = None
     tick_s: Annotated[float, Field(gt=0, le=60)] = 0.25
     sweep_every_s: Annotated[float, Field(ge=0, le=30 * 86_400)] = 900.0
     sweep_args: list[Annotated[str, Field(max_length=200)]] = []
@@ -125,6 +127,13 @@ class ServiceConfig(BaseModel):
     def _mqtt(cls, v: str | None) -> str | None:
         if v is not None:
             parse_broker_url(v)
+        return v
+
+    @field_validator("slurm_bin_dir")
+    @classmethod
+    def _absolute(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_absolute():
+            raise ValueError(f"expected an absolute path, got {str(v)!r}")
         return v
 
     @field_validator("mqtt_bind")

@@ -116,6 +116,7 @@ class DaemonSettings:
     check_trainer_config: bool = True
     launcher: Literal["local", "slurm"] = "local"
     slurm_conf: str | None = None  # None: SLURM_CONF from the environment, or Slurm's default
+    slurm_bin_dir: Path | None = None  # where sbatch, srun, scontrol ... are (None: on PATH)
     sweep_every_s: float | None = None  # probe idle and drained nodes this often (None: never)
     sweep_args: tuple[str, ...] = ()  # extra arguments to the sweep's python -m health
     return_after: int = 3  # clean sweep probes in a row that return a node it drained (0: never)
@@ -153,7 +154,8 @@ class Cluster:
 def make_cluster(settings: DaemonSettings) -> Cluster:
     if settings.launcher == "slurm":
         slurm = slurm_cluster(slurm_conf=settings.slurm_conf, state_dir=settings.state_dir,
-                              admin_prefix=settings.slurm_admin_prefix, hyperpod=settings.hyperpod)
+                              admin_prefix=settings.slurm_admin_prefix, hyperpod=settings.hyperpod,
+                              bin_dir=settings.slurm_bin_dir)
         return Cluster(slurm.launcher, slurm.nodes, slurm=slurm)
     local = LocalLauncher(max_nodes=settings.max_local_nodes)
     return Cluster(local, local, chaos=local)

@@ -45,9 +45,12 @@ def run_detail(d: RunDetail) -> str:
     else:
         lines.append(f"  faults:   {d.faults_total}; the newest {len(d.faults)}, {recovered} of them "
                      "recovered:")
+    cold = _cold_start_s(d)
     for f in d.faults:
         rec = (f"training again {f.recovered_at - f.detected_at:.1f} s after detection"
                if f.recovered_at else "not recovered")
+        if f.recovered_at and cold is not None:
+            rec += f" (a cold start took {cold:.1f} s: attempt 1, launch to first step)"
         lines.append(f"    {_t(f.detected_at)} {f.kind} in attempt {f.attempt} near step {f.step}: "
                      f"{f.summary}; {rec}")
     if d.drained_nodes:
@@ -66,6 +69,15 @@ def run_detail(d: RunDetail) -> str:
     if d.model_digest:
         lines.append(f"  model digest: {d.model_digest}")
     return "\n".join(lines)
+
+
+def _cold_start_s(d: RunDetail) -> float | None:
+    """How long the run's first attempt took from its launch to its first step (fresh
+    processes, nothing warm): what a recovery is measured against."""
+    first = next((a for a in d.attempt_history if a.number == 1), None)
+    if first is None or first.started_at is None or first.first_step_at is None:
+        return None
+    return first.first_step_at - first.started_at
 
 
 def goodput_line(g: GoodputView) -> str:

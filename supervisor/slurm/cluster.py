@@ -22,8 +22,8 @@ class SlurmCluster:
 
 def slurm_cluster(*, slurm_conf: str | None, state_dir: Path, poll_interval_s: float = 0.5,
                   options: SlurmOptions | None = None, admin_prefix: tuple[str, ...] = (),
-                  hyperpod: bool = False) -> SlurmCluster:
-    commands = SlurmCommands(slurm_conf=slurm_conf, admin_prefix=admin_prefix)
+                  hyperpod: bool = False, bin_dir: Path | None = None) -> SlurmCluster:
+    commands = SlurmCommands(slurm_conf=slurm_conf, admin_prefix=admin_prefix, bin_dir=bin_dir)
     state = SlurmState(commands, poll_interval_s=poll_interval_s)
     launcher = SlurmLauncher(commands, state, state_dir=state_dir, options=options)
     return SlurmCluster(commands, state, launcher,

@@ -50,9 +50,12 @@ class Reply:
 
 class SlurmCommands:
     def __init__(self, *, slurm_conf: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 admin_prefix: tuple[str, ...] = ()) -> None:
+                 admin_prefix: tuple[str, ...] = (), bin_dir: Path | None = None) -> None:
         self.timeout_s = timeout_s
         self.admin_prefix = admin_prefix
+        # Where Slurm's commands are (HyperPod: /opt/slurm/bin); None: the daemon's PATH.
+        # An absolute path also reaches them through sudo, whose PATH is its own.
+        self.bin_dir = bin_dir
         self._env = dict(os.environ)
         if slurm_conf:
             self._env["SLURM_CONF"] = slurm_conf
@@ -66,6 +69,10 @@ class SlurmCommands:
 
     def run(self, argv: Sequence[str], *, timeout_s: float | None = None, stdin: str | None = None,
             user: RunAs | None = None) -> Reply:
+        return self._run(self._located(argv), timeout_s=timeout_s, stdin=stdin, user=user)
+
+    def _run(self, argv: Sequence[str], *, timeout_s: float | None = None, stdin: str | None = None,
+             user: RunAs | None = None) -> Reply:
         self._reap()
         self.calls += 1
         limit = timeout_s or self.timeout_s
@@ -86,14 +93,20 @@ class SlurmCommands:
 
     def admin(self, argv: Sequence[str], *, timeout_s: float | None = None) -> Reply:
         """A call that needs Slurm operator rights, after ``admin_prefix``."""
-        return self.run([*self.admin_prefix, *argv], timeout_s=timeout_s)
+        return self._run([*self.admin_prefix, *self._located(argv)], timeout_s=timeout_s)
+
+    def _located(self, argv: Sequence[str]) -> Sequence[str]:
+        """``argv`` with its command in ``bin_dir`` when that is set and it names no directory."""
+        if self.bin_dir is None or not argv or "/" in argv[0]:
+            return argv
+        return [str(self.bin_dir / argv[0]), *argv[1:]]
 
     def fire(self, argv: Sequence[str]) -> None:
         """Start a command and do not wait for it (its outcome is observed later)."""
         self._reap()
         self.calls += 1
         try:
-            p = subprocess.Popen(list(argv), env=self._env, stdin=subprocess.DEVNULL,
+            p = subprocess.Popen(list(self._located(argv)), env=self._env, stdin=subprocess.DEVNULL,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         except (OSError, ValueError) as e:
             log.warning("cannot run %s: %s", argv[0], e)
@@ -114,7 +127,7 @@ class SlurmCommands:
         uid, gid, groups = popen_ids(user)
         stdin = subprocess.PIPE if input_pipe else subprocess.DEVNULL
         with os.fdopen(user_files.open_append(log_base or log_path.parent, log_path), "ab") as out:
-            return subprocess.Popen(list(argv), env={**self._env, **env}, stdin=stdin,
+            return subprocess.Popen(list(self._located(argv)), env={**self._env, **env}, stdin=stdin,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                     close_fds=True, user=uid, group=gid, extra_groups=groups)
 

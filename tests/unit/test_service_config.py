@@ -50,6 +50,7 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
     ("[broken\n", {}, "config.toml: not valid TOML"),
     ("api_bind = '0.0.0.0:8470'\n", {}, "api_bind: 0.0.0.0:8470 is reachable from the network"),
     ("api_bind = 'ctl.example:8470'\n", {}, "tokens would cross the network in clear"),
+    ("slurm_bin_dir = 'opt/slurm/bin'\n", {}, "slurm_bin_dir: expected an absolute path"),
 ])
 def test_a_bad_setting_is_named_with_where_it_came_from(tmp_path: Path, text: str, env: dict[str, str],
                                                         complaint: str) -> None:
@@ -143,3 +144,33 @@ def test_the_daemons_text_log_escapes_control_characters(capsys: pytest.CaptureF
     logging.getLogger("t").warning("rank said %s", "boom\n2026-11-26 INFO forged\x1b[2J")
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "\x1b" not in err and "boom\\n2026-11-26 INFO forged\\x1b[2J" in err
+
+
+def test_the_example_config_names_every_key_and_loads(tmp_path: Path) -> None:
+    """systemd/config.example.toml is what an install starts from: every key of the daemon's
+    config is in it (set, or commented out with its meaning); it loads as shipped, and with
+    every commented-out key set as shown."""
+    from supervisor.config import ServiceConfig
+    from tests.conftest import REPO
+
+    text = (REPO / "systemd" / "config.example.toml").read_text()
+    settings = [line.lstrip("# ") for line in text.splitlines() if " = " in line.split("#  ")[0]]
+    named = {line.split(" =", 1)[0] for line in settings}
+    assert set(ServiceConfig.model_fields) - named == set()
+    assert load_service_config(write(tmp_path, text), {}).launcher == "slurm"
+    # An external broker (mqtt_url) and the embedded one's mqtt_bind exclude each other.
+    every = "\n".join(line.split(" #", 1)[0] for line in settings if not line.startswith("mqtt_url"))
+    config = load_service_config(write(tmp_path, every), {})
+    assert config.slurm_bin_dir == Path("/opt/slurm/bin") and config.mqtt_ca_file is not None
+
+
+def test_slurms_commands_run_from_slurm_bin_dir_also_behind_sudo(tmp_path: Path) -> None:
+    from supervisor.slurm.commands import SlurmCommands
+
+    (tmp_path / "squeue").write_text("#!/bin/sh\necho from-bin-dir \"$@\"\n")
+    (tmp_path / "squeue").chmod(0o755)
+    reply = SlurmCommands(bin_dir=tmp_path).run(["squeue", "--json"])
+    assert reply.ok and reply.stdout.strip() == "from-bin-dir --json"
+    admin = SlurmCommands(bin_dir=tmp_path, admin_prefix=("env",))
+    assert admin.admin(["squeue", "-h"]).stdout.strip() == "from-bin-dir -h", "the prefix's command is found by name"
+    assert SlurmCommands(bin_dir=tmp_path)._located(["/usr/bin/srun", "x"]) == ["/usr/bin/srun", "x"]
