@@ -24,6 +24,17 @@ def test_the_example_spec_loads() -> None:
     assert spec.policy.to_policy().failures_without_progress == 4
 
 
+def test_make_run_runs_the_example_with_the_fast_recovery_on() -> None:
+    """`make run`'s spec is the embedded example plus warm standbys and the memory tier, nothing else."""
+    assert "examples/tiny-llama-fast.toml" in (REPO / "Makefile").read_text()
+    fast = load_spec(REPO / "examples" / "tiny-llama-fast.toml").model_dump()
+    plain = load_spec(REPO / "examples" / "tiny-llama.toml").model_dump()
+    assert fast["resources"]["standby"] and fast["trainer"]["checkpoint"]["memory_every_steps"] == 5
+    fast["resources"]["standby"] = plain["resources"]["standby"]
+    del fast["trainer"]["checkpoint"]["memory_every_steps"]
+    assert {**fast, "name": plain["name"]} == plain
+
+
 @pytest.mark.parametrize(
     ("data", "complaint"),
     [
