@@ -159,6 +159,7 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
         daemon = Serve(state, port)
         # Every read, human and --json.
         for args, expect in ((["runs"], "tiny-llama"), (["runs", "-q"], run_id), (["status", run_id], "faults:   1"),
+                             (["status", run_id], "s after detection (a cold start took "),
                              (["events", run_id], "fault.detected"), (["checkpoints", run_id], "COMPLETE"),
                              (["goodput", run_id], "ETTR"), (["nodes"], "local-3"), (["nodes", "-q"], "local-1")):
             out = quick(daemon, *args)

@@ -167,3 +167,58 @@ def test_the_node_wrapper_gives_torchrun_its_node_rank(tmp_path: Path) -> None:
     done = subprocess.run(["/bin/sh", "-c", NODE_WRAPPER, "tsup-rank", sys.executable, "-c", probe], env=env,
                           capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.split() == ["5", "5"]
+
+
+# The seeds' NxD Training jobs, as their documents give them (the lines quoted as they are).
+# Seed 003 (SageMaker HyperPod, Llama 3 8B with NxD Training), submit-llama8b.sh:
+SEED_003_8B = """#!/bin/bash
+#SBATCH -N 1
+#SBATCH --exclusive
+#SBATCH -o llama.out
+
+export OMP_NUM_THREADS=1
+export COMPILE=0
+export CONF_FILE=hf_llama3_8B_config
+
+srun ./train.sh"""
+# Seed 000 (awsome-distributed-training, "Scale up"), the 16-node training job:
+SEED_000_70B = """#!/bin/bash
+#SBATCH -N 16
+#SBATCH --exclusive
+#SBATCH -o llama_train.out
+
+export OMP_NUM_THREADS=1
+
+export COMPILE=0
+export CONF_FILE=hf_llama3_70B_config
+
+srun ./train.sh"""
+TRAIN_SH_DIR = "/fsx/ubuntu/training_artifacts/neuronx-distributed-training/examples"
+
+
+@pytest.mark.parametrize(("example", "seed", "spares"), [
+    ("nxdt-llama3-8b-hyperpod.toml", SEED_003_8B, 0),
+    ("nxdt-llama3-70b-trn1.toml", SEED_000_70B, 1),
+])
+def test_an_nxd_training_example_is_the_seeds_job_line_for_line(example: str, seed: str, spares: int,
+                                                                tmp_path: Path) -> None:
+    plan = plan_of(REPO / "examples" / example, tmp_path)
+    sbatch, srun, env = plan["sbatch"], plan["srun"], plan["srun_env"]
+    for line in seed.splitlines():
+        if line in ("", "#!/bin/bash"):
+            continue
+        if line.startswith("#SBATCH -N "):  # the nodes it trains on, and the supervisor's hot spares
+            n = int(line.split()[-1])
+            assert (f"--nodes={n}" if spares == 0 else f"--nodes={n}-{n + spares}") in sbatch, sbatch
+        elif line == "#SBATCH --exclusive":
+            assert "--exclusive" in sbatch
+        elif line.startswith("#SBATCH -o "):  # the output: each node's file, read by `supervisorctl logs`
+            assert any(a.startswith("--output=") and a.endswith("/node-%t.log") for a in srun), srun
+        elif line.startswith("export "):
+            name, value = line.removeprefix("export ").split("=", 1)
+            assert env[name] == value, (name, env.get(name))
+        elif line.startswith("srun "):  # one task per node, the user's script as it is, in its directory
+            assert trainer_part(srun) == line.split()[1:]
+            assert {"--ntasks-per-node=1", f"--chdir={TRAIN_SH_DIR}"} <= set(srun)
+        else:
+            raise AssertionError(f"a line of the seed this test does not check: {line!r}")
