@@ -4,10 +4,11 @@
 
 For each size N it writes a run of N attempts into a real store (SQLite, WAL, as the
 daemon opens it): each attempt ended by a fault that the next one recovered, with its
-step stats (1,000 steps) and a committed checkpoint, as bench/soak.py's run leaves them
-after N faults. Then it times, ``--requests`` times each, what the API's
-``GET /v1/runs/{id}`` does (``SupervisorService.get_run``) and what a Prometheus scrape
-of ``/metrics`` does (the daemon's registry, rendered), two ways:
+step stats (1,000 steps) and a committed checkpoint, and 7 faults in 9 a node's (drained,
+kept by the run that drained it), as bench/soak.py's run leaves them after N faults.
+Then it times, ``--requests`` times each, what the API's ``GET /v1/runs/{id}`` does
+(``SupervisorService.get_run``) and what a Prometheus scrape of ``/metrics`` does (the
+daemon's registry, rendered), two ways:
 
 - ``settled``: as the daemon reads now, through one ``SettledHistory`` shared by every
   read (supervisor/settled.py): ended attempts and recovered faults decoded once;
@@ -35,7 +36,15 @@ sys.path.insert(0, str(REPO))
 
 from prometheus_client import generate_latest  # noqa: E402
 
-from supervisor.domain import Attempt, AttemptOutcome, AttemptState, AttemptStats, FaultKind  # noqa: E402
+from supervisor.domain import (  # noqa: E402
+    Attempt,
+    AttemptOutcome,
+    AttemptState,
+    AttemptStats,
+    FaultKind,
+    Node,
+    NodeState,
+)
 from supervisor.launchers.local import LocalLauncher  # noqa: E402
 from supervisor.metrics import SupervisorMetrics  # noqa: E402
 from supervisor.service import SupervisorService  # noqa: E402
@@ -76,6 +85,10 @@ def build(directory: Path, attempts: int) -> tuple[SqlStore, SupervisorService, 
                              step=n * STEPS, summary="rank 3 killed by SIGKILL", now=now + ATTEMPT_S - 100,
                              last_step_at=now + 2990)
                 tx.mark_faults_recovered(1, now + ATTEMPT_S + 20)
+                if n % 9 < 7:  # 78 % of the faults are a node's (Llama 3's share): drained, kept by the run
+                    tx.put_node(Node(name=f"node-{n}", state=NodeState.DRAINED, run_number=1,
+                                     reason=f"training-supervisor: node lost, all its ranks vanished ({n})"),
+                                now + ATTEMPT_S - 100)
             now += ATTEMPT_S
     service.clock = lambda: now
     return store, service, now

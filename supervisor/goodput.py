@@ -72,9 +72,9 @@ def account(run: Run, attempts: Sequence[Attempt], stats: Mapping[int, AttemptSt
     committed the checkpoint of that step. ``ledger``: what the first attempts and faults
     (in the order given here, which never change) add, summed once; the rest is summed
     afresh, so that the cost grows with what is not settled, not with the run's history."""
-    ordered = sorted(attempts, key=lambda a: a.number)
     k, m = (ledger.attempts, ledger.faults) if ledger is not None else (0, 0)
-    rest, open_faults = ordered[k:], faults[m:]
+    # The ledger's attempts are the first k, in order: only the rest is sorted, each time.
+    rest, open_faults = sorted(attempts[k:], key=lambda a: a.number), faults[m:]
     end = run.ended_at if run.ended_at is not None else now
     # The rest on its own: its own rewinds, first faults and next starts all lie within it
     # (or, for first faults, among the settled faults when a settled fault names it).

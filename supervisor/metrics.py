@@ -36,6 +36,7 @@ daemon that ran for months does not export every run it ever saw.
 from __future__ import annotations
 
 import bisect
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -48,7 +49,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from supervisor.domain import TERMINAL_RUN_STATES, NodeState, RunState
+from supervisor.domain import TERMINAL_RUN_STATES, FaultRecord, NodeState, RunState
 from supervisor.settled import SettledHistory, is_over
 from supervisor.store import SqlStore
 from supervisor.telemetry import TelemetryView
@@ -76,6 +77,52 @@ class SupervisorMetrics:
                                                history or SettledHistory()))
 
 
+class _Buckets:
+    """A histogram's counts, built a value at a time (each value in the first bucket whose
+    bound is at least it, as Prometheus's ``le``)."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def add(self, value: float) -> None:
+        value = max(0.0, value)
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def merged(self, other: _Buckets) -> _Buckets:
+        out = _Buckets(self.bounds)
+        out.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        out.total = self.total + other.total
+        return out
+
+
+class _FaultTotals:
+    """What faults add to a scrape: counts by kind, and the detection and recovery times."""
+
+    def __init__(self) -> None:
+        self.folded = 0  # of the run's faults, oldest first, how many are summed here
+        self.kinds: dict[str, int] = {}
+        self.detection = _Buckets(DETECTION_BUCKETS)
+        self.recovery = _Buckets(RECOVERY_BUCKETS)
+
+    def add(self, f: FaultRecord) -> None:
+        self.kinds[f.kind.value] = self.kinds.get(f.kind.value, 0) + 1
+        since = f.injected_at if f.injected_at is not None else f.last_step_at
+        if since is not None:
+            self.detection.add(f.detected_at - since)
+        if f.recovered_at is not None:
+            self.recovery.add(f.recovered_at - f.detected_at)
+
+    def merged(self, other: _FaultTotals) -> _FaultTotals:
+        out = _FaultTotals()
+        out.kinds = {k: self.kinds.get(k, 0) + other.kinds.get(k, 0) for k in {*self.kinds, *other.kinds}}
+        out.detection = self.detection.merged(other.detection)
+        out.recovery = self.recovery.merged(other.recovery)
+        return out
+
+
 class _StoreCollector(Collector):
     def __init__(self, store: SqlStore, telemetry: TelemetryView, mqtt_connected: Callable[[], bool],
                  clock: Callable[[], float], standbys: Callable[[], Mapping[str, Mapping[str, int]]],
@@ -83,6 +130,25 @@ class _StoreCollector(Collector):
         self.store, self.telemetry, self.mqtt_connected, self.clock = store, telemetry, mqtt_connected, clock
         self.standbys = standbys
         self.history = history
+        # Recovered faults never change: each run's are summed once, as they come; a scrape
+        # adds only the faults not recovered yet (a run of weeks has a thousand of them).
+        self._settled: dict[int, _FaultTotals] = {}
+        self._lock = threading.Lock()  # scrapes run in the API's worker threads
+
+    def _fault_totals(self, faults_by_run: Mapping[int, Sequence[FaultRecord]]) -> _FaultTotals:
+        out = _FaultTotals()
+        with self._lock:
+            for number, faults in faults_by_run.items():
+                settled = self._settled.get(number)
+                if settled is None or settled.folded > len(faults):
+                    settled = self._settled[number] = _FaultTotals()
+                while settled.folded < len(faults) and faults[settled.folded].recovered_at is not None:
+                    settled.add(faults[settled.folded])
+                    settled.folded += 1
+                out = out.merged(settled)
+                for f in faults[settled.folded:]:
+                    out.add(f)
+        return out
 
     def describe(self) -> list[Metric]:
         return []  # families are built at scrape time; nothing to check at registration
@@ -94,8 +160,8 @@ class _StoreCollector(Collector):
             histories = {r.number: self.history.read(tx, r.number, over=is_over(r, now))
                          for r in runs}
             attempts = {n: h.attempts for n, h in histories.items()}
-            faults = [f for h in histories.values() for f in h.faults]
-            nodes = tx.list_nodes()
+            faults = self._fault_totals({n: h.faults for n, h in histories.items()})
+            nodes = tx.node_counts()
             probes = tx.probe_counts()
             outbox = tx.outbox_size()
             recent = [r for r in runs if r.state not in TERMINAL_RUN_STATES
@@ -108,24 +174,14 @@ class _StoreCollector(Collector):
         yield CounterMetricFamily("tsup_attempts", "Attempts of every run",
                                   value=sum(len(a) for a in attempts.values()))
         c = CounterMetricFamily("tsup_faults", "Faults detected, by kind", labels=["kind"])
-        kinds: dict[str, int] = {}
-        for f in faults:
-            kinds[f.kind.value] = kinds.get(f.kind.value, 0) + 1
-        for kind, count in sorted(kinds.items()):
+        for kind, count in sorted(faults.kinds.items()):
             c.add_metric([kind], count)
         yield c
-
-        detection = []
-        for f in faults:
-            since = f.injected_at if f.injected_at is not None else f.last_step_at
-            if since is not None:
-                detection.append(f.detected_at - since)
         yield _histogram("tsup_fault_detection_seconds",
                          "Fault to detection: from the injection, else from the last step before it",
-                         detection, DETECTION_BUCKETS)
+                         faults.detection)
         yield _histogram("tsup_fault_recovery_seconds", "Fault detection to the first step after it",
-                         [f.recovered_at - f.detected_at for f in faults if f.recovered_at is not None],
-                         RECOVERY_BUCKETS)
+                         faults.recovery)
 
         ettr = GaugeMetricFamily("tsup_run_ettr", "Effective training time ratio", labels=["run_id", "name"])
         step = GaugeMetricFamily("tsup_run_step", "The newest step", labels=["run_id", "name"])
@@ -148,7 +204,7 @@ class _StoreCollector(Collector):
 
         g = GaugeMetricFamily("tsup_nodes", "Nodes in each state (DRAINED: out of service)", labels=["state"])
         for node_state in NodeState:
-            g.add_metric([node_state.value], sum(1 for n in nodes if n.state is node_state))
+            g.add_metric([node_state.value], nodes.get(node_state, 0))
         yield g
         c = CounterMetricFamily("tsup_probes", "Node probes by verdict (unhealthy, unknown: failed)",
                                 labels=["status"])
@@ -177,9 +233,9 @@ class _StoreCollector(Collector):
         yield g
 
 
-def _histogram(name: str, documentation: str, values: Sequence[float],
-               buckets: Sequence[float]) -> HistogramMetricFamily:
-    ordered = sorted(max(0.0, v) for v in values)
-    cumulative = [(str(b), bisect.bisect_right(ordered, b)) for b in buckets]
-    cumulative.append(("+Inf", len(ordered)))
-    return HistogramMetricFamily(name, documentation, buckets=cumulative, sum_value=sum(ordered))
+def _histogram(name: str, documentation: str, b: _Buckets) -> HistogramMetricFamily:
+    running, cumulative = 0, []
+    for bound, count in zip([*map(str, b.bounds), "+Inf"], b.counts, strict=True):
+        running += count
+        cumulative.append((bound, running))
+    return HistogramMetricFamily(name, documentation, buckets=cumulative, sum_value=b.total)

@@ -54,7 +54,9 @@ def run_detail(d: RunDetail) -> str:
         lines.append(f"    {_t(f.detected_at)} {f.kind} in attempt {f.attempt} near step {f.step}: "
                      f"{f.summary}; {rec}")
     if d.drained_nodes:
-        lines.append(f"  drained:  {', '.join(d.drained_nodes)}")
+        more = f" (the newest {len(d.drained_nodes)} of {d.drained_total})" if d.drained_total > len(
+            d.drained_nodes) else ""
+        lines.append(f"  drained:  {', '.join(d.drained_nodes)}{more}")
     for s in d.stragglers:
         lines.append(f"  straggler: rank {s.rank} on {s.node} in attempt {s.attempt}: {s.busy_s:.3f} s of "
                      f"compute per step against {s.typical_s:.3f} s typical")

@@ -28,7 +28,6 @@ from supervisor.domain import (
     AttemptStats,
     CommandKind,
     NodeCommandKind,
-    NodeState,
     parse_run_id,
 )
 from supervisor.domain.events import EventKind
@@ -161,7 +160,7 @@ class SupervisorService:
             g = history.account(run, now)
             checkpoints = tx.list_checkpoints(number, newest=CHECKPOINTS_SHOWN)
             memory = tx.list_memory_checkpoints(number)[-1:]
-            drained = [n.name for n in tx.allocation(number) if n.state is NodeState.DRAINED]
+            drained, drained_total = tx.drained_by(number, newest=HISTORY_SHOWN)
             stragglers = [StragglerView(attempt=x.attempt, rank=x.rank, node=x.node, busy_s=x.busy_s,
                                         typical_s=x.typical_s) for x in tx.list_stragglers(number)]
             transient_spikes = tx.count_events(number, EventKind.SPIKE_TRANSIENT)
@@ -172,7 +171,7 @@ class SupervisorService:
             spares=run.spares, attempt_history=[attempt_view(a) for a in attempts[-HISTORY_SHOWN:]],
             faults=[fault_view(f) for f in faults[-HISTORY_SHOWN:]], faults_total=len(faults),
             checkpoints=[checkpoint_view(c) for c in checkpoints],
-            goodput=goodput_view(g), drained_nodes=drained, ettr=g.ettr,
+            goodput=goodput_view(g), drained_nodes=drained, drained_total=drained_total, ettr=g.ettr,
             stragglers=stragglers, transient_spikes=transient_spikes,
             memory_checkpoint=MemoryCheckpointView(**asdict(memory[0])) if memory else None,
             standbys=dict(self._standbys().get(run.run_id, {})),

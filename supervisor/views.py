@@ -123,7 +123,8 @@ class RunDetail(RunSummary):
     memory_checkpoint: MemoryCheckpointView | None = None  # the memory tier's newest save
     standbys: dict[str, int] = {}  # node -> warm standbys waiting for the next attempt
     goodput: GoodputView
-    drained_nodes: list[str]
+    drained_nodes: list[str]  # the newest HISTORY_SHOWN it drained, by name (``drained_total``: all)
+    drained_total: int = 0
     ettr: float | None
     stragglers: list[StragglerView]
     transient_spikes: int  # loss or grad-norm spikes too short to act on (counted, not acted on)

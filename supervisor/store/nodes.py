@@ -30,6 +30,20 @@ class NodeQueries:
     def list_nodes(self) -> list[Node]:
         return [node_of(r) for r in self.c.execute(select(t.nodes).order_by(t.nodes.c.name))]
 
+    def node_counts(self) -> dict[NodeState, int]:
+        """How many nodes are in each state (counted by SQLite: a cluster may know thousands)."""
+        q = select(t.nodes.c.state, func.count()).group_by(t.nodes.c.state)
+        return {NodeState(state): int(count) for state, count in self.c.execute(q)}
+
+    def drained_by(self, run_number: int, newest: int) -> tuple[list[str], int]:
+        """The names of the ``newest`` nodes the run drained (sorted by name), and how many it
+        drained in all: a run of weeks may drain a node a day."""
+        c = t.nodes.c
+        where = (c.run_number == run_number, c.state == NodeState.DRAINED.value)
+        total = self.c.execute(select(func.count()).select_from(t.nodes).where(*where)).scalar_one()
+        q = select(c.name).where(*where).order_by(c.updated_at.desc(), c.name).limit(newest)
+        return sorted(str(name) for (name,) in self.c.execute(q)), int(total)
+
     def get_node(self, name: str) -> Node:
         row = self.c.execute(select(t.nodes).where(t.nodes.c.name == name)).first()
         if row is None:
