@@ -202,9 +202,11 @@ def step_env(env: Mapping[str, str], step: Step, *, ranks_per_node: int, launch:
     """srun's environment for a step beyond its own: the attempt's ``env`` (its step
     placeholders filled) and the rendezvous. srun hands its environment to every task
     (``--export=ALL``, Slurm's default), so this is what the ranks see."""
-    out = {**{k: step.fill(v) for k, v in env.items()}, "MASTER_ADDR": step.master_addr,
-           "MASTER_PORT": str(step.master_port), "LOCAL_WORLD_SIZE": str(ranks_per_node),
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TSUP_MARKER": marker}
+    # Defaults a spec's env may change (one CPU thread a rank; output unbuffered, so that
+    # the logs show a step when it happens), then the attempt's, then the rendezvous.
+    out = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **{k: step.fill(v) for k, v in env.items()},
+           "MASTER_ADDR": step.master_addr, "MASTER_PORT": str(step.master_port),
+           "LOCAL_WORLD_SIZE": str(ranks_per_node), "TSUP_MARKER": marker}
     if launch == "node":  # the ranks' world, for the node's torchrun (the task count is the nodes')
         out["WORLD_SIZE"] = str(step.world_size)
     return out

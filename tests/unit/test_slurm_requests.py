@@ -233,3 +233,15 @@ def test_the_step_placeholders_are_filled_by_srun_argv() -> None:
     argv = srun_argv(step(argv=("torchrun", "--rdzv_endpoint={master_addr}:{master_port}".format(**DEFERRED)),
                           launch="node", step=rendezvous))
     assert argv[-2:] == ["torchrun", "--rdzv_endpoint=10.1.0.2:21000"]
+
+
+def test_a_specs_env_changes_the_defaults_never_the_rendezvous() -> None:
+    from supervisor.domain.step import Step
+    from supervisor.slurm.requests import step_env
+
+    rendezvous = Step(nnodes=2, nproc_per_node=4, master_addr="10.1.0.2", master_port=21000, rdzv_id="run-7.a2")
+    env = step_env({"OMP_NUM_THREADS": "8", "MASTER_PORT": "1", "CONF_FILE": "hf_llama3_8B_config"}, rendezvous,
+                   ranks_per_node=4, launch="node", marker="/m")
+    assert (env["OMP_NUM_THREADS"], env["PYTHONUNBUFFERED"], env["CONF_FILE"]) == ("8", "1", "hf_llama3_8B_config")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["TSUP_MARKER"]) == ("10.1.0.2", "21000", "/m")
+    assert step_env({}, rendezvous, ranks_per_node=4, launch="node", marker="/m")["OMP_NUM_THREADS"] == "1"
