@@ -101,7 +101,9 @@ class Observer:
         with self.store.tx() as tx:  # the settled part of the history decoded once, not every tick
             history = self.history.read(tx, run.number, over=is_over(run, now))
             attempts, faults = tuple(history.attempts), tuple(history.faults)
-            known = tx.allocation(run.number)
+            # The nodes it drained matter only where the cluster still grants them (read
+            # below, by name); each tick reading all of them would grow with the run.
+            known = tx.allocation(run.number, drained=False)
             open_faults = tx.count_open_faults(run.number)
             stragglers = tuple(StragglerReport(attempt=s.attempt, rank=s.rank, node=s.node)
                                for s in tx.list_stragglers(run.number))

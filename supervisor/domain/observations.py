@@ -133,7 +133,7 @@ class RunView:
 
     run: Run
     attempts: tuple[Attempt, ...]
-    allocation: tuple[Node, ...]  # nodes this run holds, drained ones included
+    allocation: tuple[Node, ...]  # nodes this run holds; drained ones while the cluster's grant lists them
     newest_checkpoint: CheckpointRef | None
     # The newest in-memory save as new as newest_checkpoint or newer (and not ruled out by a
     # rollback): the next attempt resumes from it if its nodes still hold every rank's state.

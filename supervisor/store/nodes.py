@@ -50,9 +50,13 @@ class NodeQueries:
             raise NotFound(f"no such node: {name}")
         return node_of(row)
 
-    def allocation(self, run_number: int) -> list[Node]:
-        q = select(t.nodes).where(t.nodes.c.run_number == run_number).order_by(t.nodes.c.name)
-        return [node_of(r) for r in self.c.execute(q)]
+    def allocation(self, run_number: int, *, drained: bool = True) -> list[Node]:
+        """The run's nodes; without ``drained``, those it drained left out (a run of weeks
+        keeps every node it drained: hundreds)."""
+        q = select(t.nodes).where(t.nodes.c.run_number == run_number)
+        if not drained:
+            q = q.where(t.nodes.c.state != NodeState.DRAINED.value)
+        return [node_of(r) for r in self.c.execute(q.order_by(t.nodes.c.name))]
 
     def nodes_named(self, names: Collection[str]) -> list[Node]:
         """The records of those of ``names`` the store knows."""

@@ -61,7 +61,7 @@ def test_a_nan_reported_through_the_client_rolls_the_run_back(tmp_path: Path) ->
     spec = command_spec(tmp_path / "client.toml", "client", argv, resources={"nodes": 1, "ranks_per_node": 2},
                         resume=["--resume_from_checkpoint={checkpoint}"], checkpoint_layout="dcp", steps=40)
     s = summary_of(tsup("run", spec, "--state-dir", tmp_path / "state", "--json", timeout_s=180))
-    assert s["state"] == "SUCCEEDED" and s["attempts"] == 2, s
+    assert s["state"] == "SUCCEEDED" and s["attempts"] == 2, (s["faults"], s["attempt_history"])
     [fault] = s["faults"]
     assert fault["kind"] == "nonfinite" and "step 25" in fault["summary"], fault
     assert s["attempt_history"][1]["resume_step"] == 20, "the newest checkpoint before the NaN"
