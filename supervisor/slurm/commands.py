@@ -48,6 +48,9 @@ class Reply:
         return f"{' '.join(self.argv[:2])}: {self.why}"
 
 
+SLURM_COMMANDS = frozenset({"sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo", "sacct", "salloc"})
+
+
 class SlurmCommands:
     def __init__(self, *, slurm_conf: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  admin_prefix: tuple[str, ...] = (), bin_dir: Path | None = None) -> None:
@@ -69,14 +72,11 @@ class SlurmCommands:
 
     def run(self, argv: Sequence[str], *, timeout_s: float | None = None, stdin: str | None = None,
             user: RunAs | None = None) -> Reply:
-        return self._run(self._located(argv), timeout_s=timeout_s, stdin=stdin, user=user)
-
-    def _run(self, argv: Sequence[str], *, timeout_s: float | None = None, stdin: str | None = None,
-             user: RunAs | None = None) -> Reply:
         self._reap()
         self.calls += 1
         limit = timeout_s or self.timeout_s
         uid, gid, groups = popen_ids(user)
+        argv = self._located(argv)
         try:
             # errors="replace": what Slurm prints (a Reason someone wrote) never stops a poll
             done = subprocess.run(list(argv), env=self._env, capture_output=True, text=True, input=stdin,
@@ -93,11 +93,12 @@ class SlurmCommands:
 
     def admin(self, argv: Sequence[str], *, timeout_s: float | None = None) -> Reply:
         """A call that needs Slurm operator rights, after ``admin_prefix``."""
-        return self._run([*self.admin_prefix, *self._located(argv)], timeout_s=timeout_s)
+        return self.run([*self.admin_prefix, *self._located(argv)], timeout_s=timeout_s)
 
     def _located(self, argv: Sequence[str]) -> Sequence[str]:
-        """``argv`` with its command in ``bin_dir`` when that is set and it names no directory."""
-        if self.bin_dir is None or not argv or "/" in argv[0]:
+        """``argv`` with its command in ``bin_dir`` when that is set and it is one of Slurm's
+        (an admin prefix's own command, sudo, is left to its PATH)."""
+        if self.bin_dir is None or not argv or argv[0] not in SLURM_COMMANDS:
             return argv
         return [str(self.bin_dir / argv[0]), *argv[1:]]
 

@@ -174,3 +174,4 @@ def test_slurms_commands_run_from_slurm_bin_dir_also_behind_sudo(tmp_path: Path)
     admin = SlurmCommands(bin_dir=tmp_path, admin_prefix=("env",))
     assert admin.admin(["squeue", "-h"]).stdout.strip() == "from-bin-dir -h", "the prefix's command is found by name"
     assert SlurmCommands(bin_dir=tmp_path)._located(["/usr/bin/srun", "x"]) == ["/usr/bin/srun", "x"]
+    assert SlurmCommands(bin_dir=tmp_path)._located(["sudo", "-n"]) == ["sudo", "-n"], "not Slurm's"
