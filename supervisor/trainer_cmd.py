@@ -138,12 +138,12 @@ def neuron_trainer_argv(config: Path, resume_from: str | None) -> tuple[str, ...
         torchrun=str(Path(sys.executable).with_name("torchrun"))))
 
 
-def _names(spec: RunSpec, run_dir: Path, data_step: int = 0) -> dict[str, str]:
+def _names(spec: RunSpec, run_dir: Path, skip_to_step: int = 1) -> dict[str, str]:
     """What a [command]'s placeholders stand for; the step's own are left for the launcher
-    to fill in (supervisor/domain/step.py). ``data_step``: the last step of the data stream
-    read before the attempt's first step."""
+    to fill in (supervisor/domain/step.py). ``skip_to_step``: the step of the data stream
+    the attempt's first step reads."""
     return {"run_dir": str(run_dir), "checkpoint_dir": str(checkpoint_dir(spec, run_dir)),
-            "skip_to_step": str(data_step + 1), **DEFERRED}
+            "skip_to_step": str(skip_to_step), **DEFERRED}
 
 
 def attempt_argv(spec: RunSpec, run_dir: Path, attempt: int, resume_from: str | None,
@@ -154,7 +154,7 @@ def attempt_argv(spec: RunSpec, run_dir: Path, attempt: int, resume_from: str | 
     if spec.command is None:
         reference = neuron_trainer_argv if spec.neuron_backend else trainer_argv
         return reference(config_path(run_dir, attempt), resume_from)
-    names = _names(spec, run_dir, resume_step if skip_to_step is None else skip_to_step - 1)
+    names = _names(spec, run_dir, resume_step + 1 if skip_to_step is None else skip_to_step)
     argv = [a.format(**names) for a in spec.command.argv]
     if resume_from is not None:
         argv += [r.format(checkpoint=resume_from, step=resume_step, **names) for r in spec.command.resume]
@@ -217,7 +217,7 @@ def attempt_env(spec: RunSpec, run_dir: Path, skip_to_step: int = 1) -> dict[str
         if spec.chaos:
             env |= {"TSUP_FAULT": ",".join(spec.chaos), "TSUP_FAULT_STATE": str(run_dir / "chaos-fired")}
         return env
-    names = _names(spec, run_dir, skip_to_step - 1)
+    names = _names(spec, run_dir, skip_to_step)
     env["TSUP_SKIP_TO_STEP"] = names["skip_to_step"]
     return env | {k: v.format(**names) for k, v in spec.command.env.items()}
 

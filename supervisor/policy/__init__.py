@@ -82,6 +82,7 @@ is reported, and left out of the next attempt when a spare can take its place; o
 ``straggler_restart`` makes it a fault.
 """
 
+from supervisor.policy.data_steps import data_step, skip_to
 from supervisor.policy.detection import (
     find_spike,
     find_stragglers,
@@ -90,14 +91,7 @@ from supervisor.policy.detection import (
     transient_spikes,
 )
 from supervisor.policy.lifecycle import decide
-from supervisor.policy.recovery import (
-    backoff,
-    data_step,
-    resume_before,
-    skip_to,
-    skip_window,
-    unreadable_checkpoints,
-)
+from supervisor.policy.recovery import backoff, resume_before, skip_window, unreadable_checkpoints
 
 __all__ = [
     "backoff",
