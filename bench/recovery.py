@@ -71,7 +71,7 @@ def run_once(spec: Path, chaos: list[str], launcher: str) -> dict[str, Any]:
         })
     return {
         "state": summary["state"], "ettr": round(summary["ettr"], 4), "wall_s": round(wall_s, 2),
-        "attempts": summary["attempts"], "faults": faults,
+        "attempts": summary["attempts"], "injected": len(injected), "faults": faults,
         "step_time_p50_s": round(statistics.median(step_times), 4),
         "goodput": {k: round(v, 3) if isinstance(v, float) else v for k, v in summary["goodput"].items()},
         "model_digest": summary["model_digest"],

@@ -311,14 +311,18 @@ def test_ettr_bench_runs_the_fault_schedule_unsupervised_on_a_small_spec(small_s
     assert report["same_model_digest"] is True
 
 
-def test_recovery_bench_reports_one_supervised_fault_on_a_small_spec(small_spec: Path) -> None:
-    report = run_bench("recovery.py", "--spec", small_spec, "--scenarios", "kill-rank", "--fault-step", 3,
+def test_recovery_bench_reports_one_supervised_fault_on_a_small_spec(recovery_spec: Path) -> None:
+    # 60 steps, not 6: a tiny step takes 0.05 s, and a run of 6 could end before a loaded
+    # machine injected the kill at step 3.
+    report = run_bench("recovery.py", "--spec", recovery_spec, "--scenarios", "kill-rank", "--fault-step", 3,
                        timeout_s=120)
     assert_keys(report, "spec launcher same_model_digest runs", "top level")
     [run] = report["runs"]["kill-rank"]
-    assert_keys(run, "state ettr wall_s attempts faults step_time_p50_s goodput model_digest", "runs.kill-rank[0]")
+    assert_keys(run, "state ettr wall_s attempts injected faults step_time_p50_s goodput model_digest",
+                "runs.kill-rank[0]")
     assert_keys(run["goodput"], "ettr wall_s productive_s lost_s startup_s detection_s recovery_s",
                 "runs.kill-rank[0].goodput", exact=False)
+    assert run["injected"] == 1 and len(run["faults"]) == 1, run
     [fault] = run["faults"]
     assert_keys(fault, "kind detection_s recovery_s", "runs.kill-rank[0].faults[0]")
     assert (run["state"], run["attempts"], fault["kind"]) == ("SUCCEEDED", 2, "rank-exit"), run
