@@ -393,13 +393,21 @@ def _dry_run(args: argparse.Namespace, data: dict[str, Any]) -> int:
     env = {**trainer_cmd.attempt_env(spec, run_dir), **trainer_cmd.attempt_ids("run-N", 1)}
     res = spec.resources
     launch = trainer_cmd.launch_mode(spec)
+    precompiles = spec.command is not None and spec.command.precompiles
     if res.launcher == "slurm":
-        plan: dict[str, Any] = {"launcher": "slurm", **requests.dry_run(
-            job_name="tsup-<state-dir hash>.run-N.1", nodes=res.nodes, spares=res.spares,
-            ranks_per_node=res.ranks_per_node, argv=argv, partition=res.partition,
-            time_limit_min=res.time_limit_min, log_dir=run_dir, handles_usr1=spec.handles_usr1,
-            cwd=trainer_cmd.attempt_cwd(spec, run_dir), srun_args=trainer_cmd.attempt_srun_args(spec),
-            launch=launch, rdzv_id=rdzv_id("run-N", 1), env=env)}
+        def slurm_plan(env: dict[str, str]) -> dict[str, Any]:
+            return requests.dry_run(
+                job_name="tsup-<state-dir hash>.run-N.1", nodes=res.nodes, spares=res.spares,
+                ranks_per_node=res.ranks_per_node, argv=argv, partition=res.partition,
+                time_limit_min=res.time_limit_min, log_dir=run_dir, handles_usr1=spec.handles_usr1,
+                cwd=trainer_cmd.attempt_cwd(spec, run_dir), srun_args=trainer_cmd.attempt_srun_args(spec),
+                launch=launch, rdzv_id=rdzv_id("run-N", 1), env=env)
+
+        plan: dict[str, Any] = {"launcher": "slurm", **slurm_plan(env)}
+        if precompiles:  # the same step with precompile_env over its environment
+            pre = slurm_plan({**trainer_cmd.attempt_env(spec, run_dir, precompile=True),
+                              **trainer_cmd.attempt_ids("run-N", 1)})
+            plan["precompile"] = {"srun": pre["srun"], "srun_env": pre["srun_env"]}
     else:
         step = Step(nnodes=res.nodes, nproc_per_node=res.ranks_per_node, master_addr="127.0.0.1",
                     master_port="<free port>", rdzv_id=rdzv_id("run-N", 1))
@@ -413,6 +421,13 @@ def _dry_run(args: argparse.Namespace, data: dict[str, Any]) -> int:
         print(requests.describe(plan["sbatch"]) + " <<'EOF'")
         print(plan["batch_script"] + "EOF")
         tasks = "one task per node" if launch == "node" else f"{res.ranks_per_node} task(s) per node"
+        if precompiles:
+            assert spec.command is not None
+            over = " ".join(f"{k}={v}" for k, v in spec.command.precompile_env.items())
+            print(f"# first, the job's precompile pass ({over}): once per run, and again only when its "
+                  "inputs change; the same step:")
+            print(requests.describe(plan["precompile"]["srun"], plan["precompile"]["srun_env"],
+                                    one_per_line=True))
         print(f"# each attempt: a job step on {res.nodes} healthy node(s) of the allocation, {tasks};")
         print("# srun passes its environment on to every task (--export=ALL, Slurm's default)")
         print(requests.describe(plan["srun"], plan["srun_env"], one_per_line=True))

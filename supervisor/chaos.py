@@ -147,6 +147,8 @@ class ChaosMonkey:
         live = attempts[-1] if attempts else None
         if live is None or live.state is not AttemptState.RUNNING or live.launch_info is None:
             return
+        if live.precompile is not None:
+            return  # a drill's faults go into training, not the job's precompile pass
         step = self.telemetry.max_step(run_id_of(self.run_number), live.number)
         while self.pending and self.pending[0].step <= step and not self._waits_for_next_attempt(
                 self.pending[0], live.number):

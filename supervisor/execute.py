@@ -164,7 +164,7 @@ class DecisionExecutor:
                 attempts[e.number] = Attempt(run_number=n, number=e.number, state=AttemptState.LAUNCHING,
                                              nodes=e.nodes,
                                              resume_from=e.resume_from, resume_step=e.resume_step,
-                                             created_at=now)
+                                             created_at=now, precompile=e.precompile)
                 tx.add_attempt(attempts[e.number])
             case AdoptAttempt():
                 self._attempt_to(tx, attempts, e.number, AttemptState.RUNNING, launch_info=e.launch_info,
@@ -415,18 +415,20 @@ class DecisionExecutor:
 
     def _start(self, run: Run, spec: RunSpec, run_dir: Path, e: StartAttempt, now: float) -> None:
         attempt = Attempt(run_number=run.number, number=e.number, state=AttemptState.LAUNCHING, nodes=e.nodes,
-                          resume_from=e.resume_from, resume_step=e.resume_step, created_at=now)
+                          resume_from=e.resume_from, resume_step=e.resume_step, created_at=now,
+                          precompile=e.precompile)
         try:
             with self.store.tx() as tx:  # this tick may have changed it (an allocation granted)
                 run = tx.get_run(run.number)
                 skips = tx.list_data_skips(run.number)  # the data windows spikes made the run skip
-            skip_to_step = self._data_steps(run, spec, e, skips, now)
+            skip_to_step = self._data_steps(run, spec, e, skips, now) if e.precompile is None else None
             launch = self.launch_specs.of(run, spec, run_dir, attempt, skip_to_step)
             if spec.resources.standby:  # kept on every healthy node the run holds, spares too
                 with self.store.tx() as tx:
                     held = tuple(x.name for x in tx.allocation(run.number) if x.state is NodeState.ALLOCATED)
                 launch = replace(launch, standby_nodes=held)
-            self._clear_the_way(run, spec, run_dir, e, now)
+            if e.precompile is None:  # a precompile pass resumes from nothing: every checkpoint stays
+                self._clear_the_way(run, spec, run_dir, e, now)
             every = (self._checkpoint_interval(run, spec, now, planning.TIER_PERSISTENT)
                      if spec.auto_checkpoints else None)
             memory_every = (self._checkpoint_interval(run, spec, now, planning.TIER_MEMORY)

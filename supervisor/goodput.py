@@ -15,6 +15,8 @@ length of the run. The rest of the wall time is broken down as
 
 - checkpoint_s: blocking checkpoint saves (the trainer's reported durations);
 - startup_s:    from an attempt's start to its first step (process start, setup, restore);
+                the whole of a precompile attempt (supervisor/precompile.py), whose
+                steps train nothing;
 - detection_s:  from an attempt's last step before a fault to the fault's detection
                 (an upper bound on how long the fault went unnoticed; for a hang it
                 is the whole timeout);
@@ -141,7 +143,7 @@ def _sum_attempts(ordered: Sequence[Attempt], rewound_to: Sequence[int | None],
     kept_steps = lost_steps = 0
     first_start: float | None = None
     for a, later in zip(ordered, rewound_to, strict=True):
-        s = stats.get(a.number)
+        s = _stats_of(a, stats)
         if a.started_at is not None:
             first_start = a.started_at if first_start is None else min(first_start, a.started_at)
             startup_s += _startup_s(a, s, detected, now)
@@ -156,6 +158,11 @@ def _sum_attempts(ordered: Sequence[Attempt], rewound_to: Sequence[int | None],
         kept_steps += kept
         lost_steps += s.steps - kept
     return _Sums(productive_s, lost_s, kept_steps, lost_steps, checkpoint_s, startup_s, 0.0, 0.0, first_start)
+
+
+def _stats_of(a: Attempt, stats: Mapping[int, AttemptStats]) -> AttemptStats | None:
+    """``a``'s step sums; none for a precompile attempt (its whole span is startup)."""
+    return stats.get(a.number) if a.precompile is None else None
 
 
 def _startup_s(a: Attempt, s: AttemptStats | None, detected: Mapping[int, float], now: float) -> float:
@@ -230,7 +237,7 @@ class Ledger:
         checkpoint_s = startup_s = 0.0
         no_step: list[Attempt] = []
         for a in ordered:
-            st = stats.get(a.number)
+            st = _stats_of(a, stats)
             checkpoint_s += st.checkpoint_s if st is not None else 0.0
             stepped = st is not None and st.first_at is not None
             if a.started_at is not None and not stepped and a.number not in first_faults:
@@ -247,7 +254,7 @@ class Ledger:
                    first_faults=first_faults, started_after=started_after, _ordered=ordered,
                    _rewound=_rewound_to(ordered), _fixed=fixed,
                    _unresolved=[f for f in faults if f.attempt not in started_after], _no_step=no_step,
-                   _stats={a.number: st for a in ordered if (st := stats.get(a.number)) is not None},
+                   _stats={a.number: st for a in ordered if (st := _stats_of(a, stats)) is not None},
                    _kept={})
 
     def sums(self, lowest_later: int | None, next_start: Callable[[int], float | None],
@@ -276,7 +283,7 @@ def _first_faults(faults: Sequence[FaultRecord]) -> dict[int, float]:
 
 
 def _lowest_resume(ordered: Sequence[Attempt]) -> int | None:
-    return min((a.resume_step for a in ordered), default=None)
+    return min((a.resume_step for a in ordered if a.precompile is None), default=None)
 
 
 def _first_start(ordered: Sequence[Attempt]) -> float | None:
@@ -284,12 +291,14 @@ def _first_start(ordered: Sequence[Attempt]) -> float | None:
 
 
 def _rewound_to(ordered: Sequence[Attempt]) -> list[int | None]:
-    """For each attempt, the oldest step a later attempt resumed from (None: no later one)."""
+    """For each attempt, the oldest step a later attempt resumed from (None: no later one).
+    A precompile attempt resumes from nothing: it rewinds nothing."""
     out: list[int | None] = [None] * len(ordered)
     low: int | None = None
     for i in range(len(ordered) - 1, -1, -1):
         out[i] = low
-        low = ordered[i].resume_step if low is None else min(low, ordered[i].resume_step)
+        if ordered[i].precompile is None:
+            low = ordered[i].resume_step if low is None else min(low, ordered[i].resume_step)
     return out
 
 

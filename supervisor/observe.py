@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from supervisor import checkpoint_scan, output_progress, trainer_cmd
+from supervisor import checkpoint_scan, output_progress, precompile, trainer_cmd
 from supervisor.domain import (
     LIVE_ATTEMPT_STATES,
     TERMINAL_RUN_STATES,
@@ -143,6 +143,10 @@ class Observer:
                 memory_saves = tx.list_memory_checkpoints(run.number)
             newest_memory = _newest_memory(memory_saves, attempts, newest, before,
                                            unreadable_checkpoints(faults, attempts, memory=True))
+        precompile_due = None
+        if isinstance(spec, RunSpec) and spec.command is not None and spec.command.precompiles and may_launch:
+            cwd = trainer_cmd.attempt_cwd(spec, run_dir)
+            precompile_due = precompile.due(precompile.fingerprint(spec, cwd), attempts)
         view = RunView(
             run=run, attempts=attempts, allocation=allocation, newest_checkpoint=newest,
             newest_memory=newest_memory, commands=tuple(commands),
@@ -155,7 +159,8 @@ class Observer:
                          else frozenset()),
             cluster_answering=answering, spec_error=spec if isinstance(spec, str) else None,
             exit_codes=spec.exit_meanings if isinstance(spec, RunSpec) else TSUP_EXIT_CODES,
-            data_skip_unit=spec.data_skip_unit if isinstance(spec, RunSpec) else "samples")
+            data_skip_unit=spec.data_skip_unit if isinstance(spec, RunSpec) else "samples",
+            precompile_due=precompile_due)
         return Observed(run=run, spec=spec if isinstance(spec, RunSpec) else None, run_dir=run_dir, view=view,
                         obs=obs, facts=facts)
 
@@ -302,7 +307,8 @@ class Observer:
         for read in output_progress.read_output(
                 state, trainer_cmd.attempt_dir(run_dir, live.number), run_id=run.run_id, attempt=live.number,
                 ranks_per_node=run.ranks_per_node, formats=formats, now=now):
-            self.telemetry.apply_from_output(read.msg, now, printed=read.printed)
+            self.telemetry.apply_from_output(read.msg, now, printed=read.printed,
+                                             record=live.precompile is None)
         for rank, phase in state.phases.items():
             self.telemetry.phase_from_output(run.run_id, live.number, rank, phase, now)
         return state

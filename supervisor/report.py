@@ -33,7 +33,7 @@ def run_detail(d: RunDetail) -> str:
         f"  attempts: {d.attempts}",
     ]
     for a in d.attempt_history:
-        origin = f"step {a.resume_step}" if a.resume_step else "scratch"
+        origin = "precompile" if a.precompile else f"step {a.resume_step}" if a.resume_step else "scratch"
         lines.append(
             f"    #{a.number} {a.outcome or a.state:<9} from {origin:<10} on {', '.join(a.nodes)}"
             f"  -> step {a.final_step if a.final_step is not None else '-'}"
@@ -74,9 +74,11 @@ def run_detail(d: RunDetail) -> str:
 
 
 def _cold_start_s(d: RunDetail) -> float | None:
-    """How long the run's first attempt took from its launch to its first step (fresh
-    processes, nothing warm): what a recovery is measured against."""
-    first = next((a for a in d.attempt_history if a.number == 1), None)
+    """How long the run's first training attempt took from its launch to its first step
+    (fresh processes, nothing warm): what a recovery is measured against."""
+    if not d.attempt_history or d.attempt_history[0].number != 1:
+        return None  # the history shown starts later than the run
+    first = next((a for a in d.attempt_history if not a.precompile), None)
     if first is None or first.started_at is None or first.first_step_at is None:
         return None
     return first.first_step_at - first.started_at

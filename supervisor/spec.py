@@ -169,6 +169,13 @@ class CommandSpec(BaseModel):
     trainer's next step reads (``TSUP_SKIP_TO_STEP``, always set). It is the step after the
     checkpoint, until a persistent loss spike makes the run skip data: a trainer whose
     command names it is told to step over the spike's batches (``skips_data``).
+
+    ``precompile_env``: the variables that turn the same command into the job's precompile
+    pass (NxD Training's train.sh: ``COMPILE = "1"``). The supervisor then runs that pass
+    as the run's first attempt, under the compile allowance, and again before the next
+    attempt only when its inputs changed: the command section and the files named in
+    ``precompile_inputs`` (relative to ``cwd``; by default ``argv[0]``), read on the
+    controller (supervisor/precompile.py).
     """
 
     model_config = _Model
@@ -185,6 +192,8 @@ class CommandSpec(BaseModel):
     steps: Annotated[int, Field(ge=0, le=10**12)] = 0  # the run's length, for progress (0: unknown)
     env: dict[str, str] = {}
     cwd: str | None = None  # the ranks' working directory ({run_dir}, {checkpoint_dir} allowed)
+    precompile_env: dict[str, str] = {}  # over env, for the precompile pass (empty: the job has none)
+    precompile_inputs: list[Annotated[str, Field(min_length=1, max_length=4096)]] | None = None
     # Slurm: options of the user's own for the step's srun (-l, --container-image=...),
     # after the supervisor's; those it sets itself (--nodes, --ntasks, ...) are refused.
     srun_args: list[Annotated[str, Field(min_length=2, max_length=1000)]] = []
@@ -242,6 +251,11 @@ class CommandSpec(BaseModel):
         return TSUP_EXIT_CODES if self.exit_codes == "tsup" else {}
 
     @property
+    def precompiles(self) -> bool:
+        """The job has a precompile pass the supervisor runs (``precompile_env``)."""
+        return bool(self.precompile_env)
+
+    @property
     def skips_data(self) -> bool:
         """Its command names ``{skip_to_step}``: it can be told to step over data."""
         return any(SKIP_TO_STEP in item for item in (*self.argv, *self.resume, *self.env.values()))
@@ -261,6 +275,7 @@ class CommandSpec(BaseModel):
                                       ("resume", self.resume, step | {"checkpoint", "step"}),
                                       ("checkpoint_dir", [self.checkpoint_dir], {"run_dir"}),
                                       ("env", list(self.env.values()), step),
+                                      ("precompile_env", list(self.precompile_env.values()), step),
                                       ("cwd", [self.cwd] if self.cwd else [], paths)):
             for item in items:
                 try:

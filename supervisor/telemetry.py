@@ -203,14 +203,16 @@ class TelemetryView:
         with self._lock:
             self._apply(msg, now)
 
-    def apply_from_output(self, msg: p.StepMetrics, now: float, *, printed: frozenset[str]) -> None:
+    def apply_from_output(self, msg: p.StepMetrics, now: float, *, printed: frozenset[str],
+                          record: bool = True) -> None:
         """A step read from a trainer's output (supervisor/output_progress.py): progress,
         but no sign that the rank's node is heard (output stops in a hang as everywhere
         else); only what the line ``printed`` (loss, grad_norm) is judged, the rest is NaN
-        for "not known"."""
+        for "not known". ``record=False``: progress only, not a step of the run's history
+        (a precompile pass's)."""
         with self._lock:
             rank = self._ranks.setdefault((msg.run, msg.attempt), {}).setdefault(msg.rank, RankTelemetry())
-            self._step(rank, msg, now, printed)
+            self._step(rank, msg, now, printed, record=record)
 
     def count(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -297,7 +299,8 @@ class TelemetryView:
             io = self._io[run_id] = CheckpointIo()
         return io
 
-    def _step(self, rank: RankTelemetry, msg: p.StepMetrics, now: float, printed: frozenset[str]) -> None:
+    def _step(self, rank: RankTelemetry, msg: p.StepMetrics, now: float, printed: frozenset[str], *,
+              record: bool = True) -> None:
         self._progress(rank, msg.step, now)
         if rank.first_step is None or msg.step < rank.first_step:
             rank.first_step = msg.step
@@ -310,7 +313,8 @@ class TelemetryView:
         if not finite and (rank.nonfinite_step is None or msg.step < rank.nonfinite_step):
             rank.nonfinite_step = msg.step
         if msg.rank == 0:
-            self._queue(Received(msg, now))
+            if record:
+                self._queue(Received(msg, now))
             sample = StepSample(step=msg.step, loss=msg.loss,
                                 grad_norm=math.nan if msg.grad_norm is None else msg.grad_norm,
                                 first_sample=msg.first_sample)

@@ -192,7 +192,7 @@ class LaunchSpecs:
         the one after its checkpoint's)."""
         config_path = trainer_cmd.config_path(run_dir, a.number)
         data_step = a.resume_step + 1 if skip_to_step is None else skip_to_step
-        env = {**trainer_cmd.attempt_env(spec, run_dir, data_step),
+        env = {**trainer_cmd.attempt_env(spec, run_dir, data_step, precompile=a.precompile is not None),
                **trainer_cmd.attempt_ids(run.run_id, a.number)}
         if self.mqtt_url:
             env["TSUP_MQTT_URL"] = self.mqtt_url

@@ -203,10 +203,12 @@ def attempt_ids(run_id: str, attempt: int) -> dict[str, str]:
     return {"TSUP_RUN_ID": run_id, "TSUP_ATTEMPT": str(attempt)}
 
 
-def attempt_env(spec: RunSpec, run_dir: Path, skip_to_step: int = 1) -> dict[str, str]:
+def attempt_env(spec: RunSpec, run_dir: Path, skip_to_step: int = 1, *,
+                precompile: bool = False) -> dict[str, str]:
     """The variables every rank of an attempt gets beyond the launcher's and the run's ids:
     the accelerators' (supervisor/node_env.py), then the trainer's, then a [command]'s own
-    (``skip_to_step``: the step of the data stream its next step reads)."""
+    (``skip_to_step``: the step of the data stream its next step reads), and for its
+    precompile pass (``precompile``) its ``precompile_env`` over them."""
     uid = run_uid(spec)
     env = {"NEURON_COMPILE_CACHE_URL": NEURON_COMPILE_CACHE.format(uid=uid),
            **accelerator_env(spec.resources.accelerator)}
@@ -219,7 +221,10 @@ def attempt_env(spec: RunSpec, run_dir: Path, skip_to_step: int = 1) -> dict[str
         return env
     names = _names(spec, run_dir, skip_to_step)
     env["TSUP_SKIP_TO_STEP"] = names["skip_to_step"]
-    return env | {k: v.format(**names) for k, v in spec.command.env.items()}
+    env |= {k: v.format(**names) for k, v in spec.command.env.items()}
+    if precompile:
+        env |= {k: v.format(**names) for k, v in spec.command.precompile_env.items()}
+    return env
 
 
 def check_trainer_config(spec: RunSpec, run_dir: Path) -> None:

@@ -54,6 +54,7 @@ class AttemptView(BaseModel):
     outcome: str | None
     reason: str
     final_step: int | None
+    precompile: bool = False  # the job's precompile pass (supervisor/precompile.py), not training
 
 
 class FaultView(BaseModel):
@@ -212,7 +213,7 @@ def attempt_view(a: Attempt) -> AttemptView:
         number=a.number, state=a.state.value, nodes=list(a.nodes), resume_step=a.resume_step,
         resume_from=a.resume_from, started_at=a.started_at, first_step_at=a.first_step_at,
         ended_at=a.ended_at, outcome=a.outcome.value if a.outcome else None, reason=a.reason,
-        final_step=a.final_step,
+        final_step=a.final_step, precompile=a.precompile is not None,
     )
 
 

@@ -51,6 +51,7 @@ class StartAttempt:
     nodes: tuple[str, ...]
     resume_from: str | None
     resume_step: int
+    precompile: str | None = None  # the job's precompile pass, of these inputs (Attempt.precompile)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

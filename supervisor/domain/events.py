@@ -28,6 +28,7 @@ class EventKind(StrEnum):
     ATTEMPT_ABORTED = "attempt.aborted"  # a launch a killed daemon left half done
     ATTEMPT_ABANDONED = "attempt.abandoned"  # processes outlived SIGKILL: left, nodes drained
     ATTEMPT_BACKOFF = "attempt.backoff"  # the next launch waits (failures in a row)
+    PRECOMPILED = "attempt.precompiled"  # the precompile pass finished: training starts next
     # Faults and what the rules made of them.
     FAULT_DETECTED = "fault.detected"
     SPIKE_TRANSIENT = "spike.transient"  # a one-step loss or grad-norm spike, tolerated

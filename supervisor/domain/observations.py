@@ -160,6 +160,10 @@ class RunView:
     # How the trainer steps over a spike's data (RunSpec.data_skip_unit): "samples",
     # "steps", or None (it cannot: a spike is rolled back once, then only reported).
     data_skip_unit: str | None = "samples"
+    # The fingerprint of the job's precompile inputs (supervisor/precompile.py) while no
+    # precompile attempt of them has succeeded: the next attempt is the precompile pass.
+    # None: none is due (compiled already, or the job has no precompile pass).
+    precompile_due: str | None = None
 
     @property
     def current(self) -> Attempt | None:

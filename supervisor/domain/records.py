@@ -63,6 +63,9 @@ class Attempt:
     launch_info: str | None = None  # launcher-specific handle (JSON), for re-adoption
     launch_error: str | None = None  # the launcher refused to start it
     launch_fatal: bool = False  # ... because the command cannot be executed at all: no retry
+    # A precompile attempt (the job's precompile pass, [command] precompile_env): the
+    # fingerprint of what it compiles (supervisor/precompile.py). None: a training attempt.
+    precompile: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

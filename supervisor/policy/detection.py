@@ -88,7 +88,8 @@ def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fin
     wrong = _wrong_resume(live, obs) or _resume_diverged(live, obs)
     if wrong is not None:
         return wrong
-    poisoned = [r for r in obs.ranks if r.nonfinite_step is not None]
+    # A precompile pass's losses are not a model's (its graphs run on placeholder data).
+    poisoned = [r for r in obs.ranks if r.nonfinite_step is not None] if live.precompile is None else []
     if poisoned:
         at = min(r.nonfinite_step for r in poisoned if r.nonfinite_step is not None)
         again = any(f.kind is FaultKind.NONFINITE and f.step == at and f.attempt < live.number
@@ -98,7 +99,8 @@ def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fin
                    + ("; again at this step: skipping its data" if again else ""))
         return Finding(RecordFault(kind=FaultKind.NONFINITE, attempt=live.number, ranks=(), nodes=(), step=at,
                                    summary=summary))
-    spike = find_spike(obs.recent, view.run.policy, skips=view.data_skip_unit is not None)
+    spike = find_spike(obs.recent, view.run.policy, skips=view.data_skip_unit is not None) \
+        if live.precompile is None else None
     if spike is not None and not spike_rolled_back(view, live):
         return Finding(RecordFault(kind=FaultKind.SPIKE, attempt=live.number, ranks=(), nodes=(),
                                    step=spike.step, summary=spike.summary))
@@ -279,7 +281,11 @@ def _find_hang(view: RunView, live: Attempt, obs: AttemptObs, now: float, step: 
     """
     if obs.telemetry_up_since is None or live.started_at is None:
         return None
-    limit_s, what = hang_limit(view.run.policy, obs, live.first_step_at is not None)
+    if live.precompile is not None:  # compiling, whatever its lines say
+        policy = view.run.policy
+        limit_s, what = max(policy.compile_timeout_s, policy.startup_timeout_s), "compile allowance"
+    else:
+        limit_s, what = hang_limit(view.run.policy, obs, live.first_step_at is not None)
     progress = [t for r in obs.ranks for t in (r.progress_at, r.phase_at) if t is not None]
     since = max([live.started_at, obs.telemetry_up_since, *progress])
     if live.first_step_at is not None:

@@ -239,6 +239,12 @@ def _judge_live_attempt(
             return RunState.FAILED, None
         return set_state(state, RunState.RECOVERING, f"launch failed: {obs.launch_error}", out), None
 
+    if obs.result is not None and all_gone(obs) and live.precompile is not None:
+        out.append(_end(live, AttemptOutcome.SUCCEEDED, "precompile pass finished", obs))
+        out.append(Emit(kind=EventKind.PRECOMPILED,
+                        data={"attempt": live.number, "precompile": live.precompile},
+                        message=f"attempt {live.number}: the precompile pass finished; training starts next"))
+        return state, None  # launched this very tick (recovery.launch)
     if obs.result is not None and all_gone(obs):
         res = obs.result
         out.append(_end(live, AttemptOutcome.SUCCEEDED, "trainer finished", obs))
@@ -279,6 +285,8 @@ def _judge_live_attempt(
             state = set_state(state, RunState.RECOVERING, f"{record.kind}: {record.summary}", out)
         return state, _stopping(live)
 
+    if live.precompile is not None:
+        return state, live  # its steps train nothing: no recovery, straggler or growth is judged on them
     if live.first_step_at is None and any(r.last_step > live.resume_step for r in obs.ranks):
         out.append(MarkAttemptRunning(number=live.number))
         if view.open_faults:

@@ -126,14 +126,35 @@ def launch(view: RunView, state: RunState, drained_now: set[str], out: list[Effe
 
     nodes = _place(view, healthy, out, count)
     number = len(view.attempts) + 1
-    resume_from, resume_step, origin = _resume_point(view, nodes, out)
-    out.append(StartAttempt(number=number, nodes=nodes, resume_from=resume_from, resume_step=resume_step))
-    out.append(Emit(kind=EventKind.ATTEMPT_LAUNCHING,
-                    message=f"attempt {number} on {', '.join(nodes)} from {origin}",
-                    data={"attempt": number, "nodes": list(nodes), "resume_step": resume_step}))
+    precompile = _precompile_due(view, ended_now)
+    if precompile is not None:  # the job's precompile pass first: no checkpoint, no resume
+        out.append(StartAttempt(number=number, nodes=nodes, resume_from=None, resume_step=0,
+                                precompile=precompile))
+        out.append(Emit(kind=EventKind.ATTEMPT_LAUNCHING,
+                        message=f"attempt {number} on {', '.join(nodes)}: the job's precompile pass "
+                                f"(its inputs {precompile[:12]} were not compiled yet)",
+                        data={"attempt": number, "nodes": list(nodes), "resume_step": 0,
+                              "precompile": precompile}))
+    else:
+        resume_from, resume_step, origin = _resume_point(view, nodes, out)
+        out.append(StartAttempt(number=number, nodes=nodes, resume_from=resume_from, resume_step=resume_step))
+        out.append(Emit(kind=EventKind.ATTEMPT_LAUNCHING,
+                        message=f"attempt {number} on {', '.join(nodes)} from {origin}",
+                        data={"attempt": number, "nodes": list(nodes), "resume_step": resume_step}))
     if state in (RunState.STARTING, RunState.RECOVERING):
         return state
     return set_state(state, RunState.STARTING, f"attempt {number} launching", out)
+
+
+def _precompile_due(view: RunView, ended_now: dict[int, EndAttempt]) -> str | None:
+    """The inputs the next attempt must precompile (None: it trains). A precompile attempt
+    that succeeded this very tick has compiled them."""
+    due = view.precompile_due
+    if due is None:
+        return None
+    done_now = any(a.precompile == due and a.number in ended_now
+                   and ended_now[a.number].outcome is AttemptOutcome.SUCCEEDED for a in view.attempts)
+    return None if done_now else due
 
 
 def _resume_point(view: RunView, nodes: tuple[str, ...], out: list[Effect]) -> tuple[str | None, int, str]:
@@ -310,8 +331,10 @@ def _too_frequent(view: RunView, faults: list[FaultRecord], now: float) -> str |
 
 def made_progress(view: RunView, attempt: Attempt) -> bool:
     """The run checkpointed beyond where ``attempt`` resumed from, or it trained
-    ``progress_steps`` steps beyond it."""
-    later = [a.resume_step for a in view.attempts if a.number > attempt.number]
+    ``progress_steps`` steps beyond it. A precompile pass never made any: its steps train nothing."""
+    if attempt.precompile is not None:
+        return False
+    later = [a.resume_step for a in view.attempts if a.number > attempt.number and a.precompile is None]
     newest = view.newest_checkpoint.step if view.newest_checkpoint else 0
     checkpointed = max([newest, *later]) > attempt.resume_step
     trained = (attempt.final_step or 0) - attempt.resume_step >= view.run.policy.progress_steps
@@ -391,7 +414,8 @@ def resume_before(attempts: Iterable[Attempt], faults: Iterable[FaultRecord]) ->
     newest will do): after an attempt whose loss went NaN or infinite at step S, any
     checkpoint from step S on may hold the poisoned model; likewise after a loss spike that
     began at step S."""
-    done = [a for a in attempts if a.state in (AttemptState.ENDED, AttemptState.STOPPING)]
+    done = [a for a in attempts
+            if a.state in (AttemptState.ENDED, AttemptState.STOPPING) and a.precompile is None]
     if not done or done[-1].outcome is not AttemptOutcome.FAILED:  # a stopping one may end this tick
         return None
     bad = [f.step for f in faults if f.attempt == done[-1].number and f.kind in _ROLLBACK_KINDS]

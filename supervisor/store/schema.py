@@ -80,6 +80,7 @@ attempts = Table(
     Column("launch_info", Text),
     Column("launch_error", Text),
     Column("launch_fatal", Boolean, nullable=False, default=False),
+    Column("precompile", Text),  # a precompile attempt's inputs' fingerprint; NULL: a training attempt
 )
 
 nodes = Table(
@@ -462,5 +463,11 @@ def _v11(conn: Connection) -> None:
     _add_columns(conn, "commands", {"step": "INTEGER"})
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11]
+def _v12(conn: Connection) -> None:
+    """The job's precompile pass as an attempt."""
+    _add_columns(conn, "attempts", {"precompile": "TEXT"})
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11,
+                                                  _v12]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -19,12 +19,13 @@ class Cluster:
 
     attempt: int = 1
     step: int = 0
+    precompile: str | None = None  # the live attempt is the job's precompile pass
     fired: list[tuple[int, str]] = field(default_factory=list)  # (attempt, what)
 
     @contextlib.contextmanager
     def tx(self) -> Iterator[Any]:
         live = SimpleNamespace(number=self.attempt, state=AttemptState.RUNNING, launch_info="job",
-                               nodes=("n1", "n2"))
+                               nodes=("n1", "n2"), precompile=self.precompile)
         yield SimpleNamespace(list_attempts=lambda _run: [live],
                               get_run=lambda _run: SimpleNamespace(ranks_per_node=2))
 
@@ -68,3 +69,14 @@ def test_faults_at_the_same_step_fire_together() -> None:
     chaos = monkey(cluster, "kill-rank@50:1", "kill-node@50:0")
     chaos.poll()
     assert cluster.fired == [(1, "rank 1"), (1, "node n1")]
+
+
+def test_a_drill_waits_out_the_precompile_pass_for_training() -> None:
+    """The pass's own steps (its graphs traced) reach the fault's step: still not training."""
+    cluster = Cluster(step=5, precompile="f" * 64)
+    chaos = monkey(cluster, "kill-rank@3:0")
+    chaos.poll()
+    assert cluster.fired == []
+    cluster.attempt, cluster.step, cluster.precompile = 2, 3, None
+    chaos.poll()
+    assert cluster.fired == [(2, "rank 0")]

@@ -193,17 +193,34 @@ export COMPILE=0
 export CONF_FILE=hf_llama3_70B_config
 
 srun ./train.sh"""
+# ... and the compile job it submits first, once:
+SEED_000_70B_COMPILE = """#!/bin/bash
+#SBATCH -N 16
+#SBATCH --exclusive
+#SBATCH -o llama_compile.out
+
+export OMP_NUM_THREADS=1
+
+export COMPILE=1
+export CONF_FILE=hf_llama3_70B_config
+
+srun ./train.sh"""
 TRAIN_SH_DIR = "/fsx/ubuntu/training_artifacts/neuronx-distributed-training/examples"
 
 
-@pytest.mark.parametrize(("example", "seed", "spares"), [
-    ("nxdt-llama3-8b-hyperpod.toml", SEED_003_8B, 0),
-    ("nxdt-llama3-70b-trn1.toml", SEED_000_70B, 1),
+@pytest.mark.parametrize(("example", "seed", "spares", "stage"), [
+    ("nxdt-llama3-8b-hyperpod.toml", SEED_003_8B, 0, "train"),
+    ("nxdt-llama3-70b-trn1.toml", SEED_000_70B, 1, "train"),
+    ("nxdt-llama3-70b-trn1.toml", SEED_000_70B_COMPILE, 1, "precompile"),
 ])
-def test_an_nxd_training_example_is_the_seeds_job_line_for_line(example: str, seed: str, spares: int,
+def test_an_nxd_training_example_is_the_seeds_job_line_for_line(example: str, seed: str, spares: int, stage: str,
                                                                 tmp_path: Path) -> None:
+    """The training job's lines are every attempt's step; the compile job's, the precompile
+    pass's step (the run's first attempt)."""
     plan = plan_of(REPO / "examples" / example, tmp_path)
-    sbatch, srun, env = plan["sbatch"], plan["srun"], plan["srun_env"]
+    sbatch = plan["sbatch"]
+    srun, env = (plan["srun"], plan["srun_env"]) if stage == "train" else \
+        (plan["precompile"]["srun"], plan["precompile"]["srun_env"])
     for line in seed.splitlines():
         if line in ("", "#!/bin/bash"):
             continue
