@@ -37,12 +37,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, assert_never
 
-from supervisor import checkpoint_scan, node_health, planning, trainer_cmd, users
+from supervisor import checkpoint_scan, node_health, planning, precompile, trainer_cmd, users
 from supervisor.domain import (
     AdoptAttempt,
     AllocateNodes,
     Attempt,
     AttemptState,
+    BringBackCheckpoints,
     CommandHandled,
     DrainNode,
     Effect,
@@ -218,7 +219,7 @@ class DecisionExecutor:
                              f"against {e.typical_s:.3f} s typical ({slower:+.0%}) over {e.window} steps",
                              {"attempt": e.attempt, "rank": e.rank, "node": e.node, "busy_s": e.busy_s,
                               "typical_s": e.typical_s, "window": e.window}, now)
-            case AllocateNodes() | EnsureStopped() | ProbeNodes() | KillOrphans():
+            case AllocateNodes() | EnsureStopped() | ProbeNodes() | KillOrphans() | BringBackCheckpoints():
                 pass  # nothing to record before acting
             case DrainNode() | ReturnNode() | RecordProbe() | ProbeAgain() | CommandHandled():
                 self.node_effects.record(tx, e, now)
@@ -267,6 +268,8 @@ class DecisionExecutor:
                 # else the record stays, and the next tick asks to release again
             case StartAttempt() if spec is not None:
                 self._start(run, spec, seen.run_dir, e, now)
+            case BringBackCheckpoints() if spec is not None:
+                self._bring_back(run, spec, seen.run_dir, e.number)
             case ResumeRun(from_step=int(step)) if spec is not None:
                 self._go_back_to(run, spec, seen.run_dir, step, now)
             case StopAttempt() | EnsureStopped():
@@ -298,7 +301,7 @@ class DecisionExecutor:
                 self.node_effects.act(e)
             case (Emit() | SetRunState() | FinishRun() | ResumeRun() | AdoptAttempt() | MarkAttemptRunning()
                   | RecordFault() | MarkFaultsRecovered() | SkipData() | ReportStraggler()
-                  | AllocateNodes() | StartAttempt() | ProbeNodes()):
+                  | AllocateNodes() | StartAttempt() | ProbeNodes() | BringBackCheckpoints()):
                 pass  # recorded, nothing to do outside (or, without a spec, nothing it can do)
             case _:
                 assert_never(e)
@@ -395,6 +398,34 @@ class DecisionExecutor:
                              f"way into {moved[0][1].parent}",
                              {"attempt": e.number, "moved": [str(src) for src, _ in moved]}, now)
 
+    def _keep_aside_for_pass(self, run: Run, spec: RunSpec, run_dir: Path, number: int, now: float) -> None:
+        directory = trainer_cmd.checkpoint_dir(spec, run_dir)
+        moved = precompile.keep_aside(directory, trainer_cmd.checkpoint_layout(spec), run_dir, number)
+        if moved:
+            names = ", ".join(src.name for src, _ in moved)
+            where = f"{checkpoint_scan.SET_ASIDE}/before-precompile-{number}/"
+            with self.store.tx() as tx:
+                tx.add_event(run.number, EventKind.CHECKPOINT_SET_ASIDE,
+                             f"attempt {number} is the job's precompile pass: moved {names} out of its "
+                             f"way (into {where}); they come back when it ends",
+                             {"attempt": number, "moved": [str(src) for src, _ in moved]}, now)
+
+    def _bring_back(self, run: Run, spec: RunSpec, run_dir: Path, number: int) -> None:
+        directory, layout = trainer_cmd.checkpoint_dir(spec, run_dir), trainer_cmd.checkpoint_layout(spec)
+        try:
+            saved, back = precompile.bring_back(directory, layout, run_dir, number)
+        except (OSError, ValueError) as err:  # tried again next tick: nothing launches meanwhile
+            log.warning("run %s: the checkpoints set aside for precompile attempt %d are not back yet: %s",
+                        run.run_id, number, err)
+            return
+        if saved or back:
+            said = f"what it saved ({', '.join(p.name for p in saved)}) set aside; " if saved else ""
+            self.post_event(run.number, EventKind.CHECKPOINT_SET_ASIDE,
+                            f"the precompile pass of attempt {number} has ended: {said}"
+                            f"{len(back)} checkpoint(s) of the run back in place",
+                            {"attempt": number, "moved": [str(p) for p in saved],
+                             "back": [str(p) for p in back]})
+
     def _data_steps(self, run: Run, spec: RunSpec, e: StartAttempt, skips: list[tuple[int, int]],
                     now: float) -> int | None:
         """A [command] told {skip_to_step}: the data step its first step reads, past the
@@ -427,8 +458,10 @@ class DecisionExecutor:
                 with self.store.tx() as tx:
                     held = tuple(x.name for x in tx.allocation(run.number) if x.state is NodeState.ALLOCATED)
                 launch = replace(launch, standby_nodes=held)
-            if e.precompile is None:  # a precompile pass resumes from nothing: every checkpoint stays
+            if e.precompile is None:
                 self._clear_the_way(run, spec, run_dir, e, now)
+            else:  # the pass's saves are not the run's: its own go out of the way (precompile.py)
+                self._keep_aside_for_pass(run, spec, run_dir, e.number, now)
             every = (self._checkpoint_interval(run, spec, now, planning.TIER_PERSISTENT)
                      if spec.auto_checkpoints else None)
             memory_every = (self._checkpoint_interval(run, spec, now, planning.TIER_MEMORY)

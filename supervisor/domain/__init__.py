@@ -16,6 +16,7 @@ seconds (float) from the supervisor's clock, never the trainer's.
 from supervisor.domain.effects import (
     AdoptAttempt,
     AllocateNodes,
+    BringBackCheckpoints,
     CommandHandled,
     DrainNode,
     Effect,
@@ -100,6 +101,7 @@ __all__ = [
     "AttemptOutcome",
     "AttemptState",
     "AttemptStats",
+    "BringBackCheckpoints",
     "CheckpointRecord",
     "CheckpointRef",
     "Command",

@@ -189,6 +189,14 @@ class SkipData:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class BringBackCheckpoints:
+    """After precompile attempt ``number``: what it saved set aside, and the run's own
+    checkpoints, kept out of its way, moved back (supervisor/precompile.py)."""
+
+    number: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ReleaseNodes:
     """Give back every healthy node the run holds (drained ones stay drained)."""
 
@@ -237,4 +245,5 @@ Effect = (
     | AdoptAttempt
     | KillOrphans
     | ReportStraggler
+    | BringBackCheckpoints
 )

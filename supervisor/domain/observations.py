@@ -164,6 +164,9 @@ class RunView:
     # precompile attempt of them has succeeded: the next attempt is the precompile pass.
     # None: none is due (compiled already, or the job has no precompile pass).
     precompile_due: str | None = None
+    # An ended precompile attempt whose run's checkpoints are still set aside (and its own
+    # saves not yet): they are brought back before anything else is launched.
+    precompile_aside: int | None = None
 
     @property
     def current(self) -> Attempt | None:

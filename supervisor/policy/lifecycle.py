@@ -17,6 +17,7 @@ from supervisor.domain import (
     AttemptObs,
     AttemptOutcome,
     AttemptState,
+    BringBackCheckpoints,
     Command,
     CommandHandled,
     CommandKind,
@@ -95,7 +96,15 @@ def decide(view: RunView, obs: AttemptObs | None, now: float) -> list[Effect]:
     # A resume from a chosen step launches next tick, once the newer checkpoints are set
     # aside: this tick's newest_checkpoint may be one of them.
     going_back = any(isinstance(e, ResumeRun) and e.from_step is not None for e in out)
-    if live is None and state in _LAUNCHABLE and not probing and not view.probing and not going_back:
+    # After the job's precompile pass, the run's checkpoints come back first; the next
+    # tick's view then holds them (supervisor/precompile.py).
+    current = view.current
+    precompiled_now = current is not None and current.precompile is not None and any(
+        isinstance(e, EndAttempt) and e.number == current.number for e in out)
+    if live is None and view.precompile_aside is not None:
+        out.append(BringBackCheckpoints(number=view.precompile_aside))
+    if (live is None and state in _LAUNCHABLE and not probing and not view.probing and not going_back
+            and view.precompile_aside is None and not precompiled_now):
         state = launch(view, state, drained_now, out, now)
 
     holds_nodes = (any(n.state is NodeState.ALLOCATED for n in view.allocation)
@@ -244,7 +253,7 @@ def _judge_live_attempt(
         out.append(Emit(kind=EventKind.PRECOMPILED,
                         data={"attempt": live.number, "precompile": live.precompile},
                         message=f"attempt {live.number}: the precompile pass finished; training starts next"))
-        return state, None  # launched this very tick (recovery.launch)
+        return state, None  # the next attempt once the run's checkpoints are back (decide)
     if obs.result is not None and all_gone(obs):
         res = obs.result
         out.append(_end(live, AttemptOutcome.SUCCEEDED, "trainer finished", obs))

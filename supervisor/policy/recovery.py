@@ -126,7 +126,7 @@ def launch(view: RunView, state: RunState, drained_now: set[str], out: list[Effe
 
     nodes = _place(view, healthy, out, count)
     number = len(view.attempts) + 1
-    precompile = _precompile_due(view, ended_now)
+    precompile = view.precompile_due
     if precompile is not None:  # the job's precompile pass first: no checkpoint, no resume
         out.append(StartAttempt(number=number, nodes=nodes, resume_from=None, resume_step=0,
                                 precompile=precompile))
@@ -144,17 +144,6 @@ def launch(view: RunView, state: RunState, drained_now: set[str], out: list[Effe
     if state in (RunState.STARTING, RunState.RECOVERING):
         return state
     return set_state(state, RunState.STARTING, f"attempt {number} launching", out)
-
-
-def _precompile_due(view: RunView, ended_now: dict[int, EndAttempt]) -> str | None:
-    """The inputs the next attempt must precompile (None: it trains). A precompile attempt
-    that succeeded this very tick has compiled them."""
-    due = view.precompile_due
-    if due is None:
-        return None
-    done_now = any(a.precompile == due and a.number in ended_now
-                   and ended_now[a.number].outcome is AttemptOutcome.SUCCEEDED for a in view.attempts)
-    return None if done_now else due
 
 
 def _resume_point(view: RunView, nodes: tuple[str, ...], out: list[Effect]) -> tuple[str | None, int, str]:

@@ -15,6 +15,7 @@ from supervisor.domain import (
     AttemptOutcome,
     AttemptState,
     AttemptStats,
+    BringBackCheckpoints,
     CheckpointRef,
     EndAttempt,
     EventKind,
@@ -57,16 +58,21 @@ def test_a_due_precompile_pass_is_the_first_attempt_and_resumes_from_nothing() -
     assert start == StartAttempt(number=1, nodes=("n1", "n2"), resume_from=None, resume_step=0, precompile=DUE)
 
 
-def test_its_clean_exit_ends_it_and_launches_the_training_attempt_in_the_same_tick() -> None:
+def test_its_clean_exit_ends_it_then_the_runs_checkpoints_come_back_then_training_starts() -> None:
     done = obs(*(rank(i, ProcState.EXITED, exit_code=0, last_step=3) for i in range(4)),
                result=TrainerResult(final_step=None, model_digest=None))
-    v = replace(view(run(RunState.STARTING), (pre(),), ck=CK), precompile_due=DUE)
+    v = replace(view(run(RunState.STARTING), (pre(),)), precompile_due=DUE)
     effects = decide(v, done, NOW)
     [end] = of(effects, EndAttempt)
     assert (end.number, end.outcome) == (1, AttemptOutcome.SUCCEEDED)
     assert not of(effects, FinishRun), "the run is not over: it has not trained yet"
     assert [e.kind for e in of(effects, Emit) if e.kind is EventKind.PRECOMPILED]
-    [start] = of(effects, StartAttempt)
+    assert not of(effects, StartAttempt), "this tick's view saw no checkpoint: the run's are set aside"
+    ended = pre(state=AttemptState.ENDED, outcome=AttemptOutcome.SUCCEEDED)
+    effects = decide(replace(view(run(RunState.STARTING), (ended,)), precompile_aside=1), None, NOW)
+    assert of(effects, BringBackCheckpoints) == [BringBackCheckpoints(number=1)]
+    assert not of(effects, StartAttempt)
+    [start] = of(decide(view(run(RunState.STARTING), (ended,), ck=CK), None, NOW), StartAttempt)
     assert (start.number, start.resume_from, start.resume_step, start.precompile) == (2, CK.path, 40, None)
 
 
@@ -209,3 +215,45 @@ def test_the_pass_runs_with_precompile_env_over_env(tmp_path: Path) -> None:
 def test_a_precompile_env_with_an_unknown_placeholder_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="precompile_env"):
         spec_in(tmp_path, precompile_env={"COMPILE": "{nope}"})
+
+
+# --- the run's checkpoints, out of the pass's way ----------------------------------------
+
+
+def nemo_checkpoint(directory: Path, version: str, step: int, content: str) -> Path:
+    """An NxD Training save: <name>/<version>/checkpoints/<file name>.ckpt/ with its markers."""
+    ck = directory / version / "checkpoints" / f"hf_llama3_70B--step={step}-consumed_samples={step * 8}.0.ckpt"
+    (ck / "model").mkdir(parents=True)
+    (ck / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt").write_text(content)
+    (ck / "checkpoint").write_text("")
+    (ck / "done").write_text("")
+    return ck
+
+
+def test_the_runs_checkpoints_sit_out_the_pass_and_what_it_saved_is_set_aside(tmp_path: Path) -> None:
+    directory, run_dir = tmp_path / "hf_llama", tmp_path / "run"
+    mine = [nemo_checkpoint(directory, "41", 10, "run"), nemo_checkpoint(directory, "41", 20, "run")]
+    moved = precompile.keep_aside(directory, "nemo", run_dir, 3)
+    assert sorted(src for src, _ in moved) == sorted(mine) and not any(p.exists() for p in mine)
+    attempts = [pre(3, state=AttemptState.ENDED, outcome=AttemptOutcome.SUCCEEDED)]
+    assert precompile.aside(run_dir, attempts) == 3
+    # the pass saves under a name of the run's own, and a newer one
+    trial = [nemo_checkpoint(directory, "41", 20, "trial"), nemo_checkpoint(directory, "41", 30, "trial")]
+    saved, back = precompile.bring_back(directory, "nemo", run_dir, 3)
+    assert sorted(saved) == sorted(trial) and sorted(back) == sorted(mine)
+    assert [(p / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt").read_text() for p in mine] == ["run", "run"]
+    assert not trial[1].exists()
+    kept = directory / ".set-aside" / "precompile-3" / "41" / "checkpoints"
+    assert sorted(p.name for p in kept.iterdir()) == sorted(p.name for p in trial)
+    assert precompile.aside(run_dir, attempts) is None
+
+
+def test_a_daemon_killed_half_way_through_bringing_them_back_finishes_the_job(tmp_path: Path) -> None:
+    directory, run_dir = tmp_path / "hf_llama", tmp_path / "run"
+    mine = [nemo_checkpoint(directory, "41", step, "run") for step in (10, 20)]
+    moves = precompile.keep_aside(directory, "nemo", run_dir, 1)
+    src, dst = next((s, d) for s, d in moves if s == mine[0])
+    dst.rename(src)  # the first came back, then the daemon died
+    saved, back = precompile.bring_back(directory, "nemo", run_dir, 1)
+    assert saved == [] and back == [mine[1]]
+    assert all((p / "done").exists() for p in mine)
