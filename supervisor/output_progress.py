@@ -174,7 +174,9 @@ def parse_progress(line: str, formats: tuple[Format, ...]) -> ProgressLine | Non
 def parse_progress_bar(line: str) -> ProgressLine | None:
     """A Lightning progress bar's redraw (``_BAR``) as a step: NeMo's ``global_step`` where
     the postfix has it (it counts across epochs and resumes), else the bar's count, made
-    global with its epoch where the bar knows the epoch's length."""
+    global with its epoch where the bar knows the epoch's length. A bar at 0 without a
+    ``global_step`` is none: Lightning resets its bar to 0 at each epoch's start, a resumed
+    run's too, before it jumps to the batch it resumes at (``Epoch 1: 0/16``, then 15/16)."""
     m = _BAR.search(line)
     if m is None:
         return None
@@ -186,6 +188,8 @@ def parse_progress_bar(line: str) -> ProgressLine | None:
             break
     if step is None:
         count = int(m["n"] or m["count"])
+        if count == 0:
+            return None
         epoch, total = m["epoch"], m["total"]
         step = count + (int(epoch) * int(total) if epoch and total and total != "?" else 0)
     return ProgressLine(step, _first_number(postfix, _LOSS_KEYS), _first_number(postfix, _GRAD_NORM_KEYS),

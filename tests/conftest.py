@@ -334,12 +334,15 @@ def choose_chaos(chaos: list[str], seed: int, size: int = CHAOS_SUBSET) -> list[
     of its own and takes minutes: one a run keeps `make test` within its time)."""
     import random
 
+    def on_slurm(node_id: str) -> bool:  # tests/chaos/test_slurm*.py
+        return "/test_slurm" in node_id
+
     rng = random.Random(seed)
     chosen = [c for c in chaos if any(c.endswith(f"::{name}") for name in CHAOS_ALWAYS)]
-    slurm = sorted(c for c in chaos if "test_slurm.py" in c and c not in chosen)
-    if slurm and not any("test_slurm.py" in c for c in chosen):
+    slurm = sorted(c for c in chaos if on_slurm(c) and c not in chosen)
+    if slurm and not any(on_slurm(c) for c in chosen):
         chosen.append(rng.choice(slurm))
-    rest = sorted(c for c in chaos if c not in chosen and "test_slurm.py" not in c)
+    rest = sorted(c for c in chaos if c not in chosen and not on_slurm(c))
     return chosen + rng.sample(rest, max(0, min(len(rest), size - len(chosen))))
 
 

@@ -59,8 +59,8 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
     by = by_node(ranks)
     # A node the run no longer holds (Slurm ended the allocation: preemption, a time
     # limit, scancel) is not to blame: its ranks died because the allocation did. One
-    # that left while the attempt's other nodes stay failed (Slurm shrinks a --no-kill job
-    # by its dead nodes): still that node's fault.
+    # that left while the allocation keeps other nodes failed (Slurm shrinks a --no-kill
+    # job by its dead nodes): still that node's fault.
     held = held_nodes(view, live)
     dropped = dropped_nodes(view, live)
     lost_nodes = sorted(n for n, rs in by.items() if n in held and node_lost(rs, dropped=n in dropped))
@@ -212,17 +212,19 @@ def dropped_nodes(view: RunView, live: Attempt) -> set[str]:
 
 def held_nodes(view: RunView, live: Attempt) -> set[str]:
     """The nodes the run holds, as far as judging the live attempt goes: all of its nodes
-    while the allocation keeps any of them."""
+    while the allocation keeps any node (Slurm shrinks a --no-kill job by its failed nodes
+    only; an allocation that ended keeps none)."""
     held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
-    return held | set(live.nodes) if held & set(live.nodes) else held
+    return held | set(live.nodes) if held else held
 
 
 def with_failed_nodes(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> AttemptObs:
     """Ranks nothing can see (their processes unknown to the launcher, never heard on
     telemetry: a [command] trainer's on Slurm) on a node the allocation lost while it keeps
-    the attempt's others: the cluster's word that the node died is their last will."""
+    others (the attempt's, or a spare: a one-node attempt has no peer to outlive it): the
+    cluster's word that the node died is their last will."""
     held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
-    if not obs.unheard or not held & set(live.nodes):
+    if not obs.unheard or not held:
         return obs  # heard ranks speak for themselves; the whole allocation going is an interruption
 
     def failed(r: RankObs) -> bool:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from tests.conftest import CHAOS_ALWAYS, CHAOS_SUBSET, choose_chaos, missing_always
 
 LOCAL = [f"tests/chaos/test_local.py::test_local_{k}" for k in range(16)]
-SLURM = [f"tests/chaos/test_slurm.py::test_slurm_{k}" for k in range(6)]
+SLURM = ([f"tests/chaos/test_slurm.py::test_slurm_{k}" for k in range(6)]
+         + [f"tests/chaos/test_slurm_nxdt.py::test_nxdt_{k}" for k in range(2)])
 ALWAYS = [f"tests/chaos/test_local.py::{name}" for name in CHAOS_ALWAYS]
 ALL = sorted(LOCAL + SLURM + ALWAYS)
 
@@ -16,7 +17,7 @@ def test_every_subset_has_the_daemon_sigkill_and_a_slurm_scenario() -> None:
         chosen = choose_chaos(ALL, seed)
         assert len(chosen) == len(set(chosen)) == CHAOS_SUBSET
         assert set(ALWAYS) <= set(chosen)
-        assert sum("test_slurm.py" in c for c in chosen) == 1, "one box a run: each takes minutes"
+        assert sum(c in SLURM for c in chosen) == 1, "one box a run: each takes minutes"
 
 
 def test_the_subset_rotates_with_the_seed_and_repeats_with_it() -> None:

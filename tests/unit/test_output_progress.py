@@ -72,7 +72,6 @@ def test_the_tutorials_progress_bar_is_steps_with_its_step_time() -> None:
     ("Epoch 2:   6%|6         | 4/62 [03:24<49:27, 14.10it/s]", 2 * 62 + 4, None),
     ("Epoch 0: 10it [1:44:15, 625.59s/it, train_loss=3.1]", 10, 3.1),
     ("Epoch 1:  50%|#####     | 31/62 [03:24<03:24, v_num=3, reduced_train_loss=6.790]", 62 + 31, 6.79),
-    ("Epoch 0:   0%|          | 0/91 [00:00<?, ?it/s]", 0, None),
 ])
 def test_progress_bar_numbers_in_every_form_tqdm_prints_them(line: str, step: int, loss: float | None) -> None:
     got = parse_progress(line, PATTERNS)
@@ -86,6 +85,16 @@ def test_progress_bar_numbers_in_every_form_tqdm_prints_them(line: str, step: in
     "Sanity Checking DataLoader 0: 100%|##########| 2/2 [00:00<00:00,  5.00it/s]",
 ])
 def test_other_progress_bars_are_not_steps(line: str) -> None:
+    assert parse_progress(line, PATTERNS) is None
+
+
+@pytest.mark.parametrize("line", [
+    "Epoch 0:   0%|          | 0/91 [00:00<?, ?it/s]",
+    # Lightning resets the bar at each epoch's start, a resumed run's too: here one resumed
+    # at step 30 of epochs of 16 batches, whose next line is 14/16 with global_step=29.0
+    "Epoch 1:   0%|          | 0/16 [00:00<?, ?it/s]",
+])
+def test_a_bar_reset_to_0_is_no_step(line: str) -> None:
     assert parse_progress(line, PATTERNS) is None
 
 

@@ -1138,6 +1138,15 @@ def test_unseen_ranks_on_a_node_the_allocation_lost_are_that_nodes_loss() -> Non
                      obs(*unseen, *(replace(r, dead_since=NOW - 11) for r in crashed), unheard=True), NOW)
     [fault] = of(effects, RecordFault)
     assert fault.kind is FaultKind.RANK_EXIT and not of(effects, DrainNode)
+    # A one-node attempt's node gone, its spare still held: that node's loss (every rank
+    # silent at once is no network cut when the cluster itself took the node out).
+    one = attempt(nodes=("n1",))
+    alone = [rank(0, ProcState.UNKNOWN, lost=True), rank(1, ProcState.UNKNOWN, lost=True)]
+    effects = decide(view(run(nodes=1), (one,), alloc=without_n1), obs(*alone, unheard=True), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n1",)
+    assert not of(decide(view(run(nodes=1), (one,)), obs(*alone, unheard=True), NOW), RecordFault), \
+        "while the allocation holds it, every rank silent at once is the network's"
     # The cluster taking every node is an interruption, not two lost nodes.
     effects = decide(view(run(), (attempt(),), alloc=nodes(NodeState.ALLOCATED)[:0]),
                      obs(*unseen, rank(2, ProcState.UNKNOWN), rank(3, ProcState.UNKNOWN), unheard=True), NOW)

@@ -128,9 +128,9 @@ def test_a_drained_node_always_has_evidence_against_it_and_was_held(world: tuple
     assert obs is not None
     held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
     live = view.attempts[-1] if view.attempts else None
-    if live is not None and held & set(live.nodes):
+    if live is not None and held:
         # a node of the attempt that left the allocation (Slurm stopped answering for it)
-        # while the attempt's other nodes are held is still the run's to blame
+        # while the allocation keeps other nodes is still the run's to blame
         held |= set(live.nodes)
     for node in drained:
         ranks = [r for r in obs.ranks if r.node == node]
