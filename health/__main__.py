@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wire", action="store_true",
                         help="the verdict in short tagged lines, as the supervisor reads it through srun "
                              "(health/wire.py)")
+    parser.add_argument("--require", type=Path, action="append", default=[], metavar="PATH",
+                        help="a file or directory a run needs on this node (its command, its working "
+                             "directory): unhealthy when missing (repeatable)")
     parser.add_argument("--drain-self", action="store_true",
                         help="Slurm HealthCheckProgram mode: drain this node when unhealthy")
     args = parser.parse_args(argv)
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         host.memory(),
         host.load(),
         host.leftover_trainers(),
+        *host.required(args.require),
     ]
     kernel_log = _read(args.kernel_log, findings) if args.kernel_log else None
     findings += neuron.run_all(expected_devices=args.neuron_devices, instance_type=args.instance_type,

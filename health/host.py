@@ -75,3 +75,18 @@ def leftover_trainers() -> Finding:
                        evidence="no trainer process running")
     return Finding(probe="leftover_trainers", status=Status.DEGRADED,
                    evidence=f"{len(left)} trainer process(es) running: pids {', '.join(map(str, left[:10]))}")
+
+
+def required(paths: list[Path]) -> list[Finding]:
+    """The files a run needs on this node (its command, its working directory: the
+    supervisor names them), each there; a missing one makes the node unfit for that run,
+    and says which."""
+    missing = [p for p in paths if not (os.access(p, os.X_OK) if p.is_file() else p.is_dir())]
+    if not paths:
+        return []
+    if not missing:
+        return [Finding(probe="deploy", status=Status.HEALTHY,
+                        evidence=f"the run's files are here: {', '.join(map(str, paths))}")]
+    return [Finding(probe="deploy", status=Status.UNHEALTHY,
+                    evidence=f"{p} is missing on this node (or not executable): the run's command needs it")
+            for p in missing]

@@ -23,6 +23,8 @@ override that again (``cli.py``). Every error names the key and where it came fr
                                                  # account with uid >= UID_MIN and a login shell)
     shared_dir = "/fsx/training-supervisor"      # run logs and checkpoints, on every node
                                                  # (absent: state_dir, one host only)
+    checkpoint_roots = ["/fsx/ubuntu"]           # runs' checkpoints outside shared_dir: the
+                                                 # unit's ReadWritePaths (install-controller)
     slurm_admin_prefix = ["sudo", "-n"]          # before scontrol drain/resume (README)
     runs_share_admin_rights = false              # runs may execute as the daemon's user even
                                                  # with slurm_admin_prefix (one tenant only)
@@ -84,6 +86,10 @@ class ServiceConfig(BaseModel):
     allow_root_runs: bool = False
     run_users: list[Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_.-]{0,31}$")]] | None = None
     shared_dir: Path | None = None  # None: the state directory (one host only)
+    # Where runs keep checkpoints outside shared_dir (/fsx): the daemon moves checkpoints
+    # there (a rollback's set-aside, a precompile pass), so the unit's ReadWritePaths name
+    # them; scripts/install-controller writes them from here. The daemon reads none.
+    checkpoint_roots: list[Path] = []
     # Put before the scontrol calls that need Slurm operator rights (drain, resume,
     # reservations) when the daemon's user has none, e.g. ["sudo", "-n"] (README).
     slurm_admin_prefix: list[Annotated[str, Field(min_length=1, max_length=200)]] = []
@@ -134,6 +140,13 @@ class ServiceConfig(BaseModel):
     def _absolute(cls, v: Path | None) -> Path | None:
         if v is not None and not v.is_absolute():
             raise ValueError(f"expected an absolute path, got {str(v)!r}")
+        return v
+
+    @field_validator("checkpoint_roots")
+    @classmethod
+    def _absolute_roots(cls, v: list[Path]) -> list[Path]:
+        for p in v:
+            cls._absolute(p)
         return v
 
     @field_validator("mqtt_bind")

@@ -281,8 +281,9 @@ class DecisionExecutor:
             case ProbeNodes() if spec is not None:
                 with self.store.tx() as tx:
                     info = tx.get_run(run.number).allocation_info
+                needs = trainer_cmd.node_requirements(spec, seen.run_dir)
                 self.probes.submit(run_number=run.number, kind=e.kind, nodes=list(e.nodes),
-                                   argv=node_health.probe_argv(spec.health.args),
+                                   argv=node_health.probe_argv(spec.health.args, needs),
                                    timeout_s=spec.health.timeout_s,
                                    allocation_info=info)
                 probed = ", ".join(e.nodes)

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Sequence
 from typing import assert_never
 
-from supervisor import node_health
+from supervisor import node_health, trainer_cmd
 from supervisor.domain import (
     CommandHandled,
     DrainNode,
@@ -98,11 +98,13 @@ class NodeEffects:
                 else:
                     drained = {x.name: x.reason for x in tx.nodes_named(e.nodes)
                                if x.state is NodeState.DRAINED}
-            spec = self.memory.spec(e.run_number)[0] if e.run_number is not None else None
+            spec, run_dir = self.memory.spec(e.run_number) if e.run_number is not None else (None, None)
             args = spec.health.args if isinstance(spec, RunSpec) else self.probes.sweep_args
             timeout_s = spec.health.timeout_s if isinstance(spec, RunSpec) else self.probes.sweep_timeout_s
+            run_spec = spec if isinstance(spec, RunSpec) else None
+            needs = trainer_cmd.node_requirements(run_spec, run_dir) if run_spec and run_dir else []
             self.probes.submit(run_number=e.run_number, kind=e.kind, nodes=list(e.nodes),
-                               argv=node_health.probe_argv(args), timeout_s=timeout_s, round_=e.round,
+                               argv=node_health.probe_argv(args, needs), timeout_s=timeout_s, round_=e.round,
                                allocation_info=info, drained=drained)
 
     def take_back_repaired(self, now: float) -> None:

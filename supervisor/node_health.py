@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from health import wire
+from health.model import Action, Finding, Status, Verdict
 from supervisor.domain import ProbeRecord
 
 CONFIRMATIONS = 2  # bad results in a row before a drain
@@ -60,10 +61,34 @@ def may_return(statuses_newest_first: Sequence[str], clean_in_a_row: int) -> boo
     return clean_in_a_row > 0 and len(newest) == clean_in_a_row and all(s not in _BAD for s in newest)
 
 
-def probe_argv(extra: Sequence[str] = ()) -> tuple[str, ...]:
+def probe_argv(extra: Sequence[str] = (), require: Sequence[str] = (), *,
+               interpreter: str = sys.executable) -> tuple[str, ...]:
     """The probe every node runs: ``python -m health``, its verdict in tagged lines naming
-    the node (health/wire.py), so that many nodes' answers can share one srun stream."""
-    return (sys.executable, "-m", "health", "--wire", *extra)
+    the node (health/wire.py), so that many nodes' answers can share one srun stream;
+    ``require``: the files a run needs there (``--require``).
+
+    It runs the supervisor's own interpreter, which must be at the same path on every
+    node (scripts/install-node). A guard in ``sh`` answers for a node without it: an
+    unhealthy verdict that names the node and the missing path, where srun alone would
+    print an execve error that names neither."""
+    exe = interpreter
+    missing = Verdict(status=Status.UNHEALTHY, action=Action.NONE, findings=[Finding(
+        probe="deploy", status=Status.UNHEALTHY,
+        evidence=f"{exe}, the supervisor's interpreter, is missing on this node: install the supervisor "
+                 "there at the same path (scripts/install-node)")])
+    doc = json.dumps({"node": _NODE, **missing.to_json(), "reason": missing.reason(), "summary": ""})
+    answer = "\n".join(wire.lines(_NODE, doc))
+    probe = (exe, "-m", "health", "--wire", *extra, *(a for path in require for a in ("--require", path)))
+    return ("/bin/sh", "-c", _GUARD, "tsup-probe-guard", answer, *probe)
+
+
+_NODE = "@NODE@"  # the guard's answer names the node it runs on
+# $1: the answer for a node without the interpreter; then the probe's own argv.
+_GUARD = (
+    'answer=$1; shift; [ -x "$1" ] && exec "$@"; '
+    'node=${SLURMD_NODENAME:-${TSUP_NODE:-$(hostname -s)}}; '
+    'printf "%s\\n" "$answer" | sed "s/@NODE@/$node/g"; exit 2'
+)
 
 
 def record(node: str, output: str | None, kind: str, run_number: int | None, at: float) -> ProbeRecord:

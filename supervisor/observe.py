@@ -136,7 +136,11 @@ class Observer:
         training = live is not None and live.state is AttemptState.RUNNING
         may_launch = (commands or run.state in _LAUNCHABLE) and not training
         shrunk = training and live is not None and len(live.nodes) < run.nodes
-        if isinstance(spec, RunSpec) and (may_launch or shrunk):
+        precompiles = isinstance(spec, RunSpec) and spec.command is not None and spec.command.precompiles
+        # After a precompile pass, until the run's checkpoints are back, the directory holds
+        # only what the pass saved: no checkpoint of the run's (supervisor/precompile.py).
+        aside = precompile.aside(run_dir, attempts) if precompiles and live is None else None
+        if isinstance(spec, RunSpec) and (may_launch or shrunk) and aside is None:
             before, unreadable = resume_before(attempts, faults), unreadable_checkpoints(faults, attempts)
             newest = self._newest_checkpoint(spec, run_dir, facts, before, unreadable)
             with self.store.tx() as tx:
@@ -144,7 +148,7 @@ class Observer:
             newest_memory = _newest_memory(memory_saves, attempts, newest, before,
                                            unreadable_checkpoints(faults, attempts, memory=True))
         precompile_due = None
-        if isinstance(spec, RunSpec) and spec.command is not None and spec.command.precompiles and may_launch:
+        if isinstance(spec, RunSpec) and precompiles and may_launch:
             cwd = trainer_cmd.attempt_cwd(spec, run_dir)
             precompile_due = precompile.due(precompile.fingerprint(spec, cwd), attempts)
         view = RunView(
@@ -161,7 +165,7 @@ class Observer:
             exit_codes=spec.exit_meanings if isinstance(spec, RunSpec) else TSUP_EXIT_CODES,
             data_skip_unit=spec.data_skip_unit if isinstance(spec, RunSpec) else "samples",
             precompile_due=precompile_due,
-            precompile_aside=precompile.aside(run_dir, attempts) if live is None else None)
+            precompile_aside=aside)
         return Observed(run=run, spec=spec if isinstance(spec, RunSpec) else None, run_dir=run_dir, view=view,
                         obs=obs, facts=facts)
 

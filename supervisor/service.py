@@ -131,9 +131,14 @@ class SupervisorService:
                              run_users=self.run_users, admin_rights=self.admin_rights)
         run_dir = self.runs_dir / "run-check"
         ck = trainer_cmd.checkpoint_dir(spec, run_dir)
+        key = "command.checkpoint_dir" if spec.command is not None else "trainer.checkpoint.dir"
         if not ck.is_relative_to(run_dir) and not users.writable_by(ck, user):
-            key = "command.checkpoint_dir" if spec.command is not None else "trainer.checkpoint.dir"
             raise SpecError(f"{key}: {ck} is not writable by {user.name}, the user this run executes as")
+        if not ck.is_relative_to(run_dir) and not users.daemon_may_write(ck):
+            raise SpecError(f"{key}: {ck} is not writable by the daemon, which moves checkpoints there (a "
+                            "rollback's set-aside, a precompile pass, resume --from-step): under the systemd "
+                            "unit, add its root to checkpoint_roots in the config and run "
+                            "scripts/install-controller again (the unit's ReadWritePaths)")
         return spec.model_copy(update={"user": user.name})
 
     def list_runs(self) -> list[RunSummary]:

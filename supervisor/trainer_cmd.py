@@ -168,6 +168,21 @@ def attempt_cwd(spec: RunSpec, run_dir: Path) -> Path | None:
     return Path(spec.command.cwd.format(run_dir=run_dir, checkpoint_dir=checkpoint_dir(spec, run_dir)))
 
 
+def node_requirements(spec: RunSpec, run_dir: Path) -> list[str]:
+    """What a [command] needs on every node, for its preflight (``python -m health
+    --require``): its working directory, and its program when argv names it by a path
+    (``./train.sh``). A program found on PATH, and the reference trainer, need only the
+    supervisor's interpreter, which every probe checks first (node_health.probe_argv)."""
+    if spec.command is None:
+        return []
+    cwd = attempt_cwd(spec, run_dir)
+    program = spec.command.argv[0]
+    paths = [cwd] if cwd is not None else []
+    if "/" in program and "{" not in program:
+        paths.append(cwd / program if cwd is not None else Path(program))
+    return [str(p) for p in paths]
+
+
 def launch_mode(spec: RunSpec) -> LaunchMode:
     if spec.command is not None:
         return spec.command.launch

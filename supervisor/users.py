@@ -173,6 +173,18 @@ def writable_by(path: Path, user: RunAs) -> bool:
     return stat.S_ISDIR(st.st_mode) and _may(st, user, stat.S_IWUSR, stat.S_IWGRP, stat.S_IWOTH)
 
 
+def daemon_may_write(path: Path) -> bool:
+    """Whether this process may create files in ``path`` (or in its nearest existing
+    parent): its own rights, and a file system it may write (a systemd unit's
+    ProtectSystem=strict leaves only its ReadWritePaths writable, and access(2) says so)."""
+    here = path
+    while not here.exists():
+        if here.parent == here:
+            return False
+        here = here.parent
+    return here.is_dir() and os.access(here, os.W_OK | os.X_OK)
+
+
 def _may(st: os.stat_result, user: RunAs, u: int, g: int, o: int) -> bool:
     if st.st_uid == user.uid:
         return bool(st.st_mode & u)

@@ -330,3 +330,34 @@ def test_each_box_node_has_a_dev_shm_of_its_own_that_a_killed_node_loses(slurm_b
     box_mod.start_node(slurm_box, "node1")
     box_mod.wait_idle(slurm_box, 60)
     assert on("node1", f"test ! -e {shm} && echo gone") == "gone\n", "a killed node's memory outlived it"
+
+
+def test_a_node_without_the_supervisors_interpreter_says_so_naming_itself_and_the_path(
+        slurm_box: Box, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe runs the supervisor's interpreter, at the same path on every node
+    (scripts/install-node): a node without it answers unhealthy through the probe's guard,
+    where srun alone prints an execve error naming neither the node nor the path; a run's
+    command missing there (--require) is named the same way."""
+    from supervisor import node_health
+    from supervisor.slurm.cluster import slurm_cluster
+
+    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
+    launcher = slurm_cluster(slurm_conf=str(slurm_box.conf), state_dir=tmp_path / "state").nodes
+    absent = "/opt/training-supervisor/.venv/bin/python3-not-installed"
+    argv = node_health.probe_argv(["--min-free-gib", "0.1"], interpreter=absent)
+    answers = launcher.probe(["node2", "node3"], argv, allocation_info=None, timeout_s=60)
+    for node in ("node2", "node3"):
+        record = node_health.record(node, answers.get(node), "preflight", 1, 0.0)
+        assert record.status == "unhealthy", answers
+        assert record.reason == (f"deploy: {absent}, the supervisor's interpreter, is missing on this node: "
+                                 "install the supervisor there at the same path (scripts/install-node)")
+    script = tmp_path / "examples" / "train.sh"
+    argv = node_health.probe_argv(["--min-free-gib", "0.1"], [str(script.parent), str(script)])
+    answers = launcher.probe(["node2"], argv, allocation_info=None, timeout_s=60)
+    record = node_health.record("node2", answers.get("node2"), "preflight", 1, 0.0)
+    assert record.status == "unhealthy" and f"deploy: {script.parent} is missing on this node" in record.reason
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    answers = launcher.probe(["node2"], argv, allocation_info=None, timeout_s=60)
+    assert node_health.record("node2", answers.get("node2"), "preflight", 1, 0.0).status != "unhealthy", answers

@@ -80,3 +80,19 @@ def test_a_drill_waits_out_the_precompile_pass_for_training() -> None:
     cluster.attempt, cluster.step, cluster.precompile = 2, 3, None
     chaos.poll()
     assert cluster.fired == [(2, "rank 0")]
+
+
+def test_the_console_script_finds_the_slurm_box_of_its_checkout() -> None:
+    """`training-supervisor run --launcher slurm --chaos ...` from a checkout after `make
+    run`: the installed package finds slurmbox/ beside it, off the path pytest gives."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from supervisor.chaos import box_hooks\n"
+            "try:\n    box_hooks(None)\nexcept Exception as e:\n    print(e)")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SLURM_CONF")}
+    done = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert "need a Slurm box on this host" in done.stdout, done.stdout + done.stderr
+    assert "development Slurm box" not in done.stdout
