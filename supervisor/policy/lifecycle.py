@@ -93,18 +93,9 @@ def decide(view: RunView, obs: AttemptObs | None, now: float) -> list[Effect]:
 
     drained_now = {e.node for e in out if isinstance(e, DrainNode)}
     probing = probes_wanted(view, drained_now, out)
-    # A resume from a chosen step launches next tick, once the newer checkpoints are set
-    # aside: this tick's newest_checkpoint may be one of them.
-    going_back = any(isinstance(e, ResumeRun) and e.from_step is not None for e in out)
-    # After the job's precompile pass, the run's checkpoints come back first; the next
-    # tick's view then holds them (supervisor/precompile.py).
-    current = view.current
-    precompiled_now = current is not None and current.precompile is not None and any(
-        isinstance(e, EndAttempt) and e.number == current.number for e in out)
     if live is None and view.precompile_aside is not None:
         out.append(BringBackCheckpoints(number=view.precompile_aside))
-    if (live is None and state in _LAUNCHABLE and not probing and not view.probing and not going_back
-            and view.precompile_aside is None and not precompiled_now):
+    if live is None and state in _LAUNCHABLE and not probing and not _launch_waits(view, out):
         state = launch(view, state, drained_now, out, now)
 
     holds_nodes = (any(n.state is NodeState.ALLOCATED for n in view.allocation)
@@ -118,6 +109,21 @@ def decide(view: RunView, obs: AttemptObs | None, now: float) -> list[Effect]:
                         message=f"paused for {grace:g} s or more: its nodes go back to the cluster; "
                                 "a resume asks for new ones"))
     return out
+
+
+def _launch_waits(view: RunView, out: list[Effect]) -> bool:
+    """Whether the run launches nothing this tick though it wants an attempt, because this
+    tick's view may not hold the checkpoint the next attempt needs:
+    - its nodes are being probed;
+    - an operator's resume from a chosen step: newer checkpoints are set aside first, and
+      this tick's newest may be one of them;
+    - the job's precompile pass ended this tick, or the run's checkpoints it kept aside are
+      not back yet (supervisor/precompile.py)."""
+    going_back = any(isinstance(e, ResumeRun) and e.from_step is not None for e in out)
+    current = view.current
+    precompiled_now = current is not None and current.precompile is not None and any(
+        isinstance(e, EndAttempt) and e.number == current.number for e in out)
+    return view.probing or going_back or precompiled_now or view.precompile_aside is not None
 
 
 def _paused_long(view: RunView, state: RunState, now: float) -> bool:
