@@ -10,8 +10,10 @@ reconciler calls them). Nothing here does I/O or reads a clock (import-linter ch
     lifecycle.py    decide(): operator commands, stopping, judging the live attempt
     detection.py    deaths, NaN, spikes, silent nodes, hangs, stragglers
     attribution.py  whom a fault blames, which nodes it drains, the drain budget, lemons
-    recovery.py     the next attempt: placement, resume point, rollback, the budget, backoff,
-                    shrinking and growing back, probes before a launch
+    recovery.py     the next attempt: placement, resume point, rollback, shrinking and growing
+                    back, probes before a launch
+    budget.py       when a run stops trying (failures without progress, crash loops, fault
+                    rate), and the backoff
     memory.py       whether the next attempt's nodes still hold the in-memory save
     nodes.py        judge_probes(), node_command(): probes, lemons' return, operators' drains
     transitions.py  the table of run and attempt states; an illegal change raises
@@ -82,6 +84,7 @@ is reported, and left out of the next attempt when a spare can take its place; o
 ``straggler_restart`` makes it a fault.
 """
 
+from supervisor.policy.budget import backoff
 from supervisor.policy.data_steps import data_step, skip_to
 from supervisor.policy.detection import (
     find_spike,
@@ -91,7 +94,7 @@ from supervisor.policy.detection import (
     transient_spikes,
 )
 from supervisor.policy.lifecycle import decide
-from supervisor.policy.recovery import backoff, resume_before, skip_window, unreadable_checkpoints
+from supervisor.policy.recovery import resume_before, skip_window, unreadable_checkpoints
 
 __all__ = [
     "backoff",
