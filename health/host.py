@@ -81,9 +81,9 @@ def required(paths: list[Path]) -> list[Finding]:
     """The files a run needs on this node (its command, its working directory: the
     supervisor names them), each there; a missing one makes the node unfit for that run,
     and says which."""
-    missing = [p for p in paths if not (os.access(p, os.X_OK) if p.is_file() else p.is_dir())]
     if not paths:
         return []
+    missing = [p for p in paths if not (os.access(p, os.X_OK) if p.is_file() else p.is_dir())]
     if not missing:
         return [Finding(probe="deploy", status=Status.HEALTHY,
                         evidence=f"the run's files are here: {', '.join(map(str, paths))}")]

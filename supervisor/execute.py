@@ -399,17 +399,16 @@ class DecisionExecutor:
                              f"way into {moved[0][1].parent}",
                              {"attempt": e.number, "moved": [str(src) for src, _ in moved]}, now)
 
-    def _keep_aside_for_pass(self, run: Run, spec: RunSpec, run_dir: Path, number: int, now: float) -> None:
+    def _keep_aside_for_pass(self, run: Run, spec: RunSpec, run_dir: Path, number: int) -> None:
         directory = trainer_cmd.checkpoint_dir(spec, run_dir)
         moved = precompile.keep_aside(directory, trainer_cmd.checkpoint_layout(spec), run_dir, number)
         if moved:
             names = ", ".join(src.name for src, _ in moved)
             where = f"{checkpoint_scan.SET_ASIDE}/before-precompile-{number}/"
-            with self.store.tx() as tx:
-                tx.add_event(run.number, EventKind.CHECKPOINT_SET_ASIDE,
-                             f"attempt {number} is the job's precompile pass: moved {names} out of its "
-                             f"way (into {where}); they come back when it ends",
-                             {"attempt": number, "moved": [str(src) for src, _ in moved]}, now)
+            self.post_event(run.number, EventKind.CHECKPOINT_SET_ASIDE,
+                            f"attempt {number} is the job's precompile pass: moved {names} out of its way "
+                            f"(into {where}); they come back when it ends",
+                            {"attempt": number, "moved": [str(src) for src, _ in moved]})
 
     def _bring_back(self, run: Run, spec: RunSpec, run_dir: Path, number: int) -> None:
         directory, layout = trainer_cmd.checkpoint_dir(spec, run_dir), trainer_cmd.checkpoint_layout(spec)
@@ -462,7 +461,7 @@ class DecisionExecutor:
             if e.precompile is None:
                 self._clear_the_way(run, spec, run_dir, e, now)
             else:  # the pass's saves are not the run's: its own go out of the way (precompile.py)
-                self._keep_aside_for_pass(run, spec, run_dir, e.number, now)
+                self._keep_aside_for_pass(run, spec, run_dir, e.number)
             every = (self._checkpoint_interval(run, spec, now, planning.TIER_PERSISTENT)
                      if spec.auto_checkpoints else None)
             memory_every = (self._checkpoint_interval(run, spec, now, planning.TIER_MEMORY)

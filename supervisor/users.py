@@ -161,11 +161,9 @@ def writable_by(path: Path, user: RunAs) -> bool:
     nearest existing parent, where it would be made), by the mode bits (ACLs not read)."""
     if user.is_root:
         return True
-    here = path
-    while not here.exists():
-        if here.parent == here:
-            return False
-        here = here.parent
+    here = _nearest_existing(path)
+    if here is None:
+        return False
     for part in [*reversed(here.parents), here]:  # every directory on the way must be searchable
         if not _may(part.stat(), user, stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH):
             return False
@@ -177,12 +175,18 @@ def daemon_may_write(path: Path) -> bool:
     """Whether this process may create files in ``path`` (or in its nearest existing
     parent): its own rights, and a file system it may write (a systemd unit's
     ProtectSystem=strict leaves only its ReadWritePaths writable, and access(2) says so)."""
+    here = _nearest_existing(path)
+    return here is not None and here.is_dir() and os.access(here, os.W_OK | os.X_OK)
+
+
+def _nearest_existing(path: Path) -> Path | None:
+    """``path``, or its nearest parent that exists (where ``path`` would be made)."""
     here = path
     while not here.exists():
         if here.parent == here:
-            return False
+            return None
         here = here.parent
-    return here.is_dir() and os.access(here, os.W_OK | os.X_OK)
+    return here
 
 
 def _may(st: os.stat_result, user: RunAs, u: int, g: int, o: int) -> bool:

@@ -192,12 +192,14 @@ def _find_silent_node(view: RunView, live: Attempt, obs: AttemptObs, now: float,
     return Finding(record, [(n, why) for n in quiet])
 
 
-def hang_limit(policy: Policy, obs: AttemptObs, first_step_seen: bool) -> tuple[float, str]:
+def hang_limit(policy: Policy, obs: AttemptObs, first_step_seen: bool, *,
+               precompile: bool = False) -> tuple[float, str]:
     """How long without step progress (or a phase's start or end) is a hang, and why that
     long. Every limit follows what this run measured; the constants are for before it has
     measured anything (the header of supervisor/domain/knobs.py says which is which):
 
-    - compiling (Neuron's graphs, a precompile pass): ``compile_timeout_s``;
+    - compiling (Neuron's graphs, a precompile pass), and throughout the job's own
+      precompile attempt (``precompile``, supervisor/precompile.py): ``compile_timeout_s``;
     - restoring: ``startup_timeout_s``, or ``hang_k`` x its announced bytes at the run's
       measured restore pace (its save pace before a restore was timed) when longer: a
       restore from node memory and one from storage differ by orders of magnitude, so a
@@ -214,7 +216,7 @@ def hang_limit(policy: Policy, obs: AttemptObs, first_step_seen: bool) -> tuple[
     """
     phases = {r.phase for r in obs.ranks}
     k = policy.hang_k
-    if "compile" in phases:
+    if precompile or "compile" in phases:
         return max(policy.compile_timeout_s, policy.startup_timeout_s), "compile allowance"
     if "restore" in phases:
         size = _phase_bytes(obs, "restore")
@@ -281,11 +283,8 @@ def _find_hang(view: RunView, live: Attempt, obs: AttemptObs, now: float, step: 
     """
     if obs.telemetry_up_since is None or live.started_at is None:
         return None
-    if live.precompile is not None:  # compiling, whatever its lines say
-        policy = view.run.policy
-        limit_s, what = max(policy.compile_timeout_s, policy.startup_timeout_s), "compile allowance"
-    else:
-        limit_s, what = hang_limit(view.run.policy, obs, live.first_step_at is not None)
+    limit_s, what = hang_limit(view.run.policy, obs, live.first_step_at is not None,
+                               precompile=live.precompile is not None)
     progress = [t for r in obs.ranks for t in (r.progress_at, r.phase_at) if t is not None]
     since = max([live.started_at, obs.telemetry_up_since, *progress])
     if live.first_step_at is not None:
