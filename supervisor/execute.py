@@ -261,10 +261,15 @@ class DecisionExecutor:
         match e:
             case AllocateNodes() if spec is not None:
                 self._allocate(run, spec, e.count, e.keep, now)
-            case ReleaseNodes():
-                if self.launcher.release(run.run_id, run.allocation_info):
+            case ReleaseNodes(park=True):
+                kept = self.launcher.park(run.run_id, run.allocation_info, spec.user if spec else None)
+                if kept.done:
                     with self.store.tx() as tx:
-                        tx.update_run(run.number, allocation_info=None)
+                        tx.update_run(run.number, allocation_info=None, parked_allocation=kept.info)
+            case ReleaseNodes():
+                if self.launcher.release(run.run_id, run.allocation_info or run.parked_allocation):
+                    with self.store.tx() as tx:
+                        tx.update_run(run.number, allocation_info=None, parked_allocation=None)
                 # else the record stays, and the next tick asks to release again
             case StartAttempt() if spec is not None:
                 self._start(run, spec, seen.run_dir, e, now)
@@ -324,12 +329,14 @@ class DecisionExecutor:
             run_id=run.run_id, count=count, minimum=run.nodes, keep=keep, held=held,
             drained=frozenset(x.name for x in nodes if x.state is NodeState.DRAINED),
             idle=tuple(x.name for x in nodes if x.state is NodeState.IDLE),
-            known=frozenset(x.name for x in nodes), info=current.allocation_info,
+            known=frozenset(x.name for x in nodes), info=current.allocation_info or current.parked_allocation,
             partition=spec.resources.partition, time_limit_min=spec.resources.time_limit_min,
             handles_usr1=spec.handles_usr1, user=spec.user,
         )
         grant = self.launcher.allocate(req)
         with self.store.tx() as tx:
+            if current.parked_allocation is not None:  # the run goes on in the job it kept
+                tx.update_run(run.number, parked_allocation=None)
             changes = grant_changes(tx.list_nodes(), run.number, grant)
             self._record_grant(tx, run.number, changes, now)
             got = len([x for x in tx.allocation(run.number) if x.state is NodeState.ALLOCATED])

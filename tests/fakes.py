@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from supervisor.domain import ProcState
 from supervisor.errors import LaunchError
-from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
+from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, Parked, RankProc
 from supervisor.launchers.local import LocalLauncher
 
 
@@ -79,6 +79,9 @@ class ScriptedLauncher:
 
     def release(self, run_id: str, info: str | None) -> bool:
         return True
+
+    def park(self, run_id: str, info: str | None, user: str | None) -> Parked:
+        return Parked(done=True)
 
     def start(self, spec: LaunchSpec) -> str:
         self.started.append(spec)

@@ -198,7 +198,11 @@ class BringBackCheckpoints:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReleaseNodes:
-    """Give back every healthy node the run holds (drained ones stay drained)."""
+    """Give back every healthy node the run holds (drained ones stay drained). ``park``:
+    keep the allocation's identity for the run to go on in (Slurm: its job, held in the
+    queue with no node), for a run that may be resumed; else give it up for good."""
+
+    park: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

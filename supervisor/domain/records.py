@@ -38,6 +38,9 @@ class Run:
     # failures (nor toward a crash loop): an operator's `resume` starts it afresh.
     budget_from_attempt: int = 0
     allocation_info: str | None = None  # the launcher's handle on the nodes held
+    # The launcher's handle on an allocation kept with no node (a paused or failed run's
+    # Slurm job, held in the queue), for the next one to go on in; None: none kept.
+    parked_allocation: str | None = None
 
     @property
     def run_id(self) -> str:

@@ -13,7 +13,8 @@ observation as a dead process (it reports ProcState.UNKNOWN instead).
 ``launch_info`` is the launcher's own handle for a started attempt, serialized as a
 string so that the store can keep it and a restarted daemon can re-adopt the attempt.
 ``allocation_info`` is the same for the nodes a run holds (a Slurm allocation's job id;
-nothing for local nodes, whose only record is the store's).
+nothing for local nodes, whose only record is the store's). A paused or failed run's may
+be kept with no node (``park``), so that the run goes on in the same allocation.
 
 Node allocation is level-triggered: ``allocate`` is called on every tick on which the
 run holds too few healthy nodes and must not ask the cluster twice for the same
@@ -107,6 +108,16 @@ class Grant:
     note: str = ""  # why fewer nodes than asked, for the event log ("job 12 pending: Resources")
 
 
+@dataclass(frozen=True, slots=True)
+class Parked:
+    """What ``Launcher.park`` did: ``done`` False when the cluster could not be told (the
+    caller tries again later); ``info`` the allocation kept with no node, for the next
+    ``allocate`` to go on in (None: nothing kept, the nodes given back for good)."""
+
+    done: bool
+    info: str | None = None
+
+
 class Launcher(Protocol):
     kind: str  # "local", "slurm": what a spec's resources.launcher names
 
@@ -132,6 +143,13 @@ class Launcher(Protocol):
     def release(self, run_id: str, info: str | None) -> bool:
         """The run is over: give its nodes back to the cluster. Idempotent. False when the
         cluster could not be told (its controller down): the caller tries again later."""
+        ...
+
+    def park(self, run_id: str, info: str | None, user: str | None) -> Parked:
+        """A paused or failed run: give its nodes back, but keep what identifies its
+        allocation to the trainer, for the run to go on in when it is resumed (Slurm: its
+        job, requeued and held, its id kept). A launcher that keeps no such identity
+        gives the nodes back as ``release`` does. ``user``: the allocation's owner."""
         ...
 
     def start(self, spec: LaunchSpec) -> str:

@@ -42,7 +42,7 @@ from supervisor import user_files, users
 from supervisor.domain import ProcState
 from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import CannotExecute, LaunchError, SpecError
-from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
+from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, Parked, RankProc
 from supervisor.launchers.local_record import (
     CREATE_TIME_TOLERANCE_S,
     NODE_PROCESS_ENV,
@@ -109,6 +109,10 @@ class LocalLauncher:
         """Nothing to give back (the store marks the nodes idle) but the run's standbys."""
         self.standbys.release(run_id)
         return True
+
+    def park(self, run_id: str, info: str | None, user: str | None) -> Parked:
+        """Local nodes carry no allocation a trainer could know: given back."""
+        return Parked(done=self.release(run_id, info))
 
     def drain(self, node: str, reason: str, *, reboot: bool = False) -> None:
         """Local nodes are simulated: a drain is the store's record, and this one."""

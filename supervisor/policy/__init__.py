@@ -26,7 +26,9 @@ Run transitions (state, condition -> next state: effects):
     any active      pause command            -> PAUSED:      StopAttempt
     not active (paused or over) with a live attempt -> (same): StopAttempt
     PAUSED, FAILED  resume command           -> PENDING     (the budget starts afresh)
-    PAUSED          nodes idle pause_release_s -> (same):    ReleaseNodes (resume allocates anew)
+    PAUSED          nodes idle pause_release_s -> (same):    ReleaseNodes(park): the nodes go back,
+                                                the job waits held in the queue, and a resume
+                                                goes on in it (its id kept)
     STARTING, RUNNING, RECOVERING with a live attempt
                     restart command          -> RECOVERING:  StopAttempt (not a failure: no budget)
     PENDING, STARTING, RECOVERING with no live attempt:
@@ -66,7 +68,8 @@ or abandoned with its nodes drained when processes outlive SIGKILL by
 ENDED. With ``[health] preflight`` the nodes a run just got, and with ``[health]
 diagnose`` a FAILED attempt's nodes that the run still holds, are probed (ProbeNodes)
 before the next launch. A terminal run with no live attempt gives its nodes back
-(ReleaseNodes).
+(ReleaseNodes); a FAILED one keeps its job parked (``park``: held in the queue with no
+node) for a resume to go on in, and a SUCCEEDED or CANCELLED one gives a parked job up.
 
 Attribution (attribution.py): a node is drained only on evidence about the node itself:
 every rank of it vanished at once, and the cluster took it out of the allocation or

@@ -61,6 +61,7 @@ from supervisor.policy.transitions import check_run
 
 _ACTIVE = frozenset({RunState.PENDING, RunState.STARTING, RunState.RUNNING, RunState.RECOVERING})
 _LAUNCHABLE = frozenset({RunState.PENDING, RunState.STARTING, RunState.RECOVERING})
+_OVER_FOR_GOOD = frozenset({RunState.SUCCEEDED, RunState.CANCELLED})  # FAILED may be resumed
 
 
 def decide(view: RunView, obs: AttemptObs | None, now: float) -> list[Effect]:
@@ -101,13 +102,17 @@ def decide(view: RunView, obs: AttemptObs | None, now: float) -> list[Effect]:
     holds_nodes = (any(n.state is NodeState.ALLOCATED for n in view.allocation)
                    or view.run.allocation_info is not None)  # a queued allocation holds no node yet
     if live is None and holds_nodes and state in TERMINAL_RUN_STATES:
-        out.append(ReleaseNodes())
+        # A failed run may be resumed: it keeps its job's identity (the users' trainers key
+        # their checkpoints on it), as a paused one does.
+        out.append(ReleaseNodes(park=state is RunState.FAILED))
+    elif live is None and view.run.parked_allocation is not None and state in _OVER_FOR_GOOD:
+        out.append(ReleaseNodes())  # no resume will take the job kept for one
     elif live is None and holds_nodes and _paused_long(view, state, now):
-        out.append(ReleaseNodes())
+        out.append(ReleaseNodes(park=True))
         grace = view.run.policy.pause_release_s
         out.append(Emit(kind=EventKind.ALLOCATION_RELEASED,
                         message=f"paused for {grace:g} s or more: its nodes go back to the cluster; "
-                                "a resume asks for new ones"))
+                                "its job waits in the queue, held, and a resume goes on in it"))
     return out
 
 

@@ -7,6 +7,23 @@
   so a daemon killed between ``sbatch`` and recording the id finds the job by name and
   never submits a second one; but squeue lists every user's jobs and anyone can name a
   job so, so only a job of the expected owner is ever adopted by name.
+- **A run keeps its job.** The users' trainers key their checkpoints and logs on
+  ``$SLURM_JOB_ID`` (NxD Training's ``train_setup.sh`` names exp_manager's version
+  directory after it and resumes only from there), so a run that needs new nodes goes on
+  in the same job rather than in a new one: when the job holds fewer healthy nodes than
+  the run needs (losses beyond its spares), or ended while Slurm still knows it (a time
+  limit, a preemption; ``MinJobAge``), it is requeued (``requeuehold``: it gives its
+  nodes back and waits, held), then asked for the run's node count with the drained
+  nodes excluded, started at once and released; ``$SLURM_RESTART_COUNT`` counts the
+  requeues (supervisor/slurm/launcher.py hands it to the steps). A paused or failed run
+  ``park``s its job the same way, and a resume releases it. All of it runs as the job's
+  owner: a user may do each of these to a job of their own. Only a job Slurm will not
+  requeue (one submitted with ``--no-requeue``) or no longer knows (purged after
+  ``MinJobAge``, cancelled by hand) is replaced by a new one, in which such a trainer
+  starts from scratch (the run then stops with a wrong-resume fault that says what to
+  change). The cost of keeping the job: a requeued job starts again only once its
+  steps have ended on every node it held, so it is first shrunk to its healthy nodes;
+  a run whose every node died waits for Slurm to declare them down (``SlurmdTimeout``).
 - Slurm cannot add nodes to a running job. A run that may go on with fewer nodes
   (``keep``, supervisor/policy/recovery.py) and holds fewer than it asks for submits a
   **growth** job for the missing count (``<prefix>.<run>.<k>g<m>``, ``--nodes=1-M``),
@@ -15,7 +32,8 @@
   job that holds nothing usable any more is cancelled; a new first job cancels them all.
 - ``held``: the jobs as squeue sees them, minus nodes Slurm calls unusable. A failed
   poll means "unknown", never "ended"; a recorded id that squeue shows owned by someone
-  else (ids start again after slurmctld loses its state) means "ended".
+  else (ids start again after slurmctld loses its state) means "gone"; an ended job
+  squeue still lists is kept, to be requeued.
 """
 
 from __future__ import annotations
@@ -28,9 +46,9 @@ from pathlib import Path
 
 from supervisor import users
 from supervisor.errors import LaunchError
-from supervisor.launchers.base import AllocationRequest, Grant
+from supervisor.launchers.base import AllocationRequest, Grant, Parked
 from supervisor.slurm import parse
-from supervisor.slurm.commands import SlurmCommands
+from supervisor.slurm.commands import Reply, SlurmCommands
 from supervisor.slurm.requests import SbatchRequest, allocation_script, sbatch_argv
 from supervisor.slurm.state import SlurmState
 
@@ -104,23 +122,28 @@ class SlurmAllocations:
         if jobs is None:
             return Grant(nodes=req.held, info=req.info, note="squeue failed; trying again")
         job = recorded(jobs, alloc.job, alloc.uid)
-        if job is not None and job.phase is parse.JobPhase.WAITING:
-            return Grant(nodes=(), info=req.info, note=f"job {job.job_id} pending: {job.reason}")
         if job is not None and job.phase is parse.JobPhase.HOLDING:
             have = self._usable(job.nodes, req.drained)
             if len(have) >= (req.keep or req.minimum):
                 return self._grow(req, alloc, jobs, have)
-            # Too few healthy nodes left in it: give it back and ask for a new one.
-            self.commands.fire(["scancel", *only_of(alloc.uid), job.job_id])
-            log.info("allocation %s holds %d healthy nodes, %d needed: replacing it",
+            log.info("allocation %s holds %d healthy nodes, %d needed: requeueing it",
                      job.job_id, len(have), req.keep or req.minimum)
-        if alloc.grow:  # a new first job asks for every node: the growth jobs go
-            self.commands.fire(["scancel", *only_of(alloc.uid), *alloc.grow])
-        seq = alloc.seq + 1 if alloc.job else max(alloc.seq, 1)
         try:
             owner = users.for_launch(req.user)
         except LaunchError as e:  # the run's user is gone from this host: say why, and wait
             return Grant(nodes=(), info=req.info, note=str(e))
+        if job is not None and job.phase is parse.JobPhase.WAITING:
+            return Grant(nodes=(), info=req.info, note=self._start_soon(req, job, owner))
+        if job is not None:  # too few healthy nodes left in it, or ended while Slurm still knows it
+            requeued = self._requeue(alloc, job, owner, self._usable(job.nodes, req.drained))
+            if requeued is not None:
+                return Grant(nodes=(), info=requeued.dump(),
+                             note=f"job {job.job_id} requeued (its id kept) for {req.count} node(s)")
+            if job.phase is parse.JobPhase.HOLDING:  # Slurm will not requeue it: a new job replaces it
+                self.commands.fire(["scancel", *only_of(alloc.uid), job.job_id])
+        if alloc.grow:  # a new first job asks for every node: the growth jobs go
+            self.commands.fire(["scancel", *only_of(alloc.uid), *alloc.grow])
+        seq = alloc.seq + 1 if alloc.job else max(alloc.seq, 1)
         uid = uid_of(owner)
         job_id, done = self._submit(self.sbatch_request(req, seq), jobs, owner, uid)
         info = Alloc(job_id, seq, uid).dump()
@@ -129,6 +152,56 @@ class SlurmAllocations:
         if done == "adopted":
             return self.held(req.run_id, info) or Grant(nodes=(), info=info)
         return Grant(nodes=(), info=info, note=f"job {job_id} submitted")
+
+    def _requeue(self, alloc: Alloc, job: parse.JobInfo, owner: users.RunAs | None,
+                 healthy: tuple[str, ...]) -> Alloc | None:
+        """Put the run's job back in the queue, held, its id kept (the allocation_info to
+        record), or None when Slurm refuses (a job submitted with --no-requeue). Its
+        healthy nodes are kept out of the wait for its dead ones first: a requeued job
+        starts again only once its steps have ended on every node it held, and a dead
+        node's end comes only when Slurm declares the node down (SlurmdTimeout), so the
+        job is shrunk to the healthy nodes, and the wait stays where no node is healthy."""
+        if job.phase is parse.JobPhase.HOLDING and healthy and len(healthy) < len(job.nodes):
+            shrink = ["scontrol", "update", f"JobId={job.job_id}", f"NodeList={','.join(healthy)}"]
+            self._owners(owner, shrink)
+        reply = self._owners(owner, ["scontrol", "requeuehold", job.job_id])
+        if not reply.ok:
+            log.warning("cannot requeue allocation %s: %s", job.job_id, reply.why)
+            return None
+        if alloc.grow:  # the first job will ask for every node again: the growth jobs go
+            self.commands.fire(["scancel", *only_of(alloc.uid), *alloc.grow])
+        self.state.refresh()
+        log.info("requeued allocation %s, its id kept", job.job_id)
+        return replace(alloc, grow=())
+
+    def _start_soon(self, req: AllocationRequest, job: parse.JobInfo, owner: users.RunAs | None) -> str:
+        """A queued job of the run's: held by its owner (a requeue, a park), it is asked
+        for the run's nodes (its node count, the drained ones excluded) and released; a
+        requeued one is started now, not after the credential lifetime Slurm waits out
+        before starting a requeued job again (22.05: 121 s; the new launch credential only
+        needs to be newer than the revoke, which it is by then). What it waits for."""
+        if job.finishing:
+            return (f"job {job.job_id} requeued: Slurm is ending its steps on the nodes it held "
+                    "(a dead node's once Slurm declares it down)")
+        requeued = job.held_by_owner or (job.restarts or 0) > 0
+        if requeued and (job.held_by_owner or job.reason == "BeginTime"):
+            nodes = f"{req.minimum}-{req.count}" if req.minimum < req.count else str(req.count)
+            update = ["scontrol", "update", f"JobId={job.job_id}", f"NumNodes={nodes}", "StartTime=now"]
+            if req.drained:
+                update.append(f"ExcNodeList={','.join(sorted(req.drained))}")
+            reply = self._owners(owner, update)
+            if reply.ok and job.held_by_owner:
+                reply = self._owners(owner, ["scontrol", "release", job.job_id])
+            self.state.refresh()
+            if not reply.ok:
+                return f"job {job.job_id} requeued, cannot be started again yet: {reply.why}"
+            return f"job {job.job_id} requeued: released for {nodes} node(s)"
+        return f"job {job.job_id} pending: {job.reason}"
+
+    def _owners(self, owner: users.RunAs | None, argv: list[str]) -> Reply:
+        """A command about the run's own job, as its owner: what a user may do with a job
+        of their own needs no operator's rights."""
+        return self.commands.run(argv, user=owner)
 
     def _grow(self, req: AllocationRequest, alloc: Alloc, jobs: dict[str, parse.JobInfo],
               have: tuple[str, ...]) -> Grant:
@@ -214,10 +287,11 @@ class SlurmAllocations:
         if jobs is None:
             return None
         job = recorded(jobs, alloc.job, alloc.uid)
-        if job is None or job.phase is parse.JobPhase.ENDED:
-            why = ("no longer in squeue" if alloc.job not in jobs else
-                   "now someone else's" if job is None else f"{job.state} ({job.reason})")
+        if job is None:
+            why = "no longer in squeue" if alloc.job not in jobs else "now someone else's"
             return Grant(nodes=(), info=replace(alloc, job=None).dump(), note=f"job {alloc.job} {why}")
+        if job.phase is parse.JobPhase.ENDED:  # Slurm still knows it: allocate() requeues it, its id kept
+            return Grant(nodes=(), info=info, note=f"job {alloc.job} {job.state} ({job.reason})")
         if job.phase is parse.JobPhase.WAITING:
             return Grant(nodes=(), info=info, note=f"job {job.job_id} pending: {job.reason}")
         return Grant(nodes=tuple(node for node, _ in self.node_jobs(info, jobs)), info=info)
@@ -238,6 +312,35 @@ class SlurmAllocations:
         nodes = self.state.nodes() or {}
         return tuple(n for n in names if n not in drained and (n not in nodes or nodes[n].usable))
 
+    def park(self, info: str | None, user: str | None) -> Parked:
+        """Give the run's nodes back but keep its job, held in the queue with no node, for
+        the run to go on in (``allocate`` releases it): its id, which the users' trainers
+        key their checkpoints and logs on, is kept. A job Slurm will not requeue is given
+        back (``release``)."""
+        alloc = Alloc.load(info)
+        if alloc.grow:
+            self.commands.fire(["scancel", *only_of(alloc.uid), *alloc.grow])
+        if alloc.job is None:
+            return Parked(done=True)
+        jobs = self.state.jobs()
+        if jobs is None:
+            return Parked(done=False)
+        job = recorded(jobs, alloc.job, alloc.uid)
+        if job is None:
+            return Parked(done=True)  # gone, or the id is someone else's now: nothing to keep
+        kept = replace(alloc, grow=())
+        try:
+            owner = users.for_launch(user)
+        except LaunchError:
+            return Parked(done=self.release(info))
+        if job.phase is not parse.JobPhase.WAITING:
+            if self._requeue(alloc, job, owner, self._usable(job.nodes, frozenset())) is not None:
+                return Parked(done=True, info=kept.dump())
+        elif job.held_by_owner or self._owners(owner, ["scontrol", "hold", job.job_id]).ok:
+            self.state.refresh()
+            return Parked(done=True, info=kept.dump())
+        return Parked(done=self.release(info))
+
     def release(self, info: str | None) -> bool:
         alloc = Alloc.load(info)
         if alloc.grow:
@@ -248,6 +351,9 @@ class SlurmAllocations:
         jobs = self.state.jobs()
         if jobs is not None and job in jobs and recorded(jobs, job, alloc.uid) is None:
             return True  # the id is someone else's job now: ours is long gone
+        if jobs is not None and (ours := recorded(jobs, job, alloc.uid)) is not None \
+                and ours.phase is parse.JobPhase.ENDED:
+            return True  # over already (its record kept a while for a requeue)
         # Waited for, not fired: with slurmctld down scancel fails, and an allocation
         # forgotten then would hold its nodes until its time limit.
         reply = self.commands.run(["scancel", *only_of(alloc.uid), job])

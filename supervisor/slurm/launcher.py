@@ -50,7 +50,7 @@ from supervisor import user_files, users
 from supervisor.domain import ProcState
 from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import CannotExecute, LaunchError, SpecError
-from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, RankProc
+from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, Parked, RankProc
 from supervisor.slurm import parse
 from supervisor.slurm.allocation import Alloc, SlurmAllocations, SlurmOptions, only_of, uid_of
 from supervisor.slurm.commands import SlurmCommands
@@ -128,6 +128,10 @@ class SlurmLauncher:
         self.standbys.release(run_id)
         return self.allocations.release(info)
 
+    def park(self, run_id: str, info: str | None, user: str | None) -> Parked:
+        self.standbys.release(run_id)
+        return self.allocations.park(info, user)
+
     # --- steps ------------------------------------------------------------------------
 
     def step_name(self, run_id: str, attempt: int) -> str:
@@ -158,7 +162,7 @@ class SlurmLauncher:
         with user_files.directory(spec.log_base, spec.log_dir, create=True):
             pass  # made, or found, without following a link below the daemon's own directory
         run_as = users.for_launch(spec.user)
-        env |= users.login_env(run_as)
+        env |= users.login_env(run_as) | self._restart_count(alloc.job)
         parts = _parts(nodes, job_of, StepRequest(
             job_id=alloc.job, step_name=name, nodes=tuple(nodes), ranks_per_node=spec.ranks_per_node,
             argv=spec.argv, log_dir=spec.log_dir, cwd=spec.cwd, extra=spec.srun_args, launch=spec.launch,
@@ -191,6 +195,15 @@ class SlurmLauncher:
             [only] = started
             return json.dumps({**common, **{k: only[k] for k in ("srun_pid", "srun_ct", "log")}})
         return json.dumps({**common, "parts": started})
+
+    def _restart_count(self, job_id: str) -> dict[str, str]:
+        """``SLURM_RESTART_COUNT``, which Slurm sets in a batch script but not in the steps
+        started from outside it: how often the job was requeued. Scripts key their logs on
+        it beside the job id (NxD Training's train_setup.sh: logs/<job>/<restart>/<node>)."""
+        job = (self.state.jobs() or {}).get(job_id)
+        if job is None or job.restarts is None:
+            return {}
+        return {"SLURM_RESTART_COUNT": str(job.restarts)}
 
     def _start_srun(self, argv: list[str], env: dict[str, str], log_path: Path, spec: LaunchSpec,
                     run_as: users.RunAs | None) -> subprocess.Popen[bytes]:

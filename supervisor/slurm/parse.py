@@ -93,11 +93,31 @@ class JobInfo:
     # The owner's uid (None: not printed). Not part of a record's equality: the launcher
     # checks it wherever a job is taken for the supervisor's (owned_by).
     user_id: int | None = field(default=None, compare=False)
+    # How often the job was requeued ($SLURM_RESTART_COUNT; None: not printed, as by the
+    # text form).
+    restarts: int | None = field(default=None, compare=False)
 
     def owned_by(self, uid: int | None) -> bool:
         """The job is ``uid``'s (``uid`` None: no owner expected, as for a record from
         before owners were kept)."""
         return uid is None or self.user_id == uid
+
+    @property
+    def held_by_owner(self) -> bool:
+        """Held in the queue by its owner (``scontrol hold``, ``requeuehold``): it starts
+        only once released, by its owner or an operator."""
+        return self.reason in HELD_BY_OWNER
+
+    @property
+    def finishing(self) -> bool:
+        """Requeued, but its steps are still being ended on its old nodes (a dead node's
+        until Slurm declares it down): it can be started again only after."""
+        return self.state.upper().startswith("COMPLETING")
+
+
+# Slurm's state reason for a job its owner holds: squeue --json's, and the text form's
+# (which prints the reason's description where there is one).
+HELD_BY_OWNER = frozenset({"JobHeldUser", "job requeued in held state"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -201,11 +221,13 @@ SQUEUE_FORMAT = "%i|%T|%N|%r|%j"
 STEPS_FORMAT = "%i|%N|%j"
 
 
-def _phase(state: str) -> JobPhase:
+def _phase(state: str, reason: str = "") -> JobPhase:
     base = state.split("+", maxsplit=1)[0].split(" ", maxsplit=1)[0].upper()
     phase = JOB_STATES.get(base)
     if phase is None:
         raise SlurmParseError(f"unknown Slurm job state {state!r}")
+    if base == "COMPLETING" and reason in HELD_BY_OWNER:
+        return JobPhase.WAITING  # requeued and held, its old steps still ending (22.05)
     return phase
 
 
@@ -216,9 +238,9 @@ def _number(v: Any) -> Any:
     return v
 
 
-def _uid(v: Any) -> int | None:
-    """An owner's uid as Slurm printed it (a number, wrapped or not, or digits); None
-    when it printed none."""
+def _whole(v: Any) -> int | None:
+    """A whole number as Slurm printed it (an owner's uid, a restart count: a number,
+    wrapped or not, or digits); None when it printed none."""
     v = _number(v)
     if isinstance(v, bool):
         return None
@@ -255,10 +277,12 @@ def parse_squeue_json(text: str) -> dict[str, JobInfo]:
                 state = state[0] if state else ""
             job_id = str(_number(j["job_id"]))
             nodes = j.get("nodes") or ""
-            info = JobInfo(job_id=job_id, name=str(j.get("name", "")), state=str(state),
-                           phase=_phase(str(state)),
-                           nodes=expand_hostlist(nodes) if _phase(str(state)) is JobPhase.HOLDING else (),
-                           reason=str(j.get("state_reason", "")), user_id=_uid(j.get("user_id")))
+            reason = str(j.get("state_reason", ""))
+            phase = _phase(str(state), reason)
+            info = JobInfo(job_id=job_id, name=str(j.get("name", "")), state=str(state), phase=phase,
+                           nodes=expand_hostlist(nodes) if phase is JobPhase.HOLDING else (),
+                           reason=reason, user_id=_whole(j.get("user_id")),
+                           restarts=_whole(j.get("restart_cnt")))
         except (KeyError, TypeError, IndexError) as e:
             raise SlurmParseError(f"squeue --json: job record without {e}") from e
         out[info.job_id] = info
@@ -276,10 +300,10 @@ def parse_squeue_text(text: str, *, owners: bool = False) -> dict[str, JobInfo]:
         if len(parts) != fields:
             raise SlurmParseError(f"squeue: cannot read line {line!r}")
         job_id, state, nodes, reason = parts[:4]
-        phase = _phase(state)
+        phase = _phase(state, reason)
         out[job_id] = JobInfo(job_id=job_id, name=parts[-1], state=state, phase=phase,
                               nodes=expand_hostlist(nodes) if phase is JobPhase.HOLDING else (),
-                              reason=reason, user_id=_uid(parts[4]) if owners else None)
+                              reason=reason, user_id=_whole(parts[4]) if owners else None)
     return out
 
 
@@ -297,7 +321,7 @@ def parse_steps_text(text: str, *, owners: bool = False) -> list[StepInfo]:
         job_id, step_id = parts[0].strip().split(".", 1)
         out.append(StepInfo(job_id=job_id, step_id=step_id, name=parts[-1].strip(),
                             nodes=expand_hostlist(parts[1]),
-                            user_id=_uid(parts[2].strip()) if owners else None))
+                            user_id=_whole(parts[2].strip()) if owners else None))
     return out
 
 

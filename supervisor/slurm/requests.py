@@ -11,8 +11,12 @@ Choices, and why:
   after drains on a small cluster, a run can go on without its spares.
 - ``--no-kill``: when a node of the allocation fails, Slurm shrinks the job instead of
   ending it, so the steps that follow can use the nodes that are left.
-- ``--no-requeue``: the supervisor, not Slurm, decides where the run goes next; a
-  requeued allocation would hold a job id that no longer holds nodes.
+- ``--requeue``: a run goes on in the same job when it needs new nodes (its nodes lost
+  beyond its spares, a pause past ``pause_release_s``, a resume after it failed, a time
+  limit): the supervisor requeues it, so that ``$SLURM_JOB_ID`` stays what the users'
+  trainers key their checkpoints and logs on (NxD Training's version directory) and
+  ``$SLURM_RESTART_COUNT`` counts (supervisor/slurm/allocation.py). Slurm itself requeues
+  such a job whose only node failed; the supervisor takes it from there the same way.
 - ``--signal=USR1@S`` (with a time limit, and only for a trainer that handles SIGUSR1:
   the reference trainer, or a ``[command]`` with ``handles_usr1 = true``): S seconds
   before the limit every step gets SIGUSR1, and the reference trainer saves a checkpoint
@@ -96,7 +100,7 @@ def sbatch_argv(req: SbatchRequest) -> list[str]:
     nodes = f"{req.min_nodes}-{req.nodes}" if req.min_nodes < req.nodes else str(req.nodes)
     argv = ["sbatch", "--parsable", f"--job-name={req.job_name}", f"--nodes={nodes}",
             "--exclusive",
-            "--no-kill", "--no-requeue", f"--output={req.output}"]
+            "--no-kill", "--requeue", f"--output={req.output}"]
     if req.partition:
         argv.append(f"--partition={req.partition}")
     if req.time_limit_min is not None:
@@ -116,7 +120,7 @@ def allocation_script(req: SbatchRequest) -> str:
     return (
         "#!/bin/sh\n"
         f"# training-supervisor allocation {req.job_name}: {req.nodes} node(s) held for job steps\n"
-        "# (srun --jobid=$SLURM_JOB_ID); cancelled by the supervisor when the run ends.\n"
+        "# (srun --jobid=$SLURM_JOB_ID); requeued for new nodes, cancelled when the run ends.\n"
         "exec sleep infinity\n"
     )
 

@@ -41,6 +41,7 @@ def run_of(r: Row[Any]) -> Run:
         policy=policy_of(r.policy), created_at=r.created_at, started_at=r.started_at,
         ended_at=r.ended_at, final_step=r.final_step, model_digest=r.model_digest,
         budget_from_attempt=r.budget_from_attempt, allocation_info=r.allocation_info,
+        parked_allocation=r.parked_allocation,
     )
 
 

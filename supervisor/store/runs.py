@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, insert, or_, select, update
+from sqlalchemy import Connection, and_, insert, or_, select, update
 
 from supervisor.domain import (
     TERMINAL_RUN_STATES,
@@ -70,12 +70,15 @@ class RunQueries:
         return [run_of(r) for r in self.c.execute(q)]
 
     def finished_runs_holding_resources(self) -> set[int]:
-        """Terminal runs that still have a live attempt or hold nodes (to tear down)."""
+        """Terminal runs that still have a live attempt or hold nodes (to tear down), or keep
+        a job in the queue that no resume will take (a failed run's is kept for one)."""
         live = select(t.attempts.c.run_number).where(t.attempts.c.state != AttemptState.ENDED.value)
         held = select(t.nodes.c.run_number).where(t.nodes.c.state == NodeState.ALLOCATED.value)
+        parked = and_(t.runs.c.parked_allocation.is_not(None), t.runs.c.state != RunState.FAILED.value)
         q = select(t.runs.c.number).where(
             t.runs.c.state.in_([s.value for s in TERMINAL_RUN_STATES]),
-            or_(t.runs.c.number.in_(live), t.runs.c.number.in_(held), t.runs.c.allocation_info.is_not(None)),
+            or_(t.runs.c.number.in_(live), t.runs.c.number.in_(held), t.runs.c.allocation_info.is_not(None),
+                parked),
         )
         return {int(n) for n in self.c.execute(q).scalars()}
 

@@ -56,6 +56,9 @@ runs = Table(
     # The launcher's handle on the nodes the run holds (a Slurm allocation's job id),
     # opaque here; see supervisor/launchers/base.py.
     Column("allocation_info", Text),
+    # A Slurm job the run keeps in the queue, held, with no node (a paused or failed run):
+    # its allocation_info, for the next allocation to go on in (supervisor/slurm/allocation.py).
+    Column("parked_allocation", Text),
     Column("curve_seq", Integer, nullable=False, default=0),  # rank 0's steps recorded so far
     Column("curve_stride", Integer, nullable=False, default=1),  # loss_curve keeps every stride-th
 )
@@ -468,6 +471,11 @@ def _v12(conn: Connection) -> None:
     _add_columns(conn, "attempts", {"precompile": "TEXT"})
 
 
+def _v13(conn: Connection) -> None:
+    """A paused or failed run's Slurm job, kept in the queue for the run to go on in."""
+    _add_columns(conn, "runs", {"parked_allocation": "TEXT"})
+
+
 MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11,
-                                                  _v12]
+                                                  _v12, _v13]
 SCHEMA_VERSION = len(MIGRATIONS)

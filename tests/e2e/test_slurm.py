@@ -212,10 +212,11 @@ def test_two_boxes_run_side_by_side_each_node_a_host_of_its_own_and_down_leaves_
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
-def test_a_paused_run_gives_its_allocation_back_and_resume_asks_for_a_new_one(
+def test_a_paused_run_gives_its_nodes_back_and_resume_goes_on_in_the_same_job(
         slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path) -> None:
-    """A shared cluster: after `pause_release_s` a paused run holds no job in squeue;
-    `resume` submits a new allocation and trains on from the newest checkpoint."""
+    """A shared cluster: after `pause_release_s` a paused run holds no node, its job kept
+    in the queue, held (the users' trainers key their checkpoints on its id); `resume`
+    releases it and trains on from the newest checkpoint, in the same job."""
     spec = spec_for_slurm(tmp_path)
     spec.write_text(spec.read_text().replace("[policy]\n", "[policy]\npause_release_s = 5\n"))
     state = tmp_path / "state"
@@ -227,15 +228,18 @@ def test_a_paused_run_gives_its_allocation_back_and_resume_asks_for_a_new_one(
         [first_job] = slurm(slurm_box, "squeue", "-h", "-o", "%i").split()
         assert daemon.ctl_json("pause", run_id)["result"] == "accepted"
         wait_for(lambda: daemon.ctl_json("status", run_id)["attempt_state"] == "ENDED", 60, "the pause")
-        wait_for(lambda: slurm(slurm_box, "squeue", "-h") == "", 60, "the allocation given back")
+        parked = f"{first_job}|PENDING||job requeued in held state"  # no node (%N)
+        wait_for(lambda: slurm(slurm_box, "squeue", "-h", "-o", "%i|%T|%N|%r").strip() == parked, 60,
+                 "the nodes given back, the job held in the queue")
         assert daemon.ctl_json("status", run_id)["state"] == "PAUSED"
         newest = max(c["step"] for c in daemon.ctl_json("checkpoints", run_id) if c["complete"])
         released = [e for e in daemon.ctl_json("events", run_id) if e["kind"] == "allocation.released"]
         assert len(released) == 1, released
 
         assert daemon.ctl_json("resume", run_id)["result"] == "accepted"
-        second_job = wait_for(lambda: slurm(slurm_box, "squeue", "-h", "-o", "%i").split(), 60, "a new allocation")
-        assert second_job != [first_job]
+        wait_for(lambda: slurm(slurm_box, "squeue", "-h", "-o", "%i|%T").strip() == f"{first_job}|RUNNING", 60,
+                 "the same job running again")
+        assert "Restarts=1" in slurm(slurm_box, "scontrol", "show", "job", first_job)
         final = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
                          300, "the resumed run to end", interval_s=1.0)
         assert final["state"] == "SUCCEEDED" and final["model_digest"] == fault_free["model_digest"], final

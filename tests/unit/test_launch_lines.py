@@ -58,7 +58,7 @@ def trainer_part(srun: list[str]) -> list[str]:
 
 def test_trn1_allocation_holds_16_whole_nodes_and_a_spare(tmp_path: Path) -> None:
     sbatch = plan_of(TRN1, tmp_path)["sbatch"]
-    assert {"--nodes=16-17", "--exclusive", "--no-kill", "--no-requeue", "--time=10080"} <= set(sbatch)
+    assert {"--nodes=16-17", "--exclusive", "--no-kill", "--requeue", "--time=10080"} <= set(sbatch)
     # torchrun dies of SIGUSR1: the Neuron backend gets no time-limit signal
     assert not any(a.startswith("--signal") for a in sbatch)
 

@@ -583,20 +583,31 @@ def test_pause_stops_the_attempt_and_does_not_relaunch() -> None:
     assert not of(effects, StartAttempt)
 
 
-def test_a_paused_run_gives_its_nodes_back_after_pause_release_s() -> None:
-    """Idle since its last attempt ended: held until the grace is up, then given back
-    (Slurm: the allocation cancelled); a resume then asks for new nodes."""
+def test_a_paused_run_gives_its_nodes_back_after_pause_release_s_and_keeps_its_job() -> None:
+    """Idle since its last attempt ended: held until the grace is up, then its nodes given
+    back with its job parked (Slurm: requeued and held, its id kept); a resume then asks
+    for nodes, which the parked job gets."""
     r = run(RunState.PAUSED, policy=replace(run().policy, pause_release_s=300), allocation_info='{"job": "12"}')
     ended = attempt(state=AttemptState.ENDED, outcome=AttemptOutcome.STOPPED, ended_at=NOW)
     assert not of(decide(view(r, (ended,)), None, NOW + 299), ReleaseNodes)
     effects = decide(view(r, (ended,)), None, NOW + 300)
-    assert of(effects, ReleaseNodes) and not of(effects, StartAttempt | AllocateNodes)
+    assert of(effects, ReleaseNodes) == [ReleaseNodes(park=True)] and not of(effects, StartAttempt | AllocateNodes)
     stopping = attempt(state=AttemptState.STOPPING, outcome=AttemptOutcome.STOPPED, stop_requested_at=NOW)
     assert not of(decide(view(r, (stopping,)), obs(), NOW + 1000), ReleaseNodes), "not while it stops"
-    # given back: the resume allocates anew
-    free = replace(r, allocation_info=None)
-    resumed = decide(view(free, (ended,), alloc=(), commands=(cmd(CommandKind.RESUME),)), None, NOW + 400)
+    parked = replace(r, allocation_info=None, parked_allocation='{"job": "12"}')
+    assert decide(view(parked, (ended,), alloc=()), None, NOW + 400) == [], "parked once, not every tick"
+    resumed = decide(view(parked, (ended,), alloc=(), commands=(cmd(CommandKind.RESUME),)), None, NOW + 400)
     assert of(resumed, ResumeRun) and of(resumed, AllocateNodes)
+
+
+def test_a_failed_run_parks_its_job_and_a_cancelled_or_finished_one_gives_a_parked_job_up() -> None:
+    """A failed run may be resumed once its cause is fixed: it goes on in the same job."""
+    prev = attempt(state=AttemptState.ENDED, outcome=AttemptOutcome.FAILED)
+    assert decide(view(run(RunState.FAILED), (prev,)), None, NOW) == [ReleaseNodes(park=True)]
+    parked = '{"job": "12"}'
+    assert decide(view(run(RunState.FAILED, parked_allocation=parked), (prev,), alloc=()), None, NOW) == []
+    for over in (RunState.CANCELLED, RunState.SUCCEEDED):
+        assert decide(view(run(over, parked_allocation=parked), (prev,), alloc=()), None, NOW) == [ReleaseNodes()]
 
 
 def test_restart_stops_the_live_attempt_gracefully_and_the_next_starts_from_the_newest_checkpoint() -> None:

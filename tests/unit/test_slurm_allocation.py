@@ -88,7 +88,9 @@ def test_a_new_first_job_gives_the_growth_jobs_back(tmp_path: Path) -> None:
                                                     {"job_id": 67, "name": "g", "user_id": ME, "nodes": "node4"})),
                            tmp_path)
     slurm.answers[("sbatch",)] = "71\n"
-    grant = launcher.allocate(shrunk(info))  # the first job holds nothing usable: replaced
+    # The first job holds nothing usable, and Slurm will not requeue it (the scripted Slurm
+    # refuses requeuehold, as for a job submitted with --no-requeue): replaced.
+    grant = launcher.allocate(shrunk(info))
     assert ["scancel", f"--user={ME}", "5"] in slurm.scancels()
     assert ["scancel", f"--user={ME}", "67"] in slurm.scancels()
     assert f"--job-name={launcher.prefix}.run-1.2" in sbatches(slurm)[0]

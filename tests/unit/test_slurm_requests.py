@@ -34,7 +34,7 @@ def test_sbatch_argv_whole() -> None:
                         signal_before_s=300, exclude=("node9", "node10", "node2"), output=Path("/var/log/alloc.out"))
     assert sbatch_argv(req) == [
         "sbatch", "--parsable", "--job-name=tsup.run-7.a1", "--nodes=2-3", "--exclusive", "--no-kill",
-        "--no-requeue", "--output=/var/log/alloc.out", "--partition=train", "--time=90", "--signal=USR1@300",
+        "--requeue", "--output=/var/log/alloc.out", "--partition=train", "--time=90", "--signal=USR1@300",
         "--exclude=node10,node2,node9",
     ]
 
@@ -47,7 +47,7 @@ def test_sbatch_argv_equal_min_max_nodes() -> None:
 
 def test_sbatch_argv_minimal() -> None:
     assert sbatch_argv(SbatchRequest(job_name="j", nodes=1, min_nodes=1)) == [
-        "sbatch", "--parsable", "--job-name=j", "--nodes=1", "--exclusive", "--no-kill", "--no-requeue",
+        "sbatch", "--parsable", "--job-name=j", "--nodes=1", "--exclusive", "--no-kill", "--requeue",
         "--output=/dev/null",
     ]
 
@@ -89,7 +89,7 @@ def test_sbatch_argv_always_has_the_allocation_flags() -> None:
                 SbatchRequest(job_name="j", nodes=4, min_nodes=2, partition="p", time_limit_min=5)):
         argv = sbatch_argv(req)
         assert argv[:2] == ["sbatch", "--parsable"]
-        for flag in ("--exclusive", "--no-kill", "--no-requeue"):
+        for flag in ("--exclusive", "--no-kill", "--requeue"):
             assert argv.count(flag) == 1, flag
 
 

@@ -60,12 +60,14 @@ class ScriptedSlurm:
     def __init__(self, answers: dict[tuple[str, ...], str | Reply | Callable[[], str]]) -> None:
         self.answers = answers
         self.ran: list[list[str]] = []
+        self.users: list[object] = []  # each run's ``user`` (None: as the daemon)
         self.fired: list[list[str]] = []
         self.timeout_s = 10.0
         self.admin_prefix: tuple[str, ...] = ()
 
-    def run(self, argv: Sequence[str], **_: Any) -> Reply:
+    def run(self, argv: Sequence[str], **kw: Any) -> Reply:
         self.ran.append(list(argv))
+        self.users.append(kw.get("user"))
         for n in range(len(argv), 0, -1):
             answer = self.answers.get(tuple(argv[:n]))
             if answer is None:

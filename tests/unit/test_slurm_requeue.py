@@ -1,0 +1,183 @@
+"""A run keeps its Slurm job (supervisor/slurm/allocation.py): a job left with too few
+healthy nodes, or ended while Slurm still knows it, is requeued and started again with
+its id, and a paused or failed run parks it; against a scripted Slurm whose squeue
+answers were recorded on the box (tests/fixtures/slurm/)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from supervisor.errors import LaunchError
+from supervisor.launchers.base import AllocationRequest, LaunchSpec
+from supervisor.slurm import parse
+from supervisor.slurm.commands import Reply
+from tests.unit.test_slurm_security import ME, fixture, launcher_on, slurm_of, squeue
+
+# The scripted node table: node1 is down, node2 up, node3 drained; node4 is in no table (usable).
+INFO = json.dumps({"job": "5", "seq": 1, "uid": ME})
+ASKED = ("scontrol", "requeuehold", "5")
+
+
+def request(info: str = INFO, drained: frozenset[str] = frozenset({"node1"})) -> AllocationRequest:
+    """A run of 2 nodes and 1 spare that may not shrink."""
+    return AllocationRequest(run_id="run-1", count=3, minimum=2, held=("node2",), drained=drained, idle=(),
+                             known=frozenset(), info=info, user=None)
+
+
+def scontrols(slurm: object) -> list[list[str]]:
+    return [a for a in slurm.ran if a[0] == "scontrol"]  # type: ignore[attr-defined]
+
+
+def test_the_recorded_restart_count_and_held_states_are_read_from_both_forms() -> None:
+    jobs = parse.parse_squeue_json(fixture("squeue-22.05-requeued-held-and-begintime.json"))
+    held, begin = jobs["2"], jobs["3"]
+    assert (held.phase, held.held_by_owner, held.restarts) == (parse.JobPhase.WAITING, True, 2)
+    assert (begin.phase, begin.reason, begin.restarts, begin.held_by_owner) == (
+        parse.JobPhase.WAITING, "BeginTime", 1, False)
+    assert jobs["1"].phase is parse.JobPhase.ENDED and jobs["1"].restarts == 3
+    text = parse.parse_squeue_text(fixture("squeue-22.05-text-requeued.txt"), owners=True)
+    assert text["2"].held_by_owner and text["2"].restarts is None and text["3"].reason == "BeginTime"
+
+
+def test_a_requeued_job_still_ending_on_a_dead_node_is_waiting_not_ended() -> None:
+    """Recorded on the box: a job requeued (held) right after its node2's slurmd was killed
+    stays COMPLETING on node2 until Slurm declares node2 down."""
+    for jobs in (parse.parse_squeue_json(fixture("squeue-22.05-requeue-completing-on-a-dead-node.json")),
+                 parse.parse_squeue_text(fixture("squeue-22.05-text-requeue-completing.txt"), owners=True)):
+        job = jobs["6"]
+        assert (job.phase, job.finishing, job.held_by_owner, job.nodes) == (parse.JobPhase.WAITING, True, True, ())
+
+
+def test_a_job_left_with_too_few_healthy_nodes_is_shrunk_to_them_and_requeued_its_id_kept(tmp_path: Path) -> None:
+    launcher = launcher_on(slurm := slurm_of(squeue({"job_id": 5, "name": "first", "user_id": ME,
+                                                     "nodes": "node[1-2]"},
+                                                    {"job_id": 67, "name": "g", "user_id": ME, "nodes": "node4"})),
+                           tmp_path)
+    slurm.answers[("scontrol",)] = ""
+    info = json.dumps({"job": "5", "seq": 1, "uid": ME, "grow": ["67"], "grown": 1})
+    grant = launcher.allocate(request(info))
+    assert scontrols(slurm) == [["scontrol", "update", "JobId=5", "NodeList=node2"], list(ASKED)], \
+        "its dead node1 would keep it from starting again until Slurm declares node1 down"
+    assert grant.nodes == () and grant.note == "job 5 requeued (its id kept) for 3 node(s)"
+    assert json.loads(grant.info or "") == {"job": "5", "seq": 1, "uid": ME, "grow": [], "grown": 1}
+    assert ["scancel", f"--user={ME}", "67"] in slurm.scancels(), "the first job asks for every node again"
+    assert not [a for a in slurm.ran if a[0] == "sbatch"], "no new job: a new id would lose the trainer's tree"
+
+
+def test_a_requeued_held_job_is_asked_for_the_runs_nodes_started_now_and_released(tmp_path: Path) -> None:
+    held = {"job_id": 5, "name": "first", "user_id": ME, "job_state": "PENDING", "nodes": "",
+            "state_reason": "JobHeldUser", "restart_cnt": 1}
+    launcher = launcher_on(slurm := slurm_of(squeue(held)), tmp_path)
+    slurm.answers[("scontrol",)] = ""
+    grant = launcher.allocate(request(drained=frozenset({"node1", "node3"})))
+    assert scontrols(slurm) == [["scontrol", "update", "JobId=5", "NumNodes=2-3", "StartTime=now",
+                                 "ExcNodeList=node1,node3"], ["scontrol", "release", "5"]]
+    assert grant.nodes == () and grant.info == INFO and grant.note == "job 5 requeued: released for 2-3 node(s)"
+    assert slurm.users == [None] * len(slurm.users), "as the run's user (here the daemon's own)"
+
+
+def test_a_job_slurm_requeued_itself_is_started_now_not_after_the_credential_lifetime(tmp_path: Path) -> None:
+    begin = {"job_id": 5, "name": "first", "user_id": ME, "job_state": "PENDING", "nodes": "",
+             "state_reason": "BeginTime", "restart_cnt": 1}
+    launcher = launcher_on(slurm := slurm_of(squeue(begin)), tmp_path)
+    slurm.answers[("scontrol",)] = ""
+    launcher.allocate(request())
+    assert scontrols(slurm) == [["scontrol", "update", "JobId=5", "NumNodes=2-3", "StartTime=now",
+                                 "ExcNodeList=node1"]], "not held: nothing to release"
+
+
+def test_a_queued_job_never_requeued_is_left_to_the_scheduler(tmp_path: Path) -> None:
+    for reason in ("Resources", "BeginTime"):  # BeginTime: the user's own --begin
+        waiting = {"job_id": 5, "name": "first", "user_id": ME, "job_state": "PENDING", "nodes": "",
+                   "state_reason": reason, "restart_cnt": 0}
+        launcher = launcher_on(slurm := slurm_of(squeue(waiting)), tmp_path)
+        assert launcher.allocate(request()).note == f"job 5 pending: {reason}"
+        assert scontrols(slurm) == []
+
+
+def test_a_requeued_job_still_ending_is_waited_for(tmp_path: Path) -> None:
+    finishing = {"job_id": 5, "name": "first", "user_id": ME, "job_state": "COMPLETING", "nodes": "node1",
+                 "state_reason": "JobHeldUser", "restart_cnt": 1}
+    launcher = launcher_on(slurm := slurm_of(squeue(finishing)), tmp_path)
+    grant = launcher.allocate(request())
+    assert scontrols(slurm) == [] and grant.nodes == ()
+    assert grant.note.startswith("job 5 requeued: Slurm is ending its steps on the nodes it held")
+
+
+def test_a_job_that_ended_while_slurm_still_knows_it_is_requeued_not_replaced(tmp_path: Path) -> None:
+    ended = {"job_id": 5, "name": "first", "user_id": ME, "job_state": "TIMEOUT", "nodes": "node[2,4]"}
+    launcher = launcher_on(slurm := slurm_of(squeue(ended)), tmp_path)
+    slurm.answers[("scontrol",)] = ""
+    held = launcher.held("run-1", INFO)
+    assert held is not None and held.nodes == () and held.info == INFO, "its id is kept"
+    grant = launcher.allocate(request())
+    assert scontrols(slurm) == [list(ASKED)], "an ended job holds no node to shrink away from"
+    assert json.loads(grant.info or "")["job"] == "5"
+
+
+def test_a_job_gone_from_squeue_is_replaced_by_a_new_one(tmp_path: Path) -> None:
+    launcher = launcher_on(slurm := slurm_of(squeue()), tmp_path)
+    slurm.answers[("sbatch",)] = "71\n"
+    held = launcher.held("run-1", INFO)
+    assert held is not None and json.loads(held.info or "")["job"] is None
+    grant = launcher.allocate(request(held.info))
+    assert json.loads(grant.info or "")["job"] == "71" and scontrols(slurm) == []
+    argv = next(a for a in slurm.ran if a[0] == "sbatch")
+    assert "--requeue" in argv and "--no-requeue" not in argv
+
+
+def test_a_paused_or_failed_run_parks_its_job_requeued_and_held(tmp_path: Path) -> None:
+    launcher = launcher_on(slurm := slurm_of(squeue({"job_id": 5, "name": "first", "user_id": ME,
+                                                     "nodes": "node[2,4]"})), tmp_path)
+    slurm.answers[("scontrol",)] = ""
+    parked = launcher.park("run-1", INFO, None)
+    assert parked.done and parked.info is not None and json.loads(parked.info)["job"] == "5"
+    assert scontrols(slurm) == [list(ASKED)] and slurm.scancels() == []
+
+
+def test_a_queued_job_is_parked_by_holding_it_and_a_held_one_as_it_is(tmp_path: Path) -> None:
+    queued = {"job_id": 5, "name": "first", "user_id": ME, "job_state": "PENDING", "nodes": "",
+              "state_reason": "Resources"}
+    launcher = launcher_on(slurm := slurm_of(squeue(queued)), tmp_path)
+    slurm.answers[("scontrol",)] = ""
+    assert launcher.park("run-1", INFO, None).info is not None
+    assert scontrols(slurm) == [["scontrol", "hold", "5"]]
+    launcher = launcher_on(slurm := slurm_of(squeue({**queued, "state_reason": "JobHeldUser"})), tmp_path)
+    assert launcher.park("run-1", INFO, None).info is not None and scontrols(slurm) == []
+
+
+def test_a_job_slurm_will_not_requeue_is_given_back_when_parked(tmp_path: Path) -> None:
+    launcher = launcher_on(slurm := slurm_of(squeue({"job_id": 5, "name": "first", "user_id": ME,
+                                                     "nodes": "node[2,4]"})), tmp_path)
+    slurm.answers[("scontrol", "requeuehold")] = Reply(ASKED, False, "", "", "exit 1: Requested operation is "
+                                                                         "presently disabled")
+    slurm.answers[("scancel",)] = ""
+    parked = launcher.park("run-1", INFO, None)
+    assert parked.done and parked.info is None
+    assert slurm.scancels() == [["scancel", f"--user={ME}", "5"]]
+
+
+def test_an_ended_job_is_given_back_without_a_scancel(tmp_path: Path) -> None:
+    launcher = launcher_on(slurm := slurm_of(squeue({"job_id": 5, "name": "first", "user_id": ME,
+                                                     "job_state": "CANCELLED"})), tmp_path)
+    assert launcher.release("run-1", INFO) and slurm.scancels() == []
+
+
+def test_the_steps_get_the_jobs_restart_count(tmp_path: Path) -> None:
+    """Slurm sets $SLURM_RESTART_COUNT in a batch script only; NxD Training's train_setup.sh
+    keys its logs on it (logs/<job>/<restart>/<node>)."""
+    running = {"job_id": 5, "name": "first", "user_id": ME, "nodes": "node[2,4]", "restart_cnt": 2}
+    launcher = launcher_on(slurm := slurm_of(squeue(running)), tmp_path)
+    started: list[dict[str, str]] = []
+
+    def start_step(argv: list[str], *, env: dict[str, str], **_: object) -> object:
+        started.append(env)
+        raise OSError("recorded")
+
+    slurm.start_step = start_step  # type: ignore[attr-defined]
+    with contextlib.suppress(LaunchError):  # the recorded start fails on purpose
+        launcher.start(LaunchSpec(run_id="run-1", attempt=2, nodes=("node2",), ranks_per_node=1, argv=("true",),
+                                  env={}, log_dir=tmp_path / "attempts" / "2", marker="m", allocation_info=INFO))
+    assert started and started[0]["SLURM_RESTART_COUNT"] == "2"
