@@ -11,11 +11,12 @@ and the supervisor with its broker) is this host at the bridge's address ``10.77
 Each node's slurmd runs in a network namespace of its own, with one end of a veth pair
 on the bridge and the address ``10.77.N.(10+k)``: 127.0.0.1 on a node is that node
 alone, as on a real cluster, so whatever a rank reaches it reaches over the network. The
-process table and munge stay shared, and so does the file system but for /dev/shm: each
-slurmd runs in a mount namespace of its own with a tmpfs there, the node's memory, which
-no other node and not the controller can see, and which goes with the node when
-everything it runs is killed (a node started again comes back with an empty one, as
-after a power loss). ``partition_node`` takes a node's
+process table and munge stay shared, and so does the file system but for /dev/shm and
+/var/tmp: each slurmd runs in a mount namespace of its own with a tmpfs at /dev/shm, the
+node's memory, which no other node and not the controller can see, and which goes with
+the node when everything it runs is killed (a node started again comes back with an empty
+one, as after a power loss), and a directory of the box's at /var/tmp, the node's local
+disk (``Box.var_tmp``), which stays. ``partition_node`` takes a node's
 link down (its processes live on, cut off) and ``heal_node`` brings it back. Each box
 picks a subnet no other address of this host uses and names its bridge, links and
 namespaces after its slurmctld port; ``down`` deletes them.
@@ -25,7 +26,7 @@ and ``%n`` in its spool and pid paths; ``NodeAddr`` is the node's address and
 ``NodeHostname`` the real host name. Slurm reaches the box's private munged through
 ``AuthInfo=socket=...``, so the host's own munge, if any, is left alone. slurmd starts
 through ``nsenter --net=...``: ``ip netns exec`` would also remount /sys, where slurmd
-finds no cgroup file system; then ``unshare --mount``, which mounts its /dev/shm.
+finds no cgroup file system; then ``unshare --mount``, which mounts its /dev/shm and /var/tmp.
 
 Stdlib only: the script runs before any virtual environment exists.
 """
@@ -105,6 +106,11 @@ class Box:
 
     def spool(self, node: str) -> Path:
         return Path(self.dir) / "spool" / node
+
+    def var_tmp(self, node: str) -> Path:
+        """The node's own /var/tmp (its local disk: the Neuron compile cache's place), as
+        the controller sees it. It outlives the node's processes, as a disk does."""
+        return Path(self.dir) / "disk" / node / "var-tmp"
 
 
 def _free_ports(count: int) -> list[int]:
@@ -339,20 +345,22 @@ def start_ctld(box: Box, *, clear: bool = False, timeout_s: float = 30.0) -> int
     return box.ctld_pid
 
 
-# A node's own /dev/shm: mounted in the slurmd's mount namespace before it starts, so that
-# its steps' tasks (its descendants) see it and nothing else does.
-_NODE_SHM = 'mount -t tmpfs -o mode=1777,nosuid,nodev "$1" /dev/shm && shift && exec "$@"'
+# A node's own /dev/shm and /var/tmp: mounted in the slurmd's mount namespace before it
+# starts, so that its steps' tasks (its descendants) see them and nothing else does. /dev/shm
+# is memory (empty after a restart); /var/tmp a directory of the box's, its disk.
+_NODE_MOUNTS = ('mount -t tmpfs -o mode=1777,nosuid,nodev "$1" /dev/shm && mkdir -p "$2" && chmod 1777 "$2" '
+                '&& mount --bind "$2" /var/tmp && shift 2 && exec "$@"')
 
 
 def start_node(box: Box, node: str, *, timeout_s: float = 30.0) -> int:
     """Start (or restart) the slurmd posing as ``node``, inside the node's network
-    namespace and a mount namespace of its own (a fresh, empty /dev/shm)."""
+    namespace and a mount namespace of its own (a fresh, empty /dev/shm; its own /var/tmp)."""
     box.spool(node).mkdir(parents=True, exist_ok=True)
     pid_file = box.slurmd_pid_file(node)
     pid_file.unlink(missing_ok=True)
     argv = ["nsenter", f"--net={NETNS_DIR / box.netns(node)}",
             "unshare", "--mount", "--propagation", "private",
-            "sh", "-c", _NODE_SHM, "node-shm", f"tsup-shm-{box.netns(node)}",
+            "sh", "-c", _NODE_MOUNTS, "node-mounts", f"tsup-shm-{box.netns(node)}", str(box.var_tmp(node)),
             str(SBIN / "slurmd"), "-f", str(box.conf), "-N", node]
     subprocess.run(argv, env=box.env, check=True, capture_output=True, timeout=timeout_s)
     box.slurmd_pids[node] = _read_pid(pid_file)

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from supervisor import user_files
+from supervisor import compile_cache, user_files
 from supervisor.domain import TrainerResult
 from supervisor.domain.step import DEFERRED, LaunchMode, readable
 from supervisor.errors import SpecError
@@ -195,7 +195,9 @@ def attempt_srun_args(spec: RunSpec) -> tuple[str, ...]:
 
 # The Neuron compile cache, on each node's own disk (Neuron's default place): compiles of
 # many nodes at once contend for a shared file system's locks. A spec's env may say otherwise.
-# One per user: a compiled graph from another user's cache is code run on our devices.
+# One per user: a compiled graph from another user's cache is code run on our devices. It
+# follows the run onto the nodes that join it through a copy in the run's directory
+# (supervisor/compile_cache.py), which the node wrapper syncs with it before each attempt.
 NEURON_COMPILE_CACHE = "/var/tmp/neuron-compile-cache-{uid}"  # noqa: S108 (a cache path handed to Neuron)
 
 
@@ -233,13 +235,25 @@ def attempt_env(spec: RunSpec, run_dir: Path, skip_to_step: int = 1, *,
             env["TSUP_MEMORY_DIR"] = str(memory_dir(run_dir, uid))
         if spec.chaos:
             env |= {"TSUP_FAULT": ",".join(spec.chaos), "TSUP_FAULT_STATE": str(run_dir / "chaos-fired")}
-        return env
+        return env | shared_compile_cache(spec, run_dir, env)
     names = _names(spec, run_dir, skip_to_step)
     env["TSUP_SKIP_TO_STEP"] = names["skip_to_step"]
     env |= {k: v.format(**names) for k, v in spec.command.env.items()}
     if precompile:
         env |= {k: v.format(**names) for k, v in spec.command.precompile_env.items()}
-    return env
+    return env | shared_compile_cache(spec, run_dir, env)
+
+
+def shared_compile_cache(spec: RunSpec, run_dir: Path, env: dict[str, str]) -> dict[str, str]:
+    """A Neuron job whose compile cache is the node-local one this module hands out: the
+    run's shared copy for the node wrapper to sync it with (supervisor/compile_cache.py),
+    and the interpreter that runs the sync. Nothing where the spec's env names its own
+    cache (a shared directory, an S3 URL: it is already the same on every node)."""
+    local = NEURON_COMPILE_CACHE.format(uid=run_uid(spec))
+    if spec.resources.accelerator != "neuron" or env.get("NEURON_COMPILE_CACHE_URL") != local:
+        return {}
+    shared = run_dir / compile_cache.SHARED_DIR
+    return {"TSUP_COMPILE_CACHE_SHARED": str(shared), "TSUP_PYTHON": sys.executable}
 
 
 def check_trainer_config(spec: RunSpec, run_dir: Path) -> None:

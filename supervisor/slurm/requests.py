@@ -34,6 +34,9 @@ Choices, and why:
   one task per node, with GROUP_RANK and NODE_RANK set and the same view of the step;
   the step placeholders (``{master_addr}``, ``{nnodes}``, ...) are filled in here, by
   ``srun_argv``, for the real step and the dry run alike.
+- A Neuron job's node wrapper first brings the node's compile cache level with the run's
+  shared copy (supervisor/compile_cache.py): a spare, a replacement or a requeued job's
+  node compiles no graph the run already has.
 - A ``[command]``'s ``cwd`` is the step's ``--chdir``; its ``srun_args`` (``-l``,
   ``--container-image=...``) go before the wrapper, after the supervisor's own options.
 """
@@ -65,6 +68,10 @@ RANK_WRAPPER = (
     'WORLD_SIZE="${TSUP_STEP_NTASKS:-$SLURM_NTASKS}" GROUP_RANK="$((SLURM_NODEID + ${TSUP_NODE_BASE:-0}))" '
     f'TSUP_NODE="$SLURMD_NODENAME" {_STEP_VIEW}; ' + _PART_LOG.format(name="rank-$RANK") + 'exec "$@"'
 )
+# A Neuron job's compile cache: the node's own, first filled from the run's shared copy
+# (and the copy from it), before the trainer starts (supervisor/compile_cache.py).
+_COMPILE_CACHE = ('[ -z "$TSUP_COMPILE_CACHE_SHARED" ] || "$TSUP_PYTHON" -m supervisor.compile_cache '
+                  '"$TSUP_COMPILE_CACHE_SHARED" "$NEURON_COMPILE_CACHE_URL" || true; ')
 # launch = "node": one task per node, whose torchrun (or train.sh) spawns the ranks.
 # torchrun takes --node_rank from PET_NODE_RANK when its command line gives none: a
 # static rendezvous (--master_addr/--master_port, the NxD scripts' form) needs it, and
@@ -72,7 +79,7 @@ RANK_WRAPPER = (
 NODE_WRAPPER = (
     'export GROUP_RANK="$((SLURM_NODEID + ${TSUP_NODE_BASE:-0}))"; '
     f'export NODE_RANK="$GROUP_RANK" PET_NODE_RANK="$GROUP_RANK" TSUP_NODE="$SLURMD_NODENAME" {_STEP_VIEW}; '
-    + _PART_LOG.format(name="node-$GROUP_RANK") + 'exec "$@"'
+    + _PART_LOG.format(name="node-$GROUP_RANK") + _COMPILE_CACHE + 'exec "$@"'
 )
 # srun options a [command] may not give: the supervisor sets them for every step.
 SUPERVISOR_SRUN_OPTIONS = (

@@ -72,7 +72,8 @@ def lint_copy(tmp_path: Path, edit: tuple[str, str] | None = None) -> subprocess
     ("trainer/train.py", "import supervisor.spec", "The trainer stands alone"),
     ("health/wire.py", "import trainer.protocol", "The node probes stand alone"),
     ("supervisor/launchers/local.py", "import slurmbox.box", "The product never imports the development Slurm box"),
-    ("supervisor/agent.py", "import supervisor.store", "The node agent stands alone"),
+    ("supervisor/agent.py", "import supervisor.store", "The node-side programs stand alone"),
+    ("supervisor/compile_cache.py", "import supervisor.slurm", "The node-side programs stand alone"),
 ])
 def test_make_lint_fails_on_a_forbidden_import(tmp_path: Path, path: str, line: str, contract: str) -> None:
     out = lint_copy(tmp_path, (path, line))
