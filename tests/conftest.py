@@ -270,9 +270,9 @@ def slurm_installed() -> bool:
         shutil.which("sinfo") and shutil.which("srun"))
 
 
-@pytest.fixture
-def slurm_box() -> Iterator[Any]:
-    """A real Slurm cluster of three nodes on this host (scripts/slurm-box), stopped by pid.
+def a_slurm_box(nodes: int) -> Iterator[Any]:
+    """A real Slurm cluster of ``nodes`` nodes on this host (scripts/slurm-box), stopped by
+    pid.
 
     A fresh box per test: tests kill nodes and drain them. Its directory is short (unix
     socket paths are limited to 108 bytes) and removed afterwards.
@@ -282,7 +282,7 @@ def slurm_box() -> Iterator[Any]:
 
     directory = Path(tempfile.mkdtemp(prefix="tsup-box-"))
     try:
-        box = slurm_box_mod.up(directory, 3)
+        box = slurm_box_mod.up(directory, nodes)
     except BaseException:
         slurm_box_mod.down(directory)
         raise
@@ -291,6 +291,18 @@ def slurm_box() -> Iterator[Any]:
     finally:
         slurm_box_mod.down(directory)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def slurm_box() -> Iterator[Any]:
+    """A box of three nodes."""
+    yield from a_slurm_box(3)
+
+
+@pytest.fixture
+def slurm_box4() -> Iterator[Any]:
+    """A box of four nodes: a run of two and its spare, and a node to spare for a requeue."""
+    yield from a_slurm_box(4)
 
 
 # --- the chaos suite: a rotating subset in `make test`, every scenario in `make chaos` ---

@@ -75,7 +75,9 @@ Attribution (attribution.py): a node is drained only on evidence about the node 
 every rank of it vanished at once, and the cluster took it out of the allocation or
 its own process died with them (where the launcher watches one; elsewhere, at least two
 of its processes at once: one process SIGKILLed alone, the only rank of a node, is that
-process's fault, not the node's), or it fell silent while the others are heard, or its
+process's fault, not the node's; but a run's only node, its every rank gone with its
+agent's last will, is lost, never a hang nor a network cut: one node has no peer whose
+word could tell a cut from a death), or it fell silent while the others are heard, or its
 device failed (an exit code its trainer declares a device fault, the reference
 trainer's 4, or a device error in its output), or a probe confirmed it bad, or it is a
 lemon (blamed in ``lemon_faults`` distinct faults within ``lemon_window_s``). The drain

@@ -11,8 +11,16 @@ The rules (the header of supervisor/policy/__init__.py lists them all):
   killed alone (the only rank of a node, a node's torchrun with its one worker) is that
   process's fault: blamed, never drained, and so is any death on a node whose own
   process lives on. One rank's crash never drains a node;
-- a node the run no longer holds (the cluster ended or shrank the allocation) is never
-  blamed; when the cluster took every node, the attempt was interrupted, not failed;
+- a node the run no longer holds (the cluster ended or shrank the allocation) is not
+  blamed; when the cluster took every node, the attempt was interrupted, not failed.
+  But a node that failed on its own word (its agent or its own process died with its
+  ranks) is lost whether the allocation holds it or not: a one-node allocation ends
+  with its only node;
+- a run's only node lost is a node loss (blamed, drained, handed to the cluster's repair
+  where it has one), never a hang nor a cut: last wills from every node at once are the
+  network's only where there are two nodes or more to tell a cut from a death
+  (``cut_off_together``); one node's will is its own, as one rank's SIGKILL alone is
+  that rank's (the rule above);
 - a rank the launcher cannot see (UNKNOWN: a Slurm step's rank) is dead when its last
   will arrived or it reported a failed exit, and gone when it reported any exit;
 - trainer exit codes with a meaning: 2 do not retry, 3 the checkpoint it resumed from is
@@ -63,8 +71,13 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
     # job by its dead nodes): still that node's fault.
     held = held_nodes(view, live)
     dropped = dropped_nodes(view, live)
-    lost_nodes = sorted(n for n, rs in by.items() if n in held and node_lost(rs, dropped=n in dropped))
-    released = sorted(n for n in by if n not in held)
+    # A node that failed on its own word (its agent or its own process went with its
+    # ranks) is lost even when the allocation went with it: a one-node allocation's only
+    # node ends the allocation by dying.
+    failed = {n for n, rs in by.items() if n not in held and any(r.node_up is False for r in rs)}
+    lost_nodes = sorted(n for n, rs in by.items() if (n in held or n in failed)
+                        and node_lost(rs, dropped=n in dropped))
+    released = sorted(n for n in by if n not in held and n not in failed)
     # What the trainer means by an exit code: only what its spec declares (view.exit_codes).
     def meaning(r: RankObs) -> ExitMeaning | None:
         code = exit_code(r)
@@ -324,13 +337,15 @@ def vanished_abruptly(r: RankObs) -> bool:
 
 
 def cut_off_together(ranks: Iterable[RankObs]) -> bool:
-    """Last wills from every node of the attempt, and nothing else says a rank ended (no
-    exit code, no exit report, no process seen to end): the ranks lost the broker
-    together, which is the network or the broker, and no evidence against any node.
-    A node that really died leaves its ranks' processes to say so (Slurm ends its step)."""
+    """Last wills from every node of an attempt of two nodes or more, and nothing else
+    says a rank ended (no exit code, no exit report, no process seen to end): the ranks
+    lost the broker together, which is the network or the broker, and no evidence against
+    any node. A node that really died leaves its ranks' processes to say so (Slurm ends
+    its step). An attempt of one node has no other node whose word could tell a cut from
+    a death: its node's will is its loss (the module docstring)."""
     by = by_node(ranks)
     ended = (ProcState.EXITED, ProcState.VANISHED)
-    if not by or any(r.proc in ended or r.reported_exit_code is not None for rs in by.values() for r in rs):
+    if len(by) < 2 or any(r.proc in ended or r.reported_exit_code is not None for rs in by.values() for r in rs):
         return False
     return all(any(r.proc is ProcState.UNKNOWN and r.lost for r in rs) for rs in by.values())
 

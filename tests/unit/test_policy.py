@@ -1044,6 +1044,42 @@ def test_last_wills_from_every_node_at_once_are_the_network_not_the_nodes() -> N
     assert of(decide(view(run(), (attempt(),)), obs(*exited), NOW), RecordFault)
 
 
+def one_node_attempt(*ranks: RankObs, held: bool = True) -> tuple[RunView, AttemptObs]:
+    """A run of one node (n1, 2 ranks) and no spare; ``held``: the allocation still holds
+    n1 (False: the cluster ended the allocation, as Slurm does once it sees n1 down)."""
+    r = run(nodes=1, spares=0)
+    alloc = (Node(name="n1", state=NodeState.ALLOCATED if held else NodeState.IDLE,
+                  run_number=7 if held else None),)
+    return view(r, (attempt(nodes=("n1",)),), alloc), obs(*ranks)
+
+
+def test_a_runs_only_node_gone_with_its_agents_last_will_is_lost_not_a_cut() -> None:
+    """Slurm still shows the node (SlurmdTimeout has not passed), its step's ranks are
+    unknown to it; the node's agent's last will says the node went with them."""
+    unknown = ProcState.UNKNOWN
+    gone = [rank(r, unknown, lost=True, node_up=False, node_seen_at=NOW - 6) for r in (0, 1)]
+    for held in (True, False):  # before and after Slurm took the node out of the allocation
+        effects = decide(*one_node_attempt(*gone, held=held), NOW)
+        [fault] = of(effects, RecordFault)
+        assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n1",), (held, fault)
+        assert "its node agent went with them: node lost" in fault.summary
+        assert [d.node for d in of(effects, DrainNode)] == ["n1"]
+
+
+def test_a_runs_only_node_whose_processes_were_killed_while_its_agent_lives_is_no_node_loss() -> None:
+    """The other side: the node's own word is that it lives (its agent still reports)."""
+    killed = [rank(r, ProcState.UNKNOWN, lost=True, node_up=True, node_seen_at=NOW - 0.5) for r in (0, 1)]
+    [fault] = of(decide(*one_node_attempt(*killed), NOW), RecordFault)
+    assert fault.kind is FaultKind.RANK_EXIT and not of(decide(*one_node_attempt(*killed), NOW), DrainNode)
+
+
+def test_a_one_node_allocation_the_cluster_ended_with_its_node_up_is_an_interruption() -> None:
+    """A time limit, a preemption, scancel: the node did not fail, nobody is to blame."""
+    ended = [rank(r, ProcState.VANISHED) for r in (0, 1)]
+    [fault] = of(decide(*one_node_attempt(*ended, held=False), NOW), RecordFault)
+    assert fault.kind is FaultKind.ALLOCATION_ENDED and fault.nodes == ()
+
+
 def test_while_no_rank_of_a_slurm_step_is_heard_no_hang_is_judged_for_up_to_the_hang_timeout() -> None:
     live = attempt(started_at=NOW - 1000, first_step_at=NOW - 900)
     o = timed(0.2)

@@ -11,16 +11,24 @@ model with its gradients all-reduced over gloo, and prints and saves as NxD Trai
   throughput_peak), its numbers formatted by Lightning (``global_step=2e+3``); with
   ``tqdm-default`` the tutorial's llama.out lines, tqdm's own format (s/it) without a
   postfix. A bar per epoch of ``data.batches_per_epoch`` batches, redrawn with ``\\r``;
-- exp_manager's directories: ``nemo_experiments/<name>/<$NEMO_EXPM_VERSION>/checkpoints/``,
+- exp_manager's directories: ``nemo_experiments/<name>/<$NEMO_EXPM_VERSION>/checkpoints/``
+  (``exp_manager.checkpoint_callback_params.dirpath`` instead, when the config sets it),
   a save every ``every_n_train_steps`` named from the config's ``filename``
   (``hf_llama3_70B--step=10-consumed_samples=80.0.ckpt``, a directory: NxD's checkpoint
   IO), made as NeMo and NxD make it: a ``<name>-unfinished`` marker beside it first, then
-  its ``checkpoint`` tag, ``model/`` and ``optim/``, then ``done``, then the marker
-  removed; ``save_top_k = 1`` deletes the older save once the newer is done;
-- ``resume_if_exists``: it resumes from the newest complete save of its own version
-  directory (none: from scratch);
-- the Neuron compiler's lines: a step graph not in ``$NEURON_COMPILE_CACHE_URL`` is
-  compiled first (``||NEURON_CC_WRAPPER||: Call compiler``, ``standin.compile_s``); under
+  its ``checkpoint`` tag, then every rank its own shard of ``model/`` and ``optim/``
+  (``dp_rank_NN_tp_rank_00_pp_rank_00.pt``), then ``done``, then the marker removed;
+  ``save_top_k = 1`` deletes the older save once the newer is done. A rank killed while
+  the others write leaves a torn save;
+- ``resume_if_exists``: NxD Training's ``check_resume``: the newest ``*.ckpt`` below its
+  own checkpoint directory by modification time, with no check that it is complete (a
+  torn one fails to load: keeping it out of the way is the supervisor's job), and
+  training from scratch when there is none (``resume_ignore_no_checkpoint``): a new Slurm
+  job id is a new version directory, with nothing in it;
+- the Neuron compiler's lines: a step graph not in the node's ``$NEURON_COMPILE_CACHE_URL``
+  (``compiler_cache_url`` when the variable is unset, as NxD Training does) is compiled
+  first by the node's local rank 0 (``||NEURON_CC_WRAPPER||: Call compiler``,
+  ``standin.compile_s``: one such line is one graph compiled on that node); under
   neuron_parallel_compile's trial run (``NEURON_EXTRACT_GRAPHS_ONLY=1``) its graph is
   extracted into the cache's ``extracted/`` instead, nothing real is computed (the loss
   prints 0 and the weights it saves are zeros, as a trial run's outputs are to be
@@ -46,8 +54,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import yaml
-
-MODEL_FILE = "dp_rank_00_tp_rank_00_pp_rank_00.pt"  # NxD's per-rank file name; one replica here
 
 
 def load_config(argv: list[str]) -> tuple[str, dict[str, Any]]:
@@ -101,29 +107,39 @@ def checkpoint_name(template: str, step: int, consumed: float) -> str:
     return template.replace("{step}", f"step={step}").replace("{consumed_samples}", f"consumed_samples={consumed}")
 
 
-def newest_complete(directory: Path) -> tuple[int, Path] | None:
-    found = []
-    for p in directory.glob("*.ckpt"):
-        m = re.search(r"step=(\d+)", p.name)
-        unfinished = p.with_name(p.name.removesuffix(".ckpt") + "-unfinished")
-        if m and (p / "done").exists() and not unfinished.exists():
-            found.append((int(m.group(1)), p))
-    return max(found) if found else None
+def check_resume(directory: Path) -> tuple[int, Path] | None:
+    """NxD Training's check_resume: the newest ``*.ckpt`` below ``directory`` by
+    modification time, complete or not; None when there is none (training from scratch)."""
+    found = sorted(directory.rglob("*.ckpt"), key=os.path.getmtime, reverse=True) if directory.is_dir() else []
+    if not found:
+        return None
+    m = re.search(r"step=(\d+)", found[0].name)
+    return (int(m.group(1)) if m else 0), found[0]
+
+
+def shard_name(rank: int) -> str:
+    return f"dp_rank_{rank:02d}_tp_rank_00_pp_rank_00.pt"
 
 
 def save(directory: Path, name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
          top_k: int) -> None:
-    """Rank 0 writes; every rank waits for it (NxD: every rank writes its shard, then done)."""
-    if dist.get_rank() == 0:
-        path = directory / f"{name}.ckpt"
-        marker = directory / f"{name}-unfinished"
+    """As NxD saves: rank 0 marks the save unfinished, every rank writes its own shard,
+    then rank 0 marks it done and removes the marker."""
+    rank = dist.get_rank()
+    path = directory / f"{name}.ckpt"
+    marker = directory / f"{name}-unfinished"
+    if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         marker.touch()
         path.mkdir(exist_ok=True)
         (path / "checkpoint").write_text(f"{step}\n")
-        for part, state in (("model", model.state_dict()), ("optim", opt.state_dict())):
+        for part in ("model", "optim"):
             (path / part).mkdir(exist_ok=True)
-            torch.save({"state": state, "step": step}, path / part / MODEL_FILE)
+    dist.barrier()
+    for part, state in (("model", model.state_dict()), ("optim", opt.state_dict())):
+        torch.save({"state": state, "step": step}, path / part / shard_name(rank))
+    dist.barrier()
+    if rank == 0:
         (path / "done").touch()
         marker.unlink()
         saves = sorted((int(m.group(1)), p) for p in directory.glob("*.ckpt")
@@ -134,21 +150,20 @@ def save(directory: Path, name: str, model: torch.nn.Module, opt: torch.optim.Op
 
 
 def compile_graph(cache: Path, graph: str, extract: bool, compile_s: float) -> None:
-    rank0 = dist.get_rank() == 0
+    """Each node compiles into its own cache: its local rank 0 does, the others wait."""
+    local0 = os.environ.get("LOCAL_RANK", "0") == "0"
     if extract:
-        if rank0:
+        if local0:
             (cache / "extracted").mkdir(parents=True, exist_ok=True)
             (cache / "extracted" / graph).touch()
             print(f"||NEURON_CC_WRAPPER||: Extracting graphs ({graph}) for ahead-of-time parallel compilation. "
                   "No compilation was done.", flush=True)
-    elif not (cache / f"{graph}.neff").exists():
-        if rank0:
-            print(f"||NEURON_CC_WRAPPER||: Call compiler on {graph}", flush=True)
+    elif local0 and not (cache / f"{graph}.neff").exists():
+        print(f"||NEURON_CC_WRAPPER||: Call compiler on {graph}", flush=True)
         time.sleep(compile_s)
-        if rank0:
-            cache.mkdir(parents=True, exist_ok=True)
-            (cache / f"{graph}.neff").write_text(f"compiled {graph}\n")
-            print(f"Compiler status PASS: {graph}", flush=True)
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / f"{graph}.neff").write_text(f"compiled {graph}\n")
+        print(f"Compiler status PASS: {graph}", flush=True)
     dist.barrier()
 
 
@@ -159,22 +174,26 @@ def main() -> None:
     trainer, exp, data, standin = cfg["trainer"], cfg["exp_manager"], cfg["data"], cfg["standin"]
     ck_params = exp["checkpoint_callback_params"]
     extract = os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY") == "1"
-    cache = Path(os.environ.get("NEURON_COMPILE_CACHE_URL", "/var/tmp/neuron-compile-cache"))
+    os.environ.setdefault("NEURON_COMPILE_CACHE_URL", cfg["compiler_cache_url"])  # as training_orchestrator.py
+    cache = Path(os.environ["NEURON_COMPILE_CACHE_URL"])
     log_dir = Path(exp["explicit_log_dir"] or Path("nemo_experiments") / exp["name"]
                    / os.environ.get("NEMO_EXPM_VERSION", "0"))
-    ck_dir = log_dir / "checkpoints"
+    ck_dir = Path(ck_params.get("dirpath") or log_dir / "checkpoints")
 
     torch.manual_seed(cfg["seed"])
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     start = 0
-    found = newest_complete(ck_dir) if exp.get("resume_if_exists") else None
+    found = check_resume(ck_dir) if exp.get("resume_if_exists") else None
+    if found is None and rank == 0 and exp.get("resume_if_exists"):
+        print(f"There were no checkpoints found in {ck_dir}. Training from scratch.", flush=True)
     if found is not None:
         start, path = found
-        if rank == 0:
+        if rank == 0:  # exp_manager's line, then Lightning's
+            print(f"Resuming from {path}", flush=True)
             print(f"Restoring states from the checkpoint path at {path}", flush=True)
-        model.load_state_dict(torch.load(path / "model" / MODEL_FILE)["state"])
-        opt.load_state_dict(torch.load(path / "optim" / MODEL_FILE)["state"])
+        model.load_state_dict(torch.load(path / "model" / shard_name(rank))["state"])
+        opt.load_state_dict(torch.load(path / "optim" / shard_name(rank))["state"])
     graph = "train_step_" + hashlib.sha256(f"{name}:{world}".encode()).hexdigest()[:12]
     compile_graph(cache, graph, extract, float(standin["compile_s"]))
     if extract:  # a trial run computes nothing real: what it would save is no model
