@@ -345,7 +345,9 @@ def cut_off_together(ranks: Iterable[RankObs]) -> bool:
     a death: its node's will is its loss (the module docstring)."""
     by = by_node(ranks)
     ended = (ProcState.EXITED, ProcState.VANISHED)
-    if len(by) < 2 or any(r.proc in ended or r.reported_exit_code is not None for rs in by.values() for r in rs):
+    if len(by) < 2:
+        return False
+    if any(r.proc in ended or r.reported_exit_code is not None for rs in by.values() for r in rs):
         return False
     return all(any(r.proc is ProcState.UNKNOWN and r.lost for r in rs) for rs in by.values())
 

@@ -21,12 +21,13 @@ In the order they are judged (the first that holds is the fault):
 - no step progress, and no phase begun or ended, for ``hang_limit`` (never while the
   broker link is down).
 
-The network is not the nodes: last wills from every node of an attempt of two or more at
-once (``cut_off_together``) are not deaths (one node's are: attribution.py), and while no rank of an attempt whose processes the launcher cannot see
-(Slurm steps) has been heard for ``STALL_GAP_S``, no hang is judged, for at most
-``hang_timeout_s``: the ranks lost the broker together (a partition between the nodes and
-the controller, a stalled broker), which says nothing of the nodes or of training. Once
-they are heard again the usual rules judge them.
+The network is not the nodes: last wills from every node of an attempt of two or more
+at once (``cut_off_together``) are not deaths (one node's are: attribution.py), and while
+no rank of an attempt whose processes the launcher cannot see (Slurm steps) has been heard
+for ``STALL_GAP_S``, no hang is judged, for at most ``hang_timeout_s``: the ranks lost the
+broker together (a partition between the nodes and the controller, a stalled broker),
+which says nothing of the nodes or of training. Once they are heard again the usual rules
+judge them.
 
 Stragglers are found here too (``find_stragglers``); what is done about them is the
 recovery module's.

@@ -12,18 +12,20 @@
   directory after it and resumes only from there), so a run that needs new nodes goes on
   in the same job rather than in a new one: when the job holds fewer healthy nodes than
   the run needs (losses beyond its spares), or ended while Slurm still knows it (a time
-  limit, a preemption; ``MinJobAge``), it is requeued (``requeuehold``: it gives its
-  nodes back and waits, held), then asked for the run's node count with the drained
-  nodes excluded, started at once and released; ``$SLURM_RESTART_COUNT`` counts the
-  requeues (supervisor/slurm/launcher.py hands it to the steps). A paused or failed run
-  ``park``s its job the same way, and a resume releases it. All of it runs as the job's
-  owner: a user may do each of these to a job of their own. Only a job Slurm will not
-  requeue (one submitted with ``--no-requeue``) or no longer knows (purged after
-  ``MinJobAge``, cancelled by hand) is replaced by a new one, in which such a trainer
-  starts from scratch (the run then stops with a wrong-resume fault that says what to
-  change). The cost of keeping the job: a requeued job starts again only once its
-  steps have ended on every node it held, so it is first shrunk to its healthy nodes;
-  a run whose every node died waits for Slurm to declare them down (``SlurmdTimeout``).
+  limit, a preemption; ``MinJobAge``), it is requeued; a paused or failed run ``park``s
+  it, requeued and held (no node, its place kept), and a resume releases it.
+  ``$SLURM_RESTART_COUNT`` counts the requeues (supervisor/slurm/launcher.py hands it to
+  the steps). All of it runs as the job's owner: a user may do each of these to a job of
+  their own. Only a job Slurm will not requeue (one submitted with ``--no-requeue``) or
+  no longer knows (purged after ``MinJobAge``, cancelled by hand) is replaced by a new
+  one, in which such a trainer starts from scratch (the run then stops with a
+  wrong-resume fault that says what to change).
+- What keeping the job costs, measured on the box (22.05): a requeued job starts again
+  only once its steps have ended on every node it held, a dead node's once Slurm
+  declares it down (``SlurmdTimeout``); then Slurm holds it back for the launch
+  credential's lifetime (121 s), which the supervisor asks it to skip, and which stays
+  where Slurm refuses updates of the job (below 24.11 without accounting storage, once a
+  node failure resized it: ``_start_soon``).
 - Slurm cannot add nodes to a running job. A run that may go on with fewer nodes
   (``keep``, supervisor/policy/recovery.py) and holds fewer than it asks for submits a
   **growth** job for the missing count (``<prefix>.<run>.<k>g<m>``, ``--nodes=1-M``),
@@ -66,20 +68,28 @@ class Alloc:
     uid: int | None = None
     grow: tuple[str, ...] = ()
     grown: int = 0
+    requeued: bool = False  # the first job was requeued (or parked) and has not held nodes since
+    hurried: int | None = None  # the first job's restart count whose begin time was asked to be now
 
     @classmethod
     def load(cls, info: str | None) -> Alloc:
         if not info:
             return cls()
         d = json.loads(info)
-        uid = d.get("uid")
+        uid, hurried = d.get("uid"), d.get("hurried")
         return cls(job=d.get("job"), seq=int(d.get("seq", 0)), uid=int(uid) if uid is not None else None,
-                   grow=tuple(str(j) for j in d.get("grow", ())), grown=int(d.get("grown", 0)))
+                   grow=tuple(str(j) for j in d.get("grow", ())), grown=int(d.get("grown", 0)),
+                   requeued=bool(d.get("requeued", False)),
+                   hurried=int(hurried) if hurried is not None else None)
 
     def dump(self) -> str:
         d: dict[str, object] = {"job": self.job, "seq": self.seq, "uid": self.uid}
         if self.grown:
             d |= {"grow": list(self.grow), "grown": self.grown}
+        if self.requeued:
+            d["requeued"] = True
+        if self.hurried is not None:
+            d["hurried"] = self.hurried
         return json.dumps(d)
 
     @property
@@ -123,6 +133,7 @@ class SlurmAllocations:
             return Grant(nodes=req.held, info=req.info, note="squeue failed; trying again")
         job = recorded(jobs, alloc.job, alloc.uid)
         if job is not None and job.phase is parse.JobPhase.HOLDING:
+            alloc = replace(alloc, requeued=False)  # started again (if it had been requeued)
             have = self._usable(job.nodes, req.drained)
             if len(have) >= (req.keep or req.minimum):
                 return self._grow(req, alloc, jobs, have)
@@ -132,10 +143,11 @@ class SlurmAllocations:
             owner = users.for_launch(req.user)
         except LaunchError as e:  # the run's user is gone from this host: say why, and wait
             return Grant(nodes=(), info=req.info, note=str(e))
-        if job is not None and job.phase is parse.JobPhase.WAITING:
-            return Grant(nodes=(), info=req.info, note=self._start_soon(req, job, owner))
+        if job is not None and (job.phase is parse.JobPhase.WAITING or (alloc.requeued and job.finishing)):
+            alloc, note = self._start_soon(alloc, job, owner)
+            return Grant(nodes=(), info=alloc.dump(), note=note)
         if job is not None:  # too few healthy nodes left in it, or ended while Slurm still knows it
-            requeued = self._requeue(alloc, job, owner, self._usable(job.nodes, req.drained))
+            requeued = self._requeue(alloc, job, owner)
             if requeued is not None:
                 return Grant(nodes=(), info=requeued.dump(),
                              note=f"job {job.job_id} requeued (its id kept) for {req.count} node(s)")
@@ -153,50 +165,55 @@ class SlurmAllocations:
             return self.held(req.run_id, info) or Grant(nodes=(), info=info)
         return Grant(nodes=(), info=info, note=f"job {job_id} submitted")
 
-    def _requeue(self, alloc: Alloc, job: parse.JobInfo, owner: users.RunAs | None,
-                 healthy: tuple[str, ...]) -> Alloc | None:
-        """Put the run's job back in the queue, held, its id kept (the allocation_info to
-        record), or None when Slurm refuses (a job submitted with --no-requeue). Its
-        healthy nodes are kept out of the wait for its dead ones first: a requeued job
-        starts again only once its steps have ended on every node it held, and a dead
-        node's end comes only when Slurm declares the node down (SlurmdTimeout), so the
-        job is shrunk to the healthy nodes, and the wait stays where no node is healthy."""
-        if job.phase is parse.JobPhase.HOLDING and healthy and len(healthy) < len(job.nodes):
-            shrink = ["scontrol", "update", f"JobId={job.job_id}", f"NodeList={','.join(healthy)}"]
-            self._owners(owner, shrink)
-        reply = self._owners(owner, ["scontrol", "requeuehold", job.job_id])
-        if not reply.ok:
+    def _requeue(self, alloc: Alloc, job: parse.JobInfo, owner: users.RunAs | None, *,
+                 hold: bool = False) -> Alloc | None:
+        """Put the run's job back in the queue, its id kept (``hold``: held, until
+        ``_start_soon`` releases it); the allocation_info to record, or None when Slurm
+        refuses (a job submitted with --no-requeue). A requeue needs no update of the
+        job, which Slurm refuses for good once it resized a job (below 24.11, without
+        accounting storage: its db_index is never set again), as it does to a --no-kill
+        job when a node of it fails."""
+        reply = self._owners(owner, ["scontrol", "requeuehold" if hold else "requeue", job.job_id])
+        if not reply.ok and "pending" not in reply.why:  # Slurm requeued it already (a node failed)
             log.warning("cannot requeue allocation %s: %s", job.job_id, reply.why)
             return None
         if alloc.grow:  # the first job will ask for every node again: the growth jobs go
             self.commands.fire(["scancel", *only_of(alloc.uid), *alloc.grow])
         self.state.refresh()
-        log.info("requeued allocation %s, its id kept", job.job_id)
-        return replace(alloc, grow=())
+        log.info("requeued allocation %s%s, its id kept", job.job_id, " (held)" if hold else "")
+        return replace(alloc, grow=(), requeued=True)
 
-    def _start_soon(self, req: AllocationRequest, job: parse.JobInfo, owner: users.RunAs | None) -> str:
-        """A queued job of the run's: held by its owner (a requeue, a park), it is asked
-        for the run's nodes (its node count, the drained ones excluded) and released; a
-        requeued one is started now, not after the credential lifetime Slurm waits out
-        before starting a requeued job again (22.05: 121 s; the new launch credential only
-        needs to be newer than the revoke, which it is by then). What it waits for."""
+    def _start_soon(self, alloc: Alloc, job: parse.JobInfo, owner: users.RunAs | None) -> tuple[Alloc, str]:
+        """A queued job of the run's, which the run wants to train in: (what to record,
+        what it waits for).
+
+        - Still ending its steps on the nodes it held (a dead node's end comes once Slurm
+          declares it down, SlurmdTimeout): waited for.
+        - Held by its owner (parked, or requeued held): released. Where Slurm refuses (a
+          job it resized, above), it is cancelled and requeued instead, which needs no
+          update.
+        - Requeued, waiting for its begin time: Slurm delays a requeued job by the launch
+          credential's lifetime (22.05: 121 s) so that its new credential is newer than the
+          old one's revocation, which it is a tick later; it is asked once to start now
+          (fired, not awaited: a resized job's update blocks slurmctld's reply for 5 s and
+          is refused), and otherwise starts at its begin time."""
         if job.finishing:
-            return (f"job {job.job_id} requeued: Slurm is ending its steps on the nodes it held "
-                    "(a dead node's once Slurm declares it down)")
-        requeued = job.held_by_owner or (job.restarts or 0) > 0
-        if requeued and (job.held_by_owner or job.reason == "BeginTime"):
-            nodes = f"{req.minimum}-{req.count}" if req.minimum < req.count else str(req.count)
-            update = ["scontrol", "update", f"JobId={job.job_id}", f"NumNodes={nodes}", "StartTime=now"]
-            if req.drained:
-                update.append(f"ExcNodeList={','.join(sorted(req.drained))}")
-            reply = self._owners(owner, update)
-            if reply.ok and job.held_by_owner:
-                reply = self._owners(owner, ["scontrol", "release", job.job_id])
+            return alloc, (f"job {job.job_id} requeued: Slurm is ending its steps on the nodes it held "
+                           "(a dead node's once Slurm declares it down)")
+        if job.held_by_owner:
+            if self._owners(owner, ["scontrol", "release", job.job_id]).ok:
+                self.state.refresh()
+                return alloc, f"job {job.job_id} released"
+            self._owners(owner, ["scancel", job.job_id])
+            requeued = self._requeue(alloc, job, owner)
             self.state.refresh()
-            if not reply.ok:
-                return f"job {job.job_id} requeued, cannot be started again yet: {reply.why}"
-            return f"job {job.job_id} requeued: released for {nodes} node(s)"
-        return f"job {job.job_id} pending: {job.reason}"
+            return alloc, (f"job {job.job_id} cancelled and requeued (Slurm would not release it)" if requeued
+                           else f"job {job.job_id} held, and Slurm would neither release nor requeue it")
+        restarts = job.restarts or 0
+        if job.reason == "BeginTime" and restarts > 0 and alloc.hurried != restarts:
+            self.commands.fire(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], user=owner)
+            return replace(alloc, hurried=restarts), f"job {job.job_id} requeued: asked to start now"
+        return alloc, f"job {job.job_id} pending: {job.reason}"
 
     def _owners(self, owner: users.RunAs | None, argv: list[str]) -> Reply:
         """A command about the run's own job, as its owner: what a user may do with a job
@@ -334,7 +351,7 @@ class SlurmAllocations:
         except LaunchError:
             return Parked(done=self.release(info))
         if job.phase is not parse.JobPhase.WAITING:
-            if self._requeue(alloc, job, owner, self._usable(job.nodes, frozenset())) is not None:
+            if self._requeue(alloc, job, owner, hold=True) is not None:
                 return Parked(done=True, info=kept.dump())
         elif job.held_by_owner or self._owners(owner, ["scontrol", "hold", job.job_id]).ok:
             self.state.refresh()

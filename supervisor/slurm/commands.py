@@ -102,13 +102,15 @@ class SlurmCommands:
             return argv
         return [str(self.bin_dir / argv[0]), *argv[1:]]
 
-    def fire(self, argv: Sequence[str]) -> None:
-        """Start a command and do not wait for it (its outcome is observed later)."""
+    def fire(self, argv: Sequence[str], *, user: RunAs | None = None) -> None:
+        """Start a command (as ``user``) and do not wait for it (its outcome is observed later)."""
         self._reap()
         self.calls += 1
+        uid, gid, groups = popen_ids(user)
         try:
             p = subprocess.Popen(list(self._located(argv)), env=self._env, stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, user=uid, group=gid,
+                                 extra_groups=groups)
         except (OSError, ValueError) as e:
             log.warning("cannot run %s: %s", argv[0], e)
             return

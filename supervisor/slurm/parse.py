@@ -110,8 +110,8 @@ class JobInfo:
 
     @property
     def finishing(self) -> bool:
-        """Requeued, but its steps are still being ended on its old nodes (a dead node's
-        until Slurm declares it down): it can be started again only after."""
+        """Its steps are still being ended on the nodes it held (a dead node's until Slurm
+        declares it down): of a job requeued, one that can start again only after that."""
         return self.state.upper().startswith("COMPLETING")
 
 

@@ -17,7 +17,7 @@ from tests.unit.test_slurm_security import ME, fixture, launcher_on, slurm_of, s
 
 # The scripted node table: node1 is down, node2 up, node3 drained; node4 is in no table (usable).
 INFO = json.dumps({"job": "5", "seq": 1, "uid": ME})
-ASKED = ("scontrol", "requeuehold", "5")
+ASKED = ("scontrol", "requeuehold", "5")  # a park
 
 
 def request(info: str = INFO, drained: frozenset[str] = frozenset({"node1"})) -> AllocationRequest:
@@ -50,7 +50,7 @@ def test_a_requeued_job_still_ending_on_a_dead_node_is_waiting_not_ended() -> No
         assert (job.phase, job.finishing, job.held_by_owner, job.nodes) == (parse.JobPhase.WAITING, True, True, ())
 
 
-def test_a_job_left_with_too_few_healthy_nodes_is_shrunk_to_them_and_requeued_its_id_kept(tmp_path: Path) -> None:
+def test_a_job_left_with_too_few_healthy_nodes_is_requeued_its_id_kept(tmp_path: Path) -> None:
     launcher = launcher_on(slurm := slurm_of(squeue({"job_id": 5, "name": "first", "user_id": ME,
                                                      "nodes": "node[1-2]"},
                                                     {"job_id": 67, "name": "g", "user_id": ME, "nodes": "node4"})),
@@ -58,34 +58,63 @@ def test_a_job_left_with_too_few_healthy_nodes_is_shrunk_to_them_and_requeued_it
     slurm.answers[("scontrol",)] = ""
     info = json.dumps({"job": "5", "seq": 1, "uid": ME, "grow": ["67"], "grown": 1})
     grant = launcher.allocate(request(info))
-    assert scontrols(slurm) == [["scontrol", "update", "JobId=5", "NodeList=node2"], list(ASKED)], \
-        "its dead node1 would keep it from starting again until Slurm declares node1 down"
+    assert scontrols(slurm) == [["scontrol", "requeue", "5"]], "no update: Slurm refuses those of a resized job"
     assert grant.nodes == () and grant.note == "job 5 requeued (its id kept) for 3 node(s)"
-    assert json.loads(grant.info or "") == {"job": "5", "seq": 1, "uid": ME, "grow": [], "grown": 1}
+    assert json.loads(grant.info or "") == {"job": "5", "seq": 1, "uid": ME, "grow": [], "grown": 1, "requeued": True}
     assert ["scancel", f"--user={ME}", "67"] in slurm.scancels(), "the first job asks for every node again"
+    # Ending its steps on the nodes it held, it is waited for, not requeued again nor replaced
+    # (squeue says COMPLETING, with no reason, as of a job that ends).
+    slurm.answers[("squeue", "--json")] = squeue({"job_id": 5, "name": "first", "user_id": ME,
+                                                  "job_state": "COMPLETING", "restart_cnt": 1})
+    launcher.state.refresh()
+    waiting = launcher.allocate(request(grant.info))
+    assert waiting.note.startswith("job 5 requeued: Slurm is ending its steps") and len(scontrols(slurm)) == 1
+    # Running again: no longer requeued.
+    slurm.answers[("squeue", "--json")] = squeue({"job_id": 5, "name": "first", "user_id": ME, "nodes": "node[2,4]",
+                                                  "restart_cnt": 1})
+    launcher.state.refresh()
+    assert "requeued" not in json.loads(launcher.allocate(request(grant.info)).info or "")
     assert not [a for a in slurm.ran if a[0] == "sbatch"], "no new job: a new id would lose the trainer's tree"
+    assert slurm.users == [None] * len(slurm.users), "as the run's user (here the daemon's own)"
 
 
-def test_a_requeued_held_job_is_asked_for_the_runs_nodes_started_now_and_released(tmp_path: Path) -> None:
+def test_a_held_job_is_released(tmp_path: Path) -> None:
     held = {"job_id": 5, "name": "first", "user_id": ME, "job_state": "PENDING", "nodes": "",
             "state_reason": "JobHeldUser", "restart_cnt": 1}
     launcher = launcher_on(slurm := slurm_of(squeue(held)), tmp_path)
     slurm.answers[("scontrol",)] = ""
-    grant = launcher.allocate(request(drained=frozenset({"node1", "node3"})))
-    assert scontrols(slurm) == [["scontrol", "update", "JobId=5", "NumNodes=2-3", "StartTime=now",
-                                 "ExcNodeList=node1,node3"], ["scontrol", "release", "5"]]
-    assert grant.nodes == () and grant.info == INFO and grant.note == "job 5 requeued: released for 2-3 node(s)"
-    assert slurm.users == [None] * len(slurm.users), "as the run's user (here the daemon's own)"
+    grant = launcher.allocate(request())
+    assert scontrols(slurm) == [["scontrol", "release", "5"]]
+    assert grant.nodes == () and grant.info == INFO and grant.note == "job 5 released"
 
 
-def test_a_job_slurm_requeued_itself_is_started_now_not_after_the_credential_lifetime(tmp_path: Path) -> None:
+def test_a_held_job_slurm_will_not_release_is_cancelled_and_requeued_which_needs_no_update(tmp_path: Path) -> None:
+    """Slurm 22.05 without accounting storage refuses every update of a job it resized (a
+    --no-kill job a node of which failed): "Job update not available right now, the DB
+    index is being set", for good. scancel and requeue are no updates."""
+    held = {"job_id": 5, "name": "first", "user_id": ME, "job_state": "PENDING", "nodes": "",
+            "state_reason": "JobHeldUser", "restart_cnt": 1}
+    launcher = launcher_on(slurm := slurm_of(squeue(held)), tmp_path)
+    slurm.answers[("scontrol",)] = ""
+    slurm.answers[("scontrol", "release")] = Reply(("scontrol", "release", "5"), False, "", "",
+                                                   "exit 1: Job update not available right now, the DB index is "
+                                                   "being set, try again in a bit for job 5")
+    slurm.answers[("scancel",)] = ""
+    grant = launcher.allocate(request())
+    assert [a for a in slurm.ran if a[0] in ("scontrol", "scancel")] == [
+        ["scontrol", "release", "5"], ["scancel", "5"], ["scontrol", "requeue", "5"]]
+    assert grant.note == "job 5 cancelled and requeued (Slurm would not release it)"
+
+
+def test_a_requeued_job_is_asked_once_to_start_now_not_after_the_credential_lifetime(tmp_path: Path) -> None:
     begin = {"job_id": 5, "name": "first", "user_id": ME, "job_state": "PENDING", "nodes": "",
              "state_reason": "BeginTime", "restart_cnt": 1}
     launcher = launcher_on(slurm := slurm_of(squeue(begin)), tmp_path)
-    slurm.answers[("scontrol",)] = ""
-    launcher.allocate(request())
-    assert scontrols(slurm) == [["scontrol", "update", "JobId=5", "NumNodes=2-3", "StartTime=now",
-                                 "ExcNodeList=node1"]], "not held: nothing to release"
+    grant = launcher.allocate(request())
+    assert slurm.fired == [["scontrol", "update", "JobId=5", "StartTime=now"]] and scontrols(slurm) == []
+    assert json.loads(grant.info or "")["hurried"] == 1
+    again = launcher.allocate(request(grant.info))
+    assert len(slurm.fired) == 1 and again.note == "job 5 pending: BeginTime", "once a requeue, not every tick"
 
 
 def test_a_queued_job_never_requeued_is_left_to_the_scheduler(tmp_path: Path) -> None:
@@ -106,6 +135,16 @@ def test_a_requeued_job_still_ending_is_waited_for(tmp_path: Path) -> None:
     assert grant.note.startswith("job 5 requeued: Slurm is ending its steps on the nodes it held")
 
 
+def test_a_job_slurm_requeued_itself_meanwhile_is_taken_as_requeued(tmp_path: Path) -> None:
+    """Its only node failed: Slurm requeued it (--requeue) before the supervisor could."""
+    launcher = launcher_on(slurm := slurm_of(squeue({"job_id": 5, "name": "first", "user_id": ME,
+                                                     "nodes": "node1"})), tmp_path)
+    slurm.answers[("scontrol", "requeue")] = Reply(("scontrol", "requeue", "5"), False, "", "",
+                                                   "exit 1: Job is pending execution for job 5")
+    grant = launcher.allocate(request())
+    assert json.loads(grant.info or "")["requeued"] and not [a for a in slurm.ran if a[0] == "sbatch"]
+
+
 def test_a_job_that_ended_while_slurm_still_knows_it_is_requeued_not_replaced(tmp_path: Path) -> None:
     ended = {"job_id": 5, "name": "first", "user_id": ME, "job_state": "TIMEOUT", "nodes": "node[2,4]"}
     launcher = launcher_on(slurm := slurm_of(squeue(ended)), tmp_path)
@@ -113,7 +152,7 @@ def test_a_job_that_ended_while_slurm_still_knows_it_is_requeued_not_replaced(tm
     held = launcher.held("run-1", INFO)
     assert held is not None and held.nodes == () and held.info == INFO, "its id is kept"
     grant = launcher.allocate(request())
-    assert scontrols(slurm) == [list(ASKED)], "an ended job holds no node to shrink away from"
+    assert scontrols(slurm) == [["scontrol", "requeue", "5"]]
     assert json.loads(grant.info or "")["job"] == "5"
 
 

@@ -81,7 +81,7 @@ class ScriptedSlurm:
     def admin(self, argv: Sequence[str], **kw: Any) -> Reply:
         return self.run(argv, **kw)
 
-    def fire(self, argv: Sequence[str]) -> None:
+    def fire(self, argv: Sequence[str], **kw: Any) -> None:
         self.fired.append(list(argv))
 
     def scancels(self) -> list[list[str]]:
