@@ -114,6 +114,8 @@ _CONFIG_SIGNATURES: tuple[re.Pattern[str], ...] = (
     re.compile(r"failed \(\d+\) to init a collective algorithm"),
     # Hydra (NxD Training's and NeMo's configs): CONF_FILE names no config
     re.compile(r"\bCannot find primary config\b"),
+    # NxD Training's examples/train.sh, the same: "Error: YAML file './conf/X.yaml' not found!"
+    re.compile(r"^Error: YAML file '.*' not found!$"),
     # neuronx-distributed's and Megatron's ensure_divisibility: a model dimension that the
     # tensor-parallel degree does not divide ("{} is not divisible by {}")
     re.compile(r"AssertionError: \d+ is not divisible by \d+"),

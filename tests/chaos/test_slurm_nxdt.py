@@ -21,6 +21,7 @@ joined took its graphs from the run's shared copy.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,12 +29,21 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from slurmbox.box import Box
 from tests.chaos.test_slurm import what_happened
-from tests.conftest import REPO, free_port
-from tests.e2e.conftest import assert_same_weights, command_spec, db_rows, summary_of, tsup
+from tests.conftest import REPO, free_port, wait_for
+from tests.e2e.conftest import (
+    assert_same_weights,
+    command_spec,
+    db_rows,
+    slurm,
+    slurm_serve,
+    summary_of,
+    tsup,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 
@@ -71,9 +81,10 @@ def never_failed(config: str, world: int, work: Path) -> dict[str, Any]:
     return weights
 
 
-def nxdt_spec(example: str, tmp_path: Path, nodes: int) -> tuple[Path, Path]:
+def nxdt_spec(example: str, tmp_path: Path, nodes: int, **policy: Any) -> tuple[Path, Path]:
     """The example spec at the box's size (its spares as it ships them), its cwd the
-    stand-in's examples directory; (the spec, that directory)."""
+    stand-in's examples directory, ``policy`` keys beside the box's; (the spec, that
+    directory)."""
     examples = examples_dir(tmp_path)
     data = tomllib.loads((REPO / "examples" / example).read_text())
     command = dict(data["command"])
@@ -87,7 +98,7 @@ def nxdt_spec(example: str, tmp_path: Path, nodes: int) -> tuple[Path, Path]:
                 "env": env}
     resources = {**data["resources"], "nodes": nodes, "ranks_per_node": RANKS_PER_NODE}
     spec = command_spec(tmp_path / "spec.toml", data["name"], argv, resources=resources,
-                        policy={"hang_floor_s": 10, "hang_timeout_s": 120}, **command)
+                        policy={"hang_floor_s": 10, "hang_timeout_s": 120, **policy}, **command)
     return spec, examples
 
 
@@ -193,3 +204,68 @@ def test_the_8b_job_as_shipped_loses_its_only_node_and_goes_on_in_the_same_job_o
     [job] = [p.name for p in logs.iterdir()]
     assert sorted(p.name for p in (logs / job).iterdir()) == ["0", "1"], "requeued once, its id kept"
     assert "taken from" in said(run_dir, 3)
+
+
+def test_the_8b_job_paused_past_its_release_and_failed_then_fixed_goes_on_in_its_job_each_time(
+        slurm_box: Box, tmp_path: Path) -> None:
+    """The 8B job under the daemon, as its user drives it. Paused past `pause_release_s`:
+    its node goes back, its job waits held in the queue, and `resume` goes on in that job
+    from its newest checkpoint. Then its config file is moved away and a rank killed: the
+    next attempt cannot find its config and the run FAILS; the file put back, `resume`
+    goes on in the same job again, from its newest checkpoint. It ends with the weights of
+    a run that never failed, every attempt in one Slurm job."""
+    config, nodes = JOBS["nxdt-llama3-8b-hyperpod.toml"]
+    expected = never_failed(config, nodes * RANKS_PER_NODE, tmp_path / "never-failed")
+    spec, examples = nxdt_spec("nxdt-llama3-8b-hyperpod.toml", tmp_path / "run", nodes, pause_release_s=3)
+    conf = examples / "conf" / f"{config}.yaml"
+    conf.write_text(conf.read_text().replace("step_s: 0.15", "step_s: 0.4"))  # room to act between saves
+    daemon = slurm_serve(tmp_path / "state", free_port(), slurm_box)
+    try:
+        run_id = daemon.ctl_json("submit", str(spec))["run_id"]
+
+        def saved() -> int:
+            """The newest complete save in the job's version directories, as the trainer made
+            it (the supervisor scans a [command] trainer's directory between attempts)."""
+            found = [int(m.group(1)) for p in (examples / "nemo_experiments" / "hf_llama").glob("*/checkpoints/*")
+                     if (p / "done").exists() and (m := re.search(r"step=(\d+)", p.name))]
+            return max(found, default=0)
+
+        def status() -> dict[str, Any]:
+            result: dict[str, Any] = daemon.ctl_json("status", run_id)
+            return result
+
+        wait_for(lambda: saved() >= 20, 240, "a checkpoint of step 20")
+        [job] = slurm(slurm_box, "squeue", "-h", "-o", "%i").split()
+        assert daemon.ctl_json("pause", run_id)["result"] == "accepted"
+        wait_for(lambda: slurm(slurm_box, "squeue", "-h", "-o", "%i|%T|%N|%r").strip()
+                 == f"{job}|PENDING||job requeued in held state", 90, "its node given back, its job held")
+        paused_at = saved()
+        assert daemon.ctl_json("resume", run_id)["result"] == "accepted"
+        wait_for(lambda: saved() > paused_at, 240, "a checkpoint after the resume")
+        history = status()["attempt_history"]
+        assert history[-1]["resume_step"] == paused_at, history
+
+        conf.rename(conf.with_suffix(".moved"))  # the user's mistake
+        ranks = [p for p in psutil.process_iter(["cmdline", "environ"])
+                 if "training_orchestrator.py" in (p.info["cmdline"] or ()) and "torchrun" not in " ".join(
+                     p.info["cmdline"] or ()) and (p.info["environ"] or {}).get("TSUP_RUN_ID") == run_id]
+        assert ranks, "the job's ranks on the box"
+        ranks[0].kill()
+        before = saved()  # no save completes once a rank is gone (each waits for all the shards)
+        failed = wait_for(lambda: (d := status())["state"] == "FAILED" and d, 180, "the run to fail")
+        assert failed["faults"][-1]["kind"] == "config", failed["faults"]
+        assert "Error: YAML file './conf/hf_llama3_8B_config.yaml' not found!" in failed["reason"], failed["reason"]
+        wait_for(lambda: slurm(slurm_box, "squeue", "-h", "-o", "%i|%T|%N|%r").strip()
+                 == f"{job}|PENDING||job requeued in held state", 90, "the failed run's job held for a resume")
+
+        conf.with_suffix(".moved").rename(conf)  # fixed
+        assert daemon.ctl_json("resume", run_id)["result"] == "accepted"
+        done = wait_for(lambda: (d := status())["state"] in ("SUCCEEDED", "FAILED") and d, 300, "the run to end")
+        assert done["state"] == "SUCCEEDED", done
+        assert done["attempt_history"][-1]["resume_step"] == before, done["attempt_history"]
+    finally:
+        daemon.kill(15)
+    logs = examples / "logs"
+    assert [p.name for p in logs.iterdir()] == [job], "every attempt in the one job"
+    assert len(list((logs / job).iterdir())) >= 3, "requeued at the pause and at the failure"
+    assert_same_weights(tmp_path / "run" / "final.pt", expected)

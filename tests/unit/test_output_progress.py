@@ -139,6 +139,7 @@ def test_a_specs_own_pattern_comes_first() -> None:
     ("2026-Jan-14 11:23:49.987594 95431:108485 ERROR   ENC:enc_init_comm                           [rank 0] "
      "failed (2) to init a collective algorithm for provided replica group.", "config"),  # seed 003
     ("Cannot find primary config 'hf_llama3_8B_confg'. Check that it's in your config search path.", "config"),
+    ("Error: YAML file './conf/hf_llama3_8B_confg.yaml' not found!", "config"),  # NxD Training's train.sh
     ("AssertionError: 32 is not divisible by 12", "config"),
     ("Batch 3 Loss: 1.2, Speed: 2 samples/sec, lr: 0.1", None),
     ("Timeout waiting for RX (waited 120 sec) - retrying", None),  # Neuron: transient, nobody's fault
