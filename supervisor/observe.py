@@ -164,6 +164,7 @@ class Observer:
             cluster_answering=answering, spec_error=spec if isinstance(spec, str) else None,
             exit_codes=spec.exit_meanings if isinstance(spec, RunSpec) else TSUP_EXIT_CODES,
             data_skip_unit=spec.data_skip_unit if isinstance(spec, RunSpec) else "samples",
+            **({"resume_advice": trainer_cmd.resume_advice(spec)} if isinstance(spec, RunSpec) else {}),
             precompile_due=precompile_due,
             precompile_aside=aside)
         return Observed(run=run, spec=spec if isinstance(spec, RunSpec) else None, run_dir=run_dir, view=view,

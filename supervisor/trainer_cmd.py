@@ -161,6 +161,20 @@ def attempt_argv(spec: RunSpec, run_dir: Path, attempt: int, resume_from: str | 
     return tuple(argv)
 
 
+def resume_advice(spec: RunSpec) -> str:
+    """What to change when the trainer did not resume from the checkpoint it was given."""
+    if spec.command is not None and spec.command.checkpoint_layout == "nemo":
+        # NxD Training's check_resume looks only in <exp_dir>/<name>/<version>/checkpoints (or
+        # exp_manager.checkpoint_callback_params.dirpath), and its train_setup.sh names the
+        # version after $SLURM_JOB_ID: in a job other than the one that saved, it finds nothing.
+        return ("NxD Training and NeMo resume only from their own version directory (NxD Training's "
+                "train_setup.sh names it after $SLURM_JOB_ID), and this attempt's is not the one that saved "
+                "(a new Slurm job, the run's own could not be kept); set "
+                "exp_manager.checkpoint_callback_params.dirpath in the job's config to one directory for all "
+                "of the run's jobs, move the newest checkpoint there, then resume the run")
+    return "check the spec's resume arguments (command.resume), then resume the run"
+
+
 def attempt_cwd(spec: RunSpec, run_dir: Path) -> Path | None:
     """A [command] trainer's working directory (None: the launcher's own)."""
     if spec.command is None or spec.command.cwd is None:

@@ -157,6 +157,9 @@ class RunView:
     # What the trainer means by its exit codes: the reference trainer's table, or what a
     # [command] spec declares (nothing by default).
     exit_codes: Mapping[int, ExitMeaning] = field(default_factory=lambda: TSUP_EXIT_CODES)
+    # What to change when the trainer does not resume from the checkpoint it was given
+    # (supervisor/trainer_cmd.py: resume_advice), for the wrong-resume fault to say once.
+    resume_advice: str = "check the spec's resume arguments (command.resume), then resume the run"
     # How the trainer steps over a spike's data (RunSpec.data_skip_unit): "samples",
     # "steps", or None (it cannot: a spike is rolled back once, then only reported).
     data_skip_unit: str | None = "samples"

@@ -86,7 +86,7 @@ def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fin
             # time to say which. A node agent's word (its reports, its last will) says it now.
             return None
         return attribute(view, live, obs.ranks, dead, step)
-    wrong = _wrong_resume(live, obs) or _resume_diverged(live, obs)
+    wrong = _wrong_resume(live, obs, view.resume_advice) or _resume_diverged(live, obs)
     if wrong is not None:
         return wrong
     # A precompile pass's losses are not a model's (its graphs run on placeholder data).
@@ -114,10 +114,11 @@ def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fin
     return _find_hang(view, live, obs, now, step)
 
 
-def _wrong_resume(live: Attempt, obs: AttemptObs) -> Finding | None:
+def _wrong_resume(live: Attempt, obs: AttemptObs, advice: str) -> Finding | None:
     """A trainer told to resume after step N whose first step is N or lower restarted
     elsewhere: most often from zero, its own search having found nothing where the spec's
-    resume arguments pointed. A restart would do the same: the run stops and says why."""
+    resume arguments pointed, or where the trainer looks (``advice``: what to change). A
+    restart would do the same: the run stops and says why."""
     if live.resume_from is None or live.resume_step <= 0:
         return None
     early = [r for r in obs.ranks if r.first_step is not None and r.first_step <= live.resume_step]
@@ -125,8 +126,7 @@ def _wrong_resume(live: Attempt, obs: AttemptObs) -> Finding | None:
         return None
     first = min(r.first_step for r in early if r.first_step is not None)
     summary = (f"the trainer resumed at step {first}, not after step {live.resume_step} of the checkpoint it "
-               f"was given ({live.resume_from}): it did not load it; check the spec's resume arguments "
-               f"(command.resume), then resume the run")
+               f"was given ({live.resume_from}): it did not load it; {advice}")
     return Finding(RecordFault(kind=FaultKind.WRONG_RESUME, attempt=live.number,
                                ranks=tuple(r.rank for r in early), nodes=(), step=first, summary=summary),
                    do_not_retry=True)

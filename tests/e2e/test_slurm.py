@@ -276,41 +276,53 @@ def test_a_command_sees_its_steps_nodes_as_the_job_and_runs_in_its_cwd_with_its_
     assert (run_dir / "attempts" / "1" / "rank-0.log").read_text().strip() == "0: hello", "srun -l labels"
 
 
-def test_on_hyperpod_a_lost_node_is_handed_to_its_repair_and_taken_back_when_it_returns(
+def test_on_hyperpod_a_runs_only_node_lost_is_handed_to_its_repair_and_taken_back_when_it_returns(
         slurm_box: Box, tmp_path: Path) -> None:
-    """With `hyperpod = true`, node2 dying mid-run is set FAIL with Reason "Action:Replace"
-    (what HyperPod's agent acts on), the run goes on on the spare, and once HyperPod
-    brings the node back (here: slurmd started again and the node resumed, as its agent
-    does) the supervisor takes it back into its pool."""
+    """With `hyperpod = true`, a run of one node and no spare: its node dying mid-run is a
+    lost node (not a hang, not a network cut), set FAIL with Reason "Action:Replace" (what
+    HyperPod's agent acts on); the run's job is requeued, its id kept, and goes on on
+    another node. Once HyperPod brings the node back (here: slurmd started again and the
+    node resumed, as its agent does) the supervisor takes it back into its pool."""
     from slurmbox import box as box_mod
 
+    spec = spec_for_slurm(tmp_path)
+    spec.write_text(spec.read_text().replace("nodes = 2\n", "nodes = 1\n").replace("spares = 1\n", "spares = 0\n"))
     state = tmp_path / "state"
     daemon = Serve(state, free_port(), "--launcher", "slurm",
                    extra_env={"SLURM_CONF": str(slurm_box.conf), "TSUP_HYPERPOD": "true"})
     try:
-        run_id = daemon.ctl_json("submit", str(spec_for_slurm(tmp_path)))["run_id"]
-        wait_for(lambda: daemon.ctl_json("status", run_id)["state"] == "RUNNING", 120, "training")
-        box_mod.kill_node(slurm_box, "node2")
+        run_id = daemon.ctl_json("submit", str(spec))["run_id"]
+        wait_for(lambda: any(c["complete"] for c in daemon.ctl_json("checkpoints", run_id)), 240,
+                 "a committed checkpoint")
+        [job] = slurm(slurm_box, "squeue", "-h", "-o", "%i").split()
+        [lost] = daemon.ctl_json("status", run_id)["attempt_history"][-1]["nodes"]
+        box_mod.kill_node(slurm_box, lost)
 
-        def node2() -> parse.NodeInfo:
-            return parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", "node2"))["node2"]
+        def node() -> parse.NodeInfo:
+            return parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", lost))[lost]
 
-        failed = wait_for(lambda: "FAIL" in node2().flags and node2(), 60, "node2 handed to HyperPod")
+        failed = wait_for(lambda: "FAIL" in node().flags and node(), 60, f"{lost} handed to HyperPod")
         assert failed.reason == "Action:Replace", failed
-        ours = {n["name"]: n for n in daemon.ctl_json("nodes")}["node2"]
+        ours = {n["name"]: n for n in daemon.ctl_json("nodes")}[lost]
         assert ours["state"] == "DRAINED" and ours["reason"].startswith("training-supervisor: node lost")
+        [fault] = daemon.ctl_json("status", run_id)["faults"]
+        assert fault["kind"] == "node-lost" and fault["nodes"] == [lost], fault
+        again = wait_for(lambda: len(h := daemon.ctl_json("status", run_id)["attempt_history"]) == 2
+                         and h[-1]["state"] == "RUNNING" and h[-1], 120, "training again, on another node")
+        assert again["nodes"] != [lost] and again["resume_step"] > 0, again
+        assert "Restarts=1" in slurm(slurm_box, "scontrol", "show", "job", job), "requeued, its id kept"
 
-        box_mod.start_node(slurm_box, "node2")  # the replacement, under the same name
-        slurm(slurm_box, "scontrol", "update", "NodeName=node2", "State=RESUME")
-        back = wait_for(lambda: (n := {x["name"]: x for x in daemon.ctl_json("nodes")}["node2"])["state"] != "DRAINED"
-                        and n, 60, "node2 back in the supervisor's pool")
+        box_mod.start_node(slurm_box, lost)  # the replacement, under the same name
+        slurm(slurm_box, "scontrol", "update", f"NodeName={lost}", "State=RESUME")
+        back = wait_for(lambda: (n := {x["name"]: x for x in daemon.ctl_json("nodes")}[lost])["state"] != "DRAINED"
+                        and n, 60, f"{lost} back in the supervisor's pool")
         assert back["state"] in ("IDLE", "ALLOCATED"), back
         events = [e["message"] for e in daemon.ctl_json("events", run_id) if e["kind"] == "node.returned"]
         assert any("back in service after the cluster's repair" in m for m in events), events
         done = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
-                        240, "the run to finish")
-        assert done["state"] == "SUCCEEDED", done
-        assert "FAIL" not in node2().flags and "DRAIN" not in node2().flags, "nothing took it out again"
+                        300, "the run to finish")
+        assert done["state"] == "SUCCEEDED" and done["attempts"] == 2, done
+        assert "FAIL" not in node().flags and "DRAIN" not in node().flags, "nothing took it out again"
     finally:
         daemon.kill(15)
 

@@ -28,11 +28,13 @@ def never_failed() -> int:
     return value
 
 
-def run(tmp_path: Path, form: str, resume: list[str], *fault: str) -> tuple[dict[str, Any], Path, Path]:
+def run(tmp_path: Path, form: str, resume: list[str], *fault: str,
+        env: dict[str, str] | None = None) -> tuple[dict[str, Any], Path, Path]:
     argv = [sys.executable, SCRIPT, "--form", form, "--steps", str(STEPS), "--checkpoint_dir", "{checkpoint_dir}",
             "--out", "{run_dir}/final.json", "--fault_dir", "{run_dir}", *fault]
-    spec = command_spec(tmp_path / f"{form}.toml", form, argv, resume=resume, steps=STEPS,
-                        resources={"nodes": 1, "ranks_per_node": 1}, policy={"failures_without_progress": 3})
+    spec = command_spec(tmp_path / f"{form}.toml", form, argv, resume=resume, steps=STEPS, env=env or {},
+                        resources={"nodes": 1, "ranks_per_node": 1}, policy={"failures_without_progress": 3},
+                        **({"checkpoint_layout": "nemo"} if form == "nemo" else {}))
     state = tmp_path / "state"
     proc = tsup("run", spec, "--state-dir", state, "--json", timeout_s=300)
     return summary_of(proc), state / "runs" / "run-1", state
@@ -41,11 +43,14 @@ def run(tmp_path: Path, form: str, resume: list[str], *fault: str) -> tuple[dict
 @pytest.mark.parametrize(("form", "resume"), [
     ("nxd", ["--loading_step", "{step}"]),  # the supervisor names the step
     ("nxd", ["--loading_step", "latest_if_exists"]),  # the trainer searches
-    ("nemo", []),  # NxD Training: resume_if_exists, always on, in per-job directories
+    ("nemo", []),  # NxD Training: resume_if_exists, always on, in its version's directory
     ("fsdp", ["--resume_from_checkpoint={checkpoint_dir}"]),  # a directory to search
 ])
 def test_a_crash_resumes_in_the_frameworks_own_form(tmp_path: Path, form: str, resume: list[str]) -> None:
-    s, run_dir, _ = run(tmp_path, form, resume, "--crash_at", "25")
+    # NxD Training's version is the Slurm job's id, the same in every attempt of a run that
+    # keeps its job; here, on local processes, one the spec sets.
+    s, run_dir, _ = run(tmp_path, form, resume, "--crash_at", "25",
+                        env={"NEMO_EXPM_VERSION": "the-job"} if form == "nemo" else None)
     assert s["state"] == "SUCCEEDED", s
     assert [a["resume_step"] for a in s["attempt_history"]] == [0, 20]
     final = json.loads((run_dir / "final.json").read_text())
@@ -77,6 +82,19 @@ def test_a_trainer_that_comes_back_at_the_wrong_step_fails_the_run_with_the_reas
     assert crash["kind"] == "rank-exit" and wrong["kind"] == "wrong-resume"
     assert "the trainer resumed at step 1, not after step 20" in wrong["summary"], wrong
     assert "command.resume" in s["reason"], s["reason"]
+
+
+def test_nxd_training_in_a_version_directory_of_its_own_each_attempt_fails_the_run_saying_what_to_change(
+        tmp_path: Path) -> None:
+    """NxD Training resumes only from its own version's directory: started in another one
+    (a new Slurm job, where the run's own could not be kept; here a new version per
+    start), it trains from scratch, and the run stops naming the config key that fixes it."""
+    s, _, _ = run(tmp_path, "nemo", [], "--crash_at", "25", "--step_sleep", "0.2")  # steps the daemon sees
+    assert s["state"] == "FAILED", s
+    crash, wrong = s["faults"]
+    assert crash["kind"] == "rank-exit" and wrong["kind"] == "wrong-resume", s["faults"]
+    assert "the trainer resumed at step 1, not after step 20" in wrong["summary"]
+    assert "exp_manager.checkpoint_callback_params.dirpath" in s["reason"], s["reason"]
 
 
 def test_a_long_compile_and_a_long_checkpoint_load_are_not_hangs(tmp_path: Path) -> None:

@@ -4,9 +4,11 @@ their resume arguments and their progress lines, nothing of the supervisor's.
     --form nxd    step_N/ with a `done` marker; --loading_step N or latest_if_exists
                   (neuronx-distributed's run_llama_nxd.py); "LOG <date> - (0, N) step_loss : ..."
     --form nemo   <dir>/hf_llama/<version>/checkpoints/hf_llama--step=N-consumed_samples=M.0.ckpt/
-                  with `done`, a new version directory per start, always resuming from the
-                  newest of any version (NxD Training's exp_manager with resume_if_exists);
-                  Lightning's progress bar, redrawn with \\r, global_step counted from 0
+                  with `done`, the version $NEMO_EXPM_VERSION (NxD Training's train_setup.sh:
+                  the Slurm job id; a new one per start without it), always resuming from
+                  its own version's newest *.ckpt by modification time, complete or not
+                  (NxD Training's check_resume); Lightning's progress bar, redrawn with \\r,
+                  global_step counted from 0
     --form fsdp   llama_v3-Nsteps/ with .metadata; --resume_from_checkpoint DIR searched for
                   the newest (the FSDP test case); "Batch %d Loss: ..." counted from 0
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,13 +52,14 @@ def load(path: Path) -> tuple[int, int]:
     return int(state["step"]), int(state["value"])
 
 
-def newest(form: str, root: Path) -> Path | None:
-    """The form's own search: its newest complete checkpoint under ``root``."""
+def newest(form: str, root: Path, version: str = "") -> Path | None:
+    """The form's own search: its newest complete checkpoint under ``root``; for nemo, the
+    newest *.ckpt of its own version by modification time, complete or not."""
+    if form == "nemo":
+        found_any = sorted((root / NEMO_NAME / version / "checkpoints").rglob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+        return found_any[-1] if found_any else None
     if form == "nxd":
         found = [(int(p.name[5:]), p) for p in root.glob("step_*") if (p / "done").exists()]
-    elif form == "nemo":
-        found = [(int(re.search(r"step=(\d+)", p.name).group(1)), p)  # type: ignore[union-attr]
-                 for p in root.glob(f"{NEMO_NAME}/*/checkpoints/*.ckpt") if (p / "done").exists()]
     else:
         found = [(int(p.name.split("-")[-1][:-5]), p) for p in root.glob("llama_v3-*steps")
                  if (p / ".metadata").exists()]
@@ -67,9 +70,11 @@ def progress_line(form: str, step: int, loss: float) -> str:
     if form == "nxd":
         return (f"LOG {time.asctime()} - (0, {step}) step_loss : {loss:.4f} learning_rate : 1.00e-04 "
                 f"throughput : 12.50 seq/s \n")
-    if form == "nemo":
-        return (f"Epoch 0:  {step}/100 [00:01<00:10, 9.5it/s, v_num=1, reduced_train_loss={loss:.3f}, lr=1e-4, "
-                f"global_step={step - 1}.000, consumed_samples={step * 16}.0, gradient_norm=1.250]\r")
+    if form == "nemo":  # tqdm's bar as Lightning draws it, a batch of 100 an epoch
+        pct = min(step, 100)
+        return (f"Epoch 0: {pct:3d}%|{'#' * (pct // 10):<10}| {step}/100 [00:01<00:10, 9.5it/s, v_num=1, "
+                f"reduced_train_loss={loss:.3f}, lr=1e-4, global_step={step - 1}.000, consumed_samples={step * 16}.0, "
+                f"gradient_norm=1.250]\r")
     return (f"2026-11-25 10:00:00,000 [INFO] __main__: Batch {step - 1} Loss: {loss:.5f}, Speed: 80.00 "
             f"samples/sec, lr: 0.000100\n")
 
@@ -91,7 +96,7 @@ def main() -> int:
     ap.add_argument("--restore_s", type=float, default=0)
     args = ap.parse_args()
     root = Path(args.checkpoint_dir)
-    version = time.strftime("%Y-%m-%d_%H-%M-%S") + f"_{time.monotonic_ns()}"
+    version = os.environ.get("NEMO_EXPM_VERSION") or time.strftime("%Y-%m-%d_%H-%M-%S") + f"_{time.monotonic_ns()}"
     fired = {name for name in ("crash", "nan") if (Path(args.fault_dir) / f"fired-{name}").exists()}
 
     path: Path | None = None
@@ -100,7 +105,7 @@ def main() -> int:
     elif args.form == "nxd" and args.loading_step is not None:
         path = root / f"step_{int(args.loading_step)}"
     elif args.form == "nemo":
-        path = newest("nemo", root)
+        path = newest("nemo", root, version)
     elif args.resume_from_checkpoint is not None:
         path = newest("fsdp", Path(args.resume_from_checkpoint))
     for k in range(int(args.compile_s)):
