@@ -21,7 +21,7 @@ read-only token. ``/healthz`` and the status page's HTML are open. Bodies are li
     GET  /v1/runs/{run}/goodput         where its wall-clock time went
     GET  /v1/runs/{run}/metrics         rank 0's step metrics (the loss curve)
     GET  /v1/runs/{run}/logs            a piece of an attempt's log (?attempt, rank|node, offset)
-    POST /v1/runs/{run}/{pause|resume|restart|cancel}  (resume: ?from_step=N)     (token)
+    POST /v1/runs/{run}/{pause|resume|restart|cancel}  (resume: ?from_step=N&force=true)  (token)
     GET  /v1/commands/{id}              what came of a queued command
     GET  /v1/nodes                      every node, its state and last probe
     POST /v1/nodes/{node}/{drain|undrain}                                         (token)
@@ -216,14 +216,18 @@ def create_app(service: SupervisorService, auth: TokenAuth, metrics: SupervisorM
                      summary=f"{kind.value.capitalize()} a run")(run_command(kind))
 
     @app.post("/v1/runs/{run_id}/resume", status_code=202, dependencies=write, summary="Resume a run",
-              responses={404: {"description": "no such run, or no complete checkpoint of from_step"}})
+              responses={404: {"description": "no such run, or no complete checkpoint of from_step"},
+                         409: {"description": "it would fail again: nothing the job reads changed"}})
     def resume_run(
         run_id: RunId,
         from_step: Annotated[int | None, Query(ge=1, le=10**12, description=(
             "go on from the complete checkpoint of this step (newer ones are set aside); "
             "absent: the newest"))] = None,
+        force: Annotated[bool, Query(description=(
+            "resume a run that failed to resume from its checkpoint though nothing the job reads "
+            "changed since"))] = False,
     ) -> CommandAccepted:
-        return service.request(run_id, CommandKind.RESUME, from_step)
+        return service.request(run_id, CommandKind.RESUME, from_step, force)
 
     @app.get("/v1/commands/{command_id}", dependencies=read)
     def command_result(command_id: Annotated[int, Path(ge=1, le=MAX_ID)]) -> CommandResult:

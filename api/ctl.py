@@ -6,6 +6,7 @@
     supervisorctl submit SPEC.toml [--dry-run]  a new run
     supervisorctl pause|resume|restart|cancel RUN
     supervisorctl resume RUN --from-step N      go on from the checkpoint of step N
+    supervisorctl resume RUN --force            resume though it would fail again as it did
     supervisorctl checkpoints RUN               the checkpoints it made or found
     supervisorctl logs RUN [--attempt N] [--rank R | --node NODE] [--follow]
                                                 an attempt's log (rank 0's by default)
@@ -143,6 +144,9 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--from-step", type=int, metavar="N", default=None,
                            help="go on from the complete checkpoint of step N (newer ones are set aside, "
                                 "nothing deleted); default: the newest")
+            p.add_argument("--force", action="store_true",
+                           help="resume a run that failed to resume from its checkpoint though nothing the "
+                                "job reads changed since (refused otherwise: it would fail the same way)")
         _wait_option(p)
     command("checkpoints", "a run's checkpoints", _checkpoints).add_argument("run")
     p = command("logs", "an attempt's log: rank 0's, a rank's or a node's", _logs)
@@ -441,8 +445,10 @@ def _run_command(c: Client, args: argparse.Namespace) -> int:
     from_step = getattr(args, "from_step", None)
     if from_step is not None and from_step < 1:
         raise UsageError(f"--from-step must be a checkpoint's step (1 or more), not {from_step}")
-    params = {"from_step": from_step} if from_step is not None else None
-    accepted = c.post(f"/v1/runs/{_segment(args.run)}/{args.kind}", params=params)
+    params: dict[str, object] = {"from_step": from_step} if from_step is not None else {}
+    if getattr(args, "force", False):
+        params["force"] = "true"
+    accepted = c.post(f"/v1/runs/{_segment(args.run)}/{args.kind}", params=params or None)
     return _await_command(c, args, accepted, args.run)
 
 

@@ -481,6 +481,8 @@ class DecisionExecutor:
                 users.hand_over(run_as, run_dir.parent, run_dir, config.parent.parent, config.parent, config,
                                 *([ck] if ck.is_relative_to(run_dir) else []))
             trainer_cmd.write_fence(spec, run_dir, e.number, run_as)
+            inputs = (precompile.fingerprint(spec, trainer_cmd.attempt_cwd(spec, run_dir))
+                      if spec.command is not None else None)  # what a resume after its failure compares
             info = self.launcher.start(launch)
         except (LaunchError, OSError) as err:  # a launch fault, judged next tick
             # No restart can run what cannot be executed, nor get past a link or special file
@@ -494,7 +496,7 @@ class DecisionExecutor:
         with self.store.tx() as tx:
             recorded = {a.number: a for a in tx.list_attempts(run.number)}
             self._attempt_to(tx, recorded, e.number, AttemptState.RUNNING, launch_info=info,
-                             started_at=started)
+                             started_at=started, inputs=inputs)
             if run.started_at is None:
                 tx.update_run(run.number, started_at=started)
             tx.add_event(run.number, EventKind.ATTEMPT_STARTED,

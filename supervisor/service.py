@@ -23,15 +23,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from supervisor import attempt_logs, checkpoint_scan, node_health, trainer_cmd, users
+from supervisor import attempt_logs, checkpoint_scan, node_health, precompile, trainer_cmd, users
 from supervisor.domain import (
     AttemptStats,
     CommandKind,
+    FaultKind,
     NodeCommandKind,
+    RunState,
     parse_run_id,
 )
 from supervisor.domain.events import EventKind
-from supervisor.errors import NotFound, SpecError
+from supervisor.errors import Conflict, NotFound, SpecError
 from supervisor.launchers.base import Launcher, NodeAdmin, waiting_standbys
 from supervisor.probes import ProbeScheduler
 from supervisor.settled import SettledHistory, is_over
@@ -268,18 +270,51 @@ class SupervisorService:
                        next_offset=offset + len(piece.data), size=piece.size,
                        text=piece.data.decode(errors="replace"))
 
-    def request(self, run_id: str, kind: CommandKind, from_step: int | None = None) -> CommandAccepted:
+    def request(self, run_id: str, kind: CommandKind, from_step: int | None = None,
+                force: bool = False) -> CommandAccepted:
         """Queue a command for a run. ``from_step`` (resume only): the step of a complete,
         verified checkpoint in the run's checkpoint directory to go on from; NotFound,
-        naming those there are, when there is none of that step."""
+        naming those there are, when there is none of that step. A resume that would fail
+        as the run did is refused (Conflict) unless ``force``."""
         number = _number(run_id)
         if from_step is not None:
             if kind is not CommandKind.RESUME:
                 raise SpecError(f"from_step is for resume, not {kind.value}")
             self._check_resume_point(run_id, number, from_step)
+        if kind is CommandKind.RESUME and not force:
+            self._check_resume_lands(run_id, number)
         with self.store.tx() as tx:
             command_id = tx.add_command(number, kind, self.clock(), step=from_step)
         return CommandAccepted(command_id=command_id, run_id=run_id, kind=kind.value)
+
+    def _check_resume_lands(self, run_id: str, number: int) -> None:
+        """A run that failed because its trainer did not resume from the checkpoint it was
+        given (its own search found another, or none: a job that keys its checkpoints on
+        one Slurm job's id, now in another) fails the same way again while nothing the job
+        reads has changed since (precompile.fingerprint: its command, its program and the
+        files it names): Conflict, with what to change."""
+        with self.store.tx() as tx:
+            run = tx.get_run(number)
+            faults = tx.list_faults(number)
+            attempts = {a.number: a for a in tx.list_attempts(number)}
+            text, run_dir = tx.run_spec_and_dir(number)
+        last = faults[-1] if faults else None
+        if run.state is not RunState.FAILED or last is None or last.kind is not FaultKind.WRONG_RESUME:
+            return
+        failed = attempts.get(last.attempt)
+        try:
+            spec = spec_from_json(text)
+        except SpecError:
+            return  # the run cannot launch at all: the reconciler says so
+        if failed is None or failed.inputs is None or spec.command is None:
+            return
+        cwd = trainer_cmd.attempt_cwd(spec, run_dir)
+        if precompile.fingerprint(spec, cwd) != failed.inputs:
+            return
+        files = ", ".join(str(p) for p in precompile.inputs(spec, cwd))
+        raise Conflict(f"{run_id} would fail again as attempt {failed.number} did: {last.summary}. Nothing "
+                       f"the job reads has changed since ({files}); change it first, or resume with force "
+                       f"(supervisorctl resume {run_id} --force)")
 
     def _check_resume_point(self, run_id: str, number: int, step: int) -> None:
         with self.store.tx() as tx:

@@ -69,6 +69,9 @@ class Attempt:
     # A precompile attempt (the job's precompile pass, [command] precompile_env): the
     # fingerprint of what it compiles (supervisor/precompile.py). None: a training attempt.
     precompile: str | None = None
+    # A [command] job's inputs when it was launched, the same fingerprint (None: the
+    # reference trainer's): a resume that would fail as this attempt did is refused.
+    inputs: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -84,6 +84,7 @@ attempts = Table(
     Column("launch_error", Text),
     Column("launch_fatal", Boolean, nullable=False, default=False),
     Column("precompile", Text),  # a precompile attempt's inputs' fingerprint; NULL: a training attempt
+    Column("inputs", Text),  # a [command] job's inputs' fingerprint at launch
 )
 
 nodes = Table(
@@ -472,8 +473,10 @@ def _v12(conn: Connection) -> None:
 
 
 def _v13(conn: Connection) -> None:
-    """A paused or failed run's Slurm job, kept in the queue for the run to go on in."""
+    """A paused or failed run's Slurm job, kept in the queue for the run to go on in; a
+    [command] attempt's inputs when it was launched."""
     _add_columns(conn, "runs", {"parked_allocation": "TEXT"})
+    _add_columns(conn, "attempts", {"inputs": "TEXT"})
 
 
 MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11,

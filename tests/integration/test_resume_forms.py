@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
-from tests.e2e.conftest import command_spec, db_rows, summary_of, tsup
+from tests.conftest import free_port, wait_for
+from tests.e2e.conftest import Serve, command_spec, db_rows, summary_of, tsup
 
 SCRIPT = str(REPO / "tests" / "standins" / "step_loop.py")
 STEPS = 40
@@ -88,13 +89,39 @@ def test_nxd_training_in_a_version_directory_of_its_own_each_attempt_fails_the_r
         tmp_path: Path) -> None:
     """NxD Training resumes only from its own version's directory: started in another one
     (a new Slurm job, where the run's own could not be kept; here a new version per
-    start), it trains from scratch, and the run stops naming the config key that fixes it."""
-    s, _, _ = run(tmp_path, "nemo", [], "--crash_at", "25", "--step_sleep", "0.2")  # steps the daemon sees
+    start), it trains from scratch, and the run stops naming the config key that fixes it.
+    A resume would fail the same way while nothing the job reads changed: refused, unless
+    forced; once the job changed, accepted."""
+    script = tmp_path / "trainer.py"  # the job's own program, which its user may change
+    script.write_text(Path(SCRIPT).read_text())
+    argv = [sys.executable, str(script), "--form", "nemo", "--steps", str(STEPS), "--checkpoint_dir",
+            "{checkpoint_dir}", "--out", "{run_dir}/final.json", "--fault_dir", "{run_dir}", "--crash_at", "25",
+            "--step_sleep", "0.2"]  # steps the daemon sees
+    spec = command_spec(tmp_path / "nemo.toml", "nemo", argv, steps=STEPS, checkpoint_layout="nemo",
+                        precompile_inputs=[str(script)], resources={"nodes": 1, "ranks_per_node": 1})
+    state = tmp_path / "state"
+    s = summary_of(tsup("run", spec, "--state-dir", state, "--json", timeout_s=300))
     assert s["state"] == "FAILED", s
     crash, wrong = s["faults"]
     assert crash["kind"] == "rank-exit" and wrong["kind"] == "wrong-resume", s["faults"]
     assert "the trainer resumed at step 1, not after step 20" in wrong["summary"]
     assert "exp_manager.checkpoint_callback_params.dirpath" in s["reason"], s["reason"]
+
+    daemon = Serve(state, free_port(), "--sweep-every", "0")
+    try:
+        refused = daemon.ctl("resume", "run-1")
+        assert refused.returncode != 0 and "would fail again as attempt 2 did" in refused.stderr, refused
+        assert str(script) in refused.stderr, "it names what the job reads"
+        # Forced, it fails as predicted.
+        assert daemon.ctl_json("resume", "run-1", "--force")["result"] == "accepted"
+        again = wait_for(lambda: (d := daemon.ctl_json("status", "run-1"))["state"] == "FAILED"
+                         and len(d["faults"]) == 3 and d, 120, "the forced resume to fail")
+        assert again["faults"][-1]["kind"] == "wrong-resume", again["faults"]
+        assert daemon.ctl("resume", "run-1").returncode != 0
+        script.write_text(script.read_text() + "\n# the user's change\n")
+        assert daemon.ctl_json("resume", "run-1")["result"] == "accepted", "the job changed: it may land now"
+    finally:
+        daemon.kill(15)
 
 
 def test_a_long_compile_and_a_long_checkpoint_load_are_not_hangs(tmp_path: Path) -> None:
