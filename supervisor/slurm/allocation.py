@@ -192,11 +192,13 @@ class SlurmAllocations:
         - Held by its owner (parked, or requeued held): released. Where Slurm refuses (a
           job it resized, above), it is cancelled and requeued instead, which needs no
           update.
-        - Requeued, waiting for its begin time: Slurm delays a requeued job by the launch
-          credential's lifetime (22.05: 121 s) so that its new credential is newer than the
-          old one's revocation, which it is a tick later; it is asked once to start now
-          (fired, not awaited: a resized job's update blocks slurmctld's reply for 5 s and
-          is refused), and otherwise starts at its begin time."""
+        - Requeued, pending: Slurm may delay a requeued job by the launch credential's
+          lifetime (22.05: 121 s) so that its new credential is newer than the old one's
+          revocation, which it is a tick later, and its scheduler may first look at it
+          only at its next pass (up to ``sched_interval``, or backfill's 30 s: 23 s on the
+          box); it is asked once a requeue to start now, an update that also wakes the
+          scheduler (fired, not awaited: a resized job's update blocks slurmctld's reply
+          for 5 s and is refused), and otherwise starts when Slurm gets to it."""
         if job.finishing:
             return alloc, (f"job {job.job_id} requeued: Slurm is ending its steps on the nodes it held "
                            "(a dead node's once Slurm declares it down)")
@@ -210,7 +212,7 @@ class SlurmAllocations:
             return alloc, (f"job {job.job_id} cancelled and requeued (Slurm would not release it)" if requeued
                            else f"job {job.job_id} held, and Slurm would neither release nor requeue it")
         restarts = job.restarts or 0
-        if job.reason == "BeginTime" and restarts > 0 and alloc.hurried != restarts:
+        if (restarts > 0 or alloc.requeued) and alloc.hurried != restarts:
             self.commands.fire(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], user=owner)
             return replace(alloc, hurried=restarts), f"job {job.job_id} requeued: asked to start now"
         return alloc, f"job {job.job_id} pending: {job.reason}"

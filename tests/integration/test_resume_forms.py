@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO
-from tests.conftest import free_port, wait_for
+from tests.conftest import REPO, free_port, wait_for
 from tests.e2e.conftest import Serve, command_spec, db_rows, summary_of, tsup
 
 SCRIPT = str(REPO / "tests" / "standins" / "step_loop.py")

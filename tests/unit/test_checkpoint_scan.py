@@ -615,3 +615,16 @@ def test_set_aside_moves_newer_checkpoints_out_of_a_searching_trainers_way(tmp_p
     best, _ = pick(tmp_path, "nemo")
     assert best is not None and best.path == keep, "what the trainer's own search now finds"
     assert set_aside(tmp_path, "nemo", None, 0, into) == [(keep, into / keep.name), (older, into / older.name)]
+
+
+def test_a_torn_save_is_moved_out_of_the_way_of_a_trainer_that_takes_the_newest_by_mtime(tmp_path: Path) -> None:
+    """NxD Training's check_resume takes the newest *.ckpt of its version by modification
+    time, complete or not: a save cut short after the chosen one would be its pick."""
+    from supervisor.checkpoint_scan import SET_ASIDE, set_aside
+
+    keep = make_nemo(tmp_path / "hf_llama" / "7" / "checkpoints", 20)
+    torn = make_nemo(tmp_path / "hf_llama" / "7" / "checkpoints", 30, done=False, unfinished=True)
+    into = tmp_path / SET_ASIDE / "attempt-4"
+    assert set_aside(tmp_path, "nemo", keep, 20, into) == [(torn, into / torn.name)]
+    left = sorted((tmp_path / "hf_llama" / "7" / "checkpoints").rglob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+    assert left == [keep], "the newest *.ckpt there by mtime is the chosen one"

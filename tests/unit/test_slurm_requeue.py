@@ -117,6 +117,18 @@ def test_a_requeued_job_is_asked_once_to_start_now_not_after_the_credential_life
     assert len(slurm.fired) == 1 and again.note == "job 5 pending: BeginTime", "once a requeue, not every tick"
 
 
+def test_a_job_the_supervisor_requeued_is_asked_to_start_now_whatever_its_reason(tmp_path: Path) -> None:
+    """Requeued, a job may wait for the scheduler's next pass (its reason None): the update
+    wakes it."""
+    pending = {"job_id": 5, "name": "first", "user_id": ME, "job_state": "PENDING", "nodes": "",
+               "state_reason": "None", "restart_cnt": 2}
+    launcher = launcher_on(slurm := slurm_of(squeue(pending)), tmp_path)
+    info = json.dumps({"job": "5", "seq": 1, "uid": ME, "requeued": True, "hurried": 1})
+    grant = launcher.allocate(request(info))
+    assert slurm.fired == [["scontrol", "update", "JobId=5", "StartTime=now"]]
+    assert json.loads(grant.info or "")["hurried"] == 2
+
+
 def test_a_queued_job_never_requeued_is_left_to_the_scheduler(tmp_path: Path) -> None:
     for reason in ("Resources", "BeginTime"):  # BeginTime: the user's own --begin
         waiting = {"job_id": 5, "name": "first", "user_id": ME, "job_state": "PENDING", "nodes": "",
