@@ -208,9 +208,9 @@ class SlurmAllocations:
                 return alloc, f"job {job.job_id} released"
             self._owners(owner, ["scancel", job.job_id])
             requeued = self._requeue(alloc, job, owner)
-            self.state.refresh()
-            return alloc, (f"job {job.job_id} cancelled and requeued (Slurm would not release it)" if requeued
-                           else f"job {job.job_id} held, and Slurm would neither release nor requeue it")
+            if requeued is None:
+                return alloc, f"job {job.job_id} held, and Slurm would neither release nor requeue it"
+            return requeued, f"job {job.job_id} cancelled and requeued (Slurm would not release it)"
         restarts = job.restarts or 0
         if (restarts > 0 or alloc.requeued) and alloc.hurried != restarts:
             self.commands.fire(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], user=owner)

@@ -119,8 +119,34 @@ def caches_empty(box: Box) -> None:
         assert not list(box.var_tmp(node).rglob("*.neff")), f"{node}'s compile cache is not empty"
 
 
-def assert_recovered(s: dict[str, Any], run_dir: Path, examples: Path, expected: dict[str, Any],
-                     final: Path) -> list[int]:
+def run_example(example: str, box: Box, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                *chaos: str) -> tuple[dict[str, Any], Path, Path, dict[str, Any]]:
+    """``training-supervisor run`` of the example at the box's size with ``chaos``, the
+    box's compile caches empty before it; (its summary, its run directory, its examples
+    directory, the weights of a run that never failed)."""
+    config, nodes = JOBS[example]
+    expected = never_failed(config, nodes * RANKS_PER_NODE, tmp_path / "never-failed")
+    monkeypatch.setenv("SLURM_CONF", str(box.conf))
+    spec, examples = nxdt_spec(example, tmp_path / "run", nodes)
+    caches_empty(box)
+    state = tmp_path / "state"
+    proc = tsup("run", spec, "--state-dir", state, "--json", *(x for c in chaos for x in ("--chaos", c)),
+                timeout_s=540)
+    return summary_of(proc), state / "runs" / "run-1", examples, expected
+
+
+def requeued_once(examples: Path) -> None:
+    """One Slurm job throughout, requeued once (train_setup.sh's logs/<job id>/<restart
+    count>/ say which), and one version directory: each attempt found the saves of the one
+    before it."""
+    logs = examples / "logs"
+    [job] = [p.name for p in logs.iterdir()]
+    assert sorted(p.name for p in (logs / job).iterdir()) == ["0", "1"], "requeued once, its id kept"
+    assert [p.name for p in (examples / "nemo_experiments" / "hf_llama").iterdir() if p.name != ".set-aside"] \
+        == [job], "one version directory"
+
+
+def assert_recovered(s: dict[str, Any], run_dir: Path, examples: Path, expected: dict[str, Any]) -> list[int]:
     """SUCCEEDED, the pass first and once; each training attempt after a fault resumed from
     a save no older than the one before the fault's step (a save cut short by the kill may
     leave the one before it), its first step the one after, and compiled nothing; the
@@ -142,7 +168,7 @@ def assert_recovered(s: dict[str, Any], run_dir: Path, examples: Path, expected:
     # The pass's trial save (step 10, zeros) was set aside; the run never resumed from it.
     aside = list((examples / "nemo_experiments" / "hf_llama" / ".set-aside" / "precompile-1").glob("*/checkpoints/*"))
     assert [p.name.split("--")[1].split("-")[0] for p in aside] == ["step=10"], aside
-    assert_same_weights(final, expected)
+    assert_same_weights(examples.parent / "final.pt", expected)  # nxdt_spec's STANDIN_FINAL_WEIGHTS
     return resumed
 
 
@@ -153,29 +179,16 @@ def test_the_70b_job_recovers_onto_its_spare_and_past_it_in_the_same_job_compili
     steps timed the adaptive limit); node2 lost, a loss beyond the spares: the job is
     requeued, its id kept, and goes on on node3 and node4. node3 and node4 started with
     empty compile caches and compiled nothing."""
-    config, nodes = JOBS["nxdt-llama3-70b-trn1.toml"]
-    expected = never_failed(config, nodes * RANKS_PER_NODE, tmp_path / "never-failed")
-    monkeypatch.setenv("SLURM_CONF", str(slurm_box4.conf))
-    spec, examples = nxdt_spec("nxdt-llama3-70b-trn1.toml", tmp_path / "run", nodes)
-    caches_empty(slurm_box4)
-    state = tmp_path / "state"
-    proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "kill-rank@12:3", "--chaos", "kill-node@25:0",
-                "--chaos", "hang-rank@45:0", "--chaos", "kill-node@55:0", timeout_s=540)
-    s = summary_of(proc)
-    run_dir = state / "runs" / "run-1"
+    s, run_dir, examples, expected = run_example("nxdt-llama3-70b-trn1.toml", slurm_box4, tmp_path, monkeypatch,
+                                       "kill-rank@12:3", "kill-node@25:0", "hang-rank@45:0", "kill-node@55:0")
     assert [f["kind"] for f in s["faults"]] == ["rank-exit", "node-lost", "hang", "node-lost"], \
         what_happened(s, run_dir)
     assert [f["nodes"] for f in s["faults"] if f["kind"] == "node-lost"] == [["node1"], ["node2"]]
     assert sorted(s["drained_nodes"]) == ["node1", "node2"]
     history = s["attempt_history"]
     assert [a["nodes"] for a in history[3:]] == [["node2", "node3"], ["node2", "node3"], ["node3", "node4"]]
-    assert_recovered(s, run_dir, examples, expected, tmp_path / "run" / "final.pt")
-    # One Slurm job throughout: train_setup.sh's logs/<job id>/<restart count>/ say which.
-    logs = examples / "logs"
-    [job] = [p.name for p in logs.iterdir()]
-    assert sorted(p.name for p in (logs / job).iterdir()) == ["0", "1"], "requeued once, its id kept"
-    assert [p.name for p in (examples / "nemo_experiments" / "hf_llama").iterdir() if p.name != ".set-aside"] \
-        == [job], "one version directory: every attempt found the checkpoints of the one before"
+    assert_recovered(s, run_dir, examples, expected)
+    requeued_once(examples)
     assert "taken from" in said(run_dir, 4) and "taken from" in said(run_dir, 6)
 
 
@@ -186,23 +199,15 @@ def test_the_8b_job_as_shipped_loses_its_only_node_and_goes_on_in_the_same_job_o
     its id kept, onto another node whose compile cache was empty; NxD Training finds the
     checkpoint of step 20 in the job's version directory, and the run ends with the
     weights of a run that never failed."""
-    config, nodes = JOBS["nxdt-llama3-8b-hyperpod.toml"]
-    expected = never_failed(config, nodes * RANKS_PER_NODE, tmp_path / "never-failed")
-    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
-    spec, examples = nxdt_spec("nxdt-llama3-8b-hyperpod.toml", tmp_path / "run", nodes)
-    caches_empty(slurm_box)
-    state = tmp_path / "state"
-    s = summary_of(tsup("run", spec, "--state-dir", state, "--json", "--chaos", "kill-node@25", timeout_s=480))
-    run_dir = state / "runs" / "run-1"
+    s, run_dir, examples, expected = run_example("nxdt-llama3-8b-hyperpod.toml", slurm_box, tmp_path, monkeypatch,
+                                       "kill-node@25")
     [lost] = s["faults"]
     assert lost["kind"] == "node-lost" and lost["nodes"] == ["node1"], what_happened(s, run_dir)
     assert s["drained_nodes"] == ["node1"]
     history = s["attempt_history"]
     assert [a["nodes"] for a in history] == [["node1"], ["node1"], ["node2"]]
-    assert assert_recovered(s, run_dir, examples, expected, tmp_path / "run" / "final.pt") == [0, 20]
-    logs = examples / "logs"
-    [job] = [p.name for p in logs.iterdir()]
-    assert sorted(p.name for p in (logs / job).iterdir()) == ["0", "1"], "requeued once, its id kept"
+    assert assert_recovered(s, run_dir, examples, expected) == [0, 20]
+    requeued_once(examples)
     assert "taken from" in said(run_dir, 3)
 
 
