@@ -12,12 +12,14 @@ the decision is acted on.
 Starting an attempt (``_start``) first prepares what its trainer reads: the data windows
 the run skips, the checkpoint intervals set to "auto" (Young/Daly, per tier, from what
 the run measured, supervisor/planning.py), newer checkpoints set aside from a [command]
-trainer's way, the attempt's config (its files handed over to the run's user), and the
-fence that keeps an earlier attempt's rank 0 off the checkpoints. Once the launcher has
-started it, the attempt is recorded RUNNING (the one state write that is not an effect's,
-checked against the table like the others). A launch that fails is recorded on the
-attempt (``launch_error``; ``launch_fatal`` when no restart can help: a command that
-cannot be executed, an unsafe path) and judged by the core at the next tick.
+trainer's way (supervisor/checkpoint_moves.py, which also moves them for a precompile
+pass and an operator's resume from a chosen step), the attempt's config (its files
+handed over to the run's user), and the fence that keeps an earlier attempt's rank 0 off
+the checkpoints. Once the launcher has started it, the attempt is recorded RUNNING (the
+one state write that is not an effect's, checked against the table like the others). A
+launch that fails is recorded on the attempt (``launch_error``; ``launch_fatal`` when no
+restart can help: a command that cannot be executed, an unsafe path) and judged by the
+core at the next tick.
 
 Decisions about nodes (probe results, operators' drains) and the drains and returns of a
 run's decision go through ``NodeEffects`` (supervisor/execute_nodes.py): a run's drains
@@ -37,7 +39,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, assert_never
 
-from supervisor import checkpoint_scan, node_health, planning, precompile, trainer_cmd, users
+from supervisor import node_health, planning, precompile, trainer_cmd, users
+from supervisor.checkpoint_moves import CheckpointMoves
 from supervisor.domain import (
     AdoptAttempt,
     AllocateNodes,
@@ -108,6 +111,7 @@ class DecisionExecutor:
         self.clock = clock
         self._short: dict[int, tuple[int, int] | None] = {}  # run -> last (asked, got) shortage said
         self.node_effects = NodeEffects(store, nodes, probes, memory)
+        self.moves = CheckpointMoves(self.post_event)
 
     # --- a run's decision -----------------------------------------------------------
 
@@ -274,9 +278,9 @@ class DecisionExecutor:
             case StartAttempt() if spec is not None:
                 self._start(run, spec, seen.run_dir, e, now)
             case BringBackCheckpoints() if spec is not None:
-                self._bring_back(run, spec, seen.run_dir, e.number)
+                self.moves.bring_back(run, spec, seen.run_dir, e.number)
             case ResumeRun(from_step=int(step)) if spec is not None:
-                self._go_back_to(run, spec, seen.run_dir, step, now)
+                self.moves.go_back_to(run, spec, seen.run_dir, step, now)
             case StopAttempt() | EnsureStopped():
                 info = attempts[e.number].launch_info
                 if info:
@@ -371,68 +375,6 @@ class DecisionExecutor:
                          {"every_steps": auto.every_steps, "tier": tier}, now)
         return auto.every_steps
 
-    def _go_back_to(self, run: Run, spec: RunSpec, run_dir: Path, step: int, now: float) -> None:
-        """An operator's resume from the checkpoint of ``step``: every newer checkpoint is
-        moved out of the way (into .set-aside/ in the checkpoint directory; nothing
-        deleted), so that this resume and every later one goes on from that step."""
-        directory = trainer_cmd.checkpoint_dir(spec, run_dir)
-        layout = trainer_cmd.checkpoint_layout(spec)
-        keep, _ = checkpoint_scan.pick(directory, layout, before_step=step + 1)
-        into = directory / checkpoint_scan.SET_ASIDE / f"resume-{run.run_id}-{now:.0f}"
-        moved = checkpoint_scan.set_aside(directory, layout, keep.path if keep else None, step + 1, into)
-        if moved:
-            names = ", ".join(src.name for src, _ in moved)
-            self.post_event(run.number, EventKind.CHECKPOINT_SET_ASIDE,
-                            f"resuming from step {step}: moved {names} into {moved[0][1].parent}",
-                            {"from_step": step, "moved": [str(src) for src, _ in moved]})
-
-    def _clear_the_way(self, run: Run, spec: RunSpec, run_dir: Path, e: StartAttempt, now: float) -> None:
-        """A [command] trainer that picks its checkpoint itself (its resume arguments name a
-        directory, or nothing) must find the one chosen here: every newer one is moved out
-        of its way first (into .set-aside/ in the checkpoint directory; nothing deleted)."""
-        if spec.command is None or not spec.command.searches:
-            return
-        directory = trainer_cmd.checkpoint_dir(spec, run_dir)
-        keep = Path(e.resume_from) if e.resume_from is not None else None
-        moved = checkpoint_scan.set_aside(directory, trainer_cmd.checkpoint_layout(spec), keep,
-                                          e.resume_step if keep is not None else 0,
-                                          directory / checkpoint_scan.SET_ASIDE / f"attempt-{e.number}")
-        if moved:
-            names = ", ".join(src.name for src, _ in moved)
-            start = keep.name if keep is not None else "scratch"
-            with self.store.tx() as tx:
-                tx.add_event(run.number, EventKind.CHECKPOINT_SET_ASIDE,
-                             f"attempt {e.number} resumes from {start}: moved {names} out of the trainer's "
-                             f"way into {moved[0][1].parent}",
-                             {"attempt": e.number, "moved": [str(src) for src, _ in moved]}, now)
-
-    def _keep_aside_for_pass(self, run: Run, spec: RunSpec, run_dir: Path, number: int) -> None:
-        directory = trainer_cmd.checkpoint_dir(spec, run_dir)
-        moved = precompile.keep_aside(directory, trainer_cmd.checkpoint_layout(spec), run_dir, number)
-        if moved:
-            names = ", ".join(src.name for src, _ in moved)
-            where = f"{checkpoint_scan.SET_ASIDE}/before-precompile-{number}/"
-            self.post_event(run.number, EventKind.CHECKPOINT_SET_ASIDE,
-                            f"attempt {number} is the job's precompile pass: moved {names} out of its way "
-                            f"(into {where}); they come back when it ends",
-                            {"attempt": number, "moved": [str(src) for src, _ in moved]})
-
-    def _bring_back(self, run: Run, spec: RunSpec, run_dir: Path, number: int) -> None:
-        directory, layout = trainer_cmd.checkpoint_dir(spec, run_dir), trainer_cmd.checkpoint_layout(spec)
-        try:
-            saved, back = precompile.bring_back(directory, layout, run_dir, number)
-        except (OSError, ValueError) as err:  # tried again next tick: nothing launches meanwhile
-            log.warning("run %s: the checkpoints set aside for precompile attempt %d are not back yet: %s",
-                        run.run_id, number, err)
-            return
-        if saved or back:
-            said = f"what it saved ({', '.join(p.name for p in saved)}) set aside; " if saved else ""
-            self.post_event(run.number, EventKind.CHECKPOINT_SET_ASIDE,
-                            f"the precompile pass of attempt {number} has ended: {said}"
-                            f"{len(back)} checkpoint(s) of the run back in place",
-                            {"attempt": number, "moved": [str(p) for p in saved],
-                             "back": [str(p) for p in back]})
-
     def _data_steps(self, run: Run, spec: RunSpec, e: StartAttempt, skips: list[tuple[int, int]],
                     now: float) -> int | None:
         """A [command] told {skip_to_step}: the data step its first step reads, past the
@@ -466,9 +408,9 @@ class DecisionExecutor:
                     held = tuple(x.name for x in tx.allocation(run.number) if x.state is NodeState.ALLOCATED)
                 launch = replace(launch, standby_nodes=held)
             if e.precompile is None:
-                self._clear_the_way(run, spec, run_dir, e, now)
+                self.moves.clear_the_way(run, spec, run_dir, e)
             else:  # the pass's saves are not the run's: its own go out of the way (precompile.py)
-                self._keep_aside_for_pass(run, spec, run_dir, e.number)
+                self.moves.keep_aside_for_pass(run, spec, run_dir, e.number)
             every = (self._checkpoint_interval(run, spec, now, planning.TIER_PERSISTENT)
                      if spec.auto_checkpoints else None)
             memory_every = (self._checkpoint_interval(run, spec, now, planning.TIER_MEMORY)

@@ -249,21 +249,22 @@ def attempt_env(spec: RunSpec, run_dir: Path, skip_to_step: int = 1, *,
             env["TSUP_MEMORY_DIR"] = str(memory_dir(run_dir, uid))
         if spec.chaos:
             env |= {"TSUP_FAULT": ",".join(spec.chaos), "TSUP_FAULT_STATE": str(run_dir / "chaos-fired")}
-        return env | shared_compile_cache(spec, run_dir, env)
+        return env | shared_compile_cache(spec, run_dir, env, uid)
     names = _names(spec, run_dir, skip_to_step)
     env["TSUP_SKIP_TO_STEP"] = names["skip_to_step"]
     env |= {k: v.format(**names) for k, v in spec.command.env.items()}
     if precompile:
         env |= {k: v.format(**names) for k, v in spec.command.precompile_env.items()}
-    return env | shared_compile_cache(spec, run_dir, env)
+    return env | shared_compile_cache(spec, run_dir, env, uid)
 
 
-def shared_compile_cache(spec: RunSpec, run_dir: Path, env: dict[str, str]) -> dict[str, str]:
-    """A Neuron job whose compile cache is the node-local one this module hands out: the
-    run's shared copy for the node wrapper to sync it with (supervisor/compile_cache.py),
-    and the interpreter that runs the sync. Nothing where the spec's env names its own
-    cache (a shared directory, an S3 URL: it is already the same on every node)."""
-    local = NEURON_COMPILE_CACHE.format(uid=run_uid(spec))
+def shared_compile_cache(spec: RunSpec, run_dir: Path, env: dict[str, str], uid: int) -> dict[str, str]:
+    """A Neuron job whose compile cache is the node-local one this module hands out (to
+    ``uid``): the run's shared copy for the node wrapper to sync it with
+    (supervisor/compile_cache.py), and the interpreter that runs the sync. Nothing where the
+    spec's env names its own cache (a shared directory, an S3 URL: it is already the same
+    on every node)."""
+    local = NEURON_COMPILE_CACHE.format(uid=uid)
     if spec.resources.accelerator != "neuron" or env.get("NEURON_COMPILE_CACHE_URL") != local:
         return {}
     shared = run_dir / compile_cache.SHARED_DIR

@@ -347,7 +347,7 @@ class SlurmAllocations:
         job = recorded(jobs, alloc.job, alloc.uid)
         if job is None:
             return Parked(done=True)  # gone, or the id is someone else's now: nothing to keep
-        kept = replace(alloc, grow=())
+        kept = replace(alloc, grow=(), requeued=True)  # holding no node until it starts again
         try:
             owner = users.for_launch(user)
         except LaunchError:
@@ -370,9 +370,11 @@ class SlurmAllocations:
         jobs = self.state.jobs()
         if jobs is not None and job in jobs and recorded(jobs, job, alloc.uid) is None:
             return True  # the id is someone else's job now: ours is long gone
+        # Over already (its record kept a while for a requeue), unless it is being requeued:
+        # that one would start again.
         if jobs is not None and (ours := recorded(jobs, job, alloc.uid)) is not None \
-                and ours.phase is parse.JobPhase.ENDED:
-            return True  # over already (its record kept a while for a requeue)
+                and ours.phase is parse.JobPhase.ENDED and not alloc.requeued:
+            return True
         # Waited for, not fired: with slurmctld down scancel fails, and an allocation
         # forgotten then would hold its nodes until its time limit.
         reply = self.commands.run(["scancel", *only_of(alloc.uid), job])

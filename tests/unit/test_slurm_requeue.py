@@ -186,6 +186,7 @@ def test_a_paused_or_failed_run_parks_its_job_requeued_and_held(tmp_path: Path) 
     parked = launcher.park("run-1", INFO, None)
     assert parked.done and parked.info is not None and json.loads(parked.info)["job"] == "5"
     assert scontrols(slurm) == [list(ASKED)] and slurm.scancels() == []
+    assert json.loads(parked.info)["requeued"], "it holds no node until a resume starts it again"
 
 
 def test_a_queued_job_is_parked_by_holding_it_and_a_held_one_as_it_is(tmp_path: Path) -> None:
@@ -214,6 +215,16 @@ def test_an_ended_job_is_given_back_without_a_scancel(tmp_path: Path) -> None:
     launcher = launcher_on(slurm := slurm_of(squeue({"job_id": 5, "name": "first", "user_id": ME,
                                                      "job_state": "CANCELLED"})), tmp_path)
     assert launcher.release("run-1", INFO) and slurm.scancels() == []
+
+
+def test_a_job_being_requeued_is_cancelled_when_its_run_ends(tmp_path: Path) -> None:
+    """A requeue in progress shows as COMPLETING, as a job that ends does; left alone it
+    would start again and hold nodes for a run that is over."""
+    launcher = launcher_on(slurm := slurm_of(squeue({"job_id": 5, "name": "first", "user_id": ME,
+                                                     "job_state": "COMPLETING", "restart_cnt": 1})), tmp_path)
+    slurm.answers[("scancel",)] = ""
+    assert launcher.release("run-1", json.dumps({"job": "5", "seq": 1, "uid": ME, "requeued": True}))
+    assert slurm.scancels() == [["scancel", f"--user={ME}", "5"]]
 
 
 def test_the_steps_get_the_jobs_restart_count(tmp_path: Path) -> None:
