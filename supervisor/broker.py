@@ -37,7 +37,15 @@ and refused (CONNACK 5, not authorized) for a bad or missing login, a client id 
 not the account's (a rank's is ``tsup-<run>-<attempt>-<rank>-<pid>`` of its own
 attempt, the supervisor's starts ``training-supervisor``, a reader's is neither), a
 persistent session (this broker keeps none: what it queued for one would grow without
-bound), and a last will the account could not publish (or retain) itself. A CONNECT
+bound), a last will the account could not publish (or retain) itself, and an attempt
+that is not live in the store (its ranks' login works only while it runs, across a
+daemon's restart too). A login longer than ``MAX_LOGIN_CHARS`` is refused unread; only
+logins that open an account are remembered (so that a stranger's guesses cost nothing
+kept), and a CONNECT longer than ``MAX_CONNECT_BYTES`` is refused at its header. A
+refusal's log line names the login escaped and cut short, and an address gets at most
+``REFUSALS_LOGGED`` of them every ``REFUSAL_WINDOW_S`` (then one line with how many more
+there were). Nothing cuts an address off: on a shared node, that would let one tenant
+keep another's ranks out. A CONNECT
 must come within ``CONNECT_WITHIN_S``. A packet longer than ``MAX_PACKET_BYTES`` (the
 supervisor's own excepted) ends its connection as its header announces it, before its
 body is read (``PacketLimit``). A retained message is kept only from the supervisor on
@@ -57,12 +65,14 @@ import ipaddress
 import json
 import logging
 import socket
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from supervisor.errors import SupervisorError
+from supervisor.logs import printable
 from trainer import protocol
 from trainer.routes import route_source
 
@@ -76,7 +86,16 @@ SUPERVISOR_PASSWORD_FILE = "broker-password"  # noqa: S105 - in the state direct
 MAX_PACKET_BYTES = 256 * 1024
 CONNECT_WITHIN_S = 10.0  # a connection that sends no CONNECT in this long is closed
 _SUPERVISOR_IDS = "training-supervisor"  # the supervisor's client ids start so
-_LOGINS_KEPT = 100_000  # logins remembered (each one checked once), for every message's ACL
+# A username or password longer than this is no login of this broker's (an attempt's
+# username is two ids and a number, its password 64 hex digits; the tokens are 43).
+MAX_LOGIN_CHARS = 256
+# The longest CONNECT: two logins, a client id and a last will (a rank's is a few hundred bytes).
+MAX_CONNECT_BYTES = 4 * 1024
+_LOGINS_KEPT = 10_000  # logins that opened an account (each checked once), for every message's ACL
+REFUSALS_LOGGED = 20  # refused CONNECTs from one address logged ...
+REFUSAL_WINDOW_S = 60.0  # ... in this long; the rest counted
+_ADDRESSES_KEPT = 10_000  # addresses whose refusals are counted
+_SHOWN_CHARS = 64  # of a refused login, in the log
 
 log = logging.getLogger(__name__)
 
@@ -123,24 +142,60 @@ class BrokerAccess:
     ``secret`` is the telemetry secret the attempts' passwords derive from."""
 
     def __init__(self, cluster: str, secret: bytes, supervisor_password: str,
-                 reader_password: str | None = None) -> None:
+                 reader_password: str | None = None, *,
+                 is_live: Callable[[str, int], bool] | None = None) -> None:
         self.cluster = cluster
         self._secret = secret
         self._passwords = {SUPERVISOR_USER: supervisor_password}
         if reader_password:
             self._passwords[READER_USER] = reader_password
-        self._logins: dict[tuple[str, str], Account | None] = {}
+        # Whether an attempt (run id, number) is live in the store; asked at an attempt's
+        # CONNECT once its password is right (None: every attempt is).
+        self._is_live = is_live
+        self._logins: dict[tuple[str, str], Account] = {}  # successes only, oldest first
+        self._refusals: dict[str, tuple[float, int]] = {}  # address: (window start, refusals in it)
+        self._ended: dict[str, None] = {}  # the usernames of attempts that ended, oldest first
 
     def account(self, username: str | None, password: str | None) -> Account | None:
-        """The account a login opens; None for a wrong or missing one."""
-        if not username or password is None:
+        """The account a login opens; None for a wrong, missing or overlong one."""
+        if not username or password is None or max(len(username), len(password)) > MAX_LOGIN_CHARS:
             return None
         login = (username, password)
-        if login not in self._logins:
-            if len(self._logins) >= _LOGINS_KEPT:  # wrong guesses must not grow it for ever
-                self._logins.clear()
-            self._logins[login] = self._check(username, password)
-        return self._logins[login]
+        known = self._logins.get(login)
+        if known is not None:
+            return known
+        account = self._check(username, password)
+        if account is not None:
+            if len(self._logins) >= _LOGINS_KEPT:
+                del self._logins[next(iter(self._logins))]
+            self._logins[login] = account
+        return account
+
+    def attempt_live(self, username: str) -> bool:
+        """Whether ``username``, when it is an attempt's, names one live in the store."""
+        attempt = protocol.attempt_of_login(username)
+        return attempt is None or self._is_live is None or self._is_live(attempt[1], attempt[2])
+
+    def end_attempt(self, run: str, number: int) -> None:
+        """The attempt is over: its login opens nothing from now on (its live sessions
+        keep their connection until they drop it; what they send, telemetry drops)."""
+        name = f"{self.cluster}/{run}/{number}"
+        self._logins = {k: v for k, v in self._logins.items() if k[0] != name}
+        self._ended[name] = None
+        if len(self._ended) > _LOGINS_KEPT:
+            del self._ended[next(iter(self._ended))]
+
+    def refused(self, address: str, now: float) -> tuple[bool, int]:
+        """Count one refusal of ``address``: (whether to log it, how many of its refusals
+        went unlogged in the window before)."""
+        began, count = self._refusals.get(address, (now, 0))
+        unlogged = 0
+        if now - began >= REFUSAL_WINDOW_S:
+            began, unlogged, count = now, max(0, count - REFUSALS_LOGGED), 0
+        if address not in self._refusals and len(self._refusals) >= _ADDRESSES_KEPT:
+            del self._refusals[next(iter(self._refusals))]
+        self._refusals[address] = (began, count + 1)
+        return count < REFUSALS_LOGGED, unlogged
 
     def _check(self, username: str, password: str) -> Account | None:
         c = self.cluster
@@ -157,7 +212,7 @@ class BrokerAccess:
             return Account(username, lambda cid: not cid.startswith((_SUPERVISOR_IDS, "tsup-")),
                            subscribe=(f"tsup/v1/{c}/events/#", protocol.topic_filter(c), presence))
         attempt = protocol.attempt_of_login(username)
-        if attempt is None or attempt[0] != c:
+        if attempt is None or attempt[0] != c or username in self._ended:
             return None
         _, run, number = attempt
         if not _same(password, protocol.attempt_login(self._secret, c, run, number)[1]):
@@ -172,6 +227,8 @@ class BrokerAccess:
         retain); ``holder``: the username of a connected session with the same client id."""
         if account is None:
             return "no such login"
+        if not self.attempt_live(account.username):
+            return "an attempt that is not live"
         if not account.owns_client_id(client_id):
             return f"client id {client_id!r} is not one of {account.username!r}'s"
         if holder is not None and holder != account.username:
@@ -242,38 +299,65 @@ class PacketLimit:
 
 async def _admit(broker: Any, reader: Any, writer: Any, address: str, port: int) -> tuple[Any, Any]:
     """amqtt's connection step, with the checks first (see the module docstring):
-    (its protocol handler, its session), or AMQTTError when refused (amqtt logs it)."""
+    (its protocol handler, its session), or AMQTTError when refused (logged here)."""
     from amqtt.errors import AMQTTError, MQTTError, NoDataError
     from amqtt.mqtt.connack import NOT_AUTHORIZED, ConnackPacket
     from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
     from amqtt.utils import gen_client_id
 
+    access: BrokerAccess = broker.access
     try:
         async with asyncio.timeout(CONNECT_WITHIN_S):
             handler, session = await BrokerProtocolHandler.init_from_connect(reader, writer,
                                                                              broker.plugins_manager)
     except (AMQTTError, MQTTError, NoDataError, PacketTooLarge, TimeoutError) as e:
         await _close(writer)
-        raise AMQTTError(f"{address}:{port}: no acceptable CONNECT: {str(e) or type(e).__name__}") from e
+        _log_refusal(access, address, port, f"no acceptable CONNECT: {_shown(str(e) or type(e).__name__)}")
+        raise AMQTTError(f"{address}:{port}: no acceptable CONNECT") from e
     session.client_id = session.client_id or gen_client_id()
-    account = broker.access.account(session.username, session.password)
+    account = access.account(session.username, session.password)
     held = broker.sessions.get(session.client_id)
     holder = held[0].username if held is not None and held[0].transitions.is_connected() else None
     will = (session.will_topic, bool(session.will_retain)) if session.will_flag else None
-    why = broker.access.refusal(account, client_id=session.client_id, clean_session=session.clean_session,
-                                will=will, holder=holder)
+    why = access.refusal(account, client_id=session.client_id, clean_session=session.clean_session,
+                         will=will, holder=holder)
     if why is not None:
+        who = _shown(session.username or "anonymous")
+        _log_refusal(access, address, port, f"refused {who!r}: {_shown(why)}")
         with contextlib.suppress(Exception):
             async with asyncio.timeout(5):
                 await ConnackPacket.build(0, NOT_AUTHORIZED).to_stream(writer)
         await _close(writer)
-        raise AMQTTError(f"{address}:{port}: refused {session.username or 'anonymous'!r}: {why}")
+        raise AMQTTError(f"{address}:{port}: refused")
     if isinstance(reader, PacketLimit):
         reader.limit = account.max_packet if account is not None else MAX_PACKET_BYTES
     # A clean session, as every one is here: the account's own earlier one with this id goes.
     await broker._delete_session(session.client_id)
     session.parent = 0
     return handler, session
+
+
+def _log_refusal(access: BrokerAccess, address: str, port: int, why: str) -> None:
+    """A refused CONNECT's line in the log (amqtt's own is filtered out), as many as
+    ``refused`` lets through."""
+    logged, unlogged = access.refused(address, time.monotonic())
+    if unlogged:
+        log.warning("embedded broker: %d more refused CONNECTs from %s were not logged", unlogged, address)
+    if logged:
+        log.warning("embedded broker: %s:%d: %s", address, port, why)
+
+
+class _AmqttRefusals(logging.Filter):
+    """amqtt's line for each connection it could not set up: ``_admit`` logs its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Failed to initialize client session")
+
+
+def _shown(text: str) -> str:
+    """A stranger's text for a log line: control and format characters escaped, cut short."""
+    cut = f"... ({len(text)} characters)" if len(text) > _SHOWN_CHARS else ""
+    return printable(text[:_SHOWN_CHARS]) + cut
 
 
 async def _close(writer: Any) -> None:
@@ -297,7 +381,7 @@ def _guarded_broker() -> type:
 
         async def stream_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                                    listener_name: str) -> None:
-            await self._client_connected(listener_name, PacketLimit(reader, MAX_PACKET_BYTES),
+            await self._client_connected(listener_name, PacketLimit(reader, MAX_CONNECT_BYTES),
                                          StreamWriterAdapter(writer))
 
         async def _initialize_client_session(self, reader: Any, writer: Any, address: str,
@@ -351,6 +435,9 @@ class EmbeddedBroker:
         """Listen, letting in only the logins of ``access``."""
         for logger in ("amqtt", "transitions"):
             logging.getLogger(logger).setLevel(logging.WARNING)
+        amqtt_broker = logging.getLogger("amqtt.broker")
+        if not any(isinstance(f, _AmqttRefusals) for f in amqtt_broker.filters):
+            amqtt_broker.addFilter(_AmqttRefusals())
         # Trainers that outlived a previous daemon reconnect to the port they know, so
         # a remembered port is reused or the start fails; never silently moved.
         self.port = self.port or self._remembered_port() or _free_port(self.host)

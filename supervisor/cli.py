@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import faulthandler
 import json
 import logging
 import os
 import shlex
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -208,11 +211,26 @@ def serve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> tupl
     return settings, config.log_format
 
 
+# A stop still going after this long ends the process (systemd's TimeoutStopSec is 30):
+# whatever holds it (a tick that does not return, a connection that does not close) is
+# logged, and the process ends with status 1, as a SIGKILL would end it, losing as little.
+STOP_WITHIN_S = 20.0
+
+
 async def _serve(args: argparse.Namespace) -> int:
     settings, log_format = serve_settings(args, os.environ)
     logs.configure(log_format, logging.DEBUG if args.verbose else logging.INFO)
     stop = asyncio.Event()
-    _on_signals(stop.set, stop.set)
+    loop = asyncio.get_running_loop()
+
+    def on_stop() -> None:
+        if not stop.is_set():
+            deadline = threading.Timer(STOP_WITHIN_S, _stopped_too_slowly, args=(loop,))
+            deadline.daemon = True
+            deadline.start()
+        stop.set()
+
+    _on_signals(on_stop, on_stop)
     async with Daemon(settings, api=daemon_app) as daemon:
         print(f"training-supervisor: serving {settings.state_dir}"
               + (f", API on {daemon.api_url}" if daemon.api_url else "")
@@ -337,6 +355,20 @@ def _summary_json(d: dict[str, object], chaos: list[ChaosAction]) -> dict[str, o
         "transient_spikes": d["transient_spikes"], "chaos": [str(c) for c in chaos],
     }
     return out
+
+
+def _stopped_too_slowly(loop: asyncio.AbstractEventLoop) -> None:
+    """The stop's deadline passed (on a timer's thread): say what held it, and end."""
+    log.error("still stopping after %.0f s: ending the process now (the next start takes over what ran); "
+              "the stacks of every thread and task follow on stderr", STOP_WITHIN_S)
+    with contextlib.suppress(Exception):
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    with contextlib.suppress(Exception):  # read from another thread: at best effort
+        for task in list(asyncio.all_tasks(loop)):
+            task.print_stack(limit=8, file=sys.stderr)
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    os._exit(EXIT_FAILED)
 
 
 def _on_signals(on_int: Callable[[], None], on_term: Callable[[], None]) -> None:

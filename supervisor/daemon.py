@@ -10,7 +10,8 @@ Shutdown (SIGTERM sets ``stop``): the reconciler finishes the tick it is in (a t
 never awaits, so cancelling lands between ticks) and the API stops; then the events
 still in the outbox are published within ``shutdown_flush_s``; then the MQTT link
 closes. Nothing is lost either way: an event not published stays in the outbox for the
-next start. Trainers keep running; the next daemon adopts them.
+next start. Trainers keep running; the next daemon adopts them. The `serve` process
+bounds the whole stop (supervisor/cli.py: ``STOP_WITHIN_S``).
 
 Under systemd (``Type=notify``) the daemon says READY=1 after its first tick and
 WATCHDOG=1 after each tick that completes (supervisor/sdnotify.py).
@@ -172,7 +173,7 @@ class Daemon:
         # Topics carry it, as Slurm job names carry the same fingerprint: two daemons on one
         # broker or one cluster never see each other's runs.
         self.cluster_id = settings.cluster_id or prefix_for(settings.state_dir)
-        self.telemetry = TelemetryView(cluster=self.cluster_id)
+        self.telemetry = TelemetryView(cluster=self.cluster_id, is_live=self._attempt_is_live)
         self._api_factory = api
         # The reconciler's tick runs here, never on the event loop (supervisor/reconciler.py).
         self._tick_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reconciler")
@@ -255,7 +256,15 @@ class Daemon:
             self.broker.host, self.broker.port = own, port or 0
             password = _secret(st.state_dir / SUPERVISOR_PASSWORD_FILE, "embedded broker's password")
             reader = _secret(st.state_dir / READ_TOKEN_FILE_NAME, "read-only API token", group_may_read=True)
-            await self.broker.start(BrokerAccess(self.cluster_id, secret, password, reader_password=reader))
+            access = BrokerAccess(self.cluster_id, secret, password, reader_password=reader,
+                                  is_live=self._attempt_is_live)
+            loop = asyncio.get_running_loop()
+
+            def forget_login(run: str, number: int) -> None:  # called on the tick's thread
+                loop.call_soon_threadsafe(access.end_attempt, run, number)
+
+            self.telemetry.on_end.append(forget_login)
+            await self.broker.start(access)
             own_url = replace(parse_broker_url(self.broker.url), username=SUPERVISOR_USER, password=password)
             self.mqtt_url = advertised.format(port=self.broker.port)
             self.telemetry.broker_logins = True
@@ -284,6 +293,20 @@ class Daemon:
                              client_id=f"training-supervisor-check-{os.getpid()}")
             await _try_broker(ranks, "mqtt_advertise_url" if st.mqtt_advertise_url else "mqtt_bind",
                               "ranks would be told ")
+
+    def _attempt_is_live(self, run_id: str, number: int) -> bool:
+        """Whether the store has ``run_id``'s attempt ``number`` live (asked by the broker at
+        an attempt's login, by the telemetry at its first verified message). A store that
+        cannot answer is taken as yes: the message or login was verified already."""
+        run = run_id.removeprefix("run-")
+        if not run.isdigit():
+            return False
+        try:
+            with self.store.tx() as tx:
+                return tx.attempt_is_live(int(run), number)
+        except (SQLAlchemyError, StoreError) as e:
+            log.warning("cannot tell whether %s#%d is live, taken as live: %s", run_id, number, e)
+            return True
 
     def _record_start(self) -> None:
         """An audit line per start: which live attempts this daemon takes over."""

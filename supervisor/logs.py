@@ -22,11 +22,15 @@ from typing import Any
 _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# Control characters (C0, DEL, C1), and the format characters that reorder or hide text
+# on a terminal: bidi overrides and isolates, zero-width ones, line and paragraph separators.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e"
+                      r"\u2060-\u206f\ufeff\ufff9-\ufffb]")
 
 
 def printable(text: str) -> str:
-    """``text`` with each control character (C0, DEL, C1) as a Python escape: ``\\n``, ``\\x1b``."""
+    """``text`` with each control or format character as a Python escape: ``\\n``,
+    ``\\x1b``, ``\\u202e``."""
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 

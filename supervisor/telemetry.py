@@ -106,11 +106,16 @@ class TelemetryView:
     _recent: dict[tuple[str, int], deque[StepSample]] = field(default_factory=dict)  # rank 0's steps
     _step_times: dict[tuple[str, int], deque[float]] = field(default_factory=dict)  # every rank's, pooled
     _injected: set[tuple[str, int, str]] = field(default_factory=set)  # (run, attempt, chaos action)
+    # Whether an attempt (run id, number) is live in the store: a verified message of one
+    # this process has not heard of is acted on only if so (None: it is).
+    is_live: Callable[[str, int], bool] | None = field(default=None, repr=False)
+    # Called with (run id, number) as an attempt ends (the broker forgets its login).
+    on_end: list[Callable[[str, int], None]] = field(default_factory=list, repr=False)
     _gate: Gate = field(init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
-        self._gate = Gate(self.cluster)
+        self._gate = Gate(self.cluster, is_live=self.is_live)
 
     def link_up(self, now: float) -> None:
         self.up_since = now
@@ -435,6 +440,8 @@ class TelemetryView:
             self._step_times.pop((run_id, attempt), None)
             self._injected = {k for k in self._injected if k[:2] != (run_id, attempt)}
             self._gate.end(run_id, attempt)
+        for hook in self.on_end:
+            hook(run_id, attempt)
 
 
 def _newest(values: deque[float], count: int) -> tuple[float, ...]:

@@ -10,7 +10,9 @@ its connection, so a sender's current connection is that of its newest message.
 
 Beyond authenticity: a message of an attempt that has ended (``ended``), and one about a
 rank outside its attempt's world (``out_of_world``), are dropped too, so that no sender,
-however authentic, grows the view beyond the attempts and worlds the store knows.
+however authentic, grows the view beyond the attempts and worlds the store knows. An
+attempt this process has not heard of is asked of the store (``is_live``) at its first
+verified message: one that ended before a daemon's restart stays ended.
 
 Sequence numbers survive a daemon restart as floors (``floors``, ``load_floors``): a
 message at or below its sender's floor is a replay, though this process never saw the
@@ -51,6 +53,9 @@ class Gate:
     _floors: dict[Floor, int] = field(default_factory=dict)
     _keys: dict[tuple[str, int], bytes] = field(default_factory=dict, repr=False)
     _ended: dict[tuple[str, int], None] = field(default_factory=dict)  # oldest first
+    # Whether an attempt is live in the store (None: every attempt the gate has not seen end is).
+    is_live: Callable[[str, int], bool] | None = None
+    _live: dict[tuple[str, int], None] = field(default_factory=dict)  # found live there, oldest first
 
     def why_dropped(self, topic: str, sealed: p.Sealed, secret: bytes | None,
                     sender_of: Callable[[p.Message], Sender]) -> str | None:
@@ -70,6 +75,9 @@ class Gate:
         if not hmac.compare_digest(p.mac_of(self._key(secret, msg.run, msg.attempt), topic, sealed.signed),
                                    sealed.mac):
             return "bad_mac"
+        if not self._known_live(msg.run, msg.attempt):
+            self.end(msg.run, msg.attempt)
+            return "ended"
         who = sender_of(msg)
         if isinstance(msg, (p.Lost, p.AgentLost)):
             if sealed.seq != p.WILL_SEQ or who.conn is None or sealed.conn != who.conn:
@@ -88,6 +96,18 @@ class Gate:
                 self._keys.clear()
             key = self._keys[(run, attempt)] = p.attempt_key(secret, self.cluster, run, attempt)
         return key
+
+    def _known_live(self, run: str, attempt: int) -> bool:
+        """Whether the attempt of a verified message is live: known so, or so in the store."""
+        key = (run, attempt)
+        if self.is_live is None or key in self._worlds or key in self._live:
+            return True
+        if not self.is_live(run, attempt):
+            return False
+        if len(self._live) >= _ENDED_KEPT:
+            del self._live[next(iter(self._live))]
+        self._live[key] = None
+        return True
 
     def _in_world(self, msg: p.Message) -> bool:
         world = self._worlds.get((msg.run, msg.attempt))
@@ -110,6 +130,7 @@ class Gate:
         """The attempt is over: its messages are dropped from now on."""
         self._keys.pop((run_id, attempt), None)
         self._worlds.pop((run_id, attempt), None)
+        self._live.pop((run_id, attempt), None)
         self._floors = {k: v for k, v in self._floors.items() if k[:2] != (run_id, attempt)}
         self._ended[(run_id, attempt)] = None
         if len(self._ended) > _ENDED_KEPT:

@@ -103,6 +103,12 @@ class RunQueries:
             .values(**values)
         )
 
+    def attempt_is_live(self, run_number: int, number: int) -> bool:
+        """Whether the run's attempt ``number`` exists and has not ended."""
+        a = t.attempts.c
+        state = self.c.execute(select(a.state).where(a.run_number == run_number, a.number == number)).scalar()
+        return state is not None and state != AttemptState.ENDED.value
+
     def list_attempts(self, run_number: int, after: int = 0) -> list[Attempt]:
         """The run's attempts numbered above ``after``, in order."""
         q = (select(t.attempts).where(t.attempts.c.run_number == run_number, t.attempts.c.number > after)

@@ -23,7 +23,16 @@ from slurmbox.box import Box
 from supervisor.slurm.launcher import prefix_for
 from supervisor.token_file import READ_TOKEN_FILE_NAME, TELEMETRY_SECRET_NAME
 from tests.conftest import REPO, free_port, wait_for
-from tests.e2e.conftest import EXAMPLE, Serve, db_rows, env, slurm_serve, spec_for_slurm, trainer_processes
+from tests.e2e.conftest import (
+    EXAMPLE,
+    Serve,
+    db_rows,
+    env,
+    serve_config,
+    slurm_serve,
+    spec_for_slurm,
+    trainer_processes,
+)
 from trainer.protocol import attempt_login
 
 pytestmark = pytest.mark.e2e
@@ -131,3 +140,40 @@ def test_on_the_multi_host_box_ranks_reach_the_broker_over_the_bridge_and_forger
     assert_nothing_acted_on(final, forged, drops, fault_free)
     # Full telemetry across hosts: every step's metrics were received and stored.
     assert db_rows(state, "SELECT count(DISTINCT step) FROM metrics")[0][0] >= 70
+
+
+def flood(state: Path, count: int, login_chars: int) -> dict[str, Any]:
+    """tests/fake_tools/login_flood.py against the daemon's embedded broker: a second process."""
+    port = json.loads((state / "broker.json").read_text())["port"]
+    out = subprocess.run([sys.executable, "-m", "tests.fake_tools.login_flood", "127.0.0.1", str(port),
+                          str(count), str(login_chars)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO, env=env(), check=True)
+    return dict(json.loads(out.stdout))
+
+
+def test_refused_connects_with_huge_logins_grow_neither_the_daemon_nor_its_log(tmp_path: Path) -> None:
+    """H6 of issue 37: 3,000 refused CONNECTs with 60 KB logins grew the daemon by 517 MiB
+    (every refused login was kept) and wrote 180 MB of log. Now such a CONNECT is refused
+    at its header, a login that fits is checked and forgotten, and an address gets a few
+    log lines a minute: the daemon grows by little, its log by a few lines, and it serves."""
+    import psutil
+
+    state, port = tmp_path / "state", free_port()
+    daemon = Serve(state, port, config=serve_config(tmp_path / "config.toml", state, port))
+    try:
+        proc = psutil.Process(daemon.proc.pid)
+        flood(state, 50, 200)  # warm: the first refusals' code paths
+        rss, log_size = proc.memory_info().rss, daemon.log_path.stat().st_size
+        huge = flood(state, 3000, 60_000)
+        fitting = flood(state, 3000, 250)
+        grown = (proc.memory_info().rss - rss) / 2**20
+        logged = daemon.log_path.stat().st_size - log_size
+        assert grown < 48, f"the daemon grew by {grown:.0f} MiB ({huge}, {fitting})"
+        assert logged < 20_000, f"{logged} bytes of log for 6,000 refusals"
+        assert huge["refused"] == 0 and huge["closed"] == 3000, huge
+        assert fitting["refused"] == 3000, fitting
+        assert daemon.ctl_json("nodes") is not None, "it still serves"
+        text = daemon.log_path.read_text()
+        assert "u" * 100 not in text, "a login is cut short in the log"
+    finally:
+        daemon.kill(15)

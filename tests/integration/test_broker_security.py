@@ -175,15 +175,24 @@ class Listener:
         self.client.loop_stop()
 
 
+class AttemptsLive(Daemon):
+    """A daemon to whom every attempt is live: the attacks log in as attempts of runs
+    nobody submitted (the broker's other checks are the ones under test here)."""
+
+    def _attempt_is_live(self, run_id: str, number: int) -> bool:
+        return True
+
+
 class Running:
     """A daemon started by its own code, in a thread of this process, with its broker."""
 
     def __init__(self, state: Path, **settings: Any) -> None:
         self.state = state
         self.launcher = ScriptedLauncher()
-        self.daemon = Daemon(DaemonSettings(state_dir=state, api_port=None, cluster_id=CLUSTER,
-                                            check_trainer_config=False, allow_root_runs=True, **settings),
-                             cluster=Cluster(self.launcher, self.launcher))
+        self.daemon = AttemptsLive(DaemonSettings(state_dir=state, api_port=None, cluster_id=CLUSTER,
+                                                  check_trainer_config=False, allow_root_runs=True,
+                                                  **settings),
+                                   cluster=Cluster(self.launcher, self.launcher))
         self._ready = threading.Event()
         self._failed: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

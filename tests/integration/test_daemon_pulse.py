@@ -5,11 +5,14 @@ telemetry view must know: no silence is judged until telemetry flows again
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from supervisor.telemetry import LOOP_STALL_S
-from tests.conftest import wait_for
+from tests.conftest import REPO, wait_for
 from tests.integration.test_broker_security import Running
 
 
@@ -30,3 +33,35 @@ def test_a_stall_of_the_daemons_own_loop_stops_the_telemetry_flowing_until_it_ru
         assert since is not None and since >= stalled_at, "flowing again from the loop's return, not before"
     finally:
         running.stop()
+
+
+_WEDGED_SERVE = """
+import sys, time
+from supervisor import cli
+from supervisor.daemon import Daemon
+
+cli.STOP_WITHIN_S = 1.0
+async def wedged_close(self):  # a stop that never ends, whatever holds it
+    time.sleep(3600)
+Daemon._close = wedged_close
+sys.exit(cli.main(["serve", "--state-dir", sys.argv[1], "--api-bind", "127.0.0.1:0"]))
+"""
+
+
+def test_a_stop_that_does_not_end_ends_the_process_at_its_deadline_with_the_stacks(tmp_path: Path) -> None:
+    """The CI run of issue 36's last stop saw a SIGTERMed daemon still there after 30 s. A
+    stop is bounded by the serve process itself: past STOP_WITHIN_S it logs what held it and
+    ends with status 1, as systemd's SIGKILL would (nothing is lost: the store is durable)."""
+    proc = subprocess.Popen([sys.executable, "-c", _WEDGED_SERVE, str(tmp_path / "state")], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: (tmp_path / "state" / "api-token").exists(), 60, "the daemon to start")
+        time.sleep(1.0)
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        took = time.monotonic() - began
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and took < 10, (proc.returncode, took, out[-2000:])
+    assert "still stopping after 1 s" in out and "wedged_close" in out, out[-4000:]

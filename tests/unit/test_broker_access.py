@@ -7,7 +7,16 @@ import asyncio
 
 import pytest
 
-from supervisor.broker import MAX_PACKET_BYTES, BrokerAccess, PacketLimit, PacketTooLarge, covers
+from supervisor.broker import (
+    MAX_LOGIN_CHARS,
+    MAX_PACKET_BYTES,
+    REFUSAL_WINDOW_S,
+    REFUSALS_LOGGED,
+    BrokerAccess,
+    PacketLimit,
+    PacketTooLarge,
+    covers,
+)
 from trainer import protocol as p
 from trainer.telemetry import broker_from_env
 
@@ -142,3 +151,38 @@ def test_fences_are_the_supervisors_to_retain_and_each_attempts_own_to_read() ->
     assert rank.may_subscribe(fence) and not rank.may_publish(fence)
     assert not rank.may_subscribe(p.fence_topic("c1", "run-1", 3)) and not rank.may_subscribe(p.fence_filter("c1"))
     assert p.attempt_of_client_id(p.client_id("run-1", 2, "n0", 4242)) == ("run-1", 2), "its agent's id is its own"
+
+
+def test_only_logins_that_open_an_account_are_remembered_and_an_overlong_one_is_not_checked() -> None:
+    """H6 of issue 37: every refused login used to be kept (3,000 of 60 KB grew the daemon by
+    517 MiB); now a guess costs one check and nothing kept."""
+    access = BrokerAccess("c1", SECRET, "sup-pass", reader_password="read-pass")
+    for i in range(1000):
+        assert access.account(f"c1/run-{i}/1", "x" * 200) is None
+    assert access.account("supervisor", "s" * (MAX_LOGIN_CHARS + 1)) is None
+    assert access.account("u" * (MAX_LOGIN_CHARS + 1), "sup-pass") is None
+    assert access._logins == {}
+    assert access.account("supervisor", "sup-pass") is not None and len(access._logins) == 1
+
+
+def test_an_ended_attempts_login_opens_nothing_and_one_the_store_has_not_live_is_refused() -> None:
+    live = {("run-1", 2)}
+    access = BrokerAccess("c1", SECRET, "sup-pass", is_live=lambda run, n: (run, n) in live)
+    user, password = p.attempt_login(SECRET, "c1", "run-1", 2)
+    rank = access.account(user, password)
+    assert rank is not None and access.refusal(rank, client_id=p.client_id("run-1", 2, 0, 7), clean_session=True,
+                                              will=None, holder=None) is None
+    old_user, old_password = p.attempt_login(SECRET, "c1", "run-1", 1)  # ended before a restart
+    old = access.account(old_user, old_password)
+    assert access.refusal(old, client_id=p.client_id("run-1", 1, 0, 7), clean_session=True, will=None,
+                          holder=None) == "an attempt that is not live"
+    access.end_attempt("run-1", 2)
+    assert access.account(user, password) is None, "its login opens nothing once it ended"
+
+
+def test_refusals_are_logged_a_few_per_address_and_window_then_counted() -> None:
+    access = BrokerAccess("c1", SECRET, "sup-pass")
+    said = [access.refused("10.0.0.9", 100.0 + i * 0.01) for i in range(REFUSALS_LOGGED + 30)]
+    assert [logged for logged, _ in said] == [True] * REFUSALS_LOGGED + [False] * 30
+    assert access.refused("10.0.0.8", 101.0) == (True, 0), "another address has its own lines"
+    assert access.refused("10.0.0.9", 100.0 + REFUSAL_WINDOW_S + 1) == (True, 30), "the next window says how many"

@@ -346,6 +346,28 @@ def test_messages_of_an_ended_attempt_are_dropped() -> None:
     assert view.ranks("run-1", 1) == {} and view.counts_now()["ended"] == 1
 
 
+def test_after_a_restart_messages_of_an_attempt_the_store_has_ended_are_dropped() -> None:
+    """A restarted daemon has not seen the attempt end: it asks the store, once per attempt,
+    and only for a message whose seal is right (a forger cannot make it ask)."""
+    asked: list[tuple[str, int]] = []
+
+    def is_live(run: str, n: int) -> bool:
+        asked.append((run, n))
+        return n == 2
+
+    view = TelemetryView(cluster="c1", secret=SECRET, is_live=is_live)
+    ended, live = (Rank(0, p.attempt_key(SECRET, "c1", "run-1", n)) for n in (1, 2))
+    beat = p.Heartbeat(**H, rank=0, step=3, phase=p.Phase.TRAIN)
+    for _ in range(3):
+        view.ingest(*ended.seal(beat), 1.0)
+        view.ingest(*live.seal(p.Heartbeat(**{**H, "attempt": 2}, rank=0, step=3, phase=p.Phase.TRAIN)), 1.0)
+    view.ingest(*Rank(0, b"x" * 32).seal(p.Heartbeat(**{**H, "attempt": 5}, rank=0, step=3, phase=p.Phase.TRAIN)),
+                1.0)
+    assert view.counts_now()["ended"] == 3 and view.ranks("run-1", 1) == {}
+    assert view.ranks("run-1", 2)[0].last_seen_at == 1.0
+    assert asked == [("run-1", 1), ("run-1", 2)], "once per attempt, never for a forgery"
+
+
 def test_last_wills_that_came_as_the_broker_went_away_are_set_aside() -> None:
     """mosquitto publishes every client's will when it shuts down, just before the
     supervisor's link goes: those wills are the broker's going, not the ranks' deaths.
