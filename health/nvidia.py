@@ -487,18 +487,28 @@ def classify_xids(text: str) -> list[Finding]:
 _XID_PLAIN = re.compile(r"\bXid[ :]+(\d+)\b\s*,?\s*(.*)")  # "Xid 79", "Xid: 79" (a message quoting one)
 
 
+# The two forms, for a reader that matches them with an engine of its own (the daemon's,
+# supervisor/output_progress.py): the kernel's (groups: the device, the code, the message)
+# and the plain one (the code, the message).
+XID_PATTERN, XID_PLAIN_PATTERN = _XID.pattern, _XID_PLAIN.pattern
+
+
 def xid_rule(line: str) -> tuple[int, XidRule] | None:
     """The Xid a line reports (the kernel's ``Xid (PCI:...): N, ...``, or a plain ``Xid N``)
     and its rule in ``XID_ACTIONS``; None when the line reports none."""
     m = _XID.search(line)
     if m:
-        code, message = int(m.group(2)), _xid_message(m.group(3))
-    else:
-        plain = _XID_PLAIN.search(line)
-        if not plain:
-            return None
-        code, message = int(plain.group(1)), _xid_message(plain.group(2))
-    return code, _xid_154(message) if code == 154 else XID_ACTIONS.get(code, _UNKNOWN_XID)
+        return int(m.group(2)), xid_of(int(m.group(2)), m.group(3))
+    plain = _XID_PLAIN.search(line)
+    if not plain:
+        return None
+    return int(plain.group(1)), xid_of(int(plain.group(1)), plain.group(2))
+
+
+def xid_of(code: int, raw_message: str) -> XidRule:
+    """The rule of Xid ``code`` reported with ``raw_message`` (what follows the code)."""
+    message = _xid_message(raw_message)
+    return _xid_154(message) if code == 154 else XID_ACTIONS.get(code, _UNKNOWN_XID)
 
 
 def _xid_message(raw: str) -> str:

@@ -29,6 +29,7 @@ collectives, and fails the run at once on a configuration error.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -38,6 +39,7 @@ from pathlib import Path
 from health import neuron, nvidia
 from health.model import Action, Status
 from supervisor import user_files
+from supervisor.linear_match import PatternSet
 from trainer import protocol as p
 
 READ_MAX_BYTES = 1 << 20  # per file and poll: a burst of output is read over several ticks
@@ -47,7 +49,7 @@ _LINE_MAX = 64 << 10  # a longer "line" (a progress bar redrawn with \r, binary 
 @dataclass(frozen=True, slots=True)
 class Format:
     name: str
-    pattern: re.Pattern[str]
+    pattern: str  # matched by RE2 (supervisor/linear_match.py)
     steps_done: int = 0  # added to the printed step: a 0-based counter's is one short
 
 
@@ -55,19 +57,18 @@ _NUM = r"[-+\w.]+"  # a printed number, "nan" and "inf" included
 
 # Formats of the seeds' trainers, as their sources print them. ``steps_done`` is what the
 # printed number is short of the steps completed (0-based counters).
-PATTERNS: tuple[Format, ...] = (
+SEED_FORMATS: tuple[Format, ...] = (
     # awsome-distributed-training 3.test_cases/pytorch/FSDP (src/train.py), global rank 0
     # after each optimizer step: "Batch %d Loss: %.5f, Speed: %.2f samples/sec, lr: %.6f"
     # with the 0-based batch index.
-    Format("fsdp-test-case", re.compile(rf"Batch (?P<step>\d+) Loss: (?P<loss>{_NUM}), Speed:"),
-           steps_done=1),
+    Format("fsdp-test-case", rf"Batch (?P<step>\d+) Loss: (?P<loss>{_NUM}), Speed:", steps_done=1),
     # neuronx-distributed's Llama examples (logger.py), the root rank: "LOG <asctime> -
     # (epoch, step) step_loss : %.4f learning_rate : ... throughput : ... [grad-norm : x]"
-    Format("nxd", re.compile(rf"\(\d+, (?P<step>\d+)\) step_loss : (?P<loss>{_NUM})"
-                             rf"(?:.*grad-norm : (?P<grad_norm>{_NUM}))?")),
+    Format("nxd", rf"\(\d+, (?P<step>\d+)\) step_loss : (?P<loss>{_NUM})"
+                  rf"(?:.*grad-norm : (?P<grad_norm>{_NUM}))?"),
     # neuronx-distributed's pipeline examples: "step N step_time Xs throughput ... step loss L grad norm G"
-    Format("nxd-pp", re.compile(rf"\bstep (?P<step>\d+) step_time .*step loss (?P<loss>{_NUM})"
-                                rf"(?: grad norm (?P<grad_norm>{_NUM}))?")),
+    Format("nxd-pp", rf"\bstep (?P<step>\d+) step_time .*step loss (?P<loss>{_NUM})"
+                     rf"(?: grad norm (?P<grad_norm>{_NUM}))?"),
 )
 
 # NxD Training / NeMo (PyTorch Lightning): the training loop's tqdm progress bar, redrawn
@@ -81,7 +82,7 @@ PATTERNS: tuple[Format, ...] = (
 # The count is the batch within the epoch (one batch is one optimizer step in NxD Training's
 # data modules), starting again each epoch. Only the training bar, "Epoch N": a validation
 # bar or a data set's "Map: 100%|..." is not a step.
-_BAR = re.compile(
+_BAR = (
     r"\bEpoch (?P<epoch>\d+)[^:|\[]*: *"
     r"(?:\d+%\|[^|]*\| *(?P<n>\d+)/(?P<total>\d+|\?)|(?P<count>\d+)it)"
     r" \[(?:\d+:)*\d+(?:<(?:(?:\d+:)*\d+|\?))?"
@@ -96,10 +97,10 @@ _GRAD_NORM_KEYS = ("gradient_norm", "grad_norm")
 
 
 # Errors a GPU job prints; Neuron's are health.neuron's table (the node probe's own).
-_GPU_SIGNATURES: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"uncorrectable ECC error encountered"), "device"),
-    (re.compile(r"\bnccl(?:System|Internal|UnhandledCuda|Remote)Error\b|"
-                r"Watchdog caught collective operation timeout"), "peer"),
+_GPU_SIGNATURES: tuple[tuple[str, str], ...] = (
+    (r"uncorrectable ECC error encountered", "device"),
+    (r"\bnccl(?:System|Internal|UnhandledCuda|Remote)Error\b|"
+     r"Watchdog caught collective operation timeout", "peer"),
 )
 
 
@@ -107,38 +108,19 @@ _GPU_SIGNATURES: tuple[tuple[re.Pattern[str], str], ...] = (
 # run fails at the first one, with the trainer's words, instead of being relaunched into it.
 # Errors that one node's setup may cause (a missing library, FI_EFA_FORK_SAFE, the
 # open-files limit) are not here: another node may not have them.
-_CONFIG_SIGNATURES: tuple[re.Pattern[str], ...] = (
+_CONFIG_SIGNATURES: tuple[str, ...] = (
     # Neuron's collectives: the TP/DP layout's replica groups do not fit the devices (seed
     # 003, DP 2 x TP 16 on one trn1.32xlarge: "ERROR   ENC:enc_init_comm   [rank 0] failed (2)
     # to init a collective algorithm for provided replica group.")
-    re.compile(r"failed \(\d+\) to init a collective algorithm"),
+    r"failed \(\d+\) to init a collective algorithm",
     # Hydra (NxD Training's and NeMo's configs): CONF_FILE names no config
-    re.compile(r"\bCannot find primary config\b"),
+    r"\bCannot find primary config\b",
     # NxD Training's examples/train.sh, the same: "Error: YAML file './conf/X.yaml' not found!"
-    re.compile(r"^Error: YAML file '.*' not found!$"),
+    r"^Error: YAML file '.*' not found!$",
     # neuronx-distributed's and Megatron's ensure_divisibility: a model dimension that the
     # tensor-parallel degree does not divide ("{} is not divisible by {}")
-    re.compile(r"AssertionError: \d+ is not divisible by \d+"),
+    r"AssertionError: \d+ is not divisible by \d+",
 )
-
-
-def fatal_signature(line: str) -> str | None:
-    """What a line says failed: "config" (the job's configuration: no restart can fix it),
-    "device" (this node's accelerator: drain it), "peer" (the collectives: this node or
-    another; blame, never drain), or None."""
-    if any(pattern.search(line) for pattern in _CONFIG_SIGNATURES):
-        return "config"
-    for pattern, kind in _GPU_SIGNATURES:
-        if pattern.search(line):
-            return kind
-    xid = nvidia.xid_rule(line) if "Xid" in line else None
-    if xid is not None:  # the node's only where the Xid table drains it (not 13, 31, 43, 63, 94, ...)
-        rule = xid[1]
-        return "device" if rule.status is Status.UNHEALTHY and rule.action is not Action.NONE else None
-    for sig in neuron.SIGNATURES:
-        if sig.status is not Status.HEALTHY and sig.pattern.search(line):
-            return "device" if sig.action is not Action.NONE else "peer"
-    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,49 +135,104 @@ class ProgressLine:
 # the rank is in its compile phase, with its own allowance, until its next step.
 # NxD Training's tutorials show the parallel compile's lines as "||NEURON_PARALLEL_COMPILE||"
 # and as "||PARALLEL_COMPILE||".
-COMPILING = re.compile(r"\|\|NEURON_CC_WRAPPER\|\|: (?:Call compiler|Extracting graphs)|"
-                       r"\|\|(?:NEURON_)?PARALLEL_COMPILE\|\||Compiler status PASS")
+COMPILING = (r"\|\|NEURON_CC_WRAPPER\|\|: (?:Call compiler|Extracting graphs)|"
+             r"\|\|(?:NEURON_)?PARALLEL_COMPILE\|\||Compiler status PASS")
 
 
-def parse_progress(line: str, formats: tuple[Format, ...]) -> ProgressLine | None:
+class OutputPatterns:
+    """Every pattern a line of output is tried against, as one set (supervisor/linear_match.py):
+    the progress formats (the spec's own first), the progress bar, the compile lines, the
+    fatal signatures (the job's configuration's, the GPU's, Xids, Neuron's table)."""
+
+    def __init__(self, formats: tuple[Format, ...]) -> None:
+        self.formats = formats
+        patterns = [f.pattern for f in formats]
+        self._bar, self._compiling = len(patterns), len(patterns) + 1
+        patterns += [_BAR, COMPILING]
+        self._config = range(len(patterns), len(patterns) + len(_CONFIG_SIGNATURES))
+        patterns += _CONFIG_SIGNATURES
+        self._gpu = {len(patterns) + i: kind for i, (_, kind) in enumerate(_GPU_SIGNATURES)}
+        patterns += [pattern for pattern, _ in _GPU_SIGNATURES]
+        self._xid, self._xid_plain = len(patterns), len(patterns) + 1
+        patterns += [nvidia.XID_PATTERN, nvidia.XID_PLAIN_PATTERN]
+        self._neuron = {len(patterns) + i: sig for i, sig in enumerate(_NEURON)}
+        patterns += [sig.pattern.pattern for sig in _NEURON]
+        self._set = PatternSet(patterns)
+
+    def read(self, line: str) -> tuple[ProgressLine | None, bool, str | None]:
+        """What ``line`` says: (the step it shows, whether it is a compile line, the fatal
+        signature it matches: see ``fatal_signature``)."""
+        hits = self._set.matching(line)
+        if not hits:
+            return None, False, None
+        return self._progress(line, hits), self._compiling in hits, self._fatal(line, hits)
+
+    def _progress(self, line: str, hits: frozenset[int]) -> ProgressLine | None:
+        for i, f in enumerate(self.formats):
+            if i not in hits:
+                continue
+            groups = self._set.search(i, line).groupdict()
+            try:
+                step = int(float(groups["step"])) + f.steps_done
+            except (KeyError, TypeError, ValueError):
+                continue
+            return ProgressLine(step, _number(groups.get("loss")), _number(groups.get("grad_norm")))
+        return _bar_step(self._set.search(self._bar, line).groupdict()) if self._bar in hits else None
+
+    def _fatal(self, line: str, hits: frozenset[int]) -> str | None:
+        if any(i in hits for i in self._config):
+            return "config"
+        for i, kind in self._gpu.items():
+            if i in hits:
+                return kind
+        xid = self._xid if self._xid in hits else self._xid_plain if self._xid_plain in hits else None
+        if xid is not None:  # the node's only where the Xid table drains it (not 13, 31, 43, 63, 94, ...)
+            groups = self._set.search(xid, line).groups()
+            rule = nvidia.xid_of(int(groups[-2]), groups[-1])
+            return "device" if rule.status is Status.UNHEALTHY and rule.action is not Action.NONE else None
+        for i, sig in self._neuron.items():
+            if i in hits:
+                return "device" if sig.action is not Action.NONE else "peer"
+        return None
+
+
+# Neuron's signatures that are errors (health.neuron's table, the node probe's own).
+_NEURON = tuple(sig for sig in neuron.SIGNATURES if sig.status is not Status.HEALTHY)
+
+
+def parse_progress(line: str, patterns: OutputPatterns) -> ProgressLine | None:
     """The step a line shows: the spec's own pattern and the seeds' formats first, then a
     Lightning progress bar."""
-    for f in formats:
-        m = f.pattern.search(line)
-        if m is None:
-            continue
-        groups = m.groupdict()
-        try:
-            step = int(float(groups["step"])) + f.steps_done
-        except (KeyError, TypeError, ValueError):
-            continue
-        return ProgressLine(step, _number(groups.get("loss")), _number(groups.get("grad_norm")))
-    return parse_progress_bar(line)
+    return patterns.read(line)[0]
 
 
-def parse_progress_bar(line: str) -> ProgressLine | None:
-    """A Lightning progress bar's redraw (``_BAR``) as a step: NeMo's ``global_step`` where
+def fatal_signature(line: str, patterns: OutputPatterns | None = None) -> str | None:
+    """What a line says failed: "config" (the job's configuration: no restart can fix it),
+    "device" (this node's accelerator: drain it), "peer" (the collectives: this node or
+    another; blame, never drain), or None."""
+    return (patterns or PATTERNS).read(line)[2]
+
+
+def _bar_step(bar: dict[str, str | None]) -> ProgressLine | None:
+    """A Lightning progress bar's redraw (``_BAR``'s groups) as a step: NeMo's ``global_step`` where
     the postfix has it (it counts across epochs and resumes), else the bar's count, made
     global with its epoch where the bar knows the epoch's length. A bar at 0 without a
     ``global_step`` is none: Lightning resets its bar to 0 at each epoch's start, a resumed
     run's too, before it jumps to the batch it resumes at (``Epoch 1: 0/16``, then 15/16)."""
-    m = _BAR.search(line)
-    if m is None:
-        return None
-    postfix = {x["key"]: x["value"].strip() for x in _POSTFIX_ITEM.finditer(m["postfix"] or "")}
+    postfix = {x["key"]: x["value"].strip() for x in _POSTFIX_ITEM.finditer(bar["postfix"] or "")}
     step: int | None = None
     for key in _STEP_KEYS:
         if (value := _number(postfix.get(key))) is not None and math.isfinite(value):
             step = round(value) + 1
             break
     if step is None:
-        count = int(m["n"] or m["count"])
+        count = int(bar["n"] or bar["count"] or 0)
         if count == 0:
             return None
-        epoch, total = m["epoch"], m["total"]
+        epoch, total = bar["epoch"], bar["total"]
         step = count + (int(epoch) * int(total) if epoch and total and total != "?" else 0)
     return ProgressLine(step, _first_number(postfix, _LOSS_KEYS), _first_number(postfix, _GRAD_NORM_KEYS),
-                        _step_time(m["rate"], m["unit"]))
+                        _step_time(bar["rate"], bar["unit"]))
 
 
 def _first_number(postfix: dict[str, str], keys: tuple[str, ...]) -> float | None:
@@ -213,9 +250,12 @@ def _step_time(rate: str | None, unit: str | None) -> float | None:
     return 1.0 / (float(rate) - half) if float(rate) > half else None
 
 
-def formats_for(progress_pattern: str | None) -> tuple[Format, ...]:
-    own = (Format("progress_pattern", re.compile(progress_pattern)),) if progress_pattern else ()
-    return own + PATTERNS
+@functools.lru_cache(maxsize=64)
+def formats_for(progress_pattern: str | None) -> OutputPatterns:
+    """The patterns of a run whose spec says ``progress_pattern`` (checked by the spec: one RE2 runs)."""
+    if not progress_pattern:
+        return PATTERNS
+    return OutputPatterns((Format("progress_pattern", progress_pattern), *SEED_FORMATS))
 
 
 def _number(text: str | None) -> float | None:
@@ -226,6 +266,9 @@ def _number(text: str | None) -> float | None:
         return float(text)
     except ValueError:
         return None
+
+
+PATTERNS = OutputPatterns(SEED_FORMATS)
 
 
 @dataclass(slots=True)
@@ -275,7 +318,7 @@ class ReadStep:
 
 
 def read_output(state: AttemptOutput, log_dir: Path, *, run_id: str, attempt: int, ranks_per_node: int,
-                formats: tuple[Format, ...], now: float) -> list[ReadStep]:
+                formats: OutputPatterns, now: float) -> list[ReadStep]:
     """Read what the attempt's ranks wrote since the last call; the steps it shows, to
     apply to the telemetry view. Fatal lines are kept in ``state.fatal``, the phase the
     output shows in ``state.phases``."""
@@ -291,13 +334,14 @@ def read_output(state: AttemptOutput, log_dir: Path, *, run_id: str, attempt: in
         lines = _new_lines(state.files.setdefault(name, _File()), log_dir / name)
         seen: list[ProgressLine] = []
         for line in lines:
-            if (x := parse_progress(line, formats)) is not None:
+            x, compiling, kind = formats.read(line)
+            if x is not None:
                 seen.append(x)
                 state.phases[rank] = "train"
                 state.line_at = now
-            elif COMPILING.search(line):
+            elif compiling:
                 state.phases[rank] = "compile"
-            if (kind := fatal_signature(line)) is not None and _outranks(kind, state.fatal.get(rank)):
+            if kind is not None and _outranks(kind, state.fatal.get(rank)):
                 state.fatal[rank] = Fatal(kind, line.strip()[:500])
         r = state.ranks.setdefault(rank, _Rank())
         new = [x for x in seen if x.step > r.step]

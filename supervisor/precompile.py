@@ -18,6 +18,12 @@ inputs changed, as this fingerprint says:
   from the shared file system the nodes run it from. A file that cannot be read counts as
   its error, so that it becoming readable (or changing) makes the pass due again.
 
+The fingerprint is taken on the tick, so its cost is bounded whatever the spec names
+(a sparse file named 300 ways took 13 s a tick): at most ``MAX_PRECOMPILE_INPUTS`` files
+(supervisor/spec.py refuses more), each read once per version (its device, inode, size and mtime: the same
+file under many names is read once), and a file over ``READ_MAX_BYTES`` counts by that
+version alone, unread. Scripts and configs are far smaller.
+
 A precompile attempt is an attempt like the others for faults, drains and the budget; it
 differs in what it is not: it resumes from no checkpoint, its steps are not training (they
 count for neither goodput nor a resume check, nor spikes nor stragglers), and its hang
@@ -39,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import hashlib
 import json
 import os
@@ -51,8 +56,9 @@ from supervisor import checkpoint_scan, user_files
 from supervisor.domain import Attempt, AttemptOutcome
 from supervisor.spec import RunSpec
 
-READ_MAX_BYTES = 64 << 20  # an input past this size is fingerprinted by its first 64 MiB
-_CHUNK = 1 << 20
+READ_MAX_BYTES = 1 << 20  # an input over this size counts by its version (stat), unread
+_DIGESTS_KEPT = 256
+_digests: dict[tuple[int, int, int, int], bytes] = {}  # a file's version: its digest
 
 
 def inputs(spec: RunSpec, cwd: Path | None) -> list[Path]:
@@ -78,9 +84,20 @@ def fingerprint(spec: RunSpec, cwd: Path | None) -> str:
         h.update(b"\0" + str(path).encode() + b"\0")
         try:  # read again only once it changed: a launch may be decided every tick
             st = os.stat(path)
-            h.update(_file_digest(path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
         except OSError as e:
             h.update(_error(e))
+            continue
+        version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if st.st_size > READ_MAX_BYTES:
+            h.update(b"unread: %d bytes, modified %d" % (st.st_size, st.st_mtime_ns))
+            continue
+        digest = _digests.get(version)
+        if digest is None:
+            digest = _file_digest(path)
+            if len(_digests) >= _DIGESTS_KEPT:
+                del _digests[next(iter(_digests))]
+            _digests[version] = digest
+        h.update(digest)
     return h.hexdigest()
 
 
@@ -90,11 +107,10 @@ def due(fingerprint_now: str, attempts: Iterable[Attempt]) -> str | None:
     return None if done else fingerprint_now
 
 
-@functools.lru_cache(maxsize=256)
-def _file_digest(path: Path, *version: int) -> bytes:
-    """The file's SHA-256, or its error's name (``version``: its stat, the cache's key).
-    Opened without blocking (a FIFO planted in its place would hang the daemon) and read
-    only as a regular file."""
+def _file_digest(path: Path) -> bytes:
+    """The file's SHA-256 (its first ``READ_MAX_BYTES``), or its error's name. Opened
+    without blocking (a FIFO planted in its place would hang the daemon) and read only as
+    a regular file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
@@ -103,7 +119,7 @@ def _file_digest(path: Path, *version: int) -> bytes:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return b"unreadable: not a regular file"
         h, left = hashlib.sha256(), READ_MAX_BYTES
-        while left > 0 and (chunk := os.read(fd, min(_CHUNK, left))):
+        while left > 0 and (chunk := os.read(fd, left)):
             h.update(chunk)
             left -= len(chunk)
         return h.digest()

@@ -36,6 +36,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from supervisor import linear_match
 from supervisor.domain import TSUP_EXIT_CODES, ExitMeaning, Policy
 from supervisor.domain.step import STEP_PLACEHOLDERS, LaunchMode
 from supervisor.errors import SpecError
@@ -153,6 +154,7 @@ CHECKPOINT_LAYOUTS = ("tsup", "nxd", "nemo", "hf", "megatron", "dcp", "lightning
 
 
 SKIP_TO_STEP = "{skip_to_step}"
+MAX_PRECOMPILE_INPUTS = 32  # files the precompile pass's fingerprint reads (supervisor/precompile.py)
 
 
 class CommandSpec(BaseModel):
@@ -193,7 +195,8 @@ class CommandSpec(BaseModel):
     env: dict[str, str] = {}
     cwd: str | None = None  # the ranks' working directory ({run_dir}, {checkpoint_dir} allowed)
     precompile_env: dict[str, str] = {}  # over env, for the precompile pass (empty: the job has none)
-    precompile_inputs: list[Annotated[str, Field(min_length=1, max_length=4096)]] | None = None
+    precompile_inputs: Annotated[list[Annotated[str, Field(min_length=1, max_length=4096)]],
+                                 Field(max_length=MAX_PRECOMPILE_INPUTS)] | None = None
     # Slurm: options of the user's own for the step's srun (-l, --container-image=...),
     # after the supervisor's; those it sets itself (--nodes, --ntasks, ...) are refused.
     srun_args: list[Annotated[str, Field(min_length=2, max_length=1000)]] = []
@@ -206,7 +209,8 @@ class CommandSpec(BaseModel):
     exit_codes: str | dict[str, str] = "none"
     # A regular expression for the trainer's progress lines, with named groups "step" and
     # optionally "loss" and "grad_norm" (supervisor/output_progress.py), tried before the
-    # formats the supervisor knows (the FSDP test case's, NxD's, NeMo's).
+    # formats the supervisor knows (the FSDP test case's, NxD's, NeMo's). RE2's syntax:
+    # no backreferences or lookarounds, so that any line is matched in linear time.
     progress_pattern: Annotated[str, Field(min_length=1, max_length=1000)] | None = None
 
     @field_validator("progress_pattern")
@@ -218,6 +222,7 @@ class CommandSpec(BaseModel):
             groups = re.compile(v).groupindex
         except re.error as e:
             raise ValueError(f"{v!r} is not a regular expression: {e}") from e
+        linear_match.check(v)  # every line a trainer prints is matched: in linear time
         if "step" not in groups:
             raise ValueError(f"{v!r} has no (?P<step>...) group: the step number is what progress is")
         unknown = sorted(set(groups) - {"step", "loss", "grad_norm"})

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -117,6 +119,38 @@ def test_a_specs_own_pattern_comes_first() -> None:
     formats = formats_for(r"it=(?P<step>\d+) l=(?P<loss>\S+)")
     assert parse_progress("it=7 l=0.5", formats) == ProgressLine(7, 0.5, None)
     assert parse_progress("nothing here", formats) is None
+
+
+def test_an_exponential_pattern_of_a_spec_is_matched_in_linear_time() -> None:
+    """H7 of issue 37: a spec's pattern such as (a+)+ took Python's re exponential time on
+    a line that almost matches; RE2 matches it in one pass."""
+    formats = formats_for(r"(?:a+)+x (?P<step>\d+)")
+    assert parse_progress("aaaa" * 16 + "x 12", formats) == ProgressLine(12, None, None)
+    assert _best_time(parse_progress, "a" * 4000 + "!", formats) < 0.05  # Python's re: far beyond
+
+
+def _best_time(f: Callable[..., object], *args: object) -> float:
+    best = math.inf
+    for _ in range(3):
+        began = time.perf_counter()
+        f(*args)
+        best = min(best, time.perf_counter() - began)
+    return best
+
+
+@pytest.mark.parametrize("crafted", [
+    "Epoch 1 " * 8192,  # the progress bar's pattern: each "Epoch 1" ran to the line's end (1.1 s)
+    "Xid (" * 13000,  # the Xid pattern's [^)]* from each "Xid"
+    "step 1 step_time " * 3800,  # nxd-pp's ".*step loss"
+    "NEURON_HW_ERR=X " * 4000,  # a lookahead of health.neuron's table: bounded, not RE2
+])
+def test_a_line_crafted_against_a_pattern_is_read_about_as_fast_as_any_line(crafted: str) -> None:
+    """H7 of issue 37: crafted 64 KiB lines took Python's re quadratic time on the tick
+    (0.53 s a line, 9 s a log file a tick). Every pattern is now one RE2 pass over the line."""
+    crafted = crafted[:65536]
+    benign = ("LOG Thu - (0, 5) step_loss : 2.34 learning_rate : 1e-4 throughput : 55.5 " * 900)[:65536]
+    ratio = _best_time(PATTERNS.read, crafted) / _best_time(PATTERNS.read, benign)
+    assert ratio < 20, f"a crafted line took {ratio:.0f} times a benign one of the same length"
 
 
 @pytest.mark.parametrize(("line", "kind"), [

@@ -196,6 +196,8 @@ def test_cwd_and_srun_args_reach_the_dry_run(tmp_path: Path) -> None:
                                                    "regular expression: missing ), unterminated subpattern"),
     ({"progress_pattern": "Batch (\\d+)"}, "has no (?P<step>...) group"),
     ({"progress_pattern": "(?P<step>\\d+) (?P<lr>\\S+)"}, "unknown group(s) lr; known: step, loss, grad_norm"),
+    ({"progress_pattern": "(?P<step>\\d+)(?=ms)"}, "is not a pattern RE2 can match in linear time"),
+    ({"progress_pattern": "(?P<step>(\\d)\\2)"}, "no backreferences or lookarounds"),
 ])
 def test_a_bad_command_key_is_named(command: dict[str, object], complaint: str) -> None:
     with pytest.raises(SpecError) as e:
