@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from health.model import Finding, Status
+from health.model import RUN_FILES, Finding, Status
 
 
 def disk(path: Path, *, min_free_gib: float = 10.0, degraded_free_gib: float = 50.0) -> Finding:
@@ -80,13 +80,14 @@ def leftover_trainers() -> Finding:
 def required(paths: list[Path]) -> list[Finding]:
     """The files a run needs on this node (its command, its working directory: the
     supervisor names them), each there; a missing one makes the node unfit for that run,
-    and says which."""
+    and says which. Missing on every node of the run, they are the run's fault, not its
+    nodes' (the supervisor drains none for it: supervisor/policy/nodes.py)."""
     if not paths:
         return []
     missing = [p for p in paths if not (os.access(p, os.X_OK) if p.is_file() else p.is_dir())]
     if not missing:
-        return [Finding(probe="deploy", status=Status.HEALTHY,
+        return [Finding(probe=RUN_FILES, status=Status.HEALTHY,
                         evidence=f"the run's files are here: {', '.join(map(str, paths))}")]
-    return [Finding(probe="deploy", status=Status.UNHEALTHY,
+    return [Finding(probe=RUN_FILES, status=Status.UNHEALTHY,
                     evidence=f"{p} is missing on this node (or not executable): the run's command needs it")
             for p in missing]

@@ -38,6 +38,9 @@ _ACTION_ORDER = (Action.NONE, Action.RESTART, Action.REBOOT, Action.REPLACE)
 EXIT_CODES = {Status.HEALTHY: 0, Status.DEGRADED: 1, Status.UNHEALTHY: 2, Status.UNKNOWN: 2}
 
 
+RUN_FILES = "run-files"  # the probe name of the run's own files' findings (host.required)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Finding:
     probe: str  # e.g. "neuron-monitor", "nvidia-smi", "disk"

@@ -37,6 +37,7 @@ from supervisor.config import ServiceConfig, default_state_dir, load_service_con
 from supervisor.daemon import Daemon, DaemonSettings
 from supervisor.domain import TERMINAL_RUN_STATES, CommandKind
 from supervisor.errors import SpecError, StateDirLocked, SupervisorError
+from supervisor.execute_nodes import DrainBudget
 from supervisor.recorder import Retention
 from supervisor.spec import load_spec
 
@@ -197,6 +198,7 @@ def serve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> tupl
         slurm_bin_dir=config.slurm_bin_dir, tick_s=config.tick_s,
         sweep_every_s=config.sweep_every_s or None, sweep_args=tuple(config.sweep_args),
         return_after=config.return_after, api_token_file=config.api_token_file,
+        drain_budget=DrainBudget(per_window=config.drains_per_window, window_s=config.drain_window_s),
         mqtt_bind=config.mqtt_bind, mqtt_advertise_url=config.mqtt_advertise_url,
         mqtt_ca_file=config.mqtt_ca_file,
         cluster_id=config.cluster_id, run_as=config.run_as, allow_root_runs=config.allow_root_runs,

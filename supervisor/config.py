@@ -39,6 +39,8 @@ override that again (``cli.py``). Every error names the key and where it came fr
     sweep_args = ["--instance-type", "trn1.32xlarge"]
     return_after = 3                             # clean sweeps in a row that return a node this
                                                  # daemon drained (0: only an operator does)
+    drains_per_window = 8                        # nodes this daemon drains of its own accord,
+    drain_window_s = 3600                        # at most, in this long (past it: held)
     log_format = "text"                          # or "json": one object per line
     api_token_file = "/etc/training-supervisor/api-token"  # absent: <state_dir>/api-token
     tls_cert = "/etc/training-supervisor/tls.crt"          # both: the API speaks HTTPS
@@ -102,6 +104,11 @@ class ServiceConfig(BaseModel):
     sweep_every_s: Annotated[float, Field(ge=0, le=30 * 86_400)] = 900.0
     sweep_args: list[Annotated[str, Field(max_length=200)]] = []
     return_after: Annotated[int, Field(ge=0, le=1000)] = 3
+    # The daemon's one drain budget: the nodes it drains of its own accord (faults, probes'
+    # verdicts), whatever the run, at most this many in drain_window_s; a spec's own can
+    # only be tighter. Past it a drain is held for an operator (an operator's drain never is).
+    drains_per_window: Annotated[int, Field(ge=0, le=100_000)] = 8
+    drain_window_s: Annotated[float, Field(gt=0, le=30 * 86_400)] = 3600.0
     log_format: Literal["text", "json"] = "text"
     api_token_file: Path | None = None
     tls_cert: Path | None = None

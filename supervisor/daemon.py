@@ -55,6 +55,7 @@ from supervisor.broker import (
 from supervisor.domain import LIVE_ATTEMPT_STATES
 from supervisor.domain.events import EventKind
 from supervisor.errors import StateDirLocked, StoreError, SupervisorError
+from supervisor.execute_nodes import DrainBudget
 from supervisor.launchers.base import ChaosHooks, Launcher, NodeAdmin, waiting_standbys
 from supervisor.launchers.local import LocalLauncher
 from supervisor.metrics import SupervisorMetrics
@@ -121,6 +122,7 @@ class DaemonSettings:
     sweep_every_s: float | None = None  # probe idle and drained nodes this often (None: never)
     sweep_args: tuple[str, ...] = ()  # extra arguments to the sweep's python -m health
     return_after: int = 3  # clean sweep probes in a row that return a node it drained (0: never)
+    drain_budget: DrainBudget = field(default_factory=DrainBudget)  # its own drains, whatever the cause
     shutdown_flush_s: float = 5.0  # at most this long publishing the outbox on the way out
     api_token_file: Path | None = None  # None: <state_dir>/api-token (api/auth.py)
     tls_cert: Path | None = None  # both set: the API speaks HTTPS
@@ -208,6 +210,7 @@ class Daemon:
             config = ReconcilerConfig(mqtt_url=self.mqtt_url, mqtt_ca_file=st.mqtt_ca_file,
                                       sweep_every_s=st.sweep_every_s,
                                       sweep_args=st.sweep_args, return_after=st.return_after,
+                                      drain_budget=st.drain_budget,
                                       retention=st.retention)
             self.reconciler = Reconciler(self.store, self.telemetry, config, launcher=self.launcher,
                                          nodes=self.cluster.nodes, clock=self.clock)

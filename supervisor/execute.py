@@ -77,7 +77,7 @@ from supervisor.domain import (
 )
 from supervisor.domain.events import EventKind
 from supervisor.errors import CannotExecute, LaunchError
-from supervisor.execute_nodes import NodeEffects
+from supervisor.execute_nodes import DrainBudget, NodeEffects
 from supervisor.launchers.base import AllocationRequest, Launcher, NodeAdmin
 from supervisor.policy import data_step, skip_to
 from supervisor.policy.transitions import check_attempt, check_run
@@ -100,7 +100,7 @@ log = logging.getLogger(__name__)
 class DecisionExecutor:
     def __init__(self, store: SqlStore, launcher: Launcher, nodes: NodeAdmin, telemetry: TelemetryView,
                  probes: ProbeSubmitter, memory: RunMemory, launch_specs: LaunchSpecs,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], drain_budget: DrainBudget | None = None) -> None:
         self.store = store
         self.launcher = launcher
         self.nodes = nodes
@@ -110,7 +110,7 @@ class DecisionExecutor:
         self.launch_specs = launch_specs
         self.clock = clock
         self._short: dict[int, tuple[int, int] | None] = {}  # run -> last (asked, got) shortage said
-        self.node_effects = NodeEffects(store, nodes, probes, memory)
+        self.node_effects = NodeEffects(store, nodes, probes, memory, drain_budget)
         self.moves = CheckpointMoves(self.post_event)
 
     # --- a run's decision -----------------------------------------------------------

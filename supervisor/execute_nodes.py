@@ -10,12 +10,21 @@ Reason) or a return to service is recorded with the decision, then sent by
 whoever asked for it (the policy, a probe, an operator). A failed ``scontrol`` is
 therefore retried by the next tick, and a daemon killed between recording and sending
 sends it after its restart. While the cluster cannot tell what it shows, nothing is sent.
+
+Every drain this supervisor makes of its own accord, whatever the cause (a fault, a
+probe's verdict, a lemon), passes the daemon's one drain budget here: at most
+``DrainBudget.per_window`` in ``window_s`` across the cluster. A drain past it is held:
+the node stays in service, and a ``drain.held`` event says what would have drained
+it, for an operator to decide. A run's own budget (its policy's drains_per_fault and
+drains_per_window) can only be tighter: a spec cannot raise this one. An operator's
+drain is never held.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import assert_never
 
 from supervisor import node_health, trainer_cmd
@@ -45,12 +54,22 @@ DRAIN_REBOOT = "drain-reboot"  # an intent's action: a drain whose fix is a rebo
 REPAIR_LOOK_S = 5.0  # how often nodes handed to the cluster's repair are looked at (repairs take minutes)
 
 
+@dataclass(frozen=True, slots=True)
+class DrainBudget:
+    """The daemon's drains of its own accord: at most ``per_window`` in ``window_s``."""
+
+    per_window: int = 8
+    window_s: float = 3600.0
+
+
 class NodeEffects:
-    def __init__(self, store: SqlStore, nodes: NodeAdmin, probes: ProbeSubmitter, memory: RunMemory) -> None:
+    def __init__(self, store: SqlStore, nodes: NodeAdmin, probes: ProbeSubmitter, memory: RunMemory,
+                 budget: DrainBudget | None = None) -> None:
         self.store = store
         self.nodes = nodes
         self.probes = probes
         self.memory = memory
+        self.budget = budget or DrainBudget()
         self._repairs_looked_at = -REPAIR_LOOK_S
 
     def apply(self, effects: Sequence[NodeEffect | Emit], now: float) -> None:
@@ -66,12 +85,22 @@ class NodeEffects:
             case Emit():
                 tx.add_event(e.run_number, e.kind, e.message, e.data, now)
             case DrainNode():
+                ours = e.reason.startswith(DRAINED_BY_US)
+                if ours and tx.drains_by_us_since(now - self.budget.window_s) >= self.budget.per_window:
+                    b = self.budget
+                    tx.add_event(e.run_number, EventKind.DRAIN_HELD, (
+                        f"node {e.node} not drained: this supervisor has drained {b.per_window} nodes in the "
+                        f"last {b.window_s:.0f} s, the daemon's drain budget (drains_per_window); an "
+                        f"operator decides (it would have been drained for: {e.reason})"),
+                        {"node": e.node, "reason": e.reason}, now)
+                    return
                 tx.put_node(Node(name=e.node, state=NodeState.DRAINED, reason=e.reason,
                                  run_number=e.run_number),
                             now)
                 tx.want(e.node, DRAIN_REBOOT if e.reboot else "drain", e.reason, now)
                 tx.add_event(e.run_number, EventKind.NODE_DRAINED,
-                             e.message or f"node {e.node} drained: {e.reason}", {"node": e.node}, now)
+                             e.message or f"node {e.node} drained: {e.reason}",
+                             {"node": e.node, "by": "supervisor" if ours else "operator"}, now)
             case ReturnNode():
                 # Idle again; a run whose allocation still has it takes it back at its next
                 # look at what it holds (launchers.base.Launcher.held).

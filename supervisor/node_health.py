@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from health import wire
-from health.model import Action, Finding, Status, Verdict
+from health.model import RUN_FILES, Action, Finding, Status, Verdict
 from supervisor.domain import ProbeRecord
 
 CONFIRMATIONS = 2  # bad results in a row before a drain
@@ -52,6 +52,17 @@ def judge(statuses_newest_first: Sequence[str], reasons_newest_first: Sequence[s
     if run >= CONFIRMATIONS:
         return Judgement(drain=True, confirm=False, reason=reason)
     return Judgement(drain=False, confirm=True, reason=reason)
+
+
+def run_files_missing(r: ProbeRecord) -> bool:
+    """``r`` says the run's own files are missing there (``--require``)."""
+    return any(f.get("probe") == RUN_FILES and f.get("status") == "unhealthy" for f in r.findings)
+
+
+def run_files_only(r: ProbeRecord) -> bool:
+    """``r`` is unhealthy only because the run's own files are missing there (``--require``)."""
+    bad = [f for f in r.findings if f.get("status") == "unhealthy"]
+    return r.status == "unhealthy" and bool(bad) and all(f.get("probe") == RUN_FILES for f in bad)
 
 
 def may_return(statuses_newest_first: Sequence[str], clean_in_a_row: int) -> bool:

@@ -44,6 +44,7 @@ from supervisor.domain import NodeState
 from supervisor.domain.events import EventKind
 from supervisor.errors import NotFound
 from supervisor.execute import DecisionExecutor
+from supervisor.execute_nodes import DrainBudget
 from supervisor.launchers.base import Launcher, NodeAdmin
 from supervisor.observe import Observer
 from supervisor.policy import decide
@@ -79,6 +80,8 @@ class ReconcilerConfig:
     # probes in a row (0: never; an operator returns it by hand).
     return_after: int = 0
     retention: Retention = field(default_factory=Retention)
+    # The daemon's one budget for the drains it makes of its own accord (supervisor/execute_nodes.py).
+    drain_budget: DrainBudget = field(default_factory=DrainBudget)
 
 
 class Reconciler:
@@ -99,7 +102,7 @@ class Reconciler:
         self.observer = Observer(store, launcher, telemetry, self.memory, launch_specs,
                                  probing=self.probes.probing, clock=clock)
         self.executor = DecisionExecutor(store, launcher, nodes, telemetry, self.probes, self.memory,
-                                         launch_specs, clock)
+                                         launch_specs, clock, config.drain_budget)
         self.recorder = TelemetryRecorder(store, telemetry, config.retention)
         self.hooks: list[Callable[[], None]] = []  # run first in every tick, on its thread (chaos drills)
 

@@ -38,7 +38,8 @@ class EventKind(StrEnum):
     STRAGGLER_LEFT_OUT = "straggler.left-out"  # ... left out of the next attempt
     DATA_SKIP = "data.skip"  # a data window the run skips after a spike
     MEMORY_LOST = "memory.lost"  # the memory tier's save cannot be resumed from
-    DRAIN_HELD = "drain.held"  # over the drain budget: probed instead of drained
+    # Over a drain budget: the run's (probed instead) or the daemon's (left to an operator).
+    DRAIN_HELD = "drain.held"
     # Checkpoints.
     CHECKPOINT_COMMITTED = "checkpoint.committed"
     CHECKPOINT_RESTORED = "checkpoint.restored"
@@ -60,6 +61,7 @@ class EventKind(StrEnum):
     PROBE_DEGRADED = "probe.degraded"
     PROBE_UNHEALTHY = "probe.unhealthy"
     PROBE_UNKNOWN = "probe.unknown"
+    PROBE_RUN_FILES = "probe.run_files"  # the run's own files missing on all its nodes: its fault
     # Operators, drills, the daemon.
     COMMAND_ACCEPTED = "command.accepted"
     COMMAND_REJECTED = "command.rejected"

@@ -50,8 +50,17 @@ def judge_probes(*, kind: str, run_number: int | None, round_: int, answers: Map
     out: list[NodeEffect | Emit] = []
     again: list[str] = []
     sweep = run_number is None
-    for node, answer in answers.items():
-        record = node_health.record(node, answer, kind, run_number, now)
+    records = {n: node_health.record(n, answer, kind, run_number, now) for n, answer in answers.items()}
+    # The run's own files missing on every node it probed: the run's fault (its script
+    # deleted, a wrong path), not its nodes'. None is drained for it (a node with a fault
+    # of its own besides is, for that); the launch fails and the run's budget ends it.
+    runs_fault = not sweep and bool(records) and all(map(node_health.run_files_missing, records.values()))
+    if runs_fault:
+        missing = next(iter(records.values())).reason
+        out.append(Emit(kind=EventKind.PROBE_RUN_FILES, run_number=run_number, message=(
+            f"{kind} probe: the run's own files are missing on every node it probed ({missing}): the run's "
+            "fault, not its nodes': none is drained for it"), data={"nodes": sorted(records)}))
+    for node, record in records.items():
         out.append(RecordProbe(record=record))
         recent = [record, *history.get(node, ())]
         statuses, reasons = [p.status for p in recent], [p.reason for p in recent]
@@ -70,7 +79,7 @@ def judge_probes(*, kind: str, run_number: int | None, round_: int, answers: Map
                     f"node {node} returned to service: {return_after} clean probes in a row "
                     f"(drained for: {current.reason})")))
             continue
-        if verdict.drain:
+        if verdict.drain and not (runs_fault and node_health.run_files_only(record)):
             where = f"{run_id_of(run_number)}, {kind}" if run_number is not None else kind
             reason = f"{DRAINED_BY_US} probe: {verdict.reason[:200]} ({where})"
             # A node whose probe could not tell (unknown: it hung, timed out, found no tool)

@@ -147,6 +147,14 @@ class TelemetryQueries:
         times = (float(ts) for ts, data in self.c.execute(q) if json.loads(data).get("attempt") == attempt)
         return next(times, None)
 
+    def drains_by_us_since(self, since: float) -> int:
+        """How many nodes this supervisor drained of its own accord (not an operator) since ``since``."""
+        e = t.events.c
+        by_us = func.json_extract(e.data, "$.by") == "supervisor"
+        q = select(func.count()).select_from(t.events).where(e.ts >= since, e.kind == EventKind.NODE_DRAINED,
+                                                              by_us)
+        return int(self.c.execute(q).scalar_one())
+
     def count_events(self, run_number: int, kind: EventKind) -> int:
         q = select(func.count()).select_from(t.events).where(t.events.c.run_number == run_number,
                                                               t.events.c.kind == kind)

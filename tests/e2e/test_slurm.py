@@ -371,7 +371,7 @@ def test_a_node_without_the_supervisors_interpreter_says_so_naming_itself_and_th
     argv = node_health.probe_argv(["--min-free-gib", "0.1"], [str(script.parent), str(script)])
     answers = launcher.probe(["node2"], argv, allocation_info=None, timeout_s=60)
     record = node_health.record("node2", answers.get("node2"), "preflight", 1, 0.0)
-    assert record.status == "unhealthy" and f"deploy: {script.parent} is missing on this node" in record.reason
+    assert record.status == "unhealthy" and f"run-files: {script.parent} is missing on this node" in record.reason
     script.parent.mkdir()
     script.write_text("#!/bin/sh\n")
     script.chmod(0o755)

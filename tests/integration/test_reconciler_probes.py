@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from supervisor.domain import Node, NodeState, RunState
+from supervisor.domain import Node, NodeCommandKind, NodeState, RunState
 from supervisor.errors import Conflict
+from supervisor.execute_nodes import DrainBudget
 from supervisor.launchers.local import LocalLauncher
 from supervisor.reconciler import Reconciler, ReconcilerConfig
 from supervisor.service import SupervisorService
@@ -288,3 +289,32 @@ def test_an_operators_probe_is_a_round_of_the_scheduler_refused_while_a_round_pr
     pool.finish()
     asking.join(10)
     assert answer and answer[0].status == "healthy" and open_rounds(store) == []
+
+
+def test_probe_verdicts_drain_within_the_daemons_one_budget_and_an_operator_past_it(tmp_path: Path) -> None:
+    """H4 of issue 37: probe verdicts drained with no budget (8 of 8 nodes for a run's
+    deleted file). Every drain of the supervisor's own now passes the daemon's one budget;
+    past it the node stays in service and an event leaves it to an operator, whose own
+    drain is never held."""
+    nodes = [f"idle-{i}" for i in range(1, 9)]
+    launcher = ProbedLauncher({n: ["unhealthy", "unhealthy"] for n in nodes})
+    store, clock, rec, pool = make(tmp_path, launcher, sweep_every_s=60.0,
+                                   drain_budget=DrainBudget(per_window=3, window_s=3600.0))
+    seed(store, *(Node(name=n, state=NodeState.IDLE) for n in nodes))
+    clock.t += 61
+    rec.tick()
+    pool.finish()
+    rec.tick()  # bad once: asked again
+    pool.finish()
+    rec.tick()  # confirmed bad, all eight
+    states = node_states(store)
+    drained = sorted(n for n in nodes if states[n][0] is NodeState.DRAINED)
+    assert len(drained) == 3 and sorted(n for n, _ in launcher.drains) == drained
+    with store.tx() as tx:
+        held = [e for e in tx.list_events(None) if e.kind == "drain.held"]
+    assert len(held) == 5 and all("the daemon's drain budget" in e.message for e in held)
+    assert {e.data["node"] for e in held} == set(nodes) - set(drained)
+    with store.tx() as tx:
+        tx.add_node_command(held[0].data["node"], NodeCommandKind.DRAIN, "fan failure", clock())
+    rec.tick()
+    assert node_states(store)[str(held[0].data["node"])] == (NodeState.DRAINED, "operator: fan failure")

@@ -72,3 +72,33 @@ def test_a_drained_node_returns_only_after_n_clean_results_in_a_row_when_enabled
     assert not may_return(["healthy", "unknown", "healthy"], 2)
     assert not may_return(["healthy"], 2), "too few results yet"
     assert not may_return(["healthy"] * 5, 0), "not enabled"
+
+
+def _answer(node: str, *findings: tuple[str, str]) -> str:
+    bad = [f"{probe}: x" for probe, status in findings if status == "unhealthy"]
+    return json.dumps({"node": node, "status": "unhealthy" if bad else "healthy", "action": "none",
+                       "reason": "; ".join(bad), "findings": [
+                           {"probe": probe, "status": status, "evidence": "x"} for probe, status in findings]})
+
+
+def test_the_runs_own_files_missing_on_every_node_drain_none_and_on_one_node_drain_it() -> None:
+    """H4 of issue 37: a run whose train.sh deleted itself had its 8 nodes drained, its
+    missing file taken for 8 node faults. Missing on every node it is the run's fault; on
+    some nodes only, theirs (a shared file system not mounted there)."""
+    from supervisor.domain import DrainNode, Emit
+    from supervisor.policy.nodes import judge_probes
+
+    def judged(answers: dict[str, str | None]) -> list[object]:
+        history = {n: [node_health.record(n, answers[n], "diagnosis", 1, 0.0)] for n in answers}
+        return list(judge_probes(kind="diagnosis", run_number=1, round_=2, answers=answers, known={},
+                                 history=history, return_after=0, now=1.0))
+
+    gone = {f"n{i}": _answer(f"n{i}", ("run-files", "unhealthy"), ("disk", "healthy")) for i in range(8)}
+    out = judged(dict(gone))
+    assert not [e for e in out if isinstance(e, DrainNode)]
+    said = [e for e in out if isinstance(e, Emit) and e.kind == "probe.run_files"]
+    assert len(said) == 1 and "the run's fault, not its nodes'" in said[0].message
+    one = {**{f"n{i}": _answer(f"n{i}", ("run-files", "healthy")) for i in range(7)}, "n7": gone["n7"]}
+    assert [e.node for e in judged(one) if isinstance(e, DrainNode)] == ["n7"]
+    also_ecc = {**gone, "n3": _answer("n3", ("run-files", "unhealthy"), ("neuron-monitor", "unhealthy"))}
+    assert [e.node for e in judged(also_ecc) if isinstance(e, DrainNode)] == ["n3"], "its ECC error is its own"

@@ -34,7 +34,7 @@ def test_with_the_interpreter_the_probe_runs_and_checks_the_runs_files(tmp_path:
                                   [str(tmp_path), str(script)], interpreter=sys.executable)
     record = probe(argv, "trn-3")
     assert record.status == "unhealthy" and record.reason == (
-        f"deploy: {script} is missing on this node (or not executable): the run's command needs it")
+        f"run-files: {script} is missing on this node (or not executable): the run's command needs it")
     script.write_text("#!/bin/sh\n")
     assert probe(argv, "trn-3").status == "unhealthy", "a script that is not executable cannot run"
     script.chmod(0o755)
