@@ -7,6 +7,7 @@ Thresholds are parameters with documented defaults, so an operator can tighten t
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from pathlib import Path
 
@@ -28,11 +29,16 @@ def disk(path: Path, *, min_free_gib: float = 10.0, degraded_free_gib: float = 5
 
 
 def write_latency(path: Path, *, max_ms: float = 500.0, size_bytes: int = 1 << 20) -> Finding:
-    """Write and fsync 1 MiB where checkpoints go: a slow or hung filesystem shows here."""
-    probe_file = path / f".tsup-health-{os.getpid()}"
+    """Write and fsync 1 MiB where checkpoints go: a slow or hung filesystem shows here.
+    The file is new, under a name nobody can guess, never through a link (O_EXCL,
+    O_NOFOLLOW): the directory may be a user's, and the probe may run as root."""
+    probe_file = path / f".tsup-health-{os.getpid()}-{secrets.token_hex(8)}"
+    created = False
     try:
         began = time.perf_counter()
-        with open(probe_file, "wb") as f:
+        fd = os.open(probe_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        created = True
+        with os.fdopen(fd, "wb") as f:
             f.write(os.urandom(size_bytes))
             f.flush()
             os.fsync(f.fileno())
@@ -41,7 +47,8 @@ def write_latency(path: Path, *, max_ms: float = 500.0, size_bytes: int = 1 << 2
         return Finding(probe="write_latency", status=Status.UNHEALTHY,
                        evidence=f"{path}: cannot write: {e.strerror}")
     finally:
-        probe_file.unlink(missing_ok=True)
+        if created:
+            probe_file.unlink(missing_ok=True)
     status = Status.DEGRADED if elapsed_ms > max_ms else Status.HEALTHY
     return Finding(probe="write_latency", status=status,
                    evidence=f"{path}: 1 MiB written and synced in {elapsed_ms:.1f} ms "

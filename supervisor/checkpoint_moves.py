@@ -26,6 +26,7 @@ from supervisor import checkpoint_scan, precompile, trainer_cmd
 from supervisor.domain import Run, StartAttempt
 from supervisor.domain.events import EventKind
 from supervisor.spec import RunSpec
+from supervisor.store import SqlStore
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,14 @@ PostEvent = Callable[[int | None, EventKind, str, dict[str, object]], None]
 
 
 class CheckpointMoves:
-    def __init__(self, post_event: PostEvent) -> None:
+    def __init__(self, post_event: PostEvent, store: SqlStore) -> None:
         self.post_event = post_event
+        self.store = store  # where a precompile pass's moves are kept (never the run's tree)
+
+    def _record_aside(self, run: Run, number: int, moves: precompile.Moves | None) -> None:
+        text = None if moves is None else precompile.moves_json(moves)
+        with self.store.tx() as tx:
+            tx.update_attempt(run.number, number, set_aside=text)
 
     def go_back_to(self, run: Run, spec: RunSpec, run_dir: Path, step: int, now: float) -> None:
         """An operator's resume from the checkpoint of ``step``: every newer checkpoint is
@@ -71,7 +78,8 @@ class CheckpointMoves:
     def keep_aside_for_pass(self, run: Run, spec: RunSpec, run_dir: Path, number: int) -> None:
         """The run's checkpoints out of the way of its precompile pass, attempt ``number``."""
         directory = trainer_cmd.checkpoint_dir(spec, run_dir)
-        moved = precompile.keep_aside(directory, trainer_cmd.checkpoint_layout(spec), run_dir, number)
+        moved = precompile.keep_aside(directory, trainer_cmd.checkpoint_layout(spec), number,
+                                      lambda moves: self._record_aside(run, number, moves))
         if moved:
             names = ", ".join(src.name for src, _ in moved)
             where = f"{checkpoint_scan.SET_ASIDE}/before-precompile-{number}/"
@@ -80,11 +88,13 @@ class CheckpointMoves:
                             f"(into {where}); they come back when it ends",
                             {"attempt": number, "moved": [str(src) for src, _ in moved]})
 
-    def bring_back(self, run: Run, spec: RunSpec, run_dir: Path, number: int) -> None:
-        """The pass ``number`` has ended: what it saved set aside, the run's own back."""
+    def bring_back(self, run: Run, spec: RunSpec, run_dir: Path, number: int, set_aside: str) -> None:
+        """The pass ``number`` has ended: what it saved set aside, the run's own back
+        (``set_aside``: the moves that kept them out of its way)."""
         directory, layout = trainer_cmd.checkpoint_dir(spec, run_dir), trainer_cmd.checkpoint_layout(spec)
         try:
-            saved, back = precompile.bring_back(directory, layout, run_dir, number)
+            saved, back = precompile.bring_back(directory, layout, number, precompile.moves_of(set_aside))
+            self._record_aside(run, number, None)
         except (OSError, ValueError) as err:  # tried again next tick: nothing launches meanwhile
             log.warning("run %s: the checkpoints set aside for precompile attempt %d are not back yet: %s",
                         run.run_id, number, err)

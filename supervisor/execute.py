@@ -111,7 +111,7 @@ class DecisionExecutor:
         self.clock = clock
         self._short: dict[int, tuple[int, int] | None] = {}  # run -> last (asked, got) shortage said
         self.node_effects = NodeEffects(store, nodes, probes, memory, drain_budget)
-        self.moves = CheckpointMoves(self.post_event)
+        self.moves = CheckpointMoves(self.post_event, store)
 
     # --- a run's decision -----------------------------------------------------------
 
@@ -278,7 +278,9 @@ class DecisionExecutor:
             case StartAttempt() if spec is not None:
                 self._start(run, spec, seen.run_dir, e, now)
             case BringBackCheckpoints() if spec is not None:
-                self.moves.bring_back(run, spec, seen.run_dir, e.number)
+                aside = attempts[e.number].set_aside if e.number in attempts else None
+                if aside is not None:
+                    self.moves.bring_back(run, spec, seen.run_dir, e.number, aside)
             case ResumeRun(from_step=int(step)) if spec is not None:
                 self.moves.go_back_to(run, spec, seen.run_dir, step, now)
             case StopAttempt() | EnsureStopped():
@@ -292,7 +294,7 @@ class DecisionExecutor:
                     info = tx.get_run(run.number).allocation_info
                 needs = trainer_cmd.node_requirements(spec, seen.run_dir)
                 self.probes.submit(run_number=run.number, kind=e.kind, nodes=list(e.nodes),
-                                   argv=node_health.probe_argv(spec.health.args, needs),
+                                   argv=node_health.probe_argv(spec.health.probe_args(), needs),
                                    timeout_s=spec.health.timeout_s,
                                    allocation_info=info)
                 probed = ", ".join(e.nodes)

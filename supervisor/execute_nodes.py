@@ -128,7 +128,7 @@ class NodeEffects:
                     drained = {x.name: x.reason for x in tx.nodes_named(e.nodes)
                                if x.state is NodeState.DRAINED}
             spec, run_dir = self.memory.spec(e.run_number) if e.run_number is not None else (None, None)
-            args = spec.health.args if isinstance(spec, RunSpec) else self.probes.sweep_args
+            args = spec.health.probe_args() if isinstance(spec, RunSpec) else self.probes.sweep_args
             timeout_s = spec.health.timeout_s if isinstance(spec, RunSpec) else self.probes.sweep_timeout_s
             run_spec = spec if isinstance(spec, RunSpec) else None
             needs = trainer_cmd.node_requirements(run_spec, run_dir) if run_spec and run_dir else []

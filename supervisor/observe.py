@@ -139,7 +139,7 @@ class Observer:
         precompiles = isinstance(spec, RunSpec) and spec.command is not None and spec.command.precompiles
         # After a precompile pass, until the run's checkpoints are back, the directory holds
         # only what the pass saved: no checkpoint of the run's (supervisor/precompile.py).
-        aside = precompile.aside(run_dir, attempts) if precompiles and live is None else None
+        aside = precompile.aside(attempts) if precompiles and live is None else None
         if isinstance(spec, RunSpec) and (may_launch or shrunk) and aside is None:
             before, unreadable = resume_before(attempts, faults), unreadable_checkpoints(faults, attempts)
             newest = self._newest_checkpoint(spec, run_dir, facts, before, unreadable)

@@ -34,11 +34,13 @@ real (its outputs, "loss, checkpoints", are to be ignored, as it says itself), y
 saves as it always does: under the names of the run's own checkpoints, over them, or as a
 newer one the next attempt would resume from. So the run's checkpoints are moved out of
 the pass's way before it starts (``keep_aside``, into ``.set-aside/before-precompile-N/``
-of the checkpoint directory, each at its own relative path, the moves written to a
-manifest in the run's directory); once it has ended, whatever it saved is moved into
-``.set-aside/precompile-N/`` and the run's own come back (``bring_back``) before anything
-else is launched (the policy waits on ``RunView.precompile_aside``). A daemon killed in
-between finds the manifest and finishes the job on its next tick. Nothing is deleted.
+of the checkpoint directory, each at its own relative path, the moves recorded with the
+attempt in the store: ``Attempt.set_aside``, never a file in the user's tree, which its
+user could replace by a link or a FIFO); once it has ended, whatever it saved is moved
+into ``.set-aside/precompile-N/`` and the run's own come back (``bring_back``) before
+anything else is launched (the policy waits on ``RunView.precompile_aside``). A daemon
+killed in between finds the moves in the store and finishes the job on its next tick.
+Nothing is deleted.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from supervisor import checkpoint_scan, user_files
@@ -136,45 +138,47 @@ def _error(e: OSError) -> bytes:
 # --- the run's checkpoints, kept out of the pass's way ---------------------------------
 
 
-def manifest_path(run_dir: Path, attempt: int) -> Path:
-    """Where the moves made before precompile attempt ``attempt`` are written (the
-    daemon's own directory); ``.done`` is appended once they are undone."""
-    return run_dir / "precompile" / f"set-aside-{attempt}.json"
+Moves = list[tuple[Path, Path]]  # (where a checkpoint was, where it is now)
 
 
-def aside(run_dir: Path, attempts: Iterable[Attempt]) -> int | None:
+def moves_json(moves: Moves) -> str:
+    return json.dumps([[str(src), str(dst)] for src, dst in moves])
+
+
+def moves_of(text: str) -> Moves:
+    return [(Path(src), Path(dst)) for src, dst in json.loads(text)]
+
+
+def aside(attempts: Iterable[Attempt]) -> int | None:
     """The ended precompile attempt whose set-aside checkpoints are not back yet, if any."""
     last = next((a for a in reversed(tuple(attempts)) if a.precompile is not None), None)
-    if last is None or last.outcome is None or not manifest_path(run_dir, last.number).exists():
+    if last is None or last.outcome is None or last.set_aside is None:
         return None
     return last.number
 
 
-def keep_aside(directory: Path, layout: str | None, run_dir: Path, attempt: int) -> list[tuple[Path, Path]]:
+def keep_aside(directory: Path, layout: str | None, attempt: int, record: Callable[[Moves], None]) -> Moves:
     """Move every checkpoint of ``directory`` into ``.set-aside/before-precompile-N/``,
-    writing the moves to the manifest first (then each as it is made)."""
+    recording the moves first (``record``: into the store), then each as it is made."""
     into = directory / checkpoint_scan.SET_ASIDE / f"before-precompile-{attempt}"
-    manifest = manifest_path(run_dir, attempt)
-    manifest.parent.mkdir(parents=True, exist_ok=True)
-    moved: list[tuple[Path, Path]] = []
-    _write(manifest, moved)  # even with nothing to move: the pass's own saves are set aside when it ends
+    moved: Moves = []
+    record(moved)  # even with nothing to move: the pass's own saves are set aside when it ends
     for v in checkpoint_scan.scan(directory, layout):
         target_dir = into / v.path.parent.relative_to(directory)
         try:
             moved.append((v.path, user_files.move_into(directory, v.path, target_dir)))
         except FileNotFoundError:
             continue
-        _write(manifest, moved)
+        record(moved)
     return moved
 
 
-def bring_back(directory: Path, layout: str | None, run_dir: Path,
-               attempt: int) -> tuple[list[Path], list[Path]]:
-    """After precompile attempt ``attempt``: what it saved into ``.set-aside/precompile-N/``,
-    then the run's own checkpoints back where they were. Returns (the pass's, those back).
-    Run again after a crash half way, it moves only what is still to move."""
-    manifest = manifest_path(run_dir, attempt)
-    moves = [(Path(src), Path(dst)) for src, dst in json.loads(manifest.read_text())]
+def bring_back(directory: Path, layout: str | None, attempt: int,
+               moves: Moves) -> tuple[list[Path], list[Path]]:
+    """After precompile attempt ``attempt``, whose ``moves`` kept the run's checkpoints
+    aside: what it saved, into ``.set-aside/precompile-N/``, then the run's own back where
+    they were. Returns (the pass's, those back); the caller then records that nothing is
+    aside. Run again after a crash half way, it moves only what is still to move."""
     into = directory / checkpoint_scan.SET_ASIDE / f"precompile-{attempt}"
     back_already = {src for src, dst in moves if not dst.exists()}
     saved: list[Path] = []
@@ -189,11 +193,4 @@ def bring_back(directory: Path, layout: str | None, run_dir: Path,
         if dst.exists() and not src.exists():
             user_files.move_into(directory, dst, src.parent)  # (dst's name is src's)
             back.append(src)
-    manifest.rename(manifest.with_name(manifest.name + ".done"))
     return saved, back
-
-
-def _write(manifest: Path, moved: list[tuple[Path, Path]]) -> None:
-    tmp = manifest.with_name(manifest.name + ".tmp")
-    tmp.write_text(json.dumps([[str(src), str(dst)] for src, dst in moved]))
-    os.replace(tmp, manifest)

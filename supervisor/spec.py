@@ -120,13 +120,45 @@ class PolicySpec(BaseModel):
 
 
 class HealthSpec(BaseModel):
-    """Node probes (``python -m health`` on the nodes; supervisor/node_health.py)."""
+    """Node probes (``python -m health`` on the nodes; supervisor/node_health.py).
+
+    What the probe checks is a closed set of typed keys, never an open argument list: the
+    probe may run as root on every node, and a spec is a write-token holder's (a path such
+    as --kernel-log or --checkpoint-dir, or --drain-self, would let a spec steer it)."""
 
     model_config = _Model
     preflight: bool = False  # probe newly allocated nodes before the trainer starts on them
     diagnose: bool = False  # probe an attempt's nodes after it failed
-    args: list[str] = []  # extra arguments, e.g. ["--instance-type", "trn1.32xlarge"]
     timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
+    instance_type: Annotated[str, Field(pattern=r"^[a-z0-9-]{1,20}\.[a-z0-9-]{1,20}$")] | None = None
+    neuron_devices: Annotated[int, Field(ge=1, le=64)] | None = None  # expected Neuron devices
+    gpus: Annotated[int, Field(ge=1, le=64)] | None = None  # expected NVIDIA GPUs
+    min_free_gib: Annotated[float, Field(ge=0, le=1e6)] | None = None  # where checkpoints go
+    dcgm: bool = False  # also `dcgmi diag -r 1`
+    bandwidth: bool = False  # also the collective bandwidth test (nccom-test / nccl-tests)
+    min_busbw_gbps: Annotated[float, Field(gt=0, le=1e5)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_args(cls, data: object) -> object:
+        if isinstance(data, dict) and "args" in data:
+            raise ValueError("args is no key of [health] any more: the probe's options are keys of their "
+                             "own (instance_type, neuron_devices, gpus, min_free_gib, dcgm, bandwidth, "
+                             "min_busbw_gbps)")
+        return data
+
+    def probe_args(self) -> tuple[str, ...]:
+        """The options of ``python -m health`` these keys stand for."""
+        out: list[str] = []
+        for key, flag in (("instance_type", "--instance-type"), ("neuron_devices", "--neuron-devices"),
+                          ("gpus", "--gpus"), ("min_free_gib", "--min-free-gib"),
+                          ("min_busbw_gbps", "--min-busbw-gbps")):
+            value = getattr(self, key)
+            if value is not None:
+                out += [flag, str(value)]
+        out += ["--dcgm"] if self.dcgm else []
+        out += ["--bandwidth"] if self.bandwidth else []
+        return tuple(out)
 
 
 class TelemetrySpec(BaseModel):

@@ -10,8 +10,10 @@ can do; a daemon running as a dedicated user starts runs as that user only. Eith
   ``allow_root_runs``: the reference trainer loads pickles (DCP metadata) from its
   checkpoint directory, and a user's trainer is whatever its script does;
 - a spec's ``user`` must be a person's account (``may_run_as``: uid from UID_MIN, a
-  login shell) or one the config's ``run_users`` lists: whoever holds the API's write
-  token must not run code as munge or slurm;
+  login shell, not an administrator: no member of sudo, wheel, admin or docker, not a
+  cloud image's default account such as ubuntu or ec2-user) or one the config's
+  ``run_users`` lists: whoever holds the API's write token must not run code as munge,
+  slurm, or as someone who is root on every node by a word to sudo or docker;
 - a run's checkpoint directory must be writable by the run's user (checked at submit,
   from the mode bits of the directory or of its nearest existing parent), so that a
   spec cannot point a run at a directory it could not save in, or at one of root's;
@@ -136,6 +138,10 @@ def uid_min(login_defs: Path = Path("/etc/login.defs")) -> int:
 
 
 _NO_LOGIN = ("/usr/sbin/nologin", "/sbin/nologin", "/bin/false", "/usr/bin/false")
+# Groups whose members are root on the node by a word (sudo, docker's socket), and the
+# cloud images' default accounts (passwordless sudo on every AMI that has them).
+ADMIN_GROUPS = ("sudo", "wheel", "admin", "adm", "docker", "lxd")
+ADMIN_ACCOUNTS = ("ubuntu", "ec2-user", "centos", "rocky", "admin", "debian", "fedora", "cloud-user")
 
 
 def may_run_as(user: RunAs, run_users: Sequence[str] | None) -> str:
@@ -153,7 +159,24 @@ def may_run_as(user: RunAs, run_users: Sequence[str] | None) -> str:
     if shell in _NO_LOGIN:
         return (f"its shell is {shell} (a service account); list it in run_users if it is meant to "
                 "run training")
+    if user.name in ADMIN_ACCOUNTS:
+        return (f"{user.name} is a cloud image's administrator account (root on the node by sudo); "
+                "list it in run_users if it is meant to run training")
+    admin = sorted(g for g in _group_names(user.groups) if g in ADMIN_GROUPS)
+    if admin:
+        return (f"it is in {', '.join(admin)} (root on the node by a word to sudo or docker); list it in "
+                "run_users if it is meant to run training")
     return ""
+
+
+def _group_names(gids: Sequence[int]) -> list[str]:
+    names = []
+    for gid in gids:
+        try:
+            names.append(grp.getgrgid(gid).gr_name)
+        except KeyError:
+            continue
+    return names
 
 
 def writable_by(path: Path, user: RunAs) -> bool:

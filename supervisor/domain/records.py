@@ -72,6 +72,9 @@ class Attempt:
     # A [command] job's inputs when it was launched, the same fingerprint (None: the
     # reference trainer's): a resume that would fail as this attempt did is refused.
     inputs: str | None = None
+    # A precompile attempt's moves of the run's checkpoints out of its way, while they are
+    # out (JSON [[from, to], ...]; None once back): supervisor/precompile.py.
+    set_aside: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -13,7 +13,9 @@ database as it was.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 from sqlalchemy import (
     Boolean,
@@ -85,6 +87,7 @@ attempts = Table(
     Column("launch_fatal", Boolean, nullable=False, default=False),
     Column("precompile", Text),  # a precompile attempt's inputs' fingerprint; NULL: a training attempt
     Column("inputs", Text),  # a [command] job's inputs' fingerprint at launch
+    Column("set_aside", Text),  # a precompile attempt's moves of the run's checkpoints, while out
 )
 
 nodes = Table(
@@ -479,6 +482,27 @@ def _v13(conn: Connection) -> None:
     _add_columns(conn, "attempts", {"inputs": "TEXT"})
 
 
+def _v14(conn: Connection) -> None:
+    """A precompile attempt's set-aside moves, in the store (they were a manifest file in
+    the run's directory, which its user could replace): an unfinished manifest of a run
+    still going is taken over, read as no link and no more than 1 MiB."""
+    _add_columns(conn, "attempts", {"set_aside": "TEXT"})
+    from supervisor import user_files  # here: the schema needs it only for this migration
+
+    rows = conn.exec_driver_sql(
+        "SELECT a.run_number, a.number, r.run_dir FROM attempts a JOIN runs r ON r.number = a.run_number "
+        "WHERE a.precompile IS NOT NULL AND r.state NOT IN ('SUCCEEDED', 'FAILED', 'CANCELLED')").fetchall()
+    for run_number, number, run_dir in rows:
+        manifest = Path(run_dir) / "precompile" / f"set-aside-{number}.json"
+        try:
+            moves = json.loads(user_files.read_text(manifest, 1 << 20))
+            text = json.dumps([[str(src), str(dst)] for src, dst in moves])
+        except (OSError, ValueError, TypeError):
+            continue
+        conn.exec_driver_sql("UPDATE attempts SET set_aside = ? WHERE run_number = ? AND number = ?",
+                             (text, run_number, number))
+
+
 MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11,
-                                                  _v12, _v13]
+                                                  _v12, _v13, _v14]
 SCHEMA_VERSION = len(MIGRATIONS)

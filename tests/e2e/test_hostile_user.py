@@ -45,11 +45,13 @@ def daemon(tmp_path: Path, open_dir: Path) -> Iterator[Serve]:  # noqa: F811
         serve.kill(15)
 
 
-def submit_as(daemon: Serve, user: RunAs, tmp_path: Path, script: str, **policy: Any) -> str:
-    """A one-rank `[command]` run of ``script`` (sh, with {run_dir} filled in) as ``user``."""
+def submit_as(daemon: Serve, user: RunAs, tmp_path: Path, script: str, *, command: dict[str, Any] | None = None,
+              **policy: Any) -> str:
+    """A one-rank `[command]` run of ``script`` (sh, with {run_dir} filled in) as ``user``,
+    with ``command``'s keys in its [command] table."""
     spec = command_spec(tmp_path / "hostile.toml", "hostile", ["sh", "-c", script],
                         resources={"launcher": "local", "nodes": 1, "ranks_per_node": 1},
-                        policy={"backoff_base_s": 0.1, "backoff_max_s": 0.1, **policy})
+                        policy={"backoff_base_s": 0.1, "backoff_max_s": 0.1, **policy}, **(command or {}))
     spec.write_text(spec.read_text().replace('name = "hostile"\n', f'name = "hostile"\nuser = "{user.name}"\n', 1))
     return str(daemon.ctl_json("submit", str(spec))["run_id"])
 
@@ -112,6 +114,29 @@ def test_a_fifo_as_a_checkpoints_marker_does_not_wedge_the_resume(
     final = ended(daemon, run_id, timeout_s=60)
     assert final["state"] == "SUCCEEDED", final
     assert final["attempt_history"][-1]["resume_from"] is None, final
+
+
+def test_links_and_fifos_planted_where_the_precompile_manifest_was_change_nothing(
+        daemon: Serve, eve: RunAs, tmp_path: Path) -> None:
+    """H2 of issue 37: the precompile pass's manifest was a file of the daemon's in the run's
+    directory. A link at set-aside-N.json.tmp made root overwrite supervisor.db; a FIFO
+    as the manifest wedged the daemon for good. The moves are the store's now: the pass
+    plants both, changes its input so that a second pass is due, and the run goes on
+    through both passes to its end, the store untouched."""
+    db = daemon.state / "supervisor.db"
+    plant = (f"mkdir -p {{run_dir}}/precompile; for n in 1 2 3 4; do "
+             f"ln -sf {db} {{run_dir}}/precompile/set-aside-$n.json.tmp; "
+             "rm -f {run_dir}/precompile/set-aside-$n.json; mkfifo {run_dir}/precompile/set-aside-$n.json; done")
+    script = (f'if [ "$COMPILE" = 1 ]; then {plant}; exit 0; fi; '
+              'if [ "$TSUP_ATTEMPT" = 2 ]; then echo changed >> {run_dir}/input.txt; exit 3; fi; exit 0')
+    run_id = submit_as(daemon, eve, tmp_path, script, command={
+        "env": {"COMPILE": "0"}, "precompile_env": {"COMPILE": "1"}, "cwd": "{run_dir}",
+        "precompile_inputs": ["input.txt"]})
+    final = ended(daemon, run_id, timeout_s=120)
+    assert final["state"] == "SUCCEEDED", final
+    assert [a["precompile"] for a in final["attempt_history"]] == [True, False, True, False], final
+    assert db.stat().st_uid == 0 and not db.is_symlink()
+    assert daemon.ctl_json("runs"), "the store still answers"
 
 
 def test_a_spec_naming_a_service_account_is_refused(daemon: Serve, tmp_path: Path, open_dir: Path) -> None:  # noqa: F811

@@ -114,7 +114,7 @@ def test_preflight_and_diagnosis_probes_on_the_local_launcher(tmp_path: Path,
     monkeypatch.setenv("TSUP_FAKE_HW", str(hw))
     spec = tmp_path / "spec.toml"
     spec.write_text(EXAMPLE.read_text() + '\n[health]\npreflight = true\ndiagnose = true\n'
-                    'args = ["--instance-type", "trn1.32xlarge", "--min-free-gib", "0.1"]\n')
+                    'instance_type = "trn1.32xlarge"\nmin_free_gib = 0.1\n')
     state = tmp_path / "state"
     proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "kill-rank@50")
     s = summary_of(proc)

@@ -66,8 +66,8 @@ def test_a_node_reporting_an_uncorrectable_hbm_error_is_drained_before_launch(
     monkeypatch.setenv("TSUP_HEALTH_TOOLS", str(tools))
     monkeypatch.setenv("TSUP_FAKE_HW", str(hw))
     spec = spec_for_slurm(tmp_path)
-    spec.write_text(spec.read_text() + '\n[health]\npreflight = true\nargs = ["--instance-type", "trn1.32xlarge", '
-                    '"--min-free-gib", "0.1"]\n')
+    spec.write_text(spec.read_text() + '\n[health]\npreflight = true\ninstance_type = "trn1.32xlarge"\n'
+                    'min_free_gib = 0.1\n')
     state = tmp_path / "state"
     proc = tsup("run", spec, "--state-dir", state, "--json")
     s = summary_of(proc)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from health import host
 from health.model import Action, Finding, Status, verdict
@@ -83,3 +86,18 @@ def test_a_node_with_nvidia_gpus_runs_the_nvidia_probes(tmp_path: Path) -> None:
     assert any(e.startswith("GPU 3 (00000000:86:00.0): ecc.errors.uncorrected.volatile.total=2") for e in bad)
     assert any("00000000:B9:00.0: remapped_rows.failure=Yes" in e for e in bad)
     assert "GPU 3" in v["reason"]
+
+
+def test_the_write_probe_never_writes_through_a_planted_link_nor_removes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """H5 of issue 37: the root probe opened .tsup-health-<pid> in the checkpoint directory
+    (a user's) without O_NOFOLLOW, and so overwrote a root-only file a link there named."""
+    victim = tmp_path / "root-only"
+    victim.write_text("root's\n")
+    victim.chmod(0o600)
+    monkeypatch.setattr(host.secrets, "token_hex", lambda n: "guessed")
+    planted = tmp_path / f".tsup-health-{os.getpid()}-guessed"
+    planted.symlink_to(victim)
+    finding = host.write_latency(tmp_path)
+    assert finding.status is Status.UNHEALTHY and "File exists" in finding.evidence
+    assert victim.read_text() == "root's\n" and planted.is_symlink(), "not written through, not removed"

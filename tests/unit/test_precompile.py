@@ -256,28 +256,33 @@ def nemo_checkpoint(directory: Path, version: str, step: int, content: str) -> P
 
 def test_the_runs_checkpoints_sit_out_the_pass_and_what_it_saved_is_set_aside(tmp_path: Path) -> None:
     directory, run_dir = tmp_path / "hf_llama", tmp_path / "run"
+    run_dir.mkdir()
     mine = [nemo_checkpoint(directory, "41", 10, "run"), nemo_checkpoint(directory, "41", 20, "run")]
-    moved = precompile.keep_aside(directory, "nemo", run_dir, 3)
+    recorded: list[precompile.Moves] = []
+    moved = precompile.keep_aside(directory, "nemo", 3, lambda moves: recorded.append(list(moves)))
+    assert recorded[0] == [] and recorded[-1] == moved, "recorded before the first move, then after each"
     assert sorted(src for src, _ in moved) == sorted(mine) and not any(p.exists() for p in mine)
-    attempts = [pre(3, state=AttemptState.ENDED, outcome=AttemptOutcome.SUCCEEDED)]
-    assert precompile.aside(run_dir, attempts) == 3
+    assert list(run_dir.iterdir()) == [], "H2 of issue 37: nothing of the daemon's in the run's tree"
+    attempts = [replace(pre(3, state=AttemptState.ENDED, outcome=AttemptOutcome.SUCCEEDED),
+                        set_aside=precompile.moves_json(moved))]
+    assert precompile.aside(attempts) == 3
     # the pass saves under a name of the run's own, and a newer one
     trial = [nemo_checkpoint(directory, "41", 20, "trial"), nemo_checkpoint(directory, "41", 30, "trial")]
-    saved, back = precompile.bring_back(directory, "nemo", run_dir, 3)
+    saved, back = precompile.bring_back(directory, "nemo", 3, precompile.moves_of(attempts[0].set_aside or ""))
     assert sorted(saved) == sorted(trial) and sorted(back) == sorted(mine)
     assert [(p / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt").read_text() for p in mine] == ["run", "run"]
     assert not trial[1].exists()
     kept = directory / ".set-aside" / "precompile-3" / "41" / "checkpoints"
     assert sorted(p.name for p in kept.iterdir()) == sorted(p.name for p in trial)
-    assert precompile.aside(run_dir, attempts) is None
+    assert precompile.aside([replace(attempts[0], set_aside=None)]) is None
 
 
 def test_a_daemon_killed_half_way_through_bringing_them_back_finishes_the_job(tmp_path: Path) -> None:
-    directory, run_dir = tmp_path / "hf_llama", tmp_path / "run"
+    directory = tmp_path / "hf_llama"
     mine = [nemo_checkpoint(directory, "41", step, "run") for step in (10, 20)]
-    moves = precompile.keep_aside(directory, "nemo", run_dir, 1)
+    moves = precompile.keep_aside(directory, "nemo", 1, lambda _: None)
     src, dst = next((s, d) for s, d in moves if s == mine[0])
     dst.rename(src)  # the first came back, then the daemon died
-    saved, back = precompile.bring_back(directory, "nemo", run_dir, 1)
+    saved, back = precompile.bring_back(directory, "nemo", 1, moves)
     assert saved == [] and back == [mine[1]]
     assert all((p / "done").exists() for p in mine)

@@ -256,7 +256,7 @@ def test_a_drain_reason_goes_to_slurm_as_one_bounded_line_of_printable_text() ->
     ('[command]\nargv = ["python"]\ncheckpoint_dir = "ck"\nsrun_args = ["--container-image=a\\u0000"]',
      "command.srun_args[0]"),
     ('[trainer]\nsteps = 5\n[trainer.checkpoint]\ndir = "/ck/\\u0000"', "trainer.checkpoint.dir"),
-    ('[trainer]\nsteps = 5\n[health]\nargs = ["--x", "\\u0000"]', "health.args[1]"),
+    ('[trainer]\nsteps = 5\n[health]\ninstance_type = "trn1.\\u0000"', "health.instance_type"),
 ])
 def test_a_nul_byte_in_a_spec_is_refused_at_submit_naming_its_key(tmp_path: Path, table: str,
                                                                    complaint: str) -> None:

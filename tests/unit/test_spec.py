@@ -248,3 +248,17 @@ def test_the_step_fills_only_its_own_markers() -> None:
     assert step.fill(text) == "--rdzv_endpoint=10.0.0.1:29500 --nnodes=2 {literal}"
     assert readable(text) == "--rdzv_endpoint={master_addr}:{master_port} --nnodes={nnodes} {literal}"
     assert step.fill("no markers {here}") == "no markers {here}"
+
+
+def test_the_probes_options_are_typed_keys_and_an_open_argument_list_is_refused() -> None:
+    """H5 of issue 37: health.args was an open argv to a root program on every node
+    (--checkpoint-dir with planted links overwrote a root-only file, --drain-self drained
+    with no budget, --kernel-log read any file as root)."""
+    for args in (["--drain-self"], ["--kernel-log", "/etc/shadow"], ["--instance-type", "trn1.32xlarge"]):
+        with pytest.raises(SpecError, match="args is no key of \\[health\\] any more"):
+            parse_spec({"name": "t", "trainer": {"steps": 5}, "health": {"args": args}})
+    health = parse_spec({"name": "t", "trainer": {"steps": 5}, "health": {
+        "instance_type": "trn1.32xlarge", "min_free_gib": 0.5, "bandwidth": True}}).health
+    assert health.probe_args() == ("--instance-type", "trn1.32xlarge", "--min-free-gib", "0.5", "--bandwidth")
+    with pytest.raises(SpecError, match=r"health\.instance_type"):
+        parse_spec({"name": "t", "trainer": {"steps": 5}, "health": {"instance_type": "--drain-self"}})

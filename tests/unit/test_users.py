@@ -115,6 +115,23 @@ def test_a_spec_may_name_a_persons_account_or_one_run_users_lists(tmp_path: Path
     assert users.uid_min(tmp_path / "missing") == 1000
 
 
+def test_an_administrator_is_no_runs_user_unless_run_users_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A medium of issue 37: members of sudo, wheel or docker, and the cloud images' default
+    accounts, were accepted as a run's user: a write-token holder was root on every node."""
+    import grp
+    import pwd
+
+    sudo = grp.getgrnam("sudo").gr_gid  # Debian's; the suite's machine has it
+    admin = RunAs(name="root", uid=1500, gid=1500, groups=(1500, sudo), home="/")
+    assert "it is in sudo" in users.may_run_as(admin, None)
+    assert users.may_run_as(admin, ["root"]) == ""
+    cloud = RunAs(name="ubuntu", uid=1000, gid=1000, groups=(1000,), home="/")
+    real = pwd.getpwnam
+    monkeypatch.setattr(pwd, "getpwnam", lambda name: real("root") if name == "ubuntu" else real(name))
+    assert "cloud image's administrator account" in users.may_run_as(cloud, None)
+    assert users.may_run_as(cloud, ["ubuntu"]) == ""
+
+
 def test_a_run_may_not_execute_as_a_daemon_user_that_holds_node_admin_rights() -> None:
     """With slurm_admin_prefix, the daemon's user may drain nodes through sudo: a trainer
     running as it would inherit that (issue 26, item 4)."""
