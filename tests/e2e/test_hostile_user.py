@@ -124,7 +124,9 @@ def test_links_and_fifos_planted_where_the_precompile_manifest_was_change_nothin
     plants both, changes its input so that a second pass is due, and the run goes on
     through both passes to its end, the store untouched."""
     db = daemon.state / "supervisor.db"
-    plant = (f"mkdir -p {{run_dir}}/precompile; for n in 1 2 3 4; do "
+    # (a directory of root's in the run's directory is renamed away by the run's user)
+    plant = (f"mv {{run_dir}}/precompile {{run_dir}}/precompile.was; mkdir -p {{run_dir}}/precompile; "
+             f"for n in 1 2 3 4; do "
              f"ln -sf {db} {{run_dir}}/precompile/set-aside-$n.json.tmp; "
              "rm -f {run_dir}/precompile/set-aside-$n.json; mkfifo {run_dir}/precompile/set-aside-$n.json; done")
     script = (f'if [ "$COMPILE" = 1 ]; then {plant}; exit 0; fi; '
