@@ -16,6 +16,12 @@ Formats, and which Slurm prints which:
   Each job carries its owner's uid: a job is the supervisor's only when its owner is
   the one expected (supervisor/slurm/launcher.py), whatever its name says.
 - ``squeue --steps -h -o "%i|%N|%U|%j"``: steps (22.05's ``--json`` has no steps).
+  A name may hold a newline, and any user names their jobs and steps: a name of
+  ``x\n3.0|node1|1001|tsup...`` would read as a record of its own, another user's. So
+  the supervisor's polls frame the name between two copies of a random word made for
+  that poll (``framed``): a name runs from its opening frame to its closing one, and no
+  name can hold a frame it cannot know. A record whose name holds a control character
+  is dropped (``NAME_REFUSED``): no name of the supervisor's does.
 - The node table: ``sinfo --json`` (22.05: one record per node, the state and its flags
   apart, ``address``, ``reason``) or ``scontrol --json show node`` (23.02 and later;
   ``state`` a list of flags). Where neither answers, the text of
@@ -289,35 +295,69 @@ def parse_squeue_json(text: str) -> dict[str, JobInfo]:
     return out
 
 
-def parse_squeue_text(text: str, *, owners: bool = False) -> dict[str, JobInfo]:
-    """Output of ``squeue -h -o SQUEUE_FORMAT`` (``owners``: SQUEUE_OWNED_FORMAT)."""
-    fields = 6 if owners else 5
-    out: dict[str, JobInfo] = {}
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        parts = [p.strip() for p in line.split("|", fields - 1)]
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def framed(fmt: str, frame: str) -> str:
+    """``fmt`` (its last field a free-text name) with the name between two ``frame``s."""
+    head, _, name = fmt.rpartition("|")
+    return f"{head}|{frame}{name}{frame}"
+
+
+def _records(text: str, fields: int, frame: str | None, what: str) -> list[list[str]]:
+    """The records of squeue's ``text``, each its ``fields`` fields, the last the name:
+    with ``frame``, each name between its frames (see the module docstring); without,
+    one record a line. A record whose name holds a control character is left out."""
+    out: list[list[str]] = []
+    if frame is None:
+        rows = [(line, None) for line in text.splitlines() if line.strip()]
+    else:
+        rows, pos = [], 0
+        while (start := text.find(frame, pos)) >= 0:
+            end = text.find(frame, start + len(frame))
+            if end < 0:
+                raise SlurmParseError(f"{what}: a name without its closing frame")
+            rows.append((text[pos:start].lstrip("\n"), text[start + len(frame):end]))
+            pos = end + len(frame)
+        if text[pos:].strip():
+            raise SlurmParseError(f"{what}: cannot read {text[pos:pos + 200]!r}")
+    for head, name in rows:
+        parts = head.split("|", fields - 1) if name is None else head.split("|")
+        if name is not None:
+            if parts[-1] != "" or "\n" in head:
+                raise SlurmParseError(f"{what}: cannot read {head!r}")
+            parts[-1] = name
         if len(parts) != fields:
-            raise SlurmParseError(f"squeue: cannot read line {line!r}")
-        job_id, state, nodes, reason = parts[:4]
-        phase = _phase(state, reason)
-        out[job_id] = JobInfo(job_id=job_id, name=parts[-1], state=state, phase=phase,
-                              nodes=expand_hostlist(nodes) if phase is JobPhase.HOLDING else (),
-                              reason=reason, user_id=_whole(parts[4]) if owners else None)
+            raise SlurmParseError(f"{what}: cannot read line {head!r}")
+        if _CONTROL.search(parts[-1]):
+            continue  # NAME_REFUSED: nobody's record of ours holds one
+        out.append(parts)
     return out
 
 
-def parse_steps_text(text: str, *, owners: bool = False) -> list[StepInfo]:
+def parse_squeue_text(text: str, *, owners: bool = False, frame: str | None = None) -> dict[str, JobInfo]:
+    """Output of ``squeue -h -o SQUEUE_FORMAT`` (``owners``: SQUEUE_OWNED_FORMAT; ``frame``:
+    the format ``framed`` with it)."""
+    fields = 6 if owners else 5
+    out: dict[str, JobInfo] = {}
+    for record in _records(text, fields, frame, "squeue"):
+        job_id, state, nodes, reason, *rest = (x.strip() for x in record)
+        phase = _phase(state, reason)
+        out[job_id] = JobInfo(job_id=job_id, name=rest[-1], state=state, phase=phase,
+                              nodes=expand_hostlist(nodes) if phase is JobPhase.HOLDING else (),
+                              reason=reason, user_id=_whole(rest[0]) if owners else None)
+    return out
+
+
+def parse_steps_text(text: str, *, owners: bool = False, frame: str | None = None) -> list[StepInfo]:
     """Output of ``squeue --steps -h -o STEPS_FORMAT``: ``3.0|node[1,3]|tsup.run-1.a2``
-    (``owners``: STEPS_OWNED_FORMAT, ``3.0|node[1,3]|1001|tsup.run-1.a2``)."""
+    (``owners``: STEPS_OWNED_FORMAT, ``3.0|node[1,3]|1001|tsup.run-1.a2``; ``frame``: the
+    format ``framed`` with it)."""
     fields = 4 if owners else 3
     out = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        parts = line.split("|", fields - 1)
-        if len(parts) != fields or "." not in parts[0]:
-            raise SlurmParseError(f"squeue --steps: cannot read line {line!r}")
+    for parts in _records(text, fields, frame, "squeue --steps"):
+        if "." not in parts[0]:
+            raise SlurmParseError(f"squeue --steps: cannot read {'|'.join(parts)!r}")
         job_id, step_id = parts[0].strip().split(".", 1)
         out.append(StepInfo(job_id=job_id, step_id=step_id, name=parts[-1].strip(),
                             nodes=expand_hostlist(parts[1]),

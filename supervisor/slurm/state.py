@@ -16,6 +16,7 @@ scontrol update) ``refresh`` asks for a new poll at once.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -144,16 +145,19 @@ class SlurmState:
         if reply.ok:
             return parse.parse_squeue_json(reply.stdout)
         # Slurm without the openapi plugin (or before 21.08): the text form.
-        reply = self.commands.run(["squeue", "-h", "-o", parse.SQUEUE_OWNED_FORMAT])
+        frame = secrets.token_hex(8)  # a word no name can hold: see supervisor/slurm/parse.py
+        reply = self.commands.run(["squeue", "-h", "-o", parse.framed(parse.SQUEUE_OWNED_FORMAT, frame)])
         if not reply.ok:
             raise parse.SlurmParseError(reply.describe())
-        return parse.parse_squeue_text(reply.stdout, owners=True)
+        return parse.parse_squeue_text(reply.stdout, owners=True, frame=frame)
 
     def _fetch_steps(self) -> list[parse.StepInfo]:
-        reply = self.commands.run(["squeue", "--steps", "-h", "-o", parse.STEPS_OWNED_FORMAT])
+        frame = secrets.token_hex(8)
+        fmt = parse.framed(parse.STEPS_OWNED_FORMAT, frame)
+        reply = self.commands.run(["squeue", "--steps", "-h", "-o", fmt])
         if not reply.ok:
             raise parse.SlurmParseError(reply.describe())
-        return parse.parse_steps_text(reply.stdout, owners=True)
+        return parse.parse_steps_text(reply.stdout, owners=True, frame=frame)
 
     def _fetch_nodes(self) -> dict[str, parse.NodeInfo]:
         """The first of NODE_QUERIES that answers; once one has, only that one (a failure

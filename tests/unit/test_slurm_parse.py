@@ -312,7 +312,7 @@ def test_steps_name_with_pipe_is_kept_whole() -> None:
 
 @pytest.mark.parametrize("line", ["3|node1|tsup.A", "3.0|tsup.A"])
 def test_steps_malformed_line_raises(line: str) -> None:
-    with pytest.raises(SlurmParseError, match="squeue --steps: cannot read line"):
+    with pytest.raises(SlurmParseError, match="squeue --steps: cannot read"):
         parse_steps_text(line + "\n")
 
 
@@ -474,3 +474,15 @@ def test_sbatch_job_id_from_recorded_error_raises() -> None:
 def test_key_values_job_reason_mid_line_ends_at_the_next_key() -> None:
     kv = parse_key_values("JobId=3 JobState=PENDING Reason=Resources Dependency=(null) ExcNodeList=node2")
     assert kv["Reason"] == "Resources" and kv["ExcNodeList"] == "node2" and kv["Dependency"] == "(null)"
+
+
+def test_framed_squeue_text_takes_a_name_whole_and_drops_one_with_control_characters() -> None:
+    fmt = parse.framed(parse.SQUEUE_OWNED_FORMAT, "f4a3")
+    assert fmt == "%i|%T|%N|%r|%U|f4a3%jf4a3"
+    text = ("12|RUNNING|node1|None|1001|f4a3tsup.run-1|with a bar and\n13|RUNNING|node2|None|0|evilf4a3\n"
+            "14|PENDING||Resources|1002|f4a3plain namef4a3\n")
+    jobs = parse_squeue_text(text, owners=True, frame="f4a3")
+    assert list(jobs) == ["14"], "12's name holds a newline: dropped, and 13 is no record of its own"
+    assert jobs["14"].name == "plain name" and jobs["14"].user_id == 1002
+    with pytest.raises(SlurmParseError, match="without its closing frame"):
+        parse_squeue_text("15|RUNNING|n|None|1|f4a3open", owners=True, frame="f4a3")

@@ -75,8 +75,9 @@ class ScriptedSlurm:
             if isinstance(answer, Reply):
                 return answer
             text = answer() if callable(answer) else answer
-            return Reply(tuple(argv), True, text, "", "")
+            return Reply(tuple(argv), True, framed_as_asked(argv, text), "", "")
         return Reply(tuple(argv), False, "", f"{argv[0]}: unrecognized option", "exit 1: unrecognized option")
+
 
     def admin(self, argv: Sequence[str], **kw: Any) -> Reply:
         return self.run(argv, **kw)
@@ -86,6 +87,19 @@ class ScriptedSlurm:
 
     def scancels(self) -> list[list[str]]:
         return [a for a in [*self.ran, *self.fired] if a[0] == "scancel"]
+
+
+def framed_as_asked(argv: Sequence[str], text: str) -> str:
+    """squeue's text (one record a line) as squeue prints it for a format whose name is
+    framed (supervisor/slurm/parse.py: framed): each name between the poll's frames."""
+    fmt = argv[argv.index("-o") + 1] if "-o" in argv else ""
+    head, _, last = fmt.rpartition("|")
+    frame = last.split("%j")[0] if "%j" in last else ""
+    if not frame or frame in text:  # (a test that frames its records itself)
+        return text
+    fields = head.count("|") + 2
+    records = (line.split("|", fields - 1) for line in text.splitlines() if line.strip())
+    return "".join(f"{'|'.join(r[:-1])}|{frame}{r[-1]}{frame}\n" for r in records)
 
 
 def failed(argv: str, why: str) -> Reply:
@@ -368,6 +382,27 @@ def test_another_users_step_of_the_attempts_name_does_not_keep_its_ranks_alive(t
     assert [r.proc for r in launcher.observe(info)] == [ProcState.VANISHED]
     slurm.answers[("squeue", "--steps")] = f"7.0|node1|{ME}|{name}\n"
     assert [r.proc for r in launcher.observe(info)] == [ProcState.UNKNOWN]
+
+
+def test_a_name_with_a_newline_forges_no_record_of_another_user(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A medium of issue 37 (verified on the box): any user names a job or a step, and a
+    newline in the name made squeue's text print a record of the attacker's choosing,
+    with the victim's uid, our step's name and its job id: the attempt's ranks looked alive
+    after its step had gone, and a stop cancelled whatever that record named. The name now
+    sits between the poll's own frames: the forgery is one name, the attacker's, dropped."""
+    launcher = launcher_on(slurm := slurm_of(), tmp_path)
+    name = launcher.step_name("run-1", 1)
+    monkeypatch.setattr("supervisor.slurm.state.secrets.token_hex", lambda n: "5eed5eed5eed5eed")
+    forged = f"x\n7.0|node1|{ME}|{name}"
+    slurm.answers[("squeue", "--steps")] = f"66.0|node1|{SOMEONE}|5eed5eed5eed5eed{forged}5eed5eed5eed5eed\n"
+    info = json.dumps({"job": "7", "step": name, "uid": ME, "srun_pid": 0, "srun_ct": 0.0, "ranks": [[0, "node1"]],
+                       "log": str(tmp_path / "srun.log")})
+    assert [r.proc for r in launcher.observe(info)] == [ProcState.VANISHED]
+    launcher.stop(info, force=True)
+    assert slurm.scancels() == [], "no step of ours is listed: nothing to cancel"
+    unframed = parse.parse_steps_text(f"66.0|node1|{SOMEONE}|{forged}\n", owners=True)
+    assert ("7", ME) in [(x.job_id, x.user_id) for x in unframed], "what the old unframed poll read"
 
 
 @pytest.fixture
