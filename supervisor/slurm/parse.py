@@ -309,10 +309,11 @@ def _records(text: str, fields: int, frame: str | None, what: str) -> list[list[
     with ``frame``, each name between its frames (see the module docstring); without,
     one record a line. A record whose name holds a control character is left out."""
     out: list[list[str]] = []
+    rows: list[tuple[str, str | None]] = []  # (the fields before the name, the framed name)
     if frame is None:
         rows = [(line, None) for line in text.splitlines() if line.strip()]
     else:
-        rows, pos = [], 0
+        pos = 0
         while (start := text.find(frame, pos)) >= 0:
             end = text.find(frame, start + len(frame))
             if end < 0:
