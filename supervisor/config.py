@@ -25,7 +25,8 @@ override that again (``cli.py``). Every error names the key and where it came fr
                                                  # (absent: state_dir, one host only)
     checkpoint_roots = ["/fsx/ubuntu"]           # runs' checkpoints outside shared_dir: the
                                                  # unit's ReadWritePaths (install-controller)
-    slurm_admin_prefix = ["sudo", "-n"]          # before scontrol drain/resume (README)
+    slurm_admin_prefix = ["sudo", "-n", "/usr/local/libexec/training-supervisor/node-admin"]
+                                                 # before scontrol drain/resume (README)
     runs_share_admin_rights = false              # runs may execute as the daemon's user even
                                                  # with slurm_admin_prefix (one tenant only)
     hyperpod = false                             # SageMaker HyperPod: a node to repair is set

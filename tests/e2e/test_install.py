@@ -42,6 +42,7 @@ from tests.e2e.conftest import assert_same_weights, command_spec, ctl, port_open
 pytestmark = pytest.mark.e2e
 
 USER = "tsup-inst"
+HELPER = Path(f"/usr/local/libexec/{USER}/node-admin")  # the drains' helper, root's (systemd/node-admin)
 
 
 @pytest.fixture
@@ -62,6 +63,7 @@ def place() -> Iterator[Path]:
                 p.kill()
         subprocess.run(["userdel", USER], capture_output=True, check=False)
         Path(f"/etc/sudoers.d/{USER}").unlink(missing_ok=True)
+        shutil.rmtree(HELPER.parent, ignore_errors=True)
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -109,7 +111,8 @@ def test_the_readme_install_on_the_multi_host_box(
     config.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in {
         "state_dir": str(state), "api_bind": f"127.0.0.1:{port}", "launcher": "slurm", "tick_s": 0.25,
         "sweep_every_s": 0, "shared_dir": str(shared), "checkpoint_roots": [str(fsx)],
-        "slurm_admin_prefix": ["sudo", "-n"], "runs_share_admin_rights": True}.items()))
+        "slurm_admin_prefix": ["sudo", "-n", str(HELPER)], "slurm_conf": str(slurm_box.conf),
+        "runs_share_admin_rights": True}.items()))
     done = subprocess.run([str(REPO / "scripts" / "install-controller"), "--config", str(config), "--user", USER,
                            "--etc", str(etc), "--no-start"], capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -120,6 +123,7 @@ def test_the_readme_install_on_the_multi_host_box(
     assert s["ReadWritePaths"] == [f"{state} {shared} -{fsx}"] and s["NoNewPrivileges"][-1] == "no"
     assert (shared.stat().st_mode & 0o777, shared.owner()) == (0o755, USER)
     assert Path(f"/etc/sudoers.d/{USER}").exists(), "the drain rights are part of the install"
+    assert HELPER.stat().st_uid == 0 and f"slurm_conf = {slurm_box.conf}" in (HELPER.parent / "node-admin.conf").read_text()
 
     for node in slurm_box.nodes:  # each node, as its own host: the same interpreter at the same path
         done = subprocess.run(["nsenter", f"--net={NETNS_DIR / slurm_box.netns(node)}", "env",

@@ -111,53 +111,77 @@ def test_serve_refuses_root_runs_and_starts_a_run_as_the_user_its_spec_names(
         daemon.kill(15)
 
 
-# The shipped rule for a cluster without Slurm accounting: the daemon's user may change
-# nodes' states and its own probe reservation as root, nothing else (SLURM_CONF kept: the
-# box's is not the default one).
+# The shipped rule for a cluster without Slurm accounting: the daemon's user may run one
+# root-owned helper (systemd/node-admin), which takes the daemon's node commands alone.
 SUDOERS_FILE = REPO / "systemd" / "sudoers.training-supervisor"
+SHIPPED_HELPER = "/usr/local/libexec/training-supervisor/node-admin"
 
 
-def sudoers_for(user: str) -> str:
-    return "".join(line.replace("training-supervisor", user, 1) if not line.startswith("#") else line
-                   for line in SUDOERS_FILE.read_text().splitlines(keepends=True))
+class Helper:
+    """systemd/node-admin installed root's in a directory of its own, as install-controller
+    does, with the node-admin.conf the box needs (``configure``)."""
+
+    def __init__(self, user: str) -> None:
+        self.path = Path(f"/usr/local/libexec/tsup-test-{user}/node-admin")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.chmod(0o755)
+        shutil.copy(REPO / "systemd" / "node-admin", self.path)
+        self.path.chmod(0o755)
+        self.configure(None)
+
+    def configure(self, slurm_conf: Path | None) -> None:
+        scontrol = shutil.which("scontrol") or "/usr/bin/scontrol"
+        conf = self.path.with_name("node-admin.conf")
+        conf.write_text(f"scontrol = {scontrol}\nslurm_conf = {slurm_conf or ''}\n")
+        conf.chmod(0o644)
+
+    def rule(self, user: str) -> str:
+        return "".join(line.replace("training-supervisor ALL", f"{user} ALL").replace(SHIPPED_HELPER, str(self.path))
+                       if not line.startswith("#") else line
+                       for line in SUDOERS_FILE.read_text().splitlines(keepends=True))
 
 
 @pytest.fixture
-def operator(open_dir: Path) -> Iterator[RunAs]:
-    """A dedicated user for the daemon, with the sudo rule for scontrol."""
+def operator(open_dir: Path) -> Iterator[tuple[RunAs, Helper]]:
+    """A dedicated user for the daemon, with the sudo rule for the node-admin helper."""
     require("sudo", shutil.which("sudo") is not None and shutil.which("visudo") is not None)
     user = system_user("tsup-op", open_dir)
+    helper = Helper(user.name)
     rule = Path("/etc/sudoers.d/tsup-test-op")
     try:
-        rule.write_text(sudoers_for(user.name))
+        rule.write_text(helper.rule(user.name))
         rule.chmod(0o440)
         subprocess.run(["visudo", "-cf", str(rule)], check=True, capture_output=True)
-        yield user
+        yield user, helper
     finally:
         rule.unlink(missing_ok=True)
+        shutil.rmtree(helper.path.parent, ignore_errors=True)
         remove_user(user)
 
 
 def test_on_the_box_the_daemon_runs_as_its_own_user_and_drains_through_sudo(
-        slurm_box: Box, open_dir: Path, operator: RunAs, tmp_path: Path, fault_free: dict[str, Any]) -> None:
+        slurm_box: Box, open_dir: Path, operator: tuple[RunAs, Helper], tmp_path: Path,
+        fault_free: dict[str, Any]) -> None:
     """The daemon as `tsup-op` (not root), on the multi-host box: its run executes as
     tsup-op on the nodes (from /proc), survives a node killed mid-run (the drain goes
-    through `sudo -n scontrol`), and ends with the fault-free model."""
+    through `sudo -n node-admin scontrol ...`), and ends with the fault-free model."""
+    user, helper = operator
+    helper.configure(slurm_box.conf)
     state, shared, port = open_dir / "state", open_dir / "shared", free_port()
     for d in (state, shared):
         d.mkdir()
-        os.chown(d, operator.uid, operator.gid)
+        os.chown(d, user.uid, user.gid)
     conf = serve_config(open_dir / "config.toml", state, port, shared_dir=str(shared), launcher="slurm",
-                        slurm_conf=str(slurm_box.conf), slurm_admin_prefix=["sudo", "-n"],
+                        slurm_conf=str(slurm_box.conf), slurm_admin_prefix=["sudo", "-n", str(helper.path)],
                         runs_share_admin_rights=True)  # its runs execute as itself: one tenant
-    daemon = Serve(state, port, config=conf, user=operator, extra_env={"TSUP_ALLOW_ROOT_RUNS": "false"})
+    daemon = Serve(state, port, config=conf, user=user, extra_env={"TSUP_ALLOW_ROOT_RUNS": "false"})
     try:
-        assert psutil.Process(daemon.proc.pid).uids().real == operator.uid, "the daemon is not root"
+        assert psutil.Process(daemon.proc.pid).uids().real == user.uid, "the daemon is not root"
         run_id = daemon.ctl_json("submit", str(spec_for_slurm(tmp_path)))["run_id"]
         status = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["step"] and d["step"] >= 20 and d,
                           240, "step 20 on the box")
         ranks = trainer_processes(shared)
-        assert len(ranks) == 4 and uids_of(ranks) == {operator.uid}, "every rank is tsup-op's, none root's"
+        assert len(ranks) == 4 and uids_of(ranks) == {user.uid}, "every rank is tsup-op's, none root's"
         victim = status["attempt_history"][-1]["nodes"][1]
         assert box_mod.kill_node(slurm_box, victim)
 
@@ -169,6 +193,69 @@ def test_on_the_box_the_daemon_runs_as_its_own_user_and_drains_through_sudo(
         assert "DRAIN" in node.flags and node.reason.startswith("training-supervisor:"), node
     finally:
         daemon.kill(15)
+
+
+def may_sudo(user: RunAs, *argv: str) -> bool:
+    """Whether ``user``'s sudo rules let it run ``argv`` as root (sudo -l: nothing runs)."""
+    done = subprocess.run(["sudo", "-n", "-l", *argv], user=user.uid, group=user.gid, capture_output=True,
+                          check=False, env={"PATH": "/usr/bin:/bin", "HOME": user.home})
+    return done.returncode == 0
+
+
+def as_user(user: RunAs, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), user=user.uid, group=user.gid, capture_output=True, text=True, timeout=60,
+                          check=False, env={"PATH": "/usr/bin:/bin", "HOME": user.home, **(env or {})})
+
+
+def test_the_sudo_rule_admits_the_helper_alone_and_the_helper_the_daemons_node_commands_alone(
+        slurm_box: Box, operator: tuple[RunAs, Helper], tmp_path: Path) -> None:
+    """H3 of issue 37: the rule kept SLURM_CONF, and a root scontrol loads plugins from its
+    slurm.conf's PluginDir (a planted auth_munge.so ran as uid 0); its regexes admitted
+    NodeName=ALL State=RESUME, a MAINT reservation of every node for any user for 999999999
+    minutes, and arguments after Reason=. Now sudo admits one root-owned helper, with no
+    variable of the caller's, and the helper each of the daemon's forms whole, against the
+    box's real scontrol. Before that, issue 26: the rule was all of scontrol."""
+    user, helper = operator
+    helper.configure(slurm_box.conf)
+    scontrol = shutil.which("scontrol") or "/usr/bin/scontrol"
+    assert may_sudo(user, str(helper.path), "scontrol", "update", "NodeName=node1", "State=RESUME")
+    for direct in (["update", "NodeName=node1", "State=RESUME"], ["write", "batch_script", "5", "/etc/passwd"]):
+        assert not may_sudo(user, scontrol, *direct), direct
+    assert not may_sudo(user, shutil.which("scancel") or "/usr/bin/scancel", "5")
+    planted = tmp_path / "slurm.conf"
+    planted.write_text(slurm_box.conf.read_text() + "PluginDir=/nowhere\n")
+    smuggled = as_user(user, "sudo", "-n", f"SLURM_CONF={planted}", str(helper.path), "scontrol", "update",
+                       "NodeName=node1", "State=RESUME")
+    assert smuggled.returncode != 0 and "not allowed to set" in smuggled.stderr, smuggled.stderr
+    kept = as_user(user, "sudo", "-n", str(helper.path), "scontrol", "-o", "show", "node", "node1",
+                   env={"SLURM_CONF": str(planted)})
+    assert kept.returncode == 2 and "refused" in kept.stderr, "not a node command: refused"
+
+    def helper_says(*argv: str) -> subprocess.CompletedProcess[str]:
+        return as_user(user, "sudo", "-n", str(helper.path), "scontrol", *argv, env={"SLURM_CONF": str(planted)})
+
+    for refused in (["update", "NodeName=ALL", "State=RESUME"], ["update", "NodeName=node[1-3]", "State=RESUME"],
+                    ["update", "NodeName=node9", "State=RESUME"],
+                    ["create", "reservation", "ReservationName=tsup-0a1b2c3d-probe", "Nodes=ALL", "Users=root",
+                     "StartTime=now", "Duration=999999999", "Flags=MAINT,IGNORE_JOBS"],
+                    ["create", "reservation", "ReservationName=tsup-0a1b2c3d-probe", "Nodes=node1", "Users=root",
+                     "StartTime=now", "Duration=3", "Flags=MAINT,IGNORE_JOBS"],
+                    ["update", "NodeName=node1", "State=DRAIN", "Reason=x", "NodeAddr=10.6.6.6"],
+                    ["update", "NodeName=node1", "State=DRAIN", "Reason=x Weight=1"],
+                    ["update", "NodeName=node1", "State=RESUME", "NodeAddr=1.2.3.4"],
+                    ["update", "PartitionName=debug", "State=DOWN"], ["delete", "ReservationName=someone-elses"],
+                    ["write", "batch_script", "5", "/etc/passwd"], ["cancel", "5"], ["shutdown"]):
+        done = helper_says(*refused)
+        assert done.returncode == 2 and "node-admin: refused" in done.stderr, (refused, done.stderr)
+    drained = helper_says("update", "NodeName=node3", "State=DRAIN", "Reason=training-supervisor: a test")
+    assert drained.returncode == 0, drained.stderr
+    node = parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", "node3"))["node3"]
+    assert "DRAIN" in node.flags and node.reason == "training-supervisor: a test", node
+    made = helper_says("create", "reservation", "ReservationName=tsup-0a1b2c3d-probe", "Nodes=node3",
+                       f"Users={user.name}", "StartTime=now", "Duration=3", "Flags=MAINT,IGNORE_JOBS")
+    assert made.returncode == 0, made.stderr
+    assert helper_says("delete", "ReservationName=tsup-0a1b2c3d-probe").returncode == 0
+    assert helper_says("update", "NodeName=node3", "State=RESUME").returncode == 0
 
 
 def test_on_the_box_a_root_daemon_starts_the_run_as_the_user_its_spec_names(
@@ -194,48 +281,3 @@ def test_on_the_box_a_root_daemon_starts_the_run_as_the_user_its_spec_names(
     finally:
         daemon.kill(15)
 
-
-def may_sudo(user: RunAs, *argv: str) -> bool:
-    """Whether ``user``'s sudo rules let it run ``argv`` as root (sudo -l: nothing runs)."""
-    done = subprocess.run(["sudo", "-n", "-l", *argv], user=user.uid, group=user.gid, capture_output=True,
-                          check=False, env={"PATH": "/usr/bin:/bin", "HOME": user.home})
-    return done.returncode == 0
-
-
-def test_the_sudo_rule_admits_the_daemons_node_commands_and_nothing_else_of_slurm(operator: RunAs) -> None:
-    """A trainer of a run executing as the daemon's user (or anyone who becomes it) holds
-    its sudo rule. Before, that rule was all of scontrol: cancel any job, reservations,
-    `scontrol write batch_script JOB PATH` writing any file as root (issue 26, item 4)."""
-    from supervisor.slurm.nodes import SlurmNodes
-
-    class Recorder:
-        def __init__(self) -> None:
-            self.ran: list[list[str]] = []
-
-        def admin(self, argv: list[str]) -> Any:
-            self.ran.append(argv)
-            return type("Reply", (), {"ok": True, "why": "", "out": ""})()
-
-        def run(self, argv: list[str], **_: Any) -> Any:
-            return self.admin(argv)
-
-    recorder = Recorder()
-    nodes = SlurmNodes(recorder, type("State", (), {"refresh": lambda self: None})(),  # type: ignore[arg-type]
-                       prefix="tsup-0a1b2c3d")
-    nodes.drain("node1", "training-supervisor: device fault reported by the trainer: loss=nan (run-1)")
-    nodes.undrain("node1")
-    scontrol = shutil.which("scontrol") or "/usr/bin/scontrol"
-    for argv in recorder.ran:
-        assert may_sudo(operator, scontrol, *argv[1:]), argv
-    assert may_sudo(operator, scontrol, "update", "NodeName=node1", "State=FAIL", "Reason=Action:Replace")
-    assert may_sudo(operator, scontrol, "create", "reservation", "ReservationName=tsup-0a1b2c3d-probe",
-                    "Nodes=node1,node2", f"Users={operator.name}", "StartTime=now", "Duration=3",
-                    "Flags=MAINT,IGNORE_JOBS")
-    assert may_sudo(operator, scontrol, "delete", "ReservationName=tsup-0a1b2c3d-probe")
-    for refused in (["write", "batch_script", "5", "/etc/passwd"], ["update", "PartitionName=debug", "State=DOWN"],
-                    ["update", "NodeName=node1", "State=DRAIN", "Reason=x", "NodeAddr=10.6.6.6"],
-                    ["update", "NodeName=node1", "State=DRAIN", "Reason=x Weight=1"],
-                    ["update", "NodeName=node1", "State=RESUME", "NodeAddr=1.2.3.4"],
-                    ["delete", "ReservationName=someone-elses"], ["cancel", "5"], ["shutdown"]):
-        assert not may_sudo(operator, scontrol, *refused), refused
-    assert not may_sudo(operator, shutil.which("scancel") or "/usr/bin/scancel", "5")
