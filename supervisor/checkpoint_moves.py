@@ -22,15 +22,26 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from supervisor import checkpoint_scan, precompile, trainer_cmd
+from supervisor import checkpoint_scan, precompile, trainer_cmd, users
 from supervisor.domain import Run, StartAttempt
 from supervisor.domain.events import EventKind
+from supervisor.errors import CannotExecute
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore
+from supervisor.users import RunAs
 
 log = logging.getLogger(__name__)
 
 PostEvent = Callable[[int | None, EventKind, str, dict[str, object]], None]
+
+
+def _owner(spec: RunSpec) -> RunAs | None:
+    """Whose the directories made to hold moved checkpoints are: the run's user's (None:
+    the daemon's own, or a user gone from this host, whose directories stay as made)."""
+    try:
+        return users.for_launch(spec.user)
+    except CannotExecute:
+        return None
 
 
 class CheckpointMoves:
@@ -50,7 +61,8 @@ class CheckpointMoves:
         layout = trainer_cmd.checkpoint_layout(spec)
         keep, _ = checkpoint_scan.pick(directory, layout, before_step=step + 1)
         into = directory / checkpoint_scan.SET_ASIDE / f"resume-{run.run_id}-{now:.0f}"
-        moved = checkpoint_scan.set_aside(directory, layout, keep.path if keep else None, step + 1, into)
+        moved = checkpoint_scan.set_aside(directory, layout, keep.path if keep else None, step + 1, into,
+                                          _owner(spec))
         if moved:
             names = ", ".join(src.name for src, _ in moved)
             self.post_event(run.number, EventKind.CHECKPOINT_SET_ASIDE,
@@ -66,7 +78,8 @@ class CheckpointMoves:
         keep = Path(e.resume_from) if e.resume_from is not None else None
         moved = checkpoint_scan.set_aside(directory, trainer_cmd.checkpoint_layout(spec), keep,
                                           e.resume_step if keep is not None else 0,
-                                          directory / checkpoint_scan.SET_ASIDE / f"attempt-{e.number}")
+                                          directory / checkpoint_scan.SET_ASIDE / f"attempt-{e.number}",
+                                          _owner(spec))
         if moved:
             names = ", ".join(src.name for src, _ in moved)
             start = keep.name if keep is not None else "scratch"
@@ -79,7 +92,7 @@ class CheckpointMoves:
         """The run's checkpoints out of the way of its precompile pass, attempt ``number``."""
         directory = trainer_cmd.checkpoint_dir(spec, run_dir)
         moved = precompile.keep_aside(directory, trainer_cmd.checkpoint_layout(spec), number,
-                                      lambda moves: self._record_aside(run, number, moves))
+                                      lambda moves: self._record_aside(run, number, moves), _owner(spec))
         if moved:
             names = ", ".join(src.name for src, _ in moved)
             where = f"{checkpoint_scan.SET_ASIDE}/before-precompile-{number}/"
@@ -93,7 +106,8 @@ class CheckpointMoves:
         (``set_aside``: the moves that kept them out of its way)."""
         directory, layout = trainer_cmd.checkpoint_dir(spec, run_dir), trainer_cmd.checkpoint_layout(spec)
         try:
-            saved, back = precompile.bring_back(directory, layout, number, precompile.moves_of(set_aside))
+            saved, back = precompile.bring_back(directory, layout, number, precompile.moves_of(set_aside),
+                                                _owner(spec))
             self._record_aside(run, number, None)
         except (OSError, ValueError) as err:  # tried again next tick: nothing launches meanwhile
             log.warning("run %s: the checkpoints set aside for precompile attempt %d are not back yet: %s",

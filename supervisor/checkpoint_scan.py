@@ -366,17 +366,17 @@ def pick(directory: Path, layout: str | None = None, before_step: int | None = N
 
 
 def set_aside(directory: Path, layout: str | None, keep: Path | None, keep_step: int,
-              into: Path) -> list[tuple[Path, Path]]:
+              into: Path, owner: user_files.Owner | None = None) -> list[tuple[Path, Path]]:
     """Move every checkpoint of ``directory`` at ``keep_step`` or later, except ``keep``, into
     ``into``: for a trainer that searches the directory itself, so that it finds the one
     the supervisor chose (a newer one may be unreadable, or past a rollback). Nothing is
-    deleted. Returns the moves made, (from, to)."""
+    deleted; what is made to hold them is ``owner``'s. Returns the moves made, (from, to)."""
     moved: list[tuple[Path, Path]] = []
     for v in scan(directory, layout):
         if v.step < keep_step or (keep is not None and v.path == keep):
             continue
         try:  # no link below ``directory`` followed: a planted .set-aside -> /etc moves nothing there
-            target = user_files.move_into(directory, v.path, into)
+            target = user_files.move_into(directory, v.path, into, owner)
         except FileNotFoundError:
             continue  # the trainer deleted it meanwhile
         moved.append((v.path, target))

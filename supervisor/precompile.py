@@ -157,7 +157,8 @@ def aside(attempts: Iterable[Attempt]) -> int | None:
     return last.number
 
 
-def keep_aside(directory: Path, layout: str | None, attempt: int, record: Callable[[Moves], None]) -> Moves:
+def keep_aside(directory: Path, layout: str | None, attempt: int, record: Callable[[Moves], None],
+               owner: user_files.Owner | None = None) -> Moves:
     """Move every checkpoint of ``directory`` into ``.set-aside/before-precompile-N/``,
     recording the moves first (``record``: into the store), then each as it is made."""
     into = directory / checkpoint_scan.SET_ASIDE / f"before-precompile-{attempt}"
@@ -166,15 +167,15 @@ def keep_aside(directory: Path, layout: str | None, attempt: int, record: Callab
     for v in checkpoint_scan.scan(directory, layout):
         target_dir = into / v.path.parent.relative_to(directory)
         try:
-            moved.append((v.path, user_files.move_into(directory, v.path, target_dir)))
+            moved.append((v.path, user_files.move_into(directory, v.path, target_dir, owner)))
         except FileNotFoundError:
             continue
         record(moved)
     return moved
 
 
-def bring_back(directory: Path, layout: str | None, attempt: int,
-               moves: Moves) -> tuple[list[Path], list[Path]]:
+def bring_back(directory: Path, layout: str | None, attempt: int, moves: Moves,
+               owner: user_files.Owner | None = None) -> tuple[list[Path], list[Path]]:
     """After precompile attempt ``attempt``, whose ``moves`` kept the run's checkpoints
     aside: what it saved, into ``.set-aside/precompile-N/``, then the run's own back where
     they were. Returns (the pass's, those back); the caller then records that nothing is
@@ -186,11 +187,11 @@ def bring_back(directory: Path, layout: str | None, attempt: int,
         if v.path in back_already:
             continue
         with contextlib.suppress(FileNotFoundError):
-            user_files.move_into(directory, v.path, into / v.path.parent.relative_to(directory))
+            user_files.move_into(directory, v.path, into / v.path.parent.relative_to(directory), owner)
             saved.append(v.path)
     back: list[Path] = []
     for src, dst in moves:
         if dst.exists() and not src.exists():
-            user_files.move_into(directory, dst, src.parent)  # (dst's name is src's)
+            user_files.move_into(directory, dst, src.parent, owner)  # (dst's name is src's)
             back.append(src)
     return saved, back

@@ -53,7 +53,8 @@ def _parts(base: Path, path: Path) -> list[str]:
     return [p for p in rel.parts if p != "."]
 
 
-def _opened_dir(fd: int, name: str, shown: Path, *, create: bool, mode: int) -> int:
+def _opened_dir(fd: int, name: str, shown: Path, *, create: bool, mode: int,
+                owner: Owner | None = None) -> int:
     try:
         return os.open(name, _DIR, dir_fd=fd)
     except FileNotFoundError:
@@ -63,21 +64,27 @@ def _opened_dir(fd: int, name: str, shown: Path, *, create: bool, mode: int) -> 
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
             raise UnsafePath(e.errno, f"{shown}: not a directory (a link or a file is there)") from None
         raise
+    made = False
     with contextlib.suppress(FileExistsError):  # made meanwhile: opened below all the same
         os.mkdir(name, mode, dir_fd=fd)
-    return _opened_dir(fd, name, shown, create=False, mode=mode)
+        made = True
+    opened = _opened_dir(fd, name, shown, create=False, mode=mode)
+    if made and owner is not None:  # what the daemon makes in a user's tree is the user's
+        os.fchown(opened, owner.uid, owner.gid)
+    return opened
 
 
 @contextlib.contextmanager
-def directory(base: Path, path: Path, *, create: bool = False, mode: int = 0o755) -> Iterator[int]:
+def directory(base: Path, path: Path, *, create: bool = False, mode: int = 0o755,
+              owner: Owner | None = None) -> Iterator[int]:
     """A descriptor of the directory ``path`` under the trusted ``base``, reached without
-    following a link below ``base`` (made where missing when ``create``)."""
+    following a link below ``base`` (made where missing when ``create``, ``owner``'s)."""
     fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     shown = base
     try:
         for name in _parts(base, path):
             shown = shown / name
-            inner = _opened_dir(fd, name, shown, create=create, mode=mode)
+            inner = _opened_dir(fd, name, shown, create=create, mode=mode, owner=owner)
             os.close(fd)
             fd = inner
         yield fd
@@ -182,10 +189,10 @@ def hand_over(base: Path, owner: Owner, *paths: Path) -> None:
             os.close(fd)
 
 
-def move_into(base: Path, path: Path, into: Path) -> Path:
+def move_into(base: Path, path: Path, into: Path, owner: Owner | None = None) -> Path:
     """Move ``path`` (any entry, a link included: it is moved, not followed) from its
     directory under ``base`` into the directory ``into`` under ``base`` (made when
-    missing); the entry's new path."""
-    with directory(base, path.parent) as src, directory(base, into, create=True) as dst:
+    missing, ``owner``'s: the user's tree stays the user's); the entry's new path."""
+    with directory(base, path.parent) as src, directory(base, into, create=True, owner=owner) as dst:
         os.rename(path.name, path.name, src_dir_fd=src, dst_dir_fd=dst)
     return into / path.name

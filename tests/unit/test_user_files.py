@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from supervisor import user_files
+from supervisor.users import RunAs
+from tests.conftest import require_root
 
 
 def test_the_users_files_are_read_as_regular_files_only(tmp_path: Path) -> None:
@@ -64,3 +66,16 @@ def test_a_planted_temporary_file_is_never_written_through(tmp_path: Path) -> No
     (tmp_path / "d" / f".f.json.{os.getpid()}.tmp").symlink_to(victim)
     user_files.write_atomic(tmp_path, tmp_path / "d" / "f.json", b"{}")
     assert victim.read_text() == "keep" and (tmp_path / "d" / "f.json").read_text() == "{}"
+
+
+def test_what_a_move_makes_in_a_users_tree_is_the_users(tmp_path: Path) -> None:
+    """A medium of issue 37: .set-aside/ was root's in the user's tree, so its user could
+    neither read nor delete what the daemon set aside there."""
+    require_root("giving a directory away")
+    owner = RunAs(name="someone", uid=4242, gid=4343, groups=(4343,), home="/")
+    (tmp_path / "ck" / "step_10").mkdir(parents=True)
+    moved = user_files.move_into(tmp_path, tmp_path / "ck" / "step_10", tmp_path / "ck" / ".set-aside" / "a", owner)
+    assert moved.exists()
+    for made in (tmp_path / "ck" / ".set-aside", tmp_path / "ck" / ".set-aside" / "a"):
+        assert (made.stat().st_uid, made.stat().st_gid) == (4242, 4343), made
+    assert (tmp_path / "ck").stat().st_uid == os.geteuid(), "what was there stays as it was"
