@@ -12,6 +12,12 @@ those it compiled on its own), then takes from it the graphs it lacks, before it
 trainer starts. The step's node wrapper runs this (supervisor/slurm/requests.py), on the
 node, as the run's user: it touches only what that user may, and never the daemon.
 
+The node's cache is in a directory anyone may create in (/var/tmp), under a name that
+says whose it is: another user could make it first, and the run would load that user's
+graphs. So it is used only when it is the run's user's own, a real directory no one else
+may write (``own_cache``: made 0700 when missing); otherwise the sync says why and exits
+``UNSAFE``, and the node wrapper starts no trainer (the attempt fails with that line).
+
 Files are published by a rename (a reader never sees half a file), a module's ``done``
 marker after the module's other files (Neuron trusts a module with one), and lock and
 temporary files are never copied. Graphs compiled in the attempt just ended by a node
@@ -23,15 +29,34 @@ that is not in the next one reach the copy through the nodes that compiled them 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
 
 SHARED_DIR = "neuron-compile-cache"  # in the run directory
 _NOT_COPIED = (".lock", ".tmp")
+UNSAFE = 3  # the exit status for a node cache that is not the user's own
+
+
+def own_cache(local: Path) -> str | None:
+    """Why ``local`` may not be this user's compile cache (None: it may), made 0700 when
+    missing."""
+    local.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(local, 0o700)
+    st = os.lstat(local)
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{local} is not a directory (a link or a file is there)"
+    if st.st_uid != os.getuid():
+        return f"{local} is uid {st.st_uid}'s, not this user's (uid {os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"{local} may be written by others (mode {stat.filemode(st.st_mode)})"
+    return None
 
 
 def sync(shared: Path, local: Path) -> tuple[int, int]:
@@ -72,6 +97,14 @@ def main(argv: list[str]) -> int:
         return 2
     shared, local = Path(argv[0]), Path(argv[1])
     began = time.monotonic()
+    try:
+        why = own_cache(local)
+    except OSError as e:
+        why = f"{local}: {e.strerror}"
+    if why is not None:
+        print(f"training-supervisor: compile cache: not used: {why}; remove it, or name a cache of the run's "
+              "own in NEURON_COMPILE_CACHE_URL", flush=True)
+        return UNSAFE
     try:
         pushed, pulled = sync(shared, local)
     except OSError as e:  # the trainer still runs: it compiles what it lacks

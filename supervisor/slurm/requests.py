@@ -70,8 +70,10 @@ RANK_WRAPPER = (
 )
 # A Neuron job's compile cache: the node's own, first filled from the run's shared copy
 # (and the copy from it), before the trainer starts (supervisor/compile_cache.py).
-_COMPILE_CACHE = ('[ -z "$TSUP_COMPILE_CACHE_SHARED" ] || "$TSUP_PYTHON" -m supervisor.compile_cache '
-                  '"$TSUP_COMPILE_CACHE_SHARED" "$NEURON_COMPILE_CACHE_URL" || true; ')
+# A node cache that is not the run's user's own (another user made it first) ends the
+# task before the trainer starts (the sync's exit status 3, UNSAFE).
+_COMPILE_CACHE = ('[ -z "$TSUP_COMPILE_CACHE_SHARED" ] || { "$TSUP_PYTHON" -m supervisor.compile_cache '
+                  '"$TSUP_COMPILE_CACHE_SHARED" "$NEURON_COMPILE_CACHE_URL"; [ $? -ne 3 ] || exit 3; }; ')
 # launch = "node": one task per node, whose torchrun (or train.sh) spawns the ranks.
 # torchrun takes --node_rank from PET_NODE_RANK when its command line gives none: a
 # static rendezvous (--master_addr/--master_port, the NxD scripts' form) needs it, and

@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from supervisor import compile_cache
 from supervisor.slurm.requests import NODE_WRAPPER
 from supervisor.spec import parse_spec
 from supervisor.trainer_cmd import NEURON_COMPILE_CACHE, attempt_env
+from tests.conftest import require_root
 
 MODULE = "neuronxcc-2.15/MODULE_123+abc"
 
@@ -78,6 +81,36 @@ def test_the_node_wrapper_fills_the_nodes_cache_before_the_trainer_starts(tmp_pa
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"compile cache: 3 file(s) taken from {shared}, 0 added to it" in done.stdout
+
+
+@pytest.mark.parametrize("planted", ["another users", "a link", "open to all"])
+def test_a_node_cache_another_user_made_first_is_not_used_and_no_trainer_starts(tmp_path: Path,
+                                                                               planted: str) -> None:
+    """A medium of issue 37: the node's cache is /var/tmp/neuron-compile-cache-<uid>, a name
+    anyone can make first in a directory anyone may create in; the run then loaded that
+    user's graphs (and pushed them into its shared copy)."""
+    require_root("making a directory another user's")
+    shared, local = tmp_path / "shared", tmp_path / "var-tmp" / "cache"
+    compiled(shared)
+    local.parent.mkdir()
+    if planted == "a link":
+        (tmp_path / "theirs").mkdir()
+        local.symlink_to(tmp_path / "theirs")
+    else:
+        local.mkdir()
+        if planted == "another users":
+            os.chown(local, 4242, 4242)
+        else:
+            local.chmod(0o777)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SLURM_NODEID": "0", "SLURMD_NODENAME": "node3",
+           "TSUP_COMPILE_CACHE_SHARED": str(shared), "TSUP_PYTHON": sys.executable,
+           "NEURON_COMPILE_CACHE_URL": str(local), "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run(["/bin/sh", "-c", NODE_WRAPPER, "tsup-node", "/bin/echo", "the trainer started"],
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == compile_cache.UNSAFE and "the trainer started" not in done.stdout, done.stdout
+    assert "compile cache: not used:" in done.stdout
+    if planted == "a link":
+        assert list((tmp_path / "theirs").iterdir()) == [], "nothing pulled through the link"
 
 
 def test_only_a_neuron_job_on_the_node_local_cache_gets_the_shared_copy(tmp_path: Path) -> None:
