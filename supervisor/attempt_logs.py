@@ -32,11 +32,17 @@ class Piece:
     size: int  # the file's size when read
 
 
-def pick(log_dir: Path, *, rank: int | None, node_index: int | None, ranks_per_node: int) -> str:
+def pick(log_dir: Path, *, rank: int | None, node_index: int | None, ranks_per_node: int,
+         base: Path | None = None) -> str:
     """The name of the file holding ``rank``'s output, or the node's at ``node_index`` in
-    the attempt (neither: rank 0's). NotFound when the attempt wrote none for it."""
+    the attempt (neither: rank 0's). NotFound when the attempt wrote none for it. ``base``:
+    the trusted directory ``log_dir`` is reached from, no link below it followed."""
     try:
-        names = sorted(os.listdir(log_dir))
+        if base is None:
+            names = sorted(os.listdir(log_dir))
+        else:
+            with user_files.directory(base, log_dir) as fd:
+                names = sorted(os.listdir(fd))
     except OSError:
         raise NotFound(f"no logs in {log_dir} (the attempt has not started, or its logs are gone)") from None
     files: dict[tuple[str, int], str] = {}
@@ -57,12 +63,13 @@ def pick(log_dir: Path, *, rank: int | None, node_index: int | None, ranks_per_n
     raise NotFound(f"no log of {who} in {log_dir} (its log files: {have})")
 
 
-def read(log_dir: Path, name: str, offset: int, max_bytes: int) -> Piece:
-    """At most ``max_bytes`` (and ``CHUNK_MAX_BYTES``) of the file from ``offset``."""
+def read(log_dir: Path, name: str, offset: int, max_bytes: int, base: Path | None = None) -> Piece:
+    """At most ``max_bytes`` (and ``CHUNK_MAX_BYTES``) of the file from ``offset`` (``base``:
+    as for ``pick``)."""
     path = log_dir / name
     try:
-        size = user_files.size_of(path)
-        data = (user_files.read_bytes(path, min(max_bytes, CHUNK_MAX_BYTES), offset=offset)
+        size = user_files.size_of(path, base=base)
+        data = (user_files.read_bytes(path, min(max_bytes, CHUNK_MAX_BYTES), base=base, offset=offset)
                 if offset < size else b"")
     except FileNotFoundError:
         raise NotFound(f"{path} is gone") from None

@@ -312,7 +312,7 @@ class Observer:
         formats = output_progress.formats_for(spec.command.progress_pattern)
         for read in output_progress.read_output(
                 state, trainer_cmd.attempt_dir(run_dir, live.number), run_id=run.run_id, attempt=live.number,
-                ranks_per_node=run.ranks_per_node, formats=formats, now=now):
+                ranks_per_node=run.ranks_per_node, formats=formats, now=now, base=run_dir.parent):
             self.telemetry.apply_from_output(read.msg, now, printed=read.printed,
                                              record=live.precompile is None)
         for rank, phase in state.phases.items():

@@ -318,20 +318,24 @@ class ReadStep:
 
 
 def read_output(state: AttemptOutput, log_dir: Path, *, run_id: str, attempt: int, ranks_per_node: int,
-                formats: OutputPatterns, now: float) -> list[ReadStep]:
+                formats: OutputPatterns, now: float, base: Path | None = None) -> list[ReadStep]:
     """Read what the attempt's ranks wrote since the last call; the steps it shows, to
     apply to the telemetry view. Fatal lines are kept in ``state.fatal``, the phase the
     output shows in ``state.phases``."""
     out: list[ReadStep] = []
-    try:
-        names = sorted(os.listdir(log_dir))
+    try:  # ``base``: the daemon's directory above, no link below it followed
+        if base is None:
+            names = sorted(os.listdir(log_dir))
+        else:
+            with user_files.directory(base, log_dir) as fd:
+                names = sorted(os.listdir(fd))
     except OSError:
         return out
     for name in names:
         rank = _rank_of(name, ranks_per_node)
         if rank is None:
             continue
-        lines = _new_lines(state.files.setdefault(name, _File()), log_dir / name)
+        lines = _new_lines(state.files.setdefault(name, _File()), log_dir / name, base)
         seen: list[ProgressLine] = []
         for line in lines:
             x, compiling, kind = formats.read(line)
@@ -378,9 +382,9 @@ def _rank_of(name: str, ranks_per_node: int) -> int | None:
     return index if m.group(1) == "rank" else index * ranks_per_node
 
 
-def _new_lines(f: _File, path: Path) -> list[str]:
+def _new_lines(f: _File, path: Path, base: Path | None = None) -> list[str]:
     try:  # the run's user's file: never a link, a FIFO or a device (supervisor/user_files.py)
-        data = user_files.read_bytes(path, READ_MAX_BYTES, offset=f.offset)
+        data = user_files.read_bytes(path, READ_MAX_BYTES, base=base, offset=f.offset)
     except OSError:
         return []
     f.offset += len(data)

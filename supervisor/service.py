@@ -263,8 +263,10 @@ class SupervisorService:
                                f"(its nodes: {', '.join(chosen.nodes)})")
             node_index = chosen.nodes.index(node)
         log_dir = trainer_cmd.attempt_dir(run_dir, chosen.number)
-        name = attempt_logs.pick(log_dir, rank=rank, node_index=node_index, ranks_per_node=run.ranks_per_node)
-        piece = attempt_logs.read(log_dir, name, offset, max_bytes)
+        trusted = Path(run_dir).parent  # the runs directory, the daemon's: nothing below it is followed
+        name = attempt_logs.pick(log_dir, rank=rank, node_index=node_index, ranks_per_node=run.ranks_per_node,
+                                 base=trusted)
+        piece = attempt_logs.read(log_dir, name, offset, max_bytes, base=trusted)
         return LogView(run_id=run_id, attempt=chosen.number, attempt_state=chosen.state.value,
                        run_state=run.state.value, file=piece.file, offset=offset,
                        next_offset=offset + len(piece.data), size=piece.size,

@@ -308,7 +308,8 @@ class SlurmLauncher:
         if not found:
             return None
         common = {"job": found[0]["job"], "step": name, "uid": uid,
-                  "ranks": _rank_map(nodes, spec.ranks_per_node), "ranks_per_task": per_task}
+                  "ranks": _rank_map(nodes, spec.ranks_per_node), "ranks_per_task": per_task,
+                  "base": str(spec.log_base)}  # srun's logs are read from here, no link below it followed
         if len(found) == 1:
             return json.dumps({**common, **{k: found[0][k] for k in ("srun_pid", "srun_ct", "log")}})
         return json.dumps({**common, "parts": found})
@@ -320,7 +321,9 @@ class SlurmLauncher:
         per_task = int(info.get("ranks_per_task", 1))
         states: dict[int, tuple[ProcState, int | None]] = {}
         for part in steps_of(info):
-            by_task = task_exits(Path(part["log"]))
+            log_path, base = Path(part["log"]), Path(info["base"]) if info.get("base") else None
+            trusted = base if base is not None and log_path.is_relative_to(base) else None
+            by_task = task_exits(log_path, trusted)
             mine: dict[int, int] | None = None  # rank -> its task; None: task r is rank r
             if part.get("tasks") is not None:  # ranks made of standbys: the tasks that were them
                 mine = {int(rank): int(task) for rank, task in part["tasks"].items()}

@@ -23,13 +23,14 @@ TASK_LINE = re.compile(r"srun: error: (\S+): tasks? ([0-9,\-]+): (.+)$")
 SRUN_LOG_TAIL = 1 << 20  # srun's own lines about its tasks come last
 
 
-def task_exits(log_path: Path) -> dict[int, int]:
-    """Per-task endings srun reported: task -> exit code (negative: the signal)."""
+def task_exits(log_path: Path, base: Path | None = None) -> dict[int, int]:
+    """Per-task endings srun reported: task -> exit code (negative: the signal). ``base``:
+    the daemon's directory the log is reached from, no link below it followed."""
     out: dict[int, int] = {}
     try:  # the run's user's directory: a regular file only, and only its end (read every tick)
-        size = user_files.size_of(log_path)
-        text = user_files.read_bytes(log_path, SRUN_LOG_TAIL, offset=max(0, size - SRUN_LOG_TAIL)).decode(
-            errors="replace")
+        size = user_files.size_of(log_path, base=base)
+        text = user_files.read_bytes(log_path, SRUN_LOG_TAIL, base=base,
+                                     offset=max(0, size - SRUN_LOG_TAIL)).decode(errors="replace")
     except OSError:
         return out
     for line in text.splitlines():

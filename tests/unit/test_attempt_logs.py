@@ -38,3 +38,21 @@ def test_a_log_is_read_from_an_offset_and_a_planted_link_is_refused(tmp_path: Pa
     os.symlink(tmp_path / "secret", tmp_path / "rank-1.log")
     with pytest.raises(Conflict, match="cannot be read"):
         attempt_logs.read(tmp_path, "rank-1.log", 0, 10)
+
+
+def test_a_link_planted_as_the_attempts_directory_is_not_followed(tmp_path: Path) -> None:
+    """A low of issue 37: the logs API read through links in intermediate directories, so a
+    run's user who linked attempts/2 to another user's attempt directory read that user's
+    logs through the daemon."""
+    runs = tmp_path / "runs"
+    victim = tmp_path / "victims" / "attempts" / "1"
+    victim.mkdir(parents=True)
+    (victim / "rank-0000.node1.log").write_text("the victim's secrets\n")
+    mine = runs / "run-1" / "attempts"
+    mine.mkdir(parents=True)
+    (mine / "2").symlink_to(victim)
+    with pytest.raises(NotFound):
+        attempt_logs.pick(mine / "2", rank=0, node_index=None, ranks_per_node=1, base=runs)
+    with pytest.raises(Conflict):
+        attempt_logs.read(mine / "2", "rank-0000.node1.log", 0, 1000, base=runs)
+    assert attempt_logs.read(victim, "rank-0000.node1.log", 0, 1000).data, "without the link it is a file"
