@@ -35,9 +35,8 @@ from supervisor import logs, planning, report, trainer_cmd
 from supervisor.chaos import TRAINER_KINDS, ChaosAction, ChaosMonkey, box_hooks, parse_chaos
 from supervisor.config import ServiceConfig, default_state_dir, load_service_config, parse_bind
 from supervisor.daemon import Daemon, DaemonSettings
-from supervisor.domain import TERMINAL_RUN_STATES, CommandKind
+from supervisor.domain import TERMINAL_RUN_STATES, CommandKind, DrainBudget
 from supervisor.errors import SpecError, StateDirLocked, SupervisorError
-from supervisor.execute_nodes import DrainBudget
 from supervisor.recorder import Retention
 from supervisor.spec import load_spec
 

@@ -52,10 +52,9 @@ from supervisor.broker import (
     EmbeddedBroker,
     broker_addresses,
 )
-from supervisor.domain import LIVE_ATTEMPT_STATES
+from supervisor.domain import LIVE_ATTEMPT_STATES, DrainBudget
 from supervisor.domain.events import EventKind
 from supervisor.errors import StateDirLocked, StoreError, SupervisorError
-from supervisor.execute_nodes import DrainBudget
 from supervisor.launchers.base import ChaosHooks, Launcher, NodeAdmin, waiting_standbys
 from supervisor.launchers.local import LocalLauncher
 from supervisor.metrics import SupervisorMetrics

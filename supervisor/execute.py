@@ -48,6 +48,7 @@ from supervisor.domain import (
     AttemptState,
     BringBackCheckpoints,
     CommandHandled,
+    DrainBudget,
     DrainNode,
     Effect,
     Emit,
@@ -77,7 +78,7 @@ from supervisor.domain import (
 )
 from supervisor.domain.events import EventKind
 from supervisor.errors import CannotExecute, LaunchError
-from supervisor.execute_nodes import DrainBudget, NodeEffects
+from supervisor.execute_nodes import NodeEffects
 from supervisor.launchers.base import AllocationRequest, Launcher, NodeAdmin
 from supervisor.policy import data_step, skip_to
 from supervisor.policy.transitions import check_attempt, check_run

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import assert_never
 
 from supervisor import node_health, trainer_cmd
 from supervisor.domain import (
     CommandHandled,
+    DrainBudget,
     DrainNode,
     Emit,
     Node,
@@ -52,14 +52,6 @@ log = logging.getLogger(__name__)
 RESEND_S = 1.0  # an intent the cluster does not show yet is sent again after this long
 DRAIN_REBOOT = "drain-reboot"  # an intent's action: a drain whose fix is a reboot
 REPAIR_LOOK_S = 5.0  # how often nodes handed to the cluster's repair are looked at (repairs take minutes)
-
-
-@dataclass(frozen=True, slots=True)
-class DrainBudget:
-    """The daemon's drains of its own accord: at most ``per_window`` in ``window_s``."""
-
-    per_window: int = 8
-    window_s: float = 3600.0
 
 
 class NodeEffects:

@@ -61,10 +61,9 @@ class PatternSet:
     match of one of them, with its groups)."""
 
     def __init__(self, patterns: Sequence[str]) -> None:
-        self.patterns = tuple(patterns)
         self._set = re2.Set.SearchSet(_OPTIONS)
         self._one: list[Any] = []  # an RE2 pattern, or (literal prefix, Python pattern)
-        for i, pattern in enumerate(self.patterns):
+        for i, pattern in enumerate(patterns):
             try:
                 one: Any = re2.compile(pattern, _OPTIONS)
                 prefilter = pattern

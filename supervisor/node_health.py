@@ -54,15 +54,18 @@ def judge(statuses_newest_first: Sequence[str], reasons_newest_first: Sequence[s
     return Judgement(drain=False, confirm=True, reason=reason)
 
 
+def _unhealthy(r: ProbeRecord) -> set[str | None]:
+    return {f.get("probe") for f in r.findings if f.get("status") == "unhealthy"}
+
+
 def run_files_missing(r: ProbeRecord) -> bool:
     """``r`` says the run's own files are missing there (``--require``)."""
-    return any(f.get("probe") == RUN_FILES and f.get("status") == "unhealthy" for f in r.findings)
+    return RUN_FILES in _unhealthy(r)
 
 
 def run_files_only(r: ProbeRecord) -> bool:
     """``r`` is unhealthy only because the run's own files are missing there (``--require``)."""
-    bad = [f for f in r.findings if f.get("status") == "unhealthy"]
-    return r.status == "unhealthy" and bool(bad) and all(f.get("probe") == RUN_FILES for f in bad)
+    return r.status == "unhealthy" and _unhealthy(r) == {RUN_FILES}
 
 
 def may_return(statuses_newest_first: Sequence[str], clean_in_a_row: int) -> bool:

@@ -20,8 +20,8 @@ inputs changed, as this fingerprint says:
 
 The fingerprint is taken on the tick, so its cost is bounded whatever the spec names
 (a sparse file named 300 ways took 13 s a tick): at most ``MAX_PRECOMPILE_INPUTS`` files
-(supervisor/spec.py refuses more), each read once per version (its device, inode, size and mtime: the same
-file under many names is read once), and a file over ``READ_MAX_BYTES`` counts by that
+(the spec refuses more), each read once per version (its device, inode, size and mtime:
+a file under many names is read once), and a file over ``READ_MAX_BYTES`` counts by that
 version alone, unread. Scripts and configs are far smaller.
 
 A precompile attempt is an attempt like the others for faults, drains and the budget; it

@@ -40,11 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor import node_health
-from supervisor.domain import NodeState
+from supervisor.domain import DrainBudget, NodeState
 from supervisor.domain.events import EventKind
 from supervisor.errors import NotFound
 from supervisor.execute import DecisionExecutor
-from supervisor.execute_nodes import DrainBudget
 from supervisor.launchers.base import Launcher, NodeAdmin
 from supervisor.observe import Observer
 from supervisor.policy import decide

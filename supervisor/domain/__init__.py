@@ -6,7 +6,7 @@ are what the decision core (supervisor/policy/) asks the shell to do. Times are 
 seconds (float) from the supervisor's clock, never the trainer's.
 
     states.py        RunState, AttemptState, NodeState, FaultKind, ... and run ids
-    knobs.py         Policy: the per-run knobs of the rules
+    knobs.py         Policy: the per-run knobs of the rules; DrainBudget, the daemon's
     records.py       Run, Attempt, Node, FaultRecord, events, metrics, intents, ...
     observations.py  RankObs, AttemptObs, RunView: what decide() sees
     effects.py       what decide() asks for
@@ -44,6 +44,7 @@ from supervisor.domain.effects import (
 from supervisor.domain.events import EventKind
 from supervisor.domain.knobs import (
     TSUP_EXIT_CODES,
+    DrainBudget,
     ExitMeaning,
     Policy,
 )
@@ -108,6 +109,7 @@ __all__ = [
     "CommandHandled",
     "CommandKind",
     "CurvePoint",
+    "DrainBudget",
     "DrainNode",
     "Effect",
     "Emit",

@@ -1,5 +1,6 @@
 """``Policy``: the per-run knobs of the decision rules (from the spec's [policy] table),
-and ``ExitMeaning``: what a trainer's exit code says, for trainers that say anything."""
+``DrainBudget``: the daemon's one knob over all of them (its config's), and
+``ExitMeaning``: what a trainer's exit code says, for trainers that say anything."""
 
 from __future__ import annotations
 
@@ -113,6 +114,15 @@ class Policy:
     # The cluster's interruption rate, for a run whose checkpoint interval is "auto"
     # (supervisor/planning.py: Young/Daly at each attempt); Llama 3's by default.
     failures_per_node_day: float = LLAMA3_FAILURES_PER_NODE_DAY
+
+
+@dataclass(frozen=True, slots=True)
+class DrainBudget:
+    """The daemon's drains of its own accord, whatever the run: at most ``per_window`` in
+    ``window_s`` (its config's drains_per_window, drain_window_s; supervisor/execute_nodes.py)."""
+
+    per_window: int = 8
+    window_s: float = 3600.0
 
 
 class ExitMeaning(enum.StrEnum):

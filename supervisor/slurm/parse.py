@@ -20,8 +20,8 @@ Formats, and which Slurm prints which:
   ``x\n3.0|node1|1001|tsup...`` would read as a record of its own, another user's. So
   the supervisor's polls frame the name between two copies of a random word made for
   that poll (``framed``): a name runs from its opening frame to its closing one, and no
-  name can hold a frame it cannot know. A record whose name holds a control character
-  is dropped (``NAME_REFUSED``): no name of the supervisor's does.
+  name can hold a frame it cannot know. A record whose name is not printable (a control
+  or format character) is dropped: no name of the supervisor's is.
 - The node table: ``sinfo --json`` (22.05: one record per node, the state and its flags
   apart, ``address``, ``reason``) or ``scontrol --json show node`` (23.02 and later;
   ``state`` a list of flags). Where neither answers, the text of
@@ -295,9 +295,6 @@ def parse_squeue_json(text: str) -> dict[str, JobInfo]:
     return out
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
 def framed(fmt: str, frame: str) -> str:
     """``fmt`` (its last field a free-text name) with the name between two ``frame``s."""
     head, _, name = fmt.rpartition("|")
@@ -307,7 +304,7 @@ def framed(fmt: str, frame: str) -> str:
 def _records(text: str, fields: int, frame: str | None, what: str) -> list[list[str]]:
     """The records of squeue's ``text``, each its ``fields`` fields, the last the name:
     with ``frame``, each name between its frames (see the module docstring); without,
-    one record a line. A record whose name holds a control character is left out."""
+    one record a line. A record whose name is not printable is left out."""
     out: list[list[str]] = []
     rows: list[tuple[str, str | None]] = []  # (the fields before the name, the framed name)
     if frame is None:
@@ -330,8 +327,8 @@ def _records(text: str, fields: int, frame: str | None, what: str) -> list[list[
             parts[-1] = name
         if len(parts) != fields:
             raise SlurmParseError(f"{what}: cannot read line {head!r}")
-        if _CONTROL.search(parts[-1]):
-            continue  # NAME_REFUSED: nobody's record of ours holds one
+        if not parts[-1].isprintable():
+            continue  # no record of ours has such a name
         out.append(parts)
     return out
 

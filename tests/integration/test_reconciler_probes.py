@@ -13,9 +13,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.domain import Node, NodeCommandKind, NodeState, RunState
+from supervisor.domain import DrainBudget, Node, NodeCommandKind, NodeState, RunState
 from supervisor.errors import Conflict
-from supervisor.execute_nodes import DrainBudget
 from supervisor.launchers.local import LocalLauncher
 from supervisor.reconciler import Reconciler, ReconcilerConfig
 from supervisor.service import SupervisorService
