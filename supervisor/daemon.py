@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -39,22 +38,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, TextIO
+from typing import Any, Literal
 
 import aiomqtt
 import uvicorn
 from sqlalchemy.exc import SQLAlchemyError
 
-from supervisor.broker import (
-    SUPERVISOR_PASSWORD_FILE,
-    SUPERVISOR_USER,
-    BrokerAccess,
-    EmbeddedBroker,
-    broker_addresses,
-)
+from supervisor.broker import SUPERVISOR_PASSWORD_FILE, EmbeddedBroker, broker_addresses
+from supervisor.broker_access import SUPERVISOR_USER, BrokerAccess
 from supervisor.domain import LIVE_ATTEMPT_STATES, DrainBudget
 from supervisor.domain.events import EventKind
-from supervisor.errors import StateDirLocked, StoreError, SupervisorError
+from supervisor.errors import StoreError, SupervisorError
 from supervisor.launchers.base import ChaosHooks, Launcher, NodeAdmin, waiting_standbys
 from supervisor.launchers.local import LocalLauncher
 from supervisor.metrics import SupervisorMetrics
@@ -67,6 +61,7 @@ from supervisor.service import SupervisorService
 from supervisor.settled import SettledHistory
 from supervisor.slurm.cluster import SlurmCluster, slurm_cluster
 from supervisor.slurm.launcher import prefix_for
+from supervisor.state_lock import StateDirLock
 from supervisor.store import SqlStore
 from supervisor.telemetry import TelemetryView
 from supervisor.token_file import (
@@ -493,35 +488,3 @@ def _listen(host: str, port: int) -> socket.socket:
     sock.listen(128)
     sock.setblocking(False)
     return sock
-
-
-class StateDirLock:
-    """An exclusive lock on the state directory: one daemon per database."""
-
-    def __init__(self, state_dir: Path) -> None:
-        self.path = state_dir / "supervisor.lock"
-        self._file: TextIO | None = None
-
-    def acquire(self) -> None:
-        f = open(self.path, "a+")  # noqa: SIM115 - held open for the daemon's life
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as e:
-            f.seek(0)
-            holder = f.read().strip() or "unknown"
-            f.close()
-            raise StateDirLocked(
-                f"another training-supervisor (pid {holder}) is using {self.path.parent}; "
-                "stop it first or choose another --state-dir"
-            ) from e
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        self._file = f
-
-    def release(self) -> None:
-        if self._file is not None:
-            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
-            self._file.close()
-            self._file = None

@@ -25,6 +25,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import ConnectionPoolEntry, NullPool
 
 from supervisor.errors import StoreError
+from supervisor.store import migrations
 from supervisor.store import schema as t
 from supervisor.store.tx import Tx
 
@@ -90,11 +91,11 @@ def migrate(conn: Connection) -> None:
     if current is None:
         current = 0
         conn.execute(insert(t.schema_version).values(version=0))
-    if current > t.SCHEMA_VERSION:
+    if current > migrations.SCHEMA_VERSION:
         raise StoreError(
             f"database schema v{current} is newer than this supervisor understands "
-            f"(v{t.SCHEMA_VERSION}); upgrade training-supervisor"
+            f"(v{migrations.SCHEMA_VERSION}); upgrade training-supervisor"
         )
-    for version in range(current, t.SCHEMA_VERSION):
-        t.MIGRATIONS[version](conn)
+    for version in range(current, migrations.SCHEMA_VERSION):
+        migrations.MIGRATIONS[version](conn)
         conn.execute(update(t.schema_version).values(version=version + 1))

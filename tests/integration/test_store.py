@@ -25,6 +25,7 @@ from supervisor.domain import (
 from supervisor.errors import NotFound, StoreError
 from supervisor.policy.transitions import IllegalTransition
 from supervisor.store import SqlStore
+from supervisor.store import migrations as store_migrations
 from supervisor.store import schema as store_schema
 
 
@@ -57,13 +58,13 @@ def test_runs_get_sequential_ids_and_their_own_directories(store: SqlStore, tmp_
 def test_database_is_wal_with_full_sync(store: SqlStore) -> None:
     conn = sqlite3.connect(store.path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == store_schema.SCHEMA_VERSION
+    assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == store_migrations.SCHEMA_VERSION
     conn.close()
 
 
 def test_a_newer_schema_is_refused_with_a_clear_message(store: SqlStore) -> None:
     with store.tx() as tx:
-        tx.c.execute(update(store_schema.schema_version).values(version=store_schema.SCHEMA_VERSION + 1))
+        tx.c.execute(update(store_schema.schema_version).values(version=store_migrations.SCHEMA_VERSION + 1))
     store.close()
     again = SqlStore(store.path)
     with pytest.raises(StoreError, match="newer than this supervisor"):
@@ -182,7 +183,7 @@ def test_a_version_3_database_gains_the_event_kind_and_fault_time_indexes(store:
     conn = sqlite3.connect(store.path)
     names = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert {"events_by_run_kind", "faults_by_time"} <= names
-    assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == store_schema.SCHEMA_VERSION
+    assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == store_migrations.SCHEMA_VERSION
     conn.close()
 
 
@@ -232,9 +233,9 @@ def test_a_migration_that_fails_midway_leaves_the_database_as_it_was(store: SqlS
         c.exec_driver_sql("ALTER TABLE commands RENAME TO commands_v4")  # type: ignore[attr-defined]
         raise RuntimeError("power cut in the middle of _v5")
 
-    broken = [*store_schema.MIGRATIONS[:4], broken_v5, *store_schema.MIGRATIONS[5:]]
+    broken = [*store_migrations.MIGRATIONS[:4], broken_v5, *store_migrations.MIGRATIONS[5:]]
     with monkeypatch.context() as m:
-        m.setattr(store_schema, "MIGRATIONS", broken)
+        m.setattr(store_migrations, "MIGRATIONS", broken)
         with pytest.raises(RuntimeError, match="power cut"):
             SqlStore(store.path).open()
     conn = sqlite3.connect(store.path)

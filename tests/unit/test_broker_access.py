@@ -1,4 +1,4 @@
-"""The embedded broker's accounts and limits without a network (supervisor/broker.py);
+"""The embedded broker's accounts and limits without a network (supervisor/broker_access.py);
 tests/integration/test_broker_security.py attacks the real broker."""
 
 from __future__ import annotations
@@ -7,14 +7,13 @@ import asyncio
 
 import pytest
 
-from supervisor.broker import (
+from supervisor.broker import PacketLimit, PacketTooLarge
+from supervisor.broker_access import (
     MAX_LOGIN_CHARS,
     MAX_PACKET_BYTES,
     REFUSAL_WINDOW_S,
     REFUSALS_LOGGED,
     BrokerAccess,
-    PacketLimit,
-    PacketTooLarge,
     covers,
 )
 from trainer import protocol as p
