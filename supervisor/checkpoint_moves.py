@@ -12,8 +12,9 @@ checkpoint directory, each said as a ``checkpoint.set-aside`` event.
   precompile pass, and what the pass saved is set aside when it ends
   (supervisor/precompile.py).
 
-Nothing is deleted, and no link below the checkpoint directory is followed
-(checkpoint_scan.set_aside, supervisor/user_files.py).
+Nothing is deleted, and every move is made by the run's user (supervisor/user_tree.py):
+what it makes to hold the checkpoints is the user's, and a link planted below the
+checkpoint directory reaches only what that user could reach alone.
 """
 
 from __future__ import annotations
@@ -22,26 +23,17 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from supervisor import checkpoint_scan, precompile, trainer_cmd, users
+from supervisor import precompile, trainer_cmd, user_tree
 from supervisor.domain import Run, StartAttempt
 from supervisor.domain.events import EventKind
 from supervisor.errors import CannotExecute
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore
-from supervisor.users import RunAs
+from supervisor.user_tree import SET_ASIDE
 
 log = logging.getLogger(__name__)
 
 PostEvent = Callable[[int | None, EventKind, str, dict[str, object]], None]
-
-
-def _owner(spec: RunSpec) -> RunAs | None:
-    """Whose the directories made to hold moved checkpoints are: the run's user's (None:
-    the daemon's own, or a user gone from this host, whose directories stay as made)."""
-    try:
-        return users.for_launch(spec.user)
-    except CannotExecute:
-        return None
 
 
 class CheckpointMoves:
@@ -59,10 +51,10 @@ class CheckpointMoves:
         moved out of the way, so that this resume and every later one goes on from there."""
         directory = trainer_cmd.checkpoint_dir(spec, run_dir)
         layout = trainer_cmd.checkpoint_layout(spec)
-        keep, _ = checkpoint_scan.pick(directory, layout, before_step=step + 1)
-        into = directory / checkpoint_scan.SET_ASIDE / f"resume-{run.run_id}-{now:.0f}"
-        moved = checkpoint_scan.set_aside(directory, layout, keep.path if keep else None, step + 1, into,
-                                          _owner(spec))
+        tree = user_tree.of(spec.user)
+        keep, _ = tree.pick(directory, layout, before_step=step + 1)
+        into = directory / SET_ASIDE / f"resume-{run.run_id}-{now:.0f}"
+        moved = tree.set_aside(directory, layout, keep.path if keep else None, step + 1, into)
         if moved:
             names = ", ".join(src.name for src, _ in moved)
             self.post_event(run.number, EventKind.CHECKPOINT_SET_ASIDE,
@@ -76,10 +68,9 @@ class CheckpointMoves:
             return
         directory = trainer_cmd.checkpoint_dir(spec, run_dir)
         keep = Path(e.resume_from) if e.resume_from is not None else None
-        moved = checkpoint_scan.set_aside(directory, trainer_cmd.checkpoint_layout(spec), keep,
-                                          e.resume_step if keep is not None else 0,
-                                          directory / checkpoint_scan.SET_ASIDE / f"attempt-{e.number}",
-                                          _owner(spec))
+        moved = user_tree.of(spec.user).set_aside(directory, trainer_cmd.checkpoint_layout(spec), keep,
+                                                  e.resume_step if keep is not None else 0,
+                                                  directory / SET_ASIDE / f"attempt-{e.number}")
         if moved:
             names = ", ".join(src.name for src, _ in moved)
             start = keep.name if keep is not None else "scratch"
@@ -91,11 +82,11 @@ class CheckpointMoves:
     def keep_aside_for_pass(self, run: Run, spec: RunSpec, run_dir: Path, number: int) -> None:
         """The run's checkpoints out of the way of its precompile pass, attempt ``number``."""
         directory = trainer_cmd.checkpoint_dir(spec, run_dir)
-        moved = precompile.keep_aside(directory, trainer_cmd.checkpoint_layout(spec), number,
-                                      lambda moves: self._record_aside(run, number, moves), _owner(spec))
+        moved = user_tree.of(spec.user).keep_aside(directory, trainer_cmd.checkpoint_layout(spec), number,
+                                                   lambda moves: self._record_aside(run, number, moves))
         if moved:
             names = ", ".join(src.name for src, _ in moved)
-            where = f"{checkpoint_scan.SET_ASIDE}/before-precompile-{number}/"
+            where = f"{SET_ASIDE}/before-precompile-{number}/"
             self.post_event(run.number, EventKind.CHECKPOINT_SET_ASIDE,
                             f"attempt {number} is the job's precompile pass: moved {names} out of its way "
                             f"(into {where}); they come back when it ends",
@@ -106,10 +97,10 @@ class CheckpointMoves:
         (``set_aside``: the moves that kept them out of its way)."""
         directory, layout = trainer_cmd.checkpoint_dir(spec, run_dir), trainer_cmd.checkpoint_layout(spec)
         try:
-            saved, back = precompile.bring_back(directory, layout, number, precompile.moves_of(set_aside),
-                                                _owner(spec))
+            saved, back = user_tree.of(spec.user).bring_back(directory, layout, number,
+                                                             precompile.moves_of(set_aside))
             self._record_aside(run, number, None)
-        except (OSError, ValueError) as err:  # tried again next tick: nothing launches meanwhile
+        except (OSError, ValueError, CannotExecute) as err:  # again next tick: nothing launches meanwhile
             log.warning("run %s: the checkpoints set aside for precompile attempt %d are not back yet: %s",
                         run.run_id, number, err)
             return

@@ -355,29 +355,17 @@ def pick(directory: Path, layout: str | None = None, before_step: int | None = N
          ) -> tuple[Verdict | None, list[Verdict]]:
     """The newest checkpoint that passes verification (older than ``before_step`` when
     given, and not at a step in ``exclude``), and the newer ones that failed."""
+    return pick_from(scan(directory, layout, out_of_range), before_step, exclude)
+
+
+def pick_from(found: list[Verdict], before_step: int | None = None, exclude: Collection[int] = (),
+              ) -> tuple[Verdict | None, list[Verdict]]:
+    """``pick`` among the verdicts of a scan already made (supervisor/user_tree.py's)."""
     rejected: list[Verdict] = []
-    for v in scan(directory, layout, out_of_range):
+    for v in found:
         if (before_step is not None and v.step >= before_step) or v.step in exclude:
             continue
         if v.ok:
             return v, rejected
         rejected.append(v)
     return None, rejected
-
-
-def set_aside(directory: Path, layout: str | None, keep: Path | None, keep_step: int,
-              into: Path, owner: user_files.Owner | None = None) -> list[tuple[Path, Path]]:
-    """Move every checkpoint of ``directory`` at ``keep_step`` or later, except ``keep``, into
-    ``into``: for a trainer that searches the directory itself, so that it finds the one
-    the supervisor chose (a newer one may be unreadable, or past a rollback). Nothing is
-    deleted; what is made to hold them is ``owner``'s. Returns the moves made, (from, to)."""
-    moved: list[tuple[Path, Path]] = []
-    for v in scan(directory, layout):
-        if v.step < keep_step or (keep is not None and v.path == keep):
-            continue
-        try:  # no link below ``directory`` followed: a planted .set-aside -> /etc moves nothing there
-            target = user_files.move_into(directory, v.path, into, owner)
-        except FileNotFoundError:
-            continue  # the trainer deleted it meanwhile
-        moved.append((v.path, target))
-    return moved

@@ -44,6 +44,7 @@ import aiomqtt
 import uvicorn
 from sqlalchemy.exc import SQLAlchemyError
 
+from supervisor import user_tree
 from supervisor.broker import SUPERVISOR_PASSWORD_FILE, EmbeddedBroker, broker_addresses
 from supervisor.broker_access import SUPERVISOR_USER, BrokerAccess
 from supervisor.domain import LIVE_ATTEMPT_STATES, DrainBudget
@@ -347,6 +348,7 @@ class Daemon:
         if self.reconciler is not None:
             self.reconciler.close()
         self._tick_thread.shutdown(wait=True)
+        user_tree.close_all()  # the run users' file workers (each also ends with its pipe)
         if self.cluster.slurm is not None:
             self.cluster.slurm.state.stop()
         if self._api_socket is not None:

@@ -39,7 +39,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, assert_never
 
-from supervisor import node_health, planning, precompile, trainer_cmd, users
+from supervisor import node_health, planning, precompile, trainer_cmd, user_tree, users
 from supervisor.checkpoint_moves import CheckpointMoves
 from supervisor.domain import (
     AdoptAttempt,
@@ -93,7 +93,7 @@ from supervisor.tick_state import (
     RunMemory,
     grant_changes,
 )
-from supervisor.user_files import UnsafePath
+from supervisor.user_tree import UnsafePath
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,9 @@ class DecisionExecutor:
                 tx.add_event(n, EventKind.CHECKPOINT_REJECTED,
                              f"checkpoint at step {v.step} fails verification: {v.why}",
                              {"step": v.step, "path": str(v.path)}, now)
+        if seen.facts.output_offsets is not None:
+            number, offsets = seen.facts.output_offsets
+            tx.update_attempt(n, number, output_offsets=offsets)
         for path in seen.facts.out_of_range:
             if self.memory.note_out_of_range(n, path):
                 tx.add_event(n, EventKind.CHECKPOINT_SKIPPED,
@@ -425,8 +428,9 @@ class DecisionExecutor:
                 ck = trainer_cmd.checkpoint_dir(spec, run_dir)
                 users.hand_over(run_as, run_dir.parent, run_dir, config.parent.parent, config.parent, config,
                                 *([ck] if ck.is_relative_to(run_dir) else []))
-            trainer_cmd.write_fence(spec, run_dir, e.number, run_as)
-            inputs = (precompile.fingerprint(spec, trainer_cmd.attempt_cwd(spec, run_dir))
+            tree = user_tree.of(spec.user)  # the run's checkpoints and scripts, as its user
+            trainer_cmd.write_fence(spec, run_dir, e.number, tree)
+            inputs = (precompile.fingerprint(spec, trainer_cmd.attempt_cwd(spec, run_dir), tree)
                       if spec.command is not None else None)  # what a resume after its failure compares
             info = self.launcher.start(launch)
         except (LaunchError, OSError) as err:  # a launch fault, judged next tick

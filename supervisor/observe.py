@@ -17,12 +17,13 @@ this process, rebuilt after a restart.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
 
-from supervisor import checkpoint_scan, output_progress, precompile, trainer_cmd
+from supervisor import output_progress, precompile, trainer_cmd, user_tree
 from supervisor.domain import (
     LIVE_ATTEMPT_STATES,
     TERMINAL_RUN_STATES,
@@ -115,6 +116,8 @@ class Observer:
         facts = Facts()
         obs = self._observe_attempt(run, spec if isinstance(spec, RunSpec) else None, run_dir, live, now) \
             if live else None
+        if live is not None and isinstance(spec, RunSpec) and spec.command is not None:
+            facts.output_offsets = self._offsets_to_keep(live, now)
         # The allocation as the cluster has it; after a death, only an answer given since
         # then may say whether the cluster took the nodes away (then no node is to blame).
         first_death = min((r.dead_since for r in obs.ranks if r.dead_since is not None), default=None) \
@@ -149,8 +152,9 @@ class Observer:
                                            unreadable_checkpoints(faults, attempts, memory=True))
         precompile_due = None
         if isinstance(spec, RunSpec) and precompiles and may_launch:
-            cwd = trainer_cmd.attempt_cwd(spec, run_dir)
-            precompile_due = precompile.due(precompile.fingerprint(spec, cwd), attempts)
+            cwd, tree = trainer_cmd.attempt_cwd(spec, run_dir), user_tree.of_present(spec.user)
+            if tree is not None:  # (a user gone: the launch fails the run)
+                precompile_due = precompile.due(precompile.fingerprint(spec, cwd, tree), attempts)
         view = RunView(
             run=run, attempts=attempts, allocation=allocation, newest_checkpoint=newest,
             newest_memory=newest_memory, commands=tuple(commands),
@@ -172,9 +176,12 @@ class Observer:
 
     def _newest_checkpoint(self, spec: RunSpec, run_dir: Path, facts: Facts, before_step: int | None,
                            exclude: frozenset[int]) -> CheckpointRef | None:
-        newest, rejected = checkpoint_scan.pick(trainer_cmd.checkpoint_dir(spec, run_dir),
-                                                trainer_cmd.checkpoint_layout(spec), before_step, exclude,
-                                                out_of_range=facts.out_of_range)
+        tree = user_tree.of_present(spec.user)  # the checkpoints are read as the run's user
+        if tree is None:
+            return None  # a user gone from this host: the launch fails the run
+        newest, rejected = tree.pick(trainer_cmd.checkpoint_dir(spec, run_dir),
+                                     trainer_cmd.checkpoint_layout(spec), before_step, exclude,
+                                     out_of_range=facts.out_of_range)
         facts.checkpoints = [*rejected, *([newest] if newest else [])]
         return None if newest is None else CheckpointRef(step=newest.step, path=str(newest.path))
 
@@ -278,7 +285,9 @@ class Observer:
                 final = max([live.resume_step, *(r.last_step for r in ranks)])
                 return TrainerResult(final_step=max(final, spec.command.steps), model_digest=None)
             return None
-        return trainer_cmd.read_result(trainer_cmd.result_path(spec, run_dir), run.run_id, live.number)
+        tree = user_tree.of_present(spec.user)
+        return None if tree is None else trainer_cmd.read_result(trainer_cmd.result_path(spec, run_dir),
+                                                                 run.run_id, live.number, tree)
 
     def _expected_first(self, run: Run, spec: RunSpec, live: Attempt) -> tuple[int, float] | None:
         """For a resumed reference trainer: its first step and the loss an earlier attempt
@@ -308,7 +317,12 @@ class Observer:
         """Steps and fatal errors in a [command] trainer's output since the last tick; the
         steps go to the telemetry view, as if the trainer had sent them."""
         assert spec.command is not None
-        state = self.memory.attempt(run.number, live.number).output
+        memory = self.memory.attempt(run.number, live.number)
+        state = memory.output
+        if not memory.output_resumed:  # a daemon restarted under it reads on where the last one was
+            memory.output_resumed = True
+            if live.output_offsets:
+                state.resume(live.output_offsets)
         formats = output_progress.formats_for(spec.command.progress_pattern)
         for read in output_progress.read_output(
                 state, trainer_cmd.attempt_dir(run_dir, live.number), run_id=run.run_id, attempt=live.number,
@@ -319,6 +333,16 @@ class Observer:
             self.telemetry.phase_from_output(run.run_id, live.number, rank, phase, now)
         return state
 
+    def _offsets_to_keep(self, live: Attempt, now: float) -> tuple[int, str] | None:
+        """The offsets read so far, to keep in the store: every OFFSETS_EVERY_S, when they moved."""
+        memory = self.memory.attempt(live.run_number, live.number)
+        kept_at, kept = memory.offsets_kept
+        offsets = memory.output.offsets()
+        if offsets == kept or now - kept_at < output_progress.OFFSETS_EVERY_S:
+            return None
+        memory.offsets_kept = (now, offsets)
+        return live.number, json.dumps(offsets, separators=(",", ":"))
+
     def _quiet_progress(self, spec: RunSpec, run_dir: Path, live: Attempt, now: float,
                         output: AttemptOutput | None) -> tuple[int, float | None]:
         """(newest complete checkpoint step, when progress was last seen) for a trainer
@@ -327,9 +351,10 @@ class Observer:
         are, so that a hung job printing warnings is still a hang."""
         memory = self.memory.attempt(live.run_number, live.number)
         step, step_seen_at, scanned_at = memory.quiet or (live.resume_step, None, 0.0)
-        if now - scanned_at >= _QUIET_SCAN_S:
-            newest, _ = checkpoint_scan.pick(trainer_cmd.checkpoint_dir(spec, run_dir),
-                                             trainer_cmd.checkpoint_layout(spec))
+        tree = user_tree.of_present(spec.user)
+        if now - scanned_at >= _QUIET_SCAN_S and tree is not None:
+            newest, _ = tree.pick(trainer_cmd.checkpoint_dir(spec, run_dir),
+                                  trainer_cmd.checkpoint_layout(spec))
             if newest is not None and newest.step > step:
                 step, step_seen_at = newest.step, now
             memory.quiet = (step, step_seen_at, now)

@@ -25,14 +25,22 @@ errors, CUDA's uncorrectable ECC error, NCCL's errors, errors of the job's confi
 is kept as its rank's ``fatal`` line: when the attempt fails, attribution drains the node
 that printed a device error, names (without draining) one that printed an error of the
 collectives, and fails the run at once on a configuration error.
+
+A tick's read is bounded: at most ``READ_MAX_BYTES`` a file and ``READ_BUDGET_S`` an
+attempt (the files left go first next tick), every pattern linear in the line
+(supervisor/linear_match.py). How far each file was read is kept in the store every
+``OFFSETS_EVERY_S`` (``AttemptOutput.offsets``, ``resume``): a restarted daemon reads on
+from there, not from the start of weeks of output.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +51,9 @@ from supervisor.linear_match import PatternSet
 from trainer import protocol as p
 
 READ_MAX_BYTES = 1 << 20  # per file and poll: a burst of output is read over several ticks
+READ_BUDGET_S = 0.25  # per attempt and poll: the files left unread are read first next tick
+MAX_FILES = 8192  # logs of an attempt read (a rank's or a node's each): more are not looked at
+OFFSETS_EVERY_S = 30.0  # how often the offsets read so far are kept in the store
 _LINE_MAX = 64 << 10  # a longer "line" (a progress bar redrawn with \r, binary noise) is cut
 
 
@@ -300,6 +311,26 @@ class AttemptOutput:
     # When a progress line was last read, new step or not: a counter that starts again
     # (the FSDP test case's batch index, each epoch) still shows training going on.
     line_at: float | None = None
+    turn: int = 0  # the file a read begins with: one that ran out of time goes first next tick
+
+    def offsets(self) -> dict[str, int]:
+        """How far each file was read, to the end of its last whole line: what a restarted
+        daemon reads on from (``resume``)."""
+        return {name: f.offset - len(f.partial) for name, f in self.files.items()}
+
+    def resume(self, offsets: str) -> None:
+        """Read on from ``offsets`` (``offsets()`` as JSON, kept in the store), not from the
+        start: a restarted daemon neither re-reads weeks of output nor replays its steps.
+        What is not such a JSON object of at most ``MAX_FILES`` names is ignored."""
+        try:
+            kept = json.loads(offsets)
+        except ValueError:
+            return
+        if not isinstance(kept, dict) or len(kept) > MAX_FILES:
+            return
+        for name, offset in kept.items():
+            if isinstance(name, str) and isinstance(offset, int) and offset >= 0:
+                self.files.setdefault(name, _File(offset=offset))
 
     @property
     def understood(self) -> bool:
@@ -318,11 +349,14 @@ class ReadStep:
 
 
 def read_output(state: AttemptOutput, log_dir: Path, *, run_id: str, attempt: int, ranks_per_node: int,
-                formats: OutputPatterns, now: float, base: Path | None = None) -> list[ReadStep]:
+                formats: OutputPatterns, now: float, base: Path | None = None,
+                budget_s: float = READ_BUDGET_S) -> list[ReadStep]:
     """Read what the attempt's ranks wrote since the last call; the steps it shows, to
     apply to the telemetry view. Fatal lines are kept in ``state.fatal``, the phase the
-    output shows in ``state.phases``."""
+    output shows in ``state.phases``. Files are read until ``budget_s`` is spent; the
+    next call begins with the first one left unread."""
     out: list[ReadStep] = []
+    deadline = time.monotonic() + budget_s
     try:  # ``base``: the daemon's directory above, no link below it followed
         if base is None:
             names = sorted(os.listdir(log_dir))
@@ -331,10 +365,13 @@ def read_output(state: AttemptOutput, log_dir: Path, *, run_id: str, attempt: in
                 names = sorted(os.listdir(fd))
     except OSError:
         return out
-    for name in names:
-        rank = _rank_of(name, ranks_per_node)
-        if rank is None:
-            continue
+    ranked = [(name, rank) for name in names
+              if (rank := _rank_of(name, ranks_per_node)) is not None][:MAX_FILES]
+    first = state.turn % len(ranked) if ranked else 0
+    for i, (name, rank) in enumerate(ranked[first:] + ranked[:first]):
+        if i and time.monotonic() > deadline:
+            state.turn = first + i  # the rest first, next tick
+            break
         lines = _new_lines(state.files.setdefault(name, _File()), log_dir / name, base)
         seen: list[ProgressLine] = []
         for line in lines:

@@ -14,8 +14,9 @@ inputs changed, as this fingerprint says:
 
 - the spec's command section and the nodes' shape (what the graphs are compiled for);
 - the content of each file of ``precompile_inputs`` (default: ``argv[0]`` when it is a
-  path, the job's script), relative to the command's ``cwd``, read here on the controller
-  from the shared file system the nodes run it from. A file that cannot be read counts as
+  path, the job's script), relative to the command's ``cwd``, read on the controller as
+  the run's user (supervisor/user_tree.py) from the shared file system the nodes run it
+  from. A file that cannot be read counts as
   its error, so that it becoming readable (or changing) makes the pass due again.
 
 The fingerprint is taken on the tick, so its cost is bounded whatever the spec names
@@ -33,11 +34,11 @@ Its checkpoints are not the run's. neuron_parallel_compile's trial run computes 
 real (its outputs, "loss, checkpoints", are to be ignored, as it says itself), yet the job
 saves as it always does: under the names of the run's own checkpoints, over them, or as a
 newer one the next attempt would resume from. So the run's checkpoints are moved out of
-the pass's way before it starts (``keep_aside``, into ``.set-aside/before-precompile-N/``
+the pass's way before it starts (``user_tree.Tree.keep_aside``, into ``.set-aside/before-precompile-N/``
 of the checkpoint directory, each at its own relative path, the moves recorded with the
 attempt in the store: ``Attempt.set_aside``, never a file in the user's tree, which its
 user could replace by a link or a FIFO); once it has ended, whatever it saved is moved
-into ``.set-aside/precompile-N/`` and the run's own come back (``bring_back``) before
+into ``.set-aside/precompile-N/`` and the run's own come back (``Tree.bring_back``) before
 anything else is launched (the policy waits on ``RunView.precompile_aside``). A daemon
 killed in between finds the moves in the store and finishes the job on its next tick.
 Nothing is deleted.
@@ -45,18 +46,21 @@ Nothing is deleted.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from supervisor import checkpoint_scan, user_files
 from supervisor.domain import Attempt, AttemptOutcome
 from supervisor.spec import RunSpec
+from supervisor.spec_command import MAX_PRECOMPILE_INPUTS
+
+if TYPE_CHECKING:
+    from supervisor.user_tree import Tree
 
 READ_MAX_BYTES = 1 << 20  # an input over this size counts by its version (stat), unread
 _DIGESTS_KEPT = 256
@@ -74,15 +78,22 @@ def inputs(spec: RunSpec, cwd: Path | None) -> list[Path]:
     return [base / name for name in names]  # an absolute name stays as it is
 
 
-def fingerprint(spec: RunSpec, cwd: Path | None) -> str:
-    """What the precompile pass compiles, as one hex digest (see the module docstring)."""
+def fingerprint(spec: RunSpec, cwd: Path | None, tree: Tree | None = None) -> str:
+    """What the precompile pass compiles, as one hex digest (see the module docstring);
+    its files read by ``tree`` (supervisor/user_tree.py: as the run's user; None: here)."""
     assert spec.command is not None
-    h = hashlib.sha256()
-    shape = {"command": spec.command.model_dump(mode="json"),
-             "nodes": spec.resources.nodes, "ranks_per_node": spec.resources.ranks_per_node,
-             "accelerator": spec.resources.accelerator}
-    h.update(json.dumps(shape, sort_keys=True).encode())
-    for path in inputs(spec, cwd):
+    shape = json.dumps({"command": spec.command.model_dump(mode="json"),
+                        "nodes": spec.resources.nodes, "ranks_per_node": spec.resources.ranks_per_node,
+                        "accelerator": spec.resources.accelerator}, sort_keys=True)
+    paths = inputs(spec, cwd)
+    return fingerprint_of(shape, paths) if tree is None else tree.fingerprint(shape, paths)
+
+
+def fingerprint_of(shape: str, paths: Sequence[Path]) -> str:
+    """The digest of the pass's ``shape`` (its command and nodes, as JSON) and of the
+    files ``paths``, each read once per version."""
+    h = hashlib.sha256(shape.encode())
+    for path in paths[:MAX_PRECOMPILE_INPUTS]:
         h.update(b"\0" + str(path).encode() + b"\0")
         try:  # read again only once it changed: a launch may be decided every tick
             st = os.stat(path)
@@ -155,43 +166,3 @@ def aside(attempts: Iterable[Attempt]) -> int | None:
     if last is None or last.outcome is None or last.set_aside is None:
         return None
     return last.number
-
-
-def keep_aside(directory: Path, layout: str | None, attempt: int, record: Callable[[Moves], None],
-               owner: user_files.Owner | None = None) -> Moves:
-    """Move every checkpoint of ``directory`` into ``.set-aside/before-precompile-N/``,
-    recording the moves first (``record``: into the store), then each as it is made."""
-    into = directory / checkpoint_scan.SET_ASIDE / f"before-precompile-{attempt}"
-    moved: Moves = []
-    record(moved)  # even with nothing to move: the pass's own saves are set aside when it ends
-    for v in checkpoint_scan.scan(directory, layout):
-        target_dir = into / v.path.parent.relative_to(directory)
-        try:
-            moved.append((v.path, user_files.move_into(directory, v.path, target_dir, owner)))
-        except FileNotFoundError:
-            continue
-        record(moved)
-    return moved
-
-
-def bring_back(directory: Path, layout: str | None, attempt: int, moves: Moves,
-               owner: user_files.Owner | None = None) -> tuple[list[Path], list[Path]]:
-    """After precompile attempt ``attempt``, whose ``moves`` kept the run's checkpoints
-    aside: what it saved, into ``.set-aside/precompile-N/``, then the run's own back where
-    they were. Returns (the pass's, those back); the caller then records that nothing is
-    aside. Run again after a crash half way, it moves only what is still to move."""
-    into = directory / checkpoint_scan.SET_ASIDE / f"precompile-{attempt}"
-    back_already = {src for src, dst in moves if not dst.exists()}
-    saved: list[Path] = []
-    for v in checkpoint_scan.scan(directory, layout):
-        if v.path in back_already:
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            user_files.move_into(directory, v.path, into / v.path.parent.relative_to(directory), owner)
-            saved.append(v.path)
-    back: list[Path] = []
-    for src, dst in moves:
-        if dst.exists() and not src.exists():
-            user_files.move_into(directory, dst, src.parent, owner)  # (dst's name is src's)
-            back.append(src)
-    return saved, back

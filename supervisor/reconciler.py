@@ -120,7 +120,8 @@ class Reconciler:
             try:
                 seen = self.observer.observe(run, commands, now)
                 effects = decide(seen.view, seen.obs, now)
-                if effects or seen.facts.grant or seen.facts.checkpoints or seen.facts.out_of_range:
+                facts = seen.facts
+                if effects or facts.grant or facts.checkpoints or facts.out_of_range or facts.output_offsets:
                     self.executor.apply(seen, effects, now)
             except Exception:
                 # One run's trouble (a vanished directory, a full disk) must not stall

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from supervisor import attempt_logs, checkpoint_scan, node_health, precompile, trainer_cmd, users
+from supervisor import attempt_logs, node_health, precompile, trainer_cmd, user_tree, users
 from supervisor.domain import (
     AttemptStats,
     CommandKind,
@@ -33,7 +33,7 @@ from supervisor.domain import (
     parse_run_id,
 )
 from supervisor.domain.events import EventKind
-from supervisor.errors import Conflict, NotFound, SpecError
+from supervisor.errors import CannotExecute, Conflict, NotFound, SpecError
 from supervisor.launchers.base import Launcher, NodeAdmin, waiting_standbys
 from supervisor.probes import ProbeScheduler
 from supervisor.settled import SettledHistory, is_over
@@ -311,8 +311,11 @@ class SupervisorService:
         if failed is None or failed.inputs is None or spec.command is None:
             return
         cwd = trainer_cmd.attempt_cwd(spec, run_dir)
-        if precompile.fingerprint(spec, cwd) != failed.inputs:
-            return
+        try:
+            if precompile.fingerprint(spec, cwd, user_tree.of(spec.user)) != failed.inputs:
+                return
+        except (CannotExecute, OSError):
+            return  # unknown: the resume is let through (its launch says what is wrong)
         files = ", ".join(str(p) for p in precompile.inputs(spec, cwd))
         raise Conflict(f"{run_id} would fail again as attempt {failed.number} did: {last.summary}. Nothing "
                        f"the job reads has changed since ({files}); change it first, or resume with force "
@@ -326,7 +329,10 @@ class SupervisorService:
         except SpecError as e:
             raise SpecError(f"{run_id}'s spec no longer validates: {e}") from e
         directory = trainer_cmd.checkpoint_dir(spec, run_dir)
-        verdicts = checkpoint_scan.scan(directory, trainer_cmd.checkpoint_layout(spec))
+        try:
+            verdicts = user_tree.of(spec.user).scan(directory, trainer_cmd.checkpoint_layout(spec))
+        except (CannotExecute, OSError) as e:
+            raise Conflict(f"{run_id}'s checkpoints cannot be read as its user now: {e}") from None
         if any(v.ok and v.step == step for v in verdicts):
             return
         there = sorted({v.step for v in verdicts if v.ok})

@@ -85,6 +85,7 @@ class Facts:
     grant: GrantChanges | None = None
     checkpoints: list[Verdict] = field(default_factory=list)  # the newest ok one, and newer failed ones
     out_of_range: list[Path] = field(default_factory=list)  # checkpoint directories no step column holds
+    output_offsets: tuple[int, str] | None = None  # (attempt, how far its logs were read) to keep
 
 
 @dataclass(slots=True, kw_only=True)
@@ -110,6 +111,8 @@ class AttemptMemory:
     # A [command] trainer's: (newest checkpoint step, when first seen, when last scanned).
     quiet: tuple[int, float | None, float] | None = None
     output: AttemptOutput = field(default_factory=AttemptOutput)  # its output read so far
+    output_resumed: bool = False  # read on from the offsets the store kept (a restarted daemon)
+    offsets_kept: tuple[float, dict[str, int]] = (0.0, {})  # when the store was last given them, and them
     # A resumed reference trainer's first step and the loss an earlier attempt reported for
     # it (``expected_known``: looked up once; None: the check does not hold).
     expected: tuple[int, float] | None = None

@@ -30,6 +30,7 @@ from supervisor.errors import SpecError
 from supervisor.node_env import accelerator_env
 from supervisor.planning import TIER_MEMORY, first_auto_every_steps
 from supervisor.spec import RunSpec
+from supervisor.user_tree import Tree, TreeStalled
 from trainer.checkpoint_layout import FENCE_FILE
 from trainer.neuron import launch as neuron_launch
 
@@ -108,19 +109,19 @@ def write_attempt_config(spec: RunSpec, run_dir: Path, attempt: int, argv: tuple
     return path
 
 
-def write_fence(spec: RunSpec, run_dir: Path, attempt: int, owner: user_files.Owner | None) -> None:
+def write_fence(spec: RunSpec, run_dir: Path, attempt: int, tree: Tree) -> None:
     """Tell the reference trainer's ranks which attempt is live (trainer/checkpoint_layout.py's
     FENCE_FILE), before its ranks start: a rank 0 of an earlier attempt that wakes up then
-    leaves the checkpoints alone. Nothing for a [command] trainer, nor before the first
-    save made the checkpoint directory."""
+    leaves the checkpoints alone. Written by ``tree`` (supervisor/user_tree.py: as the
+    run's user, in the user's directory). Nothing for a [command] trainer, nor before the
+    first save made the checkpoint directory."""
     if spec.command is not None:
         return
     ck = checkpoint_dir(spec, run_dir)
     inside = ck.is_relative_to(run_dir)
-    if not inside and not ck.is_dir():
+    if not inside and not tree.is_dir(ck):
         return
-    user_files.write_atomic(run_dir.parent if inside else ck, ck / FENCE_FILE,
-                            json.dumps({"attempt": attempt}).encode(), owner)
+    tree.write_atomic(run_dir.parent if inside else ck, ck / FENCE_FILE, json.dumps({"attempt": attempt}))
 
 
 def trainer_argv(config: Path, resume_from: str | None) -> tuple[str, ...]:
@@ -296,8 +297,9 @@ def check_trainer_config(spec: RunSpec, run_dir: Path) -> None:
 RESULT_MAX_BYTES = 1 << 16
 
 
-def read_result(path: Path | None, run_id: str, attempt: int) -> TrainerResult | None:
-    """The trainer's result.json for this very attempt, or None.
+def read_result(path: Path | None, run_id: str, attempt: int, tree: Tree) -> TrainerResult | None:
+    """The trainer's result.json for this very attempt (read by ``tree``: as the run's
+    user), or None.
 
     A result written by another run or attempt (a shared output_dir, a stale file)
     is no proof that this attempt succeeded.
@@ -305,9 +307,20 @@ def read_result(path: Path | None, run_id: str, attempt: int) -> TrainerResult |
     if path is None:
         return None
     try:
+        data = json.loads(tree.read_text(path, RESULT_MAX_BYTES))
+        if data.get("run_id") != run_id or data.get("attempt") != attempt:
+            return None
+        return TrainerResult(final_step=int(data["final_step"]), model_digest=str(data["model_digest"]))
+    except TreeStalled:
+        raise  # not an answer: asked again next tick
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    try:
         data = json.loads(user_files.read_text(path, RESULT_MAX_BYTES))  # the run's user's file
         if data.get("run_id") != run_id or data.get("attempt") != attempt:
             return None
         return TrainerResult(final_step=int(data["final_step"]), model_digest=str(data["model_digest"]))
+    except TreeStalled:
+        raise  # not an answer: asked again next tick
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None

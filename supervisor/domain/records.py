@@ -75,6 +75,10 @@ class Attempt:
     # A precompile attempt's moves of the run's checkpoints out of its way, while they are
     # out (JSON [[from, to], ...]; None once back): supervisor/precompile.py.
     set_aside: str | None = None
+    # How far the daemon read each of its logs (JSON {file name: offset}, at a line's
+    # end), saved every OFFSETS_EVERY_S: a restarted daemon reads on from there
+    # (supervisor/output_progress.py).
+    output_offsets: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -213,6 +213,11 @@ def _v14(conn: Connection) -> None:
                              (text, run_number, number))
 
 
+def _v15(conn: Connection) -> None:
+    """How far the daemon read each log of a [command] attempt, kept across its restarts."""
+    _add_columns(conn, "attempts", {"output_offsets": "TEXT"})
+
+
 MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11,
-                                                  _v12, _v13, _v14]
+                                                  _v12, _v13, _v14, _v15]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -66,7 +66,7 @@ def attempt_values(a: Attempt) -> dict[str, Any]:
         "outcome": a.outcome.value if a.outcome else None, "reason": a.reason,
         "final_step": a.final_step, "launch_info": a.launch_info, "launch_error": a.launch_error,
         "launch_fatal": a.launch_fatal, "precompile": a.precompile, "inputs": a.inputs,
-        "set_aside": a.set_aside,
+        "set_aside": a.set_aside, "output_offsets": a.output_offsets,
     }
 
 
@@ -79,6 +79,7 @@ def attempt_of(r: Row[Any]) -> Attempt:
         outcome=AttemptOutcome(r.outcome) if r.outcome else None, reason=r.reason,
         final_step=r.final_step, launch_info=r.launch_info, launch_error=r.launch_error,
         launch_fatal=bool(r.launch_fatal), precompile=r.precompile, inputs=r.inputs, set_aside=r.set_aside,
+        output_offsets=r.output_offsets,
     )
 
 

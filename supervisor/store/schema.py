@@ -77,6 +77,7 @@ attempts = Table(
     Column("precompile", Text),  # a precompile attempt's inputs' fingerprint; NULL: a training attempt
     Column("inputs", Text),  # a [command] job's inputs' fingerprint at launch
     Column("set_aside", Text),  # a precompile attempt's moves of the run's checkpoints, while out
+    Column("output_offsets", Text),  # how far its logs were read (JSON {file name: offset})
 )
 
 nodes = Table(

@@ -12,7 +12,7 @@ import os
 import signal
 from pathlib import Path
 
-from supervisor import trainer_cmd
+from supervisor import trainer_cmd, user_tree
 from supervisor.domain import ProcState
 from supervisor.launchers.base import LaunchSpec
 from supervisor.launchers.local import LocalLauncher
@@ -27,7 +27,7 @@ def test_a_stale_rank_0_woken_during_the_next_attempt_neither_commits_nor_prunes
         "model": "tiny", "steps": 40, "global_batch_size": 4, "seq_len": 32, "log_every_steps": 1,
         "checkpoint": {"every_steps": 10, "keep": 5, "asynchronous": False}}})
     config = trainer_cmd.write_attempt_config(spec, tmp_path, 1)
-    trainer_cmd.write_fence(spec, tmp_path, 1, None)  # what the supervisor writes before attempt 1
+    trainer_cmd.write_fence(spec, tmp_path, 1, user_tree.LOCAL)  # what the supervisor writes before attempt 1
     ck = tmp_path / "checkpoints"
     assert live_attempt(ck) == 1
     launcher = LocalLauncher()
@@ -44,7 +44,7 @@ def test_a_stale_rank_0_woken_during_the_next_attempt_neither_commits_nor_prunes
     pid = json.loads(info)["ranks"][0]["pid"]
     os.kill(pid, signal.SIGSTOP)  # frozen: the supervisor gives up on attempt 1 and starts attempt 2
     try:
-        trainer_cmd.write_fence(spec, tmp_path, 2, None)
+        trainer_cmd.write_fence(spec, tmp_path, 2, user_tree.LOCAL)
         live_tmp = ck / ".tmp-step_00000020"  # attempt 2's save of step 20, being written
         live_tmp.mkdir()
         (live_tmp / "__0_0.distcp").write_bytes(b"attempt 2's shard")

@@ -455,3 +455,46 @@ def test_a_drain_and_an_undrain_queued_together_are_carried_out_in_order(world) 
     # Level-triggered: the newest wish (in service) is what the cluster already shows; the
     # drain that it replaced before anything was sent never reaches the cluster.
     assert not launcher.drained(node) and launcher.drains == []
+
+
+def test_a_restarted_reconciler_reads_a_commands_logs_on_from_the_offsets_the_store_kept(  # type: ignore[no-untyped-def]
+        world, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37, item 5: a restarted daemon read every log of a live [command] attempt
+    from its start again (weeks of output, a tick's worth at a time, its old steps
+    replayed as new). The offsets are kept in the store every OFFSETS_EVERY_S."""
+    from supervisor import user_files
+    from supervisor.output_progress import OFFSETS_EVERY_S
+
+    store, clock, launcher, telemetry, rec, service = world
+    service.submit(parse_spec({"name": "wiring", "resources": {"nodes": 1, "ranks_per_node": 1},
+                               "command": {"argv": ["sh", "-c", "true"], "steps": 10_000,
+                                           "checkpoint_dir": "{run_dir}/checkpoints"}}))
+    for _ in range(3):
+        rec.tick()
+    [a1] = attempts(store)
+    assert a1.state is AttemptState.RUNNING
+    log = tmp_path / "runs" / "run-1" / "attempts" / "1" / "rank-0000.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    line = "Batch {} Loss: 2.0, Speed: 1 samples/sec, lr: 0.1\n"
+    log.write_text("".join(line.format(i) for i in range(500)))
+    clock.t += OFFSETS_EVERY_S
+    rec.tick()
+    kept = json.loads(attempts(store)[0].output_offsets or "{}")
+    assert kept == {"rank-0000.log": log.stat().st_size}
+    with open(log, "a") as f:
+        f.write(line.format(500))
+    restarted = Reconciler(store, telemetry, ReconcilerConfig(mqtt_url="mqtt://127.0.0.1:1"), launcher=launcher,
+                           nodes=launcher, clock=clock)
+    reads: list[int] = []
+    read_bytes = user_files.read_bytes
+
+    def spy(path: Path, limit: int, *, base: Path | None = None, offset: int = 0) -> bytes:
+        reads.append(offset)
+        return read_bytes(path, limit, base=base, offset=offset)
+
+    monkeypatch.setattr(user_files, "read_bytes", spy)
+    clock.t += 1
+    restarted.tick()
+    assert reads == [kept["rank-0000.log"]], "read on from where the last daemon was, not from 0"
+    output = restarted.memory.attempt(1, 1).output
+    assert output.ranks[0].step == 501 and output.files["rank-0000.log"].offset == log.stat().st_size

@@ -604,7 +604,8 @@ def test_nxd_trainings_per_job_directories_are_followed(tmp_path: Path) -> None:
 
 
 def test_set_aside_moves_newer_checkpoints_out_of_a_searching_trainers_way(tmp_path: Path) -> None:
-    from supervisor.checkpoint_scan import SET_ASIDE, set_aside
+    from supervisor.user_tree import LOCAL, SET_ASIDE
+    set_aside = LOCAL.set_aside
 
     keep = make_nemo(tmp_path / "hf_llama" / "v1" / "checkpoints", 10)
     newer = make_nemo(tmp_path / "hf_llama" / "v1" / "checkpoints", 20)
@@ -620,7 +621,8 @@ def test_set_aside_moves_newer_checkpoints_out_of_a_searching_trainers_way(tmp_p
 def test_a_torn_save_is_moved_out_of_the_way_of_a_trainer_that_takes_the_newest_by_mtime(tmp_path: Path) -> None:
     """NxD Training's check_resume takes the newest *.ckpt of its version by modification
     time, complete or not: a save cut short after the chosen one would be its pick."""
-    from supervisor.checkpoint_scan import SET_ASIDE, set_aside
+    from supervisor.user_tree import LOCAL, SET_ASIDE
+    set_aside = LOCAL.set_aside
 
     keep = make_nemo(tmp_path / "hf_llama" / "7" / "checkpoints", 20)
     torn = make_nemo(tmp_path / "hf_llama" / "7" / "checkpoints", 30, done=False, unfinished=True)

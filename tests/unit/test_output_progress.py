@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -210,6 +211,48 @@ def test_read_output_turns_new_lines_into_steps_and_times_them(tmp_path: Path) -
         f.write("RuntimeError: CUDA error: uncorrectable ECC error encountered\n")
     read(105.0)
     assert state.fatal[4].kind == "device" and "ECC" in state.fatal[4].line
+
+
+def test_a_restarted_reader_reads_on_from_the_offsets_kept_not_from_the_start(tmp_path: Path) -> None:
+    """Issue 37, item 5: the restarted daemon re-read every log from offset 0 (weeks of
+    output, its steps replayed). The offsets kept end at a whole line: a line half
+    written when they were taken is read whole."""
+    log = tmp_path / "rank-0000.log"
+    log.write_text("".join(f"Batch {i} Loss: 2.0, Speed: 1 samples/sec, lr: 0.1\n" for i in range(1000))
+                   + "Batch 1000 Lo")
+    first = AttemptOutput()
+    read_output(first, tmp_path, run_id="r", attempt=1, ranks_per_node=1, formats=PATTERNS, now=1.0)
+    kept = json.dumps(first.offsets())
+    assert first.offsets() == {"rank-0000.log": log.stat().st_size - len("Batch 1000 Lo")}
+    with open(log, "a") as f:
+        f.write("ss: 1.9, Speed: 1 samples/sec, lr: 0.1\nBatch 1001 Loss: 1.8, Speed: 1 samples/sec, lr: 0.1\n")
+    again = AttemptOutput()
+    again.resume(kept)
+    got = read_output(again, tmp_path, run_id="r", attempt=1, ranks_per_node=1, formats=PATTERNS, now=2.0)
+    assert [(r.msg.step, r.msg.loss) for r in got] == [(1001, 1.9), (1002, 1.8)]
+
+
+@pytest.mark.parametrize("kept", ['{"rank-0000.log": -5}', '{"rank-0000.log": "x"}', "[1]", "not json",
+                                  json.dumps({f"rank-{i}.log": 0 for i in range(9000)})])
+def test_offsets_that_are_not_ones_are_ignored(kept: str) -> None:
+    state = AttemptOutput()
+    state.resume(kept)
+    assert state.files == {}
+
+
+def test_a_tick_reads_until_its_budget_is_spent_and_the_next_begins_with_the_files_left(tmp_path: Path) -> None:
+    for i in range(6):
+        (tmp_path / f"rank-{i:04d}.log").write_text(f"Batch {i} Loss: 2.0, Speed: 1 samples/sec, lr: 0.1\n")
+    state = AttemptOutput()
+
+    def ranks_read(budget_s: float) -> list[int]:
+        got = read_output(state, tmp_path, run_id="r", attempt=1, ranks_per_node=1, formats=PATTERNS,
+                          now=1.0, budget_s=budget_s)
+        return [r.msg.rank for r in got]
+
+    assert ranks_read(0.0) == [0], "one file at least, whatever the budget"
+    assert ranks_read(0.0) == [1], "the next tick begins where the last stopped"
+    assert sorted(ranks_read(10.0)) == [2, 3, 4, 5]
 
 
 def test_a_missing_log_directory_reads_as_nothing(tmp_path: Path) -> None:

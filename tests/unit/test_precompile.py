@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import precompile, trainer_cmd
+from supervisor import precompile, trainer_cmd, user_tree
 from supervisor.domain import (
     Attempt,
     AttemptOutcome,
@@ -259,7 +259,7 @@ def test_the_runs_checkpoints_sit_out_the_pass_and_what_it_saved_is_set_aside(tm
     run_dir.mkdir()
     mine = [nemo_checkpoint(directory, "41", 10, "run"), nemo_checkpoint(directory, "41", 20, "run")]
     recorded: list[precompile.Moves] = []
-    moved = precompile.keep_aside(directory, "nemo", 3, lambda moves: recorded.append(list(moves)))
+    moved = user_tree.LOCAL.keep_aside(directory, "nemo", 3, lambda moves: recorded.append(list(moves)))
     assert recorded[0] == [] and recorded[-1] == moved, "recorded before the first move, then after each"
     assert sorted(src for src, _ in moved) == sorted(mine) and not any(p.exists() for p in mine)
     assert list(run_dir.iterdir()) == [], "H2 of issue 37: nothing of the daemon's in the run's tree"
@@ -268,7 +268,7 @@ def test_the_runs_checkpoints_sit_out_the_pass_and_what_it_saved_is_set_aside(tm
     assert precompile.aside(attempts) == 3
     # the pass saves under a name of the run's own, and a newer one
     trial = [nemo_checkpoint(directory, "41", 20, "trial"), nemo_checkpoint(directory, "41", 30, "trial")]
-    saved, back = precompile.bring_back(directory, "nemo", 3, precompile.moves_of(attempts[0].set_aside or ""))
+    saved, back = user_tree.LOCAL.bring_back(directory, "nemo", 3, precompile.moves_of(attempts[0].set_aside or ""))
     assert sorted(saved) == sorted(trial) and sorted(back) == sorted(mine)
     assert [(p / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt").read_text() for p in mine] == ["run", "run"]
     assert not trial[1].exists()
@@ -280,9 +280,9 @@ def test_the_runs_checkpoints_sit_out_the_pass_and_what_it_saved_is_set_aside(tm
 def test_a_daemon_killed_half_way_through_bringing_them_back_finishes_the_job(tmp_path: Path) -> None:
     directory = tmp_path / "hf_llama"
     mine = [nemo_checkpoint(directory, "41", step, "run") for step in (10, 20)]
-    moves = precompile.keep_aside(directory, "nemo", 1, lambda _: None)
+    moves = user_tree.LOCAL.keep_aside(directory, "nemo", 1, lambda _: None)
     src, dst = next((s, d) for s, d in moves if s == mine[0])
     dst.rename(src)  # the first came back, then the daemon died
-    saved, back = precompile.bring_back(directory, "nemo", 1, moves)
+    saved, back = user_tree.LOCAL.bring_back(directory, "nemo", 1, moves)
     assert saved == [] and back == [mine[1]]
     assert all((p / "done").exists() for p in mine)
