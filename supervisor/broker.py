@@ -65,6 +65,9 @@ from trainer.routes import route_source
 _WILDCARD = ("0.0.0.0", "::")  # noqa: S104 - a bind the operator chose, recognised here
 
 SUPERVISOR_PASSWORD_FILE = "broker-password"  # noqa: S105 - in the state directory, 0600
+# The broker's read-only login's (a dashboard's), a secret of its own: the API's read
+# token opens the API, never the broker too. 0600, or 0640 for a dashboards' group.
+READER_PASSWORD_FILE = "broker-reader-password"  # noqa: S105 - a file name, not a secret
 CONNECT_WITHIN_S = 10.0  # a connection that sends no CONNECT in this long is closed
 # The longest CONNECT: two logins, a client id and a last will (a rank's is a few hundred bytes).
 MAX_CONNECT_BYTES = 4 * 1024

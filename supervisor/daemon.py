@@ -45,7 +45,7 @@ import uvicorn
 from sqlalchemy.exc import SQLAlchemyError
 
 from supervisor import user_tree
-from supervisor.broker import SUPERVISOR_PASSWORD_FILE, EmbeddedBroker, broker_addresses
+from supervisor.broker import READER_PASSWORD_FILE, SUPERVISOR_PASSWORD_FILE, EmbeddedBroker, broker_addresses
 from supervisor.broker_access import SUPERVISOR_USER, BrokerAccess
 from supervisor.domain import LIVE_ATTEMPT_STATES, DrainBudget
 from supervisor.domain.events import EventKind
@@ -253,7 +253,8 @@ class Daemon:
             own, port, advertised = broker_addresses(st.mqtt_bind, st.mqtt_advertise_url, nodes)
             self.broker.host, self.broker.port = own, port or 0
             password = _secret(st.state_dir / SUPERVISOR_PASSWORD_FILE, "embedded broker's password")
-            reader = _secret(st.state_dir / READ_TOKEN_FILE_NAME, "read-only API token", group_may_read=True)
+            reader = _secret(st.state_dir / READER_PASSWORD_FILE, "broker reader's password",
+                             group_may_read=True)
             access = BrokerAccess(self.cluster_id, secret, password, reader_password=reader,
                                   is_live=self._attempt_is_live)
             loop = asyncio.get_running_loop()

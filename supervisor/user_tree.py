@@ -18,8 +18,10 @@ records (which checkpoints it moved, what it fingerprinted) in the store, never 
 - ``Worker`` runs them in ``python -m supervisor.user_tree`` started as the run's user,
   one per user, a request and its answer a JSON line each over a pipe. A request
   unanswered within ``REQUEST_TIMEOUT_S`` (a hung file system, a worker stopped by its
-  user) kills the worker and raises ``TreeStalled``: the tick goes on, the next request
-  starts a new one. An answer over ``ANSWER_MAX_BYTES`` or not JSON is a dead worker too.
+  user) kills the worker and raises ``TreeStalled``: the tick goes on. For
+  ``STALLED_PAUSE_S`` after, that user's requests fail at once (``TreeStalled`` again),
+  so that a user who stops her worker each time delays no other run's tick; then a new
+  worker starts. An answer over ``ANSWER_MAX_BYTES`` or not JSON is a dead worker too.
 - ``of(user)`` is the tree of a run's user (``users.for_launch``'s name); ``of_present``
   the same, None for a user gone from this host.
 
@@ -56,6 +58,7 @@ __all__ = ["LOCAL", "SET_ASIDE", "Local", "Tree", "TreeStalled", "UnsafePath", "
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 5.0  # a request the worker has not answered by then: the worker is killed
+STALLED_PAUSE_S = 60.0  # then no worker of that user for this long: its requests fail at once
 START_TIMEOUT_S = 20.0  # a fresh worker's first answer (its interpreter and imports included)
 ANSWER_MAX_BYTES = 8 << 20
 REQUEST_MAX_BYTES = 1 << 20
@@ -244,9 +247,12 @@ LOCAL = Local()
 class Worker(Tree):
     """The ops run by ``python -m supervisor.user_tree`` as ``user``; see the module docstring."""
 
-    def __init__(self, user: users.RunAs, *, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+    def __init__(self, user: users.RunAs, *, timeout_s: float = REQUEST_TIMEOUT_S,
+                 pause_s: float = STALLED_PAUSE_S) -> None:
         self.user = user
         self.timeout_s = timeout_s
+        self.pause_s = pause_s
+        self._paused_until = 0.0  # after a stall: when a worker may start again (time.monotonic)
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()  # the tick and the API's threads share a worker
         self.started = 0  # workers started, for tests and the log
@@ -287,6 +293,9 @@ class Worker(Tree):
         if len(request) > REQUEST_MAX_BYTES:
             raise ValueError(f"a request of {len(request)} bytes to the file worker: too big")
         with self._lock:
+            if (wait := self._paused_until - time.monotonic()) > 0:
+                raise TreeStalled(errno.ETIMEDOUT, f"the file worker of {self.user.name} stalled; "
+                                                   f"none for another {wait:.0f} s")
             fresh = self._proc is None or self._proc.poll() is not None
             if fresh:
                 self._kill()
@@ -302,6 +311,7 @@ class Worker(Tree):
                 answer = self._answer(proc, time.monotonic() + wait)
             except TreeStalled:
                 self._kill()
+                self._paused_until = time.monotonic() + self.pause_s
                 raise
             except (OSError, ValueError) as e:  # a broken pipe, a worker that died or spoke nonsense
                 self._kill()

@@ -27,7 +27,7 @@ import grp
 import os
 import pwd
 import stat
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +52,26 @@ class RunAs:
         """The daemon's own user: nothing to switch."""
         return self.uid == os.geteuid()
 
+
+
+# What of the daemon's own environment a process it starts (a job's rank, a node
+# wrapper, srun, a probe) inherits: the locale and the paths a node's software needs, the
+# accelerators' and libraries' own settings, Slurm's and this project's. Not the rest: a
+# systemd unit's NOTIFY_SOCKET, CREDENTIALS_DIRECTORY or INVOCATION_ID, an operator's
+# SSH_AUTH_SOCK or SUDO_* or cloud credentials are nothing a user's job may have. A job
+# that needs more sets it in its spec's ``env``.
+INHERITED_NAMES = frozenset({
+    "PATH", "LANG", "LANGUAGE", "TZ", "TMPDIR", "HOME", "USER", "LOGNAME", "SHELL", "LD_LIBRARY_PATH",
+    "VIRTUAL_ENV", "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE",
+})
+INHERITED_PREFIXES = ("LC_", "TSUP_", "SLURM_", "CUDA_", "NCCL_", "NEURON_", "FI_", "XLA_", "TORCH",
+                      "OMP_", "MKL_", "GLOO_", "NVIDIA_", "MALLOC_")
+
+
+def inherited_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The part of ``environ`` (the daemon's own, by default) a process it starts gets."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if k in INHERITED_NAMES or k.startswith(INHERITED_PREFIXES)}
 
 
 def login_env(user: RunAs | None) -> dict[str, str]:

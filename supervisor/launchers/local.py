@@ -136,7 +136,7 @@ class LocalLauncher:
         """One probe process per simulated node, told its node's name (TSUP_NODE)."""
         out: dict[str, str] = {}
         for node in nodes:
-            env = {**os.environ, "TSUP_NODE": node}
+            env = {**users.inherited_env(), "TSUP_NODE": node}
             try:
                 done = subprocess.run(list(argv), env=env, capture_output=True, text=True, timeout=timeout_s,
                                       check=False, stdin=subprocess.DEVNULL)
@@ -157,7 +157,8 @@ class LocalLauncher:
         step = Step(nnodes=len(spec.nodes), nproc_per_node=spec.ranks_per_node, master_addr="127.0.0.1",
                     master_port=_free_port(), rdzv_id=rdzv_id(spec.run_id, spec.attempt))
         argv = list(step.fill_all(spec.argv))
-        base_env = {**os.environ, **users.login_env(run_as), **{k: step.fill(v) for k, v in spec.env.items()}}
+        base_env = {**users.inherited_env(), **users.login_env(run_as),
+                    **{k: step.fill(v) for k, v in spec.env.items()}}
         if base_env.get("TSUP_MQTT_URL"):
             base_env[NODE_AGENT_ENV] = "1"  # each node's agent reports its slots (supervisor/agent.py)
         ranks: list[RankProcess] = []
@@ -257,7 +258,8 @@ class LocalLauncher:
                         os.fchown(fd, uid, -1 if gid is None else gid)
                 finally:
                     os.close(fd)
-                sent = {k: v for k, v in env.items() if os.environ.get(k) != v}  # it has the rest
+                inherited = users.inherited_env()  # what it was started with (standby.py): it has those
+                sent = {k: v for k, v in env.items() if inherited.get(k) != v}
                 StandbyPool.assign(proc, assignment_for(spec, sent, log_path, argv))
             except OSError:
                 continue  # it died while waiting: the next one, or cold

@@ -156,7 +156,7 @@ def _spawn(spec: LaunchSpec, node: str, slot: int) -> subprocess.Popen[bytes] | 
         return None
     uid, gid, groups = users.popen_ids(run_as)
     logs = spec.log_dir.parent  # <run_dir>/attempts
-    env = {**os.environ, **users.login_env(run_as),
+    env = {**users.inherited_env(), **users.login_env(run_as),
            **{k: v for k, v in spec.env.items() if not k.startswith("TSUP_") and k != KEY_ENV},
            "TSUP_STANDBY": spec.run_id, "TSUP_NODE": node, SLOT_ENV: str(slot)}
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor import user_files
+from supervisor import user_files, users
 from supervisor.users import RunAs, popen_ids
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class SlurmCommands:
         # Where Slurm's commands are (HyperPod: /opt/slurm/bin); None: the daemon's PATH.
         # An absolute path also reaches them through sudo, whose PATH is its own.
         self.bin_dir = bin_dir
-        self._env = dict(os.environ)
+        self._env = users.inherited_env()  # srun passes it on to the job's tasks
         if slurm_conf:
             self._env["SLURM_CONF"] = slurm_conf
         self._fired: list[tuple[subprocess.Popen[bytes], float]] = []

@@ -163,6 +163,17 @@ def test_history_reads_bench_times_both_reads_at_each_size_both_ways() -> None:
                 assert 0 < size[mode][read]["p50_ms"] <= size[mode][read]["p99_ms"]
 
 
+def test_user_tree_bench_times_the_scan_in_the_daemon_and_by_the_users_worker() -> None:
+    require_root("starting the worker as another user")
+    report = run_bench("user_tree.py", "--checkpoints", "3,12", "--requests", 3, timeout_s=120)
+    assert_keys(report, "user requests worker_start_s sizes", "top level")
+    assert report["worker_start_s"] > 0 and [s["checkpoints"] for s in report["sizes"]] == [3, 12]
+    for size in report["sizes"]:
+        assert_keys(size, "checkpoints scan round_trip", f"sizes[{size['checkpoints']}]")
+        for timing in (size["scan"]["local"], size["scan"]["worker"], size["round_trip"]):
+            assert 0 < timing["p50_ms"] <= timing["p99_ms"]
+
+
 # --- the trainer's processes, no supervisor ----------------------------------------------
 
 

@@ -27,6 +27,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
+from supervisor.broker import READER_PASSWORD_FILE
 from supervisor.daemon import Cluster, Daemon, DaemonSettings
 from supervisor.domain import Policy, run_id_of
 from supervisor.errors import SupervisorError
@@ -226,8 +227,8 @@ class Running:
         return {"username": username, "password": password}
 
     def listener(self, *topics: str) -> Listener:
-        """A dashboard, logged in with the API's read-only token, subscribed to ``topics``."""
-        return Listener(self.port, "reader", (self.state / READ_TOKEN_FILE_NAME).read_text().strip(), topics)
+        """A dashboard, logged in as the broker's reader, subscribed to ``topics``."""
+        return Listener(self.port, "reader", (self.state / READER_PASSWORD_FILE).read_text().strip(), topics)
 
     def event(self) -> None:
         """One more event in the daemon's log: its outbox publishes it on the broker."""
@@ -249,7 +250,8 @@ class Running:
 def running(tmp_path: Path) -> Iterator[Running]:
     state = tmp_path / "state"
     state.mkdir()
-    # The dashboards' login is the API's read-only token, made here as an operator would have it.
+    # The API's read-only token, made here as an operator would have it (the broker's reader
+    # has a password of its own, which the daemon makes).
     ensure_token(state / READ_TOKEN_FILE_NAME, "read-only API token", group_may_read=True)
     daemon = Running(state)
     try:
@@ -288,6 +290,16 @@ def test_an_anonymous_client_cannot_subscribe_to_the_event_log(running: Running)
     assert anonymous["received"] == [] and guessed["received"] == []
     assert any(t.startswith(f"tsup/v1/{CLUSTER}/events/") for t, _, _ in dashboard.got()), \
         "the event log went out meanwhile, to the dashboards' login"
+
+
+def test_the_apis_read_token_is_no_login_of_the_broker(running: Running) -> None:
+    """Issue 37, item 7: the broker's reader logged in with the API's read token, so one
+    leaked secret opened both. It has a password of its own (broker-reader-password)."""
+    token = (running.state / READ_TOKEN_FILE_NAME).read_text().strip()
+    assert token != (running.state / READER_PASSWORD_FILE).read_text().strip()
+    [with_token] = with_events(running, [{"username": "reader", "password": token, "client_id": "dash-2",
+                                          "subscribe": ["tsup/v1/#"], "linger": 2.0}])
+    assert with_token["refused"] and with_token["received"] == [], with_token
 
 
 def test_a_rank_cannot_read_the_event_log_or_other_ranks_telemetry(running: Running) -> None:
@@ -377,7 +389,7 @@ def test_a_session_takeover_by_client_id_is_refused(running: Running) -> None:
     try:
         logins: list[dict[str, str]] = [{}, running.login("run-1", 2), running.login("run-1-1", 1),
                                         {"username": "reader",
-                                         "password": (running.state / READ_TOKEN_FILE_NAME).read_text().strip()}]
+                                         "password": (running.state / READER_PASSWORD_FILE).read_text().strip()}]
         reports = attack(running.port, *({**login, "client_id": victim_id, "clean": clean, "linger": 0.5}
                                          for login in logins for clean in (True, False)))
         heard = len(dashboard.got())

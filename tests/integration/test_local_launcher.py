@@ -22,7 +22,8 @@ from tests.conftest import wait_for
 RANK_SCRIPT = """
 import json, os, sys, time
 out = sys.argv[1]
-keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT", "TSUP_NODE", "X"]
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT", "TSUP_NODE", "X",
+        "NOTIFY_SOCKET", "CREDENTIALS_DIRECTORY", "AWS_SECRET_ACCESS_KEY", "SSH_AUTH_SOCK", "NCCL_DEBUG", "LC_ALL"]
 with open(os.path.join(out, "env-" + os.environ["RANK"] + ".json"), "w") as f:
     json.dump({k: os.environ.get(k) for k in keys}, f)
 time.sleep(float(os.environ.get("SLEEP", "60")))
@@ -50,6 +51,23 @@ def started(launcher: LocalLauncher, tmp_path: Path, **env: str) -> str:
 
 def states(launcher: LocalLauncher, info: str) -> dict[int, tuple[ProcState, int | None]]:
     return {r.rank: (r.proc, r.exit_code) for r in launcher.observe(info)}
+
+
+def test_a_job_gets_an_allow_listed_part_of_the_daemons_environment_and_nothing_else(
+        launcher: LocalLauncher, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37, item 7: a job got the daemon's whole environment (a systemd unit's
+    NOTIFY_SOCKET and CREDENTIALS_DIRECTORY, an operator's cloud keys and SSH agent)."""
+    daemon_only = {"NOTIFY_SOCKET": "/run/systemd/notify", "CREDENTIALS_DIRECTORY": "/run/credentials/x",
+                   "AWS_SECRET_ACCESS_KEY": "operator's", "SSH_AUTH_SOCK": "/tmp/ssh-x/agent.1"}
+    for k, v in {**daemon_only, "NCCL_DEBUG": "WARN", "LC_ALL": "C.UTF-8"}.items():
+        monkeypatch.setenv(k, v)
+    info = started(launcher, tmp_path)
+    try:
+        env = json.loads((tmp_path / "env-0.json").read_text())
+        assert {k: env[k] for k in daemon_only} == dict.fromkeys(daemon_only)
+        assert (env["NCCL_DEBUG"], env["LC_ALL"], env["X"]) == ("WARN", "C.UTF-8", "y")
+    finally:
+        launcher.stop(info, force=True)
 
 
 def test_ranks_get_the_torchrun_environment_and_a_process_group_per_node(

@@ -169,10 +169,11 @@ def test_a_result_and_a_precompile_input_in_another_users_directory_are_not_read
 def test_a_stopped_worker_holds_a_request_no_longer_than_its_timeout_and_is_replaced(
         people: tuple[RunAs, RunAs]) -> None:
     """The worker is the user's process: she may stop it (or a hung file system may).
-    The tick waits at most the timeout, the worker is killed, the next request starts a
-    new one."""
+    The tick waits at most the timeout, the worker is killed; the user's requests fail at
+    once for a pause (she cannot stall every tick by stopping each new worker), then a
+    new worker answers."""
     alice, _ = people
-    tree = user_tree.Worker(alice, timeout_s=0.5)
+    tree = user_tree.Worker(alice, timeout_s=0.5, pause_s=1.0)
     try:
         assert tree.scan(home(alice)) == []
         first = tree.pid
@@ -183,6 +184,11 @@ def test_a_stopped_worker_holds_a_request_no_longer_than_its_timeout_and_is_repl
             tree.scan(home(alice))
         assert time.monotonic() - began < 1.5
         assert tree.pid is None and not Path(f"/proc/{first}").exists(), "killed and reaped"
+        began = time.monotonic()
+        with pytest.raises(user_tree.TreeStalled, match="none for another"):
+            tree.scan(home(alice))
+        assert time.monotonic() - began < 0.1 and tree.started == 1, "no wait and no worker during the pause"
+        time.sleep(1.0)
         assert tree.scan(home(alice)) == [] and tree.started == 2
     finally:
         tree.close()
