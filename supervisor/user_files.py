@@ -9,7 +9,15 @@ daemon's state directory or to /etc, a FIFO that blocks its reader for ever, a l
   following a link (``O_NOFOLLOW`` at every step), and then works on what it opened:
   ``fchown`` on the descriptor, creations and renames relative to the held directory;
 - opens files without blocking (``O_NONBLOCK``), uses regular files only, and reads at
-  most a stated number of bytes.
+  most a stated number of bytes;
+- below a trusted ``base`` (the daemon's own runs directory, where it reads and appends
+  to a run's logs as itself), uses a file of one name only: a hard link is another
+  file's second name (``fs.protected_hardlinks`` stops a user making one of a file not
+  hers, where it is set; this does not depend on it).
+
+What the daemon does in a run's checkpoint directory, its results and its scripts goes
+through supervisor/user_tree.py instead: a worker of the run's user uses these same
+functions with that user's rights.
 
 A refusal raises ``UnsafePath``, an ``OSError``: callers that treat an unreadable file as
 absent (or a failed launch as a launch error) keep doing so, and the message says what
@@ -111,7 +119,10 @@ def _open_file(path: Path, flags: int, base: Path | None, mode: int = 0o644) -> 
         if e.errno == errno.ELOOP:
             raise UnsafePath(e.errno, f"{path}: a symbolic link, not followed") from None
         raise
-    _regular(fd, path)
+    st = _regular(fd, path)
+    if base is not None and st.st_nlink > 1:
+        os.close(fd)
+        raise UnsafePath(errno.EMLINK, f"{path}: a file of {st.st_nlink} names (a hard link), not used")
     return fd
 
 

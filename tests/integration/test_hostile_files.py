@@ -1,6 +1,6 @@
 """Issue 37's hostile-user matrix: at every file the daemon touches in a run's tree, the
-run's user plants a link to another user's file, a FIFO, a device node and a 1 GiB
-sparse file; the daemon's own call for that file (the one its tick makes) touches
+run's user plants a link to another user's file (symbolic, and hard), a FIFO, a device
+node and a 1 GiB sparse file; the daemon's own call for that file (the one its tick makes) touches
 nothing outside the run and returns within a second.
 
 The daemon is root, the run's user tsup-alice (her worker does the checkpoint work,
@@ -33,7 +33,7 @@ from tests.integration.test_user_tree import (
 from tests.unit.test_checkpoint_scan import make_dcp, make_hf, make_megatron
 
 STALL_S = 1.0
-PLANTS = ("link", "fifo", "device", "sparse")
+PLANTS = ("link", "hardlink", "fifo", "device", "sparse")
 
 
 @dataclass
@@ -127,6 +127,7 @@ def world(people: tuple[RunAs, RunAs], open_dir: Path) -> Iterator[tuple[RunAs, 
     alice, bob = people
     private = bobs_private(bob)
     (private / "secret").write_text(json.dumps({"run_id": "r", "attempt": 1, "final_step": 9, "model_digest": "b"}))
+    (private / "secret").chmod(0o600)  # his alone, by whatever name
     (private / "dir").mkdir()
     (private / "dir" / "kept").write_text("bob's")
     chown_tree(private, bob)
@@ -145,6 +146,8 @@ def plant(path: Path, kind: str, private: Path, user: RunAs) -> None:
             path.unlink()
     if kind == "link":
         path.symlink_to(private / ("dir" if path.name == ".set-aside" else "secret"))
+    elif kind == "hardlink":  # root makes it here; a user can where fs.protected_hardlinks is off
+        os.link(private / "secret", path)
     elif kind == "fifo":
         os.mkfifo(path)
     elif kind == "device":
@@ -152,7 +155,8 @@ def plant(path: Path, kind: str, private: Path, user: RunAs) -> None:
     else:
         with open(path, "wb") as f:
             f.truncate(1 << 30)
-    os.lchown(path, user.uid, user.gid)
+    if kind != "hardlink":  # (a hard link's owner is its file's: bob's)
+        os.lchown(path, user.uid, user.gid)
 
 
 @pytest.mark.parametrize("kind", PLANTS)
@@ -162,8 +166,8 @@ def test_what_the_user_plants_where_the_daemon_looks_touches_nothing_else_and_st
     alice, run, private = world
     run.mkdir()
     where = PLACES[place].setup(run)
-    plant(where, kind, private, alice)
     chown_tree(run, alice)
+    plant(where, kind, private, alice)
     outside = snapshot(private)
     tree = user_tree.of(alice.name)
     tree.exists(run)  # the worker started: its start is not the tick's

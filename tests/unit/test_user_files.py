@@ -79,3 +79,18 @@ def test_what_a_move_makes_in_a_users_tree_is_the_users(tmp_path: Path) -> None:
     for made in (tmp_path / "ck" / ".set-aside", tmp_path / "ck" / ".set-aside" / "a"):
         assert (made.stat().st_uid, made.stat().st_gid) == (4242, 4343), made
     assert (tmp_path / "ck").stat().st_uid == os.geteuid(), "what was there stays as it was"
+
+
+def test_a_hard_link_below_the_daemons_directory_is_neither_read_nor_appended_to(tmp_path: Path) -> None:
+    """A rank log that is a second name of another file (a hard link: where
+    fs.protected_hardlinks is off, of any file at all) is not another file to the daemon."""
+    base, logs = tmp_path / "runs", tmp_path / "runs" / "run-1" / "attempts" / "1"
+    logs.mkdir(parents=True)
+    secret = tmp_path / "shadow"
+    secret.write_text("root's\n")
+    os.link(secret, logs / "rank-0.log")
+    with pytest.raises(user_files.UnsafePath, match="hard link"):
+        user_files.read_bytes(logs / "rank-0.log", 100, base=base)
+    with pytest.raises(user_files.UnsafePath, match="hard link"):
+        user_files.open_append(base, logs / "rank-0.log")
+    assert secret.read_text() == "root's\n"
