@@ -12,7 +12,6 @@ resume where it stopped.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,16 +32,13 @@ class Piece:
 
 
 def pick(log_dir: Path, *, rank: int | None, node_index: int | None, ranks_per_node: int,
-         base: Path | None = None) -> str:
+         base: Path | None = None, reader: user_files.Reader = user_files.HERE) -> str:
     """The name of the file holding ``rank``'s output, or the node's at ``node_index`` in
     the attempt (neither: rank 0's). NotFound when the attempt wrote none for it. ``base``:
-    the trusted directory ``log_dir`` is reached from, no link below it followed."""
+    the trusted directory ``log_dir`` is reached from, no link below it followed;
+    ``reader``: who reads (the run's user's worker, supervisor/user_tree.py)."""
     try:
-        if base is None:
-            names = sorted(os.listdir(log_dir))
-        else:
-            with user_files.directory(base, log_dir) as fd:
-                names = sorted(os.listdir(fd))
+        names = reader.listdir(base, log_dir)
     except OSError:
         raise NotFound(f"no logs in {log_dir} (the attempt has not started, or its logs are gone)") from None
     files: dict[tuple[str, int], str] = {}
@@ -63,13 +59,14 @@ def pick(log_dir: Path, *, rank: int | None, node_index: int | None, ranks_per_n
     raise NotFound(f"no log of {who} in {log_dir} (its log files: {have})")
 
 
-def read(log_dir: Path, name: str, offset: int, max_bytes: int, base: Path | None = None) -> Piece:
-    """At most ``max_bytes`` (and ``CHUNK_MAX_BYTES``) of the file from ``offset`` (``base``:
-    as for ``pick``)."""
+def read(log_dir: Path, name: str, offset: int, max_bytes: int, base: Path | None = None,
+         reader: user_files.Reader = user_files.HERE) -> Piece:
+    """At most ``max_bytes`` (and ``CHUNK_MAX_BYTES``) of the file from ``offset`` (``base``,
+    ``reader``: as for ``pick``)."""
     path = log_dir / name
     try:
-        size = user_files.size_of(path, base=base)
-        data = (user_files.read_bytes(path, min(max_bytes, CHUNK_MAX_BYTES), base=base, offset=offset)
+        size = reader.size_of(path, base=base)
+        data = (reader.read_bytes(path, min(max_bytes, CHUNK_MAX_BYTES), base=base, offset=offset)
                 if offset < size else b"")
     except FileNotFoundError:
         raise NotFound(f"{path} is gone") from None

@@ -319,6 +319,9 @@ class Observer:
         assert spec.command is not None
         memory = self.memory.attempt(run.number, live.number)
         state = memory.output
+        tree = user_tree.of_present(spec.user)  # its logs are read as the run's user
+        if tree is None:
+            return state
         if not memory.output_resumed:  # a daemon restarted under it reads on where the last one was
             memory.output_resumed = True
             if live.output_offsets:
@@ -326,7 +329,8 @@ class Observer:
         formats = output_progress.formats_for(spec.command.progress_pattern)
         for read in output_progress.read_output(
                 state, trainer_cmd.attempt_dir(run_dir, live.number), run_id=run.run_id, attempt=live.number,
-                ranks_per_node=run.ranks_per_node, formats=formats, now=now, base=run_dir.parent):
+                ranks_per_node=run.ranks_per_node, formats=formats, now=now, base=run_dir.parent,
+                reader=tree):
             self.telemetry.apply_from_output(read.msg, now, printed=read.printed,
                                              record=live.precompile is None)
         for rank, phase in state.phases.items():
@@ -360,8 +364,15 @@ class Observer:
             memory.quiet = (step, step_seen_at, now)
         if output is not None and output.understood:
             return step, _latest(step_seen_at, output.line_at)
-        logs = trainer_cmd.attempt_dir(run_dir, live.number).glob("*.log")
-        output_at = max((p.stat().st_mtime for p in logs if p.exists()), default=None)
+        output_at = None
+        if tree is not None:
+            try:
+                logs = trainer_cmd.attempt_dir(run_dir, live.number)
+                output_at = tree.newest_mtime(run_dir.parent, logs, ".log")
+            except user_tree.TreeStalled:
+                raise  # no answer: asked again next tick
+            except OSError:
+                pass  # no logs (yet), or a link in their place: no sign of life from them
         return step, _latest(step_seen_at, output_at)
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -350,19 +349,18 @@ class ReadStep:
 
 def read_output(state: AttemptOutput, log_dir: Path, *, run_id: str, attempt: int, ranks_per_node: int,
                 formats: OutputPatterns, now: float, base: Path | None = None,
-                budget_s: float = READ_BUDGET_S) -> list[ReadStep]:
+                budget_s: float = READ_BUDGET_S, reader: user_files.Reader = user_files.HERE,
+                ) -> list[ReadStep]:
     """Read what the attempt's ranks wrote since the last call; the steps it shows, to
     apply to the telemetry view. Fatal lines are kept in ``state.fatal``, the phase the
     output shows in ``state.phases``. Files are read until ``budget_s`` is spent; the
-    next call begins with the first one left unread."""
+    next call begins with the first one left unread. ``reader``: who reads them (the
+    run's user's worker, supervisor/user_tree.py; here by default), from ``base`` (the
+    daemon's directory above) without following a link below it."""
     out: list[ReadStep] = []
     deadline = time.monotonic() + budget_s
-    try:  # ``base``: the daemon's directory above, no link below it followed
-        if base is None:
-            names = sorted(os.listdir(log_dir))
-        else:
-            with user_files.directory(base, log_dir) as fd:
-                names = sorted(os.listdir(fd))
+    try:
+        names = reader.listdir(base, log_dir)
     except OSError:
         return out
     ranked = [(name, rank) for name in names
@@ -372,7 +370,7 @@ def read_output(state: AttemptOutput, log_dir: Path, *, run_id: str, attempt: in
         if i and time.monotonic() > deadline:
             state.turn = first + i  # the rest first, next tick
             break
-        lines = _new_lines(state.files.setdefault(name, _File()), log_dir / name, base)
+        lines = _new_lines(state.files.setdefault(name, _File()), log_dir / name, base, reader)
         seen: list[ProgressLine] = []
         for line in lines:
             x, compiling, kind = formats.read(line)
@@ -419,9 +417,11 @@ def _rank_of(name: str, ranks_per_node: int) -> int | None:
     return index if m.group(1) == "rank" else index * ranks_per_node
 
 
-def _new_lines(f: _File, path: Path, base: Path | None = None) -> list[str]:
+def _new_lines(f: _File, path: Path, base: Path | None, reader: user_files.Reader) -> list[str]:
     try:  # the run's user's file: never a link, a FIFO or a device (supervisor/user_files.py)
-        data = user_files.read_bytes(path, READ_MAX_BYTES, base=base, offset=f.offset)
+        data = reader.read_bytes(path, READ_MAX_BYTES, base=base, offset=f.offset)
+    except user_files.TreeStalled:
+        raise  # not an answer: the tick's error, read again next tick
     except OSError:
         return []
     f.offset += len(data)

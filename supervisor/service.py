@@ -18,6 +18,7 @@ runs.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -250,7 +251,7 @@ class SupervisorService:
         with self.store.tx() as tx:
             run = tx.get_run(number)
             attempts = tx.list_attempts(number)
-            _, run_dir = tx.run_spec_and_dir(number)
+            text, run_dir = tx.run_spec_and_dir(number)
         if not attempts:
             raise NotFound(f"{run_id} has no attempt yet")
         chosen = attempts[-1] if attempt is None else next((a for a in attempts if a.number == attempt), None)
@@ -264,9 +265,13 @@ class SupervisorService:
             node_index = chosen.nodes.index(node)
         log_dir = trainer_cmd.attempt_dir(run_dir, chosen.number)
         trusted = Path(run_dir).parent  # the runs directory, the daemon's: nothing below it is followed
+        try:  # read as the run's user (supervisor/user_tree.py)
+            tree = user_tree.of(_spec_user(text))
+        except CannotExecute as e:
+            raise Conflict(f"{run_id}'s logs cannot be read as its user: {e}") from None
         name = attempt_logs.pick(log_dir, rank=rank, node_index=node_index, ranks_per_node=run.ranks_per_node,
-                                 base=trusted)
-        piece = attempt_logs.read(log_dir, name, offset, max_bytes, base=trusted)
+                                 base=trusted, reader=tree)
+        piece = attempt_logs.read(log_dir, name, offset, max_bytes, base=trusted, reader=tree)
         return LogView(run_id=run_id, attempt=chosen.number, attempt_state=chosen.state.value,
                        run_state=run.state.value, file=piece.file, offset=offset,
                        next_offset=offset + len(piece.data), size=piece.size,
@@ -361,3 +366,13 @@ def _number(run_id: str) -> int:
 def _newest(stats: dict[int, AttemptStats]) -> AttemptStats | None:
     """The newest attempt's stats that has a step: the run's latest step and loss."""
     return next((stats[a] for a in sorted(stats, reverse=True) if stats[a].steps), None)
+
+
+def _spec_user(text: str) -> str | None:
+    """The stored spec's ``user`` (None: the daemon's), even where the spec no longer
+    validates: whose files the run's are does not change with the daemon's version."""
+    try:
+        user = json.loads(text).get("user")
+    except (ValueError, AttributeError):
+        return None
+    return user if isinstance(user, str) else None

@@ -51,6 +51,11 @@ class UnsafePath(OSError):
     """A path the daemon will not use: a link, a special file, too big, outside its base."""
 
 
+class TreeStalled(OSError):
+    """The run's user's worker (supervisor/user_tree.py) did not answer in time: no
+    answer, so not one a caller may take for "unreadable" or "absent"."""
+
+
 def _parts(base: Path, path: Path) -> list[str]:
     try:
         rel = path.relative_to(base)
@@ -198,6 +203,56 @@ def hand_over(base: Path, owner: Owner, *paths: Path) -> None:
             os.fchown(fd, owner.uid, owner.gid)
         finally:
             os.close(fd)
+
+
+def listdir(base: Path | None, path: Path) -> list[str]:
+    """The names in the directory ``path`` (reached from ``base`` without following a
+    link below it, when given), sorted."""
+    if base is None:
+        return sorted(os.listdir(path))
+    with directory(base, path) as fd:
+        return sorted(os.listdir(fd))
+
+
+def newest_mtime(base: Path | None, path: Path, suffix: str) -> float | None:
+    """When a regular file of ``path`` whose name ends in ``suffix`` last changed (the
+    newest; links and special files passed over), or None."""
+    newest = None
+    for name in listdir(base, path):
+        if not name.endswith(suffix):
+            continue
+        try:
+            st = os.lstat(path / name) if base is None else _lstat_under(base, path, name)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
+    return newest
+
+
+def _lstat_under(base: Path, path: Path, name: str) -> os.stat_result:
+    with directory(base, path) as fd:
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
+
+
+class Reader(Protocol):
+    """Who reads a run's logs: ``HERE`` (this process) or the run's user's worker
+    (supervisor/user_tree.py's ``Tree``), with the functions above."""
+
+    def listdir(self, base: Path | None, path: Path) -> list[str]: ...
+    def size_of(self, path: Path, *, base: Path | None = None) -> int: ...
+    def read_bytes(self, path: Path, limit: int, *, base: Path | None = None, offset: int = 0) -> bytes: ...
+
+
+class _Here:
+    """The functions of this module, as a ``Reader``."""
+
+    listdir = staticmethod(listdir)
+    size_of = staticmethod(size_of)
+    read_bytes = staticmethod(read_bytes)
+
+
+HERE: Reader = _Here()
 
 
 def move_into(base: Path, path: Path, into: Path, owner: Owner | None = None) -> Path:

@@ -1,8 +1,8 @@
 """The one door into a run's tree: what the daemon reads, writes and moves among a run's
 checkpoints and results is done by a process of the run's user.
 
-A run's checkpoint directory, its output directory and the job's scripts are the run's
-user's. Anything found there may have been put there to mislead a reader with more
+A run's checkpoint directory, its output directory, its attempts' logs and the job's
+scripts are the run's user's. Anything found there may have been put there to mislead a reader with more
 rights: a link to another user's directory, a FIFO, a 1 GiB sparse file. Refusing each
 trick where it is met (supervisor/user_files.py) is a list that can miss one; here the
 whole class goes. Every scan, move, write and hash in a user's tree is a request to a
@@ -11,8 +11,10 @@ planted link can reach is what the user could reach alone. The daemon keeps its 
 records (which checkpoints it moved, what it fingerprinted) in the store, never there.
 
 - ``Tree`` is what the daemon asks: ``scan``, ``pick``, ``move_into``, ``set_aside``,
-  ``keep_aside``, ``bring_back``, ``write_atomic``, ``read_text``, ``fingerprint``. Each
-  is one of ``OPS`` (or made of them): JSON in, JSON out, the same code whoever runs it.
+  ``keep_aside``, ``bring_back``, ``write_atomic``, ``read_text``, ``fingerprint``, and
+  for the attempts' logs ``listdir``, ``size_of``, ``read_bytes`` (a
+  ``user_files.Reader``). Each is one of ``OPS`` (or made of them): JSON in, JSON out,
+  the same code whoever runs it.
 - ``Local`` runs the ops in the daemon: for a run of the daemon's own user, where no
   right is to be dropped.
 - ``Worker`` runs them in ``python -m supervisor.user_tree`` started as the run's user,
@@ -35,6 +37,8 @@ the API from importing the scanner or ``user_files`` themselves.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import errno
 import json
 import logging
@@ -51,7 +55,7 @@ from typing import Any
 from supervisor import checkpoint_scan, precompile, user_files, users
 from supervisor.checkpoint_scan import SET_ASIDE, Verdict
 from supervisor.errors import CannotExecute
-from supervisor.user_files import UnsafePath
+from supervisor.user_files import TreeStalled, UnsafePath
 
 __all__ = ["LOCAL", "SET_ASIDE", "Local", "Tree", "TreeStalled", "UnsafePath", "Verdict", "Worker", "of"]
 
@@ -62,12 +66,13 @@ STALLED_PAUSE_S = 60.0  # then no worker of that user for this long: its request
 START_TIMEOUT_S = 20.0  # a fresh worker's first answer (its interpreter and imports included)
 ANSWER_MAX_BYTES = 8 << 20
 REQUEST_MAX_BYTES = 1 << 20
+READ_MAX_BYTES = 4 << 20  # of a file, a request (its answer base64: a third more)
 
 Moves = precompile.Moves
 
 
-class TreeStalled(OSError):
-    """The run's user's worker did not answer in time (and was killed)."""
+def _str(path: Path | None) -> str | None:
+    return None if path is None else str(path)
 
 
 # --- the ops: what a worker does, JSON in and JSON out --------------------------------
@@ -87,6 +92,16 @@ def _write_atomic(base: str, path: str, text: str) -> None:
     user_files.write_atomic(Path(base), Path(path), text.encode())
 
 
+def _base(base: str | None) -> Path | None:
+    return None if base is None else Path(base)
+
+
+def _read_bytes(path: str, limit: int, base: str | None, offset: int) -> str:
+    limit = min(int(limit), READ_MAX_BYTES)
+    data = user_files.read_bytes(Path(path), limit, base=_base(base), offset=int(offset))
+    return base64.b64encode(data).decode()
+
+
 OPS: dict[str, Callable[..., Any]] = {
     "scan": _scan,
     "move_into": _move_into,
@@ -94,6 +109,10 @@ OPS: dict[str, Callable[..., Any]] = {
     "is_dir": lambda path: os.path.isdir(path) and not os.path.islink(path),
     "write_atomic": _write_atomic,
     "read_text": lambda path, limit: user_files.read_text(Path(path), int(limit)),
+    "listdir": lambda base, path: user_files.listdir(_base(base), Path(path)),
+    "size_of": lambda path, base: user_files.size_of(Path(path), base=_base(base)),
+    "read_bytes": _read_bytes,
+    "newest_mtime": lambda base, path, suffix: user_files.newest_mtime(_base(base), Path(path), str(suffix)),
     "fingerprint": lambda shape, paths: precompile.fingerprint_of(shape, [Path(p) for p in paths]),
 }
 
@@ -164,6 +183,27 @@ class Tree:
     def read_text(self, path: Path, limit: int) -> str:
         """user_files.read_text, as the run's user."""
         return str(self._call("read_text", path=str(path), limit=limit))
+
+    def listdir(self, base: Path | None, path: Path) -> list[str]:
+        """user_files.listdir, as the run's user (a ``user_files.Reader``: a run's logs)."""
+        return [str(name) for name in self._call("listdir", base=_str(base), path=str(path))]
+
+    def size_of(self, path: Path, *, base: Path | None = None) -> int:
+        """user_files.size_of, as the run's user."""
+        return int(self._call("size_of", path=str(path), base=_str(base)))
+
+    def read_bytes(self, path: Path, limit: int, *, base: Path | None = None, offset: int = 0) -> bytes:
+        """user_files.read_bytes, as the run's user (at most ``READ_MAX_BYTES`` a request)."""
+        text = self._call("read_bytes", path=str(path), limit=limit, base=_str(base), offset=offset)
+        try:
+            return base64.b64decode(str(text), validate=True)
+        except binascii.Error:
+            raise OSError(errno.EIO, f"{path}: the file worker's answer is not base64") from None
+
+    def newest_mtime(self, base: Path | None, path: Path, suffix: str) -> float | None:
+        """user_files.newest_mtime, as the run's user."""
+        t = self._call("newest_mtime", base=_str(base), path=str(path), suffix=suffix)
+        return None if t is None else float(t)
 
     def fingerprint(self, shape: str, paths: Sequence[Path]) -> str:
         """precompile.fingerprint_of, as the run's user (who can read the job's scripts)."""

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import output_progress, trainer_cmd, user_tree
+from supervisor import attempt_logs, output_progress, trainer_cmd, user_tree
+from supervisor.errors import SupervisorError
 from supervisor.output_progress import AttemptOutput
 from supervisor.users import RunAs
 from tests.e2e.test_least_privilege import open_dir  # noqa: F401 - the fixture
@@ -90,7 +91,7 @@ def _script(run: Path) -> Path:
 
 def _rank_log(run: Path) -> Path:
     (run / "attempts" / "1").mkdir(parents=True)
-    return run / "attempts" / "1" / "rank-0.log"
+    return run / "attempts" / "1" / "rank-0000.log"
 
 
 def _pick(layout: str) -> Callable[[Path, user_tree.Tree], object]:
@@ -100,8 +101,13 @@ def _pick(layout: str) -> Callable[[Path, user_tree.Tree], object]:
 def _read_log(run: Path, tree: user_tree.Tree) -> object:
     state = AttemptOutput()
     output_progress.read_output(state, run / "attempts" / "1", run_id="r", attempt=1, ranks_per_node=1,
-                                formats=output_progress.formats_for(None), now=time.time(), base=run.parent)
+                                formats=output_progress.formats_for(None), now=time.time(), base=run.parent,
+                                reader=tree)
     return state
+
+
+def _api_log(run: Path, tree: user_tree.Tree) -> object:
+    return attempt_logs.read(run / "attempts" / "1", "rank-0000.log", 0, 1 << 20, base=run.parent, reader=tree)
 
 
 PLACES = {
@@ -116,7 +122,8 @@ PLACES = {
                        lambda run, tree: tree.set_aside(run / "ck", "hf", None, 0, run / "ck" / ".set-aside" / "a-2")),
     "result": Place(_result, lambda run, tree: trainer_cmd.read_result(run / "out" / "result.json", "r", 1, tree)),
     "precompile-input": Place(_script, lambda run, tree: tree.fingerprint("{}", [run / "train.sh"])),
-    "rank-log": Place(_rank_log, _read_log),  # the daemon's runs directory, read by the daemon
+    "rank-log": Place(_rank_log, _read_log),  # below the daemon's runs directory
+    "api-log": Place(_rank_log, _api_log),  # supervisorctl logs
 }
 
 
@@ -174,7 +181,7 @@ def test_what_the_user_plants_where_the_daemon_looks_touches_nothing_else_and_st
     began = time.monotonic()
     try:
         answer = PLACES[place].touch(run, tree)
-    except (OSError, ValueError) as e:  # a refusal is an answer too
+    except (OSError, ValueError, SupervisorError) as e:  # a refusal is an answer too (the API's: Conflict)
         answer = e
     took = time.monotonic() - began
     assert took < STALL_S, f"{place} with a {kind}: {took:.2f} s"
