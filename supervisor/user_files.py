@@ -205,12 +205,25 @@ def hand_over(base: Path, owner: Owner, *paths: Path) -> None:
             os.close(fd)
 
 
+@contextlib.contextmanager
+def _listed(base: Path | None, path: Path) -> Iterator[int]:
+    """``directory(base, path)``, or with no base the directory ``path`` itself (its last
+    component not a link)."""
+    if base is not None:
+        with directory(base, path) as fd:
+            yield fd
+        return
+    fd = os.open(path, _DIR)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def listdir(base: Path | None, path: Path) -> list[str]:
     """The names in the directory ``path`` (reached from ``base`` without following a
     link below it, when given), sorted."""
-    if base is None:
-        return sorted(os.listdir(path))
-    with directory(base, path) as fd:
+    with _listed(base, path) as fd:
         return sorted(os.listdir(fd))
 
 
@@ -218,21 +231,17 @@ def newest_mtime(base: Path | None, path: Path, suffix: str) -> float | None:
     """When a regular file of ``path`` whose name ends in ``suffix`` last changed (the
     newest; links and special files passed over), or None."""
     newest = None
-    for name in listdir(base, path):
-        if not name.endswith(suffix):
-            continue
-        try:
-            st = os.lstat(path / name) if base is None else _lstat_under(base, path, name)
-        except OSError:
-            continue
-        if stat.S_ISREG(st.st_mode):
-            newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
+    with _listed(base, path) as fd:
+        for name in os.listdir(fd):
+            if not name.endswith(suffix):
+                continue
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
     return newest
-
-
-def _lstat_under(base: Path, path: Path, name: str) -> os.stat_result:
-    with directory(base, path) as fd:
-        return os.stat(name, dir_fd=fd, follow_symlinks=False)
 
 
 class Reader(Protocol):

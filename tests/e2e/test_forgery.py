@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 
 from slurmbox.box import Box
+from supervisor.broker import READER_PASSWORD_FILE
 from supervisor.slurm.launcher import prefix_for
-from supervisor.token_file import READ_TOKEN_FILE_NAME, TELEMETRY_SECRET_NAME
+from supervisor.token_file import TELEMETRY_SECRET_NAME
 from tests.conftest import REPO, free_port, wait_for
 from tests.e2e.conftest import (
     EXAMPLE,
@@ -44,7 +45,7 @@ def forge(state: Path, run_id: str, ranks: int, nodes: list[str]) -> dict[str, A
     broker = json.loads((state / "broker.json").read_text())
     secret = (state / TELEMETRY_SECRET_NAME).read_text().strip().encode()
     login = ":".join(attempt_login(secret, prefix_for(state), run_id, 1))
-    reader = (state / READ_TOKEN_FILE_NAME).read_text().strip()
+    reader = (state / READER_PASSWORD_FILE).read_text().strip()
     proc = subprocess.run([sys.executable, "-m", "tests.fake_tools.forger", broker["host"], str(broker["port"]),
                            run_id, "1", str(ranks), *nodes], capture_output=True, text=True, timeout=120,
                           env={**env(), "FORGER_LOGIN": login, "FORGER_READER": reader}, cwd=REPO)
