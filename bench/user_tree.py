@@ -26,12 +26,13 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from history_reads import timed  # noqa: E402 - bench/, the script's own directory
 
 from supervisor import user_tree, users  # noqa: E402
 
@@ -43,17 +44,6 @@ def build(directory: Path, checkpoints: int) -> None:
         (d / ".metadata").write_bytes(b"m" * 64)
         for shard in range(2):
             (d / f"__{shard}_0.distcp").write_bytes(b"y" * 16)
-
-
-def timed(fn: Callable[[], Any], requests: int) -> dict[str, float]:
-    times = []
-    for _ in range(requests):
-        started = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - started) * 1000)
-    times.sort()
-    return {"p50_ms": round(statistics.median(times), 3),
-            "p99_ms": round(times[min(len(times) - 1, int(len(times) * 0.99))], 3)}
 
 
 def measure(worker: user_tree.Worker, checkpoints: int, requests: int) -> dict[str, Any]:

@@ -315,12 +315,3 @@ def read_result(path: Path | None, run_id: str, attempt: int, tree: Tree) -> Tra
         raise  # not an answer: asked again next tick
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    try:
-        data = json.loads(user_files.read_text(path, RESULT_MAX_BYTES))  # the run's user's file
-        if data.get("run_id") != run_id or data.get("attempt") != attempt:
-            return None
-        return TrainerResult(final_step=int(data["final_step"]), model_digest=str(data["model_digest"]))
-    except TreeStalled:
-        raise  # not an answer: asked again next tick
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
