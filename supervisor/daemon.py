@@ -42,7 +42,6 @@ from typing import Any, Literal
 
 import aiomqtt
 import uvicorn
-from sqlalchemy.exc import SQLAlchemyError
 
 from supervisor import user_tree
 from supervisor.broker import READER_PASSWORD_FILE, SUPERVISOR_PASSWORD_FILE, EmbeddedBroker, broker_addresses
@@ -303,7 +302,7 @@ class Daemon:
         try:
             with self.store.tx() as tx:
                 return tx.attempt_is_live(int(run), number)
-        except (SQLAlchemyError, StoreError) as e:
+        except StoreError as e:
             log.warning("cannot tell whether %s#%d is live, taken as live: %s", run_id, number, e)
             return True
 
@@ -421,7 +420,7 @@ class Daemon:
                     ready = True
                     self.notifier.ready(f"reconciling; API {self.api_url or 'off'}, MQTT {self.mqtt_url}")
                 self.notifier.watchdog()
-            except (SQLAlchemyError, StoreError, OSError) as e:
+            except (StoreError, OSError) as e:
                 failures += 1
                 log.error("reconciler tick failed (%d in a row): %s", failures, e)
                 if failures >= _MAX_FAILED_TICKS:

@@ -14,8 +14,6 @@ import asyncio
 import json
 import logging
 
-from sqlalchemy.exc import SQLAlchemyError
-
 from supervisor.domain import EventRecord, run_id_of
 from supervisor.domain.events import EventKind
 from supervisor.errors import StoreError
@@ -41,7 +39,7 @@ class Outbox:
             await asyncio.sleep(EVERY_S)
             try:
                 await self.publish_batch()
-            except (SQLAlchemyError, StoreError) as e:
+            except StoreError as e:
                 log.warning("outbox: %s", e)
 
     async def publish_batch(self) -> tuple[int, bool]:

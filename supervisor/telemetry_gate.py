@@ -123,9 +123,6 @@ class Gate:
         if (run_id, attempt) not in self._ended:
             self._worlds[(run_id, attempt)] = world_size
 
-    def has_ended(self, run_id: str, attempt: int) -> bool:
-        return (run_id, attempt) in self._ended
-
     def end(self, run_id: str, attempt: int) -> None:
         """The attempt is over: its messages are dropped from now on."""
         self._keys.pop((run_id, attempt), None)

@@ -59,10 +59,16 @@ class SqlStore:
 
     @contextmanager
     def tx(self) -> Iterator[Tx]:
+        """One transaction: committed when the block ends, rolled back when it raises. A
+        database error (locked, full, gone) is raised as the store's own ``StoreError``,
+        so that no caller outside store/ needs to know SQLAlchemy."""
         if self._engine is None:
             raise StoreError("store is not open")
-        with self._engine.begin() as conn:
-            yield Tx(conn)
+        try:
+            with self._engine.begin() as conn:
+                yield Tx(conn)
+        except SQLAlchemyError as e:
+            raise StoreError(f"{self.path}: {e}") from e
 
 
 def _on_connect_explicit(dbapi_conn: sqlite3.Connection, record: ConnectionPoolEntry) -> None:

@@ -109,6 +109,23 @@ def test_a_failed_transaction_leaves_nothing_behind(store: SqlStore, tmp_path: P
         assert tx.list_events(number) == []
 
 
+def test_a_database_error_is_the_stores_own_error_and_rolls_back(store: SqlStore, tmp_path: Path) -> None:
+    """Callers outside store/ catch StoreError alone: a database that refuses a write (here
+    another connection holds its write lock) reaches them as one, and nothing is kept."""
+    number = new_run(store, tmp_path)
+    other = sqlite3.connect(store.path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(StoreError, match="locked"), store.tx() as tx:
+            tx.c.exec_driver_sql("PRAGMA busy_timeout=0")  # refused now, not in 10 s
+            tx.add_event(number, "k", "lost", {}, 1.0)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    with store.tx() as tx:
+        assert tx.list_events(number) == []
+
+
 def test_commands_queue_and_finish(store: SqlStore, tmp_path: Path) -> None:
     number = new_run(store, tmp_path)
     with store.tx() as tx:
