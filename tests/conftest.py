@@ -350,7 +350,7 @@ def choose_chaos(chaos: list[str], seed: int, size: int = CHAOS_SUBSET) -> list[
         return "/test_slurm" in node_id
 
     rng = random.Random(seed)
-    chosen = [c for c in chaos if any(c.endswith(f"::{name}") for name in CHAOS_ALWAYS)]
+    chosen = [c for c in chaos if scenario_name(c) in CHAOS_ALWAYS]  # each parametrization of one
     slurm = sorted(c for c in chaos if on_slurm(c) and c not in chosen)
     if slurm and not any(on_slurm(c) for c in chosen):
         chosen.append(rng.choice(slurm))
@@ -358,10 +358,14 @@ def choose_chaos(chaos: list[str], seed: int, size: int = CHAOS_SUBSET) -> list[
     return chosen + rng.sample(rest, max(0, min(len(rest), size - len(chosen))))
 
 
+def scenario_name(node_id: str) -> str:
+    """A scenario's function name, without its file or its parameters."""
+    return node_id.rsplit("::", maxsplit=1)[-1].split("[", maxsplit=1)[0]
+
+
 def missing_always(chaos: list[str]) -> list[str]:
     """The scenarios of CHAOS_ALWAYS that none of the node ids ``chaos`` names."""
-    return [name for name in CHAOS_ALWAYS
-            if not any(c.split("::")[-1].split("[")[0] == name for c in chaos)]
+    return [name for name in CHAOS_ALWAYS if not any(scenario_name(c) == name for c in chaos)]
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have chosen: a scenario named that way runs

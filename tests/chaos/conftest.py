@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.e2e.conftest import db_rows, node_processes, trainer_processes
+from tests.e2e.conftest import attempt_of, db_rows, node_processes, trainer_processes
 
 
 def assert_records(state: Path, s: dict[str, Any], *, injected: int | None = None) -> None:
@@ -90,7 +90,7 @@ class Watch:
                         if name.startswith("tsup-a"):
                             attempts.add(name.removeprefix("tsup-a"))
                         continue
-                    attempts.add(env.get("TSUP_ATTEMPT", "?"))
+                    attempts.add(attempt_of(p))
                 except psutil.Error:
                     continue
             self.samples += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -139,17 +140,36 @@ def db_rows(state_dir: Path, query: str) -> list[tuple[Any, ...]]:
 
 
 def trainer_processes(marker: Path) -> list[psutil.Process]:
-    """Live `python -m trainer` processes whose command line mentions ``marker`` (a state directory)."""
+    """Live processes of the runs under ``marker`` (a state directory): every process an
+    attempt started, whatever its trainer (``python -m trainer``, torchrun and its workers,
+    a user's train.sh and what it runs, srun), found by the attempt's TSUP_MARKER in its
+    environment, and the reference trainer's warm standbys, found by their command line.
+    The nodes' own processes (the node agents) are not counted: ``node_processes``."""
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
+            if p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
             cmdline = p.info["cmdline"] or []
-            if (p.info["status"] != psutil.STATUS_ZOMBIE and cmdline[1:3] == ["-m", "trainer"]
-                    and any(str(marker) in a for a in cmdline)):
+            if cmdline[1:3] == ["-m", "trainer"] and any(str(marker) in a for a in cmdline):
+                found.append(p)
+                continue
+            env = p.environ()
+            if str(marker) in env.get("TSUP_MARKER", "") and not env.get("TSUP_NODE_PROCESS"):
                 found.append(p)
         except psutil.Error:
             continue
     return found
+
+
+def attempt_of(process: psutil.Process) -> str:
+    """The attempt a process of ``trainer_processes`` belongs to: its TSUP_ATTEMPT (the
+    reference trainer's), else the attempt directory its TSUP_MARKER names."""
+    env = process.environ()
+    if "TSUP_ATTEMPT" in env:
+        return env["TSUP_ATTEMPT"]
+    found = re.search(r"/attempts/(\d+)/", env.get("TSUP_MARKER", ""))
+    return found.group(1) if found else "?"
 
 
 def node_processes(marker: Path) -> list[psutil.Process]:

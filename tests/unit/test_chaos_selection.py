@@ -41,3 +41,11 @@ def test_the_always_run_scenarios_exist_in_the_chaos_suite() -> None:
     for name in CHAOS_ALWAYS:
         assert f"def {name}(" in sources, name
 
+
+
+def test_a_parametrized_always_run_scenario_is_drawn_in_each_of_its_forms() -> None:
+    forms = [c + f"[{k}]" for c in ALL if c.endswith(CHAOS_ALWAYS) for k in ("a", "b")]
+    rest = [c for c in ALL if not c.endswith(CHAOS_ALWAYS)]
+    for seed in range(20):
+        chosen = choose_chaos(sorted(rest + forms), seed)
+        assert set(forms) <= set(chosen), (seed, chosen)

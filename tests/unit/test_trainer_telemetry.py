@@ -91,17 +91,13 @@ def unusable_broker(request: pytest.FixtureRequest) -> Iterator[Broker]:
 def test_publishing_never_blocks_when_the_broker_is_unusable(unusable_broker: Broker) -> None:
     telemetry = Telemetry(IDENTITY, unusable_broker, heartbeat_interval_s=0.05, queue_size=8)
     telemetry.start()
-    slowest_s = 0.0
     for step in range(1, 2001):
-        started = time.perf_counter()
         telemetry.step_completed(step=step, loss=1.0, grad_norm=0.5, lr=1e-3,
                                  step_time_s=0.1, tokens_per_s=100.0)
-        slowest_s = max(slowest_s, time.perf_counter() - started)
-    # Well below a millisecond each in practice; the bound only guards against blocking
-    # on the network (a connect timeout is seconds).
-    assert slowest_s < 0.05
     assert not telemetry.connected
-    # The queue holds 8 (one is the initial PhaseChange); everything else is counted.
+    # The queue holds 8 (one is the initial PhaseChange); every other call returned at once,
+    # counted as dropped, instead of waiting for room. What a call costs, by broker
+    # condition: bench/trainer_telemetry_overhead.py.
     assert telemetry.dropped_queue_full >= 2000 - 8
     started = time.monotonic()
     telemetry.close(exit_code=0, final_step=2000, reason="finished", timeout_s=2.0)
