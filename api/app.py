@@ -47,6 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from api.auth import TokenAuth
 from supervisor.domain import TERMINAL_RUN_STATES, CommandKind, NodeCommandKind
 from supervisor.errors import Conflict, NotFound, SpecError, StateDirLocked, SupervisorError
+from supervisor.goodput import Goodput
 from supervisor.metrics import SupervisorMetrics
 from supervisor.service import SupervisorService
 from supervisor.spec import parse_spec
@@ -55,7 +56,6 @@ from supervisor.views import (
     CheckpointView,
     CommandAccepted,
     EventView,
-    GoodputView,
     LogView,
     NodeView,
     ProbeView,
@@ -179,7 +179,7 @@ def create_app(service: SupervisorService, auth: TokenAuth, metrics: SupervisorM
         return service.checkpoints(run_id, newest)
 
     @app.get("/v1/runs/{run_id}/goodput", dependencies=read)
-    def goodput(run_id: RunId) -> GoodputView:
+    def goodput(run_id: RunId) -> Goodput:
         return service.goodput(run_id)
 
     @app.get("/v1/runs/{run_id}/logs", dependencies=read,

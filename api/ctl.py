@@ -49,11 +49,12 @@ from supervisor import report, trainer_cmd
 from supervisor.config import default_state_dir
 from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import SpecError
+from supervisor.goodput import Goodput
 from supervisor.logs import printable, printable_tree
 from supervisor.slurm import requests
 from supervisor.spec import parse_spec
 from supervisor.token_file import READ_TOKEN_FILE_NAME, TOKEN_FILE_NAME, read_token
-from supervisor.views import CheckpointView, EventView, GoodputView, NodeView, RunDetail, RunSummary
+from supervisor.views import CheckpointView, EventView, NodeView, RunDetail, RunSummary
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNAUTHORIZED = 0, 1, 2, 3, 4
 _PAGE = 1000
@@ -279,7 +280,7 @@ _status = _show(lambda a: f"/v1/runs/{_segment(a.run)}",
 _checkpoints = _show(lambda a: f"/v1/runs/{_segment(a.run)}/checkpoints",
                      lambda d, a: report.checkpoints_table([CheckpointView.model_validate(x) for x in d]))
 _goodput = _show(lambda a: f"/v1/runs/{_segment(a.run)}/goodput",
-                 lambda d, a: f"{a.run}: {report.goodput_line(GoodputView.model_validate(d))}")
+                 lambda d, a: f"{a.run}: {report.goodput_line(Goodput(**d))}")
 _nodes = _show(lambda a: "/v1/nodes",
                lambda d, a: report.nodes_table([NodeView.model_validate(n) for n in d]),
                lambda d: [n["name"] for n in d])

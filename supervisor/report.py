@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from supervisor.goodput import Goodput
 from supervisor.views import (
     CHECKPOINTS_SHOWN,
     CheckpointView,
     EventView,
-    GoodputView,
     NodeView,
     RunDetail,
     RunSummary,
@@ -84,7 +84,7 @@ def _cold_start_s(d: RunDetail) -> float | None:
     return first.first_step_at - first.started_at
 
 
-def goodput_line(g: GoodputView) -> str:
+def goodput_line(g: Goodput) -> str:
     if g.ettr is None:
         return "no attempt has started yet"
     return (f"ETTR {g.ettr:.2f} = kept {_s(g.productive_s)} of {_s(g.wall_s)} wall; "

@@ -35,6 +35,7 @@ from supervisor.domain import (
 )
 from supervisor.domain.events import EventKind
 from supervisor.errors import CannotExecute, Conflict, NotFound, SpecError
+from supervisor.goodput import Goodput
 from supervisor.launchers.base import Launcher, NodeAdmin, waiting_standbys
 from supervisor.probes import ProbeScheduler
 from supervisor.settled import SettledHistory, is_over
@@ -47,7 +48,6 @@ from supervisor.views import (
     CommandAccepted,
     DaemonHealth,
     EventView,
-    GoodputView,
     LogView,
     MemoryCheckpointView,
     NodeView,
@@ -60,7 +60,6 @@ from supervisor.views import (
     checkpoint_view,
     event_view,
     fault_view,
-    goodput_view,
     node_view,
     probe_view,
     run_summary,
@@ -179,7 +178,7 @@ class SupervisorService:
             spares=run.spares, attempt_history=[attempt_view(a) for a in attempts[-HISTORY_SHOWN:]],
             faults=[fault_view(f) for f in faults[-HISTORY_SHOWN:]], faults_total=len(faults),
             checkpoints=[checkpoint_view(c) for c in checkpoints],
-            goodput=goodput_view(g), drained_nodes=drained, drained_total=drained_total, ettr=g.ettr,
+            goodput=g, drained_nodes=drained, drained_total=drained_total, ettr=g.ettr,
             stragglers=stragglers, transient_spikes=transient_spikes,
             memory_checkpoint=MemoryCheckpointView(**asdict(memory[0])) if memory else None,
             standbys=dict(self._standbys().get(run.run_id, {})),
@@ -221,13 +220,12 @@ class SupervisorService:
             tx.get_run(number)
             return [checkpoint_view(c) for c in tx.list_checkpoints(number, newest=newest)]
 
-    def goodput(self, run_id: str) -> GoodputView:
+    def goodput(self, run_id: str) -> Goodput:
         number = _number(run_id)
         with self.store.tx() as tx:
             run = tx.get_run(number)
             h = self.history.read(tx, number, over=is_over(run, self.clock()))
-        g = h.account(run, self.clock())
-        return goodput_view(g)
+        return h.account(run, self.clock())
 
     def step_metrics(self, run_id: str, max_points: int = 1000) -> list[StepMetricView]:
         """Rank 0's step metrics (the loss curve), every attempt's: the run's downsampled

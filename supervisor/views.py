@@ -86,20 +86,6 @@ class MemoryCheckpointView(BaseModel):
     created_at: float
 
 
-class GoodputView(BaseModel):
-    ettr: float | None
-    wall_s: float
-    productive_s: float
-    lost_s: float
-    checkpoint_s: float
-    startup_s: float
-    detection_s: float
-    recovery_s: float
-    other_s: float
-    kept_steps: int
-    lost_steps: int
-
-
 class StragglerView(BaseModel):
     """A rank reported straggling (a row of the stragglers table)."""
 
@@ -123,7 +109,7 @@ class RunDetail(RunSummary):
     checkpoints: list[CheckpointView]  # the newest CHECKPOINTS_SHOWN, oldest of them first
     memory_checkpoint: MemoryCheckpointView | None = None  # the memory tier's newest save
     standbys: dict[str, int] = {}  # node -> warm standbys waiting for the next attempt
-    goodput: GoodputView
+    goodput: Goodput  # the dataclass itself: pydantic serializes it as it is
     drained_nodes: list[str]  # the newest HISTORY_SHOWN it drained, by name (``drained_total``: all)
     drained_total: int = 0
     ettr: float | None
@@ -226,14 +212,6 @@ def fault_view(f: FaultRecord) -> FaultView:
 def checkpoint_view(c: CheckpointRecord) -> CheckpointView:
     return CheckpointView(step=c.step, path=c.path, complete=c.complete, duration_s=c.duration_s,
                           attempt=c.attempt)
-
-
-def goodput_view(g: Goodput) -> GoodputView:
-    return GoodputView(
-        ettr=g.ettr, wall_s=g.wall_s, productive_s=g.productive_s, lost_s=g.lost_s,
-        checkpoint_s=g.checkpoint_s, startup_s=g.startup_s, detection_s=g.detection_s,
-        recovery_s=g.recovery_s, other_s=g.other_s, kept_steps=g.kept_steps, lost_steps=g.lost_steps,
-    )
 
 
 def event_view(e: EventRecord) -> EventView:
