@@ -334,6 +334,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(default $TSUP_CHAOS_SEED, else drawn from the commit's hash)")
 
 
+# Each test's kind is its folder's: `pytest -m unit` (seconds, nothing started), `-m
+# integration` (real mosquitto, Slurm, torch), `-m e2e`, `-m contract`, `-m chaos`.
+KIND_OF_FOLDER = {"unit": "unit", "integration": "integration", "e2e": "e2e", "contract": "contract",
+                  "chaos": "chaos"}
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Mark a test with its folder's kind, before -m chooses (a file needs no pytestmark)."""
+    parts = item.path.relative_to(REPO / "tests").parts
+    kind = KIND_OF_FOLDER.get(parts[0]) if len(parts) > 1 else None
+    if kind is not None and item.get_closest_marker(kind) is None:
+        item.add_marker(kind)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--seed", None) is None:
         env_seed = os.environ.get("TSUP_CHAOS_SEED")

@@ -1,6 +1,6 @@
 """The reconciler's wiring: a real SQLite store, a scripted launcher, a fake clock.
 
-The policy's rules are tested in tests/unit/test_policy.py; these tests check that
+The policy's rules are tested in tests/unit/test_policy_*.py; these tests check that
 the loop persists and acts on them, and that a restarted daemon neither loses an
 attempt nor launches a second copy of one.
 """

@@ -23,7 +23,7 @@ from supervisor.output_progress import (
 from supervisor.policy import hang_limit
 from supervisor.telemetry import TelemetryView
 from tests.conftest import REPO
-from tests.unit.test_policy import obs, rank
+from tests.unit.policy_world import obs, rank
 
 FIXTURES = REPO / "tests" / "fixtures" / "output"
 NEURON_LOGS = REPO / "tests" / "fixtures" / "health" / "neuron"

@@ -24,7 +24,7 @@ from supervisor.domain import (
     StepSample,
 )
 from supervisor.policy import decide
-from tests.unit.test_policy import NOW, attempt, obs, of, rank, run, view
+from tests.unit.policy_world import NOW, attempt, obs, of, rank, run, view
 
 SILENCE = Policy().silence_timeout_s
 

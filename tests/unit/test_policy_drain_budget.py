@@ -20,7 +20,7 @@ from supervisor.domain import (
     RecordFault,
 )
 from supervisor.policy import decide
-from tests.unit.test_policy import NOW, attempt, obs, of, run, view
+from tests.unit.policy_world import NOW, attempt, obs, of, run, view
 
 SIGKILL = -9
 FIVE = tuple(f"n{i}" for i in range(1, 6))

@@ -22,7 +22,7 @@ from supervisor.domain import (
 from supervisor.errors import SpecError
 from supervisor.policy import decide
 from supervisor.spec import parse_spec
-from tests.unit.test_policy import NOW, attempt, nodes, obs, of, rank, run, view
+from tests.unit.policy_world import NOW, attempt, nodes, obs, of, rank, run, view
 
 CK = CheckpointRef(step=40, path="/ck/step_00000040")
 # 4 nodes, no spare; n4 drained: 3 healthy nodes left.

@@ -19,7 +19,7 @@ from supervisor.domain import (
 )
 from supervisor.policy import decide
 from supervisor.policy.memory import unrecoverable
-from tests.unit.test_policy import NOW, attempt, nodes, of, run, view
+from tests.unit.policy_world import NOW, attempt, nodes, of, run, view
 
 
 def save(*ring: str, step: int = 45) -> MemoryCheckpointRef:

@@ -28,7 +28,7 @@ from supervisor.domain import (
     StragglerReport,
 )
 from supervisor.policy import decide, find_stragglers, unreadable_checkpoints
-from tests.unit.test_policy import HEALTHY3, NOW, attempt, nodes, obs, of, rank, run, view
+from tests.unit.policy_world import HEALTHY3, NOW, attempt, nodes, obs, of, rank, run, view
 
 W = Policy().straggler_window
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from supervisor.domain import AttemptObs, Policy, RecordFault, RunState
 from supervisor.policy import decide, hang_limit
-from tests.unit.test_policy import NOW, attempt, obs, of, rank, run, view
+from tests.unit.policy_world import NOW, attempt, obs, of, rank, run, view
 
 GB = 1_000_000_000
 LIVE = attempt(started_at=NOW - 300_000, first_step_at=NOW - 290_000)

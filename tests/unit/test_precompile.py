@@ -36,7 +36,7 @@ from supervisor.domain.effects import Emit
 from supervisor.goodput import account
 from supervisor.policy import decide, resume_before
 from supervisor.spec import RunSpec, SpecError, parse_spec
-from tests.unit.test_policy import NOW, attempt, obs, of, rank, run, view
+from tests.unit.policy_world import NOW, attempt, obs, of, rank, run, view
 
 DUE = "f" * 64
 CK = CheckpointRef(step=40, path="/ck/hf_llama--step=40-consumed_samples=320.0.ckpt")

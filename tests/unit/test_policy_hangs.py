@@ -1,0 +1,128 @@
+"""Hangs: the fixed and the adaptive hang limits, and whom a hang names (supervisor/policy/detection.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from supervisor.domain import (
+    DrainNode,
+    FaultKind,
+    RecordFault,
+    RunState,
+    StopAttempt,
+)
+from supervisor.policy import decide
+from tests.unit.policy_world import (
+    NOW,
+    attempt,
+    hang_after,
+    obs,
+    of,
+    rank,
+    run,
+    timed,
+    view,
+)
+
+
+def test_no_progress_beyond_the_hang_timeout_is_a_hang() -> None:
+    o = obs(*(rank(i, progress_at=NOW - 61, phase="train") for i in range(4)))
+    [fault] = of(decide(view(run(), (attempt(),)), o, NOW), RecordFault)
+    assert fault.kind is FaultKind.HANG and "61 s" in fault.summary
+
+
+def test_progress_within_the_timeout_is_not_a_hang() -> None:
+    o = obs(*(rank(i, progress_at=NOW - 59, phase="train") for i in range(4)))
+    assert decide(view(run(), (attempt(),)), o, NOW) == []
+
+
+def test_broker_outage_is_never_a_hang() -> None:
+    o = replace(obs(*(rank(i, progress_at=NOW - 600) for i in range(4))), telemetry_up_since=None)
+    assert decide(view(run(), (attempt(),)), o, NOW) == []
+
+
+def test_hang_clock_restarts_when_the_telemetry_link_comes_back() -> None:
+    o = replace(obs(*(rank(i, progress_at=NOW - 600) for i in range(4))), telemetry_up_since=NOW - 30)
+    assert decide(view(run(), (attempt(),)), o, NOW) == []
+
+
+def test_checkpoint_phase_gets_the_longer_allowance() -> None:
+    o = obs(*(rank(i, progress_at=NOW - 120, phase="checkpoint") for i in range(4)))
+    assert decide(view(run(), (attempt(),)), o, NOW) == []
+
+
+def test_startup_without_a_first_step_uses_the_startup_timeout() -> None:
+    live = attempt(first_step_at=None, started_at=NOW - 301)
+    o = obs(*(rank(i, last_step=0, progress_at=None, phase="init") for i in range(4)))
+    [fault] = of(decide(view(run(RunState.STARTING), (live,)), o, NOW), RecordFault)
+    assert fault.kind is FaultKind.HANG and "startup" in fault.summary
+
+
+def test_the_hang_limit_adapts_to_the_step_time_with_a_floor() -> None:
+    assert hang_after(0.2) == 8.5  # max(8 s floor, 3 x 0.2 s)
+    assert hang_after(5.0) == 15.5  # 3 x p99
+    assert hang_after(40.0) == 120.5  # 3 x p99, however far above hang_timeout_s (60 s)
+    assert hang_after(0.2, samples=5) == 60.5  # too few steps timed: the static limit
+    assert hang_after(30.0, samples=5) == 90.5  # ... unless 3 x the slowest so far is longer
+    assert hang_after(0.2, hang_floor_s=4.0, hang_k=2.0) == 4.5
+
+
+def test_announced_phases_get_their_own_allowances() -> None:
+    live = attempt(started_at=NOW - 1000, first_step_at=NOW - 900)
+    r = run(policy=replace(run().policy, checkpoint_timeout_s=120.0, eval_timeout_s=200.0, compile_timeout_s=500.0))
+    for phase, limit in (("checkpoint", 120.0), ("eval", 200.0), ("compile", 500.0), ("restore", 300.0)):
+        o = timed(0.2)
+        stuck = tuple(replace(x, phase=phase if x.rank == 0 else "train", progress_at=NOW - limit + 1)
+                      for x in o.ranks)
+        assert not of(decide(view(r, (live,)), replace(o, ranks=stuck), NOW), RecordFault), phase
+        over = tuple(replace(x, progress_at=NOW - limit - 1) for x in stuck)
+        assert of(decide(view(r, (live,)), replace(o, ranks=over), NOW), RecordFault), phase
+
+
+def test_a_hang_names_the_rank_that_fell_silent_first_and_drains_nothing() -> None:
+    live = attempt(started_at=NOW - 1000, first_step_at=NOW - 900)
+    o = timed(0.2)
+    stopped = tuple(replace(x, last_seen_at=NOW - 30) if x.rank == 3 else x for x in o.ranks)
+    effects = decide(view(run(), (live,)), replace(o, ranks=stopped), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.HANG and fault.ranks == (3,) and fault.nodes == ("n2",)
+    assert "stalled first: ranks 3 on n2" in fault.summary
+    assert not of(effects, DrainNode) and of(effects, StopAttempt)
+
+
+def test_a_rank_behind_the_others_is_the_one_that_stalled_first() -> None:
+    live = attempt(started_at=NOW - 1000, first_step_at=NOW - 900)
+    o = timed(0.2)
+    behind = tuple(replace(x, last_step=49) if x.rank == 1 else x for x in o.ranks)
+    [fault] = of(decide(view(run(), (live,)), replace(o, ranks=behind), NOW), RecordFault)
+    assert fault.ranks == (1,) and fault.nodes == ("n1",)
+
+
+def test_ranks_that_stalled_together_name_no_one() -> None:
+    live = attempt(started_at=NOW - 1000, first_step_at=NOW - 900)
+    [fault] = of(decide(view(run(), (live,)), timed(0.2), NOW), RecordFault)
+    assert fault.ranks == () and fault.nodes == ()
+
+
+def test_a_whole_node_falling_silent_is_left_to_the_silence_rule_not_called_a_hang() -> None:
+    live = attempt(started_at=NOW - 1000, first_step_at=NOW - 900)
+    o = timed(0.2)
+    frozen = tuple(replace(x, last_seen_at=NOW - 9, progress_at=NOW - 9.5) if x.node == "n2"
+                   else replace(x, progress_at=NOW - 9.5) for x in o.ranks)
+    assert not of(decide(view(run(), (live,)), replace(o, ranks=frozen), NOW), RecordFault)
+    later = tuple(replace(x, last_seen_at=NOW - 11) if x.node == "n2" else x for x in frozen)
+    [fault] = of(decide(view(run(), (live,)), replace(o, ranks=later), NOW), RecordFault)
+    assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n2",)
+
+
+def test_once_a_save_was_timed_the_checkpoint_allowance_adapts_to_it() -> None:
+    live = attempt(started_at=NOW - 1000, first_step_at=NOW - 900)
+    r = run(policy=replace(run().policy, checkpoint_timeout_s=600.0))
+    o = replace(timed(0.2), save_s=0.15)
+    saving = tuple(replace(x, phase="checkpoint", progress_at=NOW - 7.5) for x in o.ranks)
+    assert not of(decide(view(r, (live,)), replace(o, ranks=saving), NOW), RecordFault)
+    stuck = tuple(replace(x, progress_at=NOW - 8.5) for x in saving)
+    [fault] = of(decide(view(r, (live,)), replace(o, ranks=stuck), NOW), RecordFault)
+    assert "checkpoint allowance: max(8 s, 3 x slowest save 0.15 s)" in fault.summary
+    slow = replace(o, ranks=stuck, save_s=100.0)
+    assert not of(decide(view(r, (live,)), slow, NOW), RecordFault)
