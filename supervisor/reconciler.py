@@ -93,7 +93,6 @@ class Reconciler:
         self.probes = ProbeScheduler(nodes, clock, store=store, sweep_every_s=config.sweep_every_s,
                                      sweep_args=config.sweep_args,
                                      sweep_timeout_s=config.sweep_timeout_s, pool=probe_pool)
-        self.probes.reopen()  # rounds a daemon before this one asked for and never judged
         # The run's memory between ticks has one owner, this one: the observer notes in it,
         # the executor forgets an attempt from it once it ended (supervisor/tick_state.py).
         self.memory = RunMemory(store)
@@ -104,11 +103,15 @@ class Reconciler:
                                          launch_specs, clock, config.drain_budget)
         self.recorder = TelemetryRecorder(store, telemetry, config.retention)
         self.hooks: list[Callable[[], None]] = []  # run first in every tick, on its thread (chaos drills)
+        self._reopened = False  # the rounds a daemon before this one left open: asked again at the first tick
 
     def close(self) -> None:
         self.probes.close()
 
     def tick(self) -> None:
+        if not self._reopened:  # on the tick's thread, not in the constructor: building does no I/O
+            self.probes.reopen()
+            self._reopened = True
         for hook in self.hooks:
             hook()
         now = self.clock()
