@@ -3,9 +3,9 @@
 A run of 2 nodes + 1 spare holds one allocation of 3 nodes and trains as a job step on
 two of them. A killed node (its slurmd and every process it started, as a power loss
 would) is drained with a readable reason and the run resumes on the spare in a new step
-of the same allocation; with no spare left the job is requeued, its id kept; an
-allocation Slurm ends is replaced; a daemon killed mid-run
-adopts its job and step again; slurmctld's own crash and restart costs nothing.
+of the same allocation; with no spare left, or with its allocation ended by Slurm, the
+job is requeued, its id kept; a daemon killed mid-run adopts its job and step again;
+slurmctld's own crash and restart costs nothing.
 """
 
 from __future__ import annotations
@@ -228,8 +228,10 @@ def test_a_run_shrunk_on_the_box_grows_back_through_a_second_allocation(
 
 def test_an_allocation_ended_by_slurm_is_replaced_and_the_run_resumes(
         slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path) -> None:
-    """Preemption, a time limit, or an operator's scancel: the allocation is gone, the
-    supervisor asks for a new one and resumes from the newest checkpoint."""
+    """Preemption, a time limit, or an operator's scancel: the allocation is gone. While
+    Slurm still knows the job, the supervisor requeues it (its id kept, as the users'
+    trainers that key their checkpoints on $SLURM_JOB_ID need) and resumes from the newest
+    checkpoint."""
     state = tmp_path / "state"
     cancelled: list[str] = []
 
@@ -246,7 +248,9 @@ def test_an_allocation_ended_by_slurm_is_replaced_and_the_run_resumes(
     assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
     assert s["attempts"] == 2 and s["attempt_history"][1]["resume_step"] == 40
     infos = [json.loads(i) for (i,) in db_rows(state, "SELECT launch_info FROM attempts ORDER BY number")]
-    assert infos[0]["job"] == job and infos[1]["job"] != job, "a new allocation for the second attempt"
+    assert infos[0]["job"] == job and infos[1]["job"] == job, "the same job for the second attempt"
+    again = parse.parse_key_values(slurm(slurm_box, "scontrol", "-o", "show", "job", job))
+    assert again["Restarts"] == "1", "requeued once"
     released = db_rows(state, "SELECT message FROM events WHERE kind = 'nodes.released'")
     assert released, "the supervisor noticed the allocation was gone"
     assert s["drained_nodes"] == [], "an ended allocation is no node's fault"
