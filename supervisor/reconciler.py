@@ -1,9 +1,9 @@
 """The reconciler: observe, decide, record and act; once per tick, for every run and node.
 
-    observe.py        Observer: what each run looks like now (read-only)
+    observe.py        Observer: what each run looks like now
     policy/           decide(), judge_probes(), node_command(): the pure core
-    execute.py        DecisionExecutor: one transaction per run's decision, then its effects
-    execute_nodes.py  NodeEffects: decisions about nodes, and the intents (drains,
+    effects/          Effects: one transaction per decision, then its effects, a family
+                      of handlers per kind (one table); the node intents (drains,
                       returns) sent until the cluster shows them
     probes.py         ProbeScheduler: probe rounds on worker threads, the periodic sweep
     recorder.py       TelemetryRecorder: the telemetry that must outlive the daemon, and retention
@@ -42,8 +42,8 @@ from pathlib import Path
 from supervisor import node_health
 from supervisor.domain import DrainBudget, NodeState
 from supervisor.domain.events import EventKind
+from supervisor.effects import Deps, Effects
 from supervisor.errors import NotFound
-from supervisor.execute import DecisionExecutor
 from supervisor.launchers.base import Launcher, NodeAdmin
 from supervisor.observe import Observer
 from supervisor.policy import decide
@@ -79,7 +79,7 @@ class ReconcilerConfig:
     # probes in a row (0: never; an operator returns it by hand).
     return_after: int = 0
     retention: Retention = field(default_factory=Retention)
-    # The daemon's one budget for the drains it makes of its own accord (supervisor/execute_nodes.py).
+    # The daemon's one budget for the drains it makes of its own accord (supervisor/effects/nodes.py).
     drain_budget: DrainBudget = field(default_factory=DrainBudget)
 
 
@@ -94,13 +94,14 @@ class Reconciler:
                                      sweep_args=config.sweep_args,
                                      sweep_timeout_s=config.sweep_timeout_s, pool=probe_pool)
         # The run's memory between ticks has one owner, this one: the observer notes in it,
-        # the executor forgets an attempt from it once it ended (supervisor/tick_state.py).
+        # the effects forget an attempt from it once it ended (supervisor/tick_state.py).
         self.memory = RunMemory(store)
         launch_specs = LaunchSpecs(telemetry, mqtt_url=config.mqtt_url, mqtt_ca_file=config.mqtt_ca_file)
         self.observer = Observer(store, launcher, telemetry, self.memory, launch_specs,
                                  probing=self.probes.probing, clock=clock)
-        self.executor = DecisionExecutor(store, launcher, nodes, telemetry, self.probes, self.memory,
-                                         launch_specs, clock, config.drain_budget)
+        self.effects = Effects(Deps(store=store, launcher=launcher, nodes=nodes, telemetry=telemetry,
+                                    probes=self.probes, memory=self.memory, launch_specs=launch_specs,
+                                    clock=clock, drain_budget=config.drain_budget))
         self.recorder = TelemetryRecorder(store, telemetry, config.retention)
         self.hooks: list[Callable[[], None]] = []  # run first in every tick, on its thread (chaos drills)
         self._reopened = False  # the rounds a daemon before this one left open: asked again at the first tick
@@ -125,19 +126,19 @@ class Reconciler:
                 effects = decide(seen.view, seen.obs, now)
                 facts = seen.facts
                 if effects or facts.grant or facts.checkpoints or facts.out_of_range or facts.output_offsets:
-                    self.executor.apply(seen, effects, now)
+                    self.effects.apply(seen, effects, now)
             except Exception:
                 # One run's trouble (a vanished directory, a full disk) must not stall
                 # the others; the next tick tries again from what is recorded.
                 log.exception("%s: reconciliation failed; retrying next tick", run.run_id)
-        self.executor.node_effects.push_intents(now)
-        self.executor.node_effects.take_back_repaired(now)
+        self.effects.push_intents(now)
+        self.effects.take_back_repaired(now)
         self.recorder.prune(now)
 
     def post_event(self, run_number: int | None, kind: EventKind, message: str,
                    data: dict[str, object]) -> None:
         """Record an event from outside the loop (chaos injection)."""
-        self.executor.post_event(run_number, kind, message, data)
+        self.effects.post_event(run_number, kind, message, data)
 
     def _judge_probes(self, now: float) -> None:
         for r, answers in self.probes.finished():
@@ -145,7 +146,7 @@ class Reconciler:
                 known = {x.name: x for x in tx.list_nodes()}
                 history = {n: tx.recent_probes(n, max(node_health.CONFIRMATIONS, self.config.return_after))
                            for n in r.nodes}
-            self.executor.node_effects.apply(judge_probes(
+            self.effects.apply_nodes(judge_probes(
                 kind=r.kind, run_number=r.run_number, round_=r.round, answers=answers, known=known,
                 history=history, return_after=self.config.return_after, now=now), now)
             self.probes.done(r)
@@ -173,4 +174,4 @@ class Reconciler:
             node = None
             with self.store.tx() as tx, contextlib.suppress(NotFound):
                 node = tx.get_node(cmd.node)
-            self.executor.node_effects.apply(node_command(cmd, node), now)
+            self.effects.apply_nodes(node_command(cmd, node), now)

@@ -1,7 +1,7 @@
 """What the reconciler's parts share: observing hands executing one ``Observed`` per run
 each tick, and both use the run's memory between ticks.
 
-observe.py, execute.py, probes.py and recorder.py are independent siblings (an
+observe.py, effects/, probes.py and recorder.py are independent siblings (an
 import-linter contract): none imports another. What they must share lives here, one
 layer below them:
 

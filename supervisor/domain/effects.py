@@ -222,7 +222,7 @@ class CommandHandled:
 
 
 # The effects a decision about nodes is made of (supervisor/policy/nodes.py; the drains of
-# a run's decision too), carried out by supervisor/execute_nodes.py.
+# a run's decision too), carried out by supervisor/effects/nodes.py.
 NodeEffect = DrainNode | ReturnNode | RecordProbe | ProbeAgain | CommandHandled
 
 Effect = (

@@ -119,7 +119,7 @@ class Policy:
 @dataclass(frozen=True, slots=True)
 class DrainBudget:
     """The daemon's drains of its own accord, whatever the run: at most ``per_window`` in
-    ``window_s`` (its config's drains_per_window, drain_window_s; supervisor/execute_nodes.py)."""
+    ``window_s`` (its config's drains_per_window, drain_window_s; supervisor/effects/nodes.py)."""
 
     per_window: int = 8
     window_s: float = 3600.0

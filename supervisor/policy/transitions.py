@@ -4,7 +4,7 @@
 the states that may follow it. The store checks a node's (``check_node``) on every write of
 its record (supervisor/store/nodes.py). The core calls ``check_run`` before it emits a run's state change
 (policy/lifecycle.py, policy/recovery.py); the executor calls ``check_run`` again, and
-``check_attempt`` for an attempt's, before it writes one (supervisor/execute.py). An
+``check_attempt`` for an attempt's, before it writes one (supervisor/effects/). An
 illegal transition raises ``IllegalTransition`` and nothing of that decision is written
 (the executor's transaction rolls back whole), so a bug shows as an error in the log, the
 run retried next tick, and a state left as it was, never as a run in a state no rule

@@ -96,7 +96,7 @@ def test_a_nan_again_at_the_same_step_skips_that_steps_data() -> None:
 
 def test_a_command_told_skip_to_step_skips_the_spikes_steps() -> None:
     """A [command] trainer's lines carry no sample position: the window is its own steps,
-    turned into data steps when recorded (supervisor/execute.py)."""
+    turned into data steps when recorded (supervisor/effects/runs.py)."""
     live = attempt(started_at=NOW - 100, first_step_at=NOW - 90)
     o = replace(obs(), recent=tuple(replace(x, first_sample=-1) for x in samples(spiky(40, 5, 44))))
     effects = decide(replace(view(run(), (live,)), data_skip_unit="steps"), o, NOW)

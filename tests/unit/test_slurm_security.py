@@ -296,7 +296,7 @@ class _NoNodes:
 def test_a_nul_byte_in_a_slurm_launch_fails_the_attempt_for_good_instead_of_leaving_it_launching(
         tmp_path: Path, where: str) -> None:
     """Popen refuses a NUL byte with a ValueError. The launcher turns it into CannotExecute:
-    the executor records the attempt's launch as failed and fatal (supervisor/execute.py),
+    the executor records the attempt's launch as failed and fatal (supervisor/effects/attempts.py),
     so the run fails once, rather than the attempt staying LAUNCHING and being started
     again every tick. Nothing is started."""
     launcher = SlurmLauncher(SlurmCommands(), _NoNodes(), state_dir=tmp_path)  # type: ignore[arg-type]
