@@ -167,7 +167,11 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
             assert quick(daemon, "--json", *[a for a in args if a != "-q"]).returncode == 0
         saved = [c for c in quick_json(daemon, "checkpoints", run_id) if c["complete"]]
         assert saved and saved[0]["step"] == 20 and saved[0]["duration_s"] > 0, saved
-        assert quick_json(daemon, "goodput", run_id)["lost_steps"] >= 0
+        g = quick_json(daemon, "goodput", run_id)
+        assert g["kept_steps"] >= 20, g  # the checkpoint of step 20 survives into the trajectory
+        parts = ("productive_s", "lost_s", "checkpoint_s", "startup_s", "detection_s", "recovery_s", "other_s")
+        assert abs(sum(g[k] for k in parts) - g["wall_s"]) < 0.01 * g["wall_s"] + 0.01, g  # every second once
+        assert 0 < g["ettr"] <= 1, g
 
         # Nodes: drain the spare and return it; probe one now.
         drained = quick_json(daemon, "drain", "local-3", "--reason", "fan failure, ticket 42")

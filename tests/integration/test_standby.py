@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -101,8 +100,7 @@ def test_a_standby_whose_input_ends_leaves_and_a_bad_assignment_exits_2(tmp_path
     assert p.stdin is not None
     p.stdin.write(b'{"argv": 1}\n')
     p.stdin.close()
-    started = time.monotonic()
-    assert p.wait(timeout=60) == 2 and time.monotonic() - started < 60
+    assert p.wait(timeout=60) == 2
     assert "a bad assignment" in (tmp_path / "standby.log").read_text()
     # Slurm's node3, task 1 of its node, reads a broadcast for node1's slots only.
     p = _standby(tmp_path, {"SLURMD_NODENAME": "node3", "SLURM_LOCALID": "1"})
