@@ -485,6 +485,23 @@ def signal_node(box: Box, node: str, sig: signal.Signals) -> list[int]:
     return pids
 
 
+def _in_box_network(box: Box) -> set[int]:
+    """Every process in one of the box's network namespaces, whoever started it: a
+    slurmstepd still starting when the box goes down is no child of its slurmd yet, and
+    would hold its namespace (and its step's tasks) after the box is gone."""
+    inodes = set()
+    for node in box.nodes:
+        with contextlib.suppress(OSError):
+            inodes.add(f"net:[{os.stat(NETNS_DIR / box.netns(node)).st_ino}]")
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(entry / "ns" / "net") in inodes:
+                    found.add(int(entry.name))
+    return found
+
+
 def _sruns_of(box: Box) -> set[int]:
     """srun processes of this host that talk to the box (their SLURM_CONF is its config).
     Once the box's network is deleted their connections to the nodes vanish without a
@@ -529,7 +546,7 @@ def down(directory: Path, timeout_s: float = 3.0) -> list[int]:
     for node in box.nodes:
         pids |= node_processes(box, node)
     pids |= {p for p in (box.ctld_pid, box.munged_pid) if p}
-    pids = {p for p in pids | _sruns_of(box) if _alive(p)}
+    pids = {p for p in pids | _sruns_of(box) | _in_box_network(box) if _alive(p)}
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

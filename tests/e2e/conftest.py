@@ -142,17 +142,21 @@ def db_rows(state_dir: Path, query: str) -> list[tuple[Any, ...]]:
 def trainer_processes(marker: Path) -> list[psutil.Process]:
     """Live processes of the runs under ``marker`` (a state directory): every process an
     attempt started, whatever its trainer (``python -m trainer``, torchrun and its workers,
-    a user's train.sh and what it runs, srun), found by the attempt's TSUP_MARKER in its
+    a user's train.sh and what it runs), found by the attempt's TSUP_MARKER in its
     environment, and the reference trainer's warm standbys, found by their command line.
-    The nodes' own processes (the node agents) are not counted: ``node_processes``."""
+    Not counted: the nodes' own processes (the node agents, on Slurm a step of their own;
+    ``node_processes``) and the srun clients on the controller, which end after their
+    step's tasks."""
     found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
+    for p in psutil.process_iter(["cmdline", "status", "name"]):
         try:
             if p.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
             cmdline = p.info["cmdline"] or []
             if cmdline[1:3] == ["-m", "trainer"] and any(str(marker) in a for a in cmdline):
                 found.append(p)
+                continue
+            if p.info["name"] == "srun" or "supervisor.agent" in cmdline:
                 continue
             env = p.environ()
             if str(marker) in env.get("TSUP_MARKER", "") and not env.get("TSUP_NODE_PROCESS"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -202,6 +203,12 @@ def test_two_boxes_run_side_by_side_each_node_a_host_of_its_own_and_down_leaves_
         assert out[0] == b.addr("node2"), out
         assert out[1] != "0" and out[2] == "0", "loopback on the node is the node; the controller is on the bridge"
         pids = [p for box in boxes for p in (box.ctld_pid, box.munged_pid, *box.slurmd_pids.values())]
+        # A process in a node's namespace that is no child of its slurmd (a slurmstepd
+        # still starting when the box goes down is one): gone with the box too.
+        stray = subprocess.Popen(["nsenter", f"--net={slurm_box_mod.NETNS_DIR / a.netns('node1')}",
+                                  "sleep", "600"], start_new_session=True)
+        wait_for(lambda: psutil.Process(stray.pid).name() == "sleep", 10, "the stray process in node1's network")
+        pids.append(stray.pid)
     finally:
         for box in boxes:
             slurm_box_mod.down(Path(box.dir))

@@ -55,8 +55,11 @@ def test_a_stale_rank_0_woken_during_the_next_attempt_neither_commits_nor_prunes
     finally:
         os.kill(pid, signal.SIGCONT)
 
-    ranks = wait_for(lambda: (rs := launcher.observe(info)) and all(r.proc is ProcState.EXITED for r in rs)
-                     and rs, 120, "the stale rank to end")
+    try:
+        ranks = wait_for(lambda: (rs := launcher.observe(info)) and all(r.proc is ProcState.EXITED for r in rs)
+                         and rs, 120, "the stale rank to end")
+    finally:
+        launcher.forget(info)  # the node's own process goes with the attempt
     text = log.read_text()
     assert ranks[0].exit_code == EXIT_DO_NOT_RETRY, text[-2000:]
     assert "attempt 2 of this run is live" in text, text[-2000:]

@@ -26,15 +26,18 @@ def test_sigusr1_to_one_rank_makes_every_rank_checkpoint_at_the_next_step(tmp_pa
     info = launcher.start(LaunchSpec(run_id="run-1", attempt=1, nodes=("local-1",), ranks_per_node=2,
                                      argv=trainer_cmd.trainer_argv(config, None), env={},
                                      log_dir=tmp_path / "logs", marker=str(config)))
-    log0 = tmp_path / "logs" / "rank-0000.local-1.log"
-    wait_for(lambda: "step 20/200" in (log0.read_text() if log0.exists() else ""), 120, "step 20")
-    rank1 = next(r for r in launcher.observe(info) if r.rank == 1)
-    assert rank1.proc is ProcState.RUNNING
-    pid = next(r["pid"] for r in json.loads(info)["ranks"] if r["rank"] == 1)
-    os.kill(pid, signal.SIGUSR1)  # rank 1, not rank 0 that logs: the ranks must agree
+    try:
+        log0 = tmp_path / "logs" / "rank-0000.local-1.log"
+        wait_for(lambda: "step 20/200" in (log0.read_text() if log0.exists() else ""), 120, "step 20")
+        rank1 = next(r for r in launcher.observe(info) if r.rank == 1)
+        assert rank1.proc is ProcState.RUNNING
+        pid = next(r["pid"] for r in json.loads(info)["ranks"] if r["rank"] == 1)
+        os.kill(pid, signal.SIGUSR1)  # rank 1, not rank 0 that logs: the ranks must agree
 
-    ranks = wait_for(lambda: (rs := launcher.observe(info)) and all(r.proc is ProcState.EXITED for r in rs)
-                     and rs, 180, "the run to finish")
+        ranks = wait_for(lambda: (rs := launcher.observe(info)) and all(r.proc is ProcState.EXITED for r in rs)
+                         and rs, 180, "the run to finish")
+    finally:
+        launcher.forget(info)  # the node's own process goes with the attempt
     assert [r.exit_code for r in ranks] == [0, 0], log0.read_text()[-2000:]
     steps = sorted(step for step, _ in complete_checkpoints(tmp_path / "checkpoints"))
     assert len(steps) == 2 and 20 < steps[0] < 200 and steps[1] == 200, steps
