@@ -26,17 +26,7 @@ from supervisor.domain import (
     StopAttempt,
 )
 from supervisor.policy import decide
-from tests.unit.policy_world import (
-    NOW,
-    attempt,
-    cmd,
-    nodes,
-    obs,
-    of,
-    rank,
-    run,
-    view,
-)
+from tests.unit.policy_world import NOW, attempt, cmd, nodes, obs, of, rank, run, view
 
 
 def test_cancel_stops_the_attempt_gracefully_and_ends_the_run() -> None:

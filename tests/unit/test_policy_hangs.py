@@ -12,17 +12,7 @@ from supervisor.domain import (
     StopAttempt,
 )
 from supervisor.policy import decide
-from tests.unit.policy_world import (
-    NOW,
-    attempt,
-    hang_after,
-    obs,
-    of,
-    rank,
-    run,
-    timed,
-    view,
-)
+from tests.unit.policy_world import NOW, attempt, hang_after, obs, of, rank, run, timed, view
 
 
 def test_no_progress_beyond_the_hang_timeout_is_a_hang() -> None:

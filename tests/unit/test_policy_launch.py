@@ -28,16 +28,7 @@ from supervisor.domain import (
     TrainerResult,
 )
 from supervisor.policy import decide
-from tests.unit.policy_world import (
-    NOW,
-    attempt,
-    nodes,
-    obs,
-    of,
-    rank,
-    run,
-    view,
-)
+from tests.unit.policy_world import NOW, attempt, nodes, obs, of, rank, run, view
 
 
 def test_pending_run_without_nodes_asks_for_nodes_and_spares() -> None:

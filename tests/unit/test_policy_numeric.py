@@ -15,19 +15,7 @@ from supervisor.domain import (
     StopAttempt,
 )
 from supervisor.policy import decide
-from tests.unit.policy_world import (
-    NOW,
-    attempt,
-    ended,
-    fault_of,
-    obs,
-    of,
-    rank,
-    run,
-    samples,
-    spiky,
-    view,
-)
+from tests.unit.policy_world import NOW, attempt, ended, fault_of, obs, of, rank, run, samples, spiky, view
 
 
 def test_a_nan_loss_stops_the_attempt_and_drains_nothing() -> None:

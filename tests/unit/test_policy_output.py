@@ -17,18 +17,7 @@ from supervisor.domain import (
     StepSample,
 )
 from supervisor.policy import decide
-from tests.unit.policy_world import (
-    HEALTHY3,
-    NOW,
-    SIGKILL,
-    attempt,
-    nodes,
-    obs,
-    of,
-    rank,
-    run,
-    view,
-)
+from tests.unit.policy_world import HEALTHY3, NOW, SIGKILL, attempt, nodes, obs, of, rank, run, view
 
 
 def test_a_device_error_in_a_ranks_output_drains_the_node_that_printed_it() -> None:

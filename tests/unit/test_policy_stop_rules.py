@@ -21,17 +21,7 @@ from supervisor.domain import (
     StartAttempt,
 )
 from supervisor.policy import decide
-from tests.unit.policy_world import (
-    NOW,
-    attempt,
-    ended,
-    fault_of,
-    obs,
-    of,
-    rank,
-    run,
-    view,
-)
+from tests.unit.policy_world import NOW, attempt, ended, fault_of, obs, of, rank, run, view
 
 
 def test_the_same_fault_at_the_same_step_three_times_is_a_crash_loop() -> None:
