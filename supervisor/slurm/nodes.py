@@ -2,7 +2,7 @@
 
 - ``drain``: ``scontrol update NodeName=... State=DRAIN Reason=...``; ``drained`` reads
   the node's state flags from the last poll of the node table (supervisor/slurm/
-  state.py), so the executor sends a drain until Slurm shows it. A Reason may quote a
+  state.py), so effects/nodes.py sends a drain until Slurm shows it. A Reason may quote a
   trainer's output or an operator's words: it goes to Slurm as one line of printable
   text, at most REASON_MAX characters (``slurm_reason``);
 - ``probe``: ``srun`` one probe task per node, in the run's allocation when it holds
