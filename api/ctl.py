@@ -44,6 +44,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from api.client import DEFAULT_URL, ApiError, Client
 from supervisor import report, trainer_cmd
 from supervisor.config import default_state_dir
@@ -58,6 +60,7 @@ from supervisor.views import CheckpointView, EventView, NodeView, RunDetail, Run
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNAUTHORIZED = 0, 1, 2, 3, 4
 _PAGE = 1000
+_GOODPUT = TypeAdapter(Goodput)  # as the views: a field a newer daemon adds is passed over
 _STATUS_EXIT = {404: EXIT_NOT_FOUND, 401: EXIT_UNAUTHORIZED, 403: EXIT_UNAUTHORIZED, 413: EXIT_USAGE,
                 422: EXIT_USAGE}
 SYSTEM_TOKEN_FILE = Path("/var/lib/training-supervisor") / TOKEN_FILE_NAME
@@ -280,7 +283,7 @@ _status = _show(lambda a: f"/v1/runs/{_segment(a.run)}",
 _checkpoints = _show(lambda a: f"/v1/runs/{_segment(a.run)}/checkpoints",
                      lambda d, a: report.checkpoints_table([CheckpointView.model_validate(x) for x in d]))
 _goodput = _show(lambda a: f"/v1/runs/{_segment(a.run)}/goodput",
-                 lambda d, a: f"{a.run}: {report.goodput_line(Goodput(**d))}")
+                 lambda d, a: f"{a.run}: {report.goodput_line(_GOODPUT.validate_python(d))}")
 _nodes = _show(lambda a: "/v1/nodes",
                lambda d, a: report.nodes_table([NodeView.model_validate(n) for n in d]),
                lambda d: [n["name"] for n in d])

@@ -77,26 +77,25 @@ class Effects:
         self._handler = {t: families[f] for t, f in TABLE.items()}
         self.intents = NodeIntents(deps)
 
-    def apply(self, seen: Observed, effects: list[Effect], now: float) -> None:
+    def apply(self, seen: Observed, effects: Sequence[Effect], now: float) -> None:
         """A run's decision, and what was observed with it."""
-        run = seen.run
-        with self.deps.store.tx() as tx:
-            r = Recording(tx=tx, now=now, run=run, state=run.state,
-                          attempts={a.number: a for a in seen.view.attempts})
-            self._record_facts(tx, seen, now)
-            for e in effects:
-                self._handler[type(e)].record(r, e)
-        a = Acting(now=now, seen=seen, attempts=r.attempts)
-        for e in effects:
-            self._handler[type(e)].act(a, e)
+        self._apply(effects, now, seen)
 
     def apply_nodes(self, effects: Sequence[NodeEffect | Emit], now: float) -> None:
         """A decision about nodes (supervisor/policy/nodes.py)."""
+        self._apply(effects, now, None)
+
+    def _apply(self, effects: Sequence[Effect], now: float, seen: Observed | None) -> None:
+        """Record every effect in one transaction, then act on each."""
         with self.deps.store.tx() as tx:
             r = Recording(tx=tx, now=now)
+            if seen is not None:
+                r.run, r.state = seen.run, seen.run.state
+                r.attempts = {a.number: a for a in seen.view.attempts}
+                self._record_facts(tx, seen, now)
             for e in effects:
                 self._handler[type(e)].record(r, e)
-        a = Acting(now=now)
+        a = Acting(now=now, seen=seen, attempts=r.attempts)
         for e in effects:
             self._handler[type(e)].act(a, e)
 

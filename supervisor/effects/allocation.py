@@ -3,7 +3,7 @@ parked (the run's Slurm job kept, held in the queue, for its resume)."""
 
 from __future__ import annotations
 
-from typing import assert_never
+from typing import assert_never, get_args
 
 from supervisor.domain import AllocateNodes, Node, NodeState, ReleaseNodes, Run
 from supervisor.domain.events import EventKind
@@ -32,7 +32,7 @@ def record_grant(tx: Tx, n: int, changes: GrantChanges, now: float) -> None:
 
 
 class AllocationEffects(Family):
-    handles = (AllocateNodes, ReleaseNodes)
+    handles = get_args(AllocationEffect)
 
     def __init__(self, deps: Deps) -> None:
         super().__init__(deps)
@@ -41,9 +41,8 @@ class AllocationEffects(Family):
     def record(self, r: Recording, e: AllocationEffect) -> None:
         match e:
             case ReleaseNodes():
-                if r.run is None:
-                    raise TypeError("nodes given back outside a run's decision")
-                for node in r.tx.allocation(r.run.number):  # a drained node keeps the run that drained it
+                # A drained node keeps the run that drained it.
+                for node in r.tx.allocation(r.of_run().number):
                     if node.state is NodeState.ALLOCATED:
                         r.tx.put_node(Node(name=node.name, state=NodeState.IDLE), r.now)
             case AllocateNodes():
@@ -52,9 +51,8 @@ class AllocationEffects(Family):
                 assert_never(e)
 
     def act(self, a: Acting, e: AllocationEffect) -> None:
-        if a.seen is None:
-            raise TypeError("an allocation's effect outside a run's decision")
-        run, spec, d = a.seen.run, a.seen.spec, self.d
+        seen = a.of_run()
+        run, spec, d = seen.run, seen.spec, self.d
         match e:
             case AllocateNodes():
                 if spec is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, assert_never
+from typing import Any, assert_never, get_args
 
 from supervisor import planning, precompile, trainer_cmd, user_tree, users
 from supervisor.domain import (
@@ -57,13 +57,10 @@ def attempt_to(tx: Tx, attempts: dict[int, Attempt], number: int, new: AttemptSt
 
 
 class AttemptEffects(Family):
-    handles = (StartAttempt, AdoptAttempt, MarkAttemptRunning, StopAttempt, EnsureStopped, EndAttempt,
-               KillOrphans, BringBackCheckpoints)
+    handles = get_args(AttemptEffect)
 
     def record(self, r: Recording, e: AttemptEffect) -> None:
-        if r.run is None:
-            raise TypeError("an attempt's effect outside a run's decision")
-        tx, now, n, attempts = r.tx, r.now, r.run.number, r.attempts
+        tx, now, n, attempts = r.tx, r.now, r.of_run().number, r.attempts
         match e:
             case StartAttempt():
                 attempts[e.number] = Attempt(run_number=n, number=e.number, state=AttemptState.LAUNCHING,
@@ -94,9 +91,7 @@ class AttemptEffects(Family):
                 assert_never(e)
 
     def act(self, a: Acting, e: AttemptEffect) -> None:
-        seen = a.seen
-        if seen is None:
-            raise TypeError("an attempt's effect outside a run's decision")
+        seen = a.of_run()
         run, spec, d = seen.run, seen.spec, self.d
         match e:
             case StartAttempt():

@@ -57,6 +57,12 @@ class Recording:
     def number(self) -> int | None:
         return self.run.number if self.run is not None else None
 
+    def of_run(self) -> Run:
+        """The run whose decision this is; a run's effect in a decision about nodes is a bug."""
+        if self.run is None:
+            raise TypeError("a run's effect outside a run's decision")
+        return self.run
+
 
 @dataclass(frozen=True, slots=True)
 class Acting:
@@ -65,6 +71,12 @@ class Acting:
     now: float
     seen: Observed | None = None
     attempts: dict[int, Attempt] = field(default_factory=dict)
+
+    def of_run(self) -> Observed:
+        """The run whose decision this is; a run's effect in a decision about nodes is a bug."""
+        if self.seen is None:
+            raise TypeError("a run's effect outside a run's decision")
+        return self.seen
 
 
 class Family:
@@ -79,7 +91,7 @@ class Family:
         self.d = deps
 
     def record(self, r: Recording, e: Any) -> None:
-        """Nothing to record, unless the family says otherwise."""
+        raise NotImplementedError
 
     def act(self, a: Acting, e: Any) -> None:
-        """Nothing to do outside, unless the family says otherwise."""
+        raise NotImplementedError

@@ -20,7 +20,7 @@ drain is never held.
 from __future__ import annotations
 
 import logging
-from typing import assert_never
+from typing import assert_never, get_args
 
 from supervisor import node_health, trainer_cmd
 from supervisor.domain import (
@@ -49,7 +49,7 @@ NodeFamilyEffect = DrainNode | ReturnNode | RecordProbe | ProbeAgain | CommandHa
 
 
 class NodeEffects(Family):
-    handles = (DrainNode, ReturnNode, RecordProbe, ProbeAgain, CommandHandled, ProbeNodes)
+    handles = get_args(NodeFamilyEffect)
 
     def record(self, r: Recording, e: NodeFamilyEffect) -> None:
         tx, now = r.tx, r.now

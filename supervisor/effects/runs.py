@@ -5,7 +5,7 @@ whole decision rolls back."""
 
 from __future__ import annotations
 
-from typing import assert_never
+from typing import assert_never, get_args
 
 from supervisor.domain import (
     Emit,
@@ -29,8 +29,7 @@ RunEffect = (Emit | SetRunState | FinishRun | ResumeRun | RecordFault | MarkFaul
 
 
 class RunEffects(Family):
-    handles = (Emit, SetRunState, FinishRun, ResumeRun, RecordFault, MarkFaultsRecovered, SkipData,
-               ReportStraggler)
+    handles = get_args(RunEffect)
 
     def record(self, r: Recording, e: RunEffect) -> None:
         tx, now = r.tx, r.now
@@ -41,19 +40,19 @@ class RunEffects(Family):
             case SetRunState() | FinishRun() | ResumeRun():
                 self._record_state(r, e)
             case RecordFault():
-                n = _run_number(r)
+                n = r.of_run().number
                 stats = tx.stats_of_attempt(n, e.attempt)
                 tx.add_fault(n, attempt=e.attempt, kind=e.kind, ranks=e.ranks, nodes=e.nodes, step=e.step,
                              summary=e.summary, now=now, last_step_at=stats.last_at if stats else None,
                              injected_at=tx.injected_at(n, e.attempt, now))
             case MarkFaultsRecovered():
-                n = _run_number(r)
+                n = r.of_run().number
                 if tx.mark_faults_recovered(n, now):
                     tx.add_event(n, EventKind.RUN_RECOVERED, "training again after the fault", {}, now)
             case SkipData():
                 self._record_skip(r, e)
             case ReportStraggler():
-                n = _run_number(r)
+                n = r.of_run().number
                 tx.add_straggler(n, StragglerRecord(attempt=e.attempt, rank=e.rank, node=e.node,
                                                     busy_s=e.busy_s, typical_s=e.typical_s, window=e.window,
                                                     at=now))
@@ -81,7 +80,7 @@ class RunEffects(Family):
 
     @staticmethod
     def _record_state(r: Recording, e: SetRunState | FinishRun | ResumeRun) -> None:
-        tx, now, n = r.tx, r.now, _run_number(r)
+        tx, now, n = r.tx, r.now, r.of_run().number
         state = r.state
         if state is None:
             raise TypeError("a run's state change outside a run's decision")
@@ -104,7 +103,7 @@ class RunEffects(Family):
 
     @staticmethod
     def _record_skip(r: Recording, e: SkipData) -> None:
-        tx, now, n = r.tx, r.now, _run_number(r)
+        tx, now, n = r.tx, r.now, r.of_run().number
         if e.unit == "steps":  # the live attempt's steps, as data steps (policy/recovery.py)
             start = data_step(e.start, tx.list_data_skips(n))
             end = start + e.end - e.start
@@ -118,9 +117,3 @@ class RunEffects(Family):
             tx.add_event(n, EventKind.DATA_SKIP,
                          f"skipping samples {e.start} to {e.end} from the next attempt on: "
                          f"{e.reason}", {"start": e.start, "end": e.end}, now)
-
-
-def _run_number(r: Recording) -> int:
-    if r.run is None:
-        raise TypeError("a run's effect outside a run's decision")
-    return r.run.number

@@ -92,7 +92,7 @@ class Watch:
                         if name.startswith("tsup-a"):
                             attempts.add(name.removeprefix("tsup-a"))
                         continue
-                    attempts.add(attempt_of(p))
+                    attempts.add(attempt_of(env))
                 except psutil.Error:
                     continue
             self.samples += 1

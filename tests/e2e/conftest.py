@@ -166,10 +166,9 @@ def trainer_processes(marker: Path) -> list[psutil.Process]:
     return found
 
 
-def attempt_of(process: psutil.Process) -> str:
-    """The attempt a process of ``trainer_processes`` belongs to: its TSUP_ATTEMPT (the
-    reference trainer's), else the attempt directory its TSUP_MARKER names."""
-    env = process.environ()
+def attempt_of(env: dict[str, str]) -> str:
+    """The attempt a process of ``trainer_processes`` belongs to, from its environment: its
+    TSUP_ATTEMPT (the reference trainer's), else the attempt directory its TSUP_MARKER names."""
     if "TSUP_ATTEMPT" in env:
         return env["TSUP_ATTEMPT"]
     found = re.search(r"/attempts/(\d+)/", env.get("TSUP_MARKER", ""))
