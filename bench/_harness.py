@@ -7,7 +7,7 @@ What it provides:
   trainers, torchrun, the supervisor and mosquitto all carry a path inside it), then the
   directory is removed.
 - ``mosquitto(root)``: a private mosquitto broker on a free loopback port.
-- ``Tap``: an MQTT subscriber to every trainer's telemetry (trainer/protocol.py). It
+- ``Tap``: an MQTT subscriber to every trainer's telemetry (wire/). It
   keeps each message with the *sender's* timestamp (``ts``, time.time() on the rank at
   the moment the message was made; everything here runs on one host, one clock), so
   phase boundaries are the trainer's own instants, not when a poller noticed them. It
@@ -54,11 +54,11 @@ import paho.mqtt.client as mqtt
 import psutil
 from paho.mqtt.enums import CallbackAPIVersion
 
+import wire as protocol
 from supervisor import trainer_cmd
 from supervisor.domain import ProcState
 from supervisor.launchers.base import Launcher, LaunchSpec
 from supervisor.spec import load_spec
-from trainer import protocol
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_SPEC = REPO / "examples" / "tiny-llama.toml"

@@ -86,7 +86,7 @@ from mqtt_broker import stop as stop_process
 from paho.mqtt.enums import CallbackAPIVersion
 from trainer_step_time import REPO, SAVE_LINE, STEP_LINE, free_port, percentile
 
-from trainer import protocol
+import wire as protocol
 
 RUN_PREFIX = "bench-overhead"
 

@@ -11,7 +11,7 @@ at each R, each with everything below:
 - ``rank``: every rank publishes for itself (``[telemetry] aggregate = "rank"``, the
   default): a ``Heartbeat`` a second and a ``StepMetrics`` a step, R (1 + 1/step_s)
   messages a second;
-- ``agent``: as ``node``, but each node's agent (supervisor/agent.py) sends the report
+- ``agent``: as ``node``, but each node's agent (node/agent.py) sends the report
   (an ``AgentReport`` on its own topic), as a run under the supervisor's launchers does;
 - ``node``: node aggregation (``aggregate = "node"``, trainer/telemetry.py): each node's
   local rank 0 sends one ``NodeReport`` a second carrying all its ranks (step, phase,
@@ -41,7 +41,7 @@ one mosquitto for all, started on a free port and stopped by its pid at the end)
   ``node`` variant node i sends its ``NodeReport`` in the slice i/nodes + 1/2 of each
   second instead (half a second after its ranks rewrote their slots, the average for
   unaligned threads). Each rank first sends a ``Register`` (in both variants, as the trainer
-  does). Payloads are trainer/protocol.py's format exactly (checked against
+  does). Payloads are the wire package's format exactly (checked against
   ``protocol.encode``/``decode`` at start) but are filled into byte templates instead
   of going through ``encode``, and MQTT is spoken directly (CONNECT, QoS 0
   PUBLISH, DISCONNECT; keepalive off) rather than through paho, so that the generator
@@ -157,6 +157,7 @@ import psutil
 from mqtt_broker import BrokerCounters, Mosquitto, mosquitto
 from mqtt_broker import stop as stop_process
 
+import wire as p
 from supervisor.domain import (
     Attempt,
     AttemptObs,
@@ -179,10 +180,9 @@ from supervisor.reconciler import pause_after
 from supervisor.spec import RunSpec
 from supervisor.telemetry import STEP_TIMES_KEPT, TelemetryView
 from supervisor.tick_state import LaunchSpecs, RunMemory
-from trainer import protocol as p
 
 # The telemetry variants: every rank for itself, node reports from each node's local rank
-# 0, or from each node's agent (supervisor/agent.py).
+# 0, or from each node's agent (node/agent.py).
 VARIANTS = ("rank", "node", "agent")
 
 RUN_ID, RUN_NUMBER, ATTEMPT = "run-1", 1, 1
@@ -197,7 +197,7 @@ def log(message: str) -> None:
     print(f"[scale {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-# --- the wire: trainer/protocol.py payloads from byte templates, raw MQTT 3.1.1 -------------
+# --- the wire: the wire package's payloads from byte templates, raw MQTT 3.1.1 -------------
 
 
 @dataclass(frozen=True, slots=True)

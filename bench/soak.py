@@ -55,6 +55,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import wire as p  # noqa: E402
 from api.app import daemon_app  # noqa: E402
 from supervisor import planning  # noqa: E402
 from supervisor.daemon import Cluster, Daemon, DaemonSettings  # noqa: E402
@@ -62,7 +63,6 @@ from supervisor.domain import AttemptState, ProcState  # noqa: E402
 from supervisor.recorder import Retention  # noqa: E402
 from supervisor.spec import parse_spec  # noqa: E402
 from tests.fakes import ScriptedLauncher  # noqa: E402
-from trainer import protocol as p  # noqa: E402
 
 RUN = "run-1"
 NODES, RANKS_PER_NODE, SPARES = 2, 2, 1

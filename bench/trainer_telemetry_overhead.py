@@ -27,9 +27,9 @@ from typing import Any
 
 from amqtt.broker import Broker
 
-from trainer.protocol import BrokerUrl
 from trainer.telemetry import Broker as BrokerAddress
 from trainer.telemetry import Identity, Telemetry
+from wire import BrokerUrl
 
 IDENTITY = Identity(run="bench", attempt=1, rank=0, local_rank=0, world_size=1, node="bench")
 

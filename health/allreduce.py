@@ -48,7 +48,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TypeGuard
 
-from health.model import EXIT_CODES, Action, Finding, Status, probe_failed, verdict
+from health.model import EXIT_CODES, Action, Finding, Status, excerpt, probe_failed, verdict
 
 PROBE = "allreduce"
 DEFAULT_SIZES = "1M,16M,64M"
@@ -91,7 +91,7 @@ def check_allreduce(text: str, *, min_busbw_gbps: float | None = None, baseline_
     if isinstance(doc, str):
         return [probe_failed(PROBE, doc)]
     if doc.get("error"):
-        return [probe_failed(PROBE, f"the all-reduce run failed: {_excerpt(str(doc['error']))}")]
+        return [probe_failed(PROBE, f"the all-reduce run failed: {excerpt(str(doc['error']))}")]
     backend, world, results = doc.get("backend"), doc.get("world_size"), doc.get("results")
     if (not isinstance(backend, str) or not isinstance(world, int) or isinstance(world, bool)
             or not isinstance(results, list) or not results):
@@ -102,7 +102,7 @@ def check_allreduce(text: str, *, min_busbw_gbps: float | None = None, baseline_
     for i, r in enumerate(results):
         row = _row(r)
         if isinstance(row, str):
-            return [probe_failed(PROBE, f"results[{i}] {row}: {_excerpt(str(r))}")]
+            return [probe_failed(PROBE, f"results[{i}] {row}: {excerpt(str(r))}")]
         rows.append(row)
     nbytes, busbw, _ = max(rows, key=lambda row: row[0])
     stated = doc.get("busbw_gbps_at_largest")
@@ -156,7 +156,7 @@ def _last_json_object(text: str) -> dict[str, Any] | str:
             continue
         if isinstance(doc, dict):
             return doc
-    return f"no complete JSON object in the output (truncated?): {_excerpt(body.splitlines()[-1])!r}"
+    return f"no complete JSON object in the output (truncated?): {excerpt(body.splitlines()[-1])!r}"
 
 
 def _is_num(v: object) -> TypeGuard[int | float]:
@@ -170,9 +170,6 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def _excerpt(text: str, limit: int = 160) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 # --------------------------------------------------------------------------------------------

@@ -87,3 +87,9 @@ def verdict(findings: list[Finding]) -> Verdict:
     unhealthy = [f.action for f in findings if f.status is Status.UNHEALTHY]
     action = max(unhealthy, key=_ACTION_ORDER.index, default=Action.NONE)
     return Verdict(status=status, action=action, findings=findings)
+
+
+def excerpt(text: str, limit: int = 160) -> str:
+    """``text`` on one line, cut to ``limit`` characters: what a finding quotes of a tool's output."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -60,7 +60,7 @@ from supervisor.broker_access import (
 )
 from supervisor.errors import SupervisorError
 from supervisor.logs import printable
-from trainer.routes import route_source
+from wire.routes import route_source
 
 _WILDCARD = ("0.0.0.0", "::")  # noqa: S104 - a bind the operator chose, recognised here
 

@@ -11,7 +11,7 @@ publishes and subscribes only where its list says (``<c>``: the daemon's cluster
                  only messages this broker retains.
     reader       a dashboard; its password is the API's read-only token. Reads the
                  event log, the telemetry and the presence; writes nothing.
-    <c>/<run>/<attempt>  that attempt's ranks (trainer/protocol.py: attempt_login, its
+    <c>/<run>/<attempt>  that attempt's ranks (wire/sealing.py: attempt_login, its
                  password derived from the telemetry secret, handed to its ranks in
                  their environment). Writes tsup/v1/<c>/telemetry/<run>/<attempt>/+/+,
                  reads the presence and its own attempt's fence; nothing else.
@@ -29,12 +29,12 @@ import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trainer import protocol
+import wire as protocol
 
 SUPERVISOR_USER = "supervisor"
 READER_USER = "reader"
 # The longest packet a rank or a reader may send: a NodeReport of MAX_NODE_RANKS ranks
-# (trainer/protocol.py), the longest message the protocol has, is about half of it.
+# (wire/messages.py), the longest message the protocol has, is about half of it.
 MAX_PACKET_BYTES = 256 * 1024
 _SUPERVISOR_IDS = "training-supervisor"  # the supervisor's client ids start so
 # A username or password longer than this is no login of this broker's (an attempt's

@@ -1,6 +1,6 @@
 """A run's checkpoint I/O pace: how long its recent saves took and how fast its state was
 written and read back, as its trainer timed them (``CheckpointCommitted``,
-``CheckpointRestored``: trainer/protocol.py). The checkpoint and restore allowances of
+``CheckpointRestored``: wire/messages.py). The checkpoint and restore allowances of
 the policy follow the slowest of them (``IoPace``), so that a run whose state is tens of
 GB per rank is judged at its own storage's pace, not the tiny model's."""
 

@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor import user_files
-from trainer.checkpoint_layout import MANIFEST_FILE, read_manifest
-from trainer.errors import CheckpointMismatch
+from wire.checkpoints import MANIFEST_FILE, read_manifest
+from wire.errors import CheckpointMismatch
 
 LAYOUTS = ("tsup", "nxd", "nemo", "hf", "megatron", "dcp", "lightning")
 # The largest step a checkpoint may name: what SQLite's INTEGER holds. A name beyond it

@@ -62,7 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from supervisor.broker import check_bind
 from supervisor.errors import SpecError
-from trainer.protocol import check_cluster_id, parse_broker_url
+from wire import check_cluster_id, parse_broker_url
 
 ENV_PREFIX = "TSUP_"
 

@@ -72,7 +72,7 @@ from supervisor.token_file import (
     ensure_token,
 )
 from supervisor.views import DaemonHealth
-from trainer.protocol import parse_broker_url
+from wire import parse_broker_url
 
 log = logging.getLogger(__name__)
 

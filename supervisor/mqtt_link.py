@@ -17,8 +17,8 @@ from pathlib import Path
 import aiomqtt
 import tenacity
 
+import wire as p
 from supervisor.telemetry import TelemetryView
-from trainer import protocol as p
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class MqttLink:
         try:
             async with self.client() as client:
                 await client.subscribe(p.topic_filter(self.view.cluster))
-                # Subscribed: the ranks may send what they buffered (trainer/protocol.py).
+                # Subscribed: the ranks may send what they buffered (wire/topics.py).
                 await client.publish(p.presence_topic(self.view.cluster), p.PRESENCE_ONLINE, qos=1,
                                      retain=True)
                 self._client, up = client, True

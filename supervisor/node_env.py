@@ -5,7 +5,7 @@ these variables through srun's environment; a ``[command]``'s own ``env`` wins o
 them, and a script that exports its own wins over both.
 
 - ``neuron`` (trn1/trn2, EFA): as the reference trainer's Neuron backend defines it
-  (trainer/neuron/launch.py): the runtime's and compiler's settings seed 004 gives for
+  (wire/neuron_launch.py): the runtime's and compiler's settings seed 004 gives for
   transformer training; libfabric on EFA and bounded malloc arenas, this project's.
 - ``nvidia`` (p4d/p5, EFA): seed 002's NCCL_DEBUG=INFO; the rest this project's, each
   with its reason beside it.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from trainer.neuron.launch import NODE_ENV as NEURON_NODE_ENV
+from wire.neuron_launch import NODE_ENV as NEURON_NODE_ENV
 
 Accelerator = Literal["neuron", "nvidia"]
 

@@ -3,8 +3,8 @@ were recorded, at least once (an event is marked published only after the broker
 it; one not published stays for the next try, and the next start).
 
 Events go to ``tsup/v1/<cluster>/events/run-<n>`` (``.../daemon`` for the daemon's own).
-An ``attempt.ended`` event also publishes the attempt's fence (trainer/protocol.py),
-retained and sealed with the attempt's key: its node agents (supervisor/agent.py) end
+An ``attempt.ended`` event also publishes the attempt's fence (wire/sealing.py),
+retained and sealed with the attempt's key: its node agents (node/agent.py) end
 whatever of the attempt is left on their nodes, one back from a partition included.
 """
 
@@ -19,7 +19,7 @@ from supervisor.domain.events import EventKind
 from supervisor.errors import StoreError
 from supervisor.mqtt_link import MqttLink
 from supervisor.store import SqlStore
-from trainer.protocol import attempt_key, encode_fence
+from wire import attempt_key, encode_fence
 
 log = logging.getLogger(__name__)
 

@@ -43,11 +43,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import wire as p
 from health import neuron, nvidia
 from health.model import Action, Status
 from supervisor import user_files
 from supervisor.linear_match import PatternSet
-from trainer import protocol as p
 
 READ_MAX_BYTES = 1 << 20  # per file and poll: a burst of output is read over several ticks
 READ_BUDGET_S = 0.25  # per attempt and poll: the files left unread are read first next tick

@@ -14,13 +14,13 @@ import logging
 import math
 from dataclasses import dataclass, replace
 
+import wire as p
 from supervisor.domain import AttemptStats, CurvePoint, MetricRecord
 from supervisor.domain.events import EventKind
 from supervisor.goodput import with_step
 from supervisor.store import SqlStore, Tx
 from supervisor.telemetry import TelemetryView
 from supervisor.telemetry_records import Received
-from trainer import protocol as p
 
 log = logging.getLogger(__name__)
 

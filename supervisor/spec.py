@@ -40,9 +40,9 @@ from supervisor.errors import SpecError
 from supervisor.node_env import Accelerator
 from supervisor.planning import LLAMA3_FAILURES_PER_NODE_DAY
 from supervisor.spec_command import MODEL_CONFIG, CommandSpec
-from trainer.config import split_batch
-from trainer.errors import ConfigError
-from trainer.protocol import parse_mqtt_url
+from wire import parse_mqtt_url
+from wire.batch import split_batch
+from wire.errors import ConfigError
 
 
 class ResourcesSpec(BaseModel):

@@ -1,7 +1,7 @@
 """Trainer telemetry: the in-memory view of what the ranks and node agents said.
 
 ``MqttLink`` (supervisor/mqtt_link.py) subscribes to every rank's topic
-(trainer/protocol.py) and feeds each message to ``TelemetryView``, which keeps the
+(wire/) and feeds each message to ``TelemetryView``, which keeps the
 latest state per (run, attempt, rank) for the reconciler to read. Times in the view are
 the supervisor's receipt times, never the trainer's clock. Malformed messages are counted and dropped.
 
@@ -15,7 +15,7 @@ would where the rank's step advanced (a step time for the pooled window, a busy 
 the straggler rule). A rank whose slot stops being written grows older in each report:
 it is not seen again, so the silence and hang rules judge it as if its messages stopped.
 
-A node agent's ``agent`` message (``AgentReport``, supervisor/agent.py) says that its
+A node agent's ``agent`` message (``AgentReport``, node/agent.py) says that its
 node lives, whatever the trainer says, and carries the node's slots as a NodeReport
 does; its last will (``agent_lost``) says the node went. ``agents`` hands the reconciler
 what each node's agent last said.
@@ -47,6 +47,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import wire as p
 from supervisor.checkpoint_pace import CheckpointIo, IoPace
 from supervisor.domain import StepSample
 from supervisor.telemetry_gate import Gate
@@ -58,7 +59,6 @@ from supervisor.telemetry_records import (
     RankTelemetry,
     Received,
 )
-from trainer import protocol as p
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class TelemetryView:
     # taken unsealed (tests and benches of what the view does with them).
     secret: bytes | None = field(default=None, repr=False)
     # The broker takes one login per attempt (the embedded one, supervisor/broker.py): each
-    # attempt's ranks are given theirs, derived from ``secret`` (trainer/protocol.py).
+    # attempt's ranks are given theirs, derived from ``secret`` (wire/sealing.py).
     broker_logins: bool = False
     up_since: float | None = None
     # A stall of the receiving loop is one of time, whatever the daemon's clock says (the

@@ -1,6 +1,6 @@
 """The telemetry's gate: which messages the daemon's view (supervisor/telemetry.py) acts on.
 
-Authenticity (trainer/protocol.py): the view holds the supervisor's secret and acts only
+Authenticity (wire/sealing.py): the view holds the supervisor's secret and acts only
 on messages sealed with their attempt's key. The gate drops, and the view counts by
 reason, a message without a seal (``unsigned``), with a wrong one (``bad_mac``), one
 whose sequence number its sender has already passed (``replay``), and a last will that
@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from trainer import protocol as p
+import wire as p
 
 # The reasons a message is dropped (TelemetryView.counts keys, tsup_mqtt_dropped_total).
 DROP_REASONS = ("malformed", "unsigned", "bad_mac", "replay", "will_unattributed", "ended",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from trainer import protocol as p
+import wire as p
 
 BUSY_TIMES_KEPT = 100  # per rank: the longest window stragglers may be judged on
 

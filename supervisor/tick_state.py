@@ -34,7 +34,7 @@ from supervisor.output_progress import AttemptOutput
 from supervisor.spec import RunSpec, spec_from_json
 from supervisor.store import SqlStore
 from supervisor.telemetry import TelemetryView
-from trainer.protocol import KEY_ENV, PASSWORD_ENV, USERNAME_ENV, attempt_key, attempt_login
+from wire import KEY_ENV, PASSWORD_ENV, USERNAME_ENV, attempt_key, attempt_login
 
 # --- a run as seen this tick ------------------------------------------------------------
 

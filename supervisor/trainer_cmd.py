@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from supervisor import compile_cache, user_files
+from supervisor import user_files
 from supervisor.domain import TrainerResult
 from supervisor.domain.step import DEFERRED, LaunchMode, readable
 from supervisor.errors import SpecError
@@ -31,8 +31,8 @@ from supervisor.node_env import accelerator_env
 from supervisor.planning import TIER_MEMORY, first_auto_every_steps
 from supervisor.spec import RunSpec
 from supervisor.user_tree import Tree, TreeStalled
-from trainer.checkpoint_layout import FENCE_FILE
-from trainer.neuron import launch as neuron_launch
+from wire import neuron_launch
+from wire.checkpoints import FENCE_FILE
 
 CHECK_TIMEOUT_S = 60.0
 
@@ -212,7 +212,7 @@ def attempt_srun_args(spec: RunSpec) -> tuple[str, ...]:
 # many nodes at once contend for a shared file system's locks. A spec's env may say otherwise.
 # One per user: a compiled graph from another user's cache is code run on our devices. It
 # follows the run onto the nodes that join it through a copy in the run's directory
-# (supervisor/compile_cache.py), which the node wrapper syncs with it before each attempt.
+# (node/compile_cache.py), which the node wrapper syncs with it before each attempt.
 NEURON_COMPILE_CACHE = "/var/tmp/neuron-compile-cache-{uid}"  # noqa: S108 (a cache path handed to Neuron)
 
 
@@ -262,13 +262,13 @@ def attempt_env(spec: RunSpec, run_dir: Path, skip_to_step: int = 1, *,
 def shared_compile_cache(spec: RunSpec, run_dir: Path, env: dict[str, str], uid: int) -> dict[str, str]:
     """A Neuron job whose compile cache is the node-local one this module hands out (to
     ``uid``): the run's shared copy for the node wrapper to sync it with
-    (supervisor/compile_cache.py), and the interpreter that runs the sync. Nothing where the
+    (node/compile_cache.py), and the interpreter that runs the sync. Nothing where the
     spec's env names its own cache (a shared directory, an S3 URL: it is already the same
     on every node)."""
     local = NEURON_COMPILE_CACHE.format(uid=uid)
     if spec.resources.accelerator != "neuron" or env.get("NEURON_COMPILE_CACHE_URL") != local:
         return {}
-    shared = run_dir / compile_cache.SHARED_DIR
+    shared = run_dir / neuron_launch.SHARED_COMPILE_CACHE_DIR
     return {"TSUP_COMPILE_CACHE_SHARED": str(shared), "TSUP_PYTHON": sys.executable}
 
 

@@ -20,7 +20,7 @@ import traceback
 from dataclasses import asdict
 
 from trainer.config import config_digest, config_to_dict, load_config
-from trainer.errors import (
+from wire.errors import (
     EXIT_DO_NOT_RETRY,
     EXIT_OK,
     ConfigError,

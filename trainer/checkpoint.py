@@ -32,7 +32,8 @@ from torch.distributed.tensor import DTensor
 from trainer import checkpoint_layout as layout
 from trainer import distributed
 from trainer.checkpoint_io import HashingWriter, VerifyingReader
-from trainer.errors import CheckpointMismatch, CheckpointStorageFull, CheckpointUnreadable
+from wire.checkpoints import read_manifest
+from wire.errors import CheckpointMismatch, CheckpointStorageFull, CheckpointUnreadable
 
 
 @dataclass(slots=True)
@@ -207,7 +208,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
     manifest, or a shard cannot be read (truncated, corrupt, gone): DCP shares what each
     rank found, so all of them raise it together."""
     try:
-        manifest = layout.read_manifest(path)
+        manifest = read_manifest(path)
     except CheckpointMismatch as e:
         raise CheckpointUnreadable(str(e)) from e
     rank, world = distributed.rank_and_world()

@@ -45,7 +45,7 @@ from torch.futures import Future
 
 from trainer import checkpoint_layout as layout
 from trainer import state_file
-from trainer.errors import CheckpointMismatch
+from wire.errors import CheckpointMismatch
 
 _CHUNK = 64 << 20  # bytes read (and hashed) at a time
 _BIG_COPY = 1 << 20  # a read of this many bytes or more is copied by torch, without the GIL

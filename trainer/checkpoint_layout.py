@@ -52,26 +52,21 @@ import json
 import os
 import re
 import shutil
-import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from trainer import atomic
-from trainer.errors import CheckpointMismatch, Superseded, UsageError
+from wire.checkpoints import FENCE_FILE, MANIFEST_FILE, read_small
+from wire.errors import CheckpointMismatch, Superseded, UsageError
 
 META_FILE = "trainer_meta.json"
-MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = 2  # format 1 (SHA-256 only) is read too
-_MANIFEST_FORMATS = (1, 2)
 HASHES = ("blake3", "sha256")  # the algorithms a manifest entry may name, fastest first
 DCP_METADATA_FILE = ".metadata"
 TMP_PREFIX = ".tmp-"
 META_FORMAT = 1  # bump when trainer_meta.json changes incompatibly
-# The supervisor writes {"attempt": N} here before it starts attempt N: the fence a rank 0
-# of an earlier attempt (frozen, then woken) checks before it clears, commits or prunes.
-FENCE_FILE = ".tsup-attempt"
 
 _NAME = re.compile(r"step_(\d{8})")
 
@@ -242,40 +237,6 @@ def write_manifest(directory: Path, files: dict[str, dict[str, Any]]) -> None:
                       {"format": MANIFEST_FORMAT, "files": dict(sorted(files.items()))})
 
 
-MANIFEST_MAX_BYTES = 64 << 20  # a manifest lists files: megabytes for the largest saves
-
-
-def _read_small(path: Path, limit: int) -> bytes:
-    """A regular file of at most ``limit`` bytes, never through a link at its name and
-    never blocking (a supervisor running as root reads the manifests users' trainers wrote)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(f"not a regular file (mode {stat.filemode(st.st_mode)})")
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise OSError(f"more than {limit} bytes")
-    return data
-
-
-def read_manifest(directory: Path) -> dict[str, dict[str, Any]] | None:
-    """The manifest's files (None: a checkpoint written without one). Raises
-    CheckpointMismatch for a manifest that is there but unreadable."""
-    path = directory / MANIFEST_FILE
-    try:
-        data = json.loads(_read_small(path, MANIFEST_MAX_BYTES))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise CheckpointMismatch(f"{path}: unreadable: {e}") from e
-    files = data.get("files") if isinstance(data, dict) else None
-    if not isinstance(files, dict) or data.get("format") not in _MANIFEST_FORMATS:
-        known = " or ".join(map(str, _MANIFEST_FORMATS))
-        raise CheckpointMismatch(f"{path}: not a manifest of format {known}")
-    return files
-
-
 def manifest_problems(directory: Path, files: dict[str, dict[str, Any]], names: list[str]) -> list[str]:
     """How the files ``names`` of ``directory`` differ from the manifest ``files``."""
     problems = []
@@ -309,7 +270,7 @@ def live_attempt(root: Path) -> int | None:
     """The attempt the supervisor last started on ``root`` (None: none said; a run without
     a supervisor, or one written before the fence)."""
     try:
-        data = json.loads(_read_small(root / FENCE_FILE, 4096))
+        data = json.loads(read_small(root / FENCE_FILE, 4096))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:

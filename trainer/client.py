@@ -27,8 +27,8 @@ import os
 import time
 from collections.abc import Mapping
 
-from trainer.protocol import Phase
 from trainer.telemetry import Telemetry
+from wire import Phase
 
 
 class Reporter:

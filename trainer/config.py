@@ -1,7 +1,7 @@
 """The trainer's configuration: nested dataclasses validated on construction (stdlib only).
 
 ``python -m trainer --check-config FILE`` goes through this module without importing
-torch, so it must stay stdlib only (plus trainer.errors, trainer.shapes and trainer.neuron.config).
+torch, so it must stay stdlib only (plus wire, trainer.shapes and trainer.neuron.config).
 
 A config file is TOML (``.toml``) or JSON (``.json``) whose tables mirror the
 dataclasses below; every key is optional. Loading collects every problem it finds, one
@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, cast, get_args, get_origin, get_type_hints
 
-from trainer.errors import ConfigError
 from trainer.neuron.config import NeuronConfig
 from trainer.shapes import SHAPES, ModelShape
+from wire.batch import BatchLayout, split_batch
+from wire.errors import ConfigError
 
 # ---- value checks shared by the __post_init__ methods -------------------------------------
 # Each appends "key: problem" to ``problems`` and never raises, so that one load reports
@@ -260,15 +261,6 @@ class CheckpointConfig:
         _raise_if(p)
 
 
-@dataclass(frozen=True, slots=True)
-class BatchLayout:
-    """How one optimizer step's global batch splits over ranks and micro-batches."""
-
-    per_rank: int  # samples each rank processes per optimizer step
-    micro: int  # samples per forward/backward pass
-    accumulation: int  # forward/backward passes per optimizer step
-
-
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
     # The training stack: "torch" (FSDP2, trainer/train.py) or "neuron" (neuronx-distributed
@@ -376,20 +368,6 @@ class TrainConfig:
         """Split the global batch over ``world_size`` ranks; ConfigError if it cannot."""
         return split_batch(self.global_batch_size, self.micro_batch_size, world_size,
                            f"the world size {world_size}")
-
-
-def split_batch(global_batch: int, micro_batch: int | None, replicas: int, what: str) -> BatchLayout:
-    """Split a global batch over ``replicas`` data-parallel replicas (``what`` names their
-    count in errors), each in micro-batches of ``micro_batch`` samples (None: one pass);
-    ConfigError if it cannot."""
-    if global_batch % replicas:
-        raise ConfigError(f"global_batch_size: {global_batch} is not divisible by {what}")
-    per_rank = global_batch // replicas
-    micro = per_rank if micro_batch is None else micro_batch
-    if per_rank % micro:
-        raise ConfigError(f"micro_batch_size: {micro} does not divide the per-rank batch "
-                          f"{per_rank} (global_batch_size / {what})")
-    return BatchLayout(per_rank=per_rank, micro=micro, accumulation=per_rank // micro)
 
 
 # ---- loading ------------------------------------------------------------------------------

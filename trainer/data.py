@@ -27,8 +27,8 @@ import numpy as np
 import numpy.typing as npt
 
 from trainer.config import DataConfig
-from trainer.errors import DataError
 from trainer.packing import open_packed, open_streamed
+from wire.errors import DataError
 
 TokenArray = npt.NDArray[np.int64]
 

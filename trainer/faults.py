@@ -50,7 +50,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.errors import DeviceFault, UsageError
+from wire.errors import DeviceFault, UsageError
 
 _ACTIONS = ("hang", "crash", "nan", "spike", "slow", "device", "kill-in-save", "tamper-ckpt", "slow-save")
 SPIKE_FACTOR = 8.0

@@ -38,7 +38,7 @@ Layout, under the directory ``$TSUP_MEMORY_DIR`` (the supervisor sets one per ru
 
 (``.pt`` for the name's sake: the files are trainer/state_file.py's, or ``torch.save``'s
 where an earlier trainer wrote them.) The root is made 0700 and checked as this user's
-own (trainer/private_dir.py): in /dev/shm any user could make the name first.
+own (wire/private_dir.py): in /dev/shm any user could make the name first.
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from trainer import checkpoint, distributed, state_file
-from trainer.errors import CheckpointUnreadable, UsageError
-from trainer.private_dir import private_dir
 from trainer.staging import StagedCopy, Staging
+from wire.errors import CheckpointUnreadable, UsageError
+from wire.private_dir import private_dir
 
 WHOLE = "whole"  # in a save's directory once every rank's file and replica are in (the node leader's)
 _SAVE_DIR = re.compile(r"a(\d{4,})-s(\d{8})")

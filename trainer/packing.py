@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from trainer.errors import DataError
+from wire.errors import DataError
 
 if TYPE_CHECKING:
     import pyarrow as pa

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.errors import ConfigError
+from wire.errors import ConfigError
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -1,4 +1,4 @@
-"""Publishes this rank's telemetry (trainer/protocol.py) to the supervisor over MQTT.
+"""Publishes this rank's telemetry (wire/) to the supervisor over MQTT.
 
 Rule one: telemetry never blocks or slows a training step, whatever the broker does.
 The training thread only builds a small message and puts it into a bounded queue
@@ -17,11 +17,11 @@ cleanly, which tells the broker to discard the will. Reconnects back off from
 RECONNECT_MIN_DELAY_S to at most RECONNECT_MAX_DELAY_S, so that the supervisor hears the
 rank again within seconds of a broker's return, with what the queue kept meanwhile. The
 queue is flushed once the supervisor says it is subscribed (its retained presence,
-trainer/protocol.py), or after PRESENCE_WAIT_S without a word: back before the
+wire/topics.py), or after PRESENCE_WAIT_S without a word: back before the
 supervisor, the rank would otherwise publish its buffer to nobody. Heartbeats go out at
 once either way.
 
-Sealing (trainer/protocol.py): with the attempt's key every message carries this
+Sealing (wire/sealing.py): with the attempt's key every message carries this
 connection's id, a sequence number and a MAC. Each connection attempt gets a new id and
 a new will (paho's ``on_pre_connect``), so a will the broker published once cannot be
 replayed as a later connection's. One lock covers numbering and handing to paho, so that
@@ -30,7 +30,7 @@ the numbers go on the wire in order.
 Aggregation (``TSUP_TELEMETRY_AGGREGATE``): ``rank`` (the default) is all of the above,
 one heartbeat a second and one StepMetrics a step from every rank. ``node`` cuts the
 supervisor's load by the ranks per node: every rank keeps its state (step, phase, last
-step time and busy time) in its slot of the node's slot file (trainer/slots.py; the
+step time and busy time) in its slot of the node's slot file (wire/slots.py; the
 training thread writes it with one pwrite, the sender rewrites it every heartbeat
 interval), and one reader publishes, once a heartbeat interval, every slot of the node:
 its node agent where the supervisor started one (``TSUP_NODE_AGENT=1``, supervisor/
@@ -48,7 +48,7 @@ Configuration comes from the environment the supervisor sets:
     TSUP_MQTT_CA_FILE  the CA bundle an mqtts:// broker's certificate is checked against
                     (default: the system's)
     TSUP_MQTT_USERNAME, TSUP_MQTT_PASSWORD  the attempt's broker account (the embedded
-                    broker's, trainer/protocol.py); set, they replace the URL's
+                    broker's, wire/sealing.py); set, they replace the URL's
     TSUP_CLUSTER    the supervisor's cluster id, in every topic (default "default")
     TSUP_TELEMETRY_KEY  the attempt's key (hex) that seals every message; unset: unsealed
     TSUP_RUN_ID     run id in topics and messages (default "run-local")
@@ -56,7 +56,7 @@ Configuration comes from the environment the supervisor sets:
     TSUP_NODE       node name for the rank-to-node map (default: Slurm's SLURMD_NODENAME,
                     else this host's name)
     TSUP_TELEMETRY_AGGREGATE  "rank" (default) or "node"
-    TSUP_SLOTS_DIR  node-local directory of the slot files (trainer/slots.py); default
+    TSUP_SLOTS_DIR  node-local directory of the slot files (wire/slots.py); default
                     /dev/shm if it exists, else the temporary directory
     TSUP_NODE_AGENT "1": a node agent reads the slot file and reports the node
 
@@ -85,10 +85,10 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
-from trainer import protocol
-from trainer.errors import UsageError
-from trainer.protocol import Phase
-from trainer.slots import AGGREGATE_MODES, NodeSlots, default_slots_dir, report_fields, slot_path
+import wire as protocol
+from wire import Phase
+from wire.errors import UsageError
+from wire.slots import AGGREGATE_MODES, NodeSlots, default_slots_dir, report_fields, slot_path
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class Aggregation:
     """``TSUP_TELEMETRY_AGGREGATE=node``: where this node's slot file goes."""
 
     slots_dir: Path
-    job: str = ""  # MASTER_PORT, in the slot file's name (trainer/slots.py)
+    job: str = ""  # MASTER_PORT, in the slot file's name (wire/slots.py)
     agent: bool = False  # a node agent reports the slots: local rank 0 does not
 
 

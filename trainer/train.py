@@ -38,14 +38,14 @@ from trainer import checkpoint_layout as layout
 from trainer.config import TrainConfig, config_digest
 from trainer.data import BatchReader, open_source, open_validation_source
 from trainer.digest import model_digest
-from trainer.errors import EXIT_OK, UsageError, exit_code_for
 from trainer.faults import SPIKE_FACTOR, Fault, FaultPlan
 from trainer.model import Transformer
 from trainer.optim import build_optimizer, lr_at, set_lr
-from trainer.protocol import TIER_MEMORY, TIER_PERSISTENT, Phase
 from trainer.staging import StagedCopy, Staging
 from trainer.telemetry import Telemetry
 from trainer.tracking import StepLog
+from wire import TIER_MEMORY, TIER_PERSISTENT, Phase
+from wire.errors import EXIT_OK, UsageError, exit_code_for
 
 RESULT_FILE = "result.json"
 _COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -98,7 +98,7 @@ def train(config: TrainConfig, *, resume: str = "auto",
 
     ``resume``: ``auto`` (newest complete checkpoint in ``checkpoint.dir``, if any),
     ``none`` (start fresh), or the path of a complete checkpoint.
-    Raises trainer.errors.DoNotRetry subclasses for problems a retry cannot fix.
+    Raises wire.errors.DoNotRetry subclasses for problems a retry cannot fix.
     """
     environ = os.environ if environ is None else environ
     launch = distributed.LaunchEnv.from_environ(environ)

@@ -135,7 +135,7 @@ class ExitMeaning(enum.StrEnum):
     STORAGE_FULL = "storage-full"  # no checkpoint can be written: FAILED until an operator frees space
 
 
-# The reference trainer's table (trainer/README.md, trainer/errors.py). A trainer the
+# The reference trainer's table (trainer/README.md, wire/errors.py). A trainer the
 # supervisor did not write means nothing by its codes unless its spec says so: torchrun
 # exits 1 for any child's failure, and a script's 2 may be anything.
 TSUP_EXIT_CODES: Mapping[int, ExitMeaning] = MappingProxyType({

@@ -50,7 +50,7 @@ class RankObs:
     phase_at: float | None = None  # when it entered that phase (the hang clock starts again then)
     phase_bytes: int = 0  # the bytes of its state the phase moves, when it said (a save, a restore)
     last_seen_at: float | None = None  # its last message of any kind (heartbeats included)
-    # From its node's agent (supervisor/agent.py; None: no agent heard): its last report.
+    # From its node's agent (node/agent.py; None: no agent heard): its last report.
     # Its last will counts as the node's ranks' (``lost``, ``node_up`` False) for ranks that
     # say nothing themselves.
     node_seen_at: float | None = None

@@ -2,7 +2,7 @@
 
 Each simulated node is one process group, so a node dies as a unit with ``killpg``, as
 every process of a real node would. The group's leader is the node's own process: its
-node agent (``python -m supervisor.agent``, supervisor/agent.py) where the attempt has
+node agent (``python -m node.agent``, node/agent.py) where the attempt has
 telemetry, else a ``sleep`` standing for what a real node runs besides the trainer. A
 node whose own process died with its ranks is a lost node, one whose own process lives
 on lost only its ranks (supervisor/policy/attribution.py). The agent's output goes to
@@ -59,10 +59,10 @@ from supervisor.launchers.local_record import (
     warm_ranks,
 )
 from supervisor.launchers.standby import StandbyPool, assignment_for
-from trainer.protocol import NODE_AGENT_ENV
+from wire import NODE_AGENT_ENV
 
 NODE_PROCESS_GRACE_S = 2.0  # a node's own process ends within this of SIGTERM, or is killed
-AGENT_INDEX_ENV = "TSUP_NODE_INDEX"  # the node's index in the attempt, for its agent (supervisor/agent.py)
+AGENT_INDEX_ENV = "TSUP_NODE_INDEX"  # the node's index in the attempt, for its agent (node/agent.py)
 
 
 class LocalLauncher:
@@ -160,7 +160,7 @@ class LocalLauncher:
         base_env = {**users.inherited_env(), **users.login_env(run_as),
                     **{k: step.fill(v) for k, v in spec.env.items()}}
         if base_env.get("TSUP_MQTT_URL"):
-            base_env[NODE_AGENT_ENV] = "1"  # each node's agent reports its slots (supervisor/agent.py)
+            base_env[NODE_AGENT_ENV] = "1"  # each node's agent reports its slots (node/agent.py)
         ranks: list[RankProcess] = []
         nodes: list[NodeProcess] = []
         try:
@@ -212,7 +212,7 @@ class LocalLauncher:
         own_env = {**env, "TSUP_NODE": node, "TSUP_MARKER": spec.marker, NODE_PROCESS_ENV: "1",
                    AGENT_INDEX_ENV: str(index)}
         if env.get(NODE_AGENT_ENV) == "1":
-            argv = [sys.executable, "-m", "supervisor.agent"]
+            argv = [sys.executable, "-m", "node.agent"]
             out = os.fdopen(user_files.open_append(spec.log_base, spec.log_dir / f"agent.{node}.log"), "ab")
         else:
             argv = [shutil.which("sleep") or "/bin/sleep", "infinity"]

@@ -29,8 +29,8 @@ from pathlib import Path
 from supervisor import user_files, users
 from supervisor.errors import CannotExecute
 from supervisor.launchers.base import LaunchSpec
-from trainer.protocol import KEY_ENV
-from trainer.standby import SLOT_ENV, Assignment
+from wire import KEY_ENV
+from wire.standby import SLOT_ENV, Assignment
 
 # After an attempt starts, its ranks' own start-up has the cores first. On a real node
 # (dozens of cores for a handful of ranks) nothing competes; on this 2-core machine the

@@ -156,7 +156,7 @@ def _resume_diverged(live: Attempt, obs: AttemptObs) -> Finding | None:
 
 def _find_silent_node(view: RunView, live: Attempt, obs: AttemptObs, now: float, step: int) -> Finding | None:
     """A node silent past the limit (no word from its agent or from any of its ranks)
-    while other nodes are heard. A node agent (supervisor/agent.py) makes this hold for
+    while other nodes are heard. A node agent (node/agent.py) makes this hold for
     trainers that say nothing themselves (a [command] trainer's).
 
     Judged only while the supervisor's own broker link has been up for longer than the

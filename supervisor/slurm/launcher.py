@@ -8,7 +8,7 @@ How a run maps onto Slurm (builders in supervisor/slurm/requests.py):
   allocation.py).
 - ``start``: ``srun --jobid=<allocation>`` on the attempt's nodes, as a step named
   ``<prefix>.<run>.a<attempt>``; srun runs on this host in a session of its own. Where
-  the attempt has telemetry, the node agents (supervisor/agent.py) go first, as a step
+  the attempt has telemetry, the node agents (node/agent.py) go first, as a step
   of their own (``<prefix>.<run>.a<attempt>.agent``, one task a node, overlapping); they
   are stopped when the attempt is forgotten. With warm standby the ranks are instead the
   tasks of the run's waiting generation of standbys, a step started after the previous
@@ -58,7 +58,7 @@ from supervisor.slurm.requests import StepRequest, agent_srun_argv, split_env, s
 from supervisor.slurm.srun import find_srun, rank_state, start_time_of, steps_of, task_exits
 from supervisor.slurm.standby import Generation, SlurmStandbys
 from supervisor.slurm.state import SlurmState
-from trainer.protocol import NODE_AGENT_ENV
+from wire import NODE_AGENT_ENV
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ Choices, and why:
   the step placeholders (``{master_addr}``, ``{nnodes}``, ...) are filled in here, by
   ``srun_argv``, for the real step and the dry run alike.
 - A Neuron job's node wrapper first brings the node's compile cache level with the run's
-  shared copy (supervisor/compile_cache.py): a spare, a replacement or a requeued job's
+  shared copy (node/compile_cache.py): a spare, a replacement or a requeued job's
   node compiles no graph the run already has.
 - A ``[command]``'s ``cwd`` is the step's ``--chdir``; its ``srun_args`` (``-l``,
   ``--container-image=...``) go before the wrapper, after the supervisor's own options.
@@ -69,10 +69,10 @@ RANK_WRAPPER = (
     f'TSUP_NODE="$SLURMD_NODENAME" {_STEP_VIEW}; ' + _PART_LOG.format(name="rank-$RANK") + 'exec "$@"'
 )
 # A Neuron job's compile cache: the node's own, first filled from the run's shared copy
-# (and the copy from it), before the trainer starts (supervisor/compile_cache.py).
+# (and the copy from it), before the trainer starts (node/compile_cache.py).
 # A node cache that is not the run's user's own (another user made it first) ends the
 # task before the trainer starts (the sync's exit status 3, UNSAFE).
-_COMPILE_CACHE = ('[ -z "$TSUP_COMPILE_CACHE_SHARED" ] || { "$TSUP_PYTHON" -m supervisor.compile_cache '
+_COMPILE_CACHE = ('[ -z "$TSUP_COMPILE_CACHE_SHARED" ] || { "$TSUP_PYTHON" -m node.compile_cache '
                   '"$TSUP_COMPILE_CACHE_SHARED" "$NEURON_COMPILE_CACHE_URL"; [ $? -ne 3 ] || exit 3; }; ')
 # launch = "node": one task per node, whose torchrun (or train.sh) spawns the ranks.
 # torchrun takes --node_rank from PET_NODE_RANK when its command line gives none: a
@@ -177,11 +177,11 @@ def srun_argv(req: StepRequest) -> list[str]:
     ]
 
 
-AGENT_MODULE = "supervisor.agent"
+AGENT_MODULE = "node.agent"
 
 
 def agent_srun_argv(req: StepRequest, python: str) -> list[str]:
-    """The attempt's node agents (supervisor/agent.py) as a step of their own: one task on
+    """The attempt's node agents (node/agent.py) as a step of their own: one task on
     each of the attempt's nodes, overlapping the trainer's step, run by ``python`` (the
     daemon's interpreter, at the same path on every node), output in ``agent-<task>.log``."""
     return [

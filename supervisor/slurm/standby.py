@@ -43,8 +43,8 @@ from supervisor.launchers.standby import REFILL_AFTER_S, assignment_for, referen
 from supervisor.slurm.commands import SlurmCommands
 from supervisor.slurm.requests import StepRequest, standby_srun_argv
 from supervisor.slurm.srun import start_time_of, task_exits
-from trainer.protocol import KEY_ENV
-from trainer.standby import Assignment, broadcast
+from wire import KEY_ENV
+from wire.standby import Assignment, broadcast
 
 log = logging.getLogger(__name__)
 

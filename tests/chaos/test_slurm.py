@@ -262,7 +262,7 @@ def test_sigkill_of_the_daemon_readopts_the_slurm_job_and_step(
     port = free_port()
     daemon = slurm_serve(state, port, slurm_box)
     seen_steps: list[set[str]] = []
-    seen_agents: list[set[str]] = []  # the node agents' step (supervisor/agent.py), beside the trainer's
+    seen_agents: list[set[str]] = []  # the node agents' step (node/agent.py), beside the trainer's
     seen_jobs: list[set[str]] = []
 
     def look() -> None:

@@ -156,7 +156,7 @@ def trainer_processes(marker: Path) -> list[psutil.Process]:
             if cmdline[1:3] == ["-m", "trainer"] and any(str(marker) in a for a in cmdline):
                 found.append(p)
                 continue
-            if p.info["name"] == "srun" or "supervisor.agent" in cmdline:
+            if p.info["name"] == "srun" or "node.agent" in cmdline:
                 continue
             env = p.environ()
             if str(marker) in env.get("TSUP_MARKER", "") and not env.get("TSUP_NODE_PROCESS"):

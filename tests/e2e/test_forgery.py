@@ -34,7 +34,7 @@ from tests.e2e.conftest import (
     spec_for_slurm,
     trainer_processes,
 )
-from trainer.protocol import attempt_login
+from wire import attempt_login
 
 pytestmark = pytest.mark.e2e
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import uvicorn
 
+import wire as p
 from api.app import create_app
 from api.auth import TokenAuth
 from supervisor.domain import (
@@ -45,7 +46,6 @@ from supervisor.service import SupervisorService
 from supervisor.store import SqlStore
 from supervisor.telemetry import TelemetryView
 from tests.conftest import free_port, port_open, require, wait_for
-from trainer import protocol as p
 
 pytestmark = pytest.mark.e2e
 

@@ -2,7 +2,7 @@
 
     python -m tests.fake_tools.forger HOST PORT RUN_ID ATTEMPT RANKS NODE...
 
-It knows only the public protocol (trainer/protocol.py) and the broker's address, and
+It knows only the public protocol (wire/) and the broker's address, and
 where the broker takes logins only (the embedded one), what a ranks' neighbour on the
 network could learn: the attempt's broker login (``FORGER_LOGIN=USER:PASSWORD``; an
 mqtt:// broker's passwords cross the network in the clear, the attempt's key never
@@ -30,7 +30,7 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
-from trainer import protocol as p
+import wire as p
 
 
 def forgeries(run: str, attempt: int, ranks: int, nodes: list[str]) -> list[p.Message]:

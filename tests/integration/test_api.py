@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+import wire as p
 from api.app import create_app
 from api.auth import TokenAuth
 from supervisor.domain import FaultKind, Node, NodeState, RunState
@@ -21,7 +22,6 @@ from supervisor.service import SupervisorService
 from supervisor.store import SqlStore
 from supervisor.telemetry import TelemetryView
 from supervisor.views import DaemonHealth
-from trainer import protocol as p
 
 SPEC = {"name": "api", "resources": {"nodes": 2, "ranks_per_node": 2, "spares": 1}, "trainer": {"steps": 5}}
 TOKEN = "a-token-for-the-tests-0123456789abcdefghijk"

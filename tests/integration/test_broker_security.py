@@ -27,6 +27,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
+import wire as p
 from supervisor.broker import READER_PASSWORD_FILE
 from supervisor.daemon import Cluster, Daemon, DaemonSettings
 from supervisor.domain import Policy, run_id_of
@@ -35,7 +36,6 @@ from supervisor.spec import parse_spec
 from supervisor.token_file import READ_TOKEN_FILE_NAME, TELEMETRY_SECRET_NAME, ensure_token
 from tests.conftest import REPO, start_mosquitto, stop_by_pid, wait_for
 from tests.fakes import ScriptedLauncher
-from trainer import protocol as p
 
 CLUSTER = "sec"
 EVENTS = f"tsup/v1/{CLUSTER}/events/#"

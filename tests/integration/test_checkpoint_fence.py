@@ -18,8 +18,9 @@ from supervisor.launchers.base import LaunchSpec
 from supervisor.launchers.local import LocalLauncher
 from supervisor.spec import parse_spec
 from tests.conftest import wait_for
-from trainer.checkpoint_layout import FENCE_FILE, live_attempt
-from trainer.errors import EXIT_DO_NOT_RETRY
+from trainer.checkpoint_layout import live_attempt
+from wire.checkpoints import FENCE_FILE
+from wire.errors import EXIT_DO_NOT_RETRY
 
 
 def test_a_stale_rank_0_woken_during_the_next_attempt_neither_commits_nor_prunes(tmp_path: Path) -> None:

@@ -176,7 +176,7 @@ def test_a_command_runs_in_its_cwd_on_the_local_launcher(tmp_path: Path) -> None
 
 
 def test_a_frozen_node_of_a_trainer_that_sends_nothing_is_found_by_its_agents_silence(tmp_path: Path) -> None:
-    """The trainer sends no telemetry, so only the node agents (supervisor/agent.py, each
+    """The trainer sends no telemetry, so only the node agents (node/agent.py, each
     simulated node's own process) are heard. Every process of the second node is stopped
     (SIGSTOP): no exit, no will, its peer blocked in all_reduce. The agent's silence past
     silence_timeout_s finds the node, which is drained and replaced by the spare; before

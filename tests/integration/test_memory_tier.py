@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint_layout import MANIFEST_FILE, complete_checkpoints
+from trainer.checkpoint_layout import complete_checkpoints
+from wire.checkpoints import MANIFEST_FILE
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from supervisor.mqtt_link import MqttLink
 from supervisor.telemetry import TelemetryView
 from tests.conftest import Broker, start_mosquitto, stop_by_pid
-from trainer.protocol import StepMetrics, attempt_key, encode, parse_broker_url
+from wire import StepMetrics, attempt_key, encode, parse_broker_url
 
 # One rank's publisher: registers, completes steps 1..3, then waits to be killed.
 PUBLISHER = """

@@ -18,7 +18,7 @@ from supervisor.mqtt_link import MqttLink
 from supervisor.telemetry import TelemetryView
 from tests.conftest import SecuredBroker, secure_mosquitto, start_mosquitto, stop_by_pid
 from tests.integration.test_mqtt_mosquitto import PUBLISHER, SECRET, until
-from trainer.protocol import attempt_key, parse_broker_url
+from wire import attempt_key, parse_broker_url
 
 
 @pytest.fixture

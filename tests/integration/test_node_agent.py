@@ -1,4 +1,4 @@
-"""The node agent (supervisor/agent.py) as a real process, through a real mosquitto."""
+"""The node agent (node/agent.py) as a real process, through a real mosquitto."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
+import wire as p
 from supervisor.mqtt_link import MqttLink
 from supervisor.telemetry import TelemetryView
 from tests.conftest import Broker
 from tests.integration.test_mqtt_mosquitto import SECRET, publisher_env, until
-from trainer import protocol as p
 
 # Two ranks of one node in aggregated mode, under an agent: steps 1..3, then wait.
 RANK = """
@@ -43,7 +43,7 @@ def node_env(broker: Broker, slots: Path) -> dict[str, str]:
 
 
 def agent(env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "supervisor.agent"], env=env, stdout=subprocess.DEVNULL,
+    return subprocess.Popen([sys.executable, "-m", "node.agent"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
 
 
@@ -106,7 +106,7 @@ def test_an_agent_with_an_environment_it_cannot_use_stays_up_and_silent(mosquitt
     """The agent is its node's own process on the local launcher: a bad setting is logged,
     and it does not end (which would read as its node's death)."""
     env = {**node_env(mosquitto, tmp_path / "slots"), "TSUP_NODE_INDEX": "first"}
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor.agent"], env=env, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "node.agent"], env=env, stderr=subprocess.PIPE)
     try:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(3)
@@ -143,7 +143,7 @@ def test_a_fence_ends_what_is_left_of_its_attempt_on_the_node_and_a_forged_one_n
         forged = p.encode_fence("run-3", 2, "forged", key=b"not the key" * 3, cluster="it")
         publisher.publish(*forged, qos=1, retain=True).wait_for_publish(5)
         with open(log, "wb") as out:
-            procs.append(subprocess.Popen([sys.executable, "-m", "supervisor.agent"], env=env, stdout=out,
+            procs.append(subprocess.Popen([sys.executable, "-m", "node.agent"], env=env, stdout=out,
                                           stderr=subprocess.STDOUT))
         time.sleep(3.0)
         assert leftover.poll() is None and procs[2].poll() is None, "a forged fence was obeyed"

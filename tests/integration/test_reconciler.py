@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import wire as p
 from supervisor.domain import (
     AttemptOutcome,
     AttemptState,
@@ -31,7 +32,6 @@ from supervisor.spec import parse_spec
 from supervisor.store import SqlStore
 from supervisor.telemetry import TelemetryView
 from tests.fakes import ScriptedLauncher
-from trainer import protocol as p
 
 
 class Clock:

@@ -12,7 +12,8 @@ import pytest
 
 from supervisor.launchers.standby import reference_args
 from tests.conftest import REPO, wait_for
-from trainer.standby import WAITING_NAME, Assignment, broadcast, name_for, parse_line, slot_key
+from trainer.standby import WAITING_NAME, name_for
+from wire.standby import Assignment, broadcast, parse_line, slot_key
 
 pytestmark = pytest.mark.integration
 

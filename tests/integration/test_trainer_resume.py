@@ -35,7 +35,7 @@ import pytest
 from amqtt.broker import Broker
 from paho.mqtt.enums import CallbackAPIVersion
 
-from trainer import protocol
+import wire as protocol
 from trainer.checkpoint_layout import complete_checkpoints, is_complete
 
 pytestmark = pytest.mark.integration

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+import wire as p
 from supervisor.broker import PacketLimit, PacketTooLarge
 from supervisor.broker_access import (
     MAX_LOGIN_CHARS,
@@ -16,7 +17,6 @@ from supervisor.broker_access import (
     BrokerAccess,
     covers,
 )
-from trainer import protocol as p
 from trainer.telemetry import broker_from_env
 
 SECRET = b"the supervisor's secret"

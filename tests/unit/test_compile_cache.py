@@ -1,4 +1,4 @@
-"""The Neuron compile cache that follows a run (supervisor/compile_cache.py): each node's
+"""The Neuron compile cache that follows a run (node/compile_cache.py): each node's
 own cache synced with the run's shared copy by the node wrapper, before the trainer."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import compile_cache
+from node import compile_cache
 from supervisor.slurm.requests import NODE_WRAPPER
 from supervisor.spec import parse_spec
 from supervisor.trainer_cmd import NEURON_COMPILE_CACHE, attempt_env

@@ -23,7 +23,7 @@ from trainer.data import (
     open_source,
     open_validation_source,
 )
-from trainer.errors import ConfigError, DataError
+from wire.errors import ConfigError, DataError
 
 SEQ_LEN = 4
 VOCAB = 64

@@ -1,4 +1,4 @@
-"""health/neuron.py: every Neuron fixture through its parser, garbage through every parser,
+"""health/neuron/: every Neuron fixture through its parser, garbage through every parser,
 the log signature table, and the runners with stand-in tools.
 
 Fixtures live in tests/fixtures/health/neuron/ (copies of the team's reference outputs; the

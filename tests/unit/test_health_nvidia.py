@@ -1,4 +1,4 @@
-"""health/nvidia.py and the pure parts of health/allreduce.py: every NVIDIA fixture through its
+"""health/nvidia/ and the pure parts of health/allreduce.py: every NVIDIA fixture through its
 parser, garbage through every parser, the Xid table, the largest-size rule, and the runners with
 stand-in tools.
 

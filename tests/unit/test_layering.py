@@ -34,14 +34,23 @@ def test_the_decision_core_does_no_io() -> None:
 @pytest.mark.parametrize(("package", "forbidden"), [
     ("health.__main__", {"supervisor", "trainer", "api"}),
     ("trainer.train", {"supervisor", "api", "health"}),
-    ("trainer.protocol", {"supervisor", "api", "health", "torch"}),
-    ("supervisor.agent", {"sqlalchemy", "aiomqtt", "fastapi", "torch", "api", "health"}),
+    ("node.agent", {"sqlalchemy", "aiomqtt", "fastapi", "torch", "api", "health", "supervisor"}),
 ])
 def test_standalone_packages_import_nothing_of_the_others(package: str, forbidden: set[str]) -> None:
     assert not loaded_after(package) & forbidden
 
 
-LINTED = ("supervisor", "api", "trainer", "health", "slurmbox")
+def test_the_wire_package_imports_only_the_standard_library() -> None:
+    modules = sorted(f"wire.{p.stem}" for p in (REPO / "wire").glob("*.py") if p.stem != "__init__")
+    assert len(modules) >= 10, modules
+    assert loaded_after(*modules) - loaded_after() - set(sys.stdlib_module_names) == {"wire"}
+
+
+def test_the_daemon_and_the_api_load_no_trainer_module() -> None:
+    assert not loaded_after("supervisor.daemon", "supervisor.cli", "api.app", "api.ctl") & {"trainer", "node"}
+
+
+LINTED = ("supervisor", "api", "trainer", "health", "wire", "node", "slurmbox")
 
 
 def lint_copy(tmp_path: Path, edit: tuple[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -73,10 +82,13 @@ def lint_copy(tmp_path: Path, edit: tuple[str, str] | None = None) -> subprocess
     ("supervisor/outbox.py", "import sqlalchemy", "Only the store speaks SQL"),
     ("api/app.py", "from sqlalchemy import select", "Only the store speaks SQL"),
     ("supervisor/service.py", "import torch", "The daemon and the API never import torch"),
-    ("health/wire.py", "import trainer.protocol", "The node probes stand alone"),
+    ("health/wire.py", "import wire.codec", "The node probes stand alone"),
+    ("wire/routes.py", "import uvicorn", "The wire package imports only the standard library"),
+    ("supervisor/recorder.py", "import trainer.checkpoint_layout", "The daemon and the API reach the trainer through wire only"),
+    ("api/ctl.py", "import node.agent", "The daemon and the API reach the trainer through wire only"),
     ("supervisor/launchers/local.py", "import slurmbox.box", "The product never imports the development Slurm box"),
-    ("supervisor/agent.py", "import supervisor.store", "The node-side programs stand alone"),
-    ("supervisor/compile_cache.py", "import supervisor.slurm", "The node-side programs stand alone"),
+    ("node/agent.py", "import supervisor.store", "The node-side programs stand alone"),
+    ("node/compile_cache.py", "import supervisor.slurm", "The node-side programs stand alone"),
 ])
 def test_make_lint_fails_on_a_forbidden_import(tmp_path: Path, path: str, line: str, contract: str) -> None:
     out = lint_copy(tmp_path, (path, line))

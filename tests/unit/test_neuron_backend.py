@@ -16,11 +16,12 @@ import pytest
 from supervisor import checkpoint_scan
 from tests.conftest import REPO, require
 from trainer.config import config_digest, config_from_dict
-from trainer.errors import EXIT_DO_NOT_RETRY, ConfigError, UsageError
-from trainer.neuron import checkpoints, launch
+from trainer.neuron import checkpoints
 from trainer.neuron.config import NeuronConfig
 from trainer.neuron.layout import batch_split, check_neuron_config, parallel_layout
 from trainer.shapes import SHAPES
+from wire import neuron_launch as launch
+from wire.errors import EXIT_DO_NOT_RETRY, ConfigError, UsageError
 
 # --- the [neuron] table ----------------------------------------------------------------
 
@@ -198,10 +199,10 @@ def test_the_node_environment_takes_the_seeds_values_where_they_give_one() -> No
     env = launch.NODE_ENV
     assert env["NEURON_CC_FLAGS"].split() == ["--model-type=transformer", "--distribution-strategy=llm-training"]
     assert env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "3" and env["NEURON_FUSE_SOFTMAX"] == "1"
-    # This project's own, each marked so beside its value (trainer/neuron/launch.py).
+    # This project's own, each marked so beside its value (wire/neuron_launch.py).
     assert {k: env[k] for k in ("FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_FORK_SAFE", "MALLOC_ARENA_MAX")} == {
         "FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1", "MALLOC_ARENA_MAX": "128"}
-    source = (REPO / "trainer" / "neuron" / "launch.py").read_text()
+    source = (REPO / "wire" / "neuron_launch.py").read_text()
     assert "# This project's choices, no seed gives them:" in source
     assert launch.precision_env("bfloat16") == {"XLA_DOWNCAST_BF16": "1"} and launch.precision_env("float32") == {}
 

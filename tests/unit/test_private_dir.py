@@ -1,4 +1,4 @@
-"""trainer/private_dir.py: what a rank keeps in /dev/shm (the memory tier's shards, the
+"""wire/private_dir.py: what a rank keeps in /dev/shm (the memory tier's shards, the
 node's slot file) is in a directory of its user's alone, which another user of the node
 cannot make first (issue 26, item 11). The other user is a real second process, running
 as nobody."""
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import require_root
-from trainer.errors import UsageError
-from trainer.private_dir import private_dir
-from trainer.slots import NodeSlots
+from wire.errors import UsageError
+from wire.private_dir import private_dir
+from wire.slots import NodeSlots
 
 NOBODY = 65534
 

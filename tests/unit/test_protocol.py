@@ -1,4 +1,4 @@
-"""The telemetry wire protocol (trainer/protocol.py)."""
+"""The telemetry wire protocol (wire/)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from trainer import protocol as p
+import wire as p
 
 H = {"run": "run-4", "attempt": 2, "rank": 3, "ts": 1700000000.5}
 
@@ -26,7 +26,7 @@ SAMPLES: list[p.Message] = [
                  ages=(0.25, 0.0), step_times=(0.1, math.nan), busy=(0.08, math.nan)),
     p.Lost(**H),
 ]
-# A node agent's (supervisor/agent.py): the node's index stands where a rank's number does.
+# A node agent's (node/agent.py): the node's index stands where a rank's number does.
 AH = {"run": "run-4", "attempt": 2, "index": 3, "ts": 1700000000.5}
 AGENT_SAMPLES: list[p.Message] = [
     p.AgentReport(**AH, node="node4", pid=77, hostname="node4", ranks=(6, 7), steps=(17, 17),

@@ -11,7 +11,7 @@ from supervisor.errors import SpecError
 from supervisor.spec import load_spec, parse_spec, spec_from_json
 from supervisor.trainer_cmd import attempt_env
 from tests.conftest import REPO
-from trainer.protocol import parse_mqtt_url
+from wire import parse_mqtt_url
 
 GOOD = {"name": "t", "trainer": {"steps": 10}}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import wire as p
 from supervisor.chaos import ChaosAction, parse_chaos
 from supervisor.domain import (
     Attempt,
@@ -21,7 +22,6 @@ from supervisor.domain import (
 from supervisor.errors import SpecError
 from supervisor.policy import decide
 from supervisor.telemetry import LOOP_STALL_S, TelemetryView
-from trainer import protocol as p
 
 H = {"run": "run-1", "attempt": 1, "ts": 0.0}
 
@@ -479,7 +479,7 @@ def test_a_message_replayed_after_a_daemon_restart_is_still_a_replay() -> None:
     assert restarted.ranks("run-1", 1)[0].last_seen_at == 4.0, "the rank's next message is taken"
 
 
-# --- node agents (supervisor/agent.py) ---------------------------------------------------
+# --- node agents (node/agent.py) ---------------------------------------------------
 
 AH = {"run": "run-1", "attempt": 1, "ts": 0.0}
 

@@ -22,8 +22,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from trainer import checkpoint_io, state_file
 from trainer import checkpoint_layout as layout
 from trainer.checkpoint_io import HashingWriter, VerifyingReader, io_threads, read_verified, tensor_in_place
-from trainer.errors import CheckpointMismatch
 from trainer.staging import Staging
+from wire.checkpoints import MANIFEST_FILE, read_manifest
+from wire.errors import CheckpointMismatch
 
 
 def state() -> dict[str, Any]:
@@ -142,8 +143,8 @@ def test_a_format_1_manifest_of_sha256_still_verifies(tmp_path: Path) -> None:
     directory, entries = saved(tmp_path, threads=1)
     old = {name: {"size": e["size"], "sha256": hashlib.sha256((directory / name).read_bytes()).hexdigest()}
            for name, e in entries.items()}
-    (directory / layout.MANIFEST_FILE).write_text(json.dumps({"format": 1, "files": old}))
-    manifest = layout.read_manifest(directory)
+    (directory / MANIFEST_FILE).write_text(json.dumps({"format": 1, "files": old}))
+    manifest = read_manifest(directory)
     assert manifest == old
     assert layout.manifest_problems(directory, old, sorted(old)) == []
     dcp_load(state(), storage_reader=VerifyingReader(directory, manifest=manifest, threads=2), no_dist=True)
@@ -154,9 +155,9 @@ def test_a_format_1_manifest_of_sha256_still_verifies(tmp_path: Path) -> None:
 
 
 def test_a_manifest_of_an_unknown_format_or_hash_is_refused(tmp_path: Path) -> None:
-    (tmp_path / layout.MANIFEST_FILE).write_text(json.dumps({"format": 3, "files": {}}))
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps({"format": 3, "files": {}}))
     with pytest.raises(CheckpointMismatch, match="not a manifest of format 1 or 2"):
-        layout.read_manifest(tmp_path)
+        read_manifest(tmp_path)
     with pytest.raises(CheckpointMismatch, match="no hash this trainer knows"):
         layout.entry_hash({"size": 3, "md5": "x"})
 
@@ -261,7 +262,7 @@ def test_each_file_is_verified_by_the_rank_that_wrote_it_and_read_by_range_by_th
 
 def test_without_the_blake3_package_new_manifests_use_sha256_and_blake3_ones_say_what_is_missing(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainer.errors import UsageError
+    from wire.errors import UsageError
 
     monkeypatch.setitem(sys.modules, "blake3", None)  # as on a node where it is not installed
     assert layout.hash_name() == "sha256"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from trainer import checkpoint_layout as layout
-from trainer.errors import CheckpointMismatch, UsageError
+from wire.errors import CheckpointMismatch, UsageError
 
 SHAPE = {"hidden_size": 64}
 

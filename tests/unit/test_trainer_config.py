@@ -18,7 +18,7 @@ from trainer.config import (
     config_to_dict,
     load_config,
 )
-from trainer.errors import ConfigError
+from wire.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ import pytest
 
 from trainer.config import DataConfig
 from trainer.data import BatchReader, SampleOrder, SyntheticTokens, TokenFile, open_source
-from trainer.errors import DataError
+from wire.errors import DataError
 
 
 def synthetic(seed: int = 7, num_samples: int = 50) -> SyntheticTokens:

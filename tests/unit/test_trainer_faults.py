@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.errors import EXIT_DEVICE_FAULT, DeviceFault, UsageError, exit_code_for
 from trainer.faults import SLOW_FACTOR, Fault, FaultPlan, InjectedFault
+from wire.errors import EXIT_DEVICE_FAULT, DeviceFault, UsageError, exit_code_for
 
 
 def test_parse() -> None:
@@ -95,7 +95,7 @@ def test_storage_errors_are_recognised_inside_dcp_failures() -> None:
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
     from trainer.checkpoint import _storage_error
-    from trainer.errors import EXIT_STORAGE_FULL, CheckpointStorageFull
+    from wire.errors import EXIT_STORAGE_FULL, CheckpointStorageFull
 
     try:
         raise OSError(errno.ENOSPC, "No space left on device")

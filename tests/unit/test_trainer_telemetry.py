@@ -14,9 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from trainer.errors import UsageError
-from trainer.protocol import BrokerUrl, Phase
-from trainer.slots import SLOT_BYTES, NodeSlots, slot_path, unpack
 from trainer.telemetry import (
     Aggregation,
     Broker,
@@ -26,6 +23,9 @@ from trainer.telemetry import (
     parse_mqtt_url,
     settings_from_env,
 )
+from wire import BrokerUrl, Phase
+from wire.errors import UsageError
+from wire.slots import SLOT_BYTES, NodeSlots, slot_path, unpack
 
 IDENTITY = Identity(run="run-1", attempt=1, rank=0, local_rank=0, world_size=1, node="n1")
 

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.errors import UsageError
+from wire.errors import UsageError
 
 BEGIN_MARKER = "checkpoint"
 DONE_MARKER = "done"

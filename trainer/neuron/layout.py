@@ -23,10 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config import BatchLayout, TrainConfig, split_batch
-from trainer.errors import ConfigError
+from trainer.config import TrainConfig
 from trainer.neuron.config import NeuronConfig
 from trainer.shapes import ModelShape
+from wire.batch import BatchLayout, split_batch
+from wire.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,7 +1,7 @@
 """The Neuron backend's training loop: ``train_neuron(config, resume=...)`` on every rank.
 
 Started by ``python -m trainer`` under torchrun, one rank per NeuronCore
-(trainer/neuron/launch.py). The Neuron SDK (torch-neuronx, which brings torch-xla, and
+(wire/neuron_launch.py). The Neuron SDK (torch-neuronx, which brings torch-xla, and
 neuronx-distributed) is imported when training starts, so that the rest of the trainer
 works without it; missing, it is a configuration error (exit 2), never a retry.
 
@@ -37,13 +37,13 @@ from trainer import atomic
 from trainer.config import TrainConfig, config_digest
 from trainer.data import BatchReader, open_source
 from trainer.distributed import LaunchEnv
-from trainer.errors import EXIT_OK, ConfigError, exit_code_for
 from trainer.neuron import checkpoints
-from trainer.neuron.launch import EXTRACT_GRAPHS_STEPS, precision_env
 from trainer.neuron.layout import batch_split, check_neuron_config, parallel_layout
 from trainer.optim import lr_at, set_lr
-from trainer.protocol import Phase
 from trainer.telemetry import Telemetry
+from wire import Phase
+from wire.errors import EXIT_OK, ConfigError, exit_code_for
+from wire.neuron_launch import EXTRACT_GRAPHS_STEPS, precision_env
 
 RESULT_FILE = "result.json"
 COMPILE_STEPS = 2  # step 1 creates the optimizer state: its graph differs from step 2's

@@ -17,7 +17,7 @@ import os
 import stat
 from pathlib import Path
 
-from trainer.errors import UsageError
+from wire.errors import UsageError
 
 
 def private_dir(path: Path) -> Path:

@@ -24,7 +24,7 @@ temporary files are never copied. Graphs compiled in the attempt just ended by a
 that is not in the next one reach the copy through the nodes that compiled them too
 (every node of an SPMD job compiles the same graphs).
 
-    python -m supervisor.compile_cache SHARED LOCAL
+    python -m node.compile_cache SHARED LOCAL
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import sys
 import time
 from pathlib import Path
 
-SHARED_DIR = "neuron-compile-cache"  # in the run directory
 _NOT_COPIED = (".lock", ".tmp")
 UNSAFE = 3  # the exit status for a node cache that is not the user's own
 
@@ -93,7 +92,7 @@ def copy_missing(src: Path, dst: Path, tag: str) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: python -m supervisor.compile_cache SHARED LOCAL", file=sys.stderr)
+        print("usage: python -m node.compile_cache SHARED LOCAL", file=sys.stderr)
         return 2
     shared, local = Path(argv[0]), Path(argv[1])
     began = time.monotonic()

@@ -23,6 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 TRN1_32XLARGE_RANKS = 32  # NeuronCores of a trn1.32xlarge, one rank each
+# The run directory's copy of the compile cache, which every node syncs with before an
+# attempt (node/compile_cache.py): its name, which the daemon gives the node wrapper.
+SHARED_COMPILE_CACHE_DIR = "neuron-compile-cache"
 EXTRACT_GRAPHS_STEPS = 10  # steps a precompile pass traces: the first steps' graphs differ
 
 # Where a value comes from: a seed document (../shared/seeds/, named), or this project's

@@ -1,4 +1,4 @@
-"""The node agent: one small process on every node of an attempt (``python -m supervisor.agent``).
+"""The node agent: one small process on every node of an attempt (``python -m node.agent``).
 
 The launcher starts it beside the trainer: the local launcher as each simulated node's
 own process (supervisor/launchers/local.py), Slurm as a step of its own in the run's
@@ -10,15 +10,15 @@ What it does:
 
 - **The node's heartbeat**, whatever the trainer says. Every ``TSUP_AGENT_INTERVAL_S``
   (1 s) it sends an ``AgentReport`` on a connection of its own, sealed with the attempt's
-  key like the ranks' telemetry (trainer/protocol.py), and leaves ``agent_lost`` as its
+  key like the ranks' telemetry (wire/sealing.py), and leaves ``agent_lost`` as its
   last will. A node killed outright is known by that will at once, and one cut off or
   frozen by its silence within ``silence_timeout_s``: for a ``[command]`` trainer that
   sends nothing of its own too (supervisor/policy/detection.py).
 - **Node aggregation.** Where the ranks keep their state in the node's slot file
-  (``[telemetry] aggregate = "node"``, trainer/slots.py) it reads every slot and carries
+  (``[telemetry] aggregate = "node"``, wire/slots.py) it reads every slot and carries
   them in that report, so the controller receives one message per node and interval;
   the trainer's local rank 0 then sends none (``TSUP_NODE_AGENT=1``).
-- **Fencing.** It listens for its attempt's fence (trainer/protocol.py: published,
+- **Fencing.** It listens for its attempt's fence (wire/sealing.py: published,
   retained, once the attempt has ended) and, on an authentic one, SIGKILLs every
   process of the attempt left on its node (this user's processes carrying the attempt's
   ``TSUP_MARKER``: ranks the launcher could no longer reach, such as those of a node
@@ -61,12 +61,12 @@ from typing import Any
 
 import psutil
 
-from trainer import protocol
-from trainer.errors import UsageError
-from trainer.slots import default_slots_dir, read_file, report_fields, slot_path
+import wire as protocol
 from trainer.telemetry import Broker, Identity, Telemetry, broker_from_env, settings_from_env
+from wire.errors import UsageError
+from wire.slots import default_slots_dir, read_file, report_fields, slot_path
 
-log = logging.getLogger("supervisor.agent")
+log = logging.getLogger("node.agent")
 
 INDEX_ENV = "TSUP_NODE_INDEX"
 NODE_BASE_ENV = "TSUP_NODE_BASE"  # set by the launcher for a split attempt's parts

@@ -15,7 +15,7 @@ temporary directory. A rank writes its whole slot with one ``os.pwrite`` of SLOT
 thread: a memory copy, no network) and every heartbeat interval (from its telemetry
 thread, so that a rank busy in a long step still shows as alive). The node's local rank
 0 reads all slots with one ``os.pread`` each heartbeat interval and publishes them as one
-``NodeReport`` (trainer/protocol.py). A reader skips slots never written (zeros) and any
+``NodeReport`` (wire/messages.py). A reader skips slots never written (zeros) and any
 it cannot make sense of; a slot torn by a concurrent write is not possible in practice
 on Linux (a page-cache copy of 64 bytes within one page), and would only be skipped.
 
@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import UsageError
-from trainer.private_dir import private_dir
-from trainer.protocol import MAX_NODE_RANKS, Phase
+from wire import MAX_NODE_RANKS, Phase
+from wire.errors import UsageError
+from wire.private_dir import private_dir
 
 SLOT = struct.Struct("<4sIqqddd16x")
 SLOT_BYTES = SLOT.size  # 64
@@ -108,7 +108,7 @@ def _slots_in(data: bytes) -> list[Slot]:
 
 def read_file(path: Path) -> list[Slot]:
     """Every written slot of a node's slot file, read by a process that writes none (the
-    node agent, supervisor/agent.py): [] while there is no file, or one of another user's."""
+    node agent, node/agent.py): [] while there is no file, or one of another user's."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
@@ -125,7 +125,7 @@ def read_file(path: Path) -> list[Slot]:
 
 
 def report_fields(slots: list[Slot], now: float) -> dict[str, Any]:
-    """The slots as a node report's parallel lists (trainer/protocol.py NodeReport and
+    """The slots as a node report's parallel lists (wire/messages.py NodeReport and
     AgentReport), a rank written twice (a stale slot) by its newest slot."""
     newest: dict[int, Slot] = {}
     for slot in slots:
