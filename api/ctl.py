@@ -47,15 +47,15 @@ from typing import Any
 from pydantic import TypeAdapter
 
 from api.client import DEFAULT_URL, ApiError, Client
+from api.completion import completion_script
+from api.ctl_settings import UsageError, daemon_settings
 from supervisor import report, trainer_cmd
-from supervisor.config import default_state_dir
 from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import SpecError
 from supervisor.goodput import Goodput
 from supervisor.logs import printable, printable_tree
 from supervisor.slurm import requests
 from supervisor.spec import parse_spec
-from supervisor.token_file import READ_TOKEN_FILE_NAME, TOKEN_FILE_NAME, read_token
 from supervisor.views import CheckpointView, EventView, NodeView, RunDetail, RunSummary
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNAUTHORIZED = 0, 1, 2, 3, 4
@@ -63,16 +63,10 @@ _PAGE = 1000
 _GOODPUT = TypeAdapter(Goodput)  # as the views: a field a newer daemon adds is passed over
 _STATUS_EXIT = {404: EXIT_NOT_FOUND, 401: EXIT_UNAUTHORIZED, 403: EXIT_UNAUTHORIZED, 413: EXIT_USAGE,
                 422: EXIT_USAGE}
-SYSTEM_TOKEN_FILE = Path("/var/lib/training-supervisor") / TOKEN_FILE_NAME
-SYSTEM_READ_TOKEN_FILE = SYSTEM_TOKEN_FILE.with_name(READ_TOKEN_FILE_NAME)
 RUN_COMMANDS = {"pause": "pause a run (its attempt stops; resume goes on from the newest checkpoint)",
                 "resume": "resume a paused or failed run",
                 "restart": "stop the live attempt and start another from the newest checkpoint",
                 "cancel": "cancel a run"}
-
-
-class UsageError(Exception):
-    """Bad input found before asking the daemon: exit 2."""
 
 
 def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
@@ -80,10 +74,10 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     args = _parser().parse_args(argv)
     args.json = getattr(args, "json", False)
     if args.command == "completion":
-        print(completion_script(args.shell))
+        print(completion(args.shell))
         return EXIT_OK
     try:
-        settings = _settings(args, env)
+        settings = daemon_settings(args, env)
         client = Client(settings["url"], token=settings["token"], verify=settings["verify"],
                         token_hint=settings["token_hint"])
     except UsageError as e:
@@ -187,66 +181,6 @@ def _parser() -> argparse.ArgumentParser:
 def _wait_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
                    help="how long to wait for the daemon to act on it (default 10)")
-
-
-# --- settings -----------------------------------------------------------------------
-
-
-def _settings(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
-    """The daemon's URL and how to authenticate, from flags, environment and config."""
-    explicit = getattr(args, "config", None) or env.get("TSUP_CTL_CONFIG")
-    path = Path(explicit) if explicit else _config_home(env) / "training-supervisor" / "supervisorctl.toml"
-    config = _read_config(path, explicit=bool(explicit))
-    url = getattr(args, "url", None) or env.get("TSUP_URL") or config.get("url") or DEFAULT_URL
-    ca_file = env.get("TSUP_CA_FILE") or config.get("ca_file")
-    token, hint = _token(args, env, config)
-    return {"url": url, "token": token, "token_hint": hint, "verify": ca_file or True}
-
-
-def _config_home(env: Mapping[str, str]) -> Path:
-    return Path(env.get("XDG_CONFIG_HOME") or Path(env.get("HOME") or Path.home()) / ".config")
-
-
-def _read_config(path: Path, *, explicit: bool) -> dict[str, str]:
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        if explicit:
-            raise UsageError(f"{path}: no such config file") from None
-        return {}
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path}: cannot read: {e}") from e
-    except tomllib.TOMLDecodeError as e:
-        raise UsageError(f"{path}: not valid TOML: {e}") from e
-    known = {"url", "token_file", "ca_file"}
-    for key, value in data.items():
-        if key not in known:
-            raise UsageError(f"{path}: {key}: unknown key (known: {', '.join(sorted(known))})")
-        if not isinstance(value, str):
-            raise UsageError(f"{path}: {key}: expected a string")
-    return data
-
-
-def _token(args: argparse.Namespace, env: Mapping[str, str],
-           config: Mapping[str, str]) -> tuple[str | None, str]:
-    """The token (None: none found) and where it was looked for."""
-    explicit = getattr(args, "token_file", None) or env.get("TSUP_API_TOKEN_FILE") or config.get("token_file")
-    if env.get("TSUP_API_TOKEN"):
-        return env["TSUP_API_TOKEN"].strip(), "$TSUP_API_TOKEN"
-    if explicit:
-        try:
-            return read_token(Path(explicit)), str(explicit)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"cannot use the API token file {explicit}: {e}") from e
-    # An operator's own: the API token; a watcher's: the read-only one.
-    candidates = [SYSTEM_TOKEN_FILE, default_state_dir() / TOKEN_FILE_NAME,
-                  SYSTEM_READ_TOKEN_FILE, default_state_dir() / READ_TOKEN_FILE_NAME]
-    for candidate in candidates:
-        try:
-            return read_token(candidate), str(candidate)
-        except (OSError, ValueError):
-            continue
-    return None, " or ".join(str(c) for c in candidates)
 
 
 # --- commands -----------------------------------------------------------------------
@@ -499,59 +433,9 @@ def _segment(text: str) -> str:
     return text
 
 
-# --- shell completion ---------------------------------------------------------------
-
-
-def completion_script(shell: str) -> str:
-    """A completion script for ``shell``, made from the parser itself; run ids and node
-    names are asked of the daemon when completing (``runs -q``, ``nodes -q``)."""
-    parser = _parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    commands: dict[str, list[str]] = {}
-    for name, p in sub.choices.items():
-        commands[name] = sorted(o for a in p._actions for o in a.option_strings)
-    takes_run = [n for n in commands
-                 if n in {"status", "events", "checkpoints", "goodput", "logs", *RUN_COMMANDS}]
-    takes_node = ["drain", "undrain", "probe"]
-    cases = "\n".join(f"        {name}) opts=\"{' '.join(opts)}\" ;;"
-                      for name, opts in sorted(commands.items()))
-    script = _BASH.replace("@COMMANDS@", " ".join(sorted(commands))).replace("@CASES@", cases)
-    script = script.replace("@RUN_COMMANDS@", "|".join(sorted(takes_run)))
-    script = script.replace("@NODE_COMMANDS@", "|".join(takes_node))
-    if shell == "zsh":
-        return "autoload -U +X bashcompinit && bashcompinit\n" + script
-    return script
-
-
-_BASH = r"""# supervisorctl completion (bash); eval "$(supervisorctl completion bash)"
-_supervisorctl() {
-    local cur=${COMP_WORDS[COMP_CWORD]} cmd="" opts="" i
-    for ((i = 1; i < COMP_CWORD; i++)); do
-        case ${COMP_WORDS[i]} in
-            --url|--token-file|--config) ((i++)) ;;
-            -*) ;;
-            *) cmd=${COMP_WORDS[i]}; break ;;
-        esac
-    done
-    if [[ -z $cmd ]]; then
-        COMPREPLY=($(compgen -W "@COMMANDS@ --url --json --token-file --config --help" -- "$cur"))
-        return
-    fi
-    case $cmd in
-@CASES@
-    esac
-    if [[ $cur == -* ]]; then
-        COMPREPLY=($(compgen -W "$opts" -- "$cur"))
-        return
-    fi
-    case $cmd in
-        @RUN_COMMANDS@) COMPREPLY=($(compgen -W "$(supervisorctl runs -q 2>/dev/null)" -- "$cur")) ;;
-        @NODE_COMMANDS@) COMPREPLY=($(compgen -W "$(supervisorctl nodes -q 2>/dev/null)" -- "$cur")) ;;
-        submit) COMPREPLY=($(compgen -f -X '!*.toml' -- "$cur") $(compgen -d -- "$cur")) ;;
-        completion) COMPREPLY=($(compgen -W "bash zsh" -- "$cur")) ;;
-    esac
-}
-complete -F _supervisorctl supervisorctl"""
+def completion(shell: str) -> str:
+    """``supervisorctl completion SHELL``'s script, made from this parser (api/completion.py)."""
+    return completion_script(shell, _parser(), RUN_COMMANDS)
 
 
 if __name__ == "__main__":

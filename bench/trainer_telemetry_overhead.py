@@ -27,8 +27,9 @@ from typing import Any
 
 from amqtt.broker import Broker
 
-from trainer.telemetry import Broker as BrokerAddress
-from trainer.telemetry import Identity, Telemetry
+from trainer.telemetry import Telemetry
+from trainer.telemetry_env import Broker as BrokerAddress
+from trainer.telemetry_env import Identity
 from wire import BrokerUrl
 
 IDENTITY = Identity(run="bench", attempt=1, rank=0, local_rank=0, world_size=1, node="bench")

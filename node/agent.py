@@ -62,7 +62,8 @@ from typing import Any
 import psutil
 
 import wire as protocol
-from trainer.telemetry import Broker, Identity, Telemetry, broker_from_env, settings_from_env
+from trainer.telemetry import Telemetry
+from trainer.telemetry_env import Broker, Identity, broker_from_env, settings_from_env
 from wire.errors import UsageError
 from wire.slots import default_slots_dir, read_file, report_fields, slot_path
 

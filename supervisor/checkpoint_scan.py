@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor import user_files
-from wire.checkpoints import MANIFEST_FILE, read_manifest
 from wire.errors import CheckpointMismatch
+from wire.files import MANIFEST_FILE, read_manifest
 
 LAYOUTS = ("tsup", "nxd", "nemo", "hf", "megatron", "dcp", "lightning")
 # The largest step a checkpoint may name: what SQLite's INTEGER holds. A name beyond it

@@ -34,8 +34,6 @@ from supervisor.domain import (
     CheckpointRef,
     Command,
     FaultRecord,
-    MemoryCheckpointRecord,
-    MemoryCheckpointRef,
     ProcState,
     RankObs,
     Run,
@@ -47,7 +45,8 @@ from supervisor.domain import (
 from supervisor.launchers.base import Launcher
 from supervisor.output_progress import AttemptOutput
 from supervisor.policy import resume_before, unreadable_checkpoints
-from supervisor.policy.detection import STALL_GAP_S
+from supervisor.policy.detection import heard_again_at
+from supervisor.policy.memory import newest_resumable
 from supervisor.settled import SettledHistory, is_over
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore
@@ -148,8 +147,8 @@ class Observer:
             newest = self._newest_checkpoint(spec, run_dir, facts, before, unreadable)
             with self.store.tx() as tx:
                 memory_saves = tx.list_memory_checkpoints(run.number)
-            newest_memory = _newest_memory(memory_saves, attempts, newest, before,
-                                           unreadable_checkpoints(faults, attempts, memory=True))
+            newest_memory = newest_resumable(memory_saves, attempts, newest, before,
+                                             unreadable_checkpoints(faults, attempts, memory=True))
         precompile_due = None
         if isinstance(spec, RunSpec) and precompiles and may_launch:
             cwd, tree = trainer_cmd.attempt_cwd(spec, run_dir), user_tree.of_present(spec.user)
@@ -268,8 +267,7 @@ class Observer:
         memory = self.memory.attempt(run.number, live.number)
         before = memory.heard
         if heard is not None:
-            if before is not None and heard - before > STALL_GAP_S:
-                memory.back_at = heard
+            memory.back_at = heard_again_at(before, heard, memory.back_at)
             memory.heard = heard
         back = memory.back_at
         return up if up is None or back is None else max(up, back)
@@ -382,18 +380,3 @@ _ENDED = (ProcState.EXITED, ProcState.VANISHED)
 def _latest(*times: float | None) -> float | None:
     known = [t for t in times if t is not None]
     return max(known) if known else None
-
-
-def _newest_memory(saves: list[MemoryCheckpointRecord], attempts: tuple[Attempt, ...],
-                   persistent: CheckpointRef | None, before_step: int | None,
-                   unreadable: frozenset[int]) -> MemoryCheckpointRef | None:
-    """The newest save of the memory tier worth resuming from: as new as the newest
-    persistent checkpoint or newer (a node that holds it is not read from storage),
-    before a rollback's step, never found unreadable."""
-    usable = [s for s in saves
-              if s.step >= (persistent.step if persistent else 1) and s.step not in unreadable
-              and (before_step is None or s.step < before_step) and 0 < s.attempt <= len(attempts)]
-    if not usable:
-        return None
-    save = max(usable, key=lambda s: (s.step, s.attempt))
-    return MemoryCheckpointRef(attempt=save.attempt, step=save.step, nodes=attempts[save.attempt - 1].nodes)

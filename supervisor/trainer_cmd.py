@@ -32,7 +32,7 @@ from supervisor.planning import TIER_MEMORY, first_auto_every_steps
 from supervisor.spec import RunSpec
 from supervisor.user_tree import Tree, TreeStalled
 from wire import neuron_launch
-from wire.checkpoints import FENCE_FILE
+from wire.files import FENCE_FILE, RESULT_FILE
 
 CHECK_TIMEOUT_S = 60.0
 
@@ -57,7 +57,7 @@ def result_path(spec: RunSpec, run_dir: Path) -> Path | None:
     """Where the reference trainer writes its result; None for a [command] trainer."""
     if spec.trainer is None:
         return None
-    return Path(spec.trainer.get("output_dir", run_dir / "output")) / "result.json"
+    return Path(spec.trainer.get("output_dir", run_dir / "output")) / RESULT_FILE
 
 
 def trainer_config(spec: RunSpec, run_dir: Path, every_steps: int | None = None,

@@ -32,8 +32,8 @@ from torch.distributed.tensor import DTensor
 from trainer import checkpoint_layout as layout
 from trainer import distributed
 from trainer.checkpoint_io import HashingWriter, VerifyingReader
-from wire.checkpoints import read_manifest
 from wire.errors import CheckpointMismatch, CheckpointStorageFull, CheckpointUnreadable
+from wire.files import read_manifest
 
 
 @dataclass(slots=True)

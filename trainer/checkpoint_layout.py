@@ -58,8 +58,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from trainer import atomic
-from wire.checkpoints import FENCE_FILE, MANIFEST_FILE, read_small
 from wire.errors import CheckpointMismatch, Superseded, UsageError
+from wire.files import FENCE_FILE, MANIFEST_FILE, read_small
 
 META_FILE = "trainer_meta.json"
 MANIFEST_FORMAT = 2  # format 1 (SHA-256 only) is read too

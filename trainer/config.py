@@ -20,81 +20,17 @@ import dataclasses
 import difflib
 import hashlib
 import json
-import math
 import tomllib
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, cast, get_args, get_origin, get_type_hints
 
+from trainer.config_checks import is_number, need_choice, need_int, need_number, raise_if, skip_ranges
 from trainer.neuron.config import NeuronConfig
 from trainer.shapes import SHAPES, ModelShape
 from wire.batch import BatchLayout, split_batch
 from wire.errors import ConfigError
-
-# ---- value checks shared by the __post_init__ methods -------------------------------------
-# Each appends "key: problem" to ``problems`` and never raises, so that one load reports
-# every bad value at once.
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _show(value: object) -> str:
-    """repr for error messages; 1e-3 stays 0.001 and -1.0 (an int converted to float) shows -1."""
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
-        return repr(int(value))
-    return repr(value)
-
-
-def _skip_ranges(problems: list[str], value: object) -> tuple[tuple[int, int], ...]:
-    ranges: list[tuple[int, int]] = []
-    items: list[Any] = list(value) if isinstance(value, (list, tuple)) else [value]
-    for item in items:
-        pair = list(item) if isinstance(item, (list, tuple)) else []
-        ints = len(pair) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pair)
-        if not ints or pair[0] >= pair[1]:
-            problems.append(f"skip: expected [start, end) sample ranges with 0 <= start < end, got {item!r}")
-            continue
-        ranges.append((int(pair[0]), int(pair[1])))
-    return tuple(sorted(ranges))
-
-
-def _need_int(problems: list[str], key: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        problems.append(f"{key}: expected an integer, got {value!r}")
-    elif value < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        problems.append(f"{key}: expected {what}, got {value}")
-
-
-def _need_number(
-    problems: list[str], key: str, value: object, *, positive: bool = False,
-    minimum: float | None = None, below: float | None = None,
-) -> None:
-    if not _is_number(value) or not math.isfinite(float(value)):  # type: ignore[arg-type]
-        problems.append(f"{key}: expected a finite number, got {_show(value)}")
-        return
-    number = float(value)  # type: ignore[arg-type]
-    if positive and number <= 0:
-        problems.append(f"{key}: expected a positive number, got {_show(value)}")
-    elif minimum is not None and number < minimum:
-        problems.append(f"{key}: expected a number >= {minimum}, got {_show(value)}")
-    elif below is not None and number >= below:
-        problems.append(f"{key}: expected a number < {below}, got {_show(value)}")
-
-
-def _need_choice(problems: list[str], key: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        listed = ", ".join(repr(c) for c in choices)
-        problems.append(f"{key}: expected one of {listed}, got {value!r}")
-
-
-def _raise_if(problems: list[str]) -> None:
-    if problems:
-        raise ConfigError(problems)
-
 
 # ---- the config tree ----------------------------------------------------------------------
 
@@ -120,20 +56,20 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         p: list[str] = []
-        _need_number(p, "lr", self.lr, positive=True)
-        _need_number(p, "min_lr", self.min_lr, minimum=0.0)
+        need_number(p, "lr", self.lr, positive=True)
+        need_number(p, "min_lr", self.min_lr, minimum=0.0)
         if not p and self.min_lr > self.lr:
             p.append(f"min_lr: must not exceed lr {self.lr}, got {self.min_lr}")
-        _need_int(p, "warmup_steps", self.warmup_steps, 0)
-        _need_number(p, "weight_decay", self.weight_decay, minimum=0.0)
+        need_int(p, "warmup_steps", self.warmup_steps, 0)
+        need_number(p, "weight_decay", self.weight_decay, minimum=0.0)
         if not isinstance(self.betas, tuple) or len(self.betas) != 2:
             p.append(f"betas: expected two numbers, got {self.betas!r}")
         else:
             for i, beta in enumerate(self.betas):
-                _need_number(p, f"betas[{i}]", beta, minimum=0.0, below=1.0)
-        _need_number(p, "eps", self.eps, positive=True)
-        _need_number(p, "grad_clip", self.grad_clip, minimum=0.0)
-        _raise_if(p)
+                need_number(p, f"betas[{i}]", beta, minimum=0.0, below=1.0)
+        need_number(p, "eps", self.eps, positive=True)
+        need_number(p, "grad_clip", self.grad_clip, minimum=0.0)
+        raise_if(p)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -176,10 +112,10 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         p: list[str] = []
-        self.skip = _skip_ranges(p, self.skip)
-        _need_choice(p, "kind", self.kind, ("synthetic", "tokens", "arrow", "text"))
-        _need_choice(p, "dtype", self.dtype, ("uint16", "uint32"))
-        _need_int(p, "num_samples", self.num_samples, 1)
+        self.skip = skip_ranges(p, self.skip)
+        need_choice(p, "kind", self.kind, ("synthetic", "tokens", "arrow", "text"))
+        need_choice(p, "dtype", self.dtype, ("uint16", "uint32"))
+        need_int(p, "num_samples", self.num_samples, 1)
         documents = self.kind in ("arrow", "text")
         kind = self.kind if self.kind in ("synthetic", "tokens", "arrow", "text") else None
         self._check_path(p, "path", self.path, needed=self.kind != "synthetic", kind=kind,
@@ -191,23 +127,23 @@ class DataConfig:
         elif self.column is not None and not documents:
             p.append("column: only used when kind is 'arrow' or 'text'")
         if self.eos_id is not None:
-            _need_int(p, "eos_id", self.eos_id, 0)
+            need_int(p, "eos_id", self.eos_id, 0)
             if not documents:
                 p.append("eos_id: only used when kind is 'arrow' or 'text'")
         if not isinstance(self.streaming, bool):
             p.append(f"streaming: expected true or false, got {self.streaming!r}")
         elif self.streaming and not documents:
             p.append("streaming: only possible when kind is 'arrow' or 'text'")
-        _need_int(p, "shuffle_block", self.shuffle_block, 1)
+        need_int(p, "shuffle_block", self.shuffle_block, 1)
         self._check_path(p, "validation_path", self.validation_path, needed=False, kind=kind,
                          used_by=("tokens", "arrow", "text"))
-        _need_number(p, "validation_fraction", self.validation_fraction, minimum=0.0, below=1.0)
+        need_number(p, "validation_fraction", self.validation_fraction, minimum=0.0, below=1.0)
         if self.validation_fraction and self.validation_path is not None:
             p.append("validation_fraction: set validation_path or validation_fraction, not both")
         elif self.validation_fraction and self.streaming is True:
             p.append("validation_fraction: not possible with streaming (the set's size is "
                      "unknown); use validation_path")
-        _raise_if(p)
+        raise_if(p)
 
     def document_column(self) -> str:
         """The column an arrow or text data set is read from."""
@@ -250,15 +186,15 @@ class CheckpointConfig:
         p: list[str] = []
         if not isinstance(self.dir, str) or not self.dir:
             p.append(f"dir: expected a directory path, got {self.dir!r}")
-        _need_int(p, "every_steps", self.every_steps, 0)
-        _need_int(p, "keep", self.keep, 1)
+        need_int(p, "every_steps", self.every_steps, 0)
+        need_int(p, "keep", self.keep, 1)
         if not isinstance(self.asynchronous, bool):
             p.append(f"asynchronous: expected true or false, got {self.asynchronous!r}")
-        _need_int(p, "memory_every_steps", self.memory_every_steps, 0)
+        need_int(p, "memory_every_steps", self.memory_every_steps, 0)
         if not isinstance(self.memory_dir, str):
             p.append(f"memory_dir: expected a directory path, got {self.memory_dir!r}")
-        _need_int(p, "io_threads", self.io_threads, 0)
-        _raise_if(p)
+        need_int(p, "io_threads", self.io_threads, 0)
+        raise_if(p)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -305,27 +241,27 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         p: list[str] = []
-        _need_choice(p, "backend", self.backend, ("torch", "neuron"))
-        _need_int(p, "seed", self.seed, 0)
-        _need_int(p, "steps", self.steps, 1)
-        _need_int(p, "global_batch_size", self.global_batch_size, 1)
+        need_choice(p, "backend", self.backend, ("torch", "neuron"))
+        need_int(p, "seed", self.seed, 0)
+        need_int(p, "steps", self.steps, 1)
+        need_int(p, "global_batch_size", self.global_batch_size, 1)
         if self.micro_batch_size is not None:
-            _need_int(p, "micro_batch_size", self.micro_batch_size, 1)
-        _need_int(p, "seq_len", self.seq_len, 1)
-        _need_choice(p, "dtype", self.dtype, ("auto", "float32", "bfloat16"))
-        _need_choice(p, "device", self.device, ("auto", "cpu", "cuda"))
+            need_int(p, "micro_batch_size", self.micro_batch_size, 1)
+        need_int(p, "seq_len", self.seq_len, 1)
+        need_choice(p, "dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        need_choice(p, "device", self.device, ("auto", "cpu", "cuda"))
         if not isinstance(self.output_dir, str) or not self.output_dir:
             p.append(f"output_dir: expected a directory path, got {self.output_dir!r}")
-        _need_number(p, "heartbeat_interval_s", self.heartbeat_interval_s, positive=True)
-        _need_int(p, "log_every_steps", self.log_every_steps, 1)
-        _need_number(p, "dist_timeout_s", self.dist_timeout_s, positive=True)
-        _need_choice(p, "activation_checkpointing", self.activation_checkpointing,
+        need_number(p, "heartbeat_interval_s", self.heartbeat_interval_s, positive=True)
+        need_int(p, "log_every_steps", self.log_every_steps, 1)
+        need_number(p, "dist_timeout_s", self.dist_timeout_s, positive=True)
+        need_choice(p, "activation_checkpointing", self.activation_checkpointing,
                      ("none", "selective", "full"))
         if not isinstance(self.compile, bool):
             p.append(f"compile: expected true or false, got {self.compile!r}")
-        _need_int(p, "validation_every_steps", self.validation_every_steps, 0)
-        _need_int(p, "validation_samples", self.validation_samples, 1)
-        _need_number(p, "peak_tflops", self.peak_tflops, minimum=0.0)
+        need_int(p, "validation_every_steps", self.validation_every_steps, 0)
+        need_int(p, "validation_samples", self.validation_samples, 1)
+        need_number(p, "peak_tflops", self.peak_tflops, minimum=0.0)
         if not isinstance(self.tensorboard_dir, str):
             p.append(f"tensorboard_dir: expected a directory path, got {self.tensorboard_dir!r}")
         self.shape = SHAPES["tiny"]  # placeholder so the object is whole even when invalid
@@ -344,7 +280,7 @@ class TrainConfig:
                 and self.micro_batch_size > self.global_batch_size):
             p.append(f"micro_batch_size: {self.micro_batch_size} exceeds global_batch_size "
                      f"{self.global_batch_size}")
-        _raise_if(p)
+        raise_if(p)
 
     def _resolve_shape(self) -> list[str]:
         base = SHAPES[self.model]
@@ -356,7 +292,7 @@ class TrainConfig:
             return [_unknown_key(k, names, "model_overrides") for k in unknown]
         overrides: dict[str, Any] = dict(self.model_overrides)
         for name in ("rope_theta", "norm_eps"):  # TOML writes 10000 for 10000.0
-            if _is_number(overrides.get(name)):
+            if is_number(overrides.get(name)):
                 overrides[name] = float(overrides[name])
         try:
             self.shape = dataclasses.replace(base, **overrides)
@@ -406,7 +342,7 @@ def tiny_defaults(optimizer: dict[str, Any]) -> dict[str, Any]:
     OptimizerConfig): the recipe's shape at a scale where a few hundred steps learn, lr
     3e-3, warm-up 10 steps, and min_lr a tenth of lr."""
     out = {"lr": 3e-3, "warmup_steps": 10, **optimizer}
-    if "min_lr" not in out and _is_number(out["lr"]) and out["lr"] > 0:
+    if "min_lr" not in out and is_number(out["lr"]) and out["lr"] > 0:
         out["min_lr"] = out["lr"] / 10
     return out
 
@@ -473,7 +409,7 @@ def _build(cls: type[Any], data: dict[str, Any], where: str) -> Any:
     except ConfigError as e:
         problems.extend(e.prefixed(where).errors if where else e.errors)
         return_value = None
-    _raise_if(problems)
+    raise_if(problems)
     return return_value
 
 
@@ -494,7 +430,7 @@ def _convert(value: Any, annotation: Any, path: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a table, got {value!r}")
         return _build(cast(type[Any], annotation), value, path)
-    if annotation is float and _is_number(value):
+    if annotation is float and is_number(value):
         return float(value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):

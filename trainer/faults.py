@@ -209,3 +209,10 @@ def _claim(marker: Path, text: str) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+def burn_cpu(seconds: float) -> None:
+    """Spin for ``seconds`` of this thread's CPU time (a slow device, for drills)."""
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        pass

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from trainer.config import TrainConfig
 
 if TYPE_CHECKING:
-    from trainer.train import StepStats
+    from trainer.result import StepStats
 
 
 class _Bar(Protocol):

@@ -22,12 +22,10 @@ import contextlib
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -38,16 +36,18 @@ from trainer import checkpoint_layout as layout
 from trainer.config import TrainConfig, config_digest
 from trainer.data import BatchReader, open_source, open_validation_source
 from trainer.digest import model_digest
-from trainer.faults import SPIKE_FACTOR, Fault, FaultPlan
+from trainer.faults import SPIKE_FACTOR, Fault, FaultPlan, burn_cpu
 from trainer.model import Transformer
 from trainer.optim import build_optimizer, lr_at, set_lr
-from trainer.staging import StagedCopy, Staging
+from trainer.persist import PersistentSaves
+from trainer.restore import restore
+from trainer.result import StepStats, TrainResult
 from trainer.telemetry import Telemetry
 from trainer.tracking import StepLog
-from wire import TIER_MEMORY, TIER_PERSISTENT, Phase
-from wire.errors import EXIT_OK, UsageError, exit_code_for
+from wire import TIER_MEMORY, Phase
+from wire.errors import EXIT_OK, exit_code_for
+from wire.files import RESULT_FILE
 
-RESULT_FILE = "result.json"
 _COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -56,40 +56,6 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _COMPUTE_DTYPES[name]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainResult:
-    """What result.json holds (rank 0's copy has the digest; other ranks get None)."""
-
-    final_step: int
-    model_digest: str | None
-    final_loss: float | None  # the loss of the final step, even if an earlier attempt ran it
-    steps_run_this_attempt: int
-    resumed_from: str | None  # the checkpoint directory (or memory:A:N) this attempt started from
-    consumed_samples: int
-    world_size: int
-    model: str
-    parameters: int
-    config_digest: str
-    run_id: str
-    attempt: int
-    last_checkpoint: str | None
-    wall_time_s: float  # this attempt, from model build to result.json
-
-
-@dataclass(frozen=True, slots=True)
-class StepStats:
-    loss: float  # mean over all ranks and micro-batches
-    grad_norm: float  # global L2 norm before clipping
-    lr: float
-    step_time_s: float  # data + forward + backward + optimizer + loss all-reduce
-    tokens_per_s: float  # over all ranks
-    first_sample: int = 0  # the data stream position this step's batch began at
-    busy_s: float = math.nan  # this rank's own compute time (see _train_step)
-    param_norm: float = math.nan  # global L2 norm of the parameters after the step
-    mfu: float = math.nan  # model FLOPs utilization over all ranks (trainer/flops.py)
-    val_loss: float = math.nan  # set on the steps that ran validation
 
 
 def train(config: TrainConfig, *, resume: str = "auto",
@@ -140,7 +106,6 @@ class _Runner:
         self.step = 0  # optimizer steps completed
         self.consumed = 0  # samples consumed, the data stream position
         self.last_loss: float | None = None
-        self.last_checkpoint: str | None = None
         self.started = time.monotonic()
         # SIGUSR1 asks for a checkpoint at the next step (Slurm sends it ahead of a time
         # limit, ``sbatch --signal=USR1@S``); the ranks agree on the step in the loss's
@@ -169,14 +134,8 @@ class _Runner:
         self.memory = None if memory_root is None else memory_tier.MemoryTier(
             memory_root, identity.node, identity.attempt, ctx.launch.local_world_size, device=ctx.device,
             io_threads=self.io_threads)
-        self._persisting: Future[None] | None = None
-        self._persist_copy: StagedCopy | None = None  # the asynchronous save's copy, until fenced
-        asynchronous = config.checkpoint.asynchronous
-        self._persist_group = distributed.background_group() if asynchronous else None
-        self._persist_worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-                                if asynchronous else None)
-        # The host copy an asynchronous save writes from (trainer/staging.py).
-        self._persist_staging = Staging(ctx.device, threads=self.io_threads) if asynchronous else None
+        self.saves = PersistentSaves(config, ctx, telemetry, io_threads=self.io_threads, say=self._say,
+                                     before_commit=self._in_save)
         source = open_source(config.data, seed=config.seed,
                              vocab_size=config.shape.vocab_size, seq_len=config.seq_len)
         self.reader = BatchReader(source, seed=config.seed,
@@ -229,9 +188,9 @@ class _Runner:
             self.faults.after_step(self.step, self.ctx.rank,
                                    lambda fault, detail: self._fault_fired(fault, self.step, detail))
         self._fence()  # no step follows the last one's saves
-        if self._persisting is not None or (self.memory is not None and self.memory.busy):
+        if self.saves.busy or (self.memory is not None and self.memory.busy):
             with self._checkpoint_phase():  # the final checkpoint is on storage before the run is done
-                self._wait_persistent()
+                self.saves.wait()
                 if self.memory is not None:
                     self.memory.wait()
         self.log.close()
@@ -244,7 +203,8 @@ class _Runner:
             consumed_samples=self.consumed, world_size=self.ctx.world_size,
             model=config.model, parameters=config.shape.parameter_count(),
             config_digest=config_digest(config), run_id=self.telemetry.identity.run,
-            attempt=self.telemetry.identity.attempt, last_checkpoint=self.last_checkpoint,
+            attempt=self.telemetry.identity.attempt,
+            last_checkpoint=self.saves.last_path or resumed_from,
             wall_time_s=round(time.monotonic() - self.started, 3))
         if self.ctx.is_main:
             atomic.write_json(Path(config.output_dir) / RESULT_FILE, asdict(result))
@@ -260,94 +220,30 @@ class _Runner:
         self._fence()  # a writer waiting to learn what its copy cost training learns it now
         if self.memory is not None:
             self.memory.close()
-        if self._persist_worker is not None:
-            self._persist_worker.shutdown(wait=False, cancel_futures=True)
-        if self._persist_staging is not None:
-            self._persist_staging.close()
+        self.saves.close()
 
     def _fence(self) -> None:
         """The state is about to change: the copies of the saves in flight must be done
         (trainer/staging.py)."""
         if self.memory is not None:
             self.memory.fence()
-        copy, self._persist_copy = self._persist_copy, None
-        if copy is not None:
-            copy.fence()
+        self.saves.fence()
 
     def _prepare_staging(self) -> None:
         """Lay out the host buffers the saves beside training copy into, ahead of the first
         save and on threads of their own (trainer/staging.py)."""
         if self.memory is not None and self.config.checkpoint.memory_every_steps:
             self.memory.prepare(self.model, self.optimizer)
-        if self._persist_staging is not None:
-            self._persist_staging.prepare(checkpoint.stage(self.model, self.optimizer))
+        self.saves.prepare(self.model, self.optimizer)
 
     def _restore(self, resume: str) -> str | None:
-        in_memory = memory_tier.parse_resume(resume)
-        if in_memory is not None:
-            return self._restore_from_memory(*in_memory)
-        root = Path(self.config.checkpoint.dir).absolute()
-        choice: tuple[str | None, str | None] = (None, None)  # (path, error message)
-        if self.ctx.is_main:
-            try:
-                path = layout.resolve_resume(resume, root)
-                choice = (str(path) if path else None, None)
-            except UsageError as e:
-                choice = (None, str(e))
-        path_text, error = distributed.broadcast_from_main(choice)
-        if error is not None:
-            raise UsageError(error)
-        if path_text is None:
+        """Resume from the checkpoint ``resume`` names (trainer/restore.py): where from, or None."""
+        resumed = restore(resume, self.config, self.ctx, self.telemetry, self.model, self.optimizer,
+                          memory=self.memory, io_threads=self.io_threads, say=self._say)
+        if resumed is None:
             return None
-        path = Path(path_text).absolute()
-        meta = layout.TrainerMeta.read(path)
-        size = layout.bytes_per_rank(path, meta.world_size)
-        self.telemetry.set_phase(Phase.RESTORE, self.step, size=size)
-        meta.check_compatible(world_size=self.ctx.world_size, model=self.config.model,
-                              model_shape=asdict(self.config.shape), reshard=True)
-        if meta.world_size != self.ctx.world_size:
-            self._say(f"resharding {path.name} from {meta.world_size} to {self.ctx.world_size} ranks: "
-                      f"the global batch of {self.config.global_batch_size} is now {self.ctx.world_size} x "
-                      f"{self.batch.accumulation} x {self.batch.micro}")
-        if meta.config_digest != config_digest(self.config) and self.ctx.is_main:
-            print(f"trainer: warning: {path} was written with different training settings "
-                  f"(config digest {meta.config_digest}, now {config_digest(self.config)})",
-                  file=sys.stderr, flush=True)
-        started = time.monotonic()
-        times = checkpoint.load(path, self.model, self.optimizer, io_threads=self.io_threads)
-        self.step, self.consumed, self.last_loss = (
-            meta.step, meta.consumed_samples, meta.last_loss)
-        self.last_checkpoint = str(path)
-        self._restored(str(path), TIER_PERSISTENT, time.monotonic() - started, times.size or size, times)
-        return str(path)
-
-    def _restore_from_memory(self, attempt: int, step: int) -> str:
-        assert self.memory is not None
-        size = self.memory.bytes_held(attempt, step, self.ctx.rank)
-        self.telemetry.set_phase(Phase.RESTORE, self.step, size=size)
-        started = time.monotonic()
-        meta = layout.TrainerMeta(**self.memory.restore(attempt, step, self.model, self.optimizer))
-        meta.check_compatible(world_size=self.ctx.world_size, model=self.config.model,
-                              model_shape=asdict(self.config.shape), reshard=False)
-        self.step, self.consumed, self.last_loss = meta.step, meta.consumed_samples, meta.last_loss
-        self.last_checkpoint = memory_tier.resume_name(attempt, step)
-        times = self.memory.restored_times
-        peers = self.memory.restored_from_peers
-        sent = f", {peers} rank(s)' state sent over from the node holding its replica" if peers else ""
-        self._restored(self.last_checkpoint, TIER_MEMORY, time.monotonic() - started, times.size or size,
-                       times, f"; attempt {attempt}'s save in node memory{sent}")
-        return self.last_checkpoint
-
-    def _restored(self, where: str, tier: str, seconds: float, size: int, times: checkpoint.RestoreTimes,
-                  note: str = "") -> None:
-        """Resumed after ``self.step`` from ``where``: said in the log and on telemetry
-        (the restore's pace sets the supervisor's allowance for the next one)."""
-        self.telemetry.restored(self.step)
-        if self.ctx.is_main:
-            self.telemetry.checkpoint_restored(step=self.step, path=where, tier=tier, duration_s=seconds,
-                                               size=size)
-        pace = f"{size} bytes, {size / seconds / 1e9:.3f} GB/s a rank; " if size and seconds > 0 else ""
-        self._say(f"resumed from {where} at step {self.step} in {seconds:.3f} s ({pace}{times}{note})")
+        self.step, self.consumed, self.last_loss = resumed.step, resumed.consumed, resumed.last_loss
+        return resumed.where
 
     def _train_step(self, step: int) -> StepStats:
         """One optimizer step. Besides the wall time (equal on every rank: they wait for
@@ -391,7 +287,7 @@ class _Runner:
                         Fault("slow", step, self.ctx.rank))
             self._fault_fired(slow, step,
                               f"node {self.telemetry.identity.node} computes at 1/{slowdown:g} speed")
-            _burn_cpu((slowdown - 1.0) * (time.thread_time() - cpu_started))
+            burn_cpu((slowdown - 1.0) * (time.thread_time() - cpu_started))
         # max_norm=inf measures the norm without clipping (scales gradients by exactly 1).
         max_norm = config.optimizer.grad_clip or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -485,13 +381,7 @@ class _Runner:
         """A background save that failed fails the attempt at the next step."""
         if self.memory is not None:
             self.memory.poll()
-        if self._persisting is not None and self._persisting.done():
-            self._wait_persistent()
-
-    def _wait_persistent(self) -> None:
-        pending, self._persisting = self._persisting, None
-        if pending is not None:
-            pending.result()
+        self.saves.poll()
 
     def _save_to_memory(self) -> None:
         assert self.memory is not None
@@ -540,44 +430,8 @@ class _Runner:
             self._fault_fired(tamper, self.step, f"the checkpoint of step {self.step} is saved with one "
                                                  f"weight of rank {self.ctx.rank}'s shard changed")
         state = checkpoint.stage(self.model, self.optimizer, tamper=tamper is not None)
-        size = checkpoint.state_bytes(state)
-        if self._persist_worker is None:
-            with self._checkpoint_phase(size):
-                self._persist(meta, state)
-            return
-        with self._checkpoint_phase(size):
-            started = time.perf_counter()  # training is blocked from here: the wait counts too
-            self._wait_persistent()  # one save in flight: the previous one is on storage first
-            waited = time.perf_counter() - started
-            assert self._persist_staging is not None
-            self._persist_copy = self._persist_staging.begin(state)  # beside the next step: fenced before it
-        self._persisting = self._persist_worker.submit(self._persist, meta, state, self._persist_copy, waited)
-
-    def _persist(self, meta: layout.TrainerMeta, state: dict[str, object], copy: StagedCopy | None = None,
-                 waited_s: float = 0.0) -> None:
-        """Write and commit a persistent checkpoint: on the training thread, or on the
-        checkpoint thread from ``copy`` (an asynchronous save: training waited ``waited_s``
-        for the previous one, and whatever of the copy was left at the next step)."""
-        config = self.config
-        step, started = meta.step, time.monotonic()
-        if copy is not None:
-            state = copy.done()
-        size = checkpoint.state_bytes(state)
-        saved = checkpoint.save(Path(config.checkpoint.dir).absolute(), meta, state,
-                                keep=config.checkpoint.keep, is_main=self.ctx.is_main,
-                                before_commit=lambda: self._in_save(step, started, size),
-                                group=self._persist_group, io_threads=self.io_threads,
-                                attempt=self.telemetry.identity.attempt)
-        self.last_checkpoint = str(saved.path)
-        if self.ctx.is_main:
-            blocked = saved.duration_s if copy is None else waited_s + copy.blocked_s()
-            whole = time.monotonic() - started + (0.0 if copy is None else copy.begun_s)
-            self.telemetry.checkpoint_committed(step=step, path=str(saved.path), duration_s=blocked,
-                                                total_s=whole, size=size)
-            pruned = f", pruned {len(saved.deleted)}" if saved.deleted else ""
-            beside = "" if copy is None else f" (beside training; it blocked {blocked:.3f} s)"
-            self._say(f"checkpoint step {step} committed to {saved.path} "
-                      f"in {saved.duration_s:.3f} s{beside}{pruned}")
+        with self._checkpoint_phase(checkpoint.state_bytes(state)):
+            self.saves.save(meta, state)
 
     def _in_save(self, step: int, started: float, size: int) -> None:
         """Chaos drills between a save's writes and its commit: a rank killed there, or
@@ -612,13 +466,6 @@ def _stated_peak(device: torch.device, dtype: torch.dtype) -> float:
     else:
         peak = flops.cpu_peak_tflops(torch.get_num_threads())
     return peak or 0.0
-
-
-def _burn_cpu(seconds: float) -> None:
-    """Spin for ``seconds`` of this thread's CPU time (a slow device, for drills)."""
-    until = time.thread_time() + seconds
-    while time.thread_time() < until:
-        pass
 
 
 def _fmt(value: float | None) -> str:

@@ -15,7 +15,7 @@ and the other things both sides read or write:
     wire/errors.py       the trainer's errors and exit codes, which the supervisor reads
     wire/slots.py        a node's slot file: its ranks' state, read by the node agent
     wire/standby.py      a warm standby's assignment, written by the launchers
-    wire/checkpoints.py  the names of a checkpoint's manifest and the run's fence file
+    wire/files.py        the names of the files both write or read: manifest, fence, result
     wire/batch.py        how a global batch splits over replicas (a spec is checked by it)
     wire/neuron_launch.py the Neuron launch line (torchrun, precompile) and its environment
     wire/routes.py       which of a host's addresses faces another host

@@ -72,7 +72,7 @@ class CheckpointMismatch(DoNotRetry):
 
 class Superseded(DoNotRetry):
     """A later attempt of this run is live: this (stale) process must not touch the
-    run's checkpoints (wire.checkpoints.FENCE_FILE)."""
+    run's checkpoints (wire.files.FENCE_FILE)."""
 
 
 class DataError(DoNotRetry):

@@ -305,6 +305,13 @@ def _find_hang(view: RunView, live: Attempt, obs: AttemptObs, now: float, step: 
 STALL_GAP_S = 5.0  # a rank unheard this much longer than the most recently heard one stalled first
 
 
+def heard_again_at(last_heard: float | None, heard: float, back_at: float | None) -> float | None:
+    """When an attempt's ranks were heard again after all of them fell silent together (a
+    cut between the nodes and the broker): ``heard``, the newest word of any rank, when it
+    came over ``STALL_GAP_S`` after the one before (``last_heard``); else ``back_at`` as it was."""
+    return heard if last_heard is not None and heard - last_heard > STALL_GAP_S else back_at
+
+
 def _node_going_silent(view: RunView, obs: AttemptObs, now: float) -> bool:
     """Every rank of some node unheard for STALL_GAP_S while other nodes are heard, and
     the silence rule's verdict on it still to come (and a grace): it will judge it a lost

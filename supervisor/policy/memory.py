@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from supervisor.domain import MemoryCheckpointRef
+from supervisor.domain import Attempt, CheckpointRef, MemoryCheckpointRecord, MemoryCheckpointRef
 
 
 def unrecoverable(save: MemoryCheckpointRef, nodes: Collection[str]) -> list[str]:
@@ -31,3 +31,18 @@ def unrecoverable(save: MemoryCheckpointRef, nodes: Collection[str]) -> list[str
     if len(ring) == 1:
         return [] if ring[0] in here else list(ring)
     return [node for i, node in enumerate(ring) if node not in here and ring[(i + 1) % len(ring)] not in here]
+
+
+def newest_resumable(saves: list[MemoryCheckpointRecord], attempts: tuple[Attempt, ...],
+                     persistent: CheckpointRef | None, before_step: int | None,
+                     unreadable: frozenset[int]) -> MemoryCheckpointRef | None:
+    """The newest save of the memory tier worth resuming from: as new as the newest
+    persistent checkpoint or newer (a node that holds it is not read from storage),
+    before a rollback's step, never found unreadable."""
+    usable = [s for s in saves
+              if s.step >= (persistent.step if persistent else 1) and s.step not in unreadable
+              and (before_step is None or s.step < before_step) and 0 < s.attempt <= len(attempts)]
+    if not usable:
+        return None
+    save = max(usable, key=lambda s: (s.step, s.attempt))
+    return MemoryCheckpointRef(attempt=save.attempt, step=save.step, nodes=attempts[save.attempt - 1].nodes)

@@ -25,7 +25,7 @@ import pytest
 from tests.chaos.conftest import assert_records
 from tests.conftest import REPO, free_port, require, start_mosquitto, stop_by_pid, wait_for
 from tests.e2e.conftest import EXAMPLE, Serve, ctl, db_rows, env, summary_of, trainer_processes, tsup
-from wire.checkpoints import FENCE_FILE
+from wire.files import FENCE_FILE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 

@@ -56,7 +56,7 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
 
         # Writes need the API token; reads that or the read-only one, from this host too.
         # (where supervisorctl looks for a token by default: nowhere with one, here)
-        monkeypatch.setattr("api.ctl.SYSTEM_TOKEN_FILE", tmp_path / "no-such-token")
+        monkeypatch.setattr("api.ctl_settings.SYSTEM_TOKEN_FILE", tmp_path / "no-such-token")
         monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "no-state"))
         anonymous = quick(daemon, "submit", str(EXAMPLE), token=False)
         assert anonymous.returncode == 4 and "needs the API token" in anonymous.stderr

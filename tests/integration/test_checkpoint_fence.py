@@ -19,8 +19,8 @@ from supervisor.launchers.local import LocalLauncher
 from supervisor.spec import parse_spec
 from tests.conftest import wait_for
 from trainer.checkpoint_layout import live_attempt
-from wire.checkpoints import FENCE_FILE
 from wire.errors import EXIT_DO_NOT_RETRY
+from wire.files import FENCE_FILE
 
 
 def test_a_stale_rank_0_woken_during_the_next_attempt_neither_commits_nor_prunes(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from trainer.checkpoint_layout import complete_checkpoints
-from wire.checkpoints import MANIFEST_FILE
+from wire.files import MANIFEST_FILE
 
 pytestmark = pytest.mark.integration
 

@@ -453,8 +453,9 @@ class CuttableProxy:
 def test_publisher_survives_a_network_cut() -> None:
     """The will fires when the connection dies; the publisher reconnects, registers again,
     and delivers what was published during the outage; close() ends without a will."""
-    from trainer.telemetry import Broker as BrokerAddress
-    from trainer.telemetry import Identity, Telemetry
+    from trainer.telemetry import Telemetry
+    from trainer.telemetry_env import Broker as BrokerAddress
+    from trainer.telemetry_env import Identity
 
     broker = EmbeddedBroker()
     broker.start()

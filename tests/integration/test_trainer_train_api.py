@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from trainer.config import TrainConfig, config_from_dict
-from trainer.train import TrainResult, train
+from trainer.result import TrainResult
+from trainer.train import train
 
 
 def make_config(tmp_path: Path, **overrides: Any) -> TrainConfig:

@@ -17,7 +17,7 @@ from supervisor.broker_access import (
     BrokerAccess,
     covers,
 )
-from trainer.telemetry import broker_from_env
+from trainer.telemetry_env import broker_from_env
 
 SECRET = b"the supervisor's secret"
 ACCESS = BrokerAccess("c1", SECRET, "sup-pass", reader_password="read-pass")

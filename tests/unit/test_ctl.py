@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from api.client import _sse
-from api.ctl import _parser, _settings, completion_script, main
+from api.ctl import _parser, completion, main
+from api.ctl_settings import daemon_settings
 from supervisor.token_file import ensure_token, read_token
 from tests.conftest import free_port
 
@@ -29,7 +30,7 @@ def run(argv: list[str], environ: dict[str, str]) -> tuple[int, str, str]:
 
 
 def settings(argv: list[str], environ: dict[str, str]) -> dict[str, object]:
-    return _settings(_parser().parse_args([*argv, "runs"]), environ)
+    return daemon_settings(_parser().parse_args([*argv, "runs"]), environ)
 
 
 def test_the_token_comes_from_the_flag_then_the_environment_then_the_config(tmp_path: Path) -> None:
@@ -107,14 +108,14 @@ def complete(script: str, words: str, fake_runs: str, tmp_path: Path) -> list[st
 
 def test_bash_completion_offers_commands_options_and_the_daemons_runs(tmp_path: Path) -> None:
     assert shutil.which("bash")
-    script = completion_script("bash")
+    script = completion("bash")
     assert "restart" in complete(script, "supervisorctl re", "", tmp_path)
     assert complete(script, "supervisorctl re", "", tmp_path) == ["restart", "resume"]
     assert complete(script, "supervisorctl status run-", "run-1 run-2", tmp_path) == ["run-1", "run-2"]
     assert complete(script, "supervisorctl --json drain n", "", tmp_path) == ["node1", "node2"]
     assert complete(script, "supervisorctl drain node1 --re", "", tmp_path) == ["--reason"]
     assert complete(script, "supervisorctl completion ", "", tmp_path) == ["bash", "zsh"]
-    assert completion_script("zsh").startswith("autoload -U +X bashcompinit && bashcompinit\n")
+    assert completion("zsh").startswith("autoload -U +X bashcompinit && bashcompinit\n")
 
 
 def test_every_command_takes_json(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from supervisor.domain import (
     StopAttempt,
 )
 from supervisor.policy import decide
+from supervisor.policy.detection import STALL_GAP_S, heard_again_at
 from tests.unit.policy_world import NOW, attempt, hang_after, obs, of, rank, run, timed, view
 
 
@@ -116,3 +117,11 @@ def test_once_a_save_was_timed_the_checkpoint_allowance_adapts_to_it() -> None:
     assert "checkpoint allowance: max(8 s, 3 x slowest save 0.15 s)" in fault.summary
     slow = replace(o, ranks=stuck, save_s=100.0)
     assert not of(decide(view(r, (live,)), slow, NOW), RecordFault)
+
+
+def test_ranks_heard_again_after_a_silence_longer_than_the_stall_gap_mark_the_links_return() -> None:
+    assert heard_again_at(None, 100.0, None) is None  # the first word: nothing to come back from
+    assert heard_again_at(100.0, 100.0 + STALL_GAP_S / 2, None) is None  # words keep coming
+    assert heard_again_at(100.0, 100.0 + STALL_GAP_S + 1, None) == 100.0 + STALL_GAP_S + 1  # back after a cut
+    assert heard_again_at(200.0, 201.0, 150.0) == 150.0  # the last return stands while words flow
+

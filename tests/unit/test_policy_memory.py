@@ -12,13 +12,14 @@ from supervisor.domain import (
     AttemptState,
     CheckpointRef,
     Emit,
+    MemoryCheckpointRecord,
     MemoryCheckpointRef,
     NodeState,
     RunState,
     StartAttempt,
 )
 from supervisor.policy import decide
-from supervisor.policy.memory import unrecoverable
+from supervisor.policy.memory import newest_resumable, unrecoverable
 from tests.unit.policy_world import NOW, attempt, nodes, of, run, view
 
 
@@ -83,20 +84,39 @@ def test_when_a_node_and_its_replica_holder_are_lost_the_persistent_checkpoint_i
 def test_a_memory_save_as_new_as_the_persistent_checkpoint_is_the_one_resumed_from() -> None:
     """The node lived: its memory holds step 40 as storage does, and reading memory reads
     no storage. An older memory save never wins; one the trainer could not read is passed."""
-    from supervisor.domain import FaultKind, FaultRecord, MemoryCheckpointRecord
-    from supervisor.observe import _newest_memory
+    from supervisor.domain import FaultKind, FaultRecord
     from supervisor.policy import unreadable_checkpoints
 
     attempts = (attempt(1, AttemptState.ENDED, nodes=("a", "b")),)
     saves = [MemoryCheckpointRecord(attempt=1, step=s, duration_s=0.1, created_at=NOW) for s in (35, 40)]
-    newest = _newest_memory(saves, attempts, CheckpointRef(step=40, path="/ck/40"), None, frozenset())
+    newest = newest_resumable(saves, attempts, CheckpointRef(step=40, path="/ck/40"), None, frozenset())
     assert newest is not None and newest.step == 40
-    assert _newest_memory(saves, attempts, CheckpointRef(step=45, path="/ck/45"), None, frozenset()) is None
+    assert newest_resumable(saves, attempts, CheckpointRef(step=45, path="/ck/45"), None, frozenset()) is None
     # Attempt 2 resumed from memory:1:40 and could not read it (exit 3): memory's 40 is out, storage's 40 is not.
     tried = (*attempts, attempt(2, AttemptState.ENDED, resume_from="memory:1:40", resume_step=40))
     failed = [FaultRecord(id=1, run_number=7, attempt=2, kind=FaultKind.CHECKPOINT, ranks=(0,), nodes=(),
                           step=40, summary="x", detected_at=NOW, recovered_at=None)]
     assert unreadable_checkpoints(failed, tried, memory=True) == {40}
     assert unreadable_checkpoints(failed, tried) == frozenset()
-    assert _newest_memory(saves, tried, CheckpointRef(step=40, path="/ck/40"), None,
-                          unreadable_checkpoints(failed, tried, memory=True)) is None
+    assert newest_resumable(saves, tried, CheckpointRef(step=40, path="/ck/40"), None,
+                            unreadable_checkpoints(failed, tried, memory=True)) is None
+
+
+def memory_save(attempt_number: int, step: int) -> MemoryCheckpointRecord:
+    return MemoryCheckpointRecord(attempt=attempt_number, step=step, duration_s=0.1, created_at=NOW)
+
+
+def test_the_memory_save_resumed_from_is_the_newest_usable_one_with_its_attempts_nodes() -> None:
+    attempts = (attempt(1, AttemptState.ENDED, nodes=("a", "b")), attempt(2, nodes=("c", "d")))
+    saves = [memory_save(1, 40), memory_save(2, 60), memory_save(2, 80), memory_save(1, 90)]
+    # the newest: step 90, on its own attempt's nodes
+    assert newest_resumable(saves, attempts, None, None, frozenset()) == MemoryCheckpointRef(
+        attempt=1, step=90, nodes=("a", "b"))
+    # a rollback before step 85, and step 80 found unreadable: step 60
+    assert newest_resumable(saves, attempts, None, 85, frozenset({80})) == MemoryCheckpointRef(
+        attempt=2, step=60, nodes=("c", "d"))
+    # older than the newest persistent checkpoint: storage is read instead
+    assert newest_resumable(saves, attempts, CheckpointRef(step=95, path="/ck/95"), None, frozenset()) is None
+    # a save of an attempt the run does not have (a record from elsewhere) is never picked
+    assert newest_resumable([memory_save(3, 99)], attempts, None, None, frozenset()) is None
+

@@ -23,8 +23,8 @@ from trainer import checkpoint_io, state_file
 from trainer import checkpoint_layout as layout
 from trainer.checkpoint_io import HashingWriter, VerifyingReader, io_threads, read_verified, tensor_in_place
 from trainer.staging import Staging
-from wire.checkpoints import MANIFEST_FILE, read_manifest
 from wire.errors import CheckpointMismatch
+from wire.files import MANIFEST_FILE, read_manifest
 
 
 def state() -> dict[str, Any]:

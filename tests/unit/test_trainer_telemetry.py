@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from trainer.telemetry import (
+from trainer.telemetry import Telemetry
+from trainer.telemetry_env import (
     Aggregation,
     Broker,
     Identity,
-    Telemetry,
     aggregation_from_env,
     parse_mqtt_url,
     settings_from_env,

@@ -43,9 +43,9 @@ from trainer.optim import lr_at, set_lr
 from trainer.telemetry import Telemetry
 from wire import Phase
 from wire.errors import EXIT_OK, ConfigError, exit_code_for
+from wire.files import RESULT_FILE
 from wire.neuron_launch import EXTRACT_GRAPHS_STEPS, precision_env
 
-RESULT_FILE = "result.json"
 COMPILE_STEPS = 2  # step 1 creates the optimizer state: its graph differs from step 2's
 
 

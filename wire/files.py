@@ -1,4 +1,4 @@
-"""The names both sides use for a checkpoint's files, and the one reader they share.
+"""The names of the files both sides read and write, and the one reader they share.
 
 A checkpoint directory ``step_NNNNNNNN`` may hold ``manifest.json``: every file of the save
 with its size and hash, written last (trainer/checkpoint_layout.py writes and verifies
@@ -6,7 +6,8 @@ it). The supervisor reads it, as the run's user, to tell a complete save from on
 files are missing or cut short. ``.tsup-attempt`` in the checkpoint directory is the
 fence: the supervisor writes ``{"attempt": N}`` there before it starts attempt N, and a
 rank 0 of an earlier attempt (frozen, then woken) checks it before it clears, commits or
-prunes.
+prunes. ``result.json`` in the trainer's output directory is the reference trainer's
+proof of success: written atomically once the run is done, read by the supervisor.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from wire.errors import CheckpointMismatch
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMATS = (1, 2)  # format 1 (SHA-256 only) is read too
 FENCE_FILE = ".tsup-attempt"
+RESULT_FILE = "result.json"
 
 MANIFEST_MAX_BYTES = 64 << 20  # a manifest lists files: megabytes for the largest saves
 
