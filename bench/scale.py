@@ -172,14 +172,15 @@ from supervisor.domain import (
     RunState,
     RunView,
 )
+from supervisor.launch_specs import LaunchSpecs
 from supervisor.launchers.base import RankProc
 from supervisor.mqtt_link import MqttLink
 from supervisor.observe import Observer
 from supervisor.policy import decide, hang_limit
 from supervisor.reconciler import pause_after
+from supervisor.run_memory import RunMemory
 from supervisor.spec import RunSpec
 from supervisor.telemetry import STEP_TIMES_KEPT, TelemetryView
-from supervisor.tick_state import LaunchSpecs, RunMemory
 
 # The telemetry variants: every rank for itself, node reports from each node's local rank
 # 0, or from each node's agent (node/agent.py).

@@ -10,7 +10,7 @@ attempt and killing a half-started one are decisions of the core: this module on
 reports what it found.
 
 What it remembers between ticks (when a rank was first seen dead, a [command] trainer's
-last scan) it keeps in the run's memory (supervisor/tick_state.py), which the
+last scan) it keeps in the run's memory (supervisor/run_memory.py), which the
 reconciler owns and the executor forgets an attempt from once it ended: observations of
 this process, rebuilt after a restart.
 """
@@ -42,24 +42,20 @@ from supervisor.domain import (
     StragglerReport,
     TrainerResult,
 )
+from supervisor.launch_specs import LaunchSpecs
 from supervisor.launchers.base import Launcher
+from supervisor.observed import Facts, Observed
 from supervisor.output_progress import AttemptOutput
 from supervisor.policy import resume_before, unreadable_checkpoints
 from supervisor.policy.detection import heard_again_at
+from supervisor.policy.grants import allocation_after, grant_changes
 from supervisor.policy.memory import newest_resumable
+from supervisor.run_memory import RunMemory
 from supervisor.settled import SettledHistory, is_over
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore
 from supervisor.telemetry import TelemetryView
 from supervisor.telemetry_records import NOTHING_HEARD, RankSeen
-from supervisor.tick_state import (
-    Facts,
-    LaunchSpecs,
-    Observed,
-    RunMemory,
-    allocation_after,
-    grant_changes,
-)
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +70,7 @@ class Observer:
         self.store = store
         self.launcher = launcher
         self.telemetry = telemetry
-        self.memory = memory  # the run's memory between ticks: the reconciler's (tick_state.py)
+        self.memory = memory  # the run's memory between ticks: the reconciler's (run_memory.py)
         self.launch_specs = launch_specs
         self.probing = probing  # whether some of a run's nodes are being probed
         self.clock = clock
@@ -129,7 +125,7 @@ class Observer:
             if others:  # granted nodes the store has under another run, or not at all
                 with self.store.tx() as tx:
                     known += tx.nodes_named(others)
-            facts.grant = grant_changes(known, run.number, grant)
+            facts.grant = grant_changes(known, run.number, grant.nodes, grant.info)
         allocation = allocation_after(known, run.number, facts.grant)
         newest, newest_memory = None, None
         # The checkpoint matters only when this tick may launch: no attempt training, and a

@@ -38,8 +38,8 @@ from supervisor.effects.attempts import AttemptEffects
 from supervisor.effects.base import Acting, Deps, Family, Recording
 from supervisor.effects.nodes import NodeEffects, NodeIntents
 from supervisor.effects.runs import RunEffects
+from supervisor.observed import Observed
 from supervisor.store import Tx
-from supervisor.tick_state import Observed
 
 __all__ = ["FAMILIES", "TABLE", "Deps", "Effects", "table_problems"]
 

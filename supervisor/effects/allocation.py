@@ -9,9 +9,9 @@ from supervisor.domain import AllocateNodes, Node, NodeState, ReleaseNodes, Run
 from supervisor.domain.events import EventKind
 from supervisor.effects.base import Acting, Deps, Family, Recording
 from supervisor.launchers.base import AllocationRequest
+from supervisor.policy.grants import GrantChanges, grant_changes
 from supervisor.spec import RunSpec
 from supervisor.store import Tx
-from supervisor.tick_state import GrantChanges, grant_changes
 
 AllocationEffect = AllocateNodes | ReleaseNodes
 
@@ -89,7 +89,7 @@ class AllocationEffects(Family):
         with d.store.tx() as tx:
             if current.parked_allocation is not None:  # the run goes on in the job it kept
                 tx.update_run(run.number, parked_allocation=None)
-            changes = grant_changes(tx.list_nodes(), run.number, grant)
+            changes = grant_changes(tx.list_nodes(), run.number, grant.nodes, grant.info)
             record_grant(tx, run.number, changes, now)
             got = len([x for x in tx.allocation(run.number) if x.state is NodeState.ALLOCATED])
             short = (count, got) if got < count else None

@@ -3,17 +3,30 @@ decision's context while it is recorded (``Recording``) and then carried out (``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from supervisor.domain import Attempt, DrainBudget, Run, RunState
 from supervisor.domain.events import EventKind
 from supervisor.effects.checkpoint_moves import CheckpointMoves
+from supervisor.launch_specs import LaunchSpecs
 from supervisor.launchers.base import Launcher, NodeAdmin
+from supervisor.observed import Observed
+from supervisor.run_memory import RunMemory
 from supervisor.store import SqlStore, Tx
 from supervisor.telemetry import TelemetryView
-from supervisor.tick_state import LaunchSpecs, Observed, ProbeSubmitter, RunMemory
+
+
+class ProbeSubmitter(Protocol):
+    """The probe scheduler (supervisor/probes.py), as the executor uses it."""
+
+    sweep_args: tuple[str, ...]
+    sweep_timeout_s: float
+
+    def submit(self, *, run_number: int | None, kind: str, nodes: list[str], argv: tuple[str, ...],
+               timeout_s: float, round_: int = 1, allocation_info: str | None = None,
+               drained: Mapping[str, str] | None = None) -> None: ...
 
 
 @dataclass(slots=True, kw_only=True)
@@ -25,7 +38,7 @@ class Deps:
     nodes: NodeAdmin
     telemetry: TelemetryView
     probes: ProbeSubmitter
-    memory: RunMemory  # the run's memory between ticks: the reconciler's (tick_state.py)
+    memory: RunMemory  # the run's memory between ticks: the reconciler's (run_memory.py)
     launch_specs: LaunchSpecs
     clock: Callable[[], float]
     drain_budget: DrainBudget = field(default_factory=DrainBudget)

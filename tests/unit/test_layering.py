@@ -72,11 +72,12 @@ def lint_copy(tmp_path: Path, edit: tuple[str, str] | None = None) -> subprocess
     ("supervisor/domain/records.py", "import psutil", "The decision core imports no I/O library"),
     ("supervisor/daemon.py", "import api.app", "Layers: CLI and API, daemon"),
     ("supervisor/store/runs.py", "import supervisor.reconciler", "Layers: CLI and API, daemon"),
-    # observe, execute, probes and recorder are independent siblings (tick_state holds what they share)
+    # observe, execute, probes and recorder are independent siblings (what they share is below them)
     ("supervisor/effects/runs.py", "import supervisor.observe", "Layers: CLI and API, daemon"),
     ("supervisor/observe.py", "import supervisor.probes", "Layers: CLI and API, daemon"),
     ("supervisor/recorder.py", "import supervisor.effects", "Layers: CLI and API, daemon"),
     ("supervisor/probes.py", "import supervisor.recorder", "Layers: CLI and API, daemon"),
+    ("supervisor/observed.py", "import supervisor.run_memory", "Layers: CLI and API, daemon"),
     ("supervisor/effects/nodes.py", "import supervisor.observe", "Layers: CLI and API, daemon"),
     ("trainer/train.py", "import supervisor.spec", "The trainer stands alone"),
     ("supervisor/outbox.py", "import sqlalchemy", "Only the store speaks SQL"),
