@@ -1,25 +1,28 @@
-"""Observe: what the reconciler sees of each run this tick. Read-only.
+"""Observe: what the reconciler sees of each run this tick.
 
 It reads the store, asks the launcher what the live attempt's processes are doing and
 what the run's allocation holds, reads the telemetry view and scans the checkpoint
-directory, and hands the decision core one ``RunView`` and one ``AttemptObs`` per run.
-It changes nothing outside: what it learnt that must be kept (the allocation the
-cluster granted, the checkpoints it found) goes to the executor as ``Facts``, which
-records them with the decision's effects in one transaction. Adopting an unrecorded
-attempt and killing a half-started one are decisions of the core: this module only
-reports what it found.
+directory (as the run's user), and hands the decision core one ``RunView`` and one
+``AttemptObs`` per run. It changes nothing outside the daemon: what it learnt that must
+be kept (the allocation the cluster granted, the checkpoints it found, how far a
+trainer's logs were read) goes to the effects as ``Facts``, recorded with the decision.
+It evaluates no rule: what its findings mean is policy/'s (``resumes.expected_first``,
+``quiet.progress_at`` and ``command_result``, ``memory.newest_resumable``,
+``grants.grant_changes``, ``detection.heard_again_at``).
 
-What it remembers between ticks (when a rank was first seen dead, a [command] trainer's
-last scan) it keeps in the run's memory (supervisor/run_memory.py), which the
-reconciler owns and the executor forgets an attempt from once it ended: observations of
-this process, rebuilt after a restart.
+Two kinds of writes remain, both to the daemon's own memory: the telemetry view is told
+the live attempt's world size and what a [command] trainer's output says (its steps and
+phases, as if the trainer had sent them: ``TelemetryView.expect``, ``apply_from_output``,
+``phase_from_output``), and the run's memory (supervisor/run_memory.py) keeps what it
+saw between ticks (when a rank was first seen dead, the output read so far, a quiet
+trainer's newest checkpoint, the loss a resumed attempt must repeat). Both are
+observations of this process, rebuilt after a restart.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,6 +53,8 @@ from supervisor.policy import resume_before, unreadable_checkpoints
 from supervisor.policy.detection import heard_again_at
 from supervisor.policy.grants import allocation_after, grant_changes
 from supervisor.policy.memory import newest_resumable
+from supervisor.policy.quiet import command_result, progress_at
+from supervisor.policy.resumes import expected_first
 from supervisor.run_memory import RunMemory
 from supervisor.settled import SettledHistory, is_over
 from supervisor.spec import RunSpec
@@ -271,38 +276,27 @@ class Observer:
     @staticmethod
     def _result(run: Run, spec: RunSpec, run_dir: Path, live: Attempt,
                 ranks: list[RankObs]) -> TrainerResult | None:
-        if not all(r.proc in (ProcState.EXITED, ProcState.VANISHED) for r in ranks):
+        if not all(r.proc in _ENDED for r in ranks):
             return None
         if spec.command is not None:
-            # A plain command has no result file: every rank exiting 0 is its success.
-            if all(r.proc is ProcState.EXITED and r.exit_code == 0 for r in ranks):
-                final = max([live.resume_step, *(r.last_step for r in ranks)])
-                return TrainerResult(final_step=max(final, spec.command.steps), model_digest=None)
-            return None
+            return command_result(ranks, live.resume_step, spec.command.steps)
         tree = user_tree.of_present(spec.user)
         return None if tree is None else trainer_cmd.read_result(trainer_cmd.result_path(spec, run_dir),
                                                                  run.run_id, live.number, tree)
 
     def _expected_first(self, run: Run, spec: RunSpec, live: Attempt) -> tuple[int, float] | None:
-        """For a resumed reference trainer: its first step and the loss an earlier attempt
-        reported for it. None where the check does not hold: another trainer (whose steps
-        may not be deterministic), a run that skipped data (that step's batch changed), a
-        step no attempt reached or whose loss was not finite, an earlier attempt on another
-        number of nodes (the same batch, its sums taken in another order: equal only up
-        to rounding)."""
+        """For a resumed reference trainer: its first step and the loss it must have
+        (policy/resumes.py), looked up once an attempt."""
         memory = self.memory.attempt(run.number, live.number)
         if not memory.expected_known:
             expected = None
-            if spec.trainer is not None and live.resume_from is not None:
+            if live.resume_from is not None:
                 with self.store.tx() as tx:
                     skipped = bool(tx.list_data_skips(run.number))
-                    before = (None if skipped
-                              else tx.loss_before(run.number, live.resume_step + 1, live.number))
-                    sizes = {a.number: len(a.nodes) for a in tx.list_attempts(run.number)}
-                if before is not None:
-                    attempt, loss = before
-                    if loss is not None and math.isfinite(loss) and sizes.get(attempt) == len(live.nodes):
-                        expected = (live.resume_step + 1, loss)
+                    reported = tx.loss_before(run.number, live.resume_step + 1, live.number)
+                    nodes_of = {a.number: len(a.nodes) for a in tx.list_attempts(run.number)}
+                expected = expected_first(live, reference_trainer=spec.trainer is not None,
+                                          data_skipped=skipped, reported=reported, nodes_of=nodes_of)
             memory.expected, memory.expected_known = expected, True
         return memory.expected
 
@@ -356,10 +350,9 @@ class Observer:
             if newest is not None and newest.step > step:
                 step, step_seen_at = newest.step, now
             memory.quiet = (step, step_seen_at, now)
-        if output is not None and output.understood:
-            return step, _latest(step_seen_at, output.line_at)
+        understood = output is not None and output.understood
         output_at = None
-        if tree is not None:
+        if tree is not None and not understood:  # the logs' times count until their lines are understood
             try:
                 logs = trainer_cmd.attempt_dir(run_dir, live.number)
                 output_at = tree.newest_mtime(run_dir.parent, logs, ".log")
@@ -367,12 +360,9 @@ class Observer:
                 raise  # no answer: asked again next tick
             except OSError:
                 pass  # no logs (yet), or a link in their place: no sign of life from them
-        return step, _latest(step_seen_at, output_at)
+        return step, progress_at(step_seen_at, output_understood=understood,
+                                 progress_line_at=output.line_at if output is not None else None,
+                                 output_at=output_at)
 
 
 _ENDED = (ProcState.EXITED, ProcState.VANISHED)
-
-
-def _latest(*times: float | None) -> float | None:
-    known = [t for t in times if t is not None]
-    return max(known) if known else None

@@ -13,7 +13,12 @@ that wastes least is, to first order, sqrt(2 C MTBF) (Young 1974, Daly 2006).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # supervisor.domain's knobs take their default failure rate from here
+    from supervisor.domain import AttemptStats
 
 LLAMA3_INTERRUPTIONS = 419
 LLAMA3_DAYS = 54.0
@@ -92,3 +97,20 @@ def auto_every_steps(checkpoint_cost_s: float | None, step_time_s: float | None,
         f"MTBF {mtbf / 3600:.1f} h of "
         f"{nodes} node(s) at {failures_per_node_day:g} failures per node-day) = {ideal} steps of {step:.3f} s"
         f"{capped}"))
+
+
+def measured_costs(stats: Sequence[AttemptStats], memory_saves_s: Sequence[float],
+                   tier: str) -> tuple[float | None, float | None]:
+    """What the run measured so far, for ``auto_every_steps``: the mean time one save of
+    ``tier`` blocked training (the memory tier's saves, ``memory_saves_s``; else the
+    persistent saves the attempts' stats count), and the mean step time (None: not yet
+    measured). Each attempt's first step is left out: it carries the warm-up (compile,
+    caches)."""
+    if tier == TIER_MEMORY:
+        cost = sum(memory_saves_s) / len(memory_saves_s) if memory_saves_s else None
+    else:
+        saves = sum(s.checkpoints for s in stats)
+        cost = sum(s.checkpoint_s for s in stats) / saves if saves else None
+    steps = sum(s.steps - 1 for s in stats if s.steps > 1)
+    step_s = sum(s.step_time_s - (s.first_step_time_s or 0.0) for s in stats if s.steps > 1)
+    return cost, step_s / steps if steps else None

@@ -177,18 +177,11 @@ class AttemptEffects(Family):
         from what this run measured so far, the tier's own blocking cost."""
         with self.d.store.tx() as tx:
             stats = list(tx.attempt_stats(run.number).values())
-            if tier == planning.TIER_MEMORY:
-                saved = tx.list_memory_checkpoints(run.number)
-                timed = [m.duration_s for m in saved if m.duration_s is not None]
-                cost = sum(timed) / len(timed) if timed else None
-            else:
-                saves = sum(s.checkpoints for s in stats)
-                cost = sum(s.checkpoint_s for s in stats) / saves if saves else None
-            # Each attempt's first step is left out: it carries the warm-up (compile, caches).
-            steps = sum(s.steps - 1 for s in stats if s.steps > 1)
-            step_s = sum(s.step_time_s - (s.first_step_time_s or 0.0) for s in stats if s.steps > 1)
-            auto = planning.auto_every_steps(cost, step_s / steps if steps else None, run.nodes,
-                                             run.policy.failures_per_node_day, spec.total_steps, tier)
+            saved = tx.list_memory_checkpoints(run.number) if tier == planning.TIER_MEMORY else []
+            memory_saves = [m.duration_s for m in saved if m.duration_s is not None]
+            cost, step_s = planning.measured_costs(stats, memory_saves, tier)
+            auto = planning.auto_every_steps(cost, step_s, run.nodes, run.policy.failures_per_node_day,
+                                             spec.total_steps, tier)
             what = "memory checkpoint" if tier == planning.TIER_MEMORY else "checkpoint"
             tx.add_event(run.number, EventKind.CHECKPOINT_INTERVAL, f"{what} {auto.why}",
                          {"every_steps": auto.every_steps, "tier": tier}, now)

@@ -62,6 +62,7 @@ from supervisor.policy.attribution import (
     is_dead,
     ranks_text,
 )
+from supervisor.policy.resumes import resume_diverged, wrong_resume
 
 
 def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Finding | None:
@@ -86,7 +87,7 @@ def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fin
             # time to say which. A node agent's word (its reports, its last will) says it now.
             return None
         return attribute(view, live, obs.ranks, dead, step)
-    wrong = _wrong_resume(live, obs, view.resume_advice) or _resume_diverged(live, obs)
+    wrong = wrong_resume(live, obs, view.resume_advice) or resume_diverged(live, obs)
     if wrong is not None:
         return wrong
     # A precompile pass's losses are not a model's (its graphs run on placeholder data).
@@ -112,43 +113,6 @@ def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fin
         return Finding(RecordFault(kind=FaultKind.NO_RESULT, attempt=live.number, ranks=(), nodes=(),
                                    step=step, summary="every rank exited 0 but the trainer wrote no result"))
     return _find_hang(view, live, obs, now, step)
-
-
-def _wrong_resume(live: Attempt, obs: AttemptObs, advice: str) -> Finding | None:
-    """A trainer told to resume after step N whose first step is N or lower restarted
-    elsewhere: most often from zero, its own search having found nothing where the spec's
-    resume arguments pointed, or where the trainer looks (``advice``: what to change). A
-    restart would do the same: the run stops and says why."""
-    if live.resume_from is None or live.resume_step <= 0:
-        return None
-    early = [r for r in obs.ranks if r.first_step is not None and r.first_step <= live.resume_step]
-    if not early:
-        return None
-    first = min(r.first_step for r in early if r.first_step is not None)
-    summary = (f"the trainer resumed at step {first}, not after step {live.resume_step} of the checkpoint it "
-               f"was given ({live.resume_from}): it did not load it; {advice}")
-    return Finding(RecordFault(kind=FaultKind.WRONG_RESUME, attempt=live.number,
-                               ranks=tuple(r.rank for r in early), nodes=(), step=first, summary=summary),
-                   do_not_retry=True)
-
-
-def _resume_diverged(live: Attempt, obs: AttemptObs) -> Finding | None:
-    """The reference trainer's steps are deterministic: the first step after a resume must
-    have the loss an earlier attempt reported for it. Another loss means the checkpoint
-    does not hold what was saved (a weight changed in storage, yet it loads): it is never
-    resumed from again, and the run goes back to an older one."""
-    if obs.expected_first is None:
-        return None
-    step, loss = obs.expected_first
-    got = next((x for x in obs.recent if x.step == step), None)
-    if got is None or got.loss == loss:
-        return None
-    at = live.resume_step
-    summary = (f"resume diverged: step {step} after resuming from step {at} has loss {got.loss!r}, where the "
-               f"run had {loss!r} before: the checkpoint of step {at} does not hold what was saved; resuming "
-               f"from an older one")
-    return Finding(RecordFault(kind=FaultKind.CHECKPOINT, attempt=live.number, ranks=(), nodes=(),
-                               step=live.resume_step, summary=summary))
 
 
 # --- silence and hangs --------------------------------------------------------------

@@ -119,3 +119,16 @@ def test_the_tiers_costs_come_from_a_gpu_run_scaled_by_bytes_a_rank(tmp_path: Pa
     failed = subprocess.run([sys.executable, "bench/simulate.py", "--nodes", "256", "--from-gpu", str(path)],
                             capture_output=True, text=True, cwd=REPO, timeout=300)
     assert failed.returncode != 0 and "no rank-exit recovery" in failed.stderr
+
+
+def test_the_measured_costs_leave_out_each_attempts_first_step_and_keep_each_tiers_own_saves() -> None:
+    from supervisor.domain import AttemptStats
+
+    stats = [AttemptStats(attempt=1, steps=11, step_time_s=12.0, first_step_time_s=2.0, checkpoints=2, checkpoint_s=3.0),
+             AttemptStats(attempt=2, steps=1, step_time_s=5.0, first_step_time_s=5.0),  # its warm-up only
+             AttemptStats(attempt=3, steps=6, step_time_s=6.0, first_step_time_s=1.0, checkpoints=1, checkpoint_s=3.0)]
+    assert planning.measured_costs(stats, [0.2, 0.4], planning.TIER_PERSISTENT) == (2.0, 1.0)
+    cost, step_s = planning.measured_costs(stats, [0.2, 0.4], planning.TIER_MEMORY)
+    assert cost == pytest.approx(0.3) and step_s == 1.0
+    assert planning.measured_costs([], [], planning.TIER_PERSISTENT) == (None, None)
+
