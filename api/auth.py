@@ -6,7 +6,7 @@ first start: whoever can read the API token may operate the supervisor; whoever 
 read-only token may watch it (the status page, /metrics, every GET). No client is
 trusted for where it connects from: an SSH tunnel or a proxy makes every client look
 local. ``supervisorctl`` finds a token through its config or the environment
-(api/ctl.py); the status page asks for the read-only token once and keeps it for the
+(cli/ctl.py); the status page asks for the read-only token once and keeps it for the
 browser tab (api/status.html). Tokens are compared in constant time. ``/healthz`` and the
 status page's own HTML are open: neither holds anything of the runs.
 

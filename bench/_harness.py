@@ -386,7 +386,7 @@ class SupervisorRun:
                  env: Mapping[str, str] | None = None) -> None:
         self.state_dir = state_dir
         state_dir.mkdir(parents=True, exist_ok=True)
-        args = [PY, "-m", "supervisor.cli", "run", str(spec), "--state-dir", str(state_dir), "--json",
+        args = [PY, "-m", "slurmbox.tsup", "run", str(spec), "--state-dir", str(state_dir), "--json",
                 "--quiet", "--api-port", "-1"]
         for c in chaos:
             args += ["--chaos", c]

@@ -194,7 +194,7 @@ def supervise(spec: Path, state: Path, faults: tuple[str, ...], timeout_s: float
               log: Path) -> dict[str, Any]:
     """Runs the supervisor to the end; its progress goes to ``log`` as it comes (so that a
     run stopped from outside still leaves it)."""
-    argv = [sys.executable, "-m", "supervisor.cli", "run", str(spec), "--state-dir", str(state), "--json"]
+    argv = [sys.executable, "-m", "cli.daemon", "run", str(spec), "--state-dir", str(state), "--json"]
     for fault in faults:
         argv += ["--chaos", fault]
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)

@@ -47,7 +47,7 @@ SCENARIOS = {  # the --chaos kinds of each run, each at --fault-step
 
 def run_once(spec: Path, chaos: list[str], launcher: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tsup-bench-") as tmp:
-        args = [sys.executable, "-m", "supervisor.cli", "run", str(spec), "--state-dir", tmp, "--json",
+        args = [sys.executable, "-m", "slurmbox.tsup", "run", str(spec), "--state-dir", tmp, "--json",
                 "--quiet", "--api-port", "-1", "--launcher", launcher]
         for c in chaos:
             args += ["--chaos", c]

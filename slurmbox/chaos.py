@@ -3,8 +3,9 @@
 On a real cluster the supervisor cannot kill a node; on a box every node's slurmd and
 what it started run on this host, so ``kill-node`` is a SIGKILL to all of them, as a
 power loss would be, and ``partition-node`` takes the node's link down.
-``training-supervisor run --chaos ... --launcher slurm`` loads this module by name
-(supervisor/chaos.py) when the cluster SLURM_CONF names is a box.
+The development entry point (``python -m slurmbox.tsup run --chaos ... --launcher slurm``,
+slurmbox/tsup.py) hands these hooks to the product's command, which imports nothing of
+the box.
 """
 
 from __future__ import annotations

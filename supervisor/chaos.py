@@ -55,13 +55,10 @@ tests) can compare detection times with the moment of injection.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import os
 import re
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,20 +233,3 @@ class ChaosMonkey:
 def _ranks_per_node(store: SqlStore, run_number: int) -> int:
     with store.tx() as tx:
         return tx.get_run(run_number).ranks_per_node
-
-
-def box_hooks(slurm_conf: str | None) -> ChaosHooks:
-    """The chaos hooks of a Slurm box on this host. The box is a development tool, not part
-    of the installed product (slurmbox/): it is loaded by name, from the source tree this
-    package was installed from (an editable install: `make run`'s checkout), when it is
-    not importable already."""
-    checkout = Path(__file__).resolve().parents[1]
-    try:
-        if importlib.util.find_spec("slurmbox") is None and (checkout / "slurmbox" / "chaos.py").is_file():
-            sys.path.append(str(checkout))
-        module = importlib.import_module("slurmbox.chaos")
-    except ImportError as e:
-        raise LaunchError("chaos on Slurm needs the development Slurm box (slurmbox/, a source "
-                          "checkout)") from e
-    hooks: ChaosHooks = module.BoxChaos(slurm_conf)
-    return hooks

@@ -11,7 +11,7 @@ never awaits, so cancelling lands between ticks) and the API stops; then the eve
 still in the outbox are published within ``shutdown_flush_s``; then the MQTT link
 closes. Nothing is lost either way: an event not published stays in the outbox for the
 next start. Trainers keep running; the next daemon adopts them. The `serve` process
-bounds the whole stop (supervisor/cli.py: ``STOP_WITHIN_S``).
+bounds the whole stop (cli/daemon.py: ``STOP_WITHIN_S``).
 
 Under systemd (``Type=notify``) the daemon says READY=1 after its first tick and
 WATCHDOG=1 after each tick that completes (supervisor/sdnotify.py).

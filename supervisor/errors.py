@@ -19,8 +19,8 @@ transitions.py) and ``SlurmParseError`` (Slurm printed what cannot be read,
 supervisor/slurm/parse.py). The daemon raises a bare ``SupervisorError`` when it
 cannot start or a root task dies.
 
-The API maps these to HTTP statuses in one handler (api/app.py); supervisor/cli.py
-maps them to exit codes, and supervisorctl (api/ctl.py) maps the API's statuses to its
+The API maps these to HTTP statuses in one handler (api/app.py); cli/daemon.py
+maps them to exit codes, and supervisorctl (cli/ctl.py) maps the API's statuses to its
 own. Adapters translate foreign exceptions into these with ``raise ... from e``.
 """
 

@@ -4,7 +4,7 @@ daemon's config names another, ``api_token_file``), its read-only token
 secret each attempt's key derives from (``<state dir>/telemetry-secret``).
 
 The daemon makes each on its first start, with mode 0600, and reads it on every later
-one; ``supervisorctl`` reads a token where it can (api/ctl.py). A file that others may
+one; ``supervisorctl`` reads a token where it can (cli/ctl.py). A file that others may
 read is refused rather than used: the API token is the key to every write. The read-only
 token alone may be shared with a group (mode 0640: ``chgrp operators`` it).
 """

@@ -10,6 +10,6 @@
 
 The ports are in supervisor/launchers/base.py; the daemon builds this adapter with
 ``slurm_cluster`` when its launcher is ``slurm`` (supervisor/daemon.py). No chaos hooks
-here: drills on Slurm use the development Slurm box's (slurmbox/, loaded by
-supervisor/chaos.py), which is no part of the installed product.
+here: drills on Slurm use the development Slurm box's (slurmbox/chaos.py), which its own
+entry point hands in (slurmbox/tsup.py); they are no part of the installed product.
 """

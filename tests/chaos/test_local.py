@@ -340,7 +340,7 @@ def test_a_shrunk_run_grows_back_when_its_node_returns(state: Path, tmp_path: Pa
     spec.write_text(EXAMPLE.read_text().replace("spares = 1", "spares = 0").replace("steps = 80", "steps = 400")
                     .replace("[policy]", "[policy]\nshrink_after_s = 2"))
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", str(spec), "--state-dir", str(state),
+    proc = subprocess.Popen([sys.executable, "-m", "cli.daemon", "run", str(spec), "--state-dir", str(state),
                              "--json", "--quiet", "--local-nodes", "2", "--api-port", str(port),
                              "--chaos", "kill-node@47"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env(), cwd=REPO)
@@ -381,7 +381,7 @@ def test_a_30_s_broker_outage_mid_run_restarts_nothing_and_drains_nothing(tmp_pa
     spec = tmp_path / "long.toml"
     spec.write_text(EXAMPLE.read_text().replace("steps = 80", "steps = 100000")
                     + f'\n[telemetry]\nmqtt_url = "{broker.url}"\n')
-    run = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", str(spec), "--state-dir", str(state),
+    run = subprocess.Popen([sys.executable, "-m", "cli.daemon", "run", str(spec), "--state-dir", str(state),
                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
                            cwd=REPO)
     try:

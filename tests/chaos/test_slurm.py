@@ -507,7 +507,7 @@ def run_acting_meanwhile(box: Box, tmp_path: Path, args: list[str],
     """``training-supervisor ARGS`` on ``box`` in the background, ``act()`` while it runs;
     once it exited 0, its summary and its whole output."""
     out = open(tmp_path / "run.out", "w+")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen([sys.executable, "-m", "slurmbox.tsup", *args], stdout=out, stderr=subprocess.STDOUT,
                             env={**env(), "SLURM_CONF": str(box.conf)}, cwd=REPO)
     try:
         act()

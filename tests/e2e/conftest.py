@@ -35,11 +35,11 @@ def env() -> dict[str, str]:
 
 
 def tsup(*args: str | Path, timeout_s: float = 400) -> subprocess.CompletedProcess[str]:
-    """`training-supervisor ARGS`, waited for. One that outlives ``timeout_s`` gets SIGABRT
-    (PYTHONFAULTHANDLER: every thread's stack on its stderr), and the failure shows where
-    it was stuck."""
+    """`training-supervisor ARGS` (with a Slurm box's chaos hooks: slurmbox/tsup.py), waited
+    for. One that outlives ``timeout_s`` gets SIGABRT (PYTHONFAULTHANDLER: every thread's
+    stack on its stderr), and the failure shows where it was stuck."""
     own_wait(timeout_s)
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", *map(str, args)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "slurmbox.tsup", *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**env(), "PYTHONFAULTHANDLER": "1"},
                             cwd=REPO)
     try:
@@ -65,7 +65,7 @@ def ctl(url: str, *args: str, timeout_s: float = 60,
     """`supervisorctl --url URL ARGS`, waited for. No token unless ``extra_env`` names one
     (and none from the user's own config: $TSUP_CTL_CONFIG points nowhere)."""
     environ = {**env(), "TSUP_CTL_CONFIG": os.devnull, **(extra_env or {})}
-    return subprocess.run([sys.executable, "-m", "api.ctl", "--url", url, *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "cli.ctl", "--url", url, *args], capture_output=True,
                           text=True, timeout=timeout_s, env=environ, cwd=REPO, check=False)
 
 
@@ -211,7 +211,7 @@ class Serve:
         self.log = open(self.log_path, "ab")  # noqa: SIM115
         where = ["--config", str(config)] if config else ["--state-dir", str(state), "--api-bind", f"127.0.0.1:{port}"]
         uid, gid, groups = popen_ids(user)  # ``user``: the daemon runs as that user, not root
-        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "serve", *where, *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "cli.daemon", "serve", *where, *args],
                                      stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**env(), **login_env(user), **(extra_env or {})}, cwd=REPO,
                                      user=uid, group=gid, extra_groups=groups)

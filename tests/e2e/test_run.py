@@ -134,7 +134,7 @@ def test_preflight_and_diagnosis_probes_on_the_local_launcher(tmp_path: Path,
 def _long_run(tmp_path: Path, state: Path, *args: str) -> subprocess.Popen[str]:
     spec = tmp_path / "long.toml"
     spec.write_text(EXAMPLE.read_text().replace("steps = 80", "steps = 100000"))
-    return subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", str(spec), "--state-dir", str(state),
+    return subprocess.Popen([sys.executable, "-m", "cli.daemon", "run", str(spec), "--state-dir", str(state),
                              "--json", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
                             cwd=REPO)
 

@@ -21,7 +21,7 @@ import httpx
 import psutil
 import pytest
 
-from api.ctl import main as ctl_main
+from cli.ctl import main as ctl_main
 from tests.conftest import REPO, free_port, require, wait_for
 from tests.e2e.conftest import EXAMPLE, FakeSystemd, Serve, ctl, db_rows, env, trainer_processes, tsup
 
@@ -56,7 +56,7 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
 
         # Writes need the API token; reads that or the read-only one, from this host too.
         # (where supervisorctl looks for a token by default: nowhere with one, here)
-        monkeypatch.setattr("api.ctl_settings.SYSTEM_TOKEN_FILE", tmp_path / "no-such-token")
+        monkeypatch.setattr("cli.ctl_settings.SYSTEM_TOKEN_FILE", tmp_path / "no-such-token")
         monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "no-state"))
         anonymous = quick(daemon, "submit", str(EXAMPLE), token=False)
         assert anonymous.returncode == 4 and "needs the API token" in anonymous.stderr
@@ -77,7 +77,7 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
 
         run_id = daemon.ctl_json("submit", str(EXAMPLE))["run_id"]
         follow = subprocess.Popen(
-            [sys.executable, "-m", "api.ctl", "--url", daemon.url, "--json", "events", run_id, "--follow"],
+            [sys.executable, "-m", "cli.ctl", "--url", daemon.url, "--json", "events", run_id, "--follow"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
             env={**env(), "TSUP_CTL_CONFIG": "/dev/null", "TSUP_API_TOKEN_FILE": str(daemon.read_token_file)})
         # The checkpoint of step 20 committed, not only step 20 reached: a kill during
@@ -291,7 +291,7 @@ def test_the_api_over_https(tmp_path: Path) -> None:
         watcher = {"Authorization": f"Bearer {daemon.read_token_file.read_text().strip()}"}
         assert httpx.get(f"{daemon.url}/v1/runs", verify=ssl.create_default_context(cafile=cert),
                          headers=watcher).json() == []
-        trusted = subprocess.run([sys.executable, "-m", "api.ctl", "--url", daemon.url, "--json", "nodes"],
+        trusted = subprocess.run([sys.executable, "-m", "cli.ctl", "--url", daemon.url, "--json", "nodes"],
                                  capture_output=True, text=True, timeout=60, cwd=REPO, check=False,
                                  env={**env(), "TSUP_CA_FILE": str(cert), "TSUP_CTL_CONFIG": "/dev/null",
                                       "TSUP_API_TOKEN_FILE": str(daemon.read_token_file)})

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from supervisor.chaos import ChaosMonkey, parse_chaos
 from supervisor.domain import AttemptState
 
@@ -82,17 +84,18 @@ def test_a_drill_waits_out_the_precompile_pass_for_training() -> None:
     assert cluster.fired == [(2, "rank 0")]
 
 
-def test_the_console_script_finds_the_slurm_box_of_its_checkout() -> None:
-    """`training-supervisor run --launcher slurm --chaos ...` from a checkout after `make
-    run`: the installed package finds slurmbox/ beside it, off the path pytest gives."""
-    import os
-    import subprocess
-    import sys
+def test_only_the_boxs_entry_point_hands_the_product_chaos_hooks_for_slurm(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m slurmbox.tsup` is the product's command with the box's hooks handed in
+    (the product imports nothing of the box); the hooks need a box on this host."""
+    from cli import daemon
+    from slurmbox import tsup
+    from slurmbox.chaos import BoxChaos
+    from supervisor.errors import LaunchError
 
-    code = ("from supervisor.chaos import box_hooks\n"
-            "try:\n    box_hooks(None)\nexcept Exception as e:\n    print(e)")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SLURM_CONF")}
-    done = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True,
-                          timeout=60, check=True)
-    assert "need a Slurm box on this host" in done.stdout, done.stdout + done.stderr
-    assert "development Slurm box" not in done.stdout
+    handed: dict[str, object] = {}
+    monkeypatch.setattr(daemon, "main", lambda argv=None, **kw: handed.update(argv=argv, **kw) or 0)
+    assert tsup.main(["run", "spec.toml"]) == 0
+    assert handed == {"argv": ["run", "spec.toml"], "slurm_chaos": BoxChaos}
+    with pytest.raises(LaunchError, match="need a Slurm box on this host"):
+        BoxChaos(None)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from api.client import _sse
-from api.ctl import _parser, completion, main
-from api.ctl_settings import daemon_settings
+from cli.client import _sse
+from cli.ctl import _parser, completion, main
+from cli.ctl_settings import daemon_settings
 from supervisor.token_file import ensure_token, read_token
 from tests.conftest import free_port
 

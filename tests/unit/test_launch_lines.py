@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from api.ctl import main
+from cli.ctl import main
 from supervisor import trainer_cmd
 from supervisor.launchers.base import LaunchSpec
 from supervisor.slurm.launcher import SlurmLauncher

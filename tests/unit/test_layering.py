@@ -23,7 +23,7 @@ def loaded_after(*modules: str) -> set[str]:
 
 
 def test_the_daemon_and_the_clis_never_import_torch() -> None:
-    assert "torch" not in loaded_after("supervisor.cli", "supervisor.daemon", "api.app", "api.ctl")
+    assert "torch" not in loaded_after("cli.daemon", "supervisor.daemon", "api.app", "cli.ctl")
 
 
 def test_the_decision_core_does_no_io() -> None:
@@ -47,10 +47,10 @@ def test_the_wire_package_imports_only_the_standard_library() -> None:
 
 
 def test_the_daemon_and_the_api_load_no_trainer_module() -> None:
-    assert not loaded_after("supervisor.daemon", "supervisor.cli", "api.app", "api.ctl") & {"trainer", "node"}
+    assert not loaded_after("supervisor.daemon", "cli.daemon", "api.app", "cli.ctl") & {"trainer", "node"}
 
 
-LINTED = ("supervisor", "api", "trainer", "health", "wire", "node", "slurmbox")
+LINTED = ("cli", "supervisor", "api", "trainer", "health", "wire", "node", "slurmbox")
 
 
 def lint_copy(tmp_path: Path, edit: tuple[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -70,23 +70,26 @@ def lint_copy(tmp_path: Path, edit: tuple[str, str] | None = None) -> subprocess
 @pytest.mark.parametrize(("path", "line", "contract"), [
     ("supervisor/policy/detection.py", "import subprocess", "The decision core imports no I/O library"),
     ("supervisor/domain/records.py", "import psutil", "The decision core imports no I/O library"),
-    ("supervisor/daemon.py", "import api.app", "Layers: CLI and API, daemon"),
-    ("supervisor/store/runs.py", "import supervisor.reconciler", "Layers: CLI and API, daemon"),
+    ("supervisor/daemon.py", "import api.app", "The whole: the command lines, the API, the daemon"),
+    ("supervisor/store/runs.py", "import supervisor.reconciler", "Layers of the daemon"),
     # observe, execute, probes and recorder are independent siblings (what they share is below them)
-    ("supervisor/effects/runs.py", "import supervisor.observe", "Layers: CLI and API, daemon"),
-    ("supervisor/observe.py", "import supervisor.probes", "Layers: CLI and API, daemon"),
-    ("supervisor/recorder.py", "import supervisor.effects", "Layers: CLI and API, daemon"),
-    ("supervisor/probes.py", "import supervisor.recorder", "Layers: CLI and API, daemon"),
-    ("supervisor/observed.py", "import supervisor.run_memory", "Layers: CLI and API, daemon"),
-    ("supervisor/effects/nodes.py", "import supervisor.observe", "Layers: CLI and API, daemon"),
+    ("supervisor/effects/runs.py", "import supervisor.observe", "Layers of the daemon"),
+    ("supervisor/observe.py", "import supervisor.probes", "Layers of the daemon"),
+    ("supervisor/recorder.py", "import supervisor.effects", "Layers of the daemon"),
+    ("supervisor/probes.py", "import supervisor.recorder", "Layers of the daemon"),
+    ("supervisor/observed.py", "import supervisor.run_memory", "Layers of the daemon"),
+    ("supervisor/effects/nodes.py", "import supervisor.observe", "Layers of the daemon"),
     ("trainer/train.py", "import supervisor.spec", "The trainer stands alone"),
+    ("supervisor/service.py", "import cli.completion", "The whole: the command lines, the API, the daemon"),
+    ("api/app.py", "import cli.daemon", "The whole: the command lines, the API, the daemon"),
+    ("trainer/train.py", "import node.compile_cache", "The node side: the node programs, the trainer"),
     ("supervisor/outbox.py", "import sqlalchemy", "Only the store speaks SQL"),
     ("api/app.py", "from sqlalchemy import select", "Only the store speaks SQL"),
     ("supervisor/service.py", "import torch", "The daemon and the API never import torch"),
     ("health/wire.py", "import wire.codec", "The node probes stand alone"),
     ("wire/routes.py", "import uvicorn", "The wire package imports only the standard library"),
     ("supervisor/recorder.py", "import trainer.checkpoint_layout", "The daemon and the API reach the trainer through wire only"),
-    ("api/ctl.py", "import node.agent", "The daemon and the API reach the trainer through wire only"),
+    ("cli/ctl.py", "import node.agent", "The daemon and the API reach the trainer through wire only"),
     ("supervisor/launchers/local.py", "import slurmbox.box", "The product never imports the development Slurm box"),
     ("node/agent.py", "import supervisor.store", "The node-side programs stand alone"),
     ("node/compile_cache.py", "import supervisor.slurm", "The node-side programs stand alone"),

@@ -51,7 +51,7 @@ def test_each_tier_gets_its_own_interval_from_its_own_cost() -> None:
 
 
 def test_the_advise_command() -> None:
-    out = subprocess.run([sys.executable, "-m", "supervisor.cli", "advise", "--nodes", "2048", "--checkpoint-s",
+    out = subprocess.run([sys.executable, "-m", "cli.daemon", "advise", "--nodes", "2048", "--checkpoint-s",
                           "30", "--step-time-s", "4", "--json"], capture_output=True, text=True, cwd=REPO,
                          check=True)
     doc = json.loads(out.stdout)

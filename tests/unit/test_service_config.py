@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.cli import _parser, serve_settings
+from cli.daemon import _parser, serve_settings
 from supervisor.config import load_service_config
 from supervisor.errors import SpecError
 from supervisor.logs import JsonFormatter

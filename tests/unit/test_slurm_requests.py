@@ -73,7 +73,7 @@ def test_dry_run_signals_only_trainers_that_handle_usr1(tmp_path: Path) -> None:
     def signalled(table: str) -> bool:
         spec = tmp_path / "spec.toml"
         spec.write_text('name = "x"\n[resources]\nlauncher = "slurm"\ntime_limit_min = 60\n' + table)
-        out = subprocess.run([sys.executable, "-m", "api.ctl", "--json", "submit", "--dry-run", str(spec)],
+        out = subprocess.run([sys.executable, "-m", "cli.ctl", "--json", "submit", "--dry-run", str(spec)],
                              capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2],
                              env={**os.environ, "TSUP_CTL_CONFIG": os.devnull})
         return any(a.startswith("--signal=USR1@") for a in json.loads(out.stdout)["sbatch"])

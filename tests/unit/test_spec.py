@@ -212,7 +212,7 @@ def dry_run(spec: Path) -> dict[str, object]:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "api.ctl", "--json", "submit", "--dry-run", str(spec)],
+    out = subprocess.run([sys.executable, "-m", "cli.ctl", "--json", "submit", "--dry-run", str(spec)],
                          capture_output=True, text=True, check=True, cwd=REPO,
                          env={**os.environ, "TSUP_CTL_CONFIG": os.devnull})
     return json.loads(out.stdout)  # type: ignore[no-any-return]

@@ -1,5 +1,5 @@
 """Where supervisorctl finds the daemon and its token: flags, then the environment, then
-its config file (the order api/ctl.py's docstring gives)."""
+its config file (the order cli/ctl.py's docstring gives)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from api.client import DEFAULT_URL
+from cli.client import DEFAULT_URL
 from supervisor.config import default_state_dir
 from supervisor.token_file import READ_TOKEN_FILE_NAME, TOKEN_FILE_NAME, read_token
 

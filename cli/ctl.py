@@ -46,9 +46,9 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from api.client import DEFAULT_URL, ApiError, Client
-from api.completion import completion_script
-from api.ctl_settings import UsageError, daemon_settings
+from cli.client import DEFAULT_URL, ApiError, Client
+from cli.completion import completion_script
+from cli.ctl_settings import UsageError, daemon_settings
 from supervisor import report, trainer_cmd
 from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import SpecError
@@ -434,7 +434,7 @@ def _segment(text: str) -> str:
 
 
 def completion(shell: str) -> str:
-    """``supervisorctl completion SHELL``'s script, made from this parser (api/completion.py)."""
+    """``supervisorctl completion SHELL``'s script, made from this parser (cli/completion.py)."""
     return completion_script(shell, _parser(), RUN_COMMANDS)
 
 

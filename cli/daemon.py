@@ -32,11 +32,12 @@ from pydantic import ValidationError
 
 from api.app import daemon_app
 from supervisor import logs, planning, report, trainer_cmd
-from supervisor.chaos import TRAINER_KINDS, ChaosAction, ChaosMonkey, box_hooks, parse_chaos
+from supervisor.chaos import TRAINER_KINDS, ChaosAction, ChaosMonkey, parse_chaos
 from supervisor.config import ServiceConfig, default_state_dir, load_service_config, parse_bind
 from supervisor.daemon import Daemon, DaemonSettings
 from supervisor.domain import TERMINAL_RUN_STATES, CommandKind, DrainBudget
 from supervisor.errors import SpecError, StateDirLocked, SupervisorError
+from supervisor.launchers.base import ChaosHooks
 from supervisor.recorder import Retention
 from supervisor.spec import load_spec
 
@@ -45,7 +46,12 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 log = logging.getLogger("training_supervisor")
 
 
-def main(argv: list[str] | None = None) -> int:
+# The chaos hooks of a Slurm cluster, from its SLURM_CONF: only a development box has them,
+# and only its entry point hands them in (slurmbox/tsup.py); nothing kills a real node on request.
+SlurmChaos = Callable[[str | None], ChaosHooks]
+
+
+def main(argv: list[str] | None = None, *, slurm_chaos: SlurmChaos | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -54,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if args.command == "run":
-            return asyncio.run(_run(args))
+            return asyncio.run(_run(args, slurm_chaos))
         if args.command == "advise":
             return _advise(args)
         return asyncio.run(_serve(args))
@@ -243,7 +249,7 @@ async def _serve(args: argparse.Namespace) -> int:
 # --- run ----------------------------------------------------------------------------
 
 
-async def _run(args: argparse.Namespace) -> int:
+async def _run(args: argparse.Namespace, slurm_chaos: SlurmChaos | None) -> int:
     spec = load_spec(args.spec)
     if args.launcher is not None and args.launcher != spec.resources.launcher:
         resources = spec.resources.model_copy(update={"launcher": args.launcher})
@@ -276,7 +282,10 @@ async def _run(args: argparse.Namespace) -> int:
         hooks = None
         if any(c.kind != "corrupt-ckpt" for c in outside):
             slurm = daemon.cluster.slurm
-            hooks = box_hooks(slurm.commands.slurm_conf) if slurm is not None else daemon.cluster.chaos
+            if slurm is not None and slurm_chaos is None:
+                raise SpecError(f"--chaos {', '.join(str(c) for c in outside)} on Slurm: only a development "
+                                "Slurm box can do that to its nodes (python -m slurmbox.tsup run ...)")
+            hooks = slurm_chaos(slurm.commands.slurm_conf) if slurm_chaos and slurm else daemon.cluster.chaos
         monkey = ChaosMonkey(outside, number, daemon.store, hooks, daemon.telemetry, daemon.reconciler,
                              trainer_cmd.checkpoint_dir(spec, state_dir / "runs" / run_id))
         daemon.reconciler.hooks.append(monkey.poll)  # on the reconciler's thread, before each tick
