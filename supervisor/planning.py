@@ -15,10 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # supervisor.domain's knobs take their default failure rate from here
-    from supervisor.domain import AttemptStats
+from typing import Protocol
 
 LLAMA3_INTERRUPTIONS = 419
 LLAMA3_DAYS = 54.0
@@ -99,7 +96,22 @@ def auto_every_steps(checkpoint_cost_s: float | None, step_time_s: float | None,
         f"{capped}"))
 
 
-def measured_costs(stats: Sequence[AttemptStats], memory_saves_s: Sequence[float],
+class Timed(Protocol):
+    """What one attempt's recorded steps add up to (supervisor/domain's ``AttemptStats``)."""
+
+    @property
+    def steps(self) -> int: ...
+    @property
+    def step_time_s(self) -> float: ...
+    @property
+    def first_step_time_s(self) -> float | None: ...
+    @property
+    def checkpoints(self) -> int: ...
+    @property
+    def checkpoint_s(self) -> float: ...
+
+
+def measured_costs(stats: Sequence[Timed], memory_saves_s: Sequence[float],
                    tier: str) -> tuple[float | None, float | None]:
     """What the run measured so far, for ``auto_every_steps``: the mean time one save of
     ``tier`` blocked training (the memory tier's saves, ``memory_saves_s``; else the

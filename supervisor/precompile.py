@@ -53,14 +53,17 @@ import os
 import stat
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from supervisor.domain import Attempt, AttemptOutcome
 from supervisor.spec import RunSpec
 from supervisor.spec_command import MAX_PRECOMPILE_INPUTS
 
-if TYPE_CHECKING:
-    from supervisor.user_tree import Tree
+
+class Reader(Protocol):
+    """Who reads the inputs: the run's user's door (supervisor/user_tree.py's ``Tree``)."""
+
+    def fingerprint(self, shape: str, paths: Sequence[Path]) -> str: ...
 
 READ_MAX_BYTES = 1 << 20  # an input over this size counts by its version (stat), unread
 _DIGESTS_KEPT = 256
@@ -78,7 +81,7 @@ def inputs(spec: RunSpec, cwd: Path | None) -> list[Path]:
     return [base / name for name in names]  # an absolute name stays as it is
 
 
-def fingerprint(spec: RunSpec, cwd: Path | None, tree: Tree | None = None) -> str:
+def fingerprint(spec: RunSpec, cwd: Path | None, tree: Reader | None = None) -> str:
     """What the precompile pass compiles, as one hex digest (see the module docstring);
     its files read by ``tree`` (supervisor/user_tree.py: as the run's user; None: here)."""
     assert spec.command is not None
