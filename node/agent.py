@@ -154,6 +154,9 @@ class AgentLink(Telemetry):
         if reason is not None:
             self.fenced = reason
             self._wake.set()
+        elif payload:  # (an empty retained message clears a fence: nothing to say)
+            log.warning("node agent: ignored a fence on %s that is not this attempt's own (forged, or "
+                        "sealed with another key)", topic)
 
     def report(self) -> protocol.AgentReport:
         """The node now: alive, with its ranks' slots (none where the trainer keeps no slot file)."""

@@ -340,12 +340,27 @@ KIND_OF_FOLDER = {"unit": "unit", "integration": "integration", "e2e": "e2e", "c
                   "chaos": "chaos"}
 
 
+# `make test` runs the suite on two workers (pytest-xdist, --dist loadgroup): it mostly
+# waits (trainers, daemons, timeouts), and two streams keep the two cores busier. What
+# this host holds one of runs on one worker, one test after another: the Slurm boxes and
+# what trains under them, the users the e2e tests make and delete, the chaos scenarios.
+# HOST_GROUP marks them; every e2e, chaos and contract test is in it, and any test that
+# asks for a box. Another test that needs one says so with @pytest.mark.xdist_group(HOST_GROUP).
+HOST_GROUP = "host"
+HOST_FOLDERS = {"e2e", "chaos", "contract"}
+HOST_FIXTURES = {"slurm_box", "slurm_box4"}
+
+
 def pytest_itemcollected(item: pytest.Item) -> None:
-    """Mark a test with its folder's kind, before -m chooses (a file needs no pytestmark)."""
+    """Mark a test with its folder's kind, before -m chooses (a file needs no pytestmark),
+    and the tests of the host's one-of-a-kind things with HOST_GROUP."""
     parts = item.path.relative_to(REPO / "tests").parts
     kind = KIND_OF_FOLDER.get(parts[0]) if len(parts) > 1 else None
     if kind is not None and item.get_closest_marker(kind) is None:
         item.add_marker(kind)
+    on_host = parts[0] in HOST_FOLDERS or HOST_FIXTURES & set(getattr(item, "fixturenames", ()))
+    if on_host and item.get_closest_marker("xdist_group") is None:
+        item.add_marker(pytest.mark.xdist_group(HOST_GROUP))
 
 
 def pytest_configure(config: pytest.Config) -> None:

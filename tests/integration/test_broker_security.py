@@ -325,8 +325,9 @@ def test_a_rank_cannot_publish_as_another_attempt(running: Running) -> None:
         (report,) = attack(running.port, {
             **running.login("run-1", 2), "client_id": "tsup-run-1-2-0-9",
             "publish": [{"topic": t} for t in foreign] + [{"topic": PRESENCE, "retain": True}, {"topic": own}]})
+        # Its messages leave in order on one connection, its own topic's last: once that one
+        # arrived, a foreign one the broker had let through would have arrived before it.
         wait_for(lambda: own in dashboard.forged(), 5, "the attacker's message on its own topic")
-        time.sleep(0.5)
     finally:
         dashboard.close()
     assert not report["refused"], report
@@ -346,7 +347,10 @@ def test_a_retained_flood_is_refused(running: Running) -> None:
     assert running.retained() == {PRESENCE: p.PRESENCE_ONLINE}, "nothing but the supervisor's presence is kept"
     late = running.listener(TELEMETRY, PRESENCE)  # subscribes after the flood: receives what was kept
     try:
-        time.sleep(1.0)
+        # The broker sends each subscription's retained messages in the order subscribed:
+        # once the presence (subscribed last) is in, any telemetry it kept is in too.
+        wait_for(lambda: any(t == PRESENCE and retained for t, _, retained in late.got()), 5,
+                 "the retained presence")
     finally:
         late.close()
     assert [(t, payload) for t, payload, retained in late.got() if retained] == [(PRESENCE, p.PRESENCE_ONLINE)]
@@ -361,8 +365,8 @@ def test_a_huge_packet_is_refused(running: Running) -> None:
             "publish": [{"topic": own, "size": 4 * 1024 * 1024, "qos": 0}, {"topic": own, "qos": 0}]})
         (after,) = attack(running.port, {**running.login("run-1", 1), "client_id": "tsup-run-1-1-0-13",
                                          "publish": [{"topic": own, "qos": 1}]})
+        # The attack's connection ended before the next one began: nothing of it comes later.
         wait_for(lambda: dashboard.got(), 5, "the message after the attack")
-        time.sleep(0.5)
     finally:
         dashboard.close()
     assert not huge["refused"] and huge["disconnected"], "its connection ended at the packet's header"

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 import wire as p
 from supervisor.mqtt_link import MqttLink
 from supervisor.telemetry import TelemetryView
-from tests.conftest import Broker
+from tests.conftest import Broker, wait_for
 from tests.integration.test_mqtt_mosquitto import SECRET, publisher_env, until
 
 # Two ranks of one node in aggregated mode, under an agent: steps 1..3, then wait.
@@ -145,7 +144,7 @@ def test_a_fence_ends_what_is_left_of_its_attempt_on_the_node_and_a_forged_one_n
         with open(log, "wb") as out:
             procs.append(subprocess.Popen([sys.executable, "-m", "node.agent"], env=env, stdout=out,
                                           stderr=subprocess.STDOUT))
-        time.sleep(3.0)
+        wait_for(lambda: "ignored a fence" in log.read_text(), 20, "the agent to read the forged fence")
         assert leftover.poll() is None and procs[2].poll() is None, "a forged fence was obeyed"
         genuine = p.encode_fence("run-3", 2, "attempt 2 ended FAILED at step 25: node-lost", key=key, cluster="it")
         publisher.publish(*genuine, qos=1, retain=True).wait_for_publish(5)
