@@ -36,10 +36,8 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit
 
-# Two workers: the suite mostly waits; the tests of the host's one-of-a-kind things (Slurm
-# boxes, users) stay on one of them (tests/conftest.py, HOST_GROUP).
 test: $(STAMP) system-deps lint typecheck
-	$(BIN)/pytest -n 2 --dist loadgroup
+	$(BIN)/pytest
 
 chaos: $(STAMP) system-deps
 	$(BIN)/pytest tests/chaos --chaos-all $(if $(SEED),--seed $(SEED))

@@ -340,32 +340,12 @@ KIND_OF_FOLDER = {"unit": "unit", "integration": "integration", "e2e": "e2e", "c
                   "chaos": "chaos"}
 
 
-# `make test` runs the suite on two workers (pytest-xdist, --dist loadgroup): it mostly
-# waits (trainers, daemons, timeouts), and two streams keep the two cores busier. What
-# this host holds one of runs on one worker, one test after another (HOST_GROUP): the
-# Slurm boxes (a test that asks for one, every test_slurm*.py, the launcher contract),
-# and the users the install tests make and delete. The rest spread over both workers, so
-# a test may count as its own only what its state directory names. Another test that
-# needs the host to itself says so with @pytest.mark.xdist_group(HOST_GROUP).
-HOST_GROUP = "host"
-HOST_FIXTURES = {"slurm_box", "slurm_box4"}
-HOST_FILES = {"test_install.py", "test_least_privilege.py", "test_hostile_user.py", "test_launcher_contract.py"}
-
-
-def on_host(item: pytest.Item) -> bool:
-    return (item.path.name.startswith("test_slurm") or item.path.name in HOST_FILES
-            or bool(HOST_FIXTURES & set(getattr(item, "fixturenames", ()))))
-
-
 def pytest_itemcollected(item: pytest.Item) -> None:
-    """Mark a test with its folder's kind, before -m chooses (a file needs no pytestmark),
-    and the tests of the host's one-of-a-kind things with HOST_GROUP."""
+    """Mark a test with its folder's kind, before -m chooses (a file needs no pytestmark)."""
     parts = item.path.relative_to(REPO / "tests").parts
     kind = KIND_OF_FOLDER.get(parts[0]) if len(parts) > 1 else None
     if kind is not None and item.get_closest_marker(kind) is None:
         item.add_marker(kind)
-    if on_host(item) and item.get_closest_marker("xdist_group") is None:
-        item.add_marker(pytest.mark.xdist_group(HOST_GROUP))
 
 
 def pytest_configure(config: pytest.Config) -> None:
