@@ -55,9 +55,9 @@ import psutil
 from paho.mqtt.enums import CallbackAPIVersion
 
 import wire as protocol
-from supervisor import trainer_cmd
 from supervisor.domain import ProcState
 from supervisor.launchers.base import Launcher, LaunchSpec
+from supervisor.runfiles import trainer_cmd
 from supervisor.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]

@@ -28,7 +28,7 @@ The three ways:
     supervisor  ``training-supervisor run SPEC --chaos kill-rank@A --chaos hang-rank@B``
     torchrun    ``torchrun --standalone --nproc-per-node 4 --max-restarts 3`` running
                 ``python -m trainer --config C --resume auto`` (C: the config the
-                supervisor writes for this spec, supervisor/trainer_cmd.py; each worker
+                supervisor writes for this spec, supervisor/runfiles/trainer_cmd.py; each worker
                 under ``sh -c`` only to tell its telemetry TORCHELASTIC_RESTART_COUNT; and
                 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, without which no torchrun restart of
                 the gloo trainer succeeds here: see bench/_harness.py). It restarts after

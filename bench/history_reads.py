@@ -51,7 +51,7 @@ from supervisor.service import SupervisorService  # noqa: E402
 from supervisor.settled import SettledHistory  # noqa: E402
 from supervisor.spec import parse_spec  # noqa: E402
 from supervisor.store import SqlStore  # noqa: E402
-from supervisor.telemetry import TelemetryView  # noqa: E402
+from supervisor.telemetry.view import TelemetryView  # noqa: E402
 from supervisor.views import HISTORY_SHOWN  # noqa: E402
 
 STEPS = 1000  # a run's steps between two faults

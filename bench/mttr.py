@@ -85,7 +85,7 @@ not to its default embedded broker, so that the benchmark hears the same message
 torchrun (``torchrun``): ``python -m torch.distributed.run --standalone --nproc-per-node
 4 --max-restarts 3`` (default monitor interval, 0.1 s) running ``python -m trainer
 --config C --resume auto`` with C the config the supervisor writes for this spec
-(supervisor/trainer_cmd.py). Each worker runs under ``sh -c`` only to set TSUP_ATTEMPT
+(supervisor/runfiles/trainer_cmd.py). Each worker runs under ``sh -c`` only to set TSUP_ATTEMPT
 from TORCHELASTIC_RESTART_COUNT, so its telemetry names its restart. torchrun gets
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with its default (the rendezvous store shared with
 the workers) every restart of this gloo trainer failed here (bench/_harness.py says why),

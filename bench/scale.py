@@ -26,7 +26,7 @@ one mosquitto for all, started on a free port and stopped by its pid at the end)
 - mosquitto 2.x, with ``sys_interval 1`` so that its own counters ($SYS) say what it
   received, passed on and dropped;
 - the supervisor side, a child process of this script (``--role supervisor``) running
-  what the daemon runs on its event loop: ``supervisor.telemetry.MqttLink`` feeding a
+  what the daemon runs on its event loop: ``supervisor.telemetry.view.MqttLink`` feeding a
   ``TelemetryView``, and every ``tick_s`` (0.25 s, the daemon's default) the
   reconciler's judgement of the live attempt: ``Observer._observe_attempt`` (the view turned
   into one ``RankObs`` per rank, the launcher reporting every rank UNKNOWN as the Slurm
@@ -174,13 +174,13 @@ from supervisor.domain import (
 )
 from supervisor.launch_specs import LaunchSpecs
 from supervisor.launchers.base import RankProc
-from supervisor.mqtt_link import MqttLink
 from supervisor.observe import Observer
 from supervisor.policy import decide, hang_limit
 from supervisor.reconciler import pause_after
 from supervisor.run_memory import RunMemory
 from supervisor.spec import RunSpec
-from supervisor.telemetry import STEP_TIMES_KEPT, TelemetryView
+from supervisor.telemetry.link import MqttLink
+from supervisor.telemetry.view import STEP_TIMES_KEPT, TelemetryView
 
 # The telemetry variants: every rank for itself, node reports from each node's local rank
 # 0, or from each node's agent (node/agent.py).

@@ -1,4 +1,4 @@
-"""What touching a run's tree as its user costs the tick (supervisor/user_tree.py).
+"""What touching a run's tree as its user costs the tick (supervisor/runfiles/user_tree.py).
 
     python bench/user_tree.py [--checkpoints 10,100,1000] [--requests 50] [--user nobody]
 
@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO))
 
 from history_reads import timed  # noqa: E402 - bench/, the script's own directory
 
-from supervisor import user_tree, users  # noqa: E402
+from supervisor import users  # noqa: E402
+from supervisor.runfiles import user_tree  # noqa: E402
 
 
 def build(directory: Path, checkpoints: int) -> None:

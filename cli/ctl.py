@@ -49,11 +49,12 @@ from pydantic import TypeAdapter
 from cli.client import DEFAULT_URL, ApiError, Client
 from cli.completion import completion_script
 from cli.ctl_settings import UsageError, daemon_settings
-from supervisor import report, trainer_cmd
+from supervisor import report
 from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import SpecError
 from supervisor.goodput import Goodput
 from supervisor.logs import printable, printable_tree
+from supervisor.runfiles import trainer_cmd
 from supervisor.slurm import requests
 from supervisor.spec import parse_spec
 from supervisor.views import CheckpointView, EventView, NodeView, RunDetail, RunSummary

@@ -31,7 +31,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from api.app import daemon_app
-from supervisor import logs, planning, report, trainer_cmd
+from supervisor import logs, planning, report
 from supervisor.chaos import TRAINER_KINDS, ChaosAction, ChaosMonkey, parse_chaos
 from supervisor.config import ServiceConfig, default_state_dir, load_service_config, parse_bind
 from supervisor.daemon import Daemon, DaemonSettings
@@ -39,6 +39,7 @@ from supervisor.domain import TERMINAL_RUN_STATES, CommandKind, DrainBudget
 from supervisor.errors import SpecError, StateDirLocked, SupervisorError
 from supervisor.launchers.base import ChaosHooks
 from supervisor.recorder import Retention
+from supervisor.runfiles import trainer_cmd
 from supervisor.spec import load_spec
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130

@@ -1,7 +1,7 @@
 """The Neuron compile cache that follows a run onto every node that joins it.
 
 Each node compiles into a cache on its own disk (``NEURON_COMPILE_CACHE_URL``,
-supervisor/trainer_cmd.py: many nodes compiling at once into one shared directory would
+supervisor/runfiles/trainer_cmd.py: many nodes compiling at once into one shared directory would
 contend for its locks, and reads stay local). A node that joins a run later (a hot spare,
 a HyperPod replacement, the nodes of a requeued job) starts with an empty one, and would
 compile every graph again while the other nodes wait in their collectives: tens of

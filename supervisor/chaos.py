@@ -64,13 +64,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from supervisor import checkpoint_scan
 from supervisor.domain import AttemptState, EventKind, run_id_of
 from supervisor.errors import LaunchError, SpecError
 from supervisor.launchers.base import ChaosHooks
 from supervisor.reconciler import Reconciler
+from supervisor.runfiles import checkpoint_scan
 from supervisor.store import SqlStore
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry.view import TelemetryView
 
 log = logging.getLogger(__name__)
 

@@ -60,8 +60,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from supervisor.broker import check_bind
 from supervisor.errors import SpecError
+from supervisor.telemetry.broker import check_bind
 from wire import check_cluster_id, parse_broker_url
 
 ENV_PREFIX = "TSUP_"

@@ -20,7 +20,7 @@ Root tasks, created here and nowhere else:
     reconciler   observe/decide/persist/act, every ``tick_s``
     telemetry    the MQTT link (trainer telemetry in, supervisor events out)
     outbox       publishes recorded events, and ended attempts' fences, on MQTT
-                 (supervisor/outbox.py)
+                 (supervisor/telemetry/outbox.py)
     api          the HTTP API (uvicorn), when a port is configured
 """
 
@@ -43,19 +43,15 @@ from typing import Any, Literal
 import aiomqtt
 import uvicorn
 
-from supervisor import user_tree
-from supervisor.broker import READER_PASSWORD_FILE, SUPERVISOR_PASSWORD_FILE, EmbeddedBroker, broker_addresses
-from supervisor.broker_access import SUPERVISOR_USER, BrokerAccess
 from supervisor.domain import LIVE_ATTEMPT_STATES, DrainBudget
 from supervisor.domain.events import EventKind
 from supervisor.errors import StoreError, SupervisorError
 from supervisor.launchers.base import ChaosHooks, Launcher, NodeAdmin, waiting_standbys
 from supervisor.launchers.local import LocalLauncher
 from supervisor.metrics import SupervisorMetrics
-from supervisor.mqtt_link import MqttLink
-from supervisor.outbox import Outbox
 from supervisor.reconciler import Reconciler, ReconcilerConfig, pause_after
 from supervisor.recorder import Retention
+from supervisor.runfiles import user_tree
 from supervisor.sdnotify import Notifier
 from supervisor.service import SupervisorService
 from supervisor.settled import SettledHistory
@@ -63,7 +59,16 @@ from supervisor.slurm.cluster import SlurmCluster, slurm_cluster
 from supervisor.slurm.launcher import prefix_for
 from supervisor.state_lock import StateDirLock
 from supervisor.store import SqlStore
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry.access import SUPERVISOR_USER, BrokerAccess
+from supervisor.telemetry.broker import (
+    READER_PASSWORD_FILE,
+    SUPERVISOR_PASSWORD_FILE,
+    EmbeddedBroker,
+    broker_addresses,
+)
+from supervisor.telemetry.link import MqttLink
+from supervisor.telemetry.outbox import Outbox
+from supervisor.telemetry.view import TelemetryView
 from supervisor.token_file import (
     READ_TOKEN_FILE_NAME,
     TELEMETRY_SECRET_NAME,
@@ -93,7 +98,7 @@ class DaemonSettings:
     mqtt_url: str | None = None  # None: start the embedded broker
     # Where the embedded broker listens (None: the address the cluster's nodes reach this
     # host by; loopback for the local launcher) and the URL ranks are told (None: the
-    # broker's own). See supervisor/broker.py.
+    # broker's own). See supervisor/telemetry/broker.py.
     mqtt_bind: str | None = None
     mqtt_advertise_url: str | None = None
     mqtt_ca_file: Path | None = None  # a CA bundle for an mqtts:// broker (None: the system's)
@@ -237,7 +242,7 @@ class Daemon:
     async def _open_telemetry(self) -> None:
         """Start the embedded broker (or check the external one), and know what to tell ranks.
 
-        The embedded broker takes logins only (supervisor/broker.py): the daemon's own,
+        The embedded broker takes logins only (supervisor/telemetry/broker.py): the daemon's own,
         with the password kept in the state directory, and one per attempt, which its
         ranks are given in their environment (supervisor/observe.py); the URL ranks are
         told carries none. An external broker's URL may carry the daemon's password:

@@ -15,7 +15,7 @@ length of the run. The rest of the wall time is broken down as
 
 - checkpoint_s: blocking checkpoint saves (the trainer's reported durations);
 - startup_s:    from an attempt's start to its first step (process start, setup, restore);
-                the whole of a precompile attempt (supervisor/precompile.py), whose
+                the whole of a precompile attempt (supervisor/runfiles/precompile.py), whose
                 steps train nothing;
 - detection_s:  from an attempt's last step before a fault to the fault's detection
                 (an upper bound on how long the fault went unnoticed; for a hang it

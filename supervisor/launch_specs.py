@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from supervisor import trainer_cmd
 from supervisor.domain import Attempt, Run
 from supervisor.launchers.base import LaunchSpec
+from supervisor.runfiles import trainer_cmd
 from supervisor.spec import RunSpec
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry.view import TelemetryView
 from wire import KEY_ENV, PASSWORD_ENV, USERNAME_ENV, attempt_key, attempt_login
 
 
 class LaunchSpecs:
-    """Each attempt's LaunchSpec: the trainer command (supervisor/trainer_cmd.py) and the
+    """Each attempt's LaunchSpec: the trainer command (supervisor/runfiles/trainer_cmd.py) and the
     telemetry settings its ranks get (the broker, and the attempt's own key and login)."""
 
     def __init__(self, telemetry: TelemetryView, *, mqtt_url: str | None,

@@ -21,7 +21,7 @@ link, the reconciler's ticks). Every name starts with ``tsup_``:
     tsup_mqtt_messages_total{kind}            trainer messages received, by kind (counter)
     tsup_mqtt_dropped_total{reason}           messages dropped (counter): malformed; not
                                               authentic (unsigned, bad_mac, replay,
-                                              will_unattributed: supervisor/telemetry.py);
+                                              will_unattributed: supervisor/telemetry/view.py);
                                               of an attempt that has ended; or over the
                                               buffer while the store lagged (buffer_full)
     tsup_outbox_events                        events not yet published on MQTT (gauge)
@@ -52,8 +52,8 @@ from prometheus_client.registry import Collector
 from supervisor.domain import TERMINAL_RUN_STATES, FaultRecord, NodeState, RunState
 from supervisor.settled import SettledHistory, is_over
 from supervisor.store import SqlStore
-from supervisor.telemetry import TelemetryView
-from supervisor.telemetry_gate import DROP_REASONS
+from supervisor.telemetry.gate import DROP_REASONS
+from supervisor.telemetry.view import TelemetryView
 
 DETECTION_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RECOVERY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)

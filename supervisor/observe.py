@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from supervisor import output_progress, precompile, trainer_cmd, user_tree
+from supervisor import output_progress
 from supervisor.domain import (
     LIVE_ATTEMPT_STATES,
     TERMINAL_RUN_STATES,
@@ -56,11 +56,12 @@ from supervisor.policy.memory import newest_resumable
 from supervisor.policy.quiet import command_result, progress_at
 from supervisor.policy.resumes import expected_first
 from supervisor.run_memory import RunMemory
+from supervisor.runfiles import precompile, trainer_cmd, user_tree
 from supervisor.settled import SettledHistory, is_over
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore
-from supervisor.telemetry import TelemetryView
-from supervisor.telemetry_records import NOTHING_HEARD, RankSeen
+from supervisor.telemetry.records import NOTHING_HEARD, RankSeen
+from supervisor.telemetry.view import TelemetryView
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class Observer:
         shrunk = training and live is not None and len(live.nodes) < run.nodes
         precompiles = isinstance(spec, RunSpec) and spec.command is not None and spec.command.precompiles
         # After a precompile pass, until the run's checkpoints are back, the directory holds
-        # only what the pass saved: no checkpoint of the run's (supervisor/precompile.py).
+        # only what the pass saved: no checkpoint of the run's (supervisor/runfiles/precompile.py).
         aside = precompile.aside(attempts) if precompiles and live is None else None
         if isinstance(spec, RunSpec) and (may_launch or shrunk) and aside is None:
             before, unreadable = resume_before(attempts, faults), unreadable_checkpoints(faults, attempts)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor.checkpoint_scan import Verdict
 from supervisor.domain import AttemptObs, Run, RunView
 from supervisor.policy.grants import GrantChanges
+from supervisor.runfiles.checkpoint_scan import Verdict
 from supervisor.spec import RunSpec
 
 

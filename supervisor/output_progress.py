@@ -46,8 +46,8 @@ from pathlib import Path
 import wire as p
 from health import neuron, nvidia
 from health.model import Action, Status
-from supervisor import user_files
 from supervisor.linear_match import PatternSet
+from supervisor.runfiles import user_files
 
 READ_MAX_BYTES = 1 << 20  # per file and poll: a burst of output is read over several ticks
 READ_BUDGET_S = 0.25  # per attempt and poll: the files left unread are read first next tick
@@ -355,7 +355,7 @@ def read_output(state: AttemptOutput, log_dir: Path, *, run_id: str, attempt: in
     apply to the telemetry view. Fatal lines are kept in ``state.fatal``, the phase the
     output shows in ``state.phases``. Files are read until ``budget_s`` is spent; the
     next call begins with the first one left unread. ``reader``: who reads them (the
-    run's user's worker, supervisor/user_tree.py; here by default), from ``base`` (the
+    run's user's worker, supervisor/runfiles/user_tree.py; here by default), from ``base`` (the
     daemon's directory above) without following a link below it."""
     out: list[ReadStep] = []
     deadline = time.monotonic() + budget_s
@@ -418,7 +418,7 @@ def _rank_of(name: str, ranks_per_node: int) -> int | None:
 
 
 def _new_lines(f: _File, path: Path, base: Path | None, reader: user_files.Reader) -> list[str]:
-    try:  # the run's user's file: never a link, a FIFO or a device (supervisor/user_files.py)
+    try:  # the run's user's file: never a link, a FIFO or a device (supervisor/runfiles/user_files.py)
         data = reader.read_bytes(path, READ_MAX_BYTES, base=base, offset=f.offset)
     except user_files.TreeStalled:
         raise  # not an answer: the tick's error, read again next tick

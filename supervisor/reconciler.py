@@ -53,7 +53,7 @@ from supervisor.probes import ProbeScheduler
 from supervisor.recorder import Retention, TelemetryRecorder
 from supervisor.run_memory import RunMemory
 from supervisor.store import SqlStore
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry.view import TelemetryView
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from supervisor.domain import AttemptStats, CurvePoint, MetricRecord
 from supervisor.domain.events import EventKind
 from supervisor.goodput import with_step
 from supervisor.store import SqlStore, Tx
-from supervisor.telemetry import TelemetryView
-from supervisor.telemetry_records import Received
+from supervisor.telemetry.records import Received
+from supervisor.telemetry.view import TelemetryView
 
 log = logging.getLogger(__name__)
 

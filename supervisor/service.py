@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from supervisor import attempt_logs, node_health, precompile, trainer_cmd, user_tree, users
+from supervisor import node_health, users
 from supervisor.domain import (
     AttemptStats,
     CommandKind,
@@ -38,6 +38,7 @@ from supervisor.errors import CannotExecute, Conflict, NotFound, SpecError
 from supervisor.goodput import Goodput
 from supervisor.launchers.base import Launcher, NodeAdmin, waiting_standbys
 from supervisor.probes import ProbeScheduler
+from supervisor.runfiles import attempt_logs, precompile, trainer_cmd, user_tree
 from supervisor.settled import SettledHistory, is_over
 from supervisor.spec import RunSpec, spec_from_json
 from supervisor.store import SqlStore
@@ -243,7 +244,7 @@ class SupervisorService:
 
     def logs(self, run_id: str, *, attempt: int | None = None, rank: int | None = None,
              node: str | None = None, offset: int = 0, max_bytes: int = 65536) -> LogView:
-        """A piece of an attempt's log (supervisor/attempt_logs.py): ``rank``'s, or ``node``'s
+        """A piece of an attempt's log (supervisor/runfiles/attempt_logs.py): ``rank``'s, or ``node``'s
         (a node of the attempt), or rank 0's; the newest attempt unless told."""
         number = _number(run_id)
         with self.store.tx() as tx:
@@ -263,7 +264,7 @@ class SupervisorService:
             node_index = chosen.nodes.index(node)
         log_dir = trainer_cmd.attempt_dir(run_dir, chosen.number)
         trusted = Path(run_dir).parent  # the runs directory, the daemon's: nothing below it is followed
-        try:  # read as the run's user (supervisor/user_tree.py)
+        try:  # read as the run's user (supervisor/runfiles/user_tree.py)
             tree = user_tree.of(_spec_user(text))
         except CannotExecute as e:
             raise Conflict(f"{run_id}'s logs cannot be read as its user: {e}") from None

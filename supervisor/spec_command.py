@@ -25,12 +25,12 @@ from supervisor.slurm.requests import SUPERVISOR_SRUN_OPTIONS
 
 MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True)  # every table of a spec: no unknown key
 
-# supervisor/checkpoint_scan.py
+# supervisor/runfiles/checkpoint_scan.py
 CHECKPOINT_LAYOUTS = ("tsup", "nxd", "nemo", "hf", "megatron", "dcp", "lightning")
 
 
 SKIP_TO_STEP = "{skip_to_step}"
-MAX_PRECOMPILE_INPUTS = 32  # files the precompile pass's fingerprint reads (supervisor/precompile.py)
+MAX_PRECOMPILE_INPUTS = 32  # files the precompile fingerprint reads (supervisor/runfiles/precompile.py)
 
 
 class CommandSpec(BaseModel):
@@ -53,7 +53,7 @@ class CommandSpec(BaseModel):
     as the run's first attempt, under the compile allowance, and again before the next
     attempt only when its inputs changed: the command section and the files named in
     ``precompile_inputs`` (relative to ``cwd``; by default ``argv[0]``), read on the
-    controller (supervisor/precompile.py).
+    controller (supervisor/runfiles/precompile.py).
     """
 
     model_config = MODEL_CONFIG

@@ -54,7 +54,7 @@ class AttemptView(BaseModel):
     outcome: str | None
     reason: str
     final_step: int | None
-    precompile: bool = False  # the job's precompile pass (supervisor/precompile.py), not training
+    precompile: bool = False  # the job's precompile pass (supervisor/runfiles/precompile.py), not training
 
 
 class FaultView(BaseModel):

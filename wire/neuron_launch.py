@@ -2,7 +2,7 @@
 
 One torchrun per node spawns a rank per NeuronCore (32 on trn1.32xlarge: 16 Trainium
 chips of 2 cores each). By hand, on node K of N (the supervisor does the same through
-``srun``; see supervisor/trainer_cmd.py)::
+``srun``; see supervisor/runfiles/trainer_cmd.py)::
 
     <NODE_ENV> torchrun --nproc_per_node=32 --nnodes=N --node_rank=K \
         --master_addr=<node 0> --master_port=<port> -m trainer --config FILE --resume auto

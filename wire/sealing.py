@@ -16,7 +16,7 @@ so that a receiver holding the key rejects a forgery (no or a wrong ``mac``), a 
 current one. The keys derive from the supervisor's own secret (``attempt_key``): each
 attempt's key is new, and one attempt's ranks can compute no other attempt's.
 
-Broker accounts. The supervisor's embedded broker (supervisor/broker.py) lets nobody in
+Broker accounts. The supervisor's embedded broker (supervisor/telemetry/broker.py) lets nobody in
 without an account. Each attempt has its own, derived from the same secret
 (``attempt_login``): the username ``<cluster>/<run>/<attempt>`` and a password that is
 not the attempt's key (a password crosses the network in the clear on an ``mqtt://``

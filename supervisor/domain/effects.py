@@ -191,7 +191,7 @@ class SkipData:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BringBackCheckpoints:
     """After precompile attempt ``number``: what it saved set aside, and the run's own
-    checkpoints, kept out of its way, moved back (supervisor/precompile.py)."""
+    checkpoints, kept out of its way, moved back (supervisor/runfiles/precompile.py)."""
 
     number: int
 

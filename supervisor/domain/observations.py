@@ -158,12 +158,12 @@ class RunView:
     # [command] spec declares (nothing by default).
     exit_codes: Mapping[int, ExitMeaning] = field(default_factory=lambda: TSUP_EXIT_CODES)
     # What to change when the trainer does not resume from the checkpoint it was given
-    # (supervisor/trainer_cmd.py: resume_advice), for the wrong-resume fault to say once.
+    # (supervisor/runfiles/trainer_cmd.py: resume_advice), for the wrong-resume fault to say once.
     resume_advice: str = "check the spec's resume arguments (command.resume), then resume the run"
     # How the trainer steps over a spike's data (RunSpec.data_skip_unit): "samples",
     # "steps", or None (it cannot: a spike is rolled back once, then only reported).
     data_skip_unit: str | None = "samples"
-    # The fingerprint of the job's precompile inputs (supervisor/precompile.py) while no
+    # The fingerprint of the job's precompile inputs (supervisor/runfiles/precompile.py) while no
     # precompile attempt of them has succeeded: the next attempt is the precompile pass.
     # None: none is due (compiled already, or the job has no precompile pass).
     precompile_due: str | None = None

@@ -67,13 +67,13 @@ class Attempt:
     launch_error: str | None = None  # the launcher refused to start it
     launch_fatal: bool = False  # ... because the command cannot be executed at all: no retry
     # A precompile attempt (the job's precompile pass, [command] precompile_env): the
-    # fingerprint of what it compiles (supervisor/precompile.py). None: a training attempt.
+    # fingerprint of what it compiles (supervisor/runfiles/precompile.py). None: a training attempt.
     precompile: str | None = None
     # A [command] job's inputs when it was launched, the same fingerprint (None: the
     # reference trainer's): a resume that would fail as this attempt did is refused.
     inputs: str | None = None
     # A precompile attempt's moves of the run's checkpoints out of its way, while they are
-    # out (JSON [[from, to], ...]; None once back): supervisor/precompile.py.
+    # out (JSON [[from, to], ...]; None once back): supervisor/runfiles/precompile.py.
     set_aside: str | None = None
     # How far the daemon read each of its logs (JSON {file name: offset}, at a line's
     # end), saved every OFFSETS_EVERY_S: a restarted daemon reads on from there

@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, assert_never, get_args
 
-from supervisor import planning, precompile, trainer_cmd, user_tree, users
+from supervisor import planning, users
 from supervisor.domain import (
     AdoptAttempt,
     Attempt,
@@ -40,9 +40,10 @@ from supervisor.effects.base import Acting, Family, Recording
 from supervisor.errors import CannotExecute, LaunchError
 from supervisor.policy import skip_to
 from supervisor.policy.transitions import check_attempt
+from supervisor.runfiles import precompile, trainer_cmd, user_tree
+from supervisor.runfiles.user_tree import UnsafePath
 from supervisor.spec import RunSpec
 from supervisor.store import Tx
-from supervisor.user_tree import UnsafePath
 
 AttemptEffect = (StartAttempt | AdoptAttempt | MarkAttemptRunning | StopAttempt | EnsureStopped | EndAttempt
                  | KillOrphans | BringBackCheckpoints)

@@ -15,7 +15,7 @@ from supervisor.launchers.base import Launcher, NodeAdmin
 from supervisor.observed import Observed
 from supervisor.run_memory import RunMemory
 from supervisor.store import SqlStore, Tx
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry.view import TelemetryView
 
 
 class ProbeSubmitter(Protocol):

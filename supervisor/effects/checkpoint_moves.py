@@ -10,9 +10,9 @@ checkpoint directory, each said as a ``checkpoint.set-aside`` event.
   than the chosen one, a torn one too, goes into ``.set-aside/attempt-<n>/``;
 - ``keep_aside_for_pass`` and ``bring_back``: the run's checkpoints sit out the job's
   precompile pass, and what the pass saved is set aside when it ends
-  (supervisor/precompile.py).
+  (supervisor/runfiles/precompile.py).
 
-Nothing is deleted, and every move is made by the run's user (supervisor/user_tree.py):
+Nothing is deleted, and every move is made by the run's user (supervisor/runfiles/user_tree.py):
 what it makes to hold the checkpoints is the user's, and a link planted below the
 checkpoint directory reaches only what that user could reach alone.
 """
@@ -23,13 +23,13 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from supervisor import precompile, trainer_cmd, user_tree
 from supervisor.domain import Run, StartAttempt
 from supervisor.domain.events import EventKind
 from supervisor.errors import CannotExecute
+from supervisor.runfiles import precompile, trainer_cmd, user_tree
+from supervisor.runfiles.user_tree import SET_ASIDE
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore
-from supervisor.user_tree import SET_ASIDE
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import assert_never, get_args
 
-from supervisor import node_health, trainer_cmd
+from supervisor import node_health
 from supervisor.domain import (
     CommandHandled,
     DrainNode,
@@ -37,6 +37,7 @@ from supervisor.domain.events import EventKind
 from supervisor.effects.base import Acting, Deps, Family, Recording
 from supervisor.errors import LaunchError
 from supervisor.policy.nodes import DRAINED_BY_US
+from supervisor.runfiles import trainer_cmd
 from supervisor.spec import RunSpec
 
 log = logging.getLogger(__name__)

@@ -164,7 +164,7 @@ def hang_limit(policy: Policy, obs: AttemptObs, first_step_seen: bool, *,
     measured anything (the header of supervisor/domain/knobs.py says which is which):
 
     - compiling (Neuron's graphs, a precompile pass), and throughout the job's own
-      precompile attempt (``precompile``, supervisor/precompile.py): ``compile_timeout_s``;
+      precompile attempt (``precompile``, supervisor/runfiles/precompile.py): ``compile_timeout_s``;
     - restoring: ``startup_timeout_s``, or ``hang_k`` x its announced bytes at the run's
       measured restore pace (its save pace before a restore was timed) when longer: a
       restore from node memory and one from storage differ by orders of magnitude, so a

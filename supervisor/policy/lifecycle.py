@@ -123,7 +123,7 @@ def _launch_waits(view: RunView, out: list[Effect]) -> bool:
     - an operator's resume from a chosen step: newer checkpoints are set aside first, and
       this tick's newest may be one of them;
     - the job's precompile pass ended this tick, or the run's checkpoints it kept aside are
-      not back yet (supervisor/precompile.py)."""
+      not back yet (supervisor/runfiles/precompile.py)."""
     going_back = any(isinstance(e, ResumeRun) and e.from_step is not None for e in out)
     current = view.current
     precompiled_now = current is not None and current.precompile is not None and any(

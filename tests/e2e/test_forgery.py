@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from slurmbox.box import Box
-from supervisor.broker import READER_PASSWORD_FILE
 from supervisor.slurm.launcher import prefix_for
+from supervisor.telemetry.broker import READER_PASSWORD_FILE
 from supervisor.token_file import TELEMETRY_SECRET_NAME
 from tests.conftest import REPO, free_port, wait_for
 from tests.e2e.conftest import (

@@ -138,7 +138,7 @@ def test_a_drain_whose_first_scontrol_fails_is_in_slurm_within_a_few_ticks(slurm
     from supervisor.slurm.cluster import slurm_cluster
     from supervisor.slurm.commands import Reply
     from supervisor.store import SqlStore
-    from supervisor.telemetry import TelemetryView
+    from supervisor.telemetry.view import TelemetryView
 
     adapters = slurm_cluster(slurm_conf=str(slurm_box.conf), state_dir=tmp_path / "state", poll_interval_s=0.0)
     real_run = adapters.commands.run

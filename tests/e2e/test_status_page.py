@@ -44,7 +44,7 @@ from supervisor.metrics import SupervisorMetrics
 from supervisor.recorder import TelemetryRecorder
 from supervisor.service import SupervisorService
 from supervisor.store import SqlStore
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry.view import TelemetryView
 from tests.conftest import free_port, port_open, require, wait_for
 
 pytestmark = pytest.mark.e2e

@@ -20,7 +20,7 @@ from supervisor.metrics import SupervisorMetrics
 from supervisor.recorder import TelemetryRecorder
 from supervisor.service import SupervisorService
 from supervisor.store import SqlStore
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry.view import TelemetryView
 from supervisor.views import DaemonHealth
 
 SPEC = {"name": "api", "resources": {"nodes": 2, "ranks_per_node": 2, "spares": 1}, "trainer": {"steps": 5}}

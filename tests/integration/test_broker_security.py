@@ -4,7 +4,7 @@ its own code starts, and the attack runs as a second process, a paho client
 (``ATTACKER``) that says in one JSON line what the broker let it do. What got through
 is seen by a subscriber with the dashboards' login (the API's read-only token).
 
-Every test is named for the exploit it shows refused (supervisor/broker.py says who may
+Every test is named for the exploit it shows refused (supervisor/telemetry/broker.py says who may
 do what). Before the broker took logins, each attack succeeded.
 """
 
@@ -28,11 +28,11 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 import wire as p
-from supervisor.broker import READER_PASSWORD_FILE
 from supervisor.daemon import Cluster, Daemon, DaemonSettings
 from supervisor.domain import Policy, run_id_of
 from supervisor.errors import SupervisorError
 from supervisor.spec import parse_spec
+from supervisor.telemetry.broker import READER_PASSWORD_FILE
 from supervisor.token_file import READ_TOKEN_FILE_NAME, TELEMETRY_SECRET_NAME, ensure_token
 from tests.conftest import REPO, start_mosquitto, stop_by_pid, wait_for
 from tests.fakes import ScriptedLauncher

@@ -1,7 +1,7 @@
 """The daemon's event loop receives the telemetry (and runs the embedded broker). When
 it does not run (a blocking call on it, the host's disk), it hears no node, and the
 telemetry view must know: no silence is judged until telemetry flows again
-(supervisor/telemetry.py, ``loop_alive`` and ``flowing_since``)."""
+(supervisor/telemetry/view.py, ``loop_alive`` and ``flowing_since``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from supervisor.telemetry import LOOP_STALL_S
+from supervisor.telemetry.view import LOOP_STALL_S
 from tests.conftest import REPO, wait_for
 from tests.integration.test_broker_security import Running
 

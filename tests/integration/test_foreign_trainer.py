@@ -116,7 +116,7 @@ def test_a_foreign_trainer_resumes_from_its_newest_complete_checkpoint_after_a_c
 
 def test_an_incomplete_newest_checkpoint_is_passed_over(tmp_path: Path) -> None:
     """A save cut short (no .metadata) is never resumed from: the one before it is."""
-    from supervisor.checkpoint_scan import pick
+    from supervisor.runfiles.checkpoint_scan import pick
 
     d = tmp_path / "ck"
     for step, complete in ((10, True), (20, False)):

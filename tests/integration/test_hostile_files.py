@@ -4,7 +4,7 @@ node and a 1 GiB sparse file; the daemon's own call for that file (the one its t
 nothing outside the run and returns within a second.
 
 The daemon is root, the run's user tsup-alice (her worker does the checkpoint work,
-supervisor/user_tree.py), the other user tsup-bob, whose 0700 directory holds the files
+supervisor/runfiles/user_tree.py), the other user tsup-bob, whose 0700 directory holds the files
 a link points to. A device node needs root to make (mknod): alice cannot plant one
 herself, but a file system she is given may hold one, so it is in the matrix too."""
 
@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import attempt_logs, output_progress, trainer_cmd, user_tree
+from supervisor import output_progress
 from supervisor.errors import SupervisorError
 from supervisor.output_progress import AttemptOutput
+from supervisor.runfiles import attempt_logs, trainer_cmd, user_tree
 from supervisor.users import RunAs
 from tests.e2e.test_least_privilege import open_dir  # noqa: F401 - the fixture
 from tests.integration.test_user_tree import (

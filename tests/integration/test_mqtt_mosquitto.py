@@ -12,8 +12,8 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
-from supervisor.mqtt_link import MqttLink
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry.link import MqttLink
+from supervisor.telemetry.view import TelemetryView
 from tests.conftest import Broker, start_mosquitto, stop_by_pid
 from wire import StepMetrics, attempt_key, encode, parse_broker_url
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
-from supervisor.mqtt_link import MqttLink
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry.link import MqttLink
+from supervisor.telemetry.view import TelemetryView
 from tests.conftest import SecuredBroker, secure_mosquitto, start_mosquitto, stop_by_pid
 from tests.integration.test_mqtt_mosquitto import PUBLISHER, SECRET, until
 from wire import attempt_key, parse_broker_url

@@ -15,8 +15,8 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 import wire as p
-from supervisor.mqtt_link import MqttLink
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry.link import MqttLink
+from supervisor.telemetry.view import TelemetryView
 from tests.conftest import Broker, wait_for
 from tests.integration.test_mqtt_mosquitto import SECRET, publisher_env, until
 

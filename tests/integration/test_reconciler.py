@@ -30,7 +30,7 @@ from supervisor.reconciler import Reconciler, ReconcilerConfig
 from supervisor.service import SupervisorService
 from supervisor.spec import parse_spec
 from supervisor.store import SqlStore
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry.view import TelemetryView
 from tests.fakes import ScriptedLauncher
 
 
@@ -462,8 +462,8 @@ def test_a_restarted_reconciler_reads_a_commands_logs_on_from_the_offsets_the_st
     """Issue 37, item 5: a restarted daemon read every log of a live [command] attempt
     from its start again (weeks of output, a tick's worth at a time, its old steps
     replayed as new). The offsets are kept in the store every OFFSETS_EVERY_S."""
-    from supervisor import user_files
     from supervisor.output_progress import OFFSETS_EVERY_S
+    from supervisor.runfiles import user_files
 
     store, clock, launcher, telemetry, rec, service = world
     service.submit(parse_spec({"name": "wiring", "resources": {"nodes": 1, "ranks_per_node": 1},

@@ -20,7 +20,7 @@ from supervisor.reconciler import Reconciler, ReconcilerConfig
 from supervisor.service import SupervisorService
 from supervisor.spec import parse_spec
 from supervisor.store import SqlStore
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry.view import TelemetryView
 from tests.conftest import wait_for
 from tests.fakes import ScriptedLauncher
 from tests.integration.test_reconciler import SPEC, Clock, kinds

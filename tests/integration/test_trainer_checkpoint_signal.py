@@ -8,10 +8,10 @@ import os
 import signal
 from pathlib import Path
 
-from supervisor import trainer_cmd
 from supervisor.domain import ProcState
 from supervisor.launchers.base import LaunchSpec
 from supervisor.launchers.local import LocalLauncher
+from supervisor.runfiles import trainer_cmd
 from supervisor.spec import parse_spec
 from tests.conftest import wait_for
 from trainer.checkpoint_layout import complete_checkpoints

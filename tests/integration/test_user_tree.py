@@ -1,4 +1,4 @@
-"""The door into a run's tree (supervisor/user_tree.py), as the hostile user meets it.
+"""The door into a run's tree (supervisor/runfiles/user_tree.py), as the hostile user meets it.
 
 The daemon is root here (these tests need it) and the run's user a real second uid of
 this host, tsup-alice; tsup-bob is another user of the cluster whose files alice would
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import checkpoint_scan, precompile, trainer_cmd, user_tree
+from supervisor.runfiles import checkpoint_scan, precompile, trainer_cmd, user_tree
 from supervisor.spec import load_spec
 from supervisor.users import RunAs
 from tests.conftest import require_root
@@ -232,6 +232,6 @@ def test_the_worker_refuses_to_run_as_root() -> None:
     require_root("starting the worker as root")
     import subprocess
 
-    done = subprocess.run([sys.executable, "-I", "-m", "supervisor.user_tree"], input=b"", capture_output=True,
+    done = subprocess.run([sys.executable, "-I", "-m", "supervisor.runfiles.user_tree"], input=b"", capture_output=True,
                           check=False, timeout=60)
     assert done.returncode != 0 and b"never as root" in done.stderr

@@ -1,5 +1,5 @@
 """Which file holds a rank's or a node's output, and reading it a piece at a time
-(supervisor/attempt_logs.py)."""
+(supervisor/runfiles/attempt_logs.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import attempt_logs
 from supervisor.errors import Conflict, NotFound
+from supervisor.runfiles import attempt_logs
 
 
 def test_a_rank_reads_its_own_file_else_its_nodes(tmp_path: Path) -> None:

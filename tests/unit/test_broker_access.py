@@ -1,4 +1,4 @@
-"""The embedded broker's accounts and limits without a network (supervisor/broker_access.py);
+"""The embedded broker's accounts and limits without a network (supervisor/telemetry/access.py);
 tests/integration/test_broker_security.py attacks the real broker."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import asyncio
 import pytest
 
 import wire as p
-from supervisor.broker import PacketLimit, PacketTooLarge
-from supervisor.broker_access import (
+from supervisor.telemetry.access import (
     MAX_LOGIN_CHARS,
     MAX_PACKET_BYTES,
     REFUSAL_WINDOW_S,
@@ -17,6 +16,7 @@ from supervisor.broker_access import (
     BrokerAccess,
     covers,
 )
+from supervisor.telemetry.broker import PacketLimit, PacketTooLarge
 from trainer.telemetry_env import broker_from_env
 
 SECRET = b"the supervisor's secret"

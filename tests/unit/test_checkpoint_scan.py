@@ -1,4 +1,4 @@
-"""The completeness and verification rules of supervisor/checkpoint_scan.py, per layout."""
+"""The completeness and verification rules of supervisor/runfiles/checkpoint_scan.py, per layout."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import checkpoint_scan
-from supervisor.checkpoint_scan import LAYOUTS, Verdict, inspect, pick, scan
+from supervisor.runfiles import checkpoint_scan
+from supervisor.runfiles.checkpoint_scan import LAYOUTS, Verdict, inspect, pick, scan
 
 
 def newest(root: Path, layout: str | None = None) -> Verdict | None:
@@ -577,7 +577,7 @@ def test_inspect_one_entry(tmp_path: Path) -> None:
 
 
 def test_a_bound_picks_the_newest_complete_checkpoint_before_it(tmp_path: Path) -> None:
-    from supervisor.checkpoint_scan import pick
+    from supervisor.runfiles.checkpoint_scan import pick
 
     for step in (20, 40, 60):
         make(tmp_path, step)
@@ -604,7 +604,7 @@ def test_nxd_trainings_per_job_directories_are_followed(tmp_path: Path) -> None:
 
 
 def test_set_aside_moves_newer_checkpoints_out_of_a_searching_trainers_way(tmp_path: Path) -> None:
-    from supervisor.user_tree import LOCAL, SET_ASIDE
+    from supervisor.runfiles.user_tree import LOCAL, SET_ASIDE
     set_aside = LOCAL.set_aside
 
     keep = make_nemo(tmp_path / "hf_llama" / "v1" / "checkpoints", 10)
@@ -621,7 +621,7 @@ def test_set_aside_moves_newer_checkpoints_out_of_a_searching_trainers_way(tmp_p
 def test_a_torn_save_is_moved_out_of_the_way_of_a_trainer_that_takes_the_newest_by_mtime(tmp_path: Path) -> None:
     """NxD Training's check_resume takes the newest *.ckpt of its version by modification
     time, complete or not: a save cut short after the chosen one would be its pick."""
-    from supervisor.user_tree import LOCAL, SET_ASIDE
+    from supervisor.runfiles.user_tree import LOCAL, SET_ASIDE
     set_aside = LOCAL.set_aside
 
     keep = make_nemo(tmp_path / "hf_llama" / "7" / "checkpoints", 20)

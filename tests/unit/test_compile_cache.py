@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from node import compile_cache
+from supervisor.runfiles.trainer_cmd import NEURON_COMPILE_CACHE, attempt_env
 from supervisor.slurm.requests import NODE_WRAPPER
 from supervisor.spec import parse_spec
-from supervisor.trainer_cmd import NEURON_COMPILE_CACHE, attempt_env
 from tests.conftest import require_root
 
 MODULE = "neuronxcc-2.15/MODULE_123+abc"

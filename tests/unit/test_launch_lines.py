@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from cli.ctl import main
-from supervisor import trainer_cmd
 from supervisor.launchers.base import LaunchSpec
+from supervisor.runfiles import trainer_cmd
 from supervisor.slurm.launcher import SlurmLauncher
 from supervisor.slurm.requests import NODE_WRAPPER
 from supervisor.spec import load_spec

@@ -83,7 +83,7 @@ def lint_copy(tmp_path: Path, edit: tuple[str, str] | None = None) -> subprocess
     ("supervisor/service.py", "import cli.completion", "The whole: the command lines, the API, the daemon"),
     ("api/app.py", "import cli.daemon", "The whole: the command lines, the API, the daemon"),
     ("trainer/train.py", "import node.compile_cache", "The node side: the node programs, the trainer"),
-    ("supervisor/outbox.py", "import sqlalchemy", "Only the store speaks SQL"),
+    ("supervisor/telemetry/outbox.py", "import sqlalchemy", "Only the store speaks SQL"),
     ("api/app.py", "from sqlalchemy import select", "Only the store speaks SQL"),
     ("supervisor/service.py", "import torch", "The daemon and the API never import torch"),
     ("health/wire.py", "import wire.codec", "The node probes stand alone"),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import checkpoint_scan
+from supervisor.runfiles import checkpoint_scan
 from tests.conftest import REPO, require
 from trainer.config import config_digest, config_from_dict
 from trainer.neuron import checkpoints

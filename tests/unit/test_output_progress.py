@@ -21,7 +21,7 @@ from supervisor.output_progress import (
     read_output,
 )
 from supervisor.policy import hang_limit
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry.view import TelemetryView
 from tests.conftest import REPO
 from tests.unit.policy_world import obs, rank
 

@@ -1,4 +1,4 @@
-"""The job's precompile pass (supervisor/precompile.py): when it is due, how the policy runs
+"""The job's precompile pass (supervisor/runfiles/precompile.py): when it is due, how the policy runs
 it as the run's first attempt, and what its steps do not count for."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import precompile, trainer_cmd, user_tree
 from supervisor.domain import (
     Attempt,
     AttemptOutcome,
@@ -35,6 +34,7 @@ from supervisor.domain import (
 from supervisor.domain.effects import Emit
 from supervisor.goodput import account
 from supervisor.policy import decide, resume_before
+from supervisor.runfiles import precompile, trainer_cmd, user_tree
 from supervisor.spec import RunSpec, SpecError, parse_spec
 from tests.unit.policy_world import NOW, attempt, obs, of, rank, run, view
 

@@ -9,8 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from supervisor import node_health, trainer_cmd
+from supervisor import node_health
 from supervisor.domain import ProbeRecord
+from supervisor.runfiles import trainer_cmd
 from supervisor.spec import load_spec
 from tests.conftest import REPO
 

@@ -442,13 +442,13 @@ def test_a_nul_byte_that_reaches_a_slurm_launch_fails_the_run_once_instead_of_re
     """The reconciler's whole path, on a scripted Slurm: a launch whose argv holds a NUL
     byte (one that got past the spec's check; here put there by hand) ends its attempt
     with the reason and fails the run, and nothing is launched again."""
-    from supervisor import trainer_cmd
     from supervisor.domain import AttemptState, RunState
     from supervisor.reconciler import Reconciler, ReconcilerConfig
+    from supervisor.runfiles import trainer_cmd
     from supervisor.service import SupervisorService
     from supervisor.spec import parse_spec
     from supervisor.store import SqlStore
-    from supervisor.telemetry import TelemetryView
+    from supervisor.telemetry.view import TelemetryView
 
     slurm = slurm_of()
     launcher = launcher_on(slurm, tmp_path)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.errors import SpecError
+from supervisor.runfiles.trainer_cmd import attempt_env
 from supervisor.spec import load_spec, parse_spec, spec_from_json
-from supervisor.trainer_cmd import attempt_env
 from tests.conftest import REPO
 from wire import parse_mqtt_url
 
@@ -79,7 +79,7 @@ def test_the_neuron_compile_cache_is_node_local_unless_the_spec_says_otherwise(t
 
 
 def test_skip_to_step_is_where_the_data_goes_on_and_says_the_trainer_can_skip(tmp_path: Path) -> None:
-    from supervisor import trainer_cmd
+    from supervisor.runfiles import trainer_cmd
 
     told = parse_spec({"name": "t", "command": {"argv": ["train", "--data-step={skip_to_step}"], "checkpoint_dir": "ck",
                                                 "resume": ["--from={checkpoint}"], "env": {"SKIP": "{skip_to_step}"}}})
@@ -117,7 +117,7 @@ def test_mqtt_urls() -> None:
 
 
 def test_an_auto_checkpoint_interval_is_the_supervisors_to_set(tmp_path: Path) -> None:
-    from supervisor import trainer_cmd
+    from supervisor.runfiles import trainer_cmd
 
     base = {"name": "a", "trainer": {"steps": 30, "checkpoint": {"every_steps": "auto"}}}
     spec = parse_spec(base)
@@ -130,7 +130,7 @@ def test_an_auto_checkpoint_interval_is_the_supervisors_to_set(tmp_path: Path) -
 
 
 def test_the_memory_tiers_auto_interval_is_set_apart_from_the_persistent_one(tmp_path: Path) -> None:
-    from supervisor import trainer_cmd
+    from supervisor.runfiles import trainer_cmd
 
     spec = parse_spec({"name": "a", "trainer": {"steps": 300, "checkpoint": {
         "every_steps": 40, "memory_every_steps": "auto", "asynchronous": True}}})

@@ -21,7 +21,7 @@ from supervisor.domain import (
 )
 from supervisor.errors import SpecError
 from supervisor.policy import decide
-from supervisor.telemetry import LOOP_STALL_S, TelemetryView
+from supervisor.telemetry.view import LOOP_STALL_S, TelemetryView
 
 H = {"run": "run-1", "attempt": 1, "ts": 0.0}
 

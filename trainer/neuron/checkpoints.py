@@ -11,7 +11,7 @@
         newest                  the newest tag (written before the data: never trusted here)
 
 A checkpoint is complete when ``done`` is there; that is also the supervisor's rule for
-the ``nxd`` layout (supervisor/checkpoint_scan.py), so the run resumes from what the
+the ``nxd`` layout (supervisor/runfiles/checkpoint_scan.py), so the run resumes from what the
 trainer would pick itself. The trainer keeps ``checkpoint.keep`` of them
 (NxD's ``num_kept_ckpts``).
 """

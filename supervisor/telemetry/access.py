@@ -1,4 +1,4 @@
-"""Who may do what on the embedded broker (supervisor/broker.py): its accounts, each
+"""Who may do what on the embedded broker (supervisor/telemetry/broker.py): its accounts, each
 login's account, and why a CONNECT is refused. Pure: no socket, no amqtt.
 
 Nobody gets in without an account, and an account

@@ -16,7 +16,7 @@ daemon's state directory or to /etc, a FIFO that blocks its reader for ever, a l
   hers, where it is set; this does not depend on it).
 
 What the daemon does in a run's checkpoint directory, its results and its scripts goes
-through supervisor/user_tree.py instead: a worker of the run's user uses these same
+through supervisor/runfiles/user_tree.py instead: a worker of the run's user uses these same
 functions with that user's rights.
 
 A refusal raises ``UnsafePath``, an ``OSError``: callers that treat an unreadable file as
@@ -52,7 +52,7 @@ class UnsafePath(OSError):
 
 
 class TreeStalled(OSError):
-    """The run's user's worker (supervisor/user_tree.py) did not answer in time: no
+    """The run's user's worker (supervisor/runfiles/user_tree.py) did not answer in time: no
     answer, so not one a caller may take for "unreadable" or "absent"."""
 
 
@@ -246,7 +246,7 @@ def newest_mtime(base: Path | None, path: Path, suffix: str) -> float | None:
 
 class Reader(Protocol):
     """Who reads a run's logs: ``HERE`` (this process) or the run's user's worker
-    (supervisor/user_tree.py's ``Tree``), with the functions above."""
+    (supervisor/runfiles/user_tree.py's ``Tree``), with the functions above."""
 
     def listdir(self, base: Path | None, path: Path) -> list[str]: ...
     def size_of(self, path: Path, *, base: Path | None = None) -> int: ...

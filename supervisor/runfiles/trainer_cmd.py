@@ -23,14 +23,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from supervisor import user_files
 from supervisor.domain import TrainerResult
 from supervisor.domain.step import DEFERRED, LaunchMode, readable
 from supervisor.errors import SpecError
-from supervisor.node_env import accelerator_env
 from supervisor.planning import TIER_MEMORY, first_auto_every_steps
+from supervisor.runfiles import user_files
+from supervisor.runfiles.node_env import accelerator_env
+from supervisor.runfiles.user_tree import Tree, TreeStalled
 from supervisor.spec import RunSpec
-from supervisor.user_tree import Tree, TreeStalled
 from wire import neuron_launch
 from wire.files import FENCE_FILE, RESULT_FILE
 
@@ -46,7 +46,7 @@ def checkpoint_dir(spec: RunSpec, run_dir: Path) -> Path:
 
 
 def checkpoint_layout(spec: RunSpec) -> str | None:
-    """The layout to look for (supervisor/checkpoint_scan.py); None: any. The reference
+    """The layout to look for (supervisor/runfiles/checkpoint_scan.py); None: any. The reference
     trainer's Neuron backend writes NxD's (trainer/neuron/checkpoints.py)."""
     if spec.command is not None:
         return spec.command.checkpoint_layout
@@ -112,7 +112,7 @@ def write_attempt_config(spec: RunSpec, run_dir: Path, attempt: int, argv: tuple
 def write_fence(spec: RunSpec, run_dir: Path, attempt: int, tree: Tree) -> None:
     """Tell the reference trainer's ranks which attempt is live (trainer/checkpoint_layout.py's
     FENCE_FILE), before its ranks start: a rank 0 of an earlier attempt that wakes up then
-    leaves the checkpoints alone. Written by ``tree`` (supervisor/user_tree.py: as the
+    leaves the checkpoints alone. Written by ``tree`` (supervisor/runfiles/user_tree.py: as the
     run's user, in the user's directory). Nothing for a [command] trainer, nor before the
     first save made the checkpoint directory."""
     if spec.command is not None:
@@ -238,7 +238,7 @@ def attempt_ids(run_id: str, attempt: int) -> dict[str, str]:
 def attempt_env(spec: RunSpec, run_dir: Path, skip_to_step: int = 1, *,
                 precompile: bool = False) -> dict[str, str]:
     """The variables every rank of an attempt gets beyond the launcher's and the run's ids:
-    the accelerators' (supervisor/node_env.py), then the trainer's, then a [command]'s own
+    the accelerators' (supervisor/runfiles/node_env.py), then the trainer's, then a [command]'s own
     (``skip_to_step``: the step of the data stream its next step reads), and for its
     precompile pass (``precompile``) its ``precompile_env`` over them."""
     uid = run_uid(spec)

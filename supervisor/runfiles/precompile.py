@@ -15,7 +15,7 @@ inputs changed, as this fingerprint says:
 - the spec's command section and the nodes' shape (what the graphs are compiled for);
 - the content of each file of ``precompile_inputs`` (default: ``argv[0]`` when it is a
   path, the job's script), relative to the command's ``cwd``, read on the controller as
-  the run's user (supervisor/user_tree.py) from the shared file system the nodes run it
+  the run's user (supervisor/runfiles/user_tree.py) from the shared file system the nodes run it
   from. A file that cannot be read counts as
   its error, so that it becoming readable (or changing) makes the pass due again.
 
@@ -61,7 +61,7 @@ from supervisor.spec_command import MAX_PRECOMPILE_INPUTS
 
 
 class Reader(Protocol):
-    """Who reads the inputs: the run's user's door (supervisor/user_tree.py's ``Tree``)."""
+    """Who reads the inputs: the run's user's door (supervisor/runfiles/user_tree.py's ``Tree``)."""
 
     def fingerprint(self, shape: str, paths: Sequence[Path]) -> str: ...
 
@@ -83,7 +83,7 @@ def inputs(spec: RunSpec, cwd: Path | None) -> list[Path]:
 
 def fingerprint(spec: RunSpec, cwd: Path | None, tree: Reader | None = None) -> str:
     """What the precompile pass compiles, as one hex digest (see the module docstring);
-    its files read by ``tree`` (supervisor/user_tree.py: as the run's user; None: here)."""
+    its files read by ``tree`` (supervisor/runfiles/user_tree.py: as the run's user; None: here)."""
     assert spec.command is not None
     shape = json.dumps({"command": spec.command.model_dump(mode="json"),
                         "nodes": spec.resources.nodes, "ranks_per_node": spec.resources.ranks_per_node,

@@ -1,6 +1,6 @@
 """Trainer telemetry: the in-memory view of what the ranks and node agents said.
 
-``MqttLink`` (supervisor/mqtt_link.py) subscribes to every rank's topic
+``MqttLink`` (supervisor/telemetry/link.py) subscribes to every rank's topic
 (wire/) and feeds each message to ``TelemetryView``, which keeps the
 latest state per (run, attempt, rank) for the reconciler to read. Times in the view are
 the supervisor's receipt times, never the trainer's clock. Malformed messages are counted and dropped.
@@ -23,7 +23,7 @@ what each node's agent last said.
 Authenticity: the view holds the supervisor's secret and acts only on messages sealed
 with their attempt's key, of attempts that have not ended, about ranks in their world;
 the others are dropped and counted by reason. Which is which is the gate's to say
-(supervisor/telemetry_gate.py).
+(supervisor/telemetry/gate.py).
 
 The view knows whether the broker link is up (``up_since``). While it is down no
 telemetry arrives, and the policy must not read silence as a hang. Nor while the event
@@ -34,7 +34,7 @@ since when telemetry has flowed, counting a stall like an outage.
 Messages arrive on the event loop; the reconciler reads on its own thread. One lock
 guards the view: readers get copies (``ranks`` hands back ``RankSeen``), never the
 structures ingestion is changing. What the view keeps of each sender, and the copies it
-hands out, are in supervisor/telemetry_records.py.
+hands out, are in supervisor/telemetry/records.py.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 import wire as p
 from supervisor.checkpoint_pace import CheckpointIo, IoPace
 from supervisor.domain import StepSample
-from supervisor.telemetry_gate import Gate
-from supervisor.telemetry_records import (
+from supervisor.telemetry.gate import Gate
+from supervisor.telemetry.records import (
     BUSY_TIMES_KEPT,
     AgentSeen,
     AgentTelemetry,
@@ -90,7 +90,7 @@ class TelemetryView:
     # The supervisor's secret, from which each attempt's key derives; None: messages are
     # taken unsealed (tests and benches of what the view does with them).
     secret: bytes | None = field(default=None, repr=False)
-    # The broker takes one login per attempt (the embedded one, supervisor/broker.py): each
+    # The broker takes one login per attempt (the embedded one, supervisor/telemetry/broker.py): each
     # attempt's ranks are given theirs, derived from ``secret`` (wire/sealing.py).
     broker_logins: bool = False
     up_since: float | None = None

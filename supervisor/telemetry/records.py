@@ -1,4 +1,4 @@
-"""What the telemetry view (supervisor/telemetry.py) keeps of each sender, a rank
+"""What the telemetry view (supervisor/telemetry/view.py) keeps of each sender, a rank
 (``RankTelemetry``) or a node agent (``AgentTelemetry``), and the copies it hands the
 reconciler's thread (``RankSeen``, ``AgentSeen``), never the structures ingestion is
 changing; and ``Received``, a message to persist with its receipt time.

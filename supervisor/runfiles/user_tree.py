@@ -4,7 +4,7 @@ checkpoints and results is done by a process of the run's user.
 A run's checkpoint directory, its output directory, its attempts' logs and the job's
 scripts are the run's user's. Anything found there may have been put there to mislead a reader with more
 rights: a link to another user's directory, a FIFO, a 1 GiB sparse file. Refusing each
-trick where it is met (supervisor/user_files.py) is a list that can miss one; here the
+trick where it is met (supervisor/runfiles/user_files.py) is a list that can miss one; here the
 whole class goes. Every scan, move, write and hash in a user's tree is a request to a
 worker running as that user (its uid, its gid, its groups, no capability), so the most a
 planted link can reach is what the user could reach alone. The daemon keeps its own
@@ -17,7 +17,7 @@ records (which checkpoints it moved, what it fingerprinted) in the store, never 
   the same code whoever runs it.
 - ``Local`` runs the ops in the daemon: for a run of the daemon's own user, where no
   right is to be dropped.
-- ``Worker`` runs them in ``python -m supervisor.user_tree`` started as the run's user,
+- ``Worker`` runs them in ``python -m supervisor.runfiles.user_tree`` started as the run's user,
   one per user, a request and its answer a JSON line each over a pipe. A request
   unanswered within ``REQUEST_TIMEOUT_S`` (a hung file system, a worker stopped by its
   user) kills the worker and raises ``TreeStalled``: the tick goes on. For
@@ -52,10 +52,11 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from supervisor import checkpoint_scan, precompile, user_files, users
-from supervisor.checkpoint_scan import SET_ASIDE, Verdict
+from supervisor import users
 from supervisor.errors import CannotExecute
-from supervisor.user_files import TreeStalled, UnsafePath
+from supervisor.runfiles import checkpoint_scan, precompile, user_files
+from supervisor.runfiles.checkpoint_scan import SET_ASIDE, Verdict
+from supervisor.runfiles.user_files import TreeStalled, UnsafePath
 
 __all__ = ["LOCAL", "SET_ASIDE", "Local", "Tree", "TreeStalled", "UnsafePath", "Verdict", "Worker", "of"]
 
@@ -230,7 +231,7 @@ class Tree:
     def keep_aside(self, directory: Path, layout: str | None, attempt: int,
                    record: Callable[[Moves], None]) -> Moves:
         """Move every checkpoint of ``directory`` into ``.set-aside/before-precompile-N/``
-        (supervisor/precompile.py), recording the moves first (``record``: into the
+        (supervisor/runfiles/precompile.py), recording the moves first (``record``: into the
         store), then each as it is made."""
         into = directory / SET_ASIDE / f"before-precompile-{attempt}"
         moved: Moves = []
@@ -285,7 +286,7 @@ LOCAL = Local()
 
 
 class Worker(Tree):
-    """The ops run by ``python -m supervisor.user_tree`` as ``user``; see the module docstring."""
+    """The ops run by ``python -m supervisor.runfiles.user_tree`` as ``user``; see the module docstring."""
 
     def __init__(self, user: users.RunAs, *, timeout_s: float = REQUEST_TIMEOUT_S,
                  pause_s: float = STALLED_PAUSE_S) -> None:
@@ -306,7 +307,7 @@ class Worker(Tree):
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", **users.login_env(self.user)}
         # -I: no PYTHONPATH, no user site, no script directory: the daemon's own code only.
         self._proc = subprocess.Popen(
-            [sys.executable, "-I", "-m", "supervisor.user_tree"], stdin=subprocess.PIPE,
+            [sys.executable, "-I", "-m", "supervisor.runfiles.user_tree"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/", env=env, user=uid, group=gid,
             extra_groups=groups, close_fds=True, start_new_session=True)
         os.set_blocking(self._proc.stdout.fileno(), False)  # type: ignore[union-attr]
@@ -425,7 +426,7 @@ def close_all() -> None:
 def main() -> None:
     """The worker: a JSON request a line on stdin, its answer a line on stdout, until EOF."""
     if os.geteuid() == 0:
-        sys.exit("supervisor.user_tree: the file worker runs as a run's user, never as root")
+        sys.exit("supervisor.runfiles.user_tree: the file worker runs as a run's user, never as root")
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while line := stdin.readline(REQUEST_MAX_BYTES + 1):
         try:

@@ -1,4 +1,4 @@
-"""The telemetry's gate: which messages the daemon's view (supervisor/telemetry.py) acts on.
+"""The telemetry's gate: which messages the daemon's view (supervisor/telemetry/view.py) acts on.
 
 Authenticity (wire/sealing.py): the view holds the supervisor's secret and acts only
 on messages sealed with their attempt's key. The gate drops, and the view counts by

@@ -44,7 +44,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor import user_files
+from supervisor.runfiles import user_files
 from wire.errors import CheckpointMismatch
 from wire.files import MANIFEST_FILE, read_manifest
 
@@ -360,7 +360,7 @@ def pick(directory: Path, layout: str | None = None, before_step: int | None = N
 
 def pick_from(found: list[Verdict], before_step: int | None = None, exclude: Collection[int] = (),
               ) -> tuple[Verdict | None, list[Verdict]]:
-    """``pick`` among the verdicts of a scan already made (supervisor/user_tree.py's)."""
+    """``pick`` among the verdicts of a scan already made (supervisor/runfiles/user_tree.py's)."""
     rejected: list[Verdict] = []
     for v in found:
         if (before_step is not None and v.step >= before_step) or v.step in exclude:

@@ -15,7 +15,7 @@ several networks. The daemon refuses to start when the advertised address does n
 answer from this host: a typo would otherwise cost every run its telemetry until the
 hang rules fire.
 
-Who may do what: supervisor/broker_access.py (``BrokerAccess``), which this broker
+Who may do what: supervisor/telemetry/access.py (``BrokerAccess``), which this broker
 asks at every CONNECT and for every message.
 
 amqtt cannot be told most of this, so the broker is amqtt's with its connection step
@@ -54,12 +54,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from supervisor.broker_access import (
+from supervisor.errors import SupervisorError
+from supervisor.logs import printable
+from supervisor.telemetry.access import (
     MAX_PACKET_BYTES,
     BrokerAccess,
 )
-from supervisor.errors import SupervisorError
-from supervisor.logs import printable
 from wire.routes import route_source
 
 _WILDCARD = ("0.0.0.0", "::")  # noqa: S104 - a bind the operator chose, recognised here

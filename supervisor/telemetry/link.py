@@ -1,5 +1,5 @@
 """The supervisor's MQTT connection (aiomqtt): it subscribes to every rank's and node
-agent's telemetry and feeds it to the ``TelemetryView`` (supervisor/telemetry.py), keeps
+agent's telemetry and feeds it to the ``TelemetryView`` (supervisor/telemetry/view.py), keeps
 the supervisor's retained presence, and publishes what the daemon sends (its events,
 the fences of ended attempts). Reconnects with capped backoff for as long as it runs.
 Its loop's pulse (``pulse_forever``) tells the view when that loop stalled.
@@ -18,7 +18,7 @@ import aiomqtt
 import tenacity
 
 import wire as p
-from supervisor.telemetry import TelemetryView
+from supervisor.telemetry.view import TelemetryView
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import logging
 from supervisor.domain import EventRecord, run_id_of
 from supervisor.domain.events import EventKind
 from supervisor.errors import StoreError
-from supervisor.mqtt_link import MqttLink
 from supervisor.store import SqlStore
+from supervisor.telemetry.link import MqttLink
 from wire import attempt_key, encode_fence
 
 log = logging.getLogger(__name__)
