@@ -11,7 +11,7 @@ Then it times, ``--requests`` times each, what the API's ``GET /v1/runs/{id}`` d
 daemon's registry, rendered), two ways:
 
 - ``settled``: as the daemon reads now, through one ``SettledHistory`` shared by every
-  read (supervisor/settled.py): ended attempts and recovered faults decoded once;
+  read (supervisor/gathering/settled.py): ended attempts and recovered faults decoded once;
 - ``cold``: with a new ``SettledHistory`` for each read, which decodes the whole history
   from SQLite every time, as every read did before.
 
@@ -45,10 +45,10 @@ from supervisor.domain import (  # noqa: E402
     Node,
     NodeState,
 )
+from supervisor.gathering.settled import SettledHistory  # noqa: E402
 from supervisor.launchers.local import LocalLauncher  # noqa: E402
 from supervisor.metrics import SupervisorMetrics  # noqa: E402
 from supervisor.service import SupervisorService  # noqa: E402
-from supervisor.settled import SettledHistory  # noqa: E402
 from supervisor.spec import parse_spec  # noqa: E402
 from supervisor.store import SqlStore  # noqa: E402
 from supervisor.telemetry.view import TelemetryView  # noqa: E402

@@ -172,12 +172,12 @@ from supervisor.domain import (
     RunState,
     RunView,
 )
-from supervisor.launch_specs import LaunchSpecs
+from supervisor.gathering.launch_specs import LaunchSpecs
+from supervisor.gathering.observe import Observer
+from supervisor.gathering.run_memory import RunMemory
 from supervisor.launchers.base import RankProc
-from supervisor.observe import Observer
 from supervisor.policy import decide, hang_limit
 from supervisor.reconciler import pause_after
-from supervisor.run_memory import RunMemory
 from supervisor.spec import RunSpec
 from supervisor.telemetry.link import MqttLink
 from supervisor.telemetry.view import STEP_TIMES_KEPT, TelemetryView

@@ -46,6 +46,7 @@ import uvicorn
 from supervisor.domain import LIVE_ATTEMPT_STATES, DrainBudget
 from supervisor.domain.events import EventKind
 from supervisor.errors import StoreError, SupervisorError
+from supervisor.gathering.settled import SettledHistory
 from supervisor.launchers.base import ChaosHooks, Launcher, NodeAdmin, waiting_standbys
 from supervisor.launchers.local import LocalLauncher
 from supervisor.metrics import SupervisorMetrics
@@ -54,7 +55,6 @@ from supervisor.recorder import Retention
 from supervisor.runfiles import user_tree
 from supervisor.sdnotify import Notifier
 from supervisor.service import SupervisorService
-from supervisor.settled import SettledHistory
 from supervisor.slurm.cluster import SlurmCluster, slurm_cluster
 from supervisor.slurm.launcher import prefix_for
 from supervisor.state_lock import StateDirLock
@@ -244,7 +244,7 @@ class Daemon:
 
         The embedded broker takes logins only (supervisor/telemetry/broker.py): the daemon's own,
         with the password kept in the state directory, and one per attempt, which its
-        ranks are given in their environment (supervisor/observe.py); the URL ranks are
+        ranks are given in their environment (supervisor/gathering/observe.py); the URL ranks are
         told carries none. An external broker's URL may carry the daemon's password:
         then ranks must be told another (``mqtt_advertise_url``, with their own account),
         or the daemon does not start, rather than hand every run's user its login."""

@@ -50,7 +50,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from supervisor.domain import TERMINAL_RUN_STATES, FaultRecord, NodeState, RunState
-from supervisor.settled import SettledHistory, is_over
+from supervisor.gathering.settled import SettledHistory, is_over
 from supervisor.store import SqlStore
 from supervisor.telemetry.gate import DROP_REASONS
 from supervisor.telemetry.view import TelemetryView
@@ -155,7 +155,7 @@ class _StoreCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         now = self.clock()
-        with self.store.tx() as tx:  # settled history decoded once (supervisor/settled.py), steps never
+        with self.store.tx() as tx:  # settled history decoded once (gathering/settled.py), steps never
             runs = tx.list_runs()
             histories = {r.number: self.history.read(tx, r.number, over=is_over(r, now))
                          for r in runs}

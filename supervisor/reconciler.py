@@ -44,14 +44,14 @@ from supervisor.domain import DrainBudget, NodeState
 from supervisor.domain.events import EventKind
 from supervisor.effects import Deps, Effects
 from supervisor.errors import NotFound
-from supervisor.launch_specs import LaunchSpecs
+from supervisor.gathering.launch_specs import LaunchSpecs
+from supervisor.gathering.observe import Observer
+from supervisor.gathering.run_memory import RunMemory
 from supervisor.launchers.base import Launcher, NodeAdmin
-from supervisor.observe import Observer
 from supervisor.policy import decide
 from supervisor.policy.nodes import DRAINED_BY_US, judge_probes, node_command
 from supervisor.probes import ProbeScheduler
 from supervisor.recorder import Retention, TelemetryRecorder
-from supervisor.run_memory import RunMemory
 from supervisor.store import SqlStore
 from supervisor.telemetry.view import TelemetryView
 
@@ -95,7 +95,7 @@ class Reconciler:
                                      sweep_args=config.sweep_args,
                                      sweep_timeout_s=config.sweep_timeout_s, pool=probe_pool)
         # The run's memory between ticks has one owner, this one: the observer notes in it,
-        # the effects forget an attempt from it once it ended (supervisor/run_memory.py).
+        # the effects forget an attempt from it once it ended (supervisor/gathering/run_memory.py).
         self.memory = RunMemory(store)
         launch_specs = LaunchSpecs(telemetry, mqtt_url=config.mqtt_url, mqtt_ca_file=config.mqtt_ca_file)
         self.observer = Observer(store, launcher, telemetry, self.memory, launch_specs,

@@ -35,11 +35,11 @@ from supervisor.domain import (
 )
 from supervisor.domain.events import EventKind
 from supervisor.errors import CannotExecute, Conflict, NotFound, SpecError
+from supervisor.gathering.settled import SettledHistory, is_over
 from supervisor.goodput import Goodput
 from supervisor.launchers.base import Launcher, NodeAdmin, waiting_standbys
 from supervisor.probes import ProbeScheduler
 from supervisor.runfiles import attempt_logs, precompile, trainer_cmd, user_tree
-from supervisor.settled import SettledHistory, is_over
 from supervisor.spec import RunSpec, spec_from_json
 from supervisor.store import SqlStore
 from supervisor.views import (
@@ -156,7 +156,7 @@ class SupervisorService:
             return run_summary(tx.get_run(number), tx.list_attempts(number), tx.newest_stats(number))
 
     def get_run(self, run_id: str) -> RunDetail:
-        """Everything about a run. Its settled history is decoded once (supervisor/settled.py)
+        """Everything about a run. Its settled history is decoded once (supervisor/gathering/settled.py)
         and its steps are never read (the stats: supervisor/recorder.py): what a read costs
         grows with neither."""
         number = _number(run_id)

@@ -37,8 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from supervisor.domain import TSUP_EXIT_CODES, ExitMeaning, Policy
 from supervisor.errors import SpecError
+from supervisor.node_env import Accelerator
 from supervisor.planning import LLAMA3_FAILURES_PER_NODE_DAY
-from supervisor.runfiles.node_env import Accelerator
 from supervisor.spec_command import MODEL_CONFIG, CommandSpec
 from wire import parse_mqtt_url
 from wire.batch import split_batch
@@ -60,7 +60,7 @@ class ResourcesSpec(BaseModel):
     # It costs each node a second interpreter per rank (here about 250 MB of memory each).
     standby: bool = False
     # The nodes' accelerators, for the interconnect and runtime environment every step
-    # gets (supervisor/runfiles/node_env.py): "neuron" (trn1.32xlarge: 32 ranks per node) or
+    # gets (supervisor/node_env.py): "neuron" (trn1.32xlarge: 32 ranks per node) or
     # "nvidia" (p5.48xlarge: 8); absent, nothing is added.
     accelerator: Accelerator | None = None
 

@@ -84,7 +84,7 @@ class CommandSpec(BaseModel):
     # or a table of its own ({"7" = "device"}).
     exit_codes: str | dict[str, str] = "none"
     # A regular expression for the trainer's progress lines, with named groups "step" and
-    # optionally "loss" and "grad_norm" (supervisor/output_progress.py), tried before the
+    # optionally "loss" and "grad_norm" (supervisor/gathering/output_progress.py), tried before the
     # formats the supervisor knows (the FSDP test case's, NxD's, NeMo's). RE2's syntax:
     # no backreferences or lookarounds, so that any line is matched in linear time.
     progress_pattern: Annotated[str, Field(min_length=1, max_length=1000)] | None = None

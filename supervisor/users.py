@@ -31,8 +31,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor import user_files
 from supervisor.errors import CannotExecute, SpecError
-from supervisor.runfiles import user_files
 
 
 @dataclass(frozen=True, slots=True)

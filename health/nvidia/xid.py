@@ -100,7 +100,7 @@ _XID_PLAIN = re.compile(r"\bXid[ :]+(\d+)\b\s*,?\s*(.*)")  # "Xid 79", "Xid: 79"
 
 
 # The two forms, for a reader that matches them with an engine of its own (the daemon's,
-# supervisor/output_progress.py): the kernel's (groups: the device, the code, the message)
+# supervisor/gathering/output_progress.py): the kernel's (groups: the device, the code, the message)
 # and the plain one (the code, the message).
 XID_PATTERN, XID_PLAIN_PATTERN = XID.pattern, _XID_PLAIN.pattern
 

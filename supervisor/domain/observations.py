@@ -58,7 +58,7 @@ class RankObs:
     busy_recent_s: tuple[float, ...] = ()  # its busy time in its recent steps, oldest first
     first_step: int | None = None  # the first step it reported in this attempt
     # From its output (a [command] trainer): its first line with a fatal signature
-    # (supervisor/output_progress.py), and what failed: "device" or "network".
+    # (supervisor/gathering/output_progress.py), and what failed: "device" or "network".
     fatal_line: str = ""
     fatal_kind: str = ""
 

@@ -77,7 +77,7 @@ class Attempt:
     set_aside: str | None = None
     # How far the daemon read each of its logs (JSON {file name: offset}, at a line's
     # end), saved every OFFSETS_EVERY_S: a restarted daemon reads on from there
-    # (supervisor/output_progress.py).
+    # (supervisor/gathering/output_progress.py).
     output_offsets: str | None = None
 
 

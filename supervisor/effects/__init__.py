@@ -38,7 +38,7 @@ from supervisor.effects.attempts import AttemptEffects
 from supervisor.effects.base import Acting, Deps, Family, Recording
 from supervisor.effects.nodes import NodeEffects, NodeIntents
 from supervisor.effects.runs import RunEffects
-from supervisor.observed import Observed
+from supervisor.gathering.observed import Observed
 from supervisor.store import Tx
 
 __all__ = ["FAMILIES", "TABLE", "Deps", "Effects", "table_problems"]

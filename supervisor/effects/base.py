@@ -10,10 +10,10 @@ from typing import Any, ClassVar, Protocol
 from supervisor.domain import Attempt, DrainBudget, Run, RunState
 from supervisor.domain.events import EventKind
 from supervisor.effects.checkpoint_moves import CheckpointMoves
-from supervisor.launch_specs import LaunchSpecs
+from supervisor.gathering.launch_specs import LaunchSpecs
+from supervisor.gathering.observed import Observed
+from supervisor.gathering.run_memory import RunMemory
 from supervisor.launchers.base import Launcher, NodeAdmin
-from supervisor.observed import Observed
-from supervisor.run_memory import RunMemory
 from supervisor.store import SqlStore, Tx
 from supervisor.telemetry.view import TelemetryView
 

@@ -60,7 +60,7 @@ class LaunchSpec:
     standby_nodes: tuple[str, ...] = ()
     # A directory of the daemon's above ``log_dir`` (the runs' directory): the paths below
     # it belong to the run's user, so the launcher reaches them from here without
-    # following a link (supervisor/runfiles/user_files.py). None: from ``log_dir`` itself.
+    # following a link (supervisor/user_files.py). None: from ``log_dir`` itself.
     trusted_dir: Path | None = None
 
     @property

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import psutil
 
-from supervisor import users
+from supervisor import user_files, users
 from supervisor.domain import ProcState
 from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import CannotExecute, LaunchError, SpecError
@@ -59,7 +59,6 @@ from supervisor.launchers.local_record import (
     warm_ranks,
 )
 from supervisor.launchers.standby import StandbyPool, assignment_for
-from supervisor.runfiles import user_files
 from wire import NODE_AGENT_ENV
 
 NODE_PROCESS_GRACE_S = 2.0  # a node's own process ends within this of SIGTERM, or is killed

@@ -21,10 +21,9 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
-from supervisor import users
+from supervisor import user_files, users
 from supervisor.errors import CannotExecute
 from supervisor.launchers.base import LaunchSpec
-from supervisor.runfiles import user_files
 
 # psutil's create_time is a float rounded differently across calls on some kernels;
 # two readings of one process agree to well within this.

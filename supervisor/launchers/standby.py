@@ -26,10 +26,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor import users
+from supervisor import user_files, users
 from supervisor.errors import CannotExecute
 from supervisor.launchers.base import LaunchSpec
-from supervisor.runfiles import user_files
 from wire import KEY_ENV
 from wire.standby import SLOT_ENV, Assignment
 

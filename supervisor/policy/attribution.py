@@ -100,7 +100,7 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
         return Finding(record, drains, do_not_retry)
 
     # The trainer's own word that a device failed (its exit code, or a device error in its
-    # output: supervisor/output_progress.py) is evidence enough to drain.
+    # output: supervisor/gathering/output_progress.py) is evidence enough to drain.
     broken = [r for r in dead if meaning(r) is ExitMeaning.DEVICE or r.fatal_kind == "device"]
     if broken:
         code = exit_code(broken[0])
@@ -116,7 +116,7 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
         record = RecordFault(kind=FaultKind.DEVICE, attempt=live.number, ranks=tuple(r.rank for r in broken),
                              nodes=tuple(nodes), summary=summary, step=step)
         return Finding(record, drains)
-    # An error of the job's own configuration (supervisor/output_progress.py): every
+    # An error of the job's own configuration (supervisor/gathering/output_progress.py): every
     # attempt would print it again, so the run ends at the first, in the trainer's words.
     misconfigured = [r for r in dead if r.fatal_kind == "config"]
     if misconfigured:

@@ -2,7 +2,7 @@
 broker): what counts as its progress, and as its success (pure).
 
 Progress is a new complete checkpoint (a step), and its output: once the output's lines
-are understood (steps, a compile phase: supervisor/output_progress.py), only its progress
+are understood (steps, a compile phase: supervisor/gathering/output_progress.py), only its progress
 lines count, so that a hung job printing warnings is still a hang; until then any new
 output is a sign of life. A [command] trainer writes no result file: every rank exiting 0
 is its success.

@@ -5,7 +5,7 @@ Every launcher writes an attempt's output into its log directory
 ``node-<k>....log`` per node (its torchrun's or ``train.sh``'s output, the seeds'
 ``llama.out``). A rank's output is its own file where there is one, else its node's; a
 node's is its own file, else its first rank's. The files are the run's user's: they are
-opened as the output reader opens them (supervisor/runfiles/user_files.py: a regular file, never
+opened as the output reader opens them (supervisor/user_files.py: a regular file, never
 through a link), and read a piece at a time from an offset, so that a follower can
 resume where it stopped.
 """
@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor import user_files
 from supervisor.errors import Conflict, NotFound
-from supervisor.runfiles import user_files
 
 CHUNK_MAX_BYTES = 1 << 20
 _NAME = re.compile(r"^(rank|node)-0*(\d+)\b.*\.log$")

@@ -44,7 +44,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.runfiles import user_files
+from supervisor import user_files
 from wire.errors import CheckpointMismatch
 from wire.files import MANIFEST_FILE, read_manifest
 

@@ -23,12 +23,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from supervisor import user_files
 from supervisor.domain import TrainerResult
 from supervisor.domain.step import DEFERRED, LaunchMode, readable
 from supervisor.errors import SpecError
+from supervisor.node_env import accelerator_env
 from supervisor.planning import TIER_MEMORY, first_auto_every_steps
-from supervisor.runfiles import user_files
-from supervisor.runfiles.node_env import accelerator_env
 from supervisor.runfiles.user_tree import Tree, TreeStalled
 from supervisor.spec import RunSpec
 from wire import neuron_launch
@@ -238,7 +238,7 @@ def attempt_ids(run_id: str, attempt: int) -> dict[str, str]:
 def attempt_env(spec: RunSpec, run_dir: Path, skip_to_step: int = 1, *,
                 precompile: bool = False) -> dict[str, str]:
     """The variables every rank of an attempt gets beyond the launcher's and the run's ids:
-    the accelerators' (supervisor/runfiles/node_env.py), then the trainer's, then a [command]'s own
+    the accelerators' (supervisor/node_env.py), then the trainer's, then a [command]'s own
     (``skip_to_step``: the step of the data stream its next step reads), and for its
     precompile pass (``precompile``) its ``precompile_env`` over them."""
     uid = run_uid(spec)

@@ -4,7 +4,7 @@ checkpoints and results is done by a process of the run's user.
 A run's checkpoint directory, its output directory, its attempts' logs and the job's
 scripts are the run's user's. Anything found there may have been put there to mislead a reader with more
 rights: a link to another user's directory, a FIFO, a 1 GiB sparse file. Refusing each
-trick where it is met (supervisor/runfiles/user_files.py) is a list that can miss one; here the
+trick where it is met (supervisor/user_files.py) is a list that can miss one; here the
 whole class goes. Every scan, move, write and hash in a user's tree is a request to a
 worker running as that user (its uid, its gid, its groups, no capability), so the most a
 planted link can reach is what the user could reach alone. The daemon keeps its own
@@ -52,11 +52,11 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from supervisor import users
+from supervisor import user_files, users
 from supervisor.errors import CannotExecute
-from supervisor.runfiles import checkpoint_scan, precompile, user_files
+from supervisor.runfiles import checkpoint_scan, precompile
 from supervisor.runfiles.checkpoint_scan import SET_ASIDE, Verdict
-from supervisor.runfiles.user_files import TreeStalled, UnsafePath
+from supervisor.user_files import TreeStalled, UnsafePath
 
 __all__ = ["LOCAL", "SET_ASIDE", "Local", "Tree", "TreeStalled", "UnsafePath", "Verdict", "Worker", "of"]
 

@@ -28,8 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor import users
-from supervisor.runfiles import user_files
+from supervisor import user_files, users
 from supervisor.users import RunAs, popen_ids
 
 log = logging.getLogger(__name__)
@@ -124,7 +123,7 @@ class SlurmCommands:
     ) -> subprocess.Popen[bytes]:
         """Start ``srun`` for a step (as ``user``), its output appended to ``log_path``, a
         regular file reached from ``log_base`` without following a link (the directory is
-        the run's user's: supervisor/runfiles/user_files.py); ``input_pipe``: its input a pipe from
+        the run's user's: supervisor/user_files.py); ``input_pipe``: its input a pipe from
         here (else nothing). Raises OSError when it cannot be started, ValueError when an
         argument or variable cannot be passed (a NUL byte)."""
         self.calls += 1

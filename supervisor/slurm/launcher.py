@@ -46,12 +46,11 @@ from typing import Any
 
 import psutil
 
-from supervisor import users
+from supervisor import user_files, users
 from supervisor.domain import ProcState
 from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import CannotExecute, LaunchError, SpecError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, Parked, RankProc
-from supervisor.runfiles import user_files
 from supervisor.slurm import parse
 from supervisor.slurm.allocation import Alloc, SlurmAllocations, SlurmOptions, only_of, uid_of
 from supervisor.slurm.commands import SlurmCommands

@@ -15,8 +15,8 @@ from typing import Any
 
 import psutil
 
+from supervisor import user_files
 from supervisor.domain import ProcState
-from supervisor.runfiles import user_files
 
 # "srun: error: node1: task 1: Exited with exit code 3", "...: tasks 0-1: Killed"
 TASK_LINE = re.compile(r"srun: error: (\S+): tasks? ([0-9,\-]+): (.+)$")

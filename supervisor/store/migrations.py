@@ -197,7 +197,7 @@ def _v14(conn: Connection) -> None:
     the run's directory, which its user could replace): an unfinished manifest of a run
     still going is taken over, read as no link and no more than 1 MiB."""
     _add_columns(conn, "attempts", {"set_aside": "TEXT"})
-    from supervisor.runfiles import user_files  # here: the schema needs it only for this migration
+    from supervisor import user_files  # here: the schema needs it only for this migration
 
     rows = conn.exec_driver_sql(
         "SELECT a.run_number, a.number, r.run_dir FROM attempts a JOIN runs r ON r.number = a.run_number "

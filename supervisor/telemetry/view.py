@@ -210,7 +210,7 @@ class TelemetryView:
 
     def apply_from_output(self, msg: p.StepMetrics, now: float, *, printed: frozenset[str],
                           record: bool = True) -> None:
-        """A step read from a trainer's output (supervisor/output_progress.py): progress,
+        """A step read from a trainer's output (supervisor/gathering/output_progress.py): progress,
         but no sign that the rank's node is heard (output stops in a hang as everywhere
         else); only what the line ``printed`` (loss, grad_norm) is judged, the rest is NaN
         for "not known". ``record=False``: progress only, not a step of the run's history
@@ -280,7 +280,7 @@ class TelemetryView:
         return sum(1 for k in self._injected if k[:2] == (run_id, attempt)) < _INJECTED_PER_ATTEMPT
 
     def phase_from_output(self, run_id: str, attempt: int, rank: int, phase: str, now: float) -> None:
-        """The phase a trainer's output shows (supervisor/output_progress.py), for a rank
+        """The phase a trainer's output shows (supervisor/gathering/output_progress.py), for a rank
         that says nothing of its own on telemetry (what it says there is exact)."""
         with self._lock:
             seen = self._ranks.setdefault((run_id, attempt), {}).setdefault(rank, RankTelemetry())

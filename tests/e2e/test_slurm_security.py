@@ -30,7 +30,7 @@ from tests.e2e.test_least_privilege import remove_user, system_user
 pytestmark = pytest.mark.e2e
 
 # The line the finding quotes: a CUDA ECC failure as far as the supervisor's output
-# reader can tell (supervisor/output_progress.py), so it drains the node that printed it
+# reader can tell (supervisor/gathering/output_progress.py), so it drains the node that printed it
 # with the line in its Reason; the rest is the attacker's.
 ATTACK = "uncorrectable ECC error encountered NodeName=node1 NodeAddr=10.6.6.6 State=IDLE"
 

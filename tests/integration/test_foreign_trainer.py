@@ -61,7 +61,7 @@ SCRIPT = textwrap.dedent('''
         if step % args.every == 0:
             dcp.save({"model": model.state_dict(), "step": torch.tensor(step)},
                      checkpoint_id=os.path.join(args.save_dir, f"llama_v3-{step}steps"))
-        if rank == 0:  # the FSDP test case's line, 0-based (supervisor/output_progress.py)
+        if rank == 0:  # the FSDP test case's line, 0-based (supervisor/gathering/output_progress.py)
             print(f"Batch {step - 1} Loss: {loss.item():.5f}, Speed: 80.00 samples/sec, lr: 0.050000", flush=True)
         time.sleep(args.sleep)
     if rank == 0:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import output_progress
 from supervisor.errors import SupervisorError
-from supervisor.output_progress import AttemptOutput
+from supervisor.gathering import output_progress
+from supervisor.gathering.output_progress import AttemptOutput
 from supervisor.runfiles import attempt_logs, trainer_cmd, user_tree
 from supervisor.users import RunAs
 from tests.e2e.test_least_privilege import open_dir  # noqa: F401 - the fixture

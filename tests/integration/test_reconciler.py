@@ -462,8 +462,8 @@ def test_a_restarted_reconciler_reads_a_commands_logs_on_from_the_offsets_the_st
     """Issue 37, item 5: a restarted daemon read every log of a live [command] attempt
     from its start again (weeks of output, a tick's worth at a time, its old steps
     replayed as new). The offsets are kept in the store every OFFSETS_EVERY_S."""
-    from supervisor.output_progress import OFFSETS_EVERY_S
-    from supervisor.runfiles import user_files
+    from supervisor import user_files
+    from supervisor.gathering.output_progress import OFFSETS_EVERY_S
 
     store, clock, launcher, telemetry, rec, service = world
     service.submit(parse_spec({"name": "wiring", "resources": {"nodes": 1, "ranks_per_node": 1},

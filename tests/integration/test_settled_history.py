@@ -1,4 +1,4 @@
-"""A run's settled history (supervisor/settled.py) on a real SQLite store: every read is
+"""A run's settled history (supervisor/gathering/settled.py) on a real SQLite store: every read is
 what reading the store whole would give, and a settled row is decoded once."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from supervisor.domain import (
     Policy,
     RunState,
 )
-from supervisor.settled import OVER_FOR_S, SETTLE_BEHIND, History, SettledHistory, is_over
+from supervisor.gathering.settled import OVER_FOR_S, SETTLE_BEHIND, History, SettledHistory, is_over
 from supervisor.store import SqlStore
 from supervisor.store import schema as t
 

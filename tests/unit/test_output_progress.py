@@ -1,4 +1,4 @@
-"""Progress and fatal errors read from a trainer's own output (supervisor/output_progress.py)."""
+"""Progress and fatal errors read from a trainer's own output (supervisor/gathering/output_progress.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.domain import Policy
-from supervisor.output_progress import (
+from supervisor.gathering.output_progress import (
     PATTERNS,
     AttemptOutput,
     ProgressLine,

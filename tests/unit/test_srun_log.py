@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.runfiles.user_files import UnsafePath
 from supervisor.slurm.commands import SlurmCommands
 from supervisor.slurm.srun import task_exits
+from supervisor.user_files import UnsafePath
 
 
 def test_a_fifo_or_a_link_to_dev_zero_as_srun_log_reads_as_no_exits_at_once(tmp_path: Path) -> None:

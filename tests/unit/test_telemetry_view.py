@@ -160,7 +160,7 @@ def test_a_node_report_never_moves_a_rank_back_nor_undoes_a_last_will() -> None:
 def judge(v: TelemetryView, now: float, up_since: float | None = 0.0,
           proc: ProcState = ProcState.UNKNOWN) -> list[RecordFault]:
     """The policy's verdict on a 2-node x 2-rank attempt observed only through ``v`` (as
-    supervisor/observe.py builds it: every rank's process UNKNOWN, as under Slurm, unless
+    supervisor/gathering/observe.py builds it: every rank's process UNKNOWN, as under Slurm, unless
     ``proc`` says), with telemetry flowing since ``up_since``."""
     run = Run(number=1, name="t", state=RunState.RUNNING, reason="", nodes=2, ranks_per_node=2, spares=0,
               total_steps=1000, policy=Policy(hang_timeout_s=60), created_at=0.0)

@@ -1,4 +1,4 @@
-"""supervisor/runfiles/user_files.py: how the daemon touches files in directories a run's user owns."""
+"""supervisor/user_files.py: how the daemon touches files in directories a run's user owns."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.runfiles import user_files
+from supervisor import user_files
 from supervisor.users import RunAs
 from tests.conftest import require_root
 

@@ -46,8 +46,8 @@ from pathlib import Path
 import wire as p
 from health import neuron, nvidia
 from health.model import Action, Status
+from supervisor import user_files
 from supervisor.linear_match import PatternSet
-from supervisor.runfiles import user_files
 
 READ_MAX_BYTES = 1 << 20  # per file and poll: a burst of output is read over several ticks
 READ_BUDGET_S = 0.25  # per attempt and poll: the files left unread are read first next tick
@@ -418,7 +418,7 @@ def _rank_of(name: str, ranks_per_node: int) -> int | None:
 
 
 def _new_lines(f: _File, path: Path, base: Path | None, reader: user_files.Reader) -> list[str]:
-    try:  # the run's user's file: never a link, a FIFO or a device (supervisor/runfiles/user_files.py)
+    try:  # the run's user's file: never a link, a FIFO or a device (supervisor/user_files.py)
         data = reader.read_bytes(path, READ_MAX_BYTES, base=base, offset=f.offset)
     except user_files.TreeStalled:
         raise  # not an answer: the tick's error, read again next tick

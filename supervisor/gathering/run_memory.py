@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor.errors import SpecError
-from supervisor.output_progress import AttemptOutput
+from supervisor.gathering.output_progress import AttemptOutput
 from supervisor.spec import RunSpec, spec_from_json
 from supervisor.store import SqlStore
 

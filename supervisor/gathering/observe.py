@@ -13,7 +13,7 @@ It evaluates no rule: what its findings mean is policy/'s (``resumes.expected_fi
 Two kinds of writes remain, both to the daemon's own memory: the telemetry view is told
 the live attempt's world size and what a [command] trainer's output says (its steps and
 phases, as if the trainer had sent them: ``TelemetryView.expect``, ``apply_from_output``,
-``phase_from_output``), and the run's memory (supervisor/run_memory.py) keeps what it
+``phase_from_output``), and the run's memory (supervisor/gathering/run_memory.py) keeps what it
 saw between ticks (when a rank was first seen dead, the output read so far, a quiet
 trainer's newest checkpoint, the loss a resumed attempt must repeat). Both are
 observations of this process, rebuilt after a restart.
@@ -26,7 +26,6 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from supervisor import output_progress
 from supervisor.domain import (
     LIVE_ATTEMPT_STATES,
     TERMINAL_RUN_STATES,
@@ -45,19 +44,20 @@ from supervisor.domain import (
     StragglerReport,
     TrainerResult,
 )
-from supervisor.launch_specs import LaunchSpecs
+from supervisor.gathering import output_progress
+from supervisor.gathering.launch_specs import LaunchSpecs
+from supervisor.gathering.observed import Facts, Observed
+from supervisor.gathering.output_progress import AttemptOutput
+from supervisor.gathering.run_memory import RunMemory
+from supervisor.gathering.settled import SettledHistory, is_over
 from supervisor.launchers.base import Launcher
-from supervisor.observed import Facts, Observed
-from supervisor.output_progress import AttemptOutput
 from supervisor.policy import resume_before, unreadable_checkpoints
 from supervisor.policy.detection import heard_again_at
 from supervisor.policy.grants import allocation_after, grant_changes
 from supervisor.policy.memory import newest_resumable
 from supervisor.policy.quiet import command_result, progress_at
 from supervisor.policy.resumes import expected_first
-from supervisor.run_memory import RunMemory
 from supervisor.runfiles import precompile, trainer_cmd, user_tree
-from supervisor.settled import SettledHistory, is_over
 from supervisor.spec import RunSpec
 from supervisor.store import SqlStore
 from supervisor.telemetry.records import NOTHING_HEARD, RankSeen
