@@ -37,7 +37,7 @@ def test_a_stall_of_the_daemons_own_loop_stops_the_telemetry_flowing_until_it_ru
 
 _WEDGED_SERVE = """
 import sys, time
-from supervisor import cli
+from cli import daemon as cli
 from supervisor.daemon import Daemon
 
 cli.STOP_WITHIN_S = 1.0
