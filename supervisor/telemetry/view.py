@@ -176,7 +176,7 @@ class TelemetryView:
 
     def replay_marks(self) -> list[tuple[str, int, str, int]]:
         """(run, attempt, sender, highest verified sequence number) of every live sender (a
-        rank's number, a node agent's ``n<index>``: trainer/protocol.sender): what a
+        rank's number, a node agent's ``n<index>``: wire.sender): what a
         restarted daemon needs to refuse a replay of what this one verified."""
         with self._lock:
             marks = {(run, attempt, str(number)): r.seq for (run, attempt), ranks in self._ranks.items()
