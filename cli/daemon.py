@@ -263,6 +263,11 @@ async def _run(args: argparse.Namespace, slurm_chaos: SlurmChaos | None) -> int:
                             "injects these")
         # validated again, as a stored spec will be when the reconciler reads it back
         spec = type(spec).model_validate({**spec.model_dump(), "chaos": [*spec.chaos, *in_trainer]})
+    outside = [c for c in chaos if c.kind not in TRAINER_KINDS]
+    needs_hooks = any(c.kind != "corrupt-ckpt" for c in outside)
+    if needs_hooks and spec.resources.launcher == "slurm" and slurm_chaos is None:  # refused before a submit
+        raise SpecError(f"--chaos {', '.join(str(c) for c in outside)} on Slurm: only a development "
+                        "Slurm box can do that to its nodes (python -m slurmbox.tsup run ...)")
     state_dir: Path = args.state_dir or default_state_dir()
     trainer_cmd.check_trainer_config(spec, state_dir / "runs" / "run-check")
     settings = DaemonSettings(
@@ -279,13 +284,9 @@ async def _run(args: argparse.Namespace, slurm_chaos: SlurmChaos | None) -> int:
         out = _Progress(daemon, run_id, quiet=args.quiet)
         out.say(f"{run_id} submitted; state in {state_dir}"
                 + (f"; API on {daemon.api_url}" if daemon.api_url else ""))
-        outside = [c for c in chaos if c.kind not in TRAINER_KINDS]
         hooks = None
-        if any(c.kind != "corrupt-ckpt" for c in outside):
+        if needs_hooks:
             slurm = daemon.cluster.slurm
-            if slurm is not None and slurm_chaos is None:
-                raise SpecError(f"--chaos {', '.join(str(c) for c in outside)} on Slurm: only a development "
-                                "Slurm box can do that to its nodes (python -m slurmbox.tsup run ...)")
             hooks = slurm_chaos(slurm.commands.slurm_conf) if slurm_chaos and slurm else daemon.cluster.chaos
         monkey = ChaosMonkey(outside, number, daemon.store, hooks, daemon.telemetry, daemon.reconciler,
                              trainer_cmd.checkpoint_dir(spec, state_dir / "runs" / run_id))

@@ -119,6 +119,7 @@ class AgentLink(Telemetry):
         self.settings = settings
         self.broker = broker
         self.fenced: str | None = None  # the fence's reason, once an authentic one came
+        self._said_forged = False
         self._wake = wake
 
     def _header(self) -> dict[str, Any]:
@@ -154,9 +155,10 @@ class AgentLink(Telemetry):
         if reason is not None:
             self.fenced = reason
             self._wake.set()
-        elif payload:  # (an empty retained message clears a fence: nothing to say)
+        elif payload and not self._said_forged:  # (an empty retained message clears a fence)
+            self._said_forged = True  # once: a flood of forgeries must not flood the node's log
             log.warning("node agent: ignored a fence on %s that is not this attempt's own (forged, or "
-                        "sealed with another key)", topic)
+                        "sealed with another key); further ones are ignored without a word", topic)
 
     def report(self) -> protocol.AgentReport:
         """The node now: alive, with its ranks' slots (none where the trainer keeps no slot file)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -99,3 +100,17 @@ def test_only_the_boxs_entry_point_hands_the_product_chaos_hooks_for_slurm(
     assert handed == {"argv": ["run", "spec.toml"], "slurm_chaos": BoxChaos}
     with pytest.raises(LaunchError, match="need a Slurm box on this host"):
         BoxChaos(None)
+
+
+def test_the_products_command_refuses_node_chaos_on_slurm_before_anything_is_submitted(tmp_path: Path,
+                                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from cli import daemon
+    from tests.conftest import REPO
+
+    state = tmp_path / "state"
+    code = daemon.main(["run", str(REPO / "examples" / "tiny-llama.toml"), "--launcher", "slurm",
+                        "--chaos", "kill-node@5", "--state-dir", str(state)])
+    assert code == 2
+    assert "only a development Slurm box" in capsys.readouterr().err
+    assert not state.exists(), "nothing was submitted, no state made"
+
