@@ -59,7 +59,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -71,6 +70,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from supervisor.ports import free_port  # noqa: E402
 from trainer import memory_tier  # noqa: E402
 
 MODEL = {"model": "llama2-7b", "model_overrides": {"hidden_size": 1024, "intermediate_size": 2816,
@@ -112,9 +112,7 @@ def config_for(mode: str, directory: Path, steps: int, every: int, model: dict[s
 def run_mode(mode: str, config: Path, ranks: int, *, resume: str = "none",
              env_extra: dict[str, str] | None = None) -> dict[str, Any]:
     """Run the trainer; return rank 0's lines with their arrival times, and exit codes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for rank in range(ranks):
         env = {k: v for k, v in os.environ.items() if not k.startswith("TSUP_")}

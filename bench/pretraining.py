@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,17 +31,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from supervisor.ports import free_port  # noqa: E402
 from trainer import flops  # noqa: E402
 from trainer.corpus import write_tiny_corpus  # noqa: E402
 from trainer.shapes import SHAPES  # noqa: E402
 
 STEP = re.compile(r"^step (\d+)/\d+ loss ([0-9.]+) .*tokens_per_s (\d+) mfu ([0-9.]+|n/a)%?", re.M)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:

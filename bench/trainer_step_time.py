@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,14 +23,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from supervisor.ports import free_port  # noqa: E402
+
 STEP_LINE = re.compile(r"^step (\d+)/\d+ .* step_time_s ([0-9.]+) ")
 SAVE_LINE = re.compile(r"^checkpoint step (\d+) committed to .* in ([0-9.]+) s")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def percentile(values: list[float], q: float) -> float:

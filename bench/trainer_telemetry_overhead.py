@@ -27,18 +27,13 @@ from typing import Any
 
 from amqtt.broker import Broker
 
+from supervisor.ports import free_port
 from trainer.telemetry import Telemetry
 from trainer.telemetry_env import Broker as BrokerAddress
 from trainer.telemetry_env import Identity
 from wire import BrokerUrl
 
 IDENTITY = Identity(run="bench", attempt=1, rank=0, local_rank=0, world_size=1, node="bench")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

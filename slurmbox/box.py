@@ -51,6 +51,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from supervisor.ports import free_port
+
 DEFAULT_DIR = Path(tempfile.gettempdir()) / "tsup-slurm-box"
 SBIN = Path("/usr/sbin")
 NETWORK = ipaddress.ip_network("10.77.0.0/16")  # each box takes one /24 of it
@@ -114,16 +116,12 @@ class Box:
 
 
 def _free_ports(count: int) -> list[int]:
-    socks, ports = [], []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("0.0.0.0", 0))  # noqa: S104 - free on every address: slurmctld listens on all of them
-            socks.append(s)
-            ports.append(int(s.getsockname()[1]))
-    finally:
-        for s in socks:
-            s.close()
+    """``count`` different ports, free on every address (slurmctld listens on all of them)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port("0.0.0.0")  # noqa: S104
+        if port not in ports:
+            ports.append(port)
     return ports
 
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from supervisor.ports import free_port  # the tests' ports: tests.conftest.free_port
+
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() == "true"
 # pytest-timeout's limit for one test (pyproject.toml). A wait of a test's own must end
@@ -71,12 +73,6 @@ def require_module(name: str, what: str) -> Any:
         if IN_CI:
             pytest.fail(f"CI: {message}", pytrace=False)
         pytest.skip(message, allow_module_level=True)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):  # type: ignore[no-untyped-def]

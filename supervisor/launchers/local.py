@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -59,6 +58,7 @@ from supervisor.launchers.local_record import (
     warm_ranks,
 )
 from supervisor.launchers.standby import StandbyPool, assignment_for
+from supervisor.ports import free_port
 from wire import NODE_AGENT_ENV
 
 NODE_PROCESS_GRACE_S = 2.0  # a node's own process ends within this of SIGTERM, or is killed
@@ -155,7 +155,7 @@ class LocalLauncher:
         with user_files.directory(spec.log_base, spec.log_dir, create=True):
             pass  # made, or found, without following a link below the daemon's own directory
         step = Step(nnodes=len(spec.nodes), nproc_per_node=spec.ranks_per_node, master_addr="127.0.0.1",
-                    master_port=_free_port(), rdzv_id=rdzv_id(spec.run_id, spec.attempt))
+                    master_port=free_port(), rdzv_id=rdzv_id(spec.run_id, spec.attempt))
         argv = list(step.fill_all(spec.argv))
         base_env = {**users.inherited_env(), **users.login_env(run_as),
                     **{k: step.fill(v) for k, v in spec.env.items()}}
@@ -473,9 +473,3 @@ def _worker_of(parent: int, rank: int) -> int:
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

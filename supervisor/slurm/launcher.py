@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, replace
@@ -51,6 +50,7 @@ from supervisor.domain import ProcState
 from supervisor.domain.step import Step, rdzv_id
 from supervisor.errors import CannotExecute, LaunchError, SpecError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, Parked, RankProc
+from supervisor.ports import free_port
 from supervisor.slurm import parse
 from supervisor.slurm.allocation import Alloc, SlurmAllocations, SlurmOptions, only_of, uid_of
 from supervisor.slurm.commands import SlurmCommands
@@ -151,7 +151,7 @@ class SlurmLauncher:
         first = nodes_info.get(nodes[0])
         master_addr = first.addr if first else nodes[0]
         local = master_addr in ("127.0.0.1", "localhost")
-        port = _free_port() if local else _port_for(spec.run_id, spec.attempt)
+        port = free_port() if local else _port_for(spec.run_id, spec.attempt)
         name = self.step_name(spec.run_id, spec.attempt)
         step = Step(nnodes=len(nodes), nproc_per_node=spec.ranks_per_node, master_addr=master_addr,
                     master_port=port, rdzv_id=rdzv_id(spec.run_id, spec.attempt))
@@ -462,12 +462,6 @@ def _own_step(steps: list[parse.StepInfo], job: str | None, name: str,
     (where squeue names an owner); another user's step of that name is not."""
     return next((s for s in steps if s.job_id == job and s.name == name
                  and (s.user_id is None or s.owned_by(uid))), None)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _port_for(run_id: str, attempt: int) -> int:

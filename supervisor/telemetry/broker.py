@@ -48,7 +48,6 @@ import functools
 import ipaddress
 import json
 import logging
-import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,6 +55,7 @@ from typing import Any
 
 from supervisor.errors import SupervisorError
 from supervisor.logs import printable
+from supervisor.ports import free_port
 from supervisor.telemetry.access import (
     MAX_PACKET_BYTES,
     BrokerAccess,
@@ -268,7 +268,7 @@ class EmbeddedBroker:
             amqtt_broker.addFilter(_AmqttRefusals())
         # Trainers that outlived a previous daemon reconnect to the port they know, so
         # a remembered port is reused or the start fails; never silently moved.
-        self.port = self.port or self._remembered_port() or _free_port(self.host)
+        self.port = self.port or self._remembered_port() or free_port(self.host)
         bind = f"[{self.host}]" if ":" in self.host else self.host
         # No plugins: the broker's own checks stand in for amqtt's authentication and topic ones.
         config = {"listeners": {"default": {"type": "tcp", "bind": f"{bind}:{self.port}"}}, "plugins": {}}
@@ -300,12 +300,6 @@ class EmbeddedBroker:
             return int(json.loads(self.state_file.read_text())["port"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def broker_addresses(bind: str | None, advertise: str | None,

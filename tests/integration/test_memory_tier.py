@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.ports import free_port
 from trainer.checkpoint_layout import complete_checkpoints
 from wire.files import MANIFEST_FILE
 
@@ -33,12 +33,6 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_config(directory: Path) -> Path:

@@ -36,6 +36,7 @@ from amqtt.broker import Broker
 from paho.mqtt.enums import CallbackAPIVersion
 
 import wire as protocol
+from supervisor.ports import free_port
 from trainer.checkpoint_layout import complete_checkpoints, is_complete
 
 pytestmark = pytest.mark.integration
@@ -43,12 +44,6 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
 PROCESS_TIMEOUT_S = 120  # generous: 2 ranks importing torch on 2 busy cores
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 60) -> Any:
@@ -134,7 +129,19 @@ class Attempt:
     codes: list[int] = field(default_factory=list)
 
     def wait(self) -> list[int]:
-        self.codes = [p.wait(timeout=PROCESS_TIMEOUT_S) for p in self.procs]
+        """Every rank's exit code; a rank still running after PROCESS_TIMEOUT_S fails the
+        test with every rank's log, the ranks killed."""
+        deadline = time.monotonic() + PROCESS_TIMEOUT_S
+        try:
+            self.codes = [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in self.procs]
+        except subprocess.TimeoutExpired:
+            for p in self.procs:
+                if p.poll() is None:
+                    os.kill(p.pid, signal.SIGKILL)
+                    p.wait()
+            logs = "\n".join(f"--- rank {rank} (exit {p.returncode}) ---\n{self.log(rank)[-4000:]}"
+                             for rank, p in enumerate(self.procs))
+            pytest.fail(f"ranks still running after {PROCESS_TIMEOUT_S} s:\n{logs}")
         return self.codes
 
     def log(self, rank: int = 0) -> str:
