@@ -33,7 +33,7 @@ from trainer import checkpoint_layout as layout
 from trainer import distributed
 from trainer.checkpoint_io import HashingWriter, VerifyingReader
 from wire.errors import CheckpointMismatch, CheckpointStorageFull, CheckpointUnreadable
-from wire.files import read_manifest
+from wire.files import checkpoint_name, read_manifest
 
 
 @dataclass(slots=True)
@@ -190,7 +190,7 @@ def _save(root: Path, meta: layout.TrainerMeta, state: dict[str, Any], *, keep: 
         before_commit()
     distributed.barrier(group)  # every rank's shards and the meta file are on storage
     deleted: list[Path] = []
-    final = tmp.parent / layout.checkpoint_name(meta.step)
+    final = tmp.parent / checkpoint_name(meta.step)
     if is_main:
         layout.check_fence(root, attempt)  # frozen meanwhile? the live attempt's directory is its own
         final = layout.commit(tmp, meta.step)

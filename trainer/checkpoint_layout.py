@@ -50,7 +50,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -59,7 +58,7 @@ from typing import Any, Protocol
 
 from trainer import atomic
 from wire.errors import CheckpointMismatch, Superseded, UsageError
-from wire.files import FENCE_FILE, MANIFEST_FILE, read_small
+from wire.files import FENCE_FILE, MANIFEST_FILE, checkpoint_name, read_small, step_of
 
 META_FILE = "trainer_meta.json"
 MANIFEST_FORMAT = 2  # format 1 (SHA-256 only) is read too
@@ -67,19 +66,6 @@ HASHES = ("blake3", "sha256")  # the algorithms a manifest entry may name, faste
 DCP_METADATA_FILE = ".metadata"
 TMP_PREFIX = ".tmp-"
 META_FORMAT = 1  # bump when trainer_meta.json changes incompatibly
-
-_NAME = re.compile(r"step_(\d{8})")
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def step_of(name: str) -> int | None:
-    """The step a directory name stands for, or None if it is not a checkpoint name."""
-    match = _NAME.fullmatch(name)
-    return int(match.group(1)) if match else None
-
 
 def is_complete(path: Path) -> bool:
     return (step_of(path.name) is not None and path.is_dir()

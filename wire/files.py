@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,33 @@ FENCE_FILE = ".tsup-attempt"
 RESULT_FILE = "result.json"
 
 MANIFEST_MAX_BYTES = 64 << 20  # a manifest lists files: megabytes for the largest saves
+
+# A checkpoint's directory: the reference trainer's ``step_NNNNNNNN`` (zero-padded, so
+# names sort by step) and NxD Training's tag ``step_N`` (not padded).
+_CHECKPOINT_DIR = re.compile(r"step_(\d{8})")
+_NXD_TAG = re.compile(r"step_(\d+)")
+
+
+def checkpoint_name(step: int) -> str:
+    """The reference trainer's directory name of the checkpoint after ``step``."""
+    return f"step_{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a reference trainer's checkpoint directory name stands for (None: not one)."""
+    match = _CHECKPOINT_DIR.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def nxd_tag(step: int) -> str:
+    """NxD Training's tag, and directory name, of the checkpoint after ``step``."""
+    return f"step_{step}"
+
+
+def nxd_step_of(name: str) -> int | None:
+    """The step an NxD Training checkpoint tag stands for (None: not one)."""
+    match = _NXD_TAG.fullmatch(name)
+    return int(match.group(1)) if match else None
 
 
 def read_small(path: Path, limit: int) -> bytes:

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from supervisor import user_files
 from wire.errors import CheckpointMismatch
-from wire.files import MANIFEST_FILE, read_manifest
+from wire.files import MANIFEST_FILE, nxd_step_of, read_manifest, step_of
 
 LAYOUTS = ("tsup", "nxd", "nemo", "hf", "megatron", "dcp", "lightning")
 # The largest step a checkpoint may name: what SQLite's INTEGER holds. A name beyond it
@@ -56,8 +56,6 @@ MAX_STEP = 2**63 - 1
 # a bigger one is garbage, never read whole.
 _MARKER_MAX_BYTES = 1 << 20
 
-_STEP_DIR = re.compile(r"^step_(\d{8})$")  # tsup
-_NXD_DIR = re.compile(r"^step_(\d+)$")  # the tag run_llama_nxd.py uses, not zero-padded
 _NEMO_STEP = re.compile(r"(?<![A-Za-z])step=(\d+)")  # PTL's "{step}" in the filename template
 _HF_DIR = re.compile(r"^checkpoint-(\d+)$")
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")  # Megatron's iter_{:07d}
@@ -89,10 +87,9 @@ def _empty(root: Path, *patterns: str) -> list[str]:
 
 
 def _tsup(path: Path) -> Verdict | None:
-    m = _STEP_DIR.match(path.name)
-    if m is None or not path.is_dir():
+    step = step_of(path.name)
+    if step is None or not path.is_dir():
         return None
-    step = int(m.group(1))
 
     def bad(why: str) -> Verdict:
         return _verdict("tsup", step, path, why)
@@ -140,12 +137,12 @@ def _nxd_problem(path: Path) -> str:
 
 
 def _nxd(path: Path) -> Verdict | None:
-    m = _NXD_DIR.match(path.name)
+    step = nxd_step_of(path.name)
     # Any step_N directory could be anything; NxD's own markers say it is one of its saves.
     # (The legacy NxD <= 0.6 `newest` file is written before the data: never a marker.)
-    if m is None or not ((path / "checkpoint").exists() or (path / "done").exists()):
+    if step is None or not ((path / "checkpoint").exists() or (path / "done").exists()):
         return None
-    return _verdict("nxd", int(m.group(1)), path, _nxd_problem(path))
+    return _verdict("nxd", step, path, _nxd_problem(path))
 
 
 def _nemo(path: Path) -> Verdict | None:

@@ -18,6 +18,7 @@ import pytest
 from health import neuron
 from health.model import Action, Status, no_devices, verdict
 from tests.conftest import REPO
+from tests.unit.conftest import write_tool
 from tests.unit.health_helpers import assert_failed, only
 
 FIXTURES = REPO / "tests" / "fixtures" / "health" / "neuron"
@@ -502,26 +503,8 @@ def test_one_table_maps_every_signature_to_a_status_and_action() -> None:
 # --------------------------------------------------------------------------------------------
 # runners, with stand-in tools
 
-def _tool(tools: Path, name: str, body: str) -> None:
-    tools.mkdir(exist_ok=True)
-    path = tools / name
-    path.write_text(f"#!/bin/sh\n{body}\n")
-    path.chmod(0o755)
-
-
 def _cat(tools: Path, name: str, fixture_name: str, extra: str = "") -> None:
-    _tool(tools, name, f"cat '{FIXTURES / fixture_name}'{extra}")
-
-
-@pytest.fixture
-def tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    directory = tmp_path / "tools"
-    directory.mkdir()
-    empty = tmp_path / "empty-path"
-    empty.mkdir()
-    monkeypatch.setenv("TSUP_HEALTH_TOOLS", str(directory))
-    monkeypatch.setenv("PATH", f"{empty}:/usr/bin:/bin")  # sh and cat, never a real Neuron tool
-    return directory
+    write_tool(tools, name, f"cat '{FIXTURES / fixture_name}'{extra}")
 
 
 def test_run_all_with_stand_in_tools(tools: Path) -> None:
@@ -553,14 +536,14 @@ def test_run_all_bandwidth_runs_nccom_test_on_every_core(tools: Path, tmp_path: 
     argv = tmp_path / "argv"
     _cat(tools, "neuron-ls", TABLE_TRN1)
     _cat(tools, "neuron-monitor", MON_OK)
-    _tool(tools, "nccom-test", f"echo \"$@\" > '{argv}'\ncat '{FIXTURES / SWEEP}'")
+    write_tool(tools, "nccom-test", f"echo \"$@\" > '{argv}'\ncat '{FIXTURES / SWEEP}'")
     findings = neuron.run_all(run_bandwidth=True, min_busbw_gbps=50)
     assert argv.read_text().split() == ["-r", "32", "-b", "32MB", "-e", "256MB", "-f", "2", "-n", "5", "-w", "2",
                                         "-d", "fp32", "allr"]
     bw = findings[-1]
     assert (bw.probe, bw.status, bw.action) == ("nccom-test", Status.DEGRADED, Action.NONE)
     assert "busbw 47.09 GB/s at 1 GiB" in bw.evidence
-    _tool(tools, "nccom-test", f"cat '{FIXTURES / SWEEP}'\nexit 3")
+    write_tool(tools, "nccom-test", f"cat '{FIXTURES / SWEEP}'\nexit 3")
     assert_failed(neuron.probe_nccom_test(nworkers=32), "exited 3 after a complete table")
     _cat(tools, "nccom-test", "nccom-test_fail_driver.txt", "\nexit 1")
     f = only(neuron.probe_nccom_test())
@@ -569,15 +552,15 @@ def test_run_all_bandwidth_runs_nccom_test_on_every_core(tools: Path, tmp_path: 
 
 def test_neuron_ls_falls_back_from_json_to_the_table(tools: Path, tmp_path: Path) -> None:
     calls = tmp_path / "calls"
-    _tool(tools, "neuron-ls", f"echo \"$@\" >> '{calls}'\n"
+    write_tool(tools, "neuron-ls", f"echo \"$@\" >> '{calls}'\n"
                               "case \"$1\" in --*) echo \"neuron-ls: unknown option $1\" >&2; exit 2;; esac\n"
                               f"cat '{FIXTURES / TABLE_TOPOLOGY}'")
     f = only(neuron.probe_neuron_ls(instance_type="trn1.32xlarge"))
     assert f.status is Status.HEALTHY and "16 of 16" in f.evidence
     assert calls.read_text().splitlines() == ["--output-format json", "--json-output", ""]
-    _tool(tools, "neuron-ls", "echo 'neuron-ls: driver not loaded' >&2\nexit 1")
+    write_tool(tools, "neuron-ls", "echo 'neuron-ls: driver not loaded' >&2\nexit 1")
     assert_failed(neuron.probe_neuron_ls(), "neuron-ls exited 1: neuron-ls: driver not loaded")
-    _tool(tools, "neuron-ls", "exec sleep 30")
+    write_tool(tools, "neuron-ls", "exec sleep 30")
     assert_failed(neuron.probe_neuron_ls(timeout_s=0.5), "neuron-ls timed out after 0.5 s")
 
 
@@ -591,19 +574,19 @@ def _gone(pid: int) -> bool:
 
 def test_neuron_monitor_is_read_until_the_first_report_then_killed(tools: Path, tmp_path: Path) -> None:
     pidfile = tmp_path / "pid"
-    _tool(tools, "neuron-monitor", f"echo $$ > '{pidfile}'\ncat '{FIXTURES / MON_STREAM}'\nexec sleep 30")
+    write_tool(tools, "neuron-monitor", f"echo $$ > '{pidfile}'\ncat '{FIXTURES / MON_STREAM}'\nexec sleep 30")
     began = time.monotonic()
     f = only(neuron.probe_neuron_monitor(timeout_s=20))
     assert time.monotonic() - began < 10, "it did not wait for the stream to end"
     assert f.status is Status.HEALTHY, f
     assert _gone(int(pidfile.read_text())), "the streaming tool is killed"
 
-    _tool(tools, "neuron-monitor", f"echo $$ > '{pidfile}'\nexec sleep 30")
+    write_tool(tools, "neuron-monitor", f"echo $$ > '{pidfile}'\nexec sleep 30")
     began = time.monotonic()
     assert_failed(neuron.probe_neuron_monitor(timeout_s=1), "neuron-monitor printed no complete report in 1 s")
     assert time.monotonic() - began < 10 and _gone(int(pidfile.read_text()))
 
-    _tool(tools, "neuron-monitor", "echo 'neuron-monitor: cannot open config' >&2\nexit 1")
+    write_tool(tools, "neuron-monitor", "echo 'neuron-monitor: cannot open config' >&2\nexit 1")
     assert_failed(neuron.probe_neuron_monitor(), "stderr: neuron-monitor: cannot open config")
 
     (tools / "neuron-monitor").unlink()

@@ -20,6 +20,7 @@ import pytest
 from health import allreduce, nvidia
 from health.model import Action, Finding, Status, no_devices, verdict
 from tests.conftest import REPO
+from tests.unit.conftest import write_tool
 from tests.unit.health_helpers import assert_failed, only
 
 FIXTURES = REPO / "tests" / "fixtures" / "health" / "nvidia"
@@ -659,33 +660,15 @@ def test_allreduce_without_a_launcher_says_so(monkeypatch: pytest.MonkeyPatch,
 # --------------------------------------------------------------------------------------------
 # runners, with stand-in tools
 
-def _tool(tools: Path, name: str, body: str) -> None:
-    tools.mkdir(exist_ok=True)
-    path = tools / name
-    path.write_text(f"#!/bin/sh\n{body}\n")
-    path.chmod(0o755)
-
-
 def _smi(tools: Path, tmp_path: Path, gpu_csv: str, rows_csv: str, extra: str = "") -> Path:
     """A stand-in nvidia-smi that answers both queries and records its argv."""
     (tmp_path / "gpu.csv").write_text(gpu_csv)
     (tmp_path / "rows.csv").write_text(rows_csv)
     argv = tmp_path / "smi-argv"
-    _tool(tools, "nvidia-smi", f"echo \"$@\" >> '{argv}'\n{extra}"
+    write_tool(tools, "nvidia-smi", f"echo \"$@\" >> '{argv}'\n{extra}"
                                f"case \"$1\" in --query-gpu=*) cat '{tmp_path / 'gpu.csv'}';; "
                                f"--query-remapped-rows=*) cat '{tmp_path / 'rows.csv'}';; *) exit 9;; esac")
     return argv
-
-
-@pytest.fixture
-def tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    directory = tmp_path / "tools"
-    directory.mkdir()
-    empty = tmp_path / "empty-path"
-    empty.mkdir()
-    monkeypatch.setenv("TSUP_HEALTH_TOOLS", str(directory))
-    monkeypatch.setenv("PATH", f"{empty}:/usr/bin:/bin")  # sh and cat, never a real NVIDIA tool
-    return directory
 
 
 def test_run_all_with_stand_in_tools(tools: Path, tmp_path: Path) -> None:
@@ -710,8 +693,8 @@ def test_run_all_with_stand_in_tools(tools: Path, tmp_path: Path) -> None:
 def test_run_all_dcgmi_and_nccl_tests(tools: Path, tmp_path: Path) -> None:
     _smi(tools, tmp_path, healthy_smi(), healthy_rows())
     dcgmi_argv, nccl_argv = tmp_path / "dcgmi-argv", tmp_path / "nccl-argv"
-    _tool(tools, "dcgmi", f"echo \"$@\" > '{dcgmi_argv}'\ncat '{FIXTURES / DCGM_JSON}'\nexit 226")
-    _tool(tools, "all_reduce_perf", f"echo \"$@\" > '{nccl_argv}'\ncat '{FIXTURES / NCCL_FULL}'")
+    write_tool(tools, "dcgmi", f"echo \"$@\" > '{dcgmi_argv}'\ncat '{FIXTURES / DCGM_JSON}'\nexit 226")
+    write_tool(tools, "all_reduce_perf", f"echo \"$@\" > '{nccl_argv}'\ncat '{FIXTURES / NCCL_FULL}'")
     findings = nvidia.run_all(expected_gpus=8, run_dcgmi=True, run_bandwidth=True, min_busbw_gbps=500)
     assert [(f.probe, f.status, f.action) for f in findings] == [
         ("nvidia-smi", H, Action.NONE), ("remapped-rows", H, Action.NONE),
@@ -720,17 +703,17 @@ def test_run_all_dcgmi_and_nccl_tests(tools: Path, tmp_path: Path) -> None:
     assert nccl_argv.read_text().split() == ["-b", "32M", "-e", "1G", "-f", "2", "-g", "8", "-w", "5", "-n", "20"]
     assert "under the floor 500.00" in findings[3].evidence
 
-    _tool(tools, "all_reduce_perf", f"cat '{FIXTURES / NCCL_FULL}'\nexit 3")
+    write_tool(tools, "all_reduce_perf", f"cat '{FIXTURES / NCCL_FULL}'\nexit 3")
     assert_failed(nvidia.probe_nccl_tests(gpus=8), "exited 3 after a complete table")
-    _tool(tools, "all_reduce_perf", f"cat '{FIXTURES / NCCL_ERROR}'\nexit 3")
+    write_tool(tools, "all_reduce_perf", f"cat '{FIXTURES / NCCL_ERROR}'\nexit 3")
     assert only(nvidia.probe_nccl_tests(gpus=8)).status is U
     (tools / "all_reduce_perf").unlink()
     assert_failed(nvidia.probe_nccl_tests(gpus=8), "all_reduce_perf not installed (nccl-tests)")
     (tools / "dcgmi").unlink()
     assert_failed(nvidia.probe_dcgmi(2), "dcgmi not installed (DCGM)")
-    _tool(tools, "dcgmi", f"cat '{FIXTURES / DCGM4}'")
+    write_tool(tools, "dcgmi", f"cat '{FIXTURES / DCGM4}'")
     assert only(nvidia.probe_dcgmi(2)).status is H
-    _tool(tools, "dcgmi", "exec sleep 30")
+    write_tool(tools, "dcgmi", "exec sleep 30")
     assert_failed(nvidia.probe_dcgmi(1, timeout_s=0.5), "dcgmi timed out after 0.5 s")
     assert_failed(nvidia.probe_dcgmi(7), "no dcgmi diag level 7")
 
@@ -747,16 +730,16 @@ def test_nvidia_smi_runner_falls_back_to_the_old_field_name(tools: Path, tmp_pat
 
 
 def test_nvidia_smi_runner_failures(tools: Path, tmp_path: Path) -> None:
-    _tool(tools, "nvidia-smi", "echo \"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA "
+    write_tool(tools, "nvidia-smi", "echo \"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA "
                                "driver. Make sure that the latest NVIDIA driver is installed and running.\"\nexit 9")
     findings = nvidia.probe_nvidia_smi(expected_gpus=8)
     assert [(f.probe, f.status, f.action) for f in findings] == [("nvidia-smi", U, Action.REBOOT),
                                                                  ("remapped-rows", U, Action.REBOOT)]
-    _tool(tools, "nvidia-smi", f"cat '{tmp_path / 'gpu.csv'}'\necho 'nvidia-smi: internal error' >&2\nexit 15")
+    write_tool(tools, "nvidia-smi", f"cat '{tmp_path / 'gpu.csv'}'\necho 'nvidia-smi: internal error' >&2\nexit 15")
     (tmp_path / "gpu.csv").write_text(healthy_smi())
     assert_failed(nvidia.probe_nvidia_smi(expected_gpus=8)[:1], "nvidia-smi --query-gpu exited 15: nvidia-smi: "
                                                                 "internal error")
-    _tool(tools, "nvidia-smi", "exec sleep 30")
+    write_tool(tools, "nvidia-smi", "exec sleep 30")
     assert_failed(nvidia.probe_nvidia_smi(timeout_s=0.5)[:1], "nvidia-smi timed out after 0.5 s")
 
 

@@ -22,6 +22,7 @@ from trainer.neuron.layout import batch_split, check_neuron_config, parallel_lay
 from trainer.shapes import SHAPES
 from wire import neuron_launch as launch
 from wire.errors import EXIT_DO_NOT_RETRY, ConfigError, UsageError
+from wire.files import nxd_step_of, nxd_tag
 
 # --- the [neuron] table ----------------------------------------------------------------
 
@@ -174,8 +175,8 @@ def test_resume_names_a_complete_checkpoint_or_fails(tmp_path: Path) -> None:
 
 
 def test_tags_are_not_zero_padded() -> None:
-    assert checkpoints.tag(7) == "step_7" and checkpoints.step_of("step_7") == 7
-    assert checkpoints.step_of("step_7.tmp") is None
+    assert nxd_tag(7) == "step_7" and nxd_step_of("step_7") == 7
+    assert nxd_step_of("step_7.tmp") is None
 
 
 # --- the trn1.32xlarge launch ------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 
 from trainer import checkpoint_layout as layout
 from wire.errors import CheckpointMismatch, UsageError
+from wire.files import checkpoint_name, step_of
 
 SHAPE = {"hidden_size": 64}
 
@@ -21,7 +22,7 @@ def meta(step: int, **changes: object) -> layout.TrainerMeta:
 
 def make_checkpoint(root: Path, step: int, *, dcp: bool = True, trainer: bool = True,
                     name: str | None = None) -> Path:
-    path = root / (name or layout.checkpoint_name(step))
+    path = root / (name or checkpoint_name(step))
     path.mkdir(parents=True)
     (path / "__0_0.distcp").write_bytes(b"shard")
     if dcp:
@@ -32,10 +33,10 @@ def make_checkpoint(root: Path, step: int, *, dcp: bool = True, trainer: bool = 
 
 
 def test_names() -> None:
-    assert layout.checkpoint_name(20) == "step_00000020"
-    assert layout.step_of("step_00000020") == 20
+    assert checkpoint_name(20) == "step_00000020"
+    assert step_of("step_00000020") == 20
     for not_a_checkpoint in ("step_20", "step_000000200", ".tmp-step_00000020", "x"):
-        assert layout.step_of(not_a_checkpoint) is None
+        assert step_of(not_a_checkpoint) is None
 
 
 def test_completeness_rule(tmp_path: Path) -> None:

@@ -18,27 +18,14 @@ trainer would pick itself. The trainer keeps ``checkpoint.keep`` of them
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from wire.errors import UsageError
+from wire.files import nxd_step_of, nxd_tag
 
 BEGIN_MARKER = "checkpoint"
 DONE_MARKER = "done"
-_TAG = re.compile(r"step_(\d+)")
-
-
-def tag(step: int) -> str:
-    """The NxD tag, and directory name, of the checkpoint after ``step``."""
-    return f"step_{step}"
-
-
-def step_of(name: str) -> int | None:
-    match = _TAG.fullmatch(name)
-    return int(match.group(1)) if match else None
-
-
 @dataclass(frozen=True, slots=True)
 class CheckpointPaths:
     """Where one save's parts go."""
@@ -51,19 +38,19 @@ class CheckpointPaths:
 
 
 def paths(root: Path, step: int) -> CheckpointPaths:
-    directory = root / tag(step)
+    directory = root / nxd_tag(step)
     return CheckpointPaths(directory=directory, begin_marker=directory / BEGIN_MARKER,
                            done_marker=directory / DONE_MARKER, model=directory / "model",
                            optimizer=directory / "optim")
 
 
 def is_complete(path: Path) -> bool:
-    return step_of(path.name) is not None and (path / DONE_MARKER).is_file()
+    return nxd_step_of(path.name) is not None and (path / DONE_MARKER).is_file()
 
 
 def newest_complete(root: Path) -> Path | None:
     found = sorted((step, p) for p in root.iterdir()
-                   if (step := step_of(p.name)) is not None and is_complete(p)) if root.is_dir() else []
+                   if (step := nxd_step_of(p.name)) is not None and is_complete(p)) if root.is_dir() else []
     return found[-1][1] if found else None
 
 

@@ -43,7 +43,7 @@ from trainer.optim import lr_at, set_lr
 from trainer.telemetry import Telemetry
 from wire import Phase
 from wire.errors import EXIT_OK, ConfigError, exit_code_for
-from wire.files import RESULT_FILE
+from wire.files import RESULT_FILE, nxd_tag
 from wire.neuron_launch import EXTRACT_GRAPHS_STEPS, precision_env
 
 COMPILE_STEPS = 2  # step 1 creates the optimizer state: its graph differs from step 2's
@@ -215,7 +215,7 @@ class _Runner:
         self.telemetry.set_phase(Phase.CHECKPOINT, step)
         began = time.monotonic()
         asynchronous = self.config.checkpoint.asynchronous
-        self.nxd.save_checkpoint(str(self.root), checkpoints.tag(step), model=self.model,
+        self.nxd.save_checkpoint(str(self.root), nxd_tag(step), model=self.model,
                                  optimizer=self.optimizer, num_kept_ckpts=self.config.checkpoint.keep,
                                  user_content={"step": step, "consumed_samples": self.consumed,
                                                "last_loss": self.last_loss},
