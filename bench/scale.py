@@ -587,7 +587,9 @@ class Judge:
             return
         began = time.thread_time()
         live = self.run_view.attempts[0]
-        obs = self.observer._observe_attempt(self.run_view.run, self.spec, self.run_dir, live, now)
+        run = self.run_view.run
+        self.view.expect(RUN_ID, live.number, len(live.nodes) * run.ranks_per_node)  # as the feed tells it
+        obs = self.observer._observe_attempt(run, self.spec, self.run_dir, live, now)
         assert obs is not None
         observed = time.thread_time()
         effects = decide(self.run_view, obs, now)

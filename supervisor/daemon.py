@@ -244,7 +244,7 @@ class Daemon:
 
         The embedded broker takes logins only (supervisor/telemetry/broker.py): the daemon's own,
         with the password kept in the state directory, and one per attempt, which its
-        ranks are given in their environment (supervisor/gathering/observe.py); the URL ranks are
+        ranks are given in their environment (supervisor/gathering/launch_specs.py); the URL ranks are
         told carries none. An external broker's URL may carry the daemon's password:
         then ranks must be told another (``mqtt_advertise_url``, with their own account),
         or the daemon does not start, rather than hand every run's user its login."""

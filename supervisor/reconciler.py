@@ -1,6 +1,7 @@
 """The reconciler: observe, decide, record and act; once per tick, for every run and node.
 
-    observe.py        Observer: what each run looks like now
+    gathering/        Feed: what the telemetry view must know first (a [command]
+                      trainer's output); Observer: what each run looks like now
     policy/           decide(), judge_probes(), node_command(): the pure core
     effects/          Effects: one transaction per decision, then its effects, a family
                       of handlers per kind (one table); the node intents (drains,
@@ -10,7 +11,8 @@
 
 A tick: trainer telemetry that must survive a restart is recorded; finished probe
 rounds are judged, a sweep is started when one is due, and operators' node commands
-are carried out; each run is observed, decided and executed; the node intents are
+are carried out; each run's telemetry is fed, then the run is observed, decided and
+executed; the node intents are
 pushed, nodes the cluster repaired are taken back, and (once a minute) what retention
 lets go is deleted. A run whose reconciliation raises is logged and tried again next
 tick; it never stops the other runs.
@@ -44,6 +46,7 @@ from supervisor.domain import DrainBudget, NodeState
 from supervisor.domain.events import EventKind
 from supervisor.effects import Deps, Effects
 from supervisor.errors import NotFound
+from supervisor.gathering.feed import Feed
 from supervisor.gathering.launch_specs import LaunchSpecs
 from supervisor.gathering.observe import Observer
 from supervisor.gathering.run_memory import RunMemory
@@ -94,9 +97,10 @@ class Reconciler:
         self.probes = ProbeScheduler(nodes, clock, store=store, sweep_every_s=config.sweep_every_s,
                                      sweep_args=config.sweep_args,
                                      sweep_timeout_s=config.sweep_timeout_s, pool=probe_pool)
-        # The run's memory between ticks has one owner, this one: the observer notes in it,
-        # the effects forget an attempt from it once it ended (supervisor/gathering/run_memory.py).
+        # The run's memory between ticks has one owner, this one: the feed and the observer
+        # note in it, the effects forget an attempt from it once it ended (run_memory.py).
         self.memory = RunMemory(store)
+        self.feed = Feed(telemetry, self.memory)
         launch_specs = LaunchSpecs(telemetry, mqtt_url=config.mqtt_url, mqtt_ca_file=config.mqtt_ca_file)
         self.observer = Observer(store, launcher, telemetry, self.memory, launch_specs,
                                  probing=self.probes.probing, clock=clock)
@@ -123,7 +127,9 @@ class Reconciler:
         self._node_commands(now)
         for run, commands in self.observer.runs():
             try:
-                seen = self.observer.observe(run, commands, now)
+                history = self.observer.history_of(run, now)
+                fed = self.feed.feed(run, history.live, now)  # before observe, which only reads the view
+                seen = self.observer.observe(run, commands, now, history, fed)
                 effects = decide(seen.view, seen.obs, now)
                 facts = seen.facts
                 if effects or facts.grant or facts.checkpoints or facts.out_of_range or facts.output_offsets:

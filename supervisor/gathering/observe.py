@@ -10,24 +10,22 @@ It evaluates no rule: what its findings mean is policy/'s (``resumes.expected_fi
 ``quiet.progress_at`` and ``command_result``, ``memory.newest_resumable``,
 ``grants.grant_changes``, ``detection.heard_again_at``).
 
-Two kinds of writes remain, both to the daemon's own memory: the telemetry view is told
-the live attempt's world size and what a [command] trainer's output says (its steps and
-phases, as if the trainer had sent them: ``TelemetryView.expect``, ``apply_from_output``,
-``phase_from_output``), and the run's memory (supervisor/gathering/run_memory.py) keeps what it
-saw between ticks (when a rank was first seen dead, the output read so far, a quiet
-trainer's newest checkpoint, the loss a resumed attempt must repeat). Both are
-observations of this process, rebuilt after a restart.
+It reads the telemetry view and writes nothing to it: what the view must know first (the
+live attempt's world size, what a [command] trainer printed) the reconciler tells it
+before observe runs (supervisor/gathering/feed.py), and observe is handed what that
+found. One kind of write remains, to the daemon's own memory: the run's memory
+(supervisor/gathering/run_memory.py) keeps what observe saw between ticks (when a rank
+was first seen dead, a quiet trainer's newest checkpoint, the loss a resumed attempt
+must repeat), observations of this process, rebuilt after a restart.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
 from supervisor.domain import (
-    LIVE_ATTEMPT_STATES,
     TERMINAL_RUN_STATES,
     TSUP_EXIT_CODES,
     Attempt,
@@ -44,12 +42,12 @@ from supervisor.domain import (
     StragglerReport,
     TrainerResult,
 )
-from supervisor.gathering import output_progress
+from supervisor.gathering.feed import Fed
 from supervisor.gathering.launch_specs import LaunchSpecs
 from supervisor.gathering.observed import Facts, Observed
 from supervisor.gathering.output_progress import AttemptOutput
 from supervisor.gathering.run_memory import RunMemory
-from supervisor.gathering.settled import SettledHistory, is_over
+from supervisor.gathering.settled import History, SettledHistory, is_over
 from supervisor.launchers.base import Launcher
 from supervisor.policy import resume_before, unreadable_checkpoints
 from supervisor.policy.detection import heard_again_at
@@ -98,27 +96,31 @@ class Observer:
         self.memory.keep_specs({r.number for r in runs})
         return [(r, [c for c in commands if c.run_number == r.number]) for r in runs]
 
-    def observe(self, run: Run, commands: list[Command], now: float) -> Observed:
+    def history_of(self, run: Run, now: float) -> History:
+        """The run's attempts and faults (the settled part decoded once, not every tick)."""
+        with self.store.tx() as tx:
+            return self.history.read(tx, run.number, over=is_over(run, now))
+
+    def observe(self, run: Run, commands: list[Command], now: float, history: History, fed: Fed) -> Observed:
+        """The run as seen now: ``history`` is ``history_of``'s this tick, ``fed`` what
+        feeding the telemetry view found (feed.py)."""
         spec, run_dir = self.memory.spec(run.number)
-        with self.store.tx() as tx:  # the settled part of the history decoded once, not every tick
-            history = self.history.read(tx, run.number, over=is_over(run, now))
-            attempts, faults = tuple(history.attempts), tuple(history.faults)
+        attempts, faults = tuple(history.attempts), tuple(history.faults)
+        with self.store.tx() as tx:
             # The nodes it drained matter only where the cluster still grants them (read
             # below, by name); each tick reading all of them would grow with the run.
             known = tx.allocation(run.number, drained=False)
             open_faults = tx.count_open_faults(run.number)
             stragglers = tuple(StragglerReport(attempt=s.attempt, rank=s.rank, node=s.node)
                                for s in tx.list_stragglers(run.number))
-        live = attempts[-1] if attempts and attempts[-1].state in LIVE_ATTEMPT_STATES else None
+        live = history.live
         cluster_faults: tuple[FaultRecord, ...] = ()
         if live is not None:  # only a live attempt can have a fault that blames a node
             with self.store.tx() as tx:
                 cluster_faults = tuple(tx.faults_since(now - run.policy.lemon_window_s))
-        facts = Facts()
-        obs = self._observe_attempt(run, spec if isinstance(spec, RunSpec) else None, run_dir, live, now) \
-            if live else None
-        if live is not None and isinstance(spec, RunSpec) and spec.command is not None:
-            facts.output_offsets = self._offsets_to_keep(live, now)
+        facts = Facts(output_offsets=fed.offsets_to_keep)
+        obs = self._observe_attempt(run, spec if isinstance(spec, RunSpec) else None, run_dir, live, now,
+                                    fed.output) if live else None
         # The allocation as the cluster has it; after a death, only an answer given since
         # then may say whether the cluster took the nodes away (then no node is to blame).
         first_death = min((r.dead_since for r in obs.ranks if r.dead_since is not None), default=None) \
@@ -189,7 +191,7 @@ class Observer:
     # --- the live attempt -----------------------------------------------------------
 
     def _observe_attempt(self, run: Run, spec: RunSpec | None, run_dir: Path, live: Attempt,
-                         now: float) -> AttemptObs | None:
+                         now: float, output: AttemptOutput | None = None) -> AttemptObs | None:
         launch_info = live.launch_info
         found = None
         if launch_info is None:
@@ -204,8 +206,6 @@ class Observer:
             launch_info = found
         procs = self.launcher.observe(launch_info)
         memory = self.memory.attempt(run.number, live.number)
-        output = self._read_output(run, spec, run_dir, live, now) if spec and spec.command else None
-        self.telemetry.expect(run.run_id, live.number, len(live.nodes) * run.ranks_per_node)
         tele = self.telemetry.ranks(run.run_id, live.number, run.policy.straggler_window)
         agents = self.telemetry.agents(run.run_id, live.number)
         # A [command] trainer sends no telemetry, and ranks that cannot reach the broker
@@ -300,41 +300,6 @@ class Observer:
                                           data_skipped=skipped, reported=reported, nodes_of=nodes_of)
             memory.expected, memory.expected_known = expected, True
         return memory.expected
-
-    def _read_output(self, run: Run, spec: RunSpec, run_dir: Path, live: Attempt,
-                     now: float) -> AttemptOutput:
-        """Steps and fatal errors in a [command] trainer's output since the last tick; the
-        steps go to the telemetry view, as if the trainer had sent them."""
-        assert spec.command is not None
-        memory = self.memory.attempt(run.number, live.number)
-        state = memory.output
-        tree = user_tree.of_present(spec.user)  # its logs are read as the run's user
-        if tree is None:
-            return state
-        if not memory.output_resumed:  # a daemon restarted under it reads on where the last one was
-            memory.output_resumed = True
-            if live.output_offsets:
-                state.resume(live.output_offsets)
-        formats = output_progress.formats_for(spec.command.progress_pattern)
-        for read in output_progress.read_output(
-                state, trainer_cmd.attempt_dir(run_dir, live.number), run_id=run.run_id, attempt=live.number,
-                ranks_per_node=run.ranks_per_node, formats=formats, now=now, base=run_dir.parent,
-                reader=tree):
-            self.telemetry.apply_from_output(read.msg, now, printed=read.printed,
-                                             record=live.precompile is None)
-        for rank, phase in state.phases.items():
-            self.telemetry.phase_from_output(run.run_id, live.number, rank, phase, now)
-        return state
-
-    def _offsets_to_keep(self, live: Attempt, now: float) -> tuple[int, str] | None:
-        """The offsets read so far, to keep in the store: every OFFSETS_EVERY_S, when they moved."""
-        memory = self.memory.attempt(live.run_number, live.number)
-        kept_at, kept = memory.offsets_kept
-        offsets = memory.output.offsets()
-        if offsets == kept or now - kept_at < output_progress.OFFSETS_EVERY_S:
-            return None
-        memory.offsets_kept = (now, offsets)
-        return live.number, json.dumps(offsets, separators=(",", ":"))
 
     def _quiet_progress(self, spec: RunSpec, run_dir: Path, live: Attempt, now: float,
                         output: AttemptOutput | None) -> tuple[int, float | None]:

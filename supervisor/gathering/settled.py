@@ -29,7 +29,15 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from supervisor import goodput
-from supervisor.domain import TERMINAL_RUN_STATES, Attempt, AttemptState, AttemptStats, FaultRecord, Run
+from supervisor.domain import (
+    LIVE_ATTEMPT_STATES,
+    TERMINAL_RUN_STATES,
+    Attempt,
+    AttemptState,
+    AttemptStats,
+    FaultRecord,
+    Run,
+)
 from supervisor.store import Tx
 
 SETTLE_BEHIND = 2  # an ended attempt settles once this many newer ones exist
@@ -54,6 +62,12 @@ class History:
     faults: list[FaultRecord]
     checkpoint_times: dict[tuple[int, int], float]
     ledger: goodput.Ledger | None  # what the settled part adds to the goodput account, summed once
+
+    @property
+    def live(self) -> Attempt | None:
+        """The attempt that may have processes now: the newest, unless it ended."""
+        newest = self.attempts[-1] if self.attempts else None
+        return newest if newest is not None and newest.state in LIVE_ATTEMPT_STATES else None
 
     def account(self, run: Run, now: float) -> goodput.Goodput:
         """The run's goodput account (goodput.account, the settled part from the ledger)."""

@@ -498,3 +498,49 @@ def test_a_restarted_reconciler_reads_a_commands_logs_on_from_the_offsets_the_st
     assert reads == [kept["rank-0000.log"]], "read on from where the last daemon was, not from 0"
     output = restarted.memory.attempt(1, 1).output
     assert output.ranks[0].step == 501 and output.files["rank-0000.log"].offset == log.stat().st_size
+
+
+def test_a_commands_output_reaches_the_view_before_observe_which_writes_nothing_to_it(  # type: ignore[no-untyped-def]
+        world, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reconciler feeds the telemetry view (supervisor/gathering/feed.py) before it
+    observes: the steps a [command] trainer printed are in the view when observe reads
+    it, and observe itself writes nothing there."""
+    store, clock, launcher, telemetry, rec, service = world
+    service.submit(parse_spec({"name": "wiring", "resources": {"nodes": 1, "ranks_per_node": 1},
+                               "command": {"argv": ["sh", "-c", "true"], "steps": 10_000,
+                                           "checkpoint_dir": "{run_dir}/checkpoints"}}))
+    for _ in range(3):
+        rec.tick()
+    assert attempts(store)[0].state is AttemptState.RUNNING
+    log = tmp_path / "runs" / "run-1" / "attempts" / "1" / "rank-0000.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("".join(f"Batch {i} Loss: 2.0, Speed: 1 samples/sec, lr: 0.1\n" for i in range(7)))
+
+    observing = False
+    seen_in_view: list[int] = []
+    observe = rec.observer.observe
+
+    def watched_observe(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal observing
+        seen_in_view.append(telemetry.max_step("run-1", 1))
+        observing = True
+        try:
+            return observe(*args, **kwargs)
+        finally:
+            observing = False
+
+    writes: list[str] = []
+    for name in ("expect", "apply_from_output", "phase_from_output", "apply", "ingest"):
+        original = getattr(TelemetryView, name)
+
+        def guarded(self, *args, _name=name, _original=original, **kwargs):  # type: ignore[no-untyped-def]
+            if observing:
+                writes.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(TelemetryView, name, guarded)
+    monkeypatch.setattr(rec.observer, "observe", watched_observe)
+    clock.t += 1
+    rec.tick()
+    assert seen_in_view == [7], "the printed steps are in the view when observe reads it"
+    assert writes == [], f"observe wrote to the telemetry view: {writes}"
