@@ -85,6 +85,21 @@ def make_checkpoint(root: Path, step_n: int) -> None:
     (d / ".metadata").write_bytes(b"m")
     (d / "trainer_meta.json").write_text(json.dumps({"step": step_n}))
 
+def command_run_training(world, root: Path) -> Path:  # type: ignore[no-untyped-def]
+    """A [command] run submitted and ticked until its attempt runs; the path of its rank
+    0's log (its folder made, the file not)."""
+    store, _, _, _, rec, service = world
+    service.submit(parse_spec({"name": "wiring", "resources": {"nodes": 1, "ranks_per_node": 1},
+                               "command": {"argv": ["sh", "-c", "true"], "steps": 10_000,
+                                           "checkpoint_dir": "{run_dir}/checkpoints"}}))
+    for _ in range(3):
+        rec.tick()
+    assert attempts(store)[0].state is AttemptState.RUNNING
+    log = root / "runs" / "run-1" / "attempts" / "1" / "rank-0000.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    return log
+
+
 
 def test_a_run_from_submit_through_a_fault_to_success(world, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     store, clock, launcher, telemetry, rec, service = world
@@ -466,15 +481,7 @@ def test_a_restarted_reconciler_reads_a_commands_logs_on_from_the_offsets_the_st
     from supervisor.gathering.output_progress import OFFSETS_EVERY_S
 
     store, clock, launcher, telemetry, rec, service = world
-    service.submit(parse_spec({"name": "wiring", "resources": {"nodes": 1, "ranks_per_node": 1},
-                               "command": {"argv": ["sh", "-c", "true"], "steps": 10_000,
-                                           "checkpoint_dir": "{run_dir}/checkpoints"}}))
-    for _ in range(3):
-        rec.tick()
-    [a1] = attempts(store)
-    assert a1.state is AttemptState.RUNNING
-    log = tmp_path / "runs" / "run-1" / "attempts" / "1" / "rank-0000.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
+    log = command_run_training(world, tmp_path)
     line = "Batch {} Loss: 2.0, Speed: 1 samples/sec, lr: 0.1\n"
     log.write_text("".join(line.format(i) for i in range(500)))
     clock.t += OFFSETS_EVERY_S
@@ -506,14 +513,7 @@ def test_a_commands_output_reaches_the_view_before_observe_which_writes_nothing_
     observes: the steps a [command] trainer printed are in the view when observe reads
     it, and observe itself writes nothing there."""
     store, clock, launcher, telemetry, rec, service = world
-    service.submit(parse_spec({"name": "wiring", "resources": {"nodes": 1, "ranks_per_node": 1},
-                               "command": {"argv": ["sh", "-c", "true"], "steps": 10_000,
-                                           "checkpoint_dir": "{run_dir}/checkpoints"}}))
-    for _ in range(3):
-        rec.tick()
-    assert attempts(store)[0].state is AttemptState.RUNNING
-    log = tmp_path / "runs" / "run-1" / "attempts" / "1" / "rank-0000.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
+    log = command_run_training(world, tmp_path)
     log.write_text("".join(f"Batch {i} Loss: 2.0, Speed: 1 samples/sec, lr: 0.1\n" for i in range(7)))
 
     observing = False
