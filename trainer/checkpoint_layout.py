@@ -52,6 +52,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -67,21 +68,20 @@ DCP_METADATA_FILE = ".metadata"
 TMP_PREFIX = ".tmp-"
 META_FORMAT = 1  # bump when trainer_meta.json changes incompatibly
 
+
 def is_complete(path: Path) -> bool:
     return (step_of(path.name) is not None and path.is_dir()
             and (path / DCP_METADATA_FILE).is_file() and (path / META_FILE).is_file())
 
 
-def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint under ``root``, oldest first."""
+def complete_checkpoints(root: Path, *, step_of: Callable[[str], int | None] = step_of,
+                         is_complete: Callable[[Path], bool] = is_complete) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint under ``root``, oldest first (by default
+    the reference trainer's; NxD Training's with its own ``step_of`` and ``is_complete``)."""
     if not root.is_dir():
         return []
-    found = []
-    for entry in root.iterdir():
-        step = step_of(entry.name)
-        if step is not None and is_complete(entry):
-            found.append((step, entry))
-    return sorted(found)
+    return sorted((step, entry) for entry in root.iterdir()
+                  if (step := step_of(entry.name)) is not None and is_complete(entry))
 
 
 def newest_complete(root: Path) -> Path | None:
@@ -89,18 +89,22 @@ def newest_complete(root: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def resolve_resume(request: str, root: Path) -> Path | None:
+def resolve_resume(request: str, root: Path, *, step_of: Callable[[str], int | None] = step_of,
+                   is_complete: Callable[[Path], bool] = is_complete,
+                   expected: str = f"a step_NNNNNNNN directory with {DCP_METADATA_FILE} and {META_FILE}",
+                   ) -> Path | None:
     """The checkpoint ``--resume`` asks for: ``auto`` (newest complete, or none), ``none``,
     or a path that must be a complete checkpoint (else UsageError: retrying won't help).
+    The reference trainer's by default; NxD Training's with its own names and markers.
     """
     if request == "none":
         return None
     if request == "auto":
-        return newest_complete(root)
+        found = complete_checkpoints(root, step_of=step_of, is_complete=is_complete)
+        return found[-1][1] if found else None
     path = Path(request)
     if not is_complete(path):
-        raise UsageError(f"--resume {request}: not a complete checkpoint (expected a "
-                         f"step_NNNNNNNN directory with {DCP_METADATA_FILE} and {META_FILE})")
+        raise UsageError(f"--resume {request}: not a complete checkpoint (expected {expected})")
     return path
 
 

@@ -61,7 +61,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
@@ -70,6 +70,20 @@ import wire as protocol
 from trainer.telemetry_env import Aggregation, Broker, Identity, aggregation_from_env, settings_from_env
 from wire import Phase
 from wire.slots import NodeSlots, report_fields, slot_path
+
+
+class LaunchedAs(Protocol):
+    """Where the launcher placed this process (trainer.distributed.LaunchEnv)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def local_world_size(self) -> int: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +138,16 @@ class Telemetry:
                                              world_size=world_size, local_world_size=local_world_size)
         aggregation = aggregation_from_env(environ, local_rank=local_rank, local_world_size=local_world_size)
         return cls(identity, broker, heartbeat_interval_s=heartbeat_interval_s, aggregation=aggregation)
+
+    @classmethod
+    def started_for(cls, environ: Mapping[str, str], launch: LaunchedAs, *,
+                    heartbeat_interval_s: float) -> Telemetry:
+        """This rank's telemetry, as the launcher placed it (``launch``), started."""
+        telemetry = cls.from_env(environ, rank=launch.rank, local_rank=launch.local_rank,
+                                 world_size=launch.world_size, local_world_size=launch.local_world_size,
+                                 heartbeat_interval_s=heartbeat_interval_s)
+        telemetry.start()
+        return telemetry
 
     @property
     def identity(self) -> Identity:

@@ -69,10 +69,7 @@ def train(config: TrainConfig, *, resume: str = "auto",
     environ = os.environ if environ is None else environ
     launch = distributed.LaunchEnv.from_environ(environ)
     faults = FaultPlan.from_env(environ)
-    telemetry = Telemetry.from_env(environ, rank=launch.rank, local_rank=launch.local_rank,
-                                   world_size=launch.world_size, local_world_size=launch.local_world_size,
-                                   heartbeat_interval_s=config.heartbeat_interval_s)
-    telemetry.start()
+    telemetry = Telemetry.started_for(environ, launch, heartbeat_interval_s=config.heartbeat_interval_s)
     runner: _Runner | None = None
     exit_code, reason = EXIT_OK, "finished"
     try:

@@ -21,11 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from wire.errors import UsageError
+from trainer import checkpoint_layout as layout
 from wire.files import nxd_step_of, nxd_tag
 
 BEGIN_MARKER = "checkpoint"
 DONE_MARKER = "done"
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointPaths:
     """Where one save's parts go."""
@@ -49,20 +51,12 @@ def is_complete(path: Path) -> bool:
 
 
 def newest_complete(root: Path) -> Path | None:
-    found = sorted((step, p) for p in root.iterdir()
-                   if (step := nxd_step_of(p.name)) is not None and is_complete(p)) if root.is_dir() else []
+    found = layout.complete_checkpoints(root, step_of=nxd_step_of, is_complete=is_complete)
     return found[-1][1] if found else None
 
 
 def resolve_resume(request: str, root: Path) -> Path | None:
     """The checkpoint ``--resume`` names: ``auto`` (the newest complete one, or none),
     ``none``, or the path of a complete one (else UsageError: a retry cannot help)."""
-    if request == "none":
-        return None
-    if request == "auto":
-        return newest_complete(root)
-    path = Path(request)
-    if not is_complete(path):
-        raise UsageError(f"--resume {request}: not a complete NxD checkpoint (expected a step_N "
-                         f"directory with a {DONE_MARKER} marker)")
-    return path
+    return layout.resolve_resume(request, root, step_of=nxd_step_of, is_complete=is_complete,
+                                 expected=f"an NxD step_N directory with a {DONE_MARKER} marker")

@@ -72,10 +72,7 @@ def train_neuron(config: TrainConfig, *, resume: str = "auto") -> None:
     if config.neuron.compile_cache_dir:
         os.environ["NEURON_COMPILE_CACHE_URL"] = config.neuron.compile_cache_dir
     launch = LaunchEnv.from_environ(os.environ)
-    telemetry = Telemetry.from_env(os.environ, rank=launch.rank, local_rank=launch.local_rank,
-                                   world_size=launch.world_size, local_world_size=launch.local_world_size,
-                                   heartbeat_interval_s=config.heartbeat_interval_s)
-    telemetry.start()
+    telemetry = Telemetry.started_for(os.environ, launch, heartbeat_interval_s=config.heartbeat_interval_s)
     runner: _Runner | None = None
     exit_code, reason = EXIT_OK, "finished"
     try:
