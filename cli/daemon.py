@@ -41,6 +41,7 @@ from supervisor.launchers.base import ChaosHooks
 from supervisor.recorder import Retention
 from supervisor.runfiles import trainer_cmd
 from supervisor.spec import load_spec
+from supervisor.views import RunDetail
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -305,21 +306,40 @@ async def _run(args: argparse.Namespace, slurm_chaos: SlurmChaos | None) -> int:
 
         _on_signals(cancel, cancel)
         task = asyncio.create_task(daemon.run(stop), name="daemon")
+        code: int | None = None  # the run's exit status, once said
         try:
             while not task.done():
                 if await asyncio.to_thread(out.poll):  # its reads off the loop that hears the nodes
+                    # The run is over: said before the daemon stops, so that a stop that
+                    # hangs (ended by the deadline below) does not cost the run's summary.
+                    code = _say_result(args, daemon.service.get_run(run_id), chaos, interrupted.is_set())
                     break
                 await asyncio.sleep(0.2)
         finally:
-            stop.set()
-            await task
             monkey.heal_all()  # no link is left cut behind the run
-        detail = daemon.service.get_run(run_id)
+            held = EXIT_FAILED if code is None else code  # the status a stop past its deadline ends with
+            loop = asyncio.get_running_loop()
+            deadline = threading.Timer(STOP_WITHIN_S, _stopped_too_slowly, args=(loop, held))
+            deadline.daemon = True
+            deadline.start()
+            stop.set()
+            try:
+                await task
+            finally:
+                deadline.cancel()
+        if code is None:  # the daemon stopped before the run was over
+            code = _say_result(args, daemon.service.get_run(run_id), chaos, interrupted.is_set())
+    return code
+
+
+def _say_result(args: argparse.Namespace, detail: RunDetail, chaos: list[ChaosAction],
+                interrupted: bool) -> int:
+    """Print the run's summary (JSON with --json); its exit status."""
     if args.json:
-        print(json.dumps(_summary_json(detail.model_dump(), chaos), indent=2))
+        print(json.dumps(_summary_json(detail.model_dump(), chaos), indent=2), flush=True)
     elif not args.quiet:
-        print(report.run_detail(detail), file=sys.stderr)
-    if interrupted.is_set() and detail.state != "SUCCEEDED":
+        print(report.run_detail(detail), file=sys.stderr, flush=True)
+    if interrupted and detail.state != "SUCCEEDED":
         return EXIT_INTERRUPTED
     return EXIT_OK if detail.state == "SUCCEEDED" else EXIT_FAILED
 
@@ -369,8 +389,9 @@ def _summary_json(d: dict[str, object], chaos: list[ChaosAction]) -> dict[str, o
     return out
 
 
-def _stopped_too_slowly(loop: asyncio.AbstractEventLoop) -> None:
-    """The stop's deadline passed (on a timer's thread): say what held it, and end."""
+def _stopped_too_slowly(loop: asyncio.AbstractEventLoop, code: int = EXIT_FAILED) -> None:
+    """The stop's deadline passed (on a timer's thread): say what held it, and end with
+    ``code`` (``run``: the run's own status, its summary already printed)."""
     log.error("still stopping after %.0f s: ending the process now (the next start takes over what ran); "
               "the stacks of every thread and task follow on stderr", STOP_WITHIN_S)
     with contextlib.suppress(Exception):
@@ -380,7 +401,7 @@ def _stopped_too_slowly(loop: asyncio.AbstractEventLoop) -> None:
             task.print_stack(limit=8, file=sys.stderr)
     with contextlib.suppress(Exception):
         sys.stderr.flush()
-    os._exit(EXIT_FAILED)
+    os._exit(code)
 
 
 def _on_signals(on_int: Callable[[], None], on_term: Callable[[], None]) -> None:

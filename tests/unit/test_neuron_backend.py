@@ -170,7 +170,7 @@ def test_resume_names_a_complete_checkpoint_or_fails(tmp_path: Path) -> None:
     assert checkpoints.resolve_resume("auto", tmp_path) == done
     assert checkpoints.resolve_resume(str(done), tmp_path) == done
     assert checkpoints.resolve_resume("none", tmp_path) is None
-    with pytest.raises(UsageError, match="not a complete checkpoint .expected an NxD step_N"):
+    with pytest.raises(UsageError, match=r"not a complete checkpoint \(expected an NxD step_N"):
         checkpoints.resolve_resume(str(unfinished), tmp_path)
 
 
