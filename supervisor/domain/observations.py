@@ -99,6 +99,9 @@ class AttemptObs:
     # No rank of the attempt was ever heard on telemetry (a [command] trainer's, or ranks
     # that cannot reach the broker): its ranks unknown to the launcher are seen by nothing.
     unheard: bool = False
+    # Its ranks' output is read for their steps and last words (a [command] trainer's), at
+    # the start of each tick, before their processes are looked at (gathering/feed.py).
+    output_read: bool = False
     # A resumed reference trainer's first step, and the loss an earlier attempt reported for
     # it: the steps are deterministic, so the resumed one must repeat it exactly.
     expected_first: tuple[int, float] | None = None

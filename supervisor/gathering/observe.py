@@ -254,6 +254,7 @@ class Observer:
         up_since = self._up_since(run, live, tele, now)
         io = self.telemetry.checkpoint_io(run.run_id)
         return AttemptObs(ranks=tuple(ranks), result=result, telemetry_up_since=up_since, unheard=unheard,
+                          output_read=output is not None,
                           expected_first=self._expected_first(run, spec, live) if spec else None,
                           step_time_p99_s=p99, step_time_samples=samples,
                           save_s=io.save_s, save_gb_s=io.save_gb_s, restore_gb_s=io.restore_gb_s,

@@ -8,7 +8,10 @@ In the order they are judged (the first that holds is the fault):
   unknown to the launcher, no node agent heard), up to ``silence_timeout_s``, for the
   cluster to say whether their node died (``with_failed_nodes``). A node that fell
   silent before the deaths (cut off, frozen: its peers die of it) is judged first, by
-  the silence rule below, waiting up to ``silence_timeout_s`` for it;
+  the silence rule below, waiting up to ``silence_timeout_s`` for it. A trainer whose
+  output is read (a [command] trainer's) is judged no sooner than the tick after the
+  death was first seen: its output is read at the start of a tick, before its processes
+  are looked at, so the lines a rank printed as it died are in only at the next;
 - a resumed trainer whose first step is not after the checkpoint it resumed from (it
   did not load it, or loaded another): the run fails, never retried from step zero;
 - a resumed reference trainer whose first step's loss differs from the one reported for
@@ -72,6 +75,8 @@ def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fin
         dead = []  # the network or the broker, not the nodes (see the module docstring)
     if dead:
         first_seen = min(r.dead_since if r.dead_since is not None else now for r in dead)
+        if obs.output_read and first_seen >= now:
+            return None  # what it printed as it died is read at the next tick's start: judged then
         if now - first_seen < view.run.policy.fault_settle_s and not all_gone(obs):
             return None  # let ranks that die together (a node) show themselves first
         silent = _find_silent_node(view, live, obs, now, step)

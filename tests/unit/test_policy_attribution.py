@@ -336,3 +336,13 @@ def test_a_silent_node_slurm_stopped_answering_for_is_still_lost_and_drained() -
     [fault] = of(effects, RecordFault)
     assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n2",)
     assert [d.node for d in of(effects, DrainNode)] == ["n2"]
+
+
+def test_a_trainer_whose_output_is_read_is_judged_at_the_tick_after_the_death_was_seen() -> None:
+    """Its output is read at the start of a tick, before its processes are looked at: a
+    death first seen this tick is judged at the next, with the lines printed as it died."""
+    ranks = [rank(r, ProcState.EXITED, exit_code=1, dead_since=NOW) for r in range(4)]
+    assert not of(decide(view(run(), (attempt(),)), obs(*ranks, output_read=True), NOW), RecordFault)
+    [fault] = of(decide(view(run(), (attempt(),)), obs(*ranks, output_read=True), NOW + 0.25), RecordFault)
+    assert fault.kind is FaultKind.RANK_EXIT
+    assert of(decide(view(run(), (attempt(),)), obs(*ranks), NOW), RecordFault), "the reference trainer's at once"
