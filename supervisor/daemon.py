@@ -52,6 +52,7 @@ from supervisor.launchers.local import LocalLauncher
 from supervisor.metrics import SupervisorMetrics
 from supervisor.reconciler import Reconciler, ReconcilerConfig, pause_after
 from supervisor.recorder import Retention
+from supervisor.root_tasks import cancelled
 from supervisor.runfiles import user_tree
 from supervisor.sdnotify import Notifier
 from supervisor.service import SupervisorService
@@ -90,7 +91,6 @@ _STALLED_AFTER_S = 30.0  # /healthz answers 503 when no tick finished for this l
 # its predecessor verified, bar the last few seconds'.
 _REPLAY_MARKS_FILE = "telemetry-replay.json"
 _REPLAY_MARKS_EVERY_S = 5.0
-_RECANCEL_S = 1.0  # a root task still running this long after it was cancelled is cancelled again
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -381,14 +381,14 @@ class Daemon:
         died = [t for t in tasks.values() if t in done]
         self.notifier.stopping("stopping" if not died else f"root task {died[0].get_name()} stopped")
         # First stop deciding and taking requests, then flush what was decided, then hang up.
-        await _cancelled([tasks[n] for n in ("reconciler", "api", "outbox") if n in tasks])
+        await cancelled([tasks[n] for n in ("reconciler", "api", "outbox") if n in tasks])
         if not died:
             flushed = 0
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.settings.shutdown_flush_s):
                     flushed = await self.outbox.flush()
             log.info("stopped: %d event(s) published on the way out", flushed)
-        await _cancelled([*tasks.values(), stopper])
+        await cancelled([*tasks.values(), stopper])
         for t in died:
             err = t.exception() if not t.cancelled() else None
             raise SupervisorError(f"root task {t.get_name()!r} stopped: {err!r}") from err
@@ -448,22 +448,6 @@ class Daemon:
             await server.serve(sockets=[sock])
         finally:
             server.should_exit = True
-
-
-async def _cancelled(tasks: list[asyncio.Task[Any]]) -> None:
-    """Cancel ``tasks`` and wait until every one has ended, cancelling again each second
-    one that has not: on Python 3.11, ``asyncio.wait_for`` (aiomqtt awaits every
-    acknowledgement through it) drops a cancellation that arrives as the awaited
-    acknowledgement does, and the outbox then published on, holding the stop forever."""
-    pending = [t for t in tasks if not t.done()]
-    while pending:
-        for task in pending:
-            task.cancel()
-        await asyncio.wait(pending, timeout=_RECANCEL_S)
-        pending = [t for t in pending if not t.done()]
-    for task in tasks:  # retrieved, so that none is reported as never retrieved
-        if not task.cancelled():
-            task.exception()
 
 
 class _EmbeddedServer(uvicorn.Server):

@@ -61,29 +61,16 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 import wire as protocol
+from trainer import telemetry_env
 from trainer.telemetry_env import Aggregation, Broker, Identity, aggregation_from_env, settings_from_env
 from wire import Phase
 from wire.slots import NodeSlots, report_fields, slot_path
-
-
-class LaunchedAs(Protocol):
-    """Where the launcher placed this process (trainer.distributed.LaunchEnv)."""
-
-    @property
-    def rank(self) -> int: ...
-    @property
-    def local_rank(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def local_world_size(self) -> int: ...
-
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +127,7 @@ class Telemetry:
         return cls(identity, broker, heartbeat_interval_s=heartbeat_interval_s, aggregation=aggregation)
 
     @classmethod
-    def started_for(cls, environ: Mapping[str, str], launch: LaunchedAs, *,
+    def started_for(cls, environ: Mapping[str, str], launch: telemetry_env.LaunchedAs, *,
                     heartbeat_interval_s: float) -> Telemetry:
         """This rank's telemetry, as the launcher placed it (``launch``), started."""
         telemetry = cls.from_env(environ, rank=launch.rank, local_rank=launch.local_rank,

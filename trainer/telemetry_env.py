@@ -27,10 +27,24 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Protocol
 
 import wire as protocol
 from wire.errors import UsageError
 from wire.slots import AGGREGATE_MODES, default_slots_dir
+
+
+class LaunchedAs(Protocol):
+    """Where the launcher placed this process (trainer.distributed.LaunchEnv)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def local_world_size(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)

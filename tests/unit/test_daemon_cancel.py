@@ -1,13 +1,13 @@
-"""The daemon's stop cancels its root tasks until each has ended (supervisor/daemon.py:
-``_cancelled``): on Python 3.11 a cancellation that arrives as an awaited MQTT
-acknowledgement does is dropped inside ``asyncio.wait_for``, and a `run` whose outbox
-task kept publishing never stopped."""
+"""The daemon's stop cancels its root tasks until each has ended (supervisor/root_tasks.py):
+on Python 3.11 a cancellation that arrives as an awaited MQTT acknowledgement does is
+dropped inside ``asyncio.wait_for``, and a `run` whose outbox task kept publishing never
+stopped."""
 
 from __future__ import annotations
 
 import asyncio
 
-from supervisor.daemon import _cancelled
+from supervisor.root_tasks import cancelled
 
 
 async def _publishing_on(dropped: list[int]) -> None:
@@ -32,7 +32,7 @@ def test_a_root_task_that_drops_a_cancellation_is_cancelled_again_until_it_ends(
         task = asyncio.create_task(_publishing_on(dropped))
         await asyncio.sleep(0.1)
         async with asyncio.timeout(5):
-            await _cancelled([task, once])
+            await cancelled([task, once])
         return held, task.cancelled() and once.cancelled() and dropped == [1]
 
     held, ended = asyncio.run(scenario())
@@ -48,7 +48,7 @@ def test_tasks_already_ended_or_failed_are_taken_as_they_are() -> None:
         done = asyncio.create_task(asyncio.sleep(0))
         failed = asyncio.create_task(fails())
         await asyncio.sleep(0.01)
-        await _cancelled([done, failed])
+        await cancelled([done, failed])
         return done.done() and failed.done()
 
     assert asyncio.run(scenario())
