@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from supervisor.ports import free_port
+from supervisor.slurm.launcher import RENDEZVOUS_PORTS
 
 DEFAULT_DIR = Path(tempfile.gettempdir()) / "tsup-slurm-box"
 SBIN = Path("/usr/sbin")
@@ -116,11 +117,12 @@ class Box:
 
 
 def _free_ports(count: int) -> list[int]:
-    """``count`` different ports, free on every address (slurmctld listens on all of them)."""
+    """``count`` different ports, free on every address (slurmctld listens on all of them),
+    none where the Slurm launcher puts a run's rendezvous (a node's slurmd holds its port)."""
     ports: list[int] = []
     while len(ports) < count:
         port = free_port("0.0.0.0")  # noqa: S104
-        if port not in ports:
+        if port not in ports and port not in RENDEZVOUS_PORTS:
             ports.append(port)
     return ports
 

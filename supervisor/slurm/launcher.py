@@ -464,6 +464,10 @@ def _own_step(steps: list[parse.StepInfo], job: str | None, name: str,
                  and (s.user_id is None or s.owned_by(uid))), None)
 
 
+RENDEZVOUS_PORTS = range(20000, 30000)  # on a run's first node: what a cluster's daemons leave free
+
+
 def _port_for(run_id: str, attempt: int) -> int:
-    """A rendezvous port on the first node, spread over 20000-29999 by run and attempt."""
-    return 20000 + int(hashlib.sha256(f"{run_id}.{attempt}".encode()).hexdigest(), 16) % 10000
+    """A rendezvous port on the first node, spread over RENDEZVOUS_PORTS by run and attempt."""
+    digest = int(hashlib.sha256(f"{run_id}.{attempt}".encode()).hexdigest(), 16)
+    return RENDEZVOUS_PORTS[digest % len(RENDEZVOUS_PORTS)]
