@@ -505,7 +505,8 @@ TRAIN_SH = REPO / "tests" / "standins" / "train.sh"
 def run_acting_meanwhile(box: Box, tmp_path: Path, args: list[str],
                          act: Callable[[], None]) -> tuple[dict[str, Any], str]:
     """``training-supervisor ARGS`` on ``box`` in the background, ``act()`` while it runs;
-    once it exited 0, its summary and its whole output."""
+    once it exited 0, its summary (the JSON document on its stdout; the daemon's log lines
+    go on after it on stderr, merged here, as it stops) and its whole output."""
     out = open(tmp_path / "run.out", "w+")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "slurmbox.tsup", *args], stdout=out, stderr=subprocess.STDOUT,
                             env={**env(), "SLURM_CONF": str(box.conf)}, cwd=REPO)
@@ -517,7 +518,8 @@ def run_acting_meanwhile(box: Box, tmp_path: Path, args: list[str],
             proc.kill()
     out.seek(0)
     text = out.read()
-    return json.loads(text[text.index("{\n"):]), text
+    summary, _ = json.JSONDecoder().raw_decode(text, text.index("{\n"))
+    return summary, text
 
 
 def db_rows_soon(state: Path, sql: str) -> list[tuple[Any, ...]]:
