@@ -68,13 +68,16 @@ class Watch:
     """Samples the running trainer processes of a state directory four times a second,
     grouped by attempt: two attempts alive at once would be a duplicate launch. A
     stopped process (a frozen node's, one no one can reach) runs nothing and is not
-    counted; the end of every scenario checks that none is left. A warm standby counts
-    only once it is assigned to an attempt."""
+    counted; the end of every scenario checks that none is left. Nor are the processes of
+    a node the scenario cut off from the network (``cut_off``): nothing can reach them
+    (not the daemon, not its node agent's fence, not Slurm) until its link is back. A warm
+    standby counts only once it is assigned to an attempt."""
 
     def __init__(self, state: Path) -> None:
         self.state = state
         self.overlaps: list[set[str]] = []
         self.samples = 0
+        self.cut_off: set[str] = set()  # nodes the scenario cut off from the network
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -87,6 +90,8 @@ class Watch:
                     if p.status() == psutil.STATUS_STOPPED:
                         continue  # frozen, it runs nothing; assert_records finds any left at the end
                     env = p.environ()
+                    if env.get("SLURMD_NODENAME", env.get("TSUP_NODE")) in self.cut_off:
+                        continue  # on a node cut off: out of anyone's reach
                     if "TSUP_STANDBY" in env:  # a warm standby: part of an attempt once assigned,
                         name = p.name()  # which it says by its name (trainer/standby.py)
                         if name.startswith("tsup-a"):

@@ -29,7 +29,7 @@ from slurmbox import box as slurm_box_mod
 from slurmbox.box import Box
 from supervisor.slurm import parse
 from supervisor.slurm.launcher import AGENT_SUFFIX
-from tests.chaos.conftest import assert_records
+from tests.chaos.conftest import Watch, assert_records
 from tests.conftest import FSDP_STEPS, FSDP_TEST_CASE, FSDP_TRAIN, REPO, free_port, wait_for
 from tests.e2e.conftest import (
     EXAMPLE,
@@ -597,7 +597,8 @@ def test_a_train_sh_job_recovers_from_a_killed_rank_its_first_nodes_loss_and_a_h
 
 
 def test_a_train_sh_node_cut_off_is_found_by_its_agents_silence_with_slurm_none_the_wiser(
-        slurm_box: Box, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsdp_never_failed: dict[str, Any]) -> None:
+        slurm_box: Box, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsdp_never_failed: dict[str, Any],
+        watch: Watch) -> None:
     """The train.sh job sends no telemetry of its own. node2's link goes down for 30 s at
     step 25, with Slurm's SlurmdTimeout at its default 300 s: Slurm says nothing of node2
     for minutes, its processes live on, cut off. Its node agent's silence past
@@ -606,6 +607,9 @@ def test_a_train_sh_node_cut_off_is_found_by_its_agents_silence_with_slurm_none_
     monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
     slurm_box_mod.set_slurmd_timeout(slurm_box, 300)
     state = tmp_path / "state"
+    # node2's attempt-1 processes live on, out of reach, while attempt 2 trains; the run
+    # ends before the link is back, and the scenario's end kills them.
+    watch.cut_off.add("node2")
     proc = tsup("run", train_sh_spec(tmp_path), "--state-dir", state, "--json", "--chaos", "partition-node@25/30",
                 timeout_s=520)
     s = summary_of(proc)
