@@ -234,9 +234,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     def on_stop() -> None:
         if not stop.is_set():
-            deadline = threading.Timer(STOP_WITHIN_S, _stopped_too_slowly, args=(loop,))
-            deadline.daemon = True
-            deadline.start()
+            _stop_deadline(loop, EXIT_FAILED)
         stop.set()
 
     _on_signals(on_stop, on_stop)
@@ -317,11 +315,7 @@ async def _run(args: argparse.Namespace, slurm_chaos: SlurmChaos | None) -> int:
                 await asyncio.sleep(0.2)
         finally:
             monkey.heal_all()  # no link is left cut behind the run
-            held = EXIT_FAILED if code is None else code  # the status a stop past its deadline ends with
-            loop = asyncio.get_running_loop()
-            deadline = threading.Timer(STOP_WITHIN_S, _stopped_too_slowly, args=(loop, held))
-            deadline.daemon = True
-            deadline.start()
+            deadline = _stop_deadline(asyncio.get_running_loop(), EXIT_FAILED if code is None else code)
             stop.set()
             try:
                 await task
@@ -389,7 +383,16 @@ def _summary_json(d: dict[str, object], chaos: list[ChaosAction]) -> dict[str, o
     return out
 
 
-def _stopped_too_slowly(loop: asyncio.AbstractEventLoop, code: int = EXIT_FAILED) -> None:
+def _stop_deadline(loop: asyncio.AbstractEventLoop, code: int) -> threading.Timer:
+    """Started as a stop begins: past STOP_WITHIN_S it ends the process with ``code``
+    (``_stopped_too_slowly``); cancel it once the stop is done."""
+    deadline = threading.Timer(STOP_WITHIN_S, _stopped_too_slowly, args=(loop, code))
+    deadline.daemon = True
+    deadline.start()
+    return deadline
+
+
+def _stopped_too_slowly(loop: asyncio.AbstractEventLoop, code: int) -> None:
     """The stop's deadline passed (on a timer's thread): say what held it, and end with
     ``code`` (``run``: the run's own status, its summary already printed)."""
     log.error("still stopping after %.0f s: ending the process now (the next start takes over what ran); "
