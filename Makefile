@@ -36,11 +36,14 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit
 
+# Three workers: the suite waits as much as it computes; the tests of the host's
+# one-of-a-kind things (Slurm boxes, users) run one after another on one of them
+# (tests/conftest.py: the xdist group "host", and HOST_LOCK).
 test: $(STAMP) system-deps lint typecheck
-	$(BIN)/pytest
+	$(BIN)/pytest -n 3 --dist loadgroup
 
 chaos: $(STAMP) system-deps
-	$(BIN)/pytest tests/chaos --chaos-all $(if $(SEED),--seed $(SEED))
+	$(BIN)/pytest -n 3 --dist loadgroup tests/chaos --chaos-all $(if $(SEED),--seed $(SEED))
 
 clean:
 	rm -rf $(VENV) .state .pytest_cache .mypy_cache .ruff_cache

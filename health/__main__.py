@@ -56,17 +56,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--require", type=Path, action="append", default=[], metavar="PATH",
                         help="a file or directory a run needs on this node (its command, its working "
                              "directory): unhealthy when missing (repeatable)")
+    parser.add_argument("--shared-host", action="store_true",
+                        help="this node shares its host with other nodes (simulated nodes, a Slurm box): "
+                             "report the host's load and trainer processes, do not judge them "
+                             f"(also {host.SHARED_HOST_ENV}=1)")
     parser.add_argument("--drain-self", action="store_true",
                         help="Slurm HealthCheckProgram mode: drain this node when unhealthy")
     args = parser.parse_args(argv)
 
+    shared = args.shared_host or os.environ.get(host.SHARED_HOST_ENV) == "1"
     findings = [
         host.disk(args.checkpoint_dir, min_free_gib=args.min_free_gib,
                   degraded_free_gib=max(args.min_free_gib, 50.0)),
         host.write_latency(args.checkpoint_dir),
         host.memory(),
-        host.load(),
-        host.leftover_trainers(),
+        host.load(shared=shared),
+        host.leftover_trainers(shared=shared),
         *host.required(args.require),
     ]
     kernel_log = _read(args.kernel_log, findings) if args.kernel_log else None

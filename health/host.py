@@ -2,6 +2,12 @@
 
 Each probe returns a ``Finding``; ``verdict`` folds findings into the node's verdict.
 Thresholds are parameters with documented defaults, so an operator can tighten them.
+
+Load and leftover trainers are the host's, not the node's, where several nodes share one
+host (the local launcher's simulated nodes; a Slurm box's network namespaces): there one
+node's probe would count its neighbours' load and trainers as its own. Such a node says
+so (``shared`` here; ``--shared-host`` or ``TSUP_SHARED_HOST=1`` on the command line) and
+those two findings are reported, not judged.
 """
 
 from __future__ import annotations
@@ -63,14 +69,21 @@ def memory(*, min_available_frac: float = 0.05) -> Finding:
                    evidence=f"{vm.available / 2**30:.1f} GiB available of {vm.total / 2**30:.1f} GiB")
 
 
-def load(*, max_per_cpu: float = 4.0) -> Finding:
+SHARED_HOST_ENV = "TSUP_SHARED_HOST"  # "1": this node shares its host with other nodes
+_NOT_JUDGED = "not judged: this node shares its host with other nodes"
+
+
+def load(*, max_per_cpu: float = 4.0, shared: bool = False) -> Finding:
     one, _, _ = os.getloadavg()
     cpus = os.cpu_count() or 1
+    evidence = f"load {one:.2f} on {cpus} CPUs"
+    if shared:
+        return Finding(probe="load", status=Status.HEALTHY, evidence=f"{evidence}: {_NOT_JUDGED}")
     status = Status.DEGRADED if one / cpus > max_per_cpu else Status.HEALTHY
-    return Finding(probe="load", status=status, evidence=f"load {one:.2f} on {cpus} CPUs")
+    return Finding(probe="load", status=status, evidence=evidence)
 
 
-def leftover_trainers() -> Finding:
+def leftover_trainers(*, shared: bool = False) -> Finding:
     """Trainer processes still alive on a node that should be idle hold memory and devices."""
     left = []
     for p in psutil.process_iter(["pid", "cmdline"]):
@@ -80,8 +93,11 @@ def leftover_trainers() -> Finding:
     if not left:
         return Finding(probe="leftover_trainers", status=Status.HEALTHY,
                        evidence="no trainer process running")
-    return Finding(probe="leftover_trainers", status=Status.DEGRADED,
-                   evidence=f"{len(left)} trainer process(es) running: pids {', '.join(map(str, left[:10]))}")
+    evidence = f"{len(left)} trainer process(es) running: pids {', '.join(map(str, left[:10]))}"
+    if shared:
+        return Finding(probe="leftover_trainers", status=Status.HEALTHY,
+                       evidence=f"{evidence}: {_NOT_JUDGED}")
+    return Finding(probe="leftover_trainers", status=Status.DEGRADED, evidence=evidence)
 
 
 def required(paths: list[Path]) -> list[Finding]:

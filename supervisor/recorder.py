@@ -80,6 +80,15 @@ class TelemetryRecorder:
         return steps, events
 
 
+SENDER_CLOCK_TRUSTED_S = 60.0  # how far before its receipt a message's own time is believed
+
+
+def _sent_at(sent: float, received: float) -> float:
+    """When a rank says it sent a message: its own clock, unless that is later than the
+    message's receipt or more than SENDER_CLOCK_TRUSTED_S before it (then the receipt's)."""
+    return sent if math.isfinite(sent) and received - SENDER_CLOCK_TRUSTED_S <= sent <= received else received
+
+
 class _Batch:
     """One tick's items, in one transaction: the stats of each attempt touched are read
     once, folded with its new steps, and written once."""
@@ -123,11 +132,13 @@ class _Batch:
                     attempt=msg.attempt, step=msg.step, loss=msg.loss, grad_norm=msg.grad_norm,
                     step_time_s=msg.step_time_s, at=item.at))
         elif isinstance(msg, p.FaultInjected):  # a drill's fault, injected by the trainer itself
+            at = _sent_at(msg.ts, item.at)
             tx.add_event(number, EventKind.CHAOS_INJECTED,
                          f"chaos {msg.action} fired in the trainer at step {msg.step}: {msg.detail} "
                          f"(rank {msg.rank})",
-                         {"action": msg.action, "step": msg.step, "attempt": msg.attempt, "rank": msg.rank},
-                         item.at)
+                         {"action": msg.action, "step": msg.step, "attempt": msg.attempt, "rank": msg.rank,
+                          "at": at}, item.at)
+            tx.fill_injected_at(number, msg.attempt, at)  # a fault recorded before this report came
         elif isinstance(msg, p.CheckpointRestored):
             timed = msg.bytes and msg.duration_s > 0
             pace = f", {msg.bytes / msg.duration_s / 1e9:.2f} GB/s" if timed else ""

@@ -7,6 +7,7 @@ but FAILS under CI (CI=true), where `make test` has installed it.
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import os
 import shutil
@@ -24,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from health.host import SHARED_HOST_ENV
 from supervisor.ports import free_port  # the tests' ports: tests.conftest.free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -271,7 +273,9 @@ def a_slurm_box(nodes: int) -> Iterator[Any]:
     pid.
 
     A fresh box per test: tests kill nodes and drain them. Its directory is short (unix
-    socket paths are limited to 108 bytes) and removed afterwards.
+    socket paths are limited to 108 bytes) and removed afterwards. While it is up, the
+    probes a daemon of the test runs on its nodes are told that they share this host
+    (health/host.py: the host's load and trainers are not one node's).
     """
     require("Slurm (slurmctld, slurmd, munge, slurm-client)", slurm_installed())
     from slurmbox import box as slurm_box_mod
@@ -282,11 +286,17 @@ def a_slurm_box(nodes: int) -> Iterator[Any]:
     except BaseException:
         slurm_box_mod.down(directory)
         raise
+    before = os.environ.get(SHARED_HOST_ENV)
+    os.environ[SHARED_HOST_ENV] = "1"  # the box's nodes share this host: srun hands it to every probe
     try:
         yield box
     finally:
         slurm_box_mod.down(directory)
         shutil.rmtree(directory, ignore_errors=True)
+        if before is None:
+            os.environ.pop(SHARED_HOST_ENV, None)
+        else:
+            os.environ[SHARED_HOST_ENV] = before
 
 
 @pytest.fixture
@@ -336,12 +346,51 @@ KIND_OF_FOLDER = {"unit": "unit", "integration": "integration", "e2e": "e2e", "c
                   "chaos": "chaos"}
 
 
+# `make test` runs the suite on several workers (pytest-xdist): it mostly waits on
+# trainers, daemons and timeouts. What this host holds one of is used by one test at a
+# time, whichever worker runs it: the Slurm boxes (a test that asks for one, every
+# test_slurm*.py, the launcher contract) and the users the install, privilege and
+# user-tree tests make and delete. Such a test takes the host's turn (HOST_LOCK, a file
+# lock) before its first fixture and gives it back after its last; another test that
+# needs it says so with ``@pytest.mark.host``. The rest run beside them, so a test may
+# count as its own only what its state directory names.
+HOST_LOCK = Path(tempfile.gettempdir()) / "tsup-tests-host.lock"
+HOST_FIXTURES = {"slurm_box", "slurm_box4"}
+HOST_FILES = {"test_install.py", "test_least_privilege.py", "test_hostile_user.py", "test_launcher_contract.py",
+              "test_user_tree.py"}
+
+
+def on_host(item: pytest.Item) -> bool:
+    return (item.path.name.startswith("test_slurm") or item.path.name in HOST_FILES
+            or item.get_closest_marker("host") is not None
+            or bool(HOST_FIXTURES & set(getattr(item, "fixturenames", ()))))
+
+
+@pytest.fixture(autouse=True)
+def _host_turn(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The host's turn for a test of its one-of-a-kind things (autouse: set up before the
+    test's other fixtures of its scope, torn down after them)."""
+    if not on_host(request.node):
+        yield
+        return
+    with open(HOST_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def pytest_itemcollected(item: pytest.Item) -> None:
-    """Mark a test with its folder's kind, before -m chooses (a file needs no pytestmark)."""
+    """Mark a test with its folder's kind, before -m chooses (a file needs no pytestmark),
+    and a test of the host's one-of-a-kind things with ``host`` and its xdist group."""
     parts = item.path.relative_to(REPO / "tests").parts
     kind = KIND_OF_FOLDER.get(parts[0]) if len(parts) > 1 else None
     if kind is not None and item.get_closest_marker(kind) is None:
         item.add_marker(kind)
+    if on_host(item):
+        item.add_marker("host")
+        item.add_marker(pytest.mark.xdist_group("host"))
 
 
 def pytest_configure(config: pytest.Config) -> None:

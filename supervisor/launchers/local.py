@@ -37,6 +37,7 @@ from pathlib import Path
 
 import psutil
 
+from health.host import SHARED_HOST_ENV
 from supervisor import user_files, users
 from supervisor.domain import ProcState
 from supervisor.domain.step import Step, rdzv_id
@@ -133,10 +134,12 @@ class LocalLauncher:
 
     def probe(self, nodes: Sequence[str], argv: Sequence[str], *, allocation_info: str | None,
               timeout_s: float) -> dict[str, str]:
-        """One probe process per simulated node, told its node's name (TSUP_NODE)."""
+        """One probe process per simulated node, told its node's name (TSUP_NODE) and that
+        it shares this host with the others (health/host.py: their load and trainers are
+        not its own)."""
         out: dict[str, str] = {}
         for node in nodes:
-            env = {**users.inherited_env(), "TSUP_NODE": node}
+            env = {**users.inherited_env(), "TSUP_NODE": node, SHARED_HOST_ENV: "1"}
             try:
                 done = subprocess.run(list(argv), env=env, capture_output=True, text=True, timeout=timeout_s,
                                       check=False, stdin=subprocess.DEVNULL)

@@ -111,6 +111,16 @@ class HistoryQueries:
         )
         return new_id(res)
 
+    def fill_injected_at(self, run_number: int, attempt: int, at: float) -> int:
+        """A drill's report of its fault came after the fault was recorded (the ranks died
+        first, or the report waited in a busy broker): the attempt's faults detected at or
+        after ``at`` that have no injection time get this one."""
+        f = t.faults.c
+        res = self.c.execute(update(t.faults).where(
+            f.run_number == run_number, f.attempt == attempt, f.injected_at.is_(None), f.detected_at >= at,
+        ).values(injected_at=at))
+        return int(res.rowcount)
+
     def mark_faults_recovered(self, run_number: int, now: float) -> int:
         res = self.c.execute(
             update(t.faults)

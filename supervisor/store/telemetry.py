@@ -144,8 +144,11 @@ class TelemetryQueries:
             t.events.c.run_number == run_number, t.events.c.kind == EventKind.CHAOS_INJECTED,
             t.events.c.ts <= before,
         ).order_by(t.events.c.id.desc()).limit(50)
-        times = (float(ts) for ts, data in self.c.execute(q) if json.loads(data).get("attempt") == attempt)
-        return next(times, None)
+        for ts, data in self.c.execute(q):
+            said = json.loads(data)
+            if said.get("attempt") == attempt:
+                return float(said.get("at", ts))  # the trainer's own time of it, when it said
+        return None
 
     def drains_by_us_since(self, since: float) -> int:
         """How many nodes this supervisor drained of its own accord (not an operator) since ``since``."""

@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 from slurmbox.chaos import BoxChaos
+from supervisor import node_health
 from supervisor.domain import ProcState
 from supervisor.launchers.base import AllocationRequest, ChaosHooks, Launcher, LaunchSpec, NodeAdmin, RankProc
 from supervisor.launchers.local import LocalLauncher
@@ -214,3 +215,19 @@ def test_a_drain_shows_until_the_node_is_returned(cluster: Cluster) -> None:
     assert wait_for(lambda: cluster.admin.drained(node), 30, "the drain to show")
     cluster.admin.undrain(node)
     wait_for(lambda: cluster.admin.drained(node) is False, 30, "the return to show")
+
+
+@pytest.mark.parametrize("cluster", ["local", "slurm"], indirect=True)  # the scripted one runs no probe
+def test_a_probe_answers_for_each_node_which_knows_that_it_shares_this_host(cluster: Cluster,
+                                                                            tmp_path: Path) -> None:
+    """Every node of either launcher answers the probe under its own name, with the host
+    checks run; the host's load and trainer processes are reported, not judged as the
+    node's: the local launcher's nodes and a Slurm box's share this one host."""
+    answers = cluster.admin.probe(list(cluster.nodes), node_health.probe_argv(["--min-free-gib", "0"]),
+                                  allocation_info=cluster.allocation_info, timeout_s=60)
+    assert sorted(answers) == sorted(cluster.nodes), answers
+    for node in cluster.nodes:
+        record = node_health.record(node, answers[node], "manual", None, 0.0)
+        found = {f["probe"]: f for f in record.findings}
+        assert {"disk", "load", "leftover_trainers"} <= set(found), record
+        assert all("not judged" in found[p]["evidence"] for p in ("load", "leftover_trainers")), record

@@ -100,7 +100,7 @@ def test_ranks_that_cannot_reach_the_broker_train_on(tmp_path: Path, fault_free:
         # Allowances shorter than the run: judged by telemetry alone, it would be a hang.
         spec = tmp_path / "spec.toml"
         spec.write_text(EXAMPLE.read_text().replace("hang_timeout_s = 60", "hang_timeout_s = 15")
-                        .replace("startup_timeout_s = 300", "startup_timeout_s = 15"))
+                        .replace("startup_timeout_s = 300", "startup_timeout_s = 30"))
         run_id = daemon.ctl_json("submit", str(spec))["run_id"]
         final = wait_for(lambda: (s := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and s,
                          300, "the run to end", interval_s=1.0)

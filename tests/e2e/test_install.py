@@ -28,7 +28,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from slurmbox import box as box_mod
@@ -38,6 +37,7 @@ from supervisor.slurm import parse
 from tests.chaos.test_slurm import train_sh_spec
 from tests.conftest import REPO, free_port, require, require_root, wait_for
 from tests.e2e.conftest import assert_same_weights, command_spec, ctl, port_open, slurm
+from tests.e2e.test_least_privilege import gone
 
 pytestmark = pytest.mark.e2e
 
@@ -58,10 +58,7 @@ def place() -> Iterator[Path]:
     try:
         yield path
     finally:
-        for p in psutil.process_iter(["username"]):
-            if p.info["username"] == USER:
-                p.kill()
-        subprocess.run(["userdel", USER], capture_output=True, check=False)
+        gone(USER)
         Path(f"/etc/sudoers.d/{USER}").unlink(missing_ok=True)
         shutil.rmtree(HELPER.parent, ignore_errors=True)
         shutil.rmtree(path, ignore_errors=True)

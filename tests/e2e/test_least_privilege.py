@@ -7,10 +7,13 @@ gives for a cluster without Slurm accounting."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pwd
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,7 +48,7 @@ def system_user(name: str, home_in: Path, *, service: bool = False) -> RunAs:
     with ``service`` a service account (``useradd --system``, nologin)."""
     require("useradd", shutil.which("useradd") is not None)
     require_root("creating users")
-    subprocess.run(["userdel", name], capture_output=True, check=False)  # one a killed run left
+    gone(name)  # one a killed run left
     kind = ["--system", "--shell", "/usr/sbin/nologin"] if service else ["--shell", "/bin/sh"]
     subprocess.run(["useradd", *kind, "--create-home", "--home-dir", str(home_in / name), name],
                    check=True, capture_output=True)
@@ -53,10 +56,25 @@ def system_user(name: str, home_in: Path, *, service: bool = False) -> RunAs:
 
 
 def remove_user(user: RunAs) -> None:
-    for p in psutil.process_iter(["uids"]):
-        if p.info["uids"] and p.info["uids"].real == user.uid:
+    gone(user.name)
+
+
+def gone(name: str) -> None:
+    """No user ``name`` on this host: its processes killed and reaped first (userdel
+    refuses a user that still runs one), then the user deleted."""
+    try:
+        uid = pwd.getpwnam(name).pw_uid
+    except KeyError:
+        return
+    procs = [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == uid]
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
             p.kill()
-    subprocess.run(["userdel", user.name], capture_output=True, check=False)
+    psutil.wait_procs(procs, timeout=20)
+    deadline = time.monotonic() + 20  # a killed process's parent may take a moment to reap it
+    while (done := subprocess.run(["userdel", name], capture_output=True, text=True, check=False)).returncode:
+        assert time.monotonic() < deadline, f"userdel {name}: {done.stderr.strip()}"
+        time.sleep(0.2)
 
 
 @pytest.fixture

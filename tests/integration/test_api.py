@@ -231,6 +231,26 @@ def test_checkpoints_goodput_and_the_loss_curve(client: TestClient) -> None:
     assert client.get("/v1/runs/run-2/goodput").status_code == 404
 
 
+def test_a_drills_report_that_comes_after_its_fault_still_dates_the_injection(client: TestClient) -> None:
+    """A rank reports the fault it injects, then dies of it; on a busy host its death can
+    be recorded before its report arrives. The report fills in the fault's injection time
+    from the rank's own clock, believed only when it is before the receipt and at most a
+    minute before it (attempt 2's, an hour old, is not: its fault keeps no time)."""
+    client.post("/v1/runs", json={"spec": SPEC})
+    with client.store.tx() as tx:  # type: ignore[attr-defined]
+        for attempt in (1, 2):
+            tx.add_fault(1, attempt=attempt, kind=FaultKind.RANK_EXIT, ranks=[3], nodes=["local-2"], step=25,
+                         summary="rank 3 exited with code 1", now=1010.0 + attempt,
+                         injected_at=tx.injected_at(1, attempt, 1010.0 + attempt))
+    telemetry = TelemetryView()
+    for attempt, sent in ((1, 1009.5), (2, 1012.0 - 3600)):
+        telemetry.ingest(*p.encode(p.FaultInjected(run="run-1", attempt=attempt, rank=3, ts=sent, step=25,
+                                                   action="crash@25", detail="InjectedFault")), 1013.0)
+    TelemetryRecorder(client.store, telemetry).record()  # type: ignore[attr-defined]
+    faults = client.get("/v1/runs/run-1").json()["faults"]
+    assert [(f["attempt"], f["injected_at"]) for f in faults] == [(1, 1009.5), (2, None)], faults
+
+
 def test_the_event_stream_sends_what_is_recorded_and_ends_with_the_run(client: TestClient) -> None:
     client.post("/v1/runs", json={"spec": SPEC})
     with client.store.tx() as tx:  # type: ignore[attr-defined]

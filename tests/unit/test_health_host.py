@@ -101,3 +101,31 @@ def test_the_write_probe_never_writes_through_a_planted_link_nor_removes_it(
     finding = host.write_latency(tmp_path)
     assert finding.status is Status.UNHEALTHY and "File exists" in finding.evidence
     assert victim.read_text() == "root's\n" and planted.is_symlink(), "not written through, not removed"
+
+
+def test_a_node_sharing_its_host_reports_the_hosts_trainers_and_load_without_judging_them(
+        tmp_path: Path) -> None:
+    """A trainer process on the host is a leftover of the node that owns the host, and a
+    degraded finding; on a node that shares its host with others (the local launcher's,
+    a Slurm box's) it is its neighbours' and the load is theirs too: both reported, the
+    verdict not moved by them. Through the command line, as the launchers run it."""
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "__main__.py").write_text("import time\ntime.sleep(60)\n")
+    other = subprocess.Popen([sys.executable, "-m", "trainer"], cwd=tmp_path)  # cmdline: python -m trainer
+    try:
+        own = host.leftover_trainers()
+        assert own.status is Status.DEGRADED and str(other.pid) in own.evidence, own
+        shared = host.leftover_trainers(shared=True)
+        assert shared.status is Status.HEALTHY and str(other.pid) in shared.evidence
+        assert "not judged" in shared.evidence and "not judged" in host.load(shared=True).evidence
+        assert "not judged" not in host.load().evidence
+        for env, judged in (({}, True), ({host.SHARED_HOST_ENV: "1"}, False)):
+            done = subprocess.run([sys.executable, "-m", "health", "--checkpoint-dir", str(tmp_path),
+                                   "--min-free-gib", "0", "--json", "--compact"], capture_output=True,
+                                  text=True, cwd=REPO, check=False,
+                                  env={"PATH": "/usr/bin:/bin", "TSUP_HEALTH_TOOLS": str(tmp_path), **env})
+            [left] = [f for f in json.loads(done.stdout)["findings"] if f["probe"] == "leftover_trainers"]
+            assert (left["status"] == "degraded") is judged and str(other.pid) in left["evidence"], left
+    finally:
+        other.kill()
+        other.wait()
