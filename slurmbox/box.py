@@ -236,13 +236,18 @@ def up(directory: Path, nodes: int, *, cpus: int = 2, memory_mb: int = 4000, par
 
 
 @contextlib.contextmanager
-def _net_lock() -> Iterator[None]:
-    with open(_NET_LOCK, "a") as f:
+def file_lock(path: Path) -> Iterator[None]:
+    """Held by one process of this host at a time (an exclusive ``flock`` of ``path``)."""
+    with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _net_lock() -> contextlib.AbstractContextManager[None]:
+    return file_lock(_NET_LOCK)
 
 
 def _ip(*args: str, check: bool = True) -> str:

@@ -7,7 +7,6 @@ but FAILS under CI (CI=true), where `make test` has installed it.
 
 from __future__ import annotations
 
-import fcntl
 import importlib
 import os
 import shutil
@@ -355,7 +354,7 @@ KIND_OF_FOLDER = {"unit": "unit", "integration": "integration", "e2e": "e2e", "c
 # needs it says so with ``@pytest.mark.host``. The rest run beside them, so a test may
 # count as its own only what its state directory names.
 HOST_LOCK = Path(tempfile.gettempdir()) / "tsup-tests-host.lock"
-HOST_FIXTURES = {"slurm_box", "slurm_box4"}
+HOST_FIXTURES = {"slurm_box", "slurm_box4", "open_dir"}  # open_dir: where the tests' users have their homes
 HOST_FILES = {"test_install.py", "test_least_privilege.py", "test_hostile_user.py", "test_launcher_contract.py",
               "test_user_tree.py"}
 
@@ -373,12 +372,10 @@ def _host_turn(request: pytest.FixtureRequest) -> Iterator[None]:
     if not on_host(request.node):
         yield
         return
-    with open(HOST_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    from slurmbox.box import file_lock
+
+    with file_lock(HOST_LOCK):
+        yield
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:

@@ -159,7 +159,8 @@ def test_a_new_launcher_finds_and_adopts_processes_by_marker(launcher: LocalLaun
             (r["rank"], r["pid"], r["node"]) for r in json.loads(info)["ranks"])
         assert all(p is ProcState.RUNNING for p, _ in states(fresh, found).values())
         fresh.kill_node(found, "local-1")
-        wait_for(lambda: states(fresh, found)[0][0] is ProcState.VANISHED, 10, "adopted ranks to vanish")
+        wait_for(lambda: all(states(fresh, found)[r][0] is ProcState.VANISHED for r in (0, 1)), 10,
+                 "local-1's adopted ranks to vanish")
         assert states(fresh, found)[1] == (ProcState.VANISHED, None)  # not our child: no exit code
         assert fresh.find(replace(spec(tmp_path), marker=str(tmp_path / "nobody"))) is None
     finally:
