@@ -7,7 +7,9 @@ but FAILS under CI (CI=true), where `make test` has installed it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
 import os
 import shutil
 import signal
@@ -214,15 +216,35 @@ def mosquitto_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Brok
 # --- Slurm ---------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """A directory every worker of this pytest run shares (pytest-xdist gives each worker
+    a session of its own, and a session fixture would be made once per worker), held by
+    one worker at a time: the first to hold it makes what a session fixture needs there,
+    the others find it made."""
+    from slurmbox.box import file_lock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    with file_lock(root / f"{name}.lock"):
+        (root / name).mkdir(exist_ok=True)
+        yield root / name
+
+
 @pytest.fixture(scope="session")
-def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The example run with no fault: the reference every faulty run must match."""
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The example run with no fault: the reference every faulty run must match (run
+    once for all workers)."""
     from tests.e2e.conftest import EXAMPLE, summary_of, tsup
 
-    state = tmp_path_factory.mktemp("fault-free")
-    proc = tsup("run", EXAMPLE, "--state-dir", state, "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    yield summary_of(proc)
+    with once_per_run(tmp_path_factory, "fault-free") as shared:
+        summary = shared / "summary.json"
+        if not summary.exists():
+            proc = tsup("run", EXAMPLE, "--state-dir", shared / "state", "--json")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            summary.write_text(json.dumps(summary_of(proc)))
+        found: dict[str, Any] = json.loads(summary.read_text())
+        return found
 
 
 FSDP_TEST_CASE = REPO / "tests" / "standins" / "fsdp_test_case.py"
@@ -238,11 +260,20 @@ def fsdp_never_failed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
 
     It is the reference, not the thing under test: a run whose rendezvous fails (once in
     a CI run both torchruns exited 1 here, their output then thrown away) is tried once
-    more on another port, and its output is kept and shown if that fails too."""
+    more on another port, and its output is kept and shown if that fails too. Run once
+    for all workers."""
     import torch
 
+    with once_per_run(tmp_path_factory, "fsdp-by-hand") as shared:
+        if not (shared / "final.pt").exists():
+            _fsdp_by_hand(shared)
+        return dict(torch.load(shared / "final.pt"))
+
+
+def _fsdp_by_hand(shared: Path) -> None:
     for attempt in (1, 2):
-        work = tmp_path_factory.mktemp(f"fsdp-by-hand-{attempt}")
+        work = shared / f"try-{attempt}"
+        work.mkdir(exist_ok=True)  # another worker's failed try: tried again here
         torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nnodes=2", "--nproc_per_node=2",
                     "--rdzv_id=by-hand", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_backend=c10d"]
         args = [str(FSDP_TEST_CASE), *FSDP_TRAIN, "--checkpoint_dir", str(work / "checkpoints"),
@@ -256,7 +287,8 @@ def fsdp_never_failed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
                                               stderr=subprocess.STDOUT))
         codes = [p.wait(timeout=300) for p in nodes]
         if codes == [0, 0]:
-            return dict(torch.load(work / "final.pt"))
+            shutil.copy(work / "final.pt", shared / "final.pt")
+            return
         said = "\n".join(f"--- {log.name}:\n{log.read_text(errors='replace')[-3000:]}" for log in logs)
         print(f"fsdp_never_failed: try {attempt} exited {codes}:\n{said}", file=sys.stderr)
     raise AssertionError(f"the FSDP stand-in run by hand exited {codes} twice:\n{said}")

@@ -31,7 +31,8 @@ import pytest
 from tests.conftest import REPO, free_port, wait_for
 from trainer.corpus import TinyCorpus, write_tiny_corpus
 
-pytestmark = pytest.mark.integration
+# One worker runs them all: their runs are module-scoped, made once per worker that runs one.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("pretraining")]
 
 STEPS = 120
 TIMEOUT_S = 300
