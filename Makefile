@@ -36,12 +36,12 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit
 
-# Two workers: the suite waits as much as it computes; the tests of the host's
-# one-of-a-kind things (Slurm boxes, users) run one after another on one of them
-# (tests/conftest.py: the xdist group "host", and HOST_LOCK). Three were faster by a
-# minute and starved the Slurm box's timing-bound tests (docs/RESULTS.md).
+# Serial. `pytest -n 2 --dist loadgroup` runs the suite in 23 minutes instead of 36
+# (the Slurm boxes' and the users' tests one after another on one worker: tests/conftest.py),
+# but one Slurm box test, the HyperPod hand-over, failed in each of three parallel runs
+# under that load (docs/RESULTS.md); until its cause is found, make test runs serially.
 test: $(STAMP) system-deps lint typecheck
-	$(BIN)/pytest -n 2 --dist loadgroup
+	$(BIN)/pytest
 
 chaos: $(STAMP) system-deps
 	$(BIN)/pytest tests/chaos --chaos-all $(if $(SEED),--seed $(SEED))
