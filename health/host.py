@@ -90,14 +90,13 @@ def leftover_trainers(*, shared: bool = False) -> Finding:
         cmdline = p.info["cmdline"] or []
         if cmdline[1:3] == ["-m", "trainer"] and p.info["pid"] != os.getpid():
             left.append(p.info["pid"])
-    if not left:
-        return Finding(probe="leftover_trainers", status=Status.HEALTHY,
-                       evidence="no trainer process running")
-    evidence = f"{len(left)} trainer process(es) running: pids {', '.join(map(str, left[:10]))}"
+    evidence = (f"{len(left)} trainer process(es) running: pids {', '.join(map(str, left[:10]))}" if left
+                else "no trainer process running")
     if shared:
         return Finding(probe="leftover_trainers", status=Status.HEALTHY,
                        evidence=f"{evidence}: {_NOT_JUDGED}")
-    return Finding(probe="leftover_trainers", status=Status.DEGRADED, evidence=evidence)
+    return Finding(probe="leftover_trainers", status=Status.DEGRADED if left else Status.HEALTHY,
+                   evidence=evidence)
 
 
 def required(paths: list[Path]) -> list[Finding]:

@@ -220,7 +220,7 @@ def up(directory: Path, nodes: int, *, cpus: int = 2, memory_mb: int = 4000, par
     key.write_bytes(secrets.token_bytes(1024))
     os.chmod(key, 0o600)
     try:
-        with _net_lock():
+        with file_lock(_NET_LOCK):
             box.subnet = _free_subnet()
             _save(box)  # from here on, `down` can clean up whatever got started
             _make_network(box)
@@ -244,10 +244,6 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _net_lock() -> contextlib.AbstractContextManager[None]:
-    return file_lock(_NET_LOCK)
 
 
 def _ip(*args: str, check: bool = True) -> str:

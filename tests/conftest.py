@@ -317,17 +317,13 @@ def a_slurm_box(nodes: int) -> Iterator[Any]:
     except BaseException:
         slurm_box_mod.down(directory)
         raise
-    before = os.environ.get(SHARED_HOST_ENV)
-    os.environ[SHARED_HOST_ENV] = "1"  # the box's nodes share this host: srun hands it to every probe
     try:
-        yield box
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(SHARED_HOST_ENV, "1")  # the box's nodes share this host: srun hands it to every probe
+            yield box
     finally:
         slurm_box_mod.down(directory)
         shutil.rmtree(directory, ignore_errors=True)
-        if before is None:
-            os.environ.pop(SHARED_HOST_ENV, None)
-        else:
-            os.environ[SHARED_HOST_ENV] = before
 
 
 @pytest.fixture
@@ -377,9 +373,9 @@ KIND_OF_FOLDER = {"unit": "unit", "integration": "integration", "e2e": "e2e", "c
                   "chaos": "chaos"}
 
 
-# `make test` runs the suite on several workers (pytest-xdist): it mostly waits on
-# trainers, daemons and timeouts. What this host holds one of is used by one test at a
-# time, whichever worker runs it: the Slurm boxes (a test that asks for one, every
+# The suite can run on several workers (`pytest -n 2 --dist loadgroup`; `make test` runs
+# it serially for now, docs/RESULTS.md). What this host holds one of is used by one test at
+# a time, whichever worker runs it: the Slurm boxes (a test that asks for one, every
 # test_slurm*.py, the launcher contract) and the users the install, privilege and
 # user-tree tests make and delete. Such a test takes the host's turn (HOST_LOCK, a file
 # lock) before its first fixture and gives it back after its last; another test that
@@ -401,7 +397,7 @@ def on_host(item: pytest.Item) -> bool:
 def _host_turn(request: pytest.FixtureRequest) -> Iterator[None]:
     """The host's turn for a test of its one-of-a-kind things (autouse: set up before the
     test's other fixtures of its scope, torn down after them)."""
-    if not on_host(request.node):
+    if request.node.get_closest_marker("host") is None:  # set at collection (pytest_itemcollected)
         yield
         return
     from slurmbox.box import file_lock
