@@ -340,7 +340,7 @@ def slurm_box4() -> Iterator[Any]:
 
 # --- the chaos suite: a rotating subset in `make test`, every scenario in `make chaos` ---
 
-CHAOS_SUBSET = 5  # scenarios `make test` runs out of tests/chaos
+CHAOS_SUBSET = 4  # scenarios `make test` runs out of tests/chaos
 # Always in the subset: the daemon SIGKILLed at random points (nothing may be lost when the
 # supervisor itself dies); one scenario on the Slurm box is drawn besides.
 CHAOS_ALWAYS = ("test_sigkill_of_the_supervisor_at_random_points_loses_nothing",)
@@ -373,49 +373,62 @@ KIND_OF_FOLDER = {"unit": "unit", "integration": "integration", "e2e": "e2e", "c
                   "chaos": "chaos"}
 
 
-# The suite can run on several workers (`pytest -n 2 --dist loadgroup`; `make test` runs
-# it serially for now, docs/RESULTS.md). What this host holds one of is used by one test at
-# a time, whichever worker runs it: the Slurm boxes (a test that asks for one, every
-# test_slurm*.py, the launcher contract) and the users the install, privilege and
-# user-tree tests make and delete. Such a test takes the host's turn (HOST_LOCK, a file
-# lock) before its first fixture and gives it back after its last; another test that
-# needs it says so with ``@pytest.mark.host``. The rest run beside them, so a test may
-# count as its own only what its state directory names.
-HOST_LOCK = Path(tempfile.gettempdir()) / "tsup-tests-host.lock"
-HOST_FIXTURES = {"slurm_box", "slurm_box4", "open_dir"}  # open_dir: where the tests' users have their homes
-HOST_FILES = {"test_install.py", "test_least_privilege.py", "test_hostile_user.py", "test_launcher_contract.py",
-              "test_user_tree.py"}
+# The suite runs on several workers (`make test`: `pytest -n 3 --dist loadgroup`). What
+# this host holds one of is used by one test at a time, whichever worker runs it:
+# - "box": the Slurm boxes and their network namespaces (a test that asks for one, every
+#   e2e and chaos test_slurm*.py, the launcher contract, the install on the multi-host box);
+# - "users": the host's accounts the install, privilege, hostile-user and user-tree tests
+#   make and delete (and `open_dir`, where their homes are).
+# Such a test takes each one's file lock (box before users: no two tests wait on each
+# other) before its first fixture and gives it back after its last, and goes in the xdist
+# group of the first it needs, so that one worker runs a resource's tests one after
+# another while the rest run beside them. Another test that needs one says so with
+# ``@pytest.mark.box`` or ``@pytest.mark.users``. A test may count as its own only what
+# its state directory names.
+SHARED_RESOURCES = ("box", "users")  # in the order their locks are taken
+RESOURCE_LOCK = {name: Path(tempfile.gettempdir()) / f"tsup-tests-{name}.lock" for name in SHARED_RESOURCES}
+RESOURCE_FIXTURES = {"box": {"slurm_box", "slurm_box4"}, "users": {"open_dir"}}
+RESOURCE_FILES = {"box": {"test_install.py", "test_launcher_contract.py"},
+                  "users": {"test_install.py", "test_least_privilege.py", "test_hostile_user.py",
+                            "test_user_tree.py"}}
 
 
-def on_host(item: pytest.Item) -> bool:
-    return (item.path.name.startswith("test_slurm") or item.path.name in HOST_FILES
-            or item.get_closest_marker("host") is not None
-            or bool(HOST_FIXTURES & set(getattr(item, "fixturenames", ()))))
+def resources_of(item: pytest.Item) -> list[str]:
+    """The host's one-of-a-kind things ``item`` uses, in lock order."""
+    fixtures = set(getattr(item, "fixturenames", ()))
+    on_box_file = item.path.name.startswith("test_slurm") and item.path.parent.name in ("e2e", "chaos")
+    return [name for name in SHARED_RESOURCES
+            if item.get_closest_marker(name) is not None or item.path.name in RESOURCE_FILES[name]
+            or bool(RESOURCE_FIXTURES[name] & fixtures) or (name == "box" and on_box_file)]
 
 
 @pytest.fixture(autouse=True)
 def _host_turn(request: pytest.FixtureRequest) -> Iterator[None]:
-    """The host's turn for a test of its one-of-a-kind things (autouse: set up before the
-    test's other fixtures of its scope, torn down after them)."""
-    if request.node.get_closest_marker("host") is None:  # set at collection (pytest_itemcollected)
-        yield
-        return
+    """The turn of each shared resource the test uses (autouse: set up before the test's
+    other fixtures of its scope, torn down after them)."""
     from slurmbox.box import file_lock
 
-    with file_lock(HOST_LOCK):
+    with contextlib.ExitStack() as held:
+        for name in SHARED_RESOURCES:
+            if request.node.get_closest_marker(name) is not None:  # set at collection
+                held.enter_context(file_lock(RESOURCE_LOCK[name]))
         yield
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
     """Mark a test with its folder's kind, before -m chooses (a file needs no pytestmark),
-    and a test of the host's one-of-a-kind things with ``host`` and its xdist group."""
+    and a test of the host's one-of-a-kind things with each one's marker and the xdist
+    group of the first."""
     parts = item.path.relative_to(REPO / "tests").parts
     kind = KIND_OF_FOLDER.get(parts[0]) if len(parts) > 1 else None
     if kind is not None and item.get_closest_marker(kind) is None:
         item.add_marker(kind)
-    if on_host(item):
-        item.add_marker("host")
-        item.add_marker(pytest.mark.xdist_group("host"))
+    uses = resources_of(item)
+    for name in uses:
+        if item.get_closest_marker(name) is None:
+            item.add_marker(name)
+    if uses:
+        item.add_marker(pytest.mark.xdist_group(uses[0]))
 
 
 def pytest_configure(config: pytest.Config) -> None:

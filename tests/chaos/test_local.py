@@ -522,7 +522,7 @@ def test_a_full_checkpoint_filesystem_stops_the_run_and_resume_finishes_it(
         daemon = Serve(state, free_port())
         try:
             run_id = daemon.ctl_json("submit", str(spec))["run_id"]
-            failed = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("FAILED", "SUCCEEDED")
+            failed = wait_for(lambda: (d := daemon.read("status", run_id))["state"] in ("FAILED", "SUCCEEDED")
                               and d, 240, "the run to stop")
             assert failed["state"] == "FAILED", failed
             assert failed["reason"].startswith("not retrying: checkpoint storage full (exit code 5): ")
@@ -534,7 +534,7 @@ def test_a_full_checkpoint_filesystem_stops_the_run_and_resume_finishes_it(
 
             subprocess.run(["mount", "-o", "remount,size=64m", str(ckpt)], check=True)
             assert daemon.ctl("resume", run_id).returncode == 0
-            done = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("FAILED", "SUCCEEDED")
+            done = wait_for(lambda: (d := daemon.read("status", run_id))["state"] in ("FAILED", "SUCCEEDED")
                             and d, 240, "the resumed run to finish")
         finally:
             daemon.kill(signal.SIGTERM)
@@ -577,13 +577,13 @@ def test_sigkill_of_the_supervisor_at_random_points_loses_nothing(
         time.sleep(rng.uniform(0, 2))
         daemon = kill_and_restart("launch")
         step = rng.randint(5, 35)
-        wait_for(lambda: (daemon.ctl_json("status", run_id)["step"] or 0) >= step, 120, f"step {step}")
+        wait_for(lambda: (daemon.read("status", run_id)["step"] or 0) >= step, 120, f"step {step}")
         daemon = kill_and_restart(f"step {step}")
         wait_for(lambda: _events(state, "fault.detected") >= 1, 120, "the fault's detection", interval_s=0.02)
         daemon = kill_and_restart("fault detected")
         time.sleep(rng.uniform(0, 5))
         daemon = kill_and_restart("recovery")
-        final = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED")
+        final = wait_for(lambda: (d := daemon.read("status", run_id))["state"] in ("SUCCEEDED", "FAILED")
                          and d, 300, "the run to end")
     finally:
         daemon.kill(signal.SIGTERM)

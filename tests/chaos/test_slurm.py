@@ -275,7 +275,7 @@ def test_sigkill_of_the_daemon_readopts_the_slurm_job_and_step(
 
     try:
         run_id = daemon.ctl_json("submit", str(spec_for_slurm(tmp_path)))["run_id"]
-        wait_for(lambda: (look(), (daemon.ctl_json("status", run_id)["step"] or 0) >= 30)[1], 180, "step 30")
+        wait_for(lambda: (look(), (daemon.read("status", run_id)["step"] or 0) >= 30)[1], 180, "step 30")
         trainers = trainer_processes(state)
         assert len(trainers) == 4
         assert daemon.kill(signal.SIGKILL) == -signal.SIGKILL
@@ -285,7 +285,7 @@ def test_sigkill_of_the_daemon_readopts_the_slurm_job_and_step(
 
         daemon = slurm_serve(state, port, slurm_box)
         final = wait_for(
-            lambda: (look(), (d := daemon.ctl_json("status", run_id))["state"] == "SUCCEEDED" and d)[1],
+            lambda: (look(), (d := daemon.read("status", run_id))["state"] == "SUCCEEDED" and d)[1],
             240, "the run to succeed under the restarted daemon")
     finally:
         daemon.kill(signal.SIGTERM)
@@ -313,12 +313,12 @@ def test_a_slurmctld_crash_and_restart_mid_run_costs_no_restart(
     daemon = slurm_serve(state, free_port(), slurm_box)
     try:
         run_id = daemon.ctl_json("submit", str(spec_for_slurm(tmp_path)))["run_id"]
-        wait_for(lambda: (daemon.ctl_json("status", run_id)["step"] or 0) >= 60, 180, "step 60")
+        wait_for(lambda: (daemon.read("status", run_id)["step"] or 0) >= 60, 180, "step 60")
         os.kill(slurm_box.ctld_pid, signal.SIGKILL)
         down_at = time.time()
         time.sleep(15)
         slurm_box_mod.start_ctld(slurm_box)
-        final = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED")
+        final = wait_for(lambda: (d := daemon.read("status", run_id))["state"] in ("SUCCEEDED", "FAILED")
                          and d, 240, "the run to end")
         wait_for(lambda: parse.parse_squeue_text(
             slurm(slurm_box, "squeue", "-h", "-o", parse.SQUEUE_FORMAT)) == {}, 60, "the allocation to end")
@@ -350,7 +350,7 @@ def test_a_hung_slurmctld_for_60_s_stalls_neither_api_nor_telemetry_nor_watchdog
     latencies: list[float] = []
     try:
         run_id = daemon.ctl_json("submit", str(spec))["run_id"]
-        wait_for(lambda: (daemon.ctl_json("status", run_id)["step"] or 0) >= 30, 180, "step 30")
+        wait_for(lambda: (daemon.read("status", run_id)["step"] or 0) >= 30, 180, "step 30")
         api = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         os.kill(slurm_box.ctld_pid, signal.SIGSTOP)
         stopped_at = time.time()
@@ -369,11 +369,11 @@ def test_a_hung_slurmctld_for_60_s_stalls_neither_api_nor_telemetry_nor_watchdog
         during = db_rows(state, f"SELECT count(*) FROM metrics WHERE received_at BETWEEN {stopped_at} AND "
                                 f"{resumed_at}")[0][0]
         step_then = daemon.ctl_json("status", run_id)["step"]
-        wait_for(lambda: daemon.ctl_json("status", run_id)["step"] >= step_then + 100, 180,
+        wait_for(lambda: daemon.read("status", run_id)["step"] >= step_then + 100, 180,
                  "100 steps after slurmctld answers again")
         status = daemon.ctl_json("status", run_id)
         assert daemon.ctl("cancel", run_id).returncode == 0
-        wait_for(lambda: daemon.ctl_json("status", run_id)["attempt_state"] == "ENDED", 120, "the cancel")
+        wait_for(lambda: daemon.read("status", run_id)["attempt_state"] == "ENDED", 120, "the cancel")
     finally:
         daemon.kill(signal.SIGTERM)
         systemd.close()

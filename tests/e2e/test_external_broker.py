@@ -50,7 +50,7 @@ def test_two_daemons_share_a_tls_broker_with_passwords_and_an_acl(
     try:
         runs = [d.ctl_json("submit", str(EXAMPLE))["run_id"] for d in daemons]
         assert runs == ["run-1", "run-1"], "the same run id, attempt and ranks on both: only the cluster differs"
-        finals = [wait_for(lambda d=d, r=r: (s := d.ctl_json("status", r))["state"] in ("SUCCEEDED", "FAILED") and s,
+        finals = [wait_for(lambda d=d, r=r: (s := d.read("status", r))["state"] in ("SUCCEEDED", "FAILED") and s,
                            400, "both runs to end", interval_s=1.0) for d, r in zip(daemons, runs, strict=True)]
         for final in finals:
             assert final["state"] == "SUCCEEDED" and final["attempts"] == 1 and final["faults"] == [], final
@@ -102,7 +102,7 @@ def test_ranks_that_cannot_reach_the_broker_train_on(tmp_path: Path, fault_free:
         spec.write_text(EXAMPLE.read_text().replace("hang_timeout_s = 60", "hang_timeout_s = 15")
                         .replace("startup_timeout_s = 300", "startup_timeout_s = 30"))
         run_id = daemon.ctl_json("submit", str(spec))["run_id"]
-        final = wait_for(lambda: (s := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and s,
+        final = wait_for(lambda: (s := daemon.read("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and s,
                          300, "the run to end", interval_s=1.0)
         assert final["state"] == "SUCCEEDED" and final["attempts"] == 1 and final["faults"] == [], final
         assert final["model_digest"] == fault_free["model_digest"]
@@ -132,7 +132,7 @@ def test_the_broker_stopped_for_15_s_on_the_box_costs_nothing(slurm_box: Box, tm
     daemon = Serve(state, port, config=conf)
     try:
         run_id = daemon.ctl_json("submit", str(spec))["run_id"]
-        wait_for(lambda: (daemon.ctl_json("status", run_id)["step"] or 0) >= 50, 240, "step 50")
+        wait_for(lambda: (daemon.read("status", run_id)["step"] or 0) >= 50, 240, "step 50")
         stop_by_pid(mosquitto)
         stopped_at = daemon.ctl_json("status", run_id)["step"]
         time.sleep(15)
@@ -141,10 +141,10 @@ def test_the_broker_stopped_for_15_s_on_the_box_costs_nothing(slurm_box: Box, tm
         log = state / "runs" / run_id / "attempts" / "1" / "rank-0.log"
         back = max(int(m) for m in re.findall(r"^step (\d+)/", log.read_text(), re.MULTILINE))
         _, mosquitto = start_mosquitto(tmp_path, port=broker.port, host=slurm_box.controller_addr)
-        wait_for(lambda: (daemon.ctl_json("status", run_id)["step"] or 0) > stopped_at, 10, "the ranks heard again")
+        wait_for(lambda: (daemon.read("status", run_id)["step"] or 0) > stopped_at, 10, "the ranks heard again")
         assert back > stopped_at + 50, f"step {stopped_at} when the broker went, {back} when it was back: " \
                                        "training went on meanwhile"
-        final = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
+        final = wait_for(lambda: (d := daemon.read("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
                          300, "the run to end", interval_s=1.0)
         assert final["state"] == "SUCCEEDED" and final["step"] == steps, final
         assert final["attempts"] == 1 and final["faults"] == [] and final["drained_nodes"] == [], final

@@ -8,12 +8,15 @@ ranks also have to reach the broker over the cluster network, not loopback.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import socket
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +65,9 @@ def _dropped(daemon: Serve) -> dict[str, float]:
 
 def run_with_forger(daemon: Serve, spec: Path, nodes: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     run_id = daemon.ctl_json("submit", str(spec))["run_id"]
-    wait_for(lambda: (daemon.ctl_json("status", run_id)["step"] or 0) >= 20, 180, "step 20")
+    wait_for(lambda: (daemon.read("status", run_id)["step"] or 0) >= 20, 180, "step 20")
     forged = forge(daemon.state, run_id, 4, nodes)
-    final = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
+    final = wait_for(lambda: (d := daemon.read("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
                      240, "the run to end")
     return final, forged
 
@@ -107,6 +110,18 @@ def _tcp_peers(pid: int) -> set[tuple[str, int]]:
     return peers
 
 
+def _texts_under(root: Path, limit: int = 1_000_000) -> Iterator[str]:
+    """The text of every file under ``root`` smaller than ``limit``, read while the run
+    writes there: a file or directory that goes meanwhile (a pruned checkpoint) is
+    skipped."""
+    for directory, _dirs, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                path = Path(directory) / name
+                if path.is_file() and path.stat().st_size < limit:
+                    yield path.read_text(errors="replace")
+
+
 def test_on_the_multi_host_box_ranks_reach_the_broker_over_the_bridge_and_forgeries_change_nothing(
         slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, state: Path) -> None:
     daemon = slurm_serve(state, free_port(), slurm_box)
@@ -114,7 +129,7 @@ def test_on_the_multi_host_box_ranks_reach_the_broker_over_the_bridge_and_forger
     try:
         spec = spec_for_slurm(tmp_path)
         run_id = daemon.ctl_json("submit", str(spec))["run_id"]
-        wait_for(lambda: (daemon.ctl_json("status", run_id)["step"] or 0) >= 10, 180, "step 10")
+        wait_for(lambda: (daemon.read("status", run_id)["step"] or 0) >= 10, 180, "step 10")
         broker = json.loads((state / "broker.json").read_text())
         broker_port = broker["port"]
         assert broker["host"] == slurm_box.controller_addr, "the broker listens on the cluster network"
@@ -128,10 +143,9 @@ def test_on_the_multi_host_box_ranks_reach_the_broker_over_the_bridge_and_forger
             assert key not in " ".join(t.cmdline()), "the key is never in argv"
             # Each rank's connection to the broker is in its node's own network namespace.
             assert (slurm_box.controller_addr, broker_port) in _tcp_peers(t.pid), _tcp_peers(t.pid)
-        assert key and not any(key in p.read_text(errors="replace") for p in (state / "runs").rglob("*")
-                               if p.is_file() and p.stat().st_size < 1_000_000), "the key is in no file"
+        assert key and not any(key in text for text in _texts_under(state / "runs")), "the key is in no file"
         forged = forge(state, run_id, 4, ["node1", "node2"])
-        final = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED")
+        final = wait_for(lambda: (d := daemon.read("status", run_id))["state"] in ("SUCCEEDED", "FAILED")
                          and d, 240, "the run to end")
         drops = _dropped(daemon)
     finally:

@@ -57,7 +57,7 @@ def submit_as(daemon: Serve, user: RunAs, tmp_path: Path, script: str, *, comman
 
 
 def ended(daemon: Serve, run_id: str, timeout_s: float = 120) -> dict[str, Any]:
-    return wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
+    return wait_for(lambda: (d := daemon.read("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
                     timeout_s, f"{run_id} to end", interval_s=0.5)
 
 

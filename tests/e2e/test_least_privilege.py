@@ -55,6 +55,13 @@ def system_user(name: str, home_in: Path, *, service: bool = False) -> RunAs:
     return users.lookup(name)
 
 
+def _dead(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def remove_user(user: RunAs) -> None:
     gone(user.name)
 
@@ -70,7 +77,9 @@ def gone(name: str) -> None:
     for p in procs:
         with contextlib.suppress(psutil.Error):
             p.kill()
-    psutil.wait_procs(procs, timeout=20)
+    # Dead, not reaped: psutil.wait_procs would wait out its timeout on a zombie that is not
+    # this process's child (a worker the daemon started as the user, reaped by the daemon).
+    wait_for(lambda: all(_dead(p) for p in procs), 20, f"{name}'s processes to die")
     deadline = time.monotonic() + 20  # a killed process's parent may take a moment to reap it
     while (done := subprocess.run(["userdel", name], capture_output=True, text=True, check=False)).returncode:
         assert time.monotonic() < deadline, f"userdel {name}: {done.stderr.strip()}"
@@ -116,10 +125,10 @@ def test_serve_refuses_root_runs_and_starts_a_run_as_the_user_its_spec_names(
 
         spec = spec_as(EXAMPLE, alice.name, tmp_path / "alice.toml")
         run_id = daemon.ctl_json("submit", str(spec))["run_id"]
-        wait_for(lambda: (daemon.ctl_json("status", run_id)["step"] or 0) >= 5, 120, "training as alice")
+        wait_for(lambda: (daemon.read("status", run_id)["step"] or 0) >= 5, 120, "training as alice")
         ranks = trainer_processes(shared)
         assert len(ranks) == 4 and uids_of(ranks) == {alice.uid}, "every rank is alice's, none root's"
-        final = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
+        final = wait_for(lambda: (d := daemon.read("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
                          240, "the run to end", interval_s=1.0)
         assert final["state"] == "SUCCEEDED" and final["model_digest"] == fault_free["model_digest"], final
         saved = list((shared / "runs" / run_id / "checkpoints").rglob("*"))
@@ -196,14 +205,14 @@ def test_on_the_box_the_daemon_runs_as_its_own_user_and_drains_through_sudo(
     try:
         assert psutil.Process(daemon.proc.pid).uids().real == user.uid, "the daemon is not root"
         run_id = daemon.ctl_json("submit", str(spec_for_slurm(tmp_path)))["run_id"]
-        status = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["step"] and d["step"] >= 20 and d,
+        status = wait_for(lambda: (d := daemon.read("status", run_id))["step"] and d["step"] >= 20 and d,
                           240, "step 20 on the box")
         ranks = trainer_processes(shared)
         assert len(ranks) == 4 and uids_of(ranks) == {user.uid}, "every rank is tsup-op's, none root's"
         victim = status["attempt_history"][-1]["nodes"][1]
         assert box_mod.kill_node(slurm_box, victim)
 
-        final = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
+        final = wait_for(lambda: (d := daemon.read("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
                          300, "the run to end", interval_s=1.0)
         assert final["state"] == "SUCCEEDED" and final["model_digest"] == fault_free["model_digest"], final
         assert final["drained_nodes"] == [victim]
@@ -287,12 +296,12 @@ def test_on_the_box_a_root_daemon_starts_the_run_as_the_user_its_spec_names(
     try:
         spec = spec_as(spec_for_slurm(tmp_path), alice.name, tmp_path / "alice.toml")
         run_id = daemon.ctl_json("submit", str(spec))["run_id"]
-        wait_for(lambda: (daemon.ctl_json("status", run_id)["step"] or 0) >= 5, 240, "training as alice")
+        wait_for(lambda: (daemon.read("status", run_id)["step"] or 0) >= 5, 240, "training as alice")
         owners = slurm(slurm_box, "squeue", "-h", "-o", "%u").split()
         assert owners == [alice.name], owners
         ranks = trainer_processes(shared)
         assert len(ranks) == 4 and uids_of(ranks) == {alice.uid}, "every rank is alice's, none root's"
-        final = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
+        final = wait_for(lambda: (d := daemon.read("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
                          240, "the run to end", interval_s=1.0)
         assert final["state"] == "SUCCEEDED" and final["model_digest"] == fault_free["model_digest"], final
         wait_for(lambda: slurm(slurm_box, "squeue", "-h") == "", 60, "alice's allocation given back")

@@ -230,11 +230,11 @@ def test_a_paused_run_gives_its_nodes_back_and_resume_goes_on_in_the_same_job(
     daemon = slurm_serve(state, free_port(), slurm_box)
     try:
         run_id = daemon.ctl_json("submit", str(spec))["run_id"]
-        wait_for(lambda: any(c["complete"] for c in daemon.ctl_json("checkpoints", run_id)), 240,
+        wait_for(lambda: any(c["complete"] for c in daemon.read("checkpoints", run_id)), 240,
                  "a committed checkpoint")
         [first_job] = slurm(slurm_box, "squeue", "-h", "-o", "%i").split()
         assert daemon.ctl_json("pause", run_id)["result"] == "accepted"
-        wait_for(lambda: daemon.ctl_json("status", run_id)["attempt_state"] == "ENDED", 60, "the pause")
+        wait_for(lambda: daemon.read("status", run_id)["attempt_state"] == "ENDED", 60, "the pause")
         parked = f"{first_job}|PENDING||job requeued in held state"  # no node (%N)
         wait_for(lambda: slurm(slurm_box, "squeue", "-h", "-o", "%i|%T|%N|%r").strip() == parked, 60,
                  "the nodes given back, the job held in the queue")
@@ -247,7 +247,7 @@ def test_a_paused_run_gives_its_nodes_back_and_resume_goes_on_in_the_same_job(
         wait_for(lambda: slurm(slurm_box, "squeue", "-h", "-o", "%i|%T").strip() == f"{first_job}|RUNNING", 60,
                  "the same job running again")
         assert "Restarts=1" in slurm(slurm_box, "scontrol", "show", "job", first_job)
-        final = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
+        final = wait_for(lambda: (d := daemon.read("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
                          300, "the resumed run to end", interval_s=1.0)
         assert final["state"] == "SUCCEEDED" and final["model_digest"] == fault_free["model_digest"], final
         resumed = final["attempt_history"][-1]
@@ -293,17 +293,21 @@ def test_on_hyperpod_a_runs_only_node_lost_is_handed_to_its_repair_and_taken_bac
     from slurmbox import box as box_mod
 
     spec = spec_for_slurm(tmp_path)
-    spec.write_text(spec.read_text().replace("nodes = 2\n", "nodes = 1\n").replace("spares = 1\n", "spares = 0\n"))
+    # 240 steps, not the example's 80: the node must die while it trains. 80 steps take
+    # about 5 s after the first checkpoint, less than a few status calls on a busy host.
+    spec.write_text(spec.read_text().replace("nodes = 2\n", "nodes = 1\n").replace("spares = 1\n", "spares = 0\n")
+                    .replace("steps = 80\n", "steps = 240\n"))
     state = tmp_path / "state"
     daemon = Serve(state, free_port(), "--launcher", "slurm",
                    extra_env={"SLURM_CONF": str(slurm_box.conf), "TSUP_HYPERPOD": "true"})
     try:
         run_id = daemon.ctl_json("submit", str(spec))["run_id"]
-        wait_for(lambda: any(c["complete"] for c in daemon.ctl_json("checkpoints", run_id)), 240,
+        wait_for(lambda: any(c["complete"] for c in daemon.read("checkpoints", run_id)), 240,
                  "a committed checkpoint")
         [job] = slurm(slurm_box, "squeue", "-h", "-o", "%i").split()
         [lost] = daemon.ctl_json("status", run_id)["attempt_history"][-1]["nodes"]
         box_mod.kill_node(slurm_box, lost)
+        assert (daemon.ctl_json("status", run_id)["step"] or 0) < 240, "the run ended before its node was killed"
 
         def node() -> parse.NodeInfo:
             return parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", lost))[lost]
@@ -314,19 +318,19 @@ def test_on_hyperpod_a_runs_only_node_lost_is_handed_to_its_repair_and_taken_bac
         assert ours["state"] == "DRAINED" and ours["reason"].startswith("training-supervisor: node lost")
         [fault] = daemon.ctl_json("status", run_id)["faults"]
         assert fault["kind"] == "node-lost" and fault["nodes"] == [lost], fault
-        again = wait_for(lambda: len(h := daemon.ctl_json("status", run_id)["attempt_history"]) == 2
+        again = wait_for(lambda: len(h := daemon.read("status", run_id)["attempt_history"]) == 2
                          and h[-1]["state"] == "RUNNING" and h[-1], 120, "training again, on another node")
         assert again["nodes"] != [lost] and again["resume_step"] > 0, again
         assert "Restarts=1" in slurm(slurm_box, "scontrol", "show", "job", job), "requeued, its id kept"
 
         box_mod.start_node(slurm_box, lost)  # the replacement, under the same name
         slurm(slurm_box, "scontrol", "update", f"NodeName={lost}", "State=RESUME")
-        back = wait_for(lambda: (n := {x["name"]: x for x in daemon.ctl_json("nodes")}[lost])["state"] != "DRAINED"
+        back = wait_for(lambda: (n := {x["name"]: x for x in daemon.read("nodes")}[lost])["state"] != "DRAINED"
                         and n, 60, f"{lost} back in the supervisor's pool")
         assert back["state"] in ("IDLE", "ALLOCATED"), back
         events = [e["message"] for e in daemon.ctl_json("events", run_id) if e["kind"] == "node.returned"]
         assert any("back in service after the cluster's repair" in m for m in events), events
-        done = wait_for(lambda: (d := daemon.ctl_json("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
+        done = wait_for(lambda: (d := daemon.read("status", run_id))["state"] in ("SUCCEEDED", "FAILED") and d,
                         300, "the run to finish")
         assert done["state"] == "SUCCEEDED" and done["attempts"] == 2, done
         assert "FAIL" not in node().flags and "DRAIN" not in node().flags, "nothing took it out again"

@@ -277,7 +277,7 @@ def test_mttr_bench_times_one_supervised_recovery_on_a_small_spec(recovery_spec:
     assert trial["median"]["total_s"] > 0 and trial["runs"][0]["resume_step"] > 0, trial  # restored
 
 
-@pytest.mark.host
+@pytest.mark.box
 def test_mttr_bench_times_the_cold_start_and_recoveries_on_the_slurm_box(recovery_spec: Path) -> None:
     """Its Slurm part at a tiny size: the cold start through the Slurm launcher class, and
     kill-rank under the supervisor cold and with warm standbys, each on a fresh box."""

@@ -113,7 +113,7 @@ def test_nxd_training_in_a_version_directory_of_its_own_each_attempt_fails_the_r
         assert str(script) in refused.stderr, "it names what the job reads"
         # Forced, it fails as predicted.
         assert daemon.ctl_json("resume", "run-1", "--force")["result"] == "accepted"
-        again = wait_for(lambda: (d := daemon.ctl_json("status", "run-1"))["state"] == "FAILED"
+        again = wait_for(lambda: (d := daemon.read("status", "run-1"))["state"] == "FAILED"
                          and len(d["faults"]) == 3 and d, 120, "the forced resume to fail")
         assert again["faults"][-1]["kind"] == "wrong-resume", again["faults"]
         assert daemon.ctl("resume", "run-1").returncode != 0
