@@ -18,14 +18,16 @@ from supervisor.launchers.base import AllocationRequest, LaunchSpec
 from supervisor.launchers.local import LocalLauncher
 from tests.conftest import wait_for
 
-# Each rank writes its torchrun environment to a file, then sleeps (or exits with $CODE).
+# Each rank writes its torchrun environment to a file (whole, by a rename), then sleeps (or exits with $CODE).
 RANK_SCRIPT = """
 import json, os, sys, time
 out = sys.argv[1]
 keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT", "TSUP_NODE", "X",
         "NOTIFY_SOCKET", "CREDENTIALS_DIRECTORY", "AWS_SECRET_ACCESS_KEY", "SSH_AUTH_SOCK", "NCCL_DEBUG", "LC_ALL"]
-with open(os.path.join(out, "env-" + os.environ["RANK"] + ".json"), "w") as f:
+path = os.path.join(out, "env-" + os.environ["RANK"] + ".json")
+with open(path + ".tmp", "w") as f:
     json.dump({k: os.environ.get(k) for k in keys}, f)
+os.rename(path + ".tmp", path)  # whole when it appears: the test reads it once it does
 time.sleep(float(os.environ.get("SLEEP", "60")))
 sys.exit(int(os.environ.get("CODE", "0")))
 """
@@ -195,8 +197,10 @@ WORKER = """
 import json, os, sys, time
 import torch.distributed as dist
 dist.init_process_group("gloo")
-with open(os.path.join(sys.argv[1], "env-" + os.environ["RANK"] + ".json"), "w") as f:
+path = os.path.join(sys.argv[1], "env-" + os.environ["RANK"] + ".json")
+with open(path + ".tmp", "w") as f:
     json.dump({"rank": dist.get_rank(), "world": dist.get_world_size(), "group": os.environ["GROUP_RANK"]}, f)
+os.rename(path + ".tmp", path)
 time.sleep(60)
 """
 
@@ -216,7 +220,7 @@ def test_one_torchrun_per_node_spawns_the_ranks_and_a_rank_is_killed_under_it(
     try:
         wait_for(lambda: len(list(tmp_path.glob("env-*.json"))) == 4, 60, "every rank of both nodes")
         envs = sorted(json.loads(p.read_text())["rank"] for p in tmp_path.glob("env-*.json"))
-        assert envs == [0, 1, 2, 3] and {json.loads(p.read_text())["world"] for p in tmp_path.glob("env-*")} == {4}
+        assert envs == [0, 1, 2, 3] and {json.loads(p.read_text())["world"] for p in tmp_path.glob("env-*.json")} == {4}
         ranks = json.loads(info)["ranks"]
         assert [(r["rank"], r["node"]) for r in ranks] == [(0, "local-1"), (1, "local-1"), (2, "local-2"),
                                                           (3, "local-2")]
