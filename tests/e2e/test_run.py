@@ -133,7 +133,9 @@ def test_preflight_and_diagnosis_probes_on_the_local_launcher(tmp_path: Path,
 
 def _long_run(tmp_path: Path, state: Path, *args: str) -> subprocess.Popen[str]:
     spec = tmp_path / "long.toml"
-    spec.write_text(EXAMPLE.read_text().replace("steps = 80", "steps = 100000"))
+    # One rank: what is checked is how `run` ends, and a run of four ranks would train them all meanwhile.
+    spec.write_text(EXAMPLE.read_text().replace("steps = 80", "steps = 100000").replace("nodes = 2", "nodes = 1")
+                    .replace("ranks_per_node = 2", "ranks_per_node = 1").replace("spares = 1", "spares = 0"))
     return subprocess.Popen([sys.executable, "-m", "cli.daemon", "run", str(spec), "--state-dir", str(state),
                              "--json", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
                             cwd=REPO)
