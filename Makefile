@@ -36,11 +36,14 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit
 
-# Three workers on two cores: the Slurm box's tests and the users' tests each run one after
-# another on a worker of their own, mostly waiting on daemons and nodes, while the third
-# and the gaps carry the rest (tests/conftest.py, docs/RESULTS.md).
+# WORKERS=3: the suite on three workers (`pytest -n 3 --dist loadgroup`; the Slurm boxes' and
+# the users' tests each one after another on a worker of their own, tests/conftest.py):
+# 19.5 minutes from a fresh clone instead of 36 (docs/RESULTS.md). Serial by default until
+# the races that parallel runs still expose are fixed (an orphaned node agent after a
+# daemon SIGKILL, docs/RESULTS.md).
+WORKERS ?=
 test: $(STAMP) system-deps lint typecheck
-	$(BIN)/pytest -n 3 --dist loadgroup
+	$(BIN)/pytest $(if $(WORKERS),-n $(WORKERS) --dist loadgroup)
 
 chaos: $(STAMP) system-deps
 	$(BIN)/pytest tests/chaos --chaos-all $(if $(SEED),--seed $(SEED))

@@ -163,7 +163,18 @@ def _find_silent_node(view: RunView, live: Attempt, obs: AttemptObs, now: float,
 
 
 def hang_limit(policy: Policy, obs: AttemptObs, first_step_seen: bool, *,
-               precompile: bool = False) -> tuple[float, str]:
+               precompile: bool = False, past_last_step: bool = False) -> tuple[float, str]:
+    """How long without step progress is a hang (``_limit``); once the run's last step is
+    done (``past_last_step``) the trainer winds down (a final save, its process group, its
+    results), as slow as a start, so never less than ``startup_timeout_s``: a step time's
+    multiple would call a busy node's exit a hang."""
+    limit, what = _limit(policy, obs, first_step_seen, precompile=precompile)
+    if past_last_step and limit < policy.startup_timeout_s:
+        return policy.startup_timeout_s, "finishing allowance (past the last step)"
+    return limit, what
+
+
+def _limit(policy: Policy, obs: AttemptObs, first_step_seen: bool, *, precompile: bool) -> tuple[float, str]:
     """How long without step progress (or a phase's start or end) is a hang, and why that
     long. Every limit follows what this run measured; the constants are for before it has
     measured anything (the header of supervisor/domain/knobs.py says which is which):
@@ -254,7 +265,8 @@ def _find_hang(view: RunView, live: Attempt, obs: AttemptObs, now: float, step: 
     if obs.telemetry_up_since is None or live.started_at is None:
         return None
     limit_s, what = hang_limit(view.run.policy, obs, live.first_step_at is not None,
-                               precompile=live.precompile is not None)
+                               precompile=live.precompile is not None,
+                               past_last_step=0 < view.run.total_steps <= step)
     progress = [t for r in obs.ranks for t in (r.progress_at, r.phase_at) if t is not None]
     since = max([live.started_at, obs.telemetry_up_since, *progress])
     if live.first_step_at is not None:

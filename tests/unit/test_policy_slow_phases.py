@@ -26,10 +26,11 @@ def observed(phase: str = "train", *, phase_bytes: int = 0, p99: float | None = 
                telemetry_up_since=NOW - 300_000, **io)
 
 
-def hang_after(o: AttemptObs, policy: Policy | None = None, *, first_step_seen: bool = True) -> float:
+def hang_after(o: AttemptObs, policy: Policy | None = None, *, first_step_seen: bool = True,
+               total_steps: int = 100) -> float:
     """The smallest idle time (since the newest step or phase change) judged a hang, by
     bisection to 0.1 s; the live attempt has seen its first step unless told otherwise."""
-    r = run(RunState.RUNNING, policy=policy or Policy())
+    r = run(RunState.RUNNING, policy=policy or Policy(), total_steps=total_steps)
     live = LIVE if first_step_seen else replace(LIVE, first_step_at=None)
 
     def hung(idle: float) -> bool:
@@ -127,3 +128,16 @@ def test_a_restore_gets_the_startup_allowance_or_longer_at_the_measured_pace() -
     assert near(hang_after(slow, first_step_seen=False), 3 * 900 / 0.65)
     by_save = observed("restore", phase_bytes=900 * GB, save_gb_s=0.5)
     assert near(hang_after(by_save, first_step_seen=False), 3 * 900 / 0.5), "the save pace until a restore is timed"
+
+
+def test_a_trainer_past_its_last_step_winds_down_as_slowly_as_it_starts() -> None:
+    """A foreign trainer on a busy host took over 8 s to exit after its last step and was
+    called hung there (a fresh clone's suite). Past the run's last step the trainer winds
+    down (a final save, its process group, its results): at least startup_timeout_s."""
+    o = observed()  # every rank at step 50, p99 0.44 s: the floor while it trains
+    assert near(hang_after(o), Policy().hang_floor_s)
+    assert near(hang_after(o, total_steps=50), Policy().startup_timeout_s)
+    limit, why = hang_limit(Policy(), o, first_step_seen=True, past_last_step=True)
+    assert limit == Policy().startup_timeout_s and why == "finishing allowance (past the last step)"
+    slow_save = observed("checkpoint", phase_bytes=1000 * GB, save_gb_s=0.5, save_s=2000.0)
+    assert near(hang_after(slow_save, total_steps=50), 3 * 2000.0), "a longer allowance stands"
