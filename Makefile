@@ -36,12 +36,11 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit
 
-# WORKERS=3: the suite on three workers (`pytest -n 3 --dist loadgroup`; the Slurm boxes' and
-# the users' tests each one after another on a worker of their own, tests/conftest.py):
-# 19.5 minutes from a fresh clone instead of 36 (docs/RESULTS.md). Serial by default until
-# the races that parallel runs still expose are fixed (an orphaned node agent after a
-# daemon SIGKILL, docs/RESULTS.md).
-WORKERS ?=
+# The suite on three workers (`pytest -n 3 --dist loadgroup`; the Slurm boxes' and the
+# users' tests each one after another on a worker of their own, tests/conftest.py): about
+# 19 minutes from a fresh clone instead of 36 (docs/RESULTS.md). `make test WORKERS=` runs
+# it serially.
+WORKERS ?= 3
 test: $(STAMP) system-deps lint typecheck
 	$(BIN)/pytest $(if $(WORKERS),-n $(WORKERS) --dist loadgroup)
 

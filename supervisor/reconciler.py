@@ -138,6 +138,7 @@ class Reconciler:
                 # One run's trouble (a vanished directory, a full disk) must not stall
                 # the others; the next tick tries again from what is recorded.
                 log.exception("%s: reconciliation failed; retrying next tick", run.run_id)
+        self.effects.release_ended(now)
         self.effects.push_intents(now)
         self.effects.take_back_repaired(now)
         self.recorder.prune(now)

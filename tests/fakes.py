@@ -44,6 +44,7 @@ class ScriptedLauncher:
         self.drains: list[tuple[str, str]] = []
         self.undrains: list[str] = []
         self.refuse: set[str] = set()
+        self.forgotten: list[str] = []
 
     def fresh(self) -> ScriptedLauncher:
         """Another launcher on the same cluster: a restarted daemon's."""
@@ -110,7 +111,7 @@ class ScriptedLauncher:
                                    for r, (s, c) in self.procs.get(launch_info, {}).items()}
 
     def forget(self, launch_info: str) -> None:
-        pass
+        self.forgotten.append(launch_info)
 
     # --- node administration ----------------------------------------------------------
 

@@ -75,6 +75,9 @@ class Effects:
         self.deps = deps
         families = {f: f(deps) for f in FAMILIES}
         self._handler = {t: families[f] for t, f in TABLE.items()}
+        attempts = families[AttemptEffects]
+        assert isinstance(attempts, AttemptEffects)
+        self._attempts = attempts
         self.intents = NodeIntents(deps)
 
     def apply(self, seen: Observed, effects: Sequence[Effect], now: float) -> None:
@@ -98,6 +101,10 @@ class Effects:
         a = Acting(now=now, seen=seen, attempts=r.attempts)
         for e in effects:
             self._handler[type(e)].act(a, e)
+
+    def release_ended(self, now: float) -> None:
+        """Ended attempts not let go of yet (supervisor/effects/attempts.py)."""
+        self._attempts.release_ended(now)
 
     def push_intents(self, now: float) -> None:
         self.intents.push(now)

@@ -1,5 +1,5 @@
 """An attempt's life: recorded LAUNCHING, started, marked training, stopped, ended, and
-the processes of an attempt no record owns killed.
+the processes of an attempt no record owns killed, and an ended one let go of.
 
 Starting one (``_start``) first prepares what its trainer reads: the data windows the
 run skips, the checkpoint intervals set to "auto" (Young/Daly, per tier, from what the
@@ -16,6 +16,7 @@ table (supervisor/policy/transitions.py) before it is written."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, assert_never, get_args
@@ -44,6 +45,8 @@ from supervisor.runfiles import precompile, trainer_cmd, user_tree
 from supervisor.runfiles.user_tree import UnsafePath
 from supervisor.spec import RunSpec
 from supervisor.store import Tx
+
+log = logging.getLogger(__name__)
 
 AttemptEffect = (StartAttempt | AdoptAttempt | MarkAttemptRunning | StopAttempt | EnsureStopped | EndAttempt
                  | KillOrphans | BringBackCheckpoints)
@@ -105,11 +108,7 @@ class AttemptEffects(Family):
             case KillOrphans():
                 d.launcher.stop(e.launch_info, force=True)
             case EndAttempt():
-                info = a.attempts[e.number].launch_info
-                if info:
-                    d.launcher.forget(info)
-                d.telemetry.forget(run.run_id, e.number)
-                d.memory.forget_attempt(run.number, e.number)
+                self.let_go(run, a.attempts[e.number], a.now)
             case BringBackCheckpoints():
                 aside = a.attempts[e.number].set_aside if e.number in a.attempts else None
                 if spec is not None and aside is not None:
@@ -118,6 +117,31 @@ class AttemptEffects(Family):
                 pass  # recorded; nothing to do outside
             case _:
                 assert_never(e)
+
+    def let_go(self, run: Run, attempt: Attempt, now: float) -> None:
+        """What an ended attempt leaves the daemon: the launcher ``forget``s it (its nodes'
+        own processes end, its records go), its broker login and its memory go; and then
+        it is recorded released. A daemon that dies before that last write leaves the
+        attempt to ``release_ended``, its own next tick's or the next daemon's."""
+        d = self.d
+        if attempt.launch_info:
+            d.launcher.forget(attempt.launch_info)
+        d.telemetry.forget(run.run_id, attempt.number)
+        d.memory.forget_attempt(run.number, attempt.number)
+        with d.store.tx() as tx:
+            tx.released(run.number, attempt.number, now)
+
+    def release_ended(self, now: float) -> None:
+        """Let go of every ended attempt not released yet (``let_go``): one whose end was
+        recorded by a daemon that died before acting on it, or whose letting go failed.
+        Without this, its node agents would live on with no attempt to end them."""
+        with self.d.store.tx() as tx:
+            ended = tx.unreleased_attempts()
+        for run, attempt in ended:
+            try:
+                self.let_go(run, attempt, now)
+            except (LaunchError, OSError):  # the next tick tries again; the others go on
+                log.exception("%s: attempt %d: cannot let go of it yet", run.run_id, attempt.number)
 
     def _start(self, run: Run, spec: RunSpec, run_dir: Path, e: StartAttempt, now: float) -> None:
         d = self.d

@@ -244,9 +244,12 @@ class LocalLauncher:
                 except subprocess.TimeoutExpired:
                     child.kill()
                     child.wait()
-            elif n in alive and self._running(n.pid, n.create_time):  # adopted: not ours to wait for
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(n.pid, signal.SIGKILL)
+            elif n in alive:  # adopted (a restarted daemon's): not ours to wait for, so watched
+                while self._running(n.pid, n.create_time) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if self._running(n.pid, n.create_time):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(n.pid, signal.SIGKILL)
 
     def _warm_start(self, spec: LaunchSpec, node: str, local_rank: int, env: dict[str, str], argv: list[str],
                     log_path: Path, uid: int | None, gid: int | None) -> subprocess.Popen[bytes] | None:

@@ -20,6 +20,7 @@ from sqlalchemy import Connection
 from supervisor.store.schema import (
     CURVE_POINTS,
     attempt_stats,
+    attempts,
     commands,
     data_skips,
     events,
@@ -218,6 +219,14 @@ def _v15(conn: Connection) -> None:
     _add_columns(conn, "attempts", {"output_offsets": "TEXT"})
 
 
+def _v16(conn: Connection) -> None:
+    """When the launcher let go of an ended attempt. The attempts that ended before the
+    upgrade have none: the upgraded daemon lets go of each once (the launcher's ``forget``
+    ends only processes that are still the attempt's own)."""
+    _add_columns(conn, "attempts", {"released_at": "FLOAT"})
+    next(i for i in attempts.indexes if i.name == "attempts_unreleased").create(conn, checkfirst=True)
+
+
 MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11,
-                                                  _v12, _v13, _v14, _v15]
+                                                  _v12, _v13, _v14, _v15, _v16]
 SCHEMA_VERSION = len(MIGRATIONS)

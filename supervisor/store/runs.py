@@ -115,6 +115,18 @@ class RunQueries:
              .order_by(t.attempts.c.number))
         return [attempt_of(r) for r in self.c.execute(q)]
 
+    def unreleased_attempts(self) -> list[tuple[Run, Attempt]]:
+        """Ended attempts the launcher has not let go of yet (``released``), oldest first."""
+        a = t.attempts.c
+        q = (select(t.attempts).where(a.released_at.is_(None), a.state == AttemptState.ENDED.value)
+             .order_by(a.run_number, a.number))
+        ended = [attempt_of(r) for r in self.c.execute(q)]
+        return [(self.get_run(x.run_number), x) for x in ended]
+
+    def released(self, run_number: int, number: int, now: float) -> None:
+        """The launcher has let go of the ended attempt (``unreleased_attempts``)."""
+        self.update_attempt(run_number, number, released_at=now)
+
     # --- commands -------------------------------------------------------------------
 
     def add_command(self, run_number: int, kind: CommandKind, now: float, step: int | None = None) -> int:

@@ -78,6 +78,10 @@ attempts = Table(
     Column("inputs", Text),  # a [command] job's inputs' fingerprint at launch
     Column("set_aside", Text),  # a precompile attempt's moves of the run's checkpoints, while out
     Column("output_offsets", Text),  # how far its logs were read (JSON {file name: offset})
+    # When the launcher let go of it once it ended (its nodes' own processes, its records);
+    # NULL on an ended attempt: a daemon died between recording the end and acting on it.
+    Column("released_at", Float),
+    Index("attempts_unreleased", "released_at", "state"),
 )
 
 nodes = Table(

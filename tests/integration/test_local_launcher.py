@@ -136,6 +136,17 @@ def test_a_nodes_own_process_leads_its_group_and_ends_with_the_attempt(launcher:
                    for pid in own.values()), "nothing of an ended attempt is left"
 
 
+def test_a_restarted_daemons_launcher_ends_the_nodes_own_processes_of_an_ended_attempt(
+        launcher: LocalLauncher, tmp_path: Path) -> None:
+    info = started(launcher, tmp_path, SLEEP="0")
+    own = {n["node"]: n["pid"] for n in json.loads(info)["nodes"]}
+    wait_for(lambda: all(p == ProcState.EXITED for p, _ in states(launcher, info).values()), 10, "ranks to exit")
+    LocalLauncher().forget(info)  # the daemon that started them died before letting go of them
+    left = [pid for pid in own.values() if psutil.pid_exists(pid)
+            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not left, "an ended attempt's node processes outlive the daemon that started them"
+
+
 def test_stop_terminates_every_rank_and_is_idempotent(launcher: LocalLauncher, tmp_path: Path) -> None:
     info = started(launcher, tmp_path)
     launcher.stop(info, force=False)

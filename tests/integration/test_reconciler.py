@@ -218,6 +218,53 @@ def test_a_partly_started_world_is_killed_not_adopted(world) -> None:  # type: i
     assert a1.outcome is AttemptOutcome.ABORTED and a2.state is AttemptState.RUNNING
 
 
+class DiesAtForget(ScriptedLauncher):
+    """A daemon killed after recording an attempt's end, before acting on it."""
+
+    def forget(self, launch_info: str) -> None:
+        raise SystemExit("killed")
+
+
+def test_an_end_recorded_by_a_daemon_that_died_before_acting_is_let_go_of_by_the_next(world) -> None:  # type: ignore[no-untyped-def]
+    store, clock, launcher, telemetry, rec, service = world
+    service.submit(parse_spec(SPEC))
+    rec.tick()
+    rec.tick()
+    [a1] = attempts(store)
+    dying = DiesAtForget(launcher.cluster)
+    doomed = Reconciler(store, telemetry, rec.config, launcher=dying, nodes=dying, clock=clock)
+    launcher.cluster.procs[a1.launch_info] = {0: (ProcState.EXITED, 1), 1: (ProcState.EXITED, 1)}
+    clock.t += 1
+    with pytest.raises(SystemExit):
+        for _ in range(5):  # the fault, then the attempt's end; the act kills the daemon
+            doomed.tick()
+            clock.t += 1
+    a1, *_ = attempts(store)
+    assert a1.state is AttemptState.ENDED, "the end was recorded before the daemon died"
+
+    fresh = launcher.fresh()
+    Reconciler(store, telemetry, rec.config, launcher=fresh, nodes=fresh, clock=clock).tick()
+    assert fresh.forgotten == [a1.launch_info], "its node agents would live on with nothing to end them"
+    again = launcher.fresh()
+    Reconciler(store, telemetry, rec.config, launcher=again, nodes=again, clock=clock).tick()
+    assert again.forgotten == [], "an attempt is let go of once"
+
+
+def test_every_ended_attempt_is_let_go_of_once(world) -> None:  # type: ignore[no-untyped-def]
+    store, clock, launcher, telemetry, rec, service = world
+    service.submit(parse_spec(SPEC))
+    rec.tick()
+    rec.tick()
+    [a1] = attempts(store)
+    launcher.cluster.procs[a1.launch_info] = {0: (ProcState.EXITED, 1), 1: (ProcState.EXITED, 1)}
+    for _ in range(6):
+        clock.t += 1
+        rec.tick()
+    a1, a2, *_ = attempts(store)
+    assert a1.state is AttemptState.ENDED and a2.state is AttemptState.RUNNING
+    assert launcher.forgotten == [a1.launch_info]
+
+
 class FailingLauncher(ScriptedLauncher):
     def start(self, spec: LaunchSpec) -> str:
         raise OSError(28, "No space left on device")

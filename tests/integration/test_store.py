@@ -237,6 +237,26 @@ def test_a_version_4_database_keeps_its_commands_and_gains_node_commands(store: 
     again.close()
 
 
+def test_a_version_15_database_lets_go_of_its_ended_attempts_once(store: SqlStore, tmp_path: Path) -> None:
+    number = new_run(store, tmp_path)
+    with store.tx() as tx:
+        for n, state in ((1, AttemptState.ENDED), (2, AttemptState.RUNNING)):
+            tx.add_attempt(Attempt(run_number=number, number=n, state=state, nodes=("a",), resume_from=None,
+                                   resume_step=0, created_at=1.0, launch_info="{}"))
+    store.close()
+    conn = sqlite3.connect(store.path)
+    conn.executescript("DROP INDEX attempts_unreleased; ALTER TABLE attempts DROP COLUMN released_at; "
+                       "UPDATE schema_version SET version = 15;")
+    conn.close()
+    again = SqlStore(store.path)
+    again.open()
+    with again.tx() as tx:
+        assert [(a.number, a.state) for _, a in tx.unreleased_attempts()] == [(1, AttemptState.ENDED)]
+        tx.released(number, 1, 5.0)
+        assert tx.unreleased_attempts() == []
+    again.close()
+
+
 def test_a_migration_that_fails_midway_leaves_the_database_as_it_was(store: SqlStore, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Every migration of an upgrade runs in one transaction (an explicit BEGIN): DDL rolls
