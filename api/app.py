@@ -25,7 +25,8 @@ read-only token. ``/healthz`` and the status page's HTML are open. Bodies are li
     GET  /v1/commands/{id}              what came of a queued command
     GET  /v1/nodes                      every node, its state and last probe
     POST /v1/nodes/{node}/{drain|undrain}                                         (token)
-    POST /v1/nodes/{node}/probe         run the health probes on it now           (token)
+    POST /v1/nodes/{node}/probe         run the health probes on it; the result is the command's,
+                                        and the node's last probe                 (token)
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ from supervisor.views import (
     EventView,
     LogView,
     NodeView,
-    ProbeView,
     RunDetail,
     RunSummary,
     StepMetricView,
@@ -247,10 +247,11 @@ def create_app(service: SupervisorService, auth: TokenAuth, metrics: SupervisorM
     def undrain(name: NodeName, body: Annotated[UndrainRequest | None, Body()] = None) -> CommandAccepted:
         return service.request_node(name, NodeCommandKind.UNDRAIN, body.reason if body else "")
 
-    @app.post("/v1/nodes/{name}/probe", dependencies=write,
-              summary="Probe a node now (python -m health on it)")
-    def probe(name: NodeName) -> ProbeView:
-        return service.probe(name)
+    @app.post("/v1/nodes/{name}/probe", status_code=202, dependencies=write,
+              summary="Probe a node (python -m health on it): queued while another round probes it; "
+                      "its result is the command's, its findings the node's last probe")
+    def probe(name: NodeName) -> CommandAccepted:
+        return service.request_node(name, NodeCommandKind.PROBE)
 
     return app
 

@@ -64,7 +64,7 @@ def build(directory: Path, attempts: int) -> tuple[SqlStore, SupervisorService, 
     store.open()
     local = LocalLauncher(max_nodes=4)
     service = SupervisorService(store, directory / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
-                                launcher=local, nodes=local, check_trainer=False)
+                                launcher=local, check_trainer=False)
     service.submit(parse_spec({"name": "history", "resources": {"nodes": 2, "ranks_per_node": 2, "spares": 1},
                                "trainer": {"steps": STEPS * (attempts + 1)}}))
     now = 1000.0

@@ -14,7 +14,7 @@
     supervisorctl nodes [-q]                    every node, its state, drain reason, last probe
     supervisorctl drain NODE --reason TEXT      take a node out of service
     supervisorctl undrain NODE                  return it
-    supervisorctl probe NODE                    run the health probes on it now
+    supervisorctl probe NODE [--wait S]         run the health probes on it; say what they found
     supervisorctl completion bash|zsh           a shell completion script
 
 Every command takes --json (one JSON document; with events --follow, one object per
@@ -171,7 +171,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("node")
     p.add_argument("--reason", default="", help="a note for the event log")
     _wait_option(p)
-    command("probe", "run the health probes on a node now", _probe).add_argument("node")
+    p = command("probe", "run the health probes on a node (after any round that probes it now)", _probe)
+    p.add_argument("node")
+    _wait_option(p, default=90.0)
     p = sub.add_parser("completion", help="print a shell completion script",
                        description="eval \"$(supervisorctl completion bash)\", or put it in "
                                    "/etc/bash_completion.d/supervisorctl")
@@ -179,9 +181,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _wait_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
-                   help="how long to wait for the daemon to act on it (default 10)")
+def _wait_option(p: argparse.ArgumentParser, default: float = 10.0) -> None:
+    p.add_argument("--wait", type=float, default=default, metavar="SECONDS",
+                   help=f"how long to wait for the daemon to act on it (default {default:g})")
 
 
 # --- commands -----------------------------------------------------------------------
@@ -398,13 +400,7 @@ def _node_command(c: Client, args: argparse.Namespace) -> int:
 
 def _await_command(c: Client, args: argparse.Namespace, accepted: dict[str, Any], target: str) -> int:
     """Wait up to --wait for the reconciler to carry the command out, and say what came of it."""
-    deadline = time.monotonic() + args.wait
-    result = None
-    while True:
-        result = c.get(f"/v1/commands/{accepted['command_id']}")["result"]
-        if result is not None or time.monotonic() >= deadline:
-            break
-        time.sleep(0.2)
+    result = _result(c, args, accepted)
     outcome = {"target": target, "command": args.kind, "command_id": accepted["command_id"],
                "result": result or "queued"}
     if args.json:
@@ -414,17 +410,38 @@ def _await_command(c: Client, args: argparse.Namespace, accepted: dict[str, Any]
     return EXIT_ERROR if result is not None and result.startswith("rejected") else EXIT_OK
 
 
+def _result(c: Client, args: argparse.Namespace, accepted: dict[str, Any]) -> str | None:
+    """The command's result, waited for up to --wait (None: not carried out yet)."""
+    deadline = time.monotonic() + args.wait
+    while True:
+        result: str | None = c.get(f"/v1/commands/{accepted['command_id']}")["result"]
+        if result is not None or time.monotonic() >= deadline:
+            return result
+        time.sleep(0.2)
+
+
 def _probe(c: Client, args: argparse.Namespace) -> int:
-    p = c.post(f"/v1/nodes/{_segment(args.node)}/probe")
+    """The probe is a queued command: its result once the daemon has it, and the findings
+    of the node's last probe (the one it made)."""
+    node = _segment(args.node)
+    accepted = c.post(f"/v1/nodes/{node}/probe")
+    result = _result(c, args, accepted)
+    last = None
+    if result is not None:
+        last = next((n["last_probe"] for n in c.get("/v1/nodes") if n["name"] == args.node), None)
     if args.json:
-        _print_json(p)
+        _print_json({"target": args.node, "command": "probe", "command_id": accepted["command_id"],
+                     "result": result or "queued", "probe": last})
+    elif last is None:
+        print(printable(f"{args.node}: probe {result or 'queued'} (command {accepted['command_id']})"))
     else:
-        p = printable_tree(p)
+        p = printable_tree(last)
         why = f": {p['reason']}" if p["reason"] else ""
         print(f"{p['node']}: {p['status']} (action: {p['action']}){why}")
         for f in p["findings"]:
             print(f"  {f.get('probe', ''):<18} {f.get('status', ''):<9} {f.get('evidence', '')}")
-    return EXIT_OK if p["status"] in ("healthy", "degraded") else EXIT_ERROR
+    healthy = last is not None and last["status"] in ("healthy", "degraded")
+    return EXIT_OK if healthy else EXIT_ERROR
 
 
 def _segment(text: str) -> str:

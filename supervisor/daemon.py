@@ -216,11 +216,11 @@ class Daemon:
                                          nodes=self.cluster.nodes, clock=self.clock)
             self.service = SupervisorService(
                 self.store, self.settings.runs_dir, mqtt_url=self.mqtt_url,
-                launcher=self.launcher, nodes=self.cluster.nodes,
+                launcher=self.launcher,
                 check_trainer=self.settings.check_trainer_config, run_as=st.run_as,
                 allow_root_runs=st.allow_root_runs, run_users=st.run_users,
                 admin_rights=bool(st.slurm_admin_prefix) and not st.runs_share_admin_rights,
-                clock=self.clock, health=self.health, history=self.history, probes=self.reconciler.probes,
+                clock=self.clock, health=self.health, history=self.history,
             )
             if self.cluster.slurm is not None:
                 self.cluster.slurm.state.start()

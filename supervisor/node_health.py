@@ -30,6 +30,7 @@ from health.model import RUN_FILES, Action, Finding, Status, Verdict
 from supervisor.domain import ProbeRecord
 
 CONFIRMATIONS = 2  # bad results in a row before a drain
+MANUAL = "manual"  # the kind of an operator's probe (a node command): it reports, it drains nothing
 _BAD = ("unhealthy", "unknown")
 
 

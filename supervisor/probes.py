@@ -14,8 +14,9 @@ Every round is a row of the store (``probe_rounds``), open from the moment it is
 for until its answers are judged (``done``). A daemon that died in between asks again
 for an open round of a run that still goes on (``reopen``): a preflight is not lost with
 the process that ran it, so no attempt launches on nodes nobody probed. An operator's
-probe of one node (the API's) is a round too, on the same workers, and is refused while
-a round probes that node.
+probe of a node (a queued node command, ``ProbeNode``) is a round too, on the same
+workers, judged like the others at a later tick; one a daemon left open is closed, and
+its command, still queued, is carried out by the next daemon.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from supervisor import node_health
 from supervisor.domain import TERMINAL_RUN_STATES, ProbeRoundRecord
-from supervisor.errors import Conflict, NotFound
+from supervisor.errors import NotFound
 from supervisor.launchers.base import NodeAdmin
 from supervisor.store import SqlStore
 
@@ -37,13 +39,14 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True, kw_only=True)
 class ProbeRound:
     run_number: int | None  # None: the sweep
-    kind: str  # preflight, diagnosis, sweep
+    kind: str  # preflight, diagnosis, sweep, manual
     nodes: list[str]
     argv: tuple[str, ...]
     timeout_s: float
     round: int
     future: Future[dict[str, str]] = field(repr=False)
     row: int = 0  # its row in the store's probe_rounds (0: none kept)
+    command_id: int | None = None  # an operator's probe: its command
 
 
 class ProbeScheduler:
@@ -66,17 +69,19 @@ class ProbeScheduler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def probing(self, run_number: int) -> bool:
+        """Whether the run's own rounds are in flight (an operator's probe of one of its
+        nodes holds nothing of it, as a probe by hand on the node would not)."""
         with self._lock:
-            return any(r.run_number == run_number for r in self._rounds)
+            return any(r.run_number == run_number and r.command_id is None for r in self._rounds)
 
     def submit(self, *, run_number: int | None, kind: str, nodes: list[str], argv: tuple[str, ...],
                timeout_s: float, round_: int = 1, allocation_info: str | None = None,
-               drained: Mapping[str, str] | None = None, row: int = 0) -> None:
-        """Probe ``nodes`` (a run's, in its allocation; or the sweep's idle nodes, and the
-        ``drained`` ones with their Reasons), recorded as an open round (``row``: the open
-        round this one asks again)."""
+               drained: Mapping[str, str] | None = None, row: int = 0, command_id: int | None = None) -> None:
+        """Probe ``nodes`` (a run's, in its allocation; the sweep's idle nodes, and the
+        ``drained`` ones with their Reasons; or the one node of an operator's command),
+        recorded as an open round (``row``: the open round this one asks again)."""
         row = row or self._open_row(run_number, kind, nodes, argv, timeout_s, round_)
-        if run_number is None:
+        if run_number is None and command_id is None:
             out_of_service = dict(drained or {})
             idle = [n for n in nodes if n not in out_of_service]
             future = self._pool.submit(self._sweep, idle, out_of_service, argv, timeout_s)
@@ -85,7 +90,13 @@ class ProbeScheduler:
                                        timeout_s=timeout_s)
         with self._lock:
             self._rounds.append(ProbeRound(run_number=run_number, kind=kind, nodes=list(nodes), argv=argv,
-                                           timeout_s=timeout_s, round=round_, future=future, row=row))
+                                           timeout_s=timeout_s, round=round_, future=future, row=row,
+                                           command_id=command_id))
+
+    def probing_node(self, node: str) -> bool:
+        """Whether a round in flight probes ``node``."""
+        with self._lock:
+            return any(node in r.nodes for r in self._rounds)
 
     def done(self, r: ProbeRound) -> None:
         """``r``'s answers are judged and recorded: its round is closed."""
@@ -102,7 +113,7 @@ class ProbeScheduler:
             rounds = tx.open_probe_rounds()
         for r in rounds:
             info, live = None, False
-            if r.run_number is not None and r.kind != "manual":
+            if r.run_number is not None and r.kind != node_health.MANUAL:
                 with self.store.tx() as tx:
                     try:
                         run = tx.get_run(r.run_number)
@@ -118,26 +129,6 @@ class ProbeScheduler:
                         timeout_s=r.timeout_s, round_=r.round, allocation_info=info, row=r.id)
             again += 1
         return again
-
-    def probe_now(self, nodes: list[str], argv: tuple[str, ...], *, run_number: int | None,
-                  allocation_info: str | None, timeout_s: float) -> dict[str, str]:
-        """An operator's probe of ``nodes``, on the rounds' workers, waited for: their
-        answers. Conflict while a round probes one of them (two probes at once on one node
-        would each measure the other)."""
-        with self._lock:
-            busy = next(((n, r) for r in self._rounds for n in nodes if n in r.nodes), None)
-        if busy is not None:
-            node, r = busy
-            raise Conflict(f"node {node} is being probed (a {r.kind} round of "
-                           f"{'run ' + str(r.run_number) if r.run_number is not None else 'the sweep'}); "
-                           "ask again once it is done")
-        row = self._open_row(run_number, "manual", nodes, argv, timeout_s, 1)
-        try:
-            future = self._pool.submit(self.nodes.probe, nodes, argv, allocation_info=allocation_info,
-                                       timeout_s=timeout_s)
-            return future.result()
-        finally:
-            self._close_row(row)
 
     def _open_row(self, run_number: int | None, kind: str, nodes: list[str], argv: tuple[str, ...],
                   timeout_s: float, round_: int) -> int:

@@ -154,9 +154,10 @@ class Reconciler:
                 known = {x.name: x for x in tx.list_nodes()}
                 history = {n: tx.recent_probes(n, max(node_health.CONFIRMATIONS, self.config.return_after))
                            for n in r.nodes}
-            self.effects.apply_nodes(judge_probes(
-                kind=r.kind, run_number=r.run_number, round_=r.round, answers=answers, known=known,
-                history=history, return_after=self.config.return_after, now=now), now)
+            judged = judge_probes(kind=r.kind, run_number=r.run_number, round_=r.round, answers=answers,
+                                  known=known, history=history, return_after=self.config.return_after,
+                                  now=now, command_id=r.command_id)
+            self.effects.apply_nodes(judged, now)
             self.probes.done(r)
 
     def _maybe_sweep(self, now: float) -> None:
@@ -174,12 +175,12 @@ class Reconciler:
                                drained={x.name: x.reason for x in nodes if x.state is NodeState.DRAINED})
 
     def _node_commands(self, now: float) -> None:
-        """Operators' drains and undrains, oldest first: each sees the node as the command
-        before it left it."""
+        """Operators' drains, undrains and probes, oldest first: each sees the node as the
+        command before it left it (a probe, queued while a round probes the node)."""
         with self.store.tx() as tx:
             commands = tx.pending_node_commands()
         for cmd in commands:
             node = None
             with self.store.tx() as tx, contextlib.suppress(NotFound):
                 node = tx.get_node(cmd.node)
-            self.effects.apply_nodes(node_command(cmd, node), now)
+            self.effects.apply_nodes(node_command(cmd, node, probing=self.probes.probing_node(cmd.node)), now)

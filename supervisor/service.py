@@ -1,4 +1,4 @@
-"""Use cases behind the API and the CLIs: submit, inspect, probe a node, queue operators' commands.
+"""Use cases behind the API and the CLIs: submit, inspect, queue operators' commands.
 
 Reads go straight to the store (SQLite in WAL mode lets them run beside the
 reconciler). A run's detail and goodput grow with its attempts and faults, never with
@@ -10,10 +10,8 @@ cannot run it: another launcher or broker, resources the cluster cannot give, a
 [trainer] table the reference trainer rejects, a user the run may not or cannot
 execute as, a checkpoint directory that user cannot write; the run is recorded with
 the user it executes as. Other writes only queue a command for a run (cancel, pause,
-resume, restart) or a node (drain, undrain): the reconciler alone acts on them, on its
-next tick. The exception is an operator's probe of a node, which runs at once (the
-call waits for it) and is recorded; drains follow only from the probes the reconciler
-runs.
+resume, restart) or a node (drain, undrain, probe): the reconciler alone acts on them,
+from its next tick on.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from supervisor import node_health, users
+from supervisor import users
 from supervisor.domain import (
     AttemptStats,
     CommandKind,
@@ -37,8 +35,7 @@ from supervisor.domain.events import EventKind
 from supervisor.errors import CannotExecute, Conflict, NotFound, SpecError
 from supervisor.gathering.settled import SettledHistory, is_over
 from supervisor.goodput import Goodput
-from supervisor.launchers.base import Launcher, NodeAdmin, waiting_standbys
-from supervisor.probes import ProbeScheduler
+from supervisor.launchers.base import Launcher, waiting_standbys
 from supervisor.runfiles import attempt_logs, precompile, trainer_cmd, user_tree
 from supervisor.spec import RunSpec, spec_from_json
 from supervisor.store import SqlStore
@@ -52,7 +49,6 @@ from supervisor.views import (
     LogView,
     MemoryCheckpointView,
     NodeView,
-    ProbeView,
     RunDetail,
     RunSummary,
     StepMetricView,
@@ -62,19 +58,17 @@ from supervisor.views import (
     event_view,
     fault_view,
     node_view,
-    probe_view,
     run_summary,
 )
 
 
 class SupervisorService:
     def __init__(
-        self, store: SqlStore, runs_dir: Path, *, mqtt_url: str | None, launcher: Launcher, nodes: NodeAdmin,
+        self, store: SqlStore, runs_dir: Path, *, mqtt_url: str | None, launcher: Launcher,
         check_trainer: bool = True, clock: Callable[[], float] = time.time,
         health: Callable[[], DaemonHealth] | None = None,
         run_as: str | None = None, allow_root_runs: bool = False, run_users: Sequence[str] | None = None,
         admin_rights: bool = False, history: SettledHistory | None = None,
-        probes: ProbeScheduler | None = None,
     ) -> None:
         self.store = store
         self.history = history or SettledHistory()  # a run's settled attempts and faults, decoded once
@@ -85,9 +79,6 @@ class SupervisorService:
         self.admin_rights = admin_rights  # runs must not execute as the daemon's user (users.resolve)
         self.mqtt_url = mqtt_url
         self.launcher = launcher  # for submit-time checks of what the cluster can give
-        # An operator's probe of one node is a round of the reconciler's scheduler (its
-        # workers, its rows; refused while a round probes that node).
-        self.probes = probes or ProbeScheduler(nodes, clock, store=store)
         self.check_trainer = check_trainer
         self.clock = clock
         self._health = health
@@ -195,24 +186,6 @@ class SupervisorService:
     def nodes(self) -> list[NodeView]:
         with self.store.tx() as tx:
             return [node_view(n, next(iter(tx.recent_probes(n.name, 1)), None)) for n in tx.list_nodes()]
-
-    def probe(self, name: str, timeout_s: float = 60.0) -> ProbeView:
-        """Run ``python -m health`` on one node now, as a round of the probe scheduler
-        (Conflict while a round probes the node), and record the result. Reports only:
-        drains follow from probes the reconciler runs (supervisor/node_health.py)."""
-        with self.store.tx() as tx:
-            node = tx.get_node(name)  # NotFound for a node nobody knows
-            info = tx.get_run(node.run_number).allocation_info if node.run_number is not None else None
-        answers = self.probes.probe_now([name], node_health.probe_argv(), run_number=node.run_number,
-                                        allocation_info=info, timeout_s=timeout_s)
-        record = node_health.record(name, answers.get(name), "manual", node.run_number, self.clock())
-        with self.store.tx() as tx:
-            tx.add_probe(record)
-            why = f" ({record.reason})" if record.reason else ""
-            tx.add_event(node.run_number, EventKind.probe(record.status),
-                         f"manual probe of {name}: {record.status}{why}",
-                         {"node": name, "status": record.status, "action": record.action}, self.clock())
-        return probe_view(record)
 
     def checkpoints(self, run_id: str, newest: int = 100) -> list[CheckpointView]:
         """The run's ``newest`` checkpoints (by step), oldest of them first."""
@@ -345,7 +318,8 @@ class SupervisorService:
                        f"{shown}" + (f" (the newest 20 of {len(there)})" if len(there) > 20 else ""))
 
     def request_node(self, name: str, kind: NodeCommandKind, reason: str = "") -> CommandAccepted:
-        """Queue a drain or an undrain of a node the supervisor knows (NotFound otherwise)."""
+        """Queue a drain, an undrain or a probe of a node the supervisor knows (NotFound
+        otherwise)."""
         with self.store.tx() as tx:
             command_id = tx.add_node_command(name, kind, reason, self.clock())
         return CommandAccepted(command_id=command_id, node=name, kind=kind.value)

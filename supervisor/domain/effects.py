@@ -130,6 +130,17 @@ class RecordProbe:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ProbeNode:
+    """An operator's probe of a node (``supervisorctl probe``): a round of its own; its
+    result is recorded and said, and hands the command its result (nothing is drained
+    for it)."""
+
+    node: str
+    run_number: int | None  # the run holding it: probed in its allocation
+    command_id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ProbeAgain:
     """Probe these nodes once more, at once: a bad result not yet confirmed."""
 
@@ -223,7 +234,7 @@ class CommandHandled:
 
 # The effects a decision about nodes is made of (supervisor/policy/nodes.py; the drains of
 # a run's decision too), carried out by supervisor/effects/nodes.py.
-NodeEffect = DrainNode | ReturnNode | RecordProbe | ProbeAgain | CommandHandled
+NodeEffect = DrainNode | ReturnNode | RecordProbe | ProbeAgain | ProbeNode | CommandHandled
 
 Effect = (
     Emit
@@ -246,6 +257,7 @@ Effect = (
     | ReturnNode
     | RecordProbe
     | ProbeAgain
+    | ProbeNode
     | AdoptAttempt
     | KillOrphans
     | ReportStraggler

@@ -60,6 +60,7 @@ class NodeCommandKind(StrEnum):
 
     DRAIN = "drain"  # out of service: no attempt starts on it (a running one trains on)
     UNDRAIN = "undrain"  # back in service
+    PROBE = "probe"  # run the health probes on it now: its result is recorded, nothing is drained for it
 
 
 class FaultKind(StrEnum):

@@ -26,7 +26,7 @@ class ProbeSubmitter(Protocol):
 
     def submit(self, *, run_number: int | None, kind: str, nodes: list[str], argv: tuple[str, ...],
                timeout_s: float, round_: int = 1, allocation_info: str | None = None,
-               drained: Mapping[str, str] | None = None) -> None: ...
+               drained: Mapping[str, str] | None = None, command_id: int | None = None) -> None: ...
 
 
 @dataclass(slots=True, kw_only=True)

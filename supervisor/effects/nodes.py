@@ -1,5 +1,5 @@
 """Nodes: drains, returns to service, probe rounds and their results, operators' node
-commands; and the intents that make the cluster show them.
+commands (a drain, an undrain, a probe); and the intents that make the cluster show them.
 
 Every effect on the outside world that must hold is an intent first: a drain (with its
 Reason) or a return to service is recorded with the decision, then sent by
@@ -29,6 +29,7 @@ from supervisor.domain import (
     Node,
     NodeState,
     ProbeAgain,
+    ProbeNode,
     ProbeNodes,
     RecordProbe,
     ReturnNode,
@@ -44,9 +45,10 @@ log = logging.getLogger(__name__)
 
 RESEND_S = 1.0  # an intent the cluster does not show yet is sent again after this long
 DRAIN_REBOOT = "drain-reboot"  # an intent's action: a drain whose fix is a reboot
+MANUAL_TIMEOUT_S = 60.0  # an operator's probe of a node gives up after this long
 REPAIR_LOOK_S = 5.0  # how often nodes handed to the cluster's repair are looked at (repairs take minutes)
 
-NodeFamilyEffect = DrainNode | ReturnNode | RecordProbe | ProbeAgain | CommandHandled | ProbeNodes
+NodeFamilyEffect = DrainNode | ReturnNode | RecordProbe | ProbeAgain | ProbeNode | CommandHandled | ProbeNodes
 
 
 class NodeEffects(Family):
@@ -82,7 +84,7 @@ class NodeEffects(Family):
                 tx.add_probe(e.record)
             case CommandHandled():
                 tx.finish_command(e.command_id, e.result, now)
-            case ProbeAgain() | ProbeNodes():
+            case ProbeAgain() | ProbeNode() | ProbeNodes():
                 pass  # nothing to record before acting
             case _:
                 assert_never(e)
@@ -93,6 +95,8 @@ class NodeEffects(Family):
                 self._probe_again(e)
             case ProbeNodes():
                 self._probe_for_run(a, e)
+            case ProbeNode():
+                self._probe_for_operator(e)
             case DrainNode() | ReturnNode():
                 pass  # an intent: NodeIntents.push sends it, this tick and until the cluster shows it
             case RecordProbe() | CommandHandled():
@@ -117,6 +121,16 @@ class NodeEffects(Family):
         d.probes.submit(run_number=e.run_number, kind=e.kind, nodes=list(e.nodes),
                         argv=node_health.probe_argv(args, needs), timeout_s=timeout_s, round_=e.round,
                         allocation_info=info, drained=drained)
+
+    def _probe_for_operator(self, e: ProbeNode) -> None:
+        """``python -m health`` with its default checks, in the allocation of the run that
+        holds the node, if one does."""
+        d = self.d
+        with d.store.tx() as tx:
+            info = tx.get_run(e.run_number).allocation_info if e.run_number is not None else None
+        d.probes.submit(run_number=e.run_number, kind=node_health.MANUAL, nodes=[e.node],
+                        argv=node_health.probe_argv(), timeout_s=MANUAL_TIMEOUT_S, allocation_info=info,
+                        command_id=e.command_id)
 
     def _probe_for_run(self, a: Acting, e: ProbeNodes) -> None:
         if a.seen is None or a.seen.spec is None:

@@ -3,7 +3,7 @@
 ``decide(view, obs, now)`` takes one run's recorded state (``RunView``), what was
 observed of its live attempt this tick (``AttemptObs``), and the time, and returns the
 effects to persist and carry out. For nodes, ``judge_probes`` judges a finished round of
-probe results and ``node_command`` an operator's drain or undrain (nodes.py; the
+probe results and ``node_command`` an operator's drain, undrain or probe (nodes.py; the
 reconciler calls them). Nothing here does I/O or reads a clock (import-linter checks it:
 ``make lint``), so every rule is unit-tested with plain values.
 
@@ -15,7 +15,7 @@ reconciler calls them). Nothing here does I/O or reads a clock (import-linter ch
     budget.py       when a run stops trying (failures without progress, crash loops, fault
                     rate), and the backoff
     memory.py       whether the next attempt's nodes still hold the in-memory save
-    nodes.py        judge_probes(), node_command(): probes, lemons' return, operators' drains
+    nodes.py        judge_probes(), node_command(): probes, lemons' return, operators' drains and probes
     transitions.py  the table of run and attempt states; an illegal change raises
 
 Run transitions (state, condition -> next state: effects):

@@ -14,7 +14,10 @@ Probes (``python -m health`` on a node; the debounce rule is supervisor/node_hea
 
 An operator's drain or undrain of a node is carried out here too, so that every drain
 (the policy's, a probe's, an operator's) is one effect with one protocol in the shell:
-recorded, sent, and sent again until the cluster shows it.
+recorded, sent, and sent again until the cluster shows it. An operator's probe of a node
+is a round of its own (``ProbeNode``), queued while another round probes the node (two
+probes at once on one node would each measure the other); its result is kept and said
+like any other, and is its command's result: it drains nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from supervisor.domain import (
     NodeEffect,
     NodeState,
     ProbeAgain,
+    ProbeNode,
     ProbeRecord,
     RecordProbe,
     ReturnNode,
@@ -44,13 +48,20 @@ DRAINED_BY_US = "training-supervisor:"  # how every drain Reason this supervisor
 
 def judge_probes(*, kind: str, run_number: int | None, round_: int, answers: Mapping[str, str | None],
                  known: Mapping[str, Node], history: Mapping[str, Sequence[ProbeRecord]], return_after: int,
-                 now: float) -> list[NodeEffect | Emit]:
+                 now: float, command_id: int | None = None) -> list[NodeEffect | Emit]:
     """One finished round of probes of ``answers``' nodes (None: the node gave no answer).
-    ``history``: each node's earlier results, newest first."""
+    ``history``: each node's earlier results, newest first. ``command_id``: the round is
+    an operator's probe (``ProbeNode``), which only reports."""
     out: list[NodeEffect | Emit] = []
     again: list[str] = []
     sweep = run_number is None
     records = {n: node_health.record(n, answer, kind, run_number, now) for n, answer in answers.items()}
+    if command_id is not None:
+        for node, record in records.items():
+            out += [RecordProbe(record=record), _said(kind, node, record, run_number)]
+        results = [f"{r.status} (action: {r.action})" + (f": {r.reason}" if r.reason else "")
+                   for r in records.values()]
+        return [*out, CommandHandled(command_id=command_id, result="; ".join(results) or "no answer")]
     # The run's own files missing on every node it probed: the run's fault (its script
     # deleted, a wrong path), not its nodes'. None is drained for it (a node with a fault
     # of its own besides is, for that); the launch fails and the run's budget ends it.
@@ -65,10 +76,7 @@ def judge_probes(*, kind: str, run_number: int | None, round_: int, answers: Map
         recent = [record, *history.get(node, ())]
         statuses, reasons = [p.status for p in recent], [p.reason for p in recent]
         verdict = node_health.judge(statuses, reasons)
-        why = f" ({record.reason})" if record.reason else ""
-        out.append(Emit(kind=EventKind.probe(record.status), run_number=run_number,
-                        message=f"{kind} probe of {node}: {record.status}{why}",
-                        data={"node": node, "status": record.status, "action": record.action}))
+        out.append(_said(kind, node, record, run_number))
         current = known.get(node)
         if sweep and (current is None or current.state is NodeState.ALLOCATED):
             continue  # taken by a run while the sweep probed it: that run's probes judge it
@@ -93,8 +101,17 @@ def judge_probes(*, kind: str, run_number: int | None, round_: int, answers: Map
     return out
 
 
-def node_command(cmd: NodeCommand, node: Node | None) -> list[NodeEffect | Emit]:
-    """An operator's drain or undrain of ``node`` (None: a node the store does not know)."""
+def _said(kind: str, node: str, record: ProbeRecord, run_number: int | None) -> Emit:
+    why = f" ({record.reason})" if record.reason else ""
+    return Emit(kind=EventKind.probe(record.status), run_number=run_number,
+                message=f"{kind} probe of {node}: {record.status}{why}",
+                data={"node": node, "status": record.status, "action": record.action})
+
+
+def node_command(cmd: NodeCommand, node: Node | None, *, probing: bool = False) -> list[NodeEffect | Emit]:
+    """An operator's drain, undrain or probe of ``node`` (None: a node the store does not
+    know). ``probing``: a round probes the node now; a probe waits for it to end (no effect:
+    the command stays queued)."""
     def rejected(why: str, run_number: int | None) -> list[NodeEffect | Emit]:
         return [CommandHandled(command_id=cmd.id, result=f"rejected: {why}"),
                 Emit(kind=EventKind.COMMAND_REJECTED, message=f"{cmd.kind} {cmd.node} rejected: {why}",
@@ -102,6 +119,8 @@ def node_command(cmd: NodeCommand, node: Node | None) -> list[NodeEffect | Emit]
 
     if node is None:
         return rejected("no such node", None)
+    if cmd.kind is NodeCommandKind.PROBE:
+        return [] if probing else [ProbeNode(node=node.name, run_number=node.run_number, command_id=cmd.id)]
     accepted = CommandHandled(command_id=cmd.id, result="accepted")
     if cmd.kind is NodeCommandKind.DRAIN:
         reason = f"operator: {cmd.reason}"

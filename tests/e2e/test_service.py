@@ -183,6 +183,7 @@ def test_the_service_end_to_end(fault_free: dict[str, Any], state: Path, tmp_pat
         probe = quick(daemon, "probe", "local-1")
         # healthy, or degraded while trainers run on this host (python -m health notices them)
         assert probe.returncode == 0 and probe.stdout.startswith(("local-1: healthy", "local-1: degraded"))
+        assert "no Neuron devices found" in probe.stdout, "the findings of the probe its command made"
         assert quick(daemon, "probe", "local-9").returncode == 3
         assert quick(daemon, "drain", "local-1").returncode == 2, "a drain needs a reason"
 

@@ -158,7 +158,7 @@ def test_a_drain_whose_first_scontrol_fails_is_in_slurm_within_a_few_ticks(slurm
     rec = Reconciler(store, TelemetryView(), ReconcilerConfig(mqtt_url=None), launcher=adapters.launcher,
                      nodes=adapters.nodes)
     service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url=None, launcher=adapters.launcher,
-                                nodes=adapters.nodes, check_trainer=False)
+                                check_trainer=False)
     service.request_node("node2", NodeCommandKind.DRAIN, "fan failure")
     ticks = 0
     try:

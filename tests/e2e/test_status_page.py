@@ -180,7 +180,7 @@ def _serve(tmp_path: Path, record: bool) -> Iterator[str]:
     store.open()
     if record:
         _record_run(store, tmp_path)
-    service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url=None, launcher=(local := LocalLauncher(max_nodes=4)), nodes=local,
+    service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url=None, launcher=LocalLauncher(max_nodes=4),
                                 check_trainer=False)
     app = create_app(service, TokenAuth("t" * 43, read_token=READ_TOKEN),
                      metrics=SupervisorMetrics(store, TelemetryView(), lambda: True))

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 import wire as p
 from api.app import create_app
 from api.auth import TokenAuth
-from supervisor.domain import FaultKind, Node, NodeState, RunState
+from supervisor.domain import FaultKind, Node, NodeCommandKind, NodeState, RunState
 from supervisor.launchers.base import waiting_standbys
 from supervisor.launchers.local import LocalLauncher
 from supervisor.launchers.standby import _RunPool, _Standby
@@ -34,7 +34,7 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
     store.open()
     health = {"ok": True}
     service = SupervisorService(
-        store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1", launcher=(local := LocalLauncher(max_nodes=4)), nodes=local,
+        store, tmp_path / "runs", mqtt_url="mqtt://127.0.0.1:1", launcher=LocalLauncher(max_nodes=4),
         check_trainer=False, allow_root_runs=True,
         health=lambda: DaemonHealth(ok=health["ok"], last_tick_age_s=0.1, mqtt_connected=True))
     app = create_app(service, TokenAuth(TOKEN, tmp_path / "api-token", read_token=READ_TOKEN,
@@ -107,18 +107,19 @@ def test_healthz_follows_the_reconciler(client: TestClient) -> None:
     assert r.status_code == 503 and r.json()["ok"] is False
 
 
-def test_probe_a_node_now_and_see_it_in_the_node_list(client: TestClient, tmp_path: Path) -> None:
+def test_a_probe_of_a_node_is_a_queued_command_of_a_node_the_supervisor_knows(client: TestClient) -> None:
     missing = client.post("/v1/nodes/local-9/probe")
     assert missing.status_code == 404 and "no such node: local-9" in missing.json()["detail"]
     assert client.post("/v1/nodes/bad$name/probe").status_code == 422
     with client.store.tx() as tx:  # type: ignore[attr-defined]
         tx.put_node(Node(name="local-1", state=NodeState.IDLE), 1.0)
-    probe = client.post("/v1/nodes/local-1/probe").json()  # python -m health, for real, on this host
-    assert probe["node"] == "local-1" and probe["kind"] == "manual"
-    assert probe["status"] in ("healthy", "degraded") and probe["action"] == "none"
-    assert any("no Neuron devices found" in f["evidence"] for f in probe["findings"])
-    [node] = client.get("/v1/nodes").json()
-    assert node["last_probe"]["status"] == probe["status"]
+    accepted = client.post("/v1/nodes/local-1/probe")
+    assert accepted.status_code == 202 and accepted.json()["kind"] == "probe"
+    command = accepted.json()["command_id"]
+    assert client.get(f"/v1/commands/{command}").json() == {"command_id": command, "result": None}
+    with client.store.tx() as tx:  # type: ignore[attr-defined]
+        [queued] = tx.pending_node_commands()
+    assert (queued.id, queued.node, queued.kind) == (command, "local-1", NodeCommandKind.PROBE)
 
 
 # --- access -------------------------------------------------------------------------
@@ -272,7 +273,7 @@ def test_metrics_for_prometheus(tmp_path: Path) -> None:
     store = SqlStore(tmp_path / "supervisor.db")
     store.open()
     service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
-                                launcher=(local := LocalLauncher(max_nodes=4)), nodes=local, check_trainer=False)
+                                launcher=(local := LocalLauncher(max_nodes=4)), check_trainer=False)
     procs = [subprocess.Popen(["sleep", "60"]) for _ in range(4)]
     local.standbys._runs["run-1"] = _RunPool(  # as a refill leaves it: two per node
         spec=object(), refill_at=0.0,  # type: ignore[arg-type]

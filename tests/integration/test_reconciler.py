@@ -57,7 +57,7 @@ def world(tmp_path: Path):  # type: ignore[no-untyped-def]
     rec = Reconciler(store, telemetry, ReconcilerConfig(mqtt_url="mqtt://127.0.0.1:1"), launcher=launcher,
                      nodes=launcher, clock=clock)
     service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
-                                launcher=(local := LocalLauncher(max_nodes=8)), nodes=local,
+                                launcher=LocalLauncher(max_nodes=8),
                                 check_trainer=False, clock=clock)
     yield store, clock, launcher, telemetry, rec, service
     store.close()
@@ -276,8 +276,8 @@ def test_an_os_error_at_launch_is_a_launch_fault_within_the_budget(tmp_path: Pat
     clock = Clock()
     failing = FailingLauncher()
     rec = Reconciler(store, TelemetryView(), ReconcilerConfig(mqtt_url=None), launcher=failing, nodes=failing, clock=clock)
-    service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url=None, launcher=(local := LocalLauncher(max_nodes=8)),
-                                nodes=local, check_trainer=False, clock=clock)
+    service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url=None, launcher=LocalLauncher(max_nodes=8),
+                                check_trainer=False, clock=clock)
     service.submit(parse_spec({**SPEC, "policy": {"failures_without_progress": 3, "crash_loop_attempts": 5}}))
     for _ in range(12):
         rec.tick()

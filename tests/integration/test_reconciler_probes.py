@@ -5,7 +5,6 @@ supervisor drained once they probe clean (a real SQLite store, a scripted launch
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from pathlib import Path
@@ -14,14 +13,13 @@ from typing import Any
 import pytest
 
 from supervisor.domain import DrainBudget, Node, NodeCommandKind, NodeState, RunState
-from supervisor.errors import Conflict
+from supervisor.errors import NotFound
 from supervisor.launchers.local import LocalLauncher
 from supervisor.reconciler import Reconciler, ReconcilerConfig
 from supervisor.service import SupervisorService
 from supervisor.spec import parse_spec
 from supervisor.store import SqlStore
 from supervisor.telemetry.view import TelemetryView
-from tests.conftest import wait_for
 from tests.fakes import ScriptedLauncher
 from tests.integration.test_reconciler import SPEC, Clock, kinds
 
@@ -110,7 +108,7 @@ def preflighted(tmp_path: Path, store: SqlStore, clock: Clock, rec: Reconciler,
     through it: two ticks later its nodes are allocated and their preflight round asked for."""
     local = LocalLauncher(max_nodes=8)
     out = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
-                            launcher=local, nodes=local, check_trainer=False, clock=clock, **service)
+                            launcher=local, check_trainer=False, clock=clock, **service)
     out.submit(parse_spec({**SPEC, "health": {"preflight": True}}))
     rec.tick()
     rec.tick()
@@ -273,23 +271,54 @@ def test_a_preflight_left_open_by_a_daemon_that_died_is_asked_again_before_anyth
         assert [p.kind for p in tx.recent_probes("node-1", 5)] == ["preflight"], "one answer recorded"
 
 
-def test_an_operators_probe_is_a_round_of_the_scheduler_refused_while_a_round_probes_the_node(
+def command_result(store: SqlStore, command_id: int) -> str | None:
+    with store.tx() as tx:
+        return tx.get_command_result(command_id)
+
+
+def test_an_operators_probe_waits_for_the_round_that_probes_the_node_then_reports_and_drains_nothing(
         tmp_path: Path) -> None:
-    launcher = ProbedLauncher({})
+    launcher = ProbedLauncher({"node-2": ["healthy", "unhealthy"]})
     store, clock, rec, pool = make(tmp_path, launcher)
-    service = preflighted(tmp_path, store, clock, rec, probes=rec.probes)
-    with pytest.raises(Conflict, match="node node-2 is being probed \\(a preflight round of run 1\\)"):
-        service.probe("node-2")
+    service = preflighted(tmp_path, store, clock, rec)  # node-1..3's preflight round in flight
+    command = service.request_node("node-2", NodeCommandKind.PROBE).command_id
+    rec.tick()
+    assert len(pool.held) == 1 and command_result(store, command) is None, "queued behind the preflight"
+    pool.finish()
+    rec.tick()  # the preflight judged (node-2 healthy); the operator's round asked for
+    assert open_rounds(store) == [("manual", ("node-2",))] and command_result(store, command) is None
+    assert [s.nodes for s in launcher.started] == [("node-1", "node-2")], "the run's launch is not held by it"
+    rec.tick()
+    assert len(pool.held) == 1, "asked for once, though its command waits for the answer"
     pool.finish()
     rec.tick()
-    answer: list[Any] = []
-    asking = threading.Thread(target=lambda: answer.append(service.probe("node-2")))
-    asking.start()
-    wait_for(lambda: pool.held, 10, "the operator's probe on the rounds' workers")
-    assert open_rounds(store) == [("manual", ("node-2",))]
+    assert command_result(store, command) == (
+        "unhealthy (action: replace): neuron-monitor: mem_ecc_uncorrected=1 on node-2")
+    assert node_states(store)["node-2"] == (NodeState.ALLOCATED, ""), "an operator's probe drains nothing"
+    assert launcher.probed[-1] == ("node-2",) and pool.held == [] and open_rounds(store) == []
+    with store.tx() as tx:
+        assert [(p.kind, p.status) for p in tx.recent_probes("node-2", 5)] == [
+            ("manual", "unhealthy"), ("preflight", "healthy")]
+    with store.tx() as tx:
+        assert any(e.message.startswith("manual probe of node-2: unhealthy") for e in tx.list_events(1))
+    with pytest.raises(NotFound, match="node-9"):
+        service.request_node("node-9", NodeCommandKind.PROBE)
+
+
+def test_an_operators_probe_left_open_by_a_daemon_that_died_is_carried_out_by_the_next(tmp_path: Path) -> None:
+    launcher = ProbedLauncher({})
+    store, clock, rec, pool = make(tmp_path, launcher)
+    seed(store, Node(name="idle-1", state=NodeState.IDLE))
+    with store.tx() as tx:
+        command = tx.add_node_command("idle-1", NodeCommandKind.PROBE, "", clock())
+    rec.tick()
+    assert len(pool.held) == 1 and open_rounds(store) == [("manual", ("idle-1",))]
+    again, pool = reconciler_on(store, launcher, clock)  # the daemon died with the probe in flight
+    again.tick()
+    assert len(pool.held) == 1, "the next daemon probes the node for the command still queued"
     pool.finish()
-    asking.join(10)
-    assert answer and answer[0].status == "healthy" and open_rounds(store) == []
+    again.tick()
+    assert command_result(store, command) == "healthy (action: none)" and open_rounds(store) == []
 
 
 def test_probe_verdicts_drain_within_the_daemons_one_budget_and_an_operator_past_it(tmp_path: Path) -> None:

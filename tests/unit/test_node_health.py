@@ -102,3 +102,32 @@ def test_the_runs_own_files_missing_on_every_node_drain_none_and_on_one_node_dra
     assert [e.node for e in judged(one) if isinstance(e, DrainNode)] == ["n7"]
     also_ecc = {**gone, "n3": _answer("n3", ("run-files", "unhealthy"), ("neuron-monitor", "unhealthy"))}
     assert [e.node for e in judged(also_ecc) if isinstance(e, DrainNode)] == ["n3"], "its ECC error is its own"
+
+
+def test_an_operators_probe_reports_to_its_command_and_drains_nothing_however_bad() -> None:
+    from supervisor.domain import CommandHandled, DrainNode, Emit, ProbeAgain, RecordProbe
+    from supervisor.policy.nodes import judge_probes
+
+    bad = _answer("n1", ("neuron-monitor", "unhealthy"))
+    history = {"n1": [node_health.record("n1", bad, "sweep", None, 0.0)]}  # bad twice: a sweep would drain
+    out = judge_probes(kind=node_health.MANUAL, run_number=None, round_=1, answers={"n1": bad}, known={},
+                       history=history, return_after=0, now=1.0, command_id=7)
+    assert [type(e) for e in out] == [RecordProbe, Emit, CommandHandled]
+    assert not [e for e in out if isinstance(e, (DrainNode, ProbeAgain))]
+    handled = out[-1]
+    assert isinstance(handled, CommandHandled) and handled.command_id == 7
+    assert handled.result.startswith("unhealthy (action: ")
+    silent = judge_probes(kind=node_health.MANUAL, run_number=None, round_=1, answers={"n1": None}, known={},
+                          history={}, return_after=0, now=1.0, command_id=8)
+    assert isinstance(silent[-1], CommandHandled) and silent[-1].result.startswith("unknown")
+
+
+def test_an_operators_probe_of_a_node_another_round_probes_waits_in_the_queue() -> None:
+    from supervisor.domain import Node, NodeCommand, NodeCommandKind, NodeState, ProbeNode
+    from supervisor.policy.nodes import node_command
+
+    cmd = NodeCommand(id=3, node="n1", kind=NodeCommandKind.PROBE, reason="", created_at=0.0)
+    node = Node(name="n1", state=NodeState.ALLOCATED, run_number=4)
+    assert node_command(cmd, node, probing=True) == []
+    assert node_command(cmd, node) == [ProbeNode(node="n1", run_number=4, command_id=3)]
+    assert [type(e).__name__ for e in node_command(cmd, None)] == ["CommandHandled", "Emit"], "no such node"

@@ -474,7 +474,7 @@ def test_a_nul_byte_that_reaches_a_slurm_launch_fails_the_run_once_instead_of_re
     nodes = SlurmNodes(slurm, launcher.state, prefix=launcher.prefix)  # type: ignore[arg-type]
     rec = Reconciler(store, TelemetryView(), ReconcilerConfig(mqtt_url=None), launcher=launcher, nodes=nodes)
     service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url=None, launcher=launcher,
-                                nodes=nodes, check_trainer=False)
+                                check_trainer=False)
     try:
         service.submit(parse_spec({"name": "nul", "resources": {"launcher": "slurm", "nodes": 1},
                                    "command": {"argv": ["python", "train.py"], "checkpoint_dir": "ck"}}))
