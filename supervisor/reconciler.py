@@ -97,8 +97,8 @@ class Reconciler:
         self.probes = ProbeScheduler(nodes, clock, store=store, sweep_every_s=config.sweep_every_s,
                                      sweep_args=config.sweep_args,
                                      sweep_timeout_s=config.sweep_timeout_s, pool=probe_pool)
-        # The run's memory between ticks has one owner, this one: the feed and the observer
-        # note in it, the effects forget an attempt from it once it ended (run_memory.py).
+        # The run's memory between ticks has one owner, this one; the feed and the observer
+        # alone write it, the effects read a run's spec from it (run_memory.py).
         self.memory = RunMemory(store)
         self.feed = Feed(telemetry, self.memory)
         launch_specs = LaunchSpecs(telemetry, mqtt_url=config.mqtt_url, mqtt_ca_file=config.mqtt_ca_file)

@@ -130,8 +130,7 @@ class Effects:
         if seen.facts.output_offsets is not None:
             number, offsets = seen.facts.output_offsets
             tx.update_attempt(n, number, output_offsets=offsets)
-        for path in seen.facts.out_of_range:
-            if self.deps.memory.note_out_of_range(n, path):
-                tx.add_event(n, EventKind.CHECKPOINT_SKIPPED,
-                             f"{path}: its step is beyond what a run can reach; "
-                             "not a checkpoint of this run, passed over", {"path": str(path)}, now)
+        for path in seen.facts.out_of_range:  # each found for the first time (the observer's memory)
+            tx.add_event(n, EventKind.CHECKPOINT_SKIPPED,
+                         f"{path}: its step is beyond what a run can reach; "
+                         "not a checkpoint of this run, passed over", {"path": str(path)}, now)

@@ -99,4 +99,3 @@ class AllocationEffects(Family):
                              f"asked for {count} nodes, holding {got}; waiting{why}",
                              {"asked": count, "got": got, "note": grant.note}, now)
             self._short[run.number] = short
-        d.memory.note_allocated(run.number, changes.added)

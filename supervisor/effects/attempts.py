@@ -120,14 +120,13 @@ class AttemptEffects(Family):
 
     def let_go(self, run: Run, attempt: Attempt, now: float) -> None:
         """What an ended attempt leaves the daemon: the launcher ``forget``s it (its nodes'
-        own processes end, its records go), its broker login and its memory go; and then
-        it is recorded released. A daemon that dies before that last write leaves the
+        own processes end, its records go), its broker login goes; and then it is
+        recorded released. A daemon that dies before that last write leaves the
         attempt to ``release_ended``, its own next tick's or the next daemon's."""
         d = self.d
         if attempt.launch_info:
             d.launcher.forget(attempt.launch_info)
         d.telemetry.forget(run.run_id, attempt.number)
-        d.memory.forget_attempt(run.number, attempt.number)
         with d.store.tx() as tx:
             tx.released(run.number, attempt.number, now)
 

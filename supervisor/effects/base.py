@@ -38,7 +38,7 @@ class Deps:
     nodes: NodeAdmin
     telemetry: TelemetryView
     probes: ProbeSubmitter
-    memory: RunMemory  # the run's memory between ticks: the reconciler's (run_memory.py)
+    memory: RunMemory  # the run's memory between ticks, read here for a run's spec (run_memory.py)
     launch_specs: LaunchSpecs
     clock: Callable[[], float]
     drain_budget: DrainBudget = field(default_factory=DrainBudget)

@@ -72,9 +72,6 @@ class RunEffects(Family):
         match e:
             case ResumeRun(from_step=int(step)):  # newer checkpoints out of the way of every later resume
                 self.d.moves.go_back_to(seen.run, seen.spec, seen.run_dir, step, a.now)
-            case Emit(kind=EventKind.SPIKE_TRANSIENT | EventKind.SPIKE_PERSISTS):  # said once per step
-                said = self.d.memory.attempt(seen.run.number, int(str(e.data["attempt"]))).spikes_said
-                said.add(int(str(e.data["step"])))
             case _:
                 pass  # recorded; nothing to do outside
 

@@ -34,6 +34,7 @@ from supervisor.domain import (
     CheckpointRef,
     Command,
     FaultRecord,
+    NodeState,
     ProcState,
     RankObs,
     Run,
@@ -42,6 +43,7 @@ from supervisor.domain import (
     StragglerReport,
     TrainerResult,
 )
+from supervisor.domain.events import EventKind
 from supervisor.gathering.feed import Fed
 from supervisor.gathering.launch_specs import LaunchSpecs
 from supervisor.gathering.observed import Facts, Observed
@@ -93,7 +95,7 @@ class Observer:
             for number in {c.run_number for c in commands} | tx.finished_runs_holding_resources():
                 if number not in busy:
                     runs.append(tx.get_run(number))
-        self.memory.keep_specs({r.number for r in runs})
+        self.memory.keep_runs({r.number for r in runs})
         return [(r, [c for c in commands if c.run_number == r.number]) for r in runs]
 
     def history_of(self, run: Run, now: float) -> History:
@@ -114,6 +116,7 @@ class Observer:
             stragglers = tuple(StragglerReport(attempt=s.attempt, rank=s.rank, node=s.node)
                                for s in tx.list_stragglers(run.number))
         live = history.live
+        self.memory.keep_live(run.number, live.number if live else None)
         cluster_faults: tuple[FaultRecord, ...] = ()
         if live is not None:  # only a live attempt can have a fault that blames a node
             with self.store.tx() as tx:
@@ -149,6 +152,9 @@ class Observer:
         if isinstance(spec, RunSpec) and (may_launch or shrunk) and aside is None:
             before, unreadable = resume_before(attempts, faults), unreadable_checkpoints(faults, attempts)
             newest = self._newest_checkpoint(spec, run_dir, facts, before, unreadable)
+            # Each said once (an event of the effects'), not at every tick that finds it again.
+            facts.out_of_range = [p for p in facts.out_of_range
+                                  if self.memory.note_out_of_range(run.number, p)]
             with self.store.tx() as tx:
                 memory_saves = tx.list_memory_checkpoints(run.number)
             newest_memory = newest_resumable(memory_saves, attempts, newest, before,
@@ -164,10 +170,9 @@ class Observer:
             open_faults=open_faults, faults=faults, probing=self.probing(run.number),
             diagnose=isinstance(spec, RunSpec) and spec.health.diagnose, stragglers=stragglers,
             cluster_faults=cluster_faults, preflight=isinstance(spec, RunSpec) and spec.health.preflight,
-            newly_allocated=(*self.memory.take_allocated(run.number),
-                             *(facts.grant.added if facts.grant else ())),
-            spikes_said=(frozenset(self.memory.attempt(run.number, live.number).spikes_said) if live
-                         else frozenset()),
+            newly_allocated=self.memory.newly_allocated(
+                run.number, tuple(x.name for x in allocation if x.state is NodeState.ALLOCATED)),
+            spikes_said=self._spikes_said(run, live) if live else frozenset(),
             cluster_answering=answering, spec_error=spec if isinstance(spec, str) else None,
             exit_codes=spec.exit_meanings if isinstance(spec, RunSpec) else TSUP_EXIT_CODES,
             data_skip_unit=spec.data_skip_unit if isinstance(spec, RunSpec) else "samples",
@@ -187,6 +192,18 @@ class Observer:
                                      out_of_range=facts.out_of_range)
         facts.checkpoints = [*rejected, *([newest] if newest else [])]
         return None if newest is None else CheckpointRef(step=newest.step, path=str(newest.path))
+
+    def _spikes_said(self, run: Run, live: Attempt) -> frozenset[int]:
+        """The first steps of the live attempt's short spikes already reported: the events
+        the effects recorded for them, read on from the last look."""
+        memory = self.memory.attempt(run.number, live.number)
+        with self.store.tx() as tx:
+            for kind in (EventKind.SPIKE_TRANSIENT, EventKind.SPIKE_PERSISTS):
+                for e in tx.list_events(run.number, after_id=memory.spikes_read_to, kind=kind):
+                    if e.data.get("attempt") == live.number:
+                        memory.spikes_said.add(int(str(e.data["step"])))
+                    memory.spikes_read_to = max(memory.spikes_read_to, e.id)
+        return frozenset(memory.spikes_said)
 
     # --- the live attempt -----------------------------------------------------------
 

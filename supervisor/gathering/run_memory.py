@@ -1,9 +1,11 @@
 """What this process remembers of each run and live attempt between ticks: its validated
 spec, when a rank was first seen dead, a [command] trainer's output read so far, the short
-spikes already reported, ... It has one owner, the reconciler, which hands it to the
-observer (which reads and notes) and to the effects (which note, and forget an attempt
-once it ended). None of it is durable: a restarted daemon rebuilds it from the store and
-what it observes.
+spikes already reported, the allocation last seen, ... The reconciler owns it; only the
+gathering side writes it (the feed and the observer), and forgets what no run or live
+attempt needs any more. The effects read a run's spec from it and never write it: what
+they did, the observer reads back from the store (a spike said is an event; nodes
+granted are the run's allocation). None of it is durable: a restarted daemon rebuilds
+it from the store and what it observes.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class AttemptMemory:
     heard: float | None = None  # when any of its ranks was last heard
     back_at: float | None = None  # when heard again after all of them fell silent together
     spikes_said: set[int] = field(default_factory=set)  # first steps of the short spikes reported
+    spikes_read_to: int = 0  # the newest event read for them
 
 
 class RunMemory:
@@ -43,7 +46,7 @@ class RunMemory:
         self.store = store
         self._specs: dict[int, tuple[RunSpec | str, Path]] = {}  # run -> its spec (or why it is invalid)
         self._attempts: dict[tuple[int, int], AttemptMemory] = {}
-        self._allocated: dict[int, list[str]] = {}  # run -> nodes an allocation gave it since the last look
+        self._allocation: dict[int, frozenset[str]] = {}  # run -> the nodes it was last seen holding
         self._out_of_range: set[tuple[int, str]] = set()  # (run, path) of checkpoints said to be out of range
 
     def spec(self, number: int) -> tuple[RunSpec | str, Path]:
@@ -57,10 +60,18 @@ class RunMemory:
                 self._specs[number] = (str(e), run_dir)
         return self._specs[number]
 
-    def keep_specs(self, numbers: set[int]) -> None:
-        """Forget the specs of runs no longer reconciled."""
+    def keep_runs(self, numbers: set[int]) -> None:
+        """Forget what is remembered of runs no longer reconciled."""
         for number in [n for n in self._specs if n not in numbers]:
             del self._specs[number]
+        for number in [n for n in self._allocation if n not in numbers]:
+            del self._allocation[number]
+        self._attempts = {k: v for k, v in self._attempts.items() if k[0] in numbers}
+
+    def keep_live(self, run_number: int, live: int | None) -> None:
+        """Forget the run's attempts but its live one: an ended attempt needs nothing more."""
+        for key in [k for k in self._attempts if k[0] == run_number and k[1] != live]:
+            del self._attempts[key]
 
     def attempt(self, run_number: int, attempt: int) -> AttemptMemory:
         key = (run_number, attempt)
@@ -69,17 +80,13 @@ class RunMemory:
             memory = self._attempts[key] = AttemptMemory()
         return memory
 
-    def forget_attempt(self, run_number: int, attempt: int) -> None:
-        """The attempt ended: nothing of it is needed any more."""
-        self._attempts.pop((run_number, attempt), None)
-
-    def note_allocated(self, run_number: int, nodes: tuple[str, ...]) -> None:
-        """Nodes an allocation just gave the run: newly allocated in its next view."""
-        self._allocated.setdefault(run_number, []).extend(nodes)
-
-    def take_allocated(self, run_number: int) -> tuple[str, ...]:
-        """The nodes noted since the last look, once."""
-        return tuple(self._allocated.pop(run_number, ()))
+    def newly_allocated(self, run_number: int, holding: tuple[str, ...]) -> tuple[str, ...]:
+        """The nodes of ``holding`` (the run's allocation now) it did not hold at the last
+        look; none at the first look of this process (what a daemon before it allocated,
+        it preflighted)."""
+        before = self._allocation.get(run_number)
+        self._allocation[run_number] = frozenset(holding)
+        return () if before is None else tuple(n for n in holding if n not in before)
 
     def note_out_of_range(self, run_number: int, path: Path) -> bool:
         """True the first time ``path`` is seen out of range (to say so once)."""

@@ -218,6 +218,27 @@ def test_a_partly_started_world_is_killed_not_adopted(world) -> None:  # type: i
     assert a1.outcome is AttemptOutcome.ABORTED and a2.state is AttemptState.RUNNING
 
 
+def test_a_short_spike_is_said_once_by_this_daemon_and_by_the_next(world) -> None:  # type: ignore[no-untyped-def]
+    store, clock, launcher, telemetry, rec, service = world
+    service.submit(parse_spec({**SPEC, "trainer": {"steps": 100}}))
+    rec.tick()
+    rec.tick()
+    for n in range(1, 41):  # one step at step 30 with three times the loss: shorter than spike_persist_steps
+        for r in (0, 1):
+            msg = p.StepMetrics(run="run-1", attempt=1, rank=r, ts=clock(), step=n, loss=3.0 if n == 30 else 1.0,
+                                grad_norm=1.0, lr=0.1, step_time_s=0.1, tokens_per_s=1.0)
+            telemetry.ingest(*p.encode(msg), clock())
+        clock.t += 0.2
+        rec.tick()
+    for _ in range(3):
+        clock.t += 0.2
+        rec.tick()
+    Reconciler(store, telemetry, rec.config, launcher=launcher, nodes=launcher, clock=clock).tick()
+    with store.tx() as tx:
+        said = [e.data for e in tx.list_events(1, kind="spike.transient")]
+    assert [(d["attempt"], d["step"]) for d in said] == [(1, 30)]
+
+
 class DiesAtForget(ScriptedLauncher):
     """A daemon killed after recording an attempt's end, before acting on it."""
 
