@@ -45,7 +45,7 @@ test: $(STAMP) system-deps lint typecheck
 	$(BIN)/pytest $(if $(WORKERS),-n $(WORKERS) --dist loadgroup)
 
 chaos: $(STAMP) system-deps
-	$(BIN)/pytest tests/chaos --chaos-all $(if $(SEED),--seed $(SEED))
+	$(BIN)/pytest tests/chaos --chaos-all $(if $(WORKERS),-n $(WORKERS) --dist loadgroup) $(if $(SEED),--seed $(SEED))
 
 clean:
 	rm -rf $(VENV) .state .pytest_cache .mypy_cache .ruff_cache

@@ -17,7 +17,8 @@ node's memory, which no other node and not the controller can see, and which goe
 the node when everything it runs is killed (a node started again comes back with an empty
 one, as after a power loss), and a directory of the box's at /var/tmp, the node's local
 disk (``Box.var_tmp``), which stays. ``partition_node`` takes a node's
-link down (its processes live on, cut off) and ``heal_node`` brings it back. Each box
+link down (its processes live on, cut off) and ``heal_node`` brings it back;
+``kill_node --power-loss`` takes the link down before it kills everything the node runs. Each box
 picks a subnet no other address of this host uses and names its bridge, links and
 namespaces after its slurmctld port; ``down`` deletes them.
 
@@ -357,6 +358,7 @@ def start_node(box: Box, node: str, *, timeout_s: float = 30.0) -> int:
     """Start (or restart) the slurmd posing as ``node``, inside the node's network
     namespace and a mount namespace of its own (a fresh, empty /dev/shm; its own /var/tmp)."""
     box.spool(node).mkdir(parents=True, exist_ok=True)
+    heal_node(box, node)  # a node killed as by a power loss comes back with its link
     pid_file = box.slurmd_pid_file(node)
     pid_file.unlink(missing_ok=True)
     argv = ["nsenter", f"--net={NETNS_DIR / box.netns(node)}",
@@ -472,8 +474,14 @@ def node_processes(box: Box, node: str) -> set[int]:
     return _descendants(roots, _ppid_map()) if roots else set()
 
 
-def kill_node(box: Box, node: str) -> list[int]:
-    """SIGKILL everything ``node`` runs at once, as a node that loses power."""
+def kill_node(box: Box, node: str, *, power_loss: bool = False) -> list[int]:
+    """SIGKILL everything ``node`` runs at once. The sockets of what it ran close, so its
+    MQTT last wills fire at once and its peers' connections are reset. With
+    ``power_loss`` its link goes down first, so that nothing it ran says goodbye: a node
+    without power sends nothing, and is missed only by its silence. ``start_node``
+    brings the link back."""
+    if power_loss:
+        partition_node(box, node)
     return signal_node(box, node, signal.SIGKILL)
 
 
@@ -583,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("down", help="stop what `up` started, by pid")
     k = sub.add_parser("kill-node", help="SIGKILL a node's slurmd and everything it started")
     k.add_argument("node")
+    k.add_argument("--power-loss", action="store_true",
+                   help="take its link down first: nothing it ran says goodbye (no last will)")
     r = sub.add_parser("start-node", help="start a node's slurmd again")
     r.add_argument("node")
     c = sub.add_parser("partition-node", help="take a node's link down: it runs on, cut off")
@@ -615,8 +625,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "env":
             print(f"export SLURM_CONF={box_or_none.conf}")
         elif args.cmd == "kill-node":
-            killed = kill_node(box_or_none, args.node)
-            print(f"slurm-box: SIGKILL to {len(killed)} process(es) of {args.node}", file=sys.stderr)
+            killed = kill_node(box_or_none, args.node, power_loss=args.power_loss)
+            cut = f"{args.node}'s link down, and " if args.power_loss else ""
+            print(f"slurm-box: {cut}SIGKILL to {len(killed)} process(es) of {args.node}", file=sys.stderr)
         elif args.cmd == "start-node":
             start_node(box_or_none, args.node)
         elif args.cmd in ("partition-node", "heal-node"):

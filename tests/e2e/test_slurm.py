@@ -353,8 +353,11 @@ def test_each_box_node_has_a_dev_shm_of_its_own_that_a_killed_node_loses(slurm_b
     assert on("node1", f"cat {shm}") == "node1\n", "a node keeps its memory between steps"
     assert on("node2", f"test ! -e {shm} && echo absent") == "absent\n", "node2 sees node1's memory"
     assert not Path(shm).exists(), "the controller sees node1's memory"
-    box_mod.kill_node(slurm_box, "node1")
-    box_mod.start_node(slurm_box, "node1")
+    box_mod.kill_node(slurm_box, "node1", power_loss=True)
+    link = subprocess.run(["ip", "-o", "link", "show", slurm_box.link("node1")], capture_output=True, text=True,
+                          check=True).stdout
+    assert "state DOWN" in link, "a node without power sends nothing: its link is down"
+    box_mod.start_node(slurm_box, "node1")  # back, with its link
     box_mod.wait_idle(slurm_box, 60)
     assert on("node1", f"test ! -e {shm} && echo gone") == "gone\n", "a killed node's memory outlived it"
 

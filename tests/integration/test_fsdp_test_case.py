@@ -28,7 +28,11 @@ def spec(tmp_path: Path, *faults: str) -> Path:
             *faults]
     return command_spec(tmp_path / "fsdp.toml", "fsdp-test-case", argv, launch="node",
                         resources={"nodes": 2, "ranks_per_node": 2, "spares": 1},
-                        policy={"hang_floor_s": 10, "hang_timeout_s": 120, "failures_without_progress": 4},
+                        # hang_min_samples 10, not 20: the resumed attempt's first steps read in one
+                        # batch are not timed, and on a busy host that batch is long (resumed at
+                        # step 10, hung at 35: 20 timed steps are too many to count on).
+                        policy={"hang_floor_s": 10, "hang_timeout_s": 120, "hang_min_samples": 10,
+                                "failures_without_progress": 4},
                         resume=["--resume_from_checkpoint={checkpoint_dir}"], checkpoint_layout="dcp",
                         steps=FSDP_STEPS)
 
