@@ -11,12 +11,10 @@ It evaluates no rule: what its findings mean is policy/'s (``resumes.expected_fi
 ``grants.grant_changes``, ``detection.heard_again_at``).
 
 It reads the telemetry view and writes nothing to it: what the view must know first (the
-live attempt's world size, what a [command] trainer printed) the reconciler tells it
-before observe runs (supervisor/gathering/feed.py), and observe is handed what that
-found. One kind of write remains, to the daemon's own memory: the run's memory
-(supervisor/gathering/run_memory.py) keeps what observe saw between ticks (when a rank
-was first seen dead, a quiet trainer's newest checkpoint, the loss a resumed attempt
-must repeat), observations of this process, rebuilt after a restart.
+live attempt's world size, what a [command] trainer printed) the feed tells it before
+observe runs (feed.py), and observe is handed what that found. It writes only the run's
+memory (run_memory.py): what it saw between ticks (a rank's first death, the allocation
+last seen, the spikes said, ...), rebuilt after a restart.
 """
 
 from __future__ import annotations
@@ -194,16 +192,15 @@ class Observer:
         return None if newest is None else CheckpointRef(step=newest.step, path=str(newest.path))
 
     def _spikes_said(self, run: Run, live: Attempt) -> frozenset[int]:
-        """The first steps of the live attempt's short spikes already reported: the events
-        the effects recorded for them, read on from the last look."""
-        memory = self.memory.attempt(run.number, live.number)
+        """The live attempt's short spikes reported (first steps): their events, read on."""
+        m = self.memory.attempt(run.number, live.number)
         with self.store.tx() as tx:
             for kind in (EventKind.SPIKE_TRANSIENT, EventKind.SPIKE_PERSISTS):
-                for e in tx.list_events(run.number, after_id=memory.spikes_read_to, kind=kind):
+                for e in tx.list_events(run.number, after_id=m.spikes_read_to, kind=kind):
                     if e.data.get("attempt") == live.number:
-                        memory.spikes_said.add(int(str(e.data["step"])))
-                    memory.spikes_read_to = max(memory.spikes_read_to, e.id)
-        return frozenset(memory.spikes_said)
+                        m.spikes_said.add(int(str(e.data["step"])))
+                    m.spikes_read_to = max(m.spikes_read_to, e.id)
+        return frozenset(m.spikes_said)
 
     # --- the live attempt -----------------------------------------------------------
 

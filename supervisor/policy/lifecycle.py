@@ -267,6 +267,8 @@ def _judge_live_attempt(
         return state, None  # the next attempt once the run's checkpoints are back (decide)
     if obs.result is not None and all_gone(obs):
         res = obs.result
+        if view.open_faults:  # it finished before a tick saw a step of it (a short last stretch)
+            out.append(MarkFaultsRecovered())
         out.append(_end(live, AttemptOutcome.SUCCEEDED, "trainer finished", obs))
         check_run(state, RunState.SUCCEEDED)
         out.append(FinishRun(state=RunState.SUCCEEDED, reason=f"trainer finished at step {res.final_step}",

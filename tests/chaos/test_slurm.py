@@ -584,7 +584,10 @@ def test_a_train_sh_job_recovers_from_a_killed_rank_its_first_nodes_loss_and_a_h
     history = s["attempt_history"]
     assert [a["nodes"] for a in history] == [["node1", "node2"], ["node1", "node2"], ["node2", "node3"],
                                              ["node2", "node3"]]
-    assert [a["resume_step"] for a in history] == [0, 10, 20, 40]
+    # The hang lands at the first step the injector sees at or past 45: on a busy host a
+    # save or two later. The last attempt resumes from the newest save before it.
+    *first, last = [a["resume_step"] for a in history]
+    assert first == [0, 10, 20] and 40 <= last <= hung["step"] and last % 10 == 0, (history, hung)
     for attempt, nodes in enumerate((a["nodes"] for a in history), start=1):
         said = [line for task in (0, 1) for line in
                 (run_dir / "attempts" / str(attempt) / f"node-{task}.log").read_text().splitlines()

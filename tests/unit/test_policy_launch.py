@@ -114,6 +114,17 @@ def test_result_and_all_ranks_exited_is_success() -> None:
     assert ReleaseNodes() in effects
 
 
+def test_an_attempt_that_finished_before_a_step_of_it_was_seen_recovers_the_open_faults() -> None:
+    """A resumed attempt with a short stretch left may finish within a tick or two, on a
+    busy host before any step of it is seen: its success is its recovery."""
+    o = obs(*(rank(i, ProcState.EXITED, exit_code=0) for i in range(4)),
+            result=TrainerResult(final_step=80, model_digest="sha256:ab"))
+    live = attempt(first_step_at=None, resume_step=70)
+    effects = decide(view(run(RunState.RECOVERING), (live,), open_faults=1), o, NOW)
+    assert MarkFaultsRecovered() in effects and of(effects, FinishRun)[0].state is RunState.SUCCEEDED
+    assert MarkFaultsRecovered() not in decide(view(run(RunState.RECOVERING), (live,)), o, NOW)
+
+
 def test_result_while_a_rank_still_runs_waits() -> None:
     ranks = [rank(i, ProcState.EXITED, exit_code=0) for i in range(3)] + [rank(3)]
     o = obs(*ranks, result=TrainerResult(final_step=100, model_digest="x"))
