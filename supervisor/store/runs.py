@@ -115,13 +115,16 @@ class RunQueries:
              .order_by(t.attempts.c.number))
         return [attempt_of(r) for r in self.c.execute(q)]
 
-    def unreleased_attempts(self) -> list[tuple[Run, Attempt]]:
-        """Ended attempts the launcher has not let go of yet (``released``), oldest first."""
+    def unreleased_attempts(self, limit: int = 100) -> list[tuple[Run, Attempt]]:
+        """Ended attempts the launcher has not let go of yet (``released``), oldest first,
+        at most ``limit`` (an upgraded database has its whole history to let go of: a
+        tick takes a slice of it)."""
         a = t.attempts.c
         q = (select(t.attempts).where(a.released_at.is_(None), a.state == AttemptState.ENDED.value)
-             .order_by(a.run_number, a.number))
+             .order_by(a.run_number, a.number).limit(limit))
         ended = [attempt_of(r) for r in self.c.execute(q)]
-        return [(self.get_run(x.run_number), x) for x in ended]
+        runs = {n: self.get_run(n) for n in {x.run_number for x in ended}}
+        return [(runs[x.run_number], x) for x in ended]
 
     def released(self, run_number: int, number: int, now: float) -> None:
         """The launcher has let go of the ended attempt (``unreleased_attempts``)."""
