@@ -51,6 +51,7 @@ from supervisor.domain.knobs import (
 )
 from supervisor.domain.observations import (
     AttemptObs,
+    Measured,
     ProcState,
     RankObs,
     RunView,
@@ -125,6 +126,7 @@ __all__ = [
     "KillOrphans",
     "MarkAttemptRunning",
     "MarkFaultsRecovered",
+    "Measured",
     "MemoryCheckpointRecord",
     "MemoryCheckpointRef",
     "MetricRecord",

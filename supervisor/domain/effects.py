@@ -52,6 +52,13 @@ class StartAttempt:
     resume_from: str | None
     resume_step: int
     precompile: str | None = None  # the job's precompile pass, of these inputs (Attempt.precompile)
+    # What its trainer is told (policy/intervals.py): the data step a [command] that names
+    # {skip_to_step} reads first, and the skip window widened back to it (start, new
+    # start); the checkpoint tiers' intervals where the spec left them "auto".
+    skip_to_step: int | None = None
+    widen_skip: tuple[int, int] | None = None
+    every_steps: int | None = None
+    memory_every_steps: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -190,8 +197,8 @@ class ProbeNodes:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SkipData:
     """From the next attempt on, the trainer steps over samples [start, end) of its data;
-    with ``unit`` "steps" (a [command] told ``{skip_to_step}``), the data of the live
-    attempt's steps [start, end)."""
+    with ``unit`` "steps" (a [command] told ``{skip_to_step}``), data steps [start, end)
+    of its data stream."""
 
     start: int
     end: int

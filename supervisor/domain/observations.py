@@ -9,6 +9,7 @@ from enum import StrEnum
 from supervisor.domain.knobs import TSUP_EXIT_CODES, ExitMeaning
 from supervisor.domain.records import (
     Attempt,
+    AttemptStats,
     CheckpointRef,
     Command,
     FaultRecord,
@@ -131,6 +132,15 @@ class StragglerReport:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Measured:
+    """What a run's attempts measured: their steps and persistent saves, and how long each
+    of its memory saves blocked training (seconds)."""
+
+    stats: tuple[AttemptStats, ...] = ()
+    memory_saves_s: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunView:
     """Everything decide() may look at for one run."""
 
@@ -173,6 +183,13 @@ class RunView:
     # An ended precompile attempt whose run's checkpoints are still set aside (and its own
     # saves not yet): they are brought back before anything else is launched.
     precompile_aside: int | None = None
+    # The run's data skip windows ([start, end): samples; data steps for a [command] told
+    # {skip_to_step}).
+    data_skips: tuple[tuple[int, int], ...] = ()
+    # The checkpoint tiers whose interval the run left "auto" (policy/trainer_inputs.py).
+    auto_tiers: tuple[str, ...] = ()
+    # What the run measured so far, gathered while a launch may be decided (else None).
+    measured: Measured | None = None
 
     @property
     def current(self) -> Attempt | None:

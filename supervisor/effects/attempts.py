@@ -2,8 +2,8 @@
 the processes of an attempt no record owns killed, and an ended one let go of.
 
 Starting one (``_start``) first prepares what its trainer reads: the data windows the
-run skips, the checkpoint intervals set to "auto" (Young/Daly, per tier, from what the
-run measured, supervisor/planning.py), newer checkpoints set aside from a [command]
+run skips, the data step and checkpoint intervals the core decided (policy/trainer_inputs.py),
+newer checkpoints set aside from a [command]
 trainer's way (checkpoint_moves.py, which also moves them for a precompile pass and an
 operator's resume from a chosen step), the attempt's config (its files handed over to
 the run's user), and the fence that keeps an earlier attempt's rank 0 off the
@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, assert_never, get_args
 
-from supervisor import planning, users
+from supervisor import users
 from supervisor.domain import (
     AdoptAttempt,
     Attempt,
@@ -39,7 +39,6 @@ from supervisor.domain import (
 from supervisor.domain.events import EventKind
 from supervisor.effects.base import Acting, Family, Recording
 from supervisor.errors import CannotExecute, LaunchError
-from supervisor.policy import skip_to
 from supervisor.policy.transitions import check_attempt
 from supervisor.runfiles import precompile, trainer_cmd, user_tree
 from supervisor.runfiles.user_tree import UnsafePath
@@ -72,6 +71,8 @@ class AttemptEffects(Family):
                                              resume_step=e.resume_step, created_at=now,
                                              precompile=e.precompile)
                 tx.add_attempt(attempts[e.number])
+                if e.widen_skip is not None:  # said by the core (policy/trainer_inputs.py)
+                    tx.widen_data_skip(n, *e.widen_skip)
             case AdoptAttempt():
                 attempt_to(tx, attempts, e.number, AttemptState.RUNNING, launch_info=e.launch_info,
                            started_at=attempts[e.number].started_at or now)
@@ -151,8 +152,7 @@ class AttemptEffects(Family):
             with d.store.tx() as tx:  # this tick may have changed it (an allocation granted)
                 run = tx.get_run(run.number)
                 skips = tx.list_data_skips(run.number)  # the data windows spikes made the run skip
-            skip_to_step = self._data_steps(run, spec, e, skips, now) if e.precompile is None else None
-            launch = d.launch_specs.of(run, spec, run_dir, attempt, skip_to_step)
+            launch = d.launch_specs.of(run, spec, run_dir, attempt, e.skip_to_step)
             if spec.resources.standby:  # kept on every healthy node the run holds, spares too
                 with d.store.tx() as tx:
                     held = tuple(x.name for x in tx.allocation(run.number) if x.state is NodeState.ALLOCATED)
@@ -161,12 +161,8 @@ class AttemptEffects(Family):
                 d.moves.clear_the_way(run, spec, run_dir, e)
             else:  # the pass's saves are not the run's: its own go out of the way (precompile.py)
                 d.moves.keep_aside_for_pass(run, spec, run_dir, e.number)
-            every = (self._checkpoint_interval(run, spec, now, planning.TIER_PERSISTENT)
-                     if spec.auto_checkpoints else None)
-            memory_every = (self._checkpoint_interval(run, spec, now, planning.TIER_MEMORY)
-                            if spec.auto_memory_checkpoints else None)
-            config = trainer_cmd.write_attempt_config(spec, run_dir, e.number, launch.argv, skips, every,
-                                                      memory_every)
+            config = trainer_cmd.write_attempt_config(spec, run_dir, e.number, launch.argv, skips,
+                                                      e.every_steps, e.memory_every_steps)
             run_as = users.for_launch(spec.user)
             if run_as is not None:  # its trainers write logs, checkpoints and results there
                 ck = trainer_cmd.checkpoint_dir(spec, run_dir)
@@ -195,36 +191,3 @@ class AttemptEffects(Family):
             tx.add_event(run.number, EventKind.ATTEMPT_STARTED,
                          f"attempt {e.number} started: {len(e.nodes) * run.ranks_per_node} ranks on "
                          f"{', '.join(e.nodes)}", {"attempt": e.number, "nodes": list(e.nodes)}, started)
-
-    def _checkpoint_interval(self, run: Run, spec: RunSpec, now: float, tier: str) -> int:
-        """``every_steps = "auto"`` (or ``memory_every_steps``, ``tier`` memory): Young/Daly
-        from what this run measured so far, the tier's own blocking cost."""
-        with self.d.store.tx() as tx:
-            stats = list(tx.attempt_stats(run.number).values())
-            saved = tx.list_memory_checkpoints(run.number) if tier == planning.TIER_MEMORY else []
-            memory_saves = [m.duration_s for m in saved if m.duration_s is not None]
-            cost, step_s = planning.measured_costs(stats, memory_saves, tier)
-            auto = planning.auto_every_steps(cost, step_s, run.nodes, run.policy.failures_per_node_day,
-                                             spec.total_steps, tier)
-            what = "memory checkpoint" if tier == planning.TIER_MEMORY else "checkpoint"
-            tx.add_event(run.number, EventKind.CHECKPOINT_INTERVAL, f"{what} {auto.why}",
-                         {"every_steps": auto.every_steps, "tier": tier}, now)
-        return auto.every_steps
-
-    def _data_steps(self, run: Run, spec: RunSpec, e: StartAttempt, skips: list[tuple[int, int]],
-                    now: float) -> int | None:
-        """A [command] told {skip_to_step}: the data step its first step reads, past the
-        run's skip windows; a window its checkpoint comes before is widened back to where
-        it starts reading, and said (supervisor/policy/recovery.py). None for the others."""
-        if spec.data_skip_unit != "steps":
-            return None
-        at, widen = skip_to(e.resume_step, skips)
-        if widen is not None:
-            with self.d.store.tx() as tx:
-                tx.widen_data_skip(run.number, widen[0], widen[1])
-                tx.add_event(run.number, EventKind.DATA_SKIP,
-                             f"attempt {e.number} resumes from step {e.resume_step} and reads the data of "
-                             f"step {at} next: the data of steps {widen[1]} to {at - 1} is stepped over",
-                             {"attempt": e.number, "skip_to_step": at, "start": widen[1], "end": at,
-                              "unit": "steps"}, now)
-        return at

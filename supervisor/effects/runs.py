@@ -21,7 +21,6 @@ from supervisor.domain import (
 )
 from supervisor.domain.events import EventKind
 from supervisor.effects.base import Acting, Family, Recording
-from supervisor.policy import data_step
 from supervisor.policy.transitions import check_run
 
 RunEffect = (Emit | SetRunState | FinishRun | ResumeRun | RecordFault | MarkFaultsRecovered | SkipData
@@ -101,16 +100,13 @@ class RunEffects(Family):
     @staticmethod
     def _record_skip(r: Recording, e: SkipData) -> None:
         tx, now, n = r.tx, r.now, r.of_run().number
-        if e.unit == "steps":  # the live attempt's steps, as data steps (policy/recovery.py)
-            start = data_step(e.start, tx.list_data_skips(n))
-            end = start + e.end - e.start
-            tx.add_data_skip(n, start, end, e.reason, now)
+        tx.add_data_skip(n, e.start, e.end, e.reason, now)
+        if e.unit == "steps":  # data steps (policy/recovery.py: data_to_skip)
             tx.add_event(n, EventKind.DATA_SKIP,
-                         f"skipping the data of steps {start} to {end - 1} (of the data stream) from "
+                         f"skipping the data of steps {e.start} to {e.end - 1} (of the data stream) from "
                          f"the next attempt on, through {{skip_to_step}}: {e.reason}",
-                         {"start": start, "end": end, "unit": "steps"}, now)
+                         {"start": e.start, "end": e.end, "unit": "steps"}, now)
         else:
-            tx.add_data_skip(n, e.start, e.end, e.reason, now)
             tx.add_event(n, EventKind.DATA_SKIP,
                          f"skipping samples {e.start} to {e.end} from the next attempt on: "
                          f"{e.reason}", {"start": e.start, "end": e.end}, now)

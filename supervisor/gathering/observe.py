@@ -25,13 +25,13 @@ from pathlib import Path
 
 from supervisor.domain import (
     TERMINAL_RUN_STATES,
-    TSUP_EXIT_CODES,
     Attempt,
     AttemptObs,
     AttemptState,
     CheckpointRef,
     Command,
     FaultRecord,
+    Measured,
     NodeState,
     ProcState,
     RankObs,
@@ -44,7 +44,7 @@ from supervisor.domain import (
 from supervisor.domain.events import EventKind
 from supervisor.gathering.feed import Fed
 from supervisor.gathering.launch_specs import LaunchSpecs
-from supervisor.gathering.observed import Facts, Observed
+from supervisor.gathering.observed import Facts, Observed, of_spec
 from supervisor.gathering.output_progress import AttemptOutput
 from supervisor.gathering.run_memory import RunMemory
 from supervisor.gathering.settled import History, SettledHistory, is_over
@@ -113,6 +113,7 @@ class Observer:
             open_faults = tx.count_open_faults(run.number)
             stragglers = tuple(StragglerReport(attempt=s.attempt, rank=s.rank, node=s.node)
                                for s in tx.list_stragglers(run.number))
+            data_skips = tuple(tx.list_data_skips(run.number))
         live = history.live
         self.memory.keep_live(run.number, live.number if live else None)
         cluster_faults: tuple[FaultRecord, ...] = ()
@@ -136,7 +137,7 @@ class Observer:
                     known += tx.nodes_named(others)
             facts.grant = grant_changes(known, run.number, grant.nodes, grant.info)
         allocation = allocation_after(known, run.number, facts.grant)
-        newest, newest_memory = None, None
+        newest, newest_memory, measured = None, None, None
         # The checkpoint matters only when this tick may launch: no attempt training, and a
         # run that wants one (or a command that may make it want one); or when an attempt
         # on fewer nodes than the run's may grow back (after a checkpoint of its own).
@@ -155,6 +156,8 @@ class Observer:
                                   if self.memory.note_out_of_range(run.number, p)]
             with self.store.tx() as tx:
                 memory_saves = tx.list_memory_checkpoints(run.number)
+                measured = Measured(stats=tuple(tx.attempt_stats(run.number).values()), memory_saves_s=tuple(
+                    m.duration_s for m in memory_saves if m.duration_s is not None))
             newest_memory = newest_resumable(memory_saves, attempts, newest, before,
                                              unreadable_checkpoints(faults, attempts, memory=True))
         precompile_due = None
@@ -165,18 +168,13 @@ class Observer:
         view = RunView(
             run=run, attempts=attempts, allocation=allocation, newest_checkpoint=newest,
             newest_memory=newest_memory, commands=tuple(commands),
-            open_faults=open_faults, faults=faults, probing=self.probing(run.number),
-            diagnose=isinstance(spec, RunSpec) and spec.health.diagnose, stragglers=stragglers,
-            cluster_faults=cluster_faults, preflight=isinstance(spec, RunSpec) and spec.health.preflight,
-            newly_allocated=self.memory.newly_allocated(
+            open_faults=open_faults, faults=faults, probing=self.probing(run.number), stragglers=stragglers,
+            cluster_faults=cluster_faults, newly_allocated=self.memory.newly_allocated(
                 run.number, tuple(x.name for x in allocation if x.state is NodeState.ALLOCATED)),
             spikes_said=self._spikes_said(run, live) if live else frozenset(),
             cluster_answering=answering, spec_error=spec if isinstance(spec, str) else None,
-            exit_codes=spec.exit_meanings if isinstance(spec, RunSpec) else TSUP_EXIT_CODES,
-            data_skip_unit=spec.data_skip_unit if isinstance(spec, RunSpec) else "samples",
-            **({"resume_advice": trainer_cmd.resume_advice(spec)} if isinstance(spec, RunSpec) else {}),
-            precompile_due=precompile_due,
-            precompile_aside=aside)
+            precompile_due=precompile_due, precompile_aside=aside, data_skips=data_skips, measured=measured,
+            **(of_spec(spec) if isinstance(spec, RunSpec) else {}))
         return Observed(run=run, spec=spec if isinstance(spec, RunSpec) else None, run_dir=run_dir, view=view,
                         obs=obs, facts=facts)
 
@@ -347,3 +345,4 @@ class Observer:
 
 
 _ENDED = (ProcState.EXITED, ProcState.VANISHED)
+

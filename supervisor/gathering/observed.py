@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from supervisor.domain import AttemptObs, Run, RunView
+from supervisor.planning import TIER_MEMORY, TIER_PERSISTENT
 from supervisor.policy.grants import GrantChanges
+from supervisor.runfiles import trainer_cmd
 from supervisor.runfiles.checkpoint_scan import Verdict
 from supervisor.spec import RunSpec
 
@@ -33,3 +36,11 @@ class Observed:
     view: RunView
     obs: AttemptObs | None
     facts: Facts
+
+
+def of_spec(spec: RunSpec) -> dict[str, Any]:
+    """What decide() sees of the run's spec (RunView's fields)."""
+    auto = (TIER_PERSISTENT,) * spec.auto_checkpoints + (TIER_MEMORY,) * spec.auto_memory_checkpoints
+    return {"diagnose": spec.health.diagnose, "preflight": spec.health.preflight,
+            "exit_codes": spec.exit_meanings, "data_skip_unit": spec.data_skip_unit,
+            "resume_advice": trainer_cmd.resume_advice(spec), "auto_tiers": auto}

@@ -14,6 +14,8 @@ reconciler calls them). Nothing here does I/O or reads a clock (import-linter ch
                     back, probes before a launch
     budget.py       when a run stops trying (failures without progress, crash loops, fault
                     rate), and the backoff
+    trainer_inputs.py  what the next attempt's trainer is told: its data step ({skip_to_step})
+                    and the "auto" checkpoint intervals (Young/Daly from what the run measured)
     memory.py       whether the next attempt's nodes still hold the in-memory save
     nodes.py        judge_probes(), node_command(): probes, lemons' return, operators' drains and probes
     transitions.py  the table of run and attempt states; an illegal change raises

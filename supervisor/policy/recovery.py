@@ -47,8 +47,10 @@ from supervisor.domain import (
 from supervisor.domain.events import EventKind
 from supervisor.policy.attribution import numbers_text
 from supervisor.policy.budget import backoff, failed_streak, stop_reason
+from supervisor.policy.data_steps import data_step
 from supervisor.policy.detection import find_stragglers
 from supervisor.policy.memory import unrecoverable
+from supervisor.policy.trainer_inputs import told
 from supervisor.policy.transitions import check_run
 
 _ROLLBACK_KINDS = frozenset({FaultKind.NONFINITE, FaultKind.SPIKE})
@@ -108,8 +110,9 @@ def launch(view: RunView, state: RunState, drained_now: set[str], out: list[Effe
     number = len(view.attempts) + 1
     precompile = view.precompile_due
     if precompile is not None:  # the job's precompile pass first: no checkpoint, no resume
-        out.append(StartAttempt(number=number, nodes=nodes, resume_from=None, resume_step=0,
-                                precompile=precompile))
+        start, said = told(view, StartAttempt(number=number, nodes=nodes, resume_from=None, resume_step=0,
+                                              precompile=precompile), _skip_windows(view, out))
+        out.append(start)
         out.append(Emit(kind=EventKind.ATTEMPT_LAUNCHING,
                         message=f"attempt {number} on {', '.join(nodes)}: the job's precompile pass "
                                 f"(its inputs {precompile[:12]} were not compiled yet)",
@@ -117,13 +120,21 @@ def launch(view: RunView, state: RunState, drained_now: set[str], out: list[Effe
                               "precompile": precompile}))
     else:
         resume_from, resume_step, origin = _resume_point(view, nodes, out)
-        out.append(StartAttempt(number=number, nodes=nodes, resume_from=resume_from, resume_step=resume_step))
+        start, said = told(view, StartAttempt(number=number, nodes=nodes, resume_from=resume_from,
+                                              resume_step=resume_step), _skip_windows(view, out))
+        out.append(start)
         out.append(Emit(kind=EventKind.ATTEMPT_LAUNCHING,
                         message=f"attempt {number} on {', '.join(nodes)} from {origin}",
                         data={"attempt": number, "nodes": list(nodes), "resume_step": resume_step}))
+    out.extend(said)
     if state in (RunState.STARTING, RunState.RECOVERING):
         return state
     return set_state(state, RunState.STARTING, f"attempt {number} launching", out)
+
+
+def _skip_windows(view: RunView, out: list[Effect]) -> tuple[tuple[int, int], ...]:
+    """The run's data skip windows, with those this tick decided."""
+    return (*view.data_skips, *((e.start, e.end) for e in out if isinstance(e, SkipData)))
 
 
 def _resume_point(view: RunView, nodes: tuple[str, ...], out: list[Effect]) -> tuple[str | None, int, str]:
@@ -281,8 +292,9 @@ def data_to_skip(view: RunView, live: Attempt, obs: AttemptObs, record: RecordFa
     reason = f"{why} (attempt {live.number})"
     if view.data_skip_unit is None:  # it cannot be told
         return None
-    if view.data_skip_unit == "steps":  # a [command] told {skip_to_step}: its steps, as it counts them
-        return SkipData(start=record.step, end=record.step + steps, reason=reason, unit="steps")
+    if view.data_skip_unit == "steps":  # a [command] told {skip_to_step}: its steps, as data steps
+        start = data_step(record.step, view.data_skips)
+        return SkipData(start=start, end=start + steps, reason=reason, unit="steps")
     window = skip_window(obs.recent, record.step, steps)
     if window is None:
         return None

@@ -194,3 +194,45 @@ def test_processes_that_outlive_sigkill_are_abandoned_and_their_node_drained() -
     assert "survived SIGKILL" in of(effects, DrainNode)[0].reason
     assert of(effects, EndAttempt)[0].outcome is AttemptOutcome.FAILED
     assert of(effects, StartAttempt)[0].nodes == ("n1", "n3"), "the run goes on without the stuck node"
+
+
+def test_the_next_attempt_carries_the_auto_intervals_the_core_set_from_what_the_run_measured() -> None:
+    """Young/Daly is the core's (policy/trainer_inputs.py): the effects write the numbers."""
+    from supervisor.domain import AttemptStats, Emit, Measured
+    from supervisor.domain.events import EventKind
+
+    prev = attempt(state=AttemptState.ENDED, outcome=AttemptOutcome.FAILED)
+    r = run(RunState.RECOVERING, total_steps=10_000, policy=replace(run().policy, failures_per_node_day=50))
+    before = replace(view(r, (prev,)), auto_tiers=("persistent", "memory"))
+    [start] = of(decide(before, None, NOW), StartAttempt)
+    assert (start.every_steps, start.memory_every_steps) == (50, 10), "nothing measured: the first intervals"
+    # 30 steps of 0.1 s (the first one left out), a persistent save of 0.5 s, memory saves of 0.02 s.
+    stats = AttemptStats(attempt=1, steps=30, step_time_s=3.0, first_step_time_s=0.1, checkpoints=1,
+                         checkpoint_s=0.5)
+    measured = replace(before, measured=Measured(stats=(stats,), memory_saves_s=(0.02, 0.02)))
+    effects = decide(measured, None, NOW)
+    [start] = of(effects, StartAttempt)
+    # 2 nodes at 50 failures a node-day: MTBF 864 s; sqrt(2 x 0.5 s x 864 s) = 29.4 s = 294 steps of 0.1 s
+    assert start.every_steps == 294 and start.memory_every_steps is not None and start.memory_every_steps < 294
+    said = [e.message for e in of(effects, Emit) if e.kind is EventKind.CHECKPOINT_INTERVAL]
+    assert said[0].startswith("checkpoint every 294 steps: Young/Daly") and said[1].startswith("memory checkpoint")
+    assert start.skip_to_step is None, "a trainer that reads by samples is told its windows, not a step"
+    [start] = of(decide(view(r, (prev,)), None, NOW), StartAttempt)
+    assert (start.every_steps, start.memory_every_steps) == (None, None), "a spec's own intervals stand"
+
+
+def test_a_command_resumed_before_a_skip_window_is_told_its_data_step_and_the_window_widens() -> None:
+    from supervisor.domain import Emit
+    from supervisor.domain.events import EventKind
+
+    prev = attempt(state=AttemptState.ENDED, outcome=AttemptOutcome.FAILED)
+    ck = CheckpointRef(step=20, path="/ck/step_00000020")
+    v = replace(view(run(RunState.RECOVERING), (prev,), ck=ck), data_skip_unit="steps", data_skips=((30, 80),))
+    effects = decide(v, None, NOW)
+    [start] = of(effects, StartAttempt)
+    assert (start.resume_step, start.skip_to_step, start.widen_skip) == (20, 80, (30, 21))
+    [said] = [e for e in of(effects, Emit) if e.kind is EventKind.DATA_SKIP]
+    assert said.data == {"attempt": 2, "skip_to_step": 80, "start": 21, "end": 80, "unit": "steps"}
+    # A trainer that reads its data by samples is told the windows instead (its config).
+    [start] = of(decide(replace(v, data_skip_unit="samples"), None, NOW), StartAttempt)
+    assert (start.skip_to_step, start.widen_skip) == (None, None)
