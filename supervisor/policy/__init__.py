@@ -49,7 +49,7 @@ Run transitions (state, condition -> next state: effects):
                     a LAUNCHING attempt with no process, or only some (daemon killed mid-launch)
                                              -> (same):      KillOrphans (those found), EndAttempt ABORTED
                     first step seen          -> RUNNING:     MarkAttemptRunning, MarkFaultsRecovered
-                    result written, ranks gone -> SUCCEEDED: EndAttempt, FinishRun
+                    result written, ranks gone, no NaN said -> SUCCEEDED: EndAttempt, FinishRun
                     a fault                  -> RECOVERING:  RecordFault, StopAttempt, DrainNode*
                                                 (over the drain budget: ProbeNodes), SkipData
                     a fault, an exit code the trainer declares do-not-retry or

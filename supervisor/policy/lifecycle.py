@@ -265,7 +265,9 @@ def _judge_live_attempt(
                         data={"attempt": live.number, "precompile": live.precompile},
                         message=f"attempt {live.number}: the precompile pass finished; training starts next"))
         return state, None  # the next attempt once the run's checkpoints are back (decide)
-    if obs.result is not None and all_gone(obs):
+    # A loss that went NaN before the trainer finished is judged as at any other tick (a
+    # rollback), however fast the trainer ran on to its end.
+    if obs.result is not None and all_gone(obs) and not any(r.nonfinite_step is not None for r in obs.ranks):
         res = obs.result
         if view.open_faults:  # it finished before a tick saw a step of it (a short last stretch)
             out.append(MarkFaultsRecovered())

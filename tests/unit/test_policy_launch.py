@@ -114,6 +114,18 @@ def test_result_and_all_ranks_exited_is_success() -> None:
     assert ReleaseNodes() in effects
 
 
+def test_a_trainer_that_finished_after_its_loss_went_nan_is_rolled_back_not_succeeded() -> None:
+    """One tick may see the NaN and the trainer's end together (a fast trainer on a busy
+    host): the NaN is judged as at any other tick."""
+    o = obs(*(rank(i, ProcState.EXITED, exit_code=0, nonfinite_step=30 if i == 0 else None) for i in range(4)),
+            result=TrainerResult(final_step=100, model_digest="sha256:ab"))
+    effects = decide(view(run(), (attempt(),)), o, NOW)
+    assert not of(effects, FinishRun)
+    [fault] = of(effects, RecordFault)
+    assert (fault.kind, fault.step) == (FaultKind.NONFINITE, 30)
+    assert of(effects, SetRunState)[0].state is RunState.RECOVERING
+
+
 def test_an_attempt_that_finished_before_a_step_of_it_was_seen_recovers_the_open_faults() -> None:
     """A resumed attempt with a short stretch left may finish within a tick or two, on a
     busy host before any step of it is seen: its success is its recovery."""
