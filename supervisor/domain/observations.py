@@ -39,6 +39,7 @@ class RankObs:
     # and whether its node lives apart from its ranks (None: nothing says): launchers/base.py.
     process: int | None = None
     node_up: bool | None = None
+    node_down: str = ""  # the cluster's word that the node is down (launchers/base.py: RankProc)
     # From telemetry (None / False when no telemetry arrived):
     reported_exit_code: int | None = None  # the rank's own Exit message
     reported_reason: str = ""

@@ -245,7 +245,7 @@ class Observer:
             if node_up is None and agent is not None:
                 node_up = not agent.lost
             dead_since = None
-            if proc.proc in _ENDED or (proc.proc is ProcState.UNKNOWN and lost):
+            if proc.proc in _ENDED or (proc.proc is ProcState.UNKNOWN and (lost or proc.node_down)):
                 dead_since = memory.dead_since.setdefault(proc.rank, now)
             progress_at = t.progress_at
             if quiet_at is not None and (progress_at is None or quiet_at > progress_at):
@@ -253,8 +253,8 @@ class Observer:
             said = fatal.get(proc.rank)
             ranks.append(RankObs(
                 rank=proc.rank, node=proc.node, proc=proc.proc, exit_code=proc.exit_code,
-                process=proc.process, node_up=node_up, reported_exit_code=t.exit_code,
-                reported_reason=t.exit_reason, reported_exit_at=t.exit_at, lost=lost,
+                process=proc.process, node_up=node_up, node_down=proc.node_down, lost=lost,
+                reported_exit_code=t.exit_code, reported_reason=t.exit_reason, reported_exit_at=t.exit_at,
                 node_seen_at=agent.last_seen_at if agent else None, dead_since=dead_since,
                 last_step=t.last_step if t.last_step > floor_step else floor_step, progress_at=progress_at,
                 phase=t.phase, phase_at=t.phase_at, phase_bytes=t.phase_bytes, last_seen_at=t.last_seen_at,

@@ -80,6 +80,9 @@ class RankProc:
     # Whether the node itself lives, as far as the launcher watches it apart from the ranks
     # (the local launcher: the node's own process). None: it does not.
     node_up: bool | None = None
+    # The cluster's word that the node is down (node_up False then), in its words: a node
+    # that lost its power says nothing itself, and is missed by its silence or by this.
+    node_down: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -208,6 +208,9 @@ def node_lost_evidence(ranks: list[RankObs], *, dropped: bool = False) -> str:
     words a fault and a drain give for it."""
     if dropped:
         return "the cluster took it out of the allocation"
+    said = next((r.node_down for r in ranks if r.node_down), "")
+    if said:
+        return f"the cluster says the node is down: {said}"
     if any(r.node_up is False and r.node_seen_at is not None for r in ranks):
         return "its node agent went with them"
     if any(r.node_up is False for r in ranks):
@@ -232,16 +235,17 @@ def held_nodes(view: RunView, live: Attempt) -> set[str]:
 
 
 def with_failed_nodes(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> AttemptObs:
-    """Ranks nothing can see (their processes unknown to the launcher, never heard on
-    telemetry: a [command] trainer's on Slurm) on a node the allocation lost while it keeps
-    others (the attempt's, or a spare: a one-node attempt has no peer to outlive it): the
-    cluster's word that the node died is their last will."""
+    """Ranks whose processes the launcher cannot see, on a node the cluster says is down
+    (``node_down``: a node that lost its power sends no last will), or, for ranks never
+    heard on telemetry (a [command] trainer's on Slurm), on a node the allocation lost
+    while it keeps others (the attempt's, or a spare: a one-node attempt has no peer to
+    outlive it): the cluster's word that the node died is their last will."""
     held = {n.name for n in view.allocation if n.state is NodeState.ALLOCATED}
-    if not obs.unheard or not held:
-        return obs  # heard ranks speak for themselves; the whole allocation going is an interruption
+    # Heard ranks speak for themselves; the whole allocation going is an interruption.
+    dropped = obs.unheard and bool(held)
 
     def failed(r: RankObs) -> bool:
-        return r.proc is ProcState.UNKNOWN and r.node not in held
+        return r.proc is ProcState.UNKNOWN and (bool(r.node_down) or (dropped and r.node not in held))
 
     if not any(failed(r) for r in obs.ranks):
         return obs

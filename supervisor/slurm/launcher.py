@@ -162,7 +162,8 @@ class SlurmLauncher:
         with user_files.directory(spec.log_base, spec.log_dir, create=True):
             pass  # made, or found, without following a link below the daemon's own directory
         run_as = users.for_launch(spec.user)
-        env |= users.login_env(run_as) | self._restart_count(alloc.job)
+        restarts = self._restarts(alloc.job)
+        env |= users.login_env(run_as) | ({} if restarts is None else {"SLURM_RESTART_COUNT": str(restarts)})
         parts = _parts(nodes, job_of, StepRequest(
             job_id=alloc.job, step_name=name, nodes=tuple(nodes), ranks_per_node=spec.ranks_per_node,
             argv=spec.argv, log_dir=spec.log_dir, cwd=spec.cwd, extra=spec.srun_args, launch=spec.launch,
@@ -176,7 +177,7 @@ class SlurmLauncher:
         if warm is not None:
             return self._start_warm(spec, alloc.job, warm, nodes, step, env, agent_info)
         uid = uid_of(run_as)
-        common = {"job": parts[0].req.job_id, "step": name, "uid": uid,
+        common = {"job": parts[0].req.job_id, "step": name, "uid": uid, "restarts": restarts,
                   "ranks": _rank_map(nodes, spec.ranks_per_node),
                   "ranks_per_task": _ranks_per_task(spec), **agent_info}
         started: list[dict[str, Any]] = []
@@ -196,14 +197,14 @@ class SlurmLauncher:
             return json.dumps({**common, **{k: only[k] for k in ("srun_pid", "srun_ct", "log")}})
         return json.dumps({**common, "parts": started})
 
-    def _restart_count(self, job_id: str) -> dict[str, str]:
-        """``SLURM_RESTART_COUNT``, which Slurm sets in a batch script but not in the steps
-        started from outside it: how often the job was requeued. Scripts key their logs on
-        it beside the job id (NxD Training's train_setup.sh: logs/<job>/<restart>/<node>)."""
+    def _restarts(self, job_id: str) -> int | None:
+        """How often the job was requeued (None: not known). The steps get it as
+        ``SLURM_RESTART_COUNT``, which Slurm sets in a batch script but not in the steps
+        started from outside it (scripts key their logs on it beside the job id: NxD
+        Training's train_setup.sh, logs/<job>/<restart>/<node>), and the attempt's record
+        keeps it (``stop``: a requeued job numbers its steps from 0 again)."""
         job = (self.state.jobs() or {}).get(job_id)
-        if job is None or job.restarts is None:
-            return {}
-        return {"SLURM_RESTART_COUNT": str(job.restarts)}
+        return None if job is None else job.restarts
 
     def _start_srun(self, argv: list[str], env: dict[str, str], log_path: Path, spec: LaunchSpec,
                     run_as: users.RunAs | None) -> subprocess.Popen[bytes]:
@@ -340,8 +341,18 @@ class SlurmLauncher:
                 if mine is None or rank in mine:
                     states[rank] = rank_state(exits.get(rank), srun_code, srun_alive, step_listed,
                                                failed_named=bool(exits))
-        return [RankProc(rank=rank, node=node, proc=states[rank][0], exit_code=states[rank][1])
+        down = self._down({node for _, node in ranks})
+        return [RankProc(rank=rank, node=node, proc=states[rank][0], exit_code=states[rank][1],
+                         node_up=False if node in down else None, node_down=down.get(node, ""))
                 for rank, node in ranks]
+
+    def _down(self, nodes: set[str]) -> dict[str, str]:
+        """Those of ``nodes`` Slurm declared DOWN (its slurmd unheard past SlurmdTimeout: a
+        node that lost its power, whose ranks say nothing), with Slurm's words for it. A
+        node merely NOT_RESPONDING (one missed ping, a busy slurmd) is not down yet."""
+        known = self.state.nodes() or {}
+        return {n: f"Slurm set it {known[n].state}" + (f" ({known[n].reason})" if known[n].reason else "")
+                for n in nodes if n in known and "DOWN" in known[n].flags}
 
     def _srun_state(self, info: dict[str, Any]) -> tuple[int | None, bool]:
         """(srun's exit code if it was ours and ended, whether it still runs)."""
@@ -371,13 +382,29 @@ class SlurmLauncher:
             _, alive = self._srun_state(part)
             if alive:
                 # srun forwards SIGTERM to every task; two SIGINTs within a second make it
-                # kill the step (when the step id was not known yet).
+                # kill the step (when the step id was not known yet). In a job requeued under
+                # it, the step of its id is another attempt's: then it goes quietly.
                 with contextlib.suppress(ProcessLookupError):
-                    if force and step is None:
+                    if self._requeued_under(info, part):
+                        os.kill(int(part["srun_pid"]), signal.SIGKILL)
+                    elif force and step is None:
                         os.kill(int(part["srun_pid"]), signal.SIGINT)
                         os.kill(int(part["srun_pid"]), signal.SIGINT)
                     elif not force:
                         os.kill(int(part["srun_pid"]), signal.SIGTERM)
+
+    def _requeued_under(self, info: dict[str, Any], part: dict[str, Any]) -> bool:
+        """The job of ``part``'s srun is no longer the incarnation it started in: requeued
+        (pending again, or running with a higher restart count) or gone. False while Slurm
+        does not answer."""
+        jobs = self.state.jobs()
+        if jobs is None:
+            return False
+        job = jobs.get(part.get("job", info["job"]))
+        if job is None or job.state != "RUNNING":
+            return True
+        started_in = info.get("restarts")
+        return started_in is not None and job.restarts is not None and job.restarts != started_in
 
     def _step_id(self, info: dict[str, Any], part: dict[str, Any]) -> str | None:
         s = _own_step(self.state.steps() or [], part.get("job", info["job"]), part["step"], info.get("uid"))

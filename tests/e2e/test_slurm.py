@@ -285,11 +285,14 @@ def test_a_command_sees_its_steps_nodes_as_the_job_and_runs_in_its_cwd_with_its_
 
 def test_on_hyperpod_a_runs_only_node_lost_is_handed_to_its_repair_and_taken_back_when_it_returns(
         slurm_box: Box, tmp_path: Path) -> None:
-    """With `hyperpod = true`, a run of one node and no spare: its node dying mid-run is a
-    lost node (not a hang, not a network cut), set FAIL with Reason "Action:Replace" (what
-    HyperPod's agent acts on); the run's job is requeued, its id kept, and goes on on
-    another node. Once HyperPod brings the node back (here: slurmd started again and the
-    node resumed, as its agent does) the supervisor takes it back into its pool."""
+    """With `hyperpod = true`, a run of one node and no spare: its node losing its power
+    mid-run (its link down, then everything on it SIGKILLed: no last will is sent) is a
+    lost node once Slurm declares it down (not a hang, not a network cut), set FAIL with
+    Reason "Action:Replace" (what HyperPod's agent acts on); the run's job is requeued,
+    its id kept, and goes on on another node, in one attempt (the srun of the dead
+    incarnation kills nothing of it). Once HyperPod brings the node back (here: slurmd
+    started again and the node resumed, as its agent does) the supervisor takes it back
+    into its pool."""
     from slurmbox import box as box_mod
 
     spec = spec_for_slurm(tmp_path)
@@ -306,7 +309,7 @@ def test_on_hyperpod_a_runs_only_node_lost_is_handed_to_its_repair_and_taken_bac
                  "a committed checkpoint")
         [job] = slurm(slurm_box, "squeue", "-h", "-o", "%i").split()
         [lost] = daemon.ctl_json("status", run_id)["attempt_history"][-1]["nodes"]
-        box_mod.kill_node(slurm_box, lost)
+        box_mod.kill_node(slurm_box, lost, power_loss=True)
         assert (daemon.ctl_json("status", run_id)["step"] or 0) < 240, "the run ended before its node was killed"
 
         def node() -> parse.NodeInfo:

@@ -308,6 +308,30 @@ def test_a_one_node_allocation_the_cluster_ended_with_its_node_up_is_an_interrup
     assert fault.kind is FaultKind.ALLOCATION_ENDED and fault.nodes == ()
 
 
+def test_a_node_that_lost_its_power_is_lost_on_the_clusters_word_that_it_is_down() -> None:
+    """A node without power sends no last will: its ranks are silent, unknown to Slurm's
+    launcher, and nothing about them changes until Slurm declares the node DOWN
+    (SlurmdTimeout) and requeues its job. That word is their last will: the node is
+    lost and drained (and, on HyperPod, handed to its repair), not a hang a minute later."""
+    said = "Slurm set it DOWN+NOT_RESPONDING (Not responding)"
+    silent = [rank(r, ProcState.UNKNOWN, last_seen_at=NOW - 12, progress_at=NOW - 12) for r in (0, 1)]
+    assert not of(decide(*one_node_attempt(*silent, held=False), NOW), RecordFault), \
+        "silent alone, its allocation ended: the node's word or the cluster's is awaited"
+    down = [replace(r, node_up=False, node_down=said) for r in silent]
+    effects = decide(*one_node_attempt(*down, held=False), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n1",), fault
+    assert f"the cluster says the node is down: {said}" in fault.summary
+    assert [d.node for d in of(effects, DrainNode)] == ["n1"]
+    # Two nodes: the one Slurm declared down (seen so since the last tick) is lost, its
+    # heard peer is not blamed.
+    peers = [heard(2, 0.5, ProcState.UNKNOWN), heard(3, 0.5, ProcState.UNKNOWN)]
+    effects = decide(view(run(), (attempt(),)), obs(*(replace(r, dead_since=NOW - 1) for r in down), *peers), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n1",), fault
+    assert [d.node for d in of(effects, DrainNode)] == ["n1"]
+
+
 def test_while_no_rank_of_a_slurm_step_is_heard_no_hang_is_judged_for_up_to_the_hang_timeout() -> None:
     live = attempt(started_at=NOW - 1000, first_step_at=NOW - 900)
     o = timed(0.2)

@@ -243,3 +243,46 @@ def test_the_steps_get_the_jobs_restart_count(tmp_path: Path) -> None:
         launcher.start(LaunchSpec(run_id="run-1", attempt=2, nodes=("node2",), ranks_per_node=1, argv=("true",),
                                   env={}, log_dir=tmp_path / "attempts" / "2", marker="m", allocation_info=INFO))
     assert started and started[0]["SLURM_RESTART_COUNT"] == "2"
+
+
+def test_the_ranks_of_a_node_slurm_declared_down_carry_its_word(tmp_path: Path) -> None:
+    """A node that lost its power sends nothing; Slurm's DOWN (after SlurmdTimeout) is the
+    word that it went (recorded node table: node1 down and not responding, node2 up)."""
+    launcher = launcher_on(slurm_of(), tmp_path)
+    info = json.dumps({"job": "7", "step": "s", "uid": ME, "srun_pid": 0, "srun_ct": 0.0,
+                       "ranks": [[0, "node1"], [1, "node2"]], "log": str(tmp_path / "srun.log")})
+    one, two = launcher.observe(info)
+    assert (one.node_up, one.node_down) == (False, "Slurm set it DOWN+NOT_RESPONDING (Not responding)")
+    assert (two.node_up, two.node_down) == (None, ""), "up: nothing said either way"
+
+
+def test_a_stop_after_slurm_requeued_the_job_kills_the_old_srun_quietly(tmp_path: Path) -> None:
+    """A requeued job numbers its steps from 0 again: the srun of the attempt its dead
+    node ended, told to stop by SIGINT, would kill step 0 of the job's next incarnation,
+    the next attempt's (seen on the box: the attempt after a power loss SIGKILLed 2 s in).
+    Once the job is requeued under it, it gets SIGKILL, which makes it say nothing."""
+    import subprocess
+    import sys
+
+    from supervisor.launchers.local_record import start_time_of
+
+    def srun() -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    def info(p: subprocess.Popen[bytes]) -> str:
+        return json.dumps({"job": "5", "step": "s", "uid": ME, "restarts": 0, "srun_pid": p.pid,
+                           "srun_ct": start_time_of(p.pid), "ranks": [[0, "node1"]], "log": str(tmp_path / "l")})
+
+    same = squeue({"job_id": 5, "name": "first", "user_id": ME, "restart_cnt": 0})
+    again = squeue({"job_id": 5, "name": "first", "user_id": ME, "restart_cnt": 1})  # running again
+    waiting = squeue({"job_id": 5, "name": "first", "user_id": ME, "restart_cnt": 1, "job_state": "PENDING",
+                      "state_reason": "BeginTime", "nodes": ""})
+    for jobs, signal_seen in ((same, -2), (again, -9), (waiting, -9)):
+        launcher = launcher_on(slurm_of(jobs), tmp_path)
+        p = srun()
+        try:
+            launcher.stop(info(p), force=True)
+            assert p.wait(10) == signal_seen, jobs
+        finally:
+            p.kill()
+            p.wait()
