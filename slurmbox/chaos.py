@@ -31,10 +31,14 @@ class BoxChaos:
         self.box = found
 
     def kill_node(self, launch_info: str, node: str) -> str:
-        pids = slurm_box.kill_node(self.box, node)
+        """As by a power loss: the node's link goes down first, so that nothing it ran
+        says goodbye (no last will fires; its peers' connections hang rather than reset),
+        then everything it runs is SIGKILLed."""
+        pids = slurm_box.kill_node(self.box, node, power_loss=True)
         if not pids:
             raise LaunchError(f"node {node} runs no process")
-        return f"SIGKILL to {node}'s slurmd and every process it started ({len(pids)} processes)"
+        return (f"power lost: {node}'s link down, SIGKILL to its slurmd and every process it started "
+                f"({len(pids)} processes)")
 
     def freeze_node(self, launch_info: str, node: str) -> str:
         pids = slurm_box.signal_node(self.box, node, signal.SIGSTOP)
