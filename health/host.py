@@ -83,12 +83,23 @@ def load(*, max_per_cpu: float = 4.0, shared: bool = False) -> Finding:
     return Finding(probe="load", status=status, evidence=evidence)
 
 
+# What the supervisor's launchers set in every process of an attempt, whatever its trainer
+# (torchrun and its workers, a user's train.sh and what it runs), and in a node's own
+# processes (its agent), which are no trainer.
+_ATTEMPT_ENV, _NODE_PROCESS_ENV = "TSUP_MARKER", "TSUP_NODE_PROCESS"
+
+
 def leftover_trainers(*, shared: bool = False) -> Finding:
-    """Trainer processes still alive on a node that should be idle hold memory and devices."""
+    """Trainer processes still alive on a node that should be idle hold memory and devices:
+    the reference trainer's (``python -m trainer``), and any process of an attempt (its
+    environment names one), where this probe may read the environment (as root, or the
+    run's user)."""
     left = []
     for p in psutil.process_iter(["pid", "cmdline"]):
+        if p.info["pid"] == os.getpid():
+            continue
         cmdline = p.info["cmdline"] or []
-        if cmdline[1:3] == ["-m", "trainer"] and p.info["pid"] != os.getpid():
+        if cmdline[1:3] == ["-m", "trainer"] or _of_an_attempt(p):
             left.append(p.info["pid"])
     evidence = (f"{len(left)} trainer process(es) running: pids {', '.join(map(str, left[:10]))}" if left
                 else "no trainer process running")
@@ -97,6 +108,14 @@ def leftover_trainers(*, shared: bool = False) -> Finding:
                        evidence=f"{evidence}: {_NOT_JUDGED}")
     return Finding(probe="leftover_trainers", status=Status.DEGRADED if left else Status.HEALTHY,
                    evidence=evidence)
+
+
+def _of_an_attempt(p: psutil.Process) -> bool:
+    try:
+        env = p.environ()
+    except (psutil.Error, OSError):  # another user's, or gone
+        return False
+    return bool(env.get(_ATTEMPT_ENV)) and not env.get(_NODE_PROCESS_ENV)
 
 
 def required(paths: list[Path]) -> list[Finding]:

@@ -8,11 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from health import host
 from health.model import Action, Finding, Status, verdict
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 from tests.fake_tools.replay import make_tools
 
 
@@ -101,6 +102,26 @@ def test_the_write_probe_never_writes_through_a_planted_link_nor_removes_it(
     finding = host.write_latency(tmp_path)
     assert finding.status is Status.UNHEALTHY and "File exists" in finding.evidence
     assert victim.read_text() == "root's\n" and planted.is_symlink(), "not written through, not removed"
+
+
+def test_any_process_of_an_attempt_left_on_a_node_is_a_leftover_trainer_not_only_the_reference_one(
+        tmp_path: Path) -> None:
+    """A user's train.sh, torchrun and its workers carry the attempt's marker the launchers
+    set; a node's own agent carries it too but is no trainer."""
+    marker = f"{tmp_path}/runs/run-1/attempts/3/trainer.json"
+    train_sh = subprocess.Popen(["sleep", "60"], env={"PATH": "/usr/bin:/bin", "TSUP_MARKER": marker})
+    agent = subprocess.Popen(["sleep", "61"], env={"PATH": "/usr/bin:/bin", "TSUP_MARKER": marker,
+                                                   "TSUP_NODE_PROCESS": "1"})
+    try:
+        wait_for(lambda: psutil.Process(train_sh.pid).environ().get("TSUP_MARKER") == marker, 10, "its environment")
+        found = host.leftover_trainers()
+        assert found.status is Status.DEGRADED and str(train_sh.pid) in found.evidence, found
+        assert str(agent.pid) not in found.evidence, "a node's own process is no trainer"
+    finally:
+        for p in (train_sh, agent):
+            p.kill()
+            p.wait()
+    assert str(train_sh.pid) not in host.leftover_trainers().evidence
 
 
 def test_a_node_sharing_its_host_reports_the_hosts_trainers_and_load_without_judging_them(
