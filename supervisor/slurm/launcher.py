@@ -198,11 +198,9 @@ class SlurmLauncher:
         return json.dumps({**common, "parts": started})
 
     def _restarts(self, job_id: str) -> int | None:
-        """How often the job was requeued (None: not known). The steps get it as
-        ``SLURM_RESTART_COUNT``, which Slurm sets in a batch script but not in the steps
-        started from outside it (scripts key their logs on it beside the job id: NxD
-        Training's train_setup.sh, logs/<job>/<restart>/<node>), and the attempt's record
-        keeps it (``stop``: a requeued job numbers its steps from 0 again)."""
+        """How often the job was requeued (None: not known): the steps' SLURM_RESTART_COUNT
+        (set by Slurm in a batch script only; NxD Training keys its logs on it), and the
+        attempt's record's (``_requeued_under``)."""
         job = (self.state.jobs() or {}).get(job_id)
         return None if job is None else job.restarts
 
@@ -347,9 +345,8 @@ class SlurmLauncher:
                 for rank, node in ranks]
 
     def _down(self, nodes: set[str]) -> dict[str, str]:
-        """Those of ``nodes`` Slurm declared DOWN (its slurmd unheard past SlurmdTimeout: a
-        node that lost its power, whose ranks say nothing), with Slurm's words for it. A
-        node merely NOT_RESPONDING (one missed ping, a busy slurmd) is not down yet."""
+        """Those of ``nodes`` Slurm declared DOWN (slurmd unheard past SlurmdTimeout: power
+        lost, say), in Slurm's words; NOT_RESPONDING alone (a missed ping) is not down."""
         known = self.state.nodes() or {}
         return {n: f"Slurm set it {known[n].state}" + (f" ({known[n].reason})" if known[n].reason else "")
                 for n in nodes if n in known and "DOWN" in known[n].flags}
@@ -382,8 +379,7 @@ class SlurmLauncher:
             _, alive = self._srun_state(part)
             if alive:
                 # srun forwards SIGTERM to every task; two SIGINTs within a second make it
-                # kill the step (when the step id was not known yet). In a job requeued under
-                # it, the step of its id is another attempt's: then it goes quietly.
+                # kill the step (when its id was not known yet); in a requeued job, quietly.
                 with contextlib.suppress(ProcessLookupError):
                     if self._requeued_under(info, part):
                         os.kill(int(part["srun_pid"]), signal.SIGKILL)
@@ -394,9 +390,9 @@ class SlurmLauncher:
                         os.kill(int(part["srun_pid"]), signal.SIGTERM)
 
     def _requeued_under(self, info: dict[str, Any], part: dict[str, Any]) -> bool:
-        """The job of ``part``'s srun is no longer the incarnation it started in: requeued
-        (pending again, or running with a higher restart count) or gone. False while Slurm
-        does not answer."""
+        """``part``'s job is no longer the incarnation its srun started in (a requeued job
+        numbers its steps from 0 again): pending again, at another restart count, or gone.
+        False while Slurm does not answer."""
         jobs = self.state.jobs()
         if jobs is None:
             return False
@@ -417,19 +413,23 @@ class SlurmLauncher:
             (self.state_dir / "slurm" / Path(info["record"]).name).unlink(missing_ok=True)
         for part in steps_of(info):
             pid = int(part["srun_pid"])
+            if self._requeued_under(info, part):  # it would signal the next incarnation's step
+                self._signal_srun(pid, signal.SIGKILL)
             child = self._children.get(pid)
             if child is not None and child.poll() is not None:
                 del self._children[pid]
 
     def _stop_agents(self, info: dict[str, Any]) -> None:
         """The attempt is over: its node agents go (SIGTERM through our srun, which passes it
-        to every agent; and scancel of their step, for one a restarted daemon adopted)."""
+        to every agent, or SIGKILL to an srun whose job was requeued under it; and scancel
+        of their step, for one a restarted daemon adopted)."""
         name = info.get("agent_step")
         if not name:
             return
         steps = self.state.steps() or []
         for agents in info.get("agents") or [{"job": info["job"], "pid": info.get("agent_pid", 0)}]:
-            self._signal_srun(int(agents["pid"]), signal.SIGTERM)
+            quietly = self._requeued_under(info, agents)
+            self._signal_srun(int(agents["pid"]), signal.SIGKILL if quietly else signal.SIGTERM)
             self._children.pop(int(agents["pid"]), None)
             step = _own_step(steps, agents["job"], name, info.get("uid"))
             if step is not None:

@@ -286,3 +286,29 @@ def test_a_stop_after_slurm_requeued_the_job_kills_the_old_srun_quietly(tmp_path
         finally:
             p.kill()
             p.wait()
+
+
+def test_the_node_agents_srun_of_a_requeued_job_is_killed_quietly_when_its_attempt_is_let_go(
+        tmp_path: Path) -> None:
+    """The same for the agents' step (seen on the box under load: the agents' srun, sent
+    SIGTERM as its attempt was let go, signalled the next incarnation's steps once the dead
+    node came back, and the next attempt's ranks and agent died 4 s in)."""
+    import subprocess
+    import sys
+
+    same = squeue({"job_id": 5, "name": "first", "user_id": ME, "restart_cnt": 0})
+    waiting = squeue({"job_id": 5, "name": "first", "user_id": ME, "restart_cnt": 1, "job_state": "PENDING",
+                      "state_reason": "BeginTime", "nodes": ""})
+    for jobs, signal_seen in ((same, -15), (waiting, -9)):
+        launcher = launcher_on(slurm_of(jobs), tmp_path)
+        agents = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        launcher._children[agents.pid] = agents  # what start() keeps of the srun it started
+        info = json.dumps({"job": "5", "step": "s", "uid": ME, "restarts": 0, "srun_pid": 0, "srun_ct": 0.0,
+                           "ranks": [[0, "node1"]], "log": str(tmp_path / "l"), "agent_step": "s.agent",
+                           "agents": [{"job": "5", "pid": agents.pid}]})
+        try:
+            launcher.forget(info)
+            assert agents.wait(10) == signal_seen, jobs
+        finally:
+            agents.kill()
+            agents.wait()
