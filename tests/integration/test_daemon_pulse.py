@@ -41,9 +41,10 @@ from cli import daemon as cli
 from supervisor.daemon import Daemon
 
 cli.STOP_WITHIN_S = 1.0
-async def wedged_close(self):  # a stop that never ends, whatever holds it
-    time.sleep(3600)
-Daemon._close = wedged_close
+async def wedged_stop(self, stop):  # a stop that never ends, whatever holds it: wedged
+    await stop.wait()               # from its first moment, so that the deadline finds
+    time.sleep(3600)                # it there however loaded the host is
+Daemon.run = wedged_stop
 sys.exit(cli.main(["serve", "--state-dir", sys.argv[1], "--api-bind", "127.0.0.1:0"]))
 """
 
@@ -64,4 +65,4 @@ def test_a_stop_that_does_not_end_ends_the_process_at_its_deadline_with_the_stac
     finally:
         proc.kill()
     assert proc.returncode == 1 and took < 10, (proc.returncode, took, out[-2000:])
-    assert "still stopping after 1 s" in out and "wedged_close" in out, out[-4000:]
+    assert "still stopping after 1 s" in out and "wedged_stop" in out, out[-4000:]
