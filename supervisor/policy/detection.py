@@ -77,6 +77,9 @@ def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fin
         first_seen = min(r.dead_since if r.dead_since is not None else now for r in dead)
         if obs.output_read and first_seen >= now:
             return None  # what it printed as it died is read at the next tick's start: judged then
+        wrong = wrong_resume(live, obs, view.resume_advice)
+        if wrong is not None:
+            return wrong  # it did not load its checkpoint (why it died too, most likely): a retry would too
         if now - first_seen < view.run.policy.fault_settle_s and not all_gone(obs):
             return None  # let ranks that die together (a node) show themselves first
         silent = _find_silent_node(view, live, obs, now, step)

@@ -113,10 +113,12 @@ def test_preflight_and_diagnosis_probes_on_the_local_launcher(tmp_path: Path,
     monkeypatch.setenv("TSUP_HEALTH_TOOLS", str(make_tools(tmp_path / "tools", ["neuron-ls", "neuron-monitor"])))
     monkeypatch.setenv("TSUP_FAKE_HW", str(hw))
     spec = tmp_path / "spec.toml"
-    spec.write_text(EXAMPLE.read_text() + '\n[health]\npreflight = true\ndiagnose = true\n'
+    # 30 steps, not 80: what is checked is the probes around one fault, not the training.
+    spec.write_text(EXAMPLE.read_text().replace("steps = 80", "steps = 30").replace("every_steps = 20", "every_steps = 10")
+                    + '\n[health]\npreflight = true\ndiagnose = true\n'
                     'instance_type = "trn1.32xlarge"\nmin_free_gib = 0.1\n')
     state = tmp_path / "state"
-    proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "kill-rank@50")
+    proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "kill-rank@15")
     s = summary_of(proc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert s["state"] == "SUCCEEDED"

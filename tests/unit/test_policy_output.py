@@ -68,6 +68,13 @@ def test_a_trainer_that_resumes_at_the_wrong_step_fails_the_run_with_the_reason(
     assert fault.kind is FaultKind.WRONG_RESUME and fault.step == 1
     assert "resumed at step 1, not after step 20" in fault.summary and "command.resume" in fault.summary
     assert not of(effects, StartAttempt)
+    # Dead too by the time its output is judged (the FSDP test case saving step 10 again over
+    # the directory it left, on a loaded host): the wrong resume is why, not its exit.
+    dead = [rank(0, ProcState.EXITED, exit_code=1, first_step=1, last_step=10, dead_since=NOW - 1),
+            rank(1), rank(2), rank(3)]
+    effects = decide(view(run(), (attempt(1, AttemptState.ENDED), resumed)), obs(*dead), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.WRONG_RESUME and not of(effects, StartAttempt)
     right = [rank(0, first_step=21, last_step=21), rank(1), rank(2), rank(3)]
     effects = decide(view(run(), (attempt(1, AttemptState.ENDED), resumed)), obs(*right), NOW)
     assert not of(effects, RecordFault)
