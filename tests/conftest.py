@@ -373,7 +373,7 @@ KIND_OF_FOLDER = {"unit": "unit", "integration": "integration", "e2e": "e2e", "c
                   "chaos": "chaos"}
 
 
-# The suite runs on several workers (`make test WORKERS=3`: `pytest -n 3 --dist loadgroup`). What
+# The suite runs on several workers (`make test`: `pytest -n 3 --dist loadgroup`). What
 # this host holds one of is used by one test at a time, whichever worker runs it:
 # - "box": the Slurm boxes and their network namespaces (a test that asks for one, every
 #   e2e and chaos test_slurm*.py, the launcher contract, the install on the multi-host box);
