@@ -326,11 +326,13 @@ def _silent_before(obs: AttemptObs, now: float) -> bool:
 
 
 def _all_cut_off(view: RunView, obs: AttemptObs, now: float) -> bool:
-    """No rank heard for STALL_GAP_S, none of them visible to the launcher, for less than
-    ``hang_timeout_s``: they lost the broker together; a hang cannot be told from that."""
+    """No rank heard (neither it nor its node's agent, the only voice of a ``[command]``
+    trainer's ranks) for STALL_GAP_S, none of them visible to the launcher, for less than
+    ``hang_timeout_s``: they lost the broker together, or their only node its power (which
+    the cluster will say); a hang cannot be told from either."""
     if not obs.ranks or any(r.proc is not ProcState.UNKNOWN for r in obs.ranks):
         return False
-    heard = max((r.last_seen_at for r in obs.ranks if r.last_seen_at is not None), default=None)
+    heard = max((t for t in (r.heard_at for r in obs.ranks) if t is not None), default=None)
     return heard is not None and STALL_GAP_S < now - heard < view.run.policy.hang_timeout_s
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from supervisor.domain import (
+    AttemptObs,
     DrainNode,
     FaultKind,
+    ProcState,
     RecordFault,
     RunState,
     StopAttempt,
@@ -104,6 +106,28 @@ def test_a_whole_node_falling_silent_is_left_to_the_silence_rule_not_called_a_ha
     later = tuple(replace(x, last_seen_at=NOW - 11) if x.node == "n2" else x for x in frozen)
     [fault] = of(decide(view(run(), (live,)), replace(o, ranks=later), NOW), RecordFault)
     assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n2",)
+
+
+def test_a_command_trainers_only_node_silent_with_its_agent_is_no_hang_until_the_hang_timeout() -> None:
+    """A [command] trainer's ranks say nothing themselves and are unknown to the Slurm
+    launcher: their node's agent is their only voice. Its one node losing its power
+    silences all of it at once, like a cut from the broker: no hang under the adaptive
+    limit (the cluster says DOWN soon, attribution's node loss), one at hang_timeout_s."""
+    live = attempt(nodes=("n1",), started_at=NOW - 1000, first_step_at=NOW - 900)
+    o = timed(0.2)
+
+    def silent_for(s: float) -> AttemptObs:
+        return replace(o, ranks=tuple(replace(x, node="n1", proc=ProcState.UNKNOWN, last_seen_at=None,
+                                              node_seen_at=NOW - s, progress_at=NOW - s) for x in o.ranks))
+    one = run(nodes=1, spares=0)
+    assert not of(decide(view(one, (live,)), silent_for(12), NOW), RecordFault)
+    [fault] = of(decide(view(one, (live,)), silent_for(61), NOW), RecordFault)
+    assert fault.kind is FaultKind.HANG
+    # Its agent still heard: the step loop is stuck, a hang under the adaptive limit.
+    heard = replace(o, ranks=tuple(replace(x, node="n1", proc=ProcState.UNKNOWN, last_seen_at=None,
+                                           node_seen_at=NOW - 1, progress_at=NOW - 12) for x in o.ranks))
+    [fault] = of(decide(view(one, (live,)), heard, NOW), RecordFault)
+    assert fault.kind is FaultKind.HANG
 
 
 def test_once_a_save_was_timed_the_checkpoint_allowance_adapts_to_it() -> None:
