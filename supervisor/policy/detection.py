@@ -73,13 +73,14 @@ def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fin
     dead = [r for r in obs.ranks if is_dead(r)]
     if dead and cut_off_together(obs.ranks):
         dead = []  # the network or the broker, not the nodes (see the module docstring)
+    # A trainer that did not load its checkpoint: why it died too, most likely; a retry would do the same.
+    wrong = wrong_resume(live, obs, view.resume_advice)
     if dead:
         first_seen = min(r.dead_since if r.dead_since is not None else now for r in dead)
         if obs.output_read and first_seen >= now:
             return None  # what it printed as it died is read at the next tick's start: judged then
-        wrong = wrong_resume(live, obs, view.resume_advice)
         if wrong is not None:
-            return wrong  # it did not load its checkpoint (why it died too, most likely): a retry would too
+            return wrong
         if now - first_seen < view.run.policy.fault_settle_s and not all_gone(obs):
             return None  # let ranks that die together (a node) show themselves first
         silent = _find_silent_node(view, live, obs, now, step)
@@ -95,7 +96,7 @@ def find_fault(view: RunView, live: Attempt, obs: AttemptObs, now: float) -> Fin
             # time to say which. A node agent's word (its reports, its last will) says it now.
             return None
         return attribute(view, live, obs.ranks, dead, step)
-    wrong = wrong_resume(live, obs, view.resume_advice) or resume_diverged(live, obs)
+    wrong = wrong or resume_diverged(live, obs)
     if wrong is not None:
         return wrong
     # A precompile pass's losses are not a model's (its graphs run on placeholder data).
