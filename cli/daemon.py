@@ -32,7 +32,7 @@ from pydantic import ValidationError
 
 from api.app import daemon_app
 from supervisor import logs, planning, report
-from supervisor.chaos import TRAINER_KINDS, ChaosAction, ChaosMonkey, parse_chaos
+from supervisor.chaos import TRAINER_KINDS, ChaosAction, ChaosMonkey, parse_chaos, trainer_faults
 from supervisor.config import ServiceConfig, default_state_dir, load_service_config, parse_bind
 from supervisor.daemon import Daemon, DaemonSettings
 from supervisor.domain import TERMINAL_RUN_STATES, CommandKind, DrainBudget
@@ -256,12 +256,12 @@ async def _run(args: argparse.Namespace, slurm_chaos: SlurmChaos | None) -> int:
         spec = spec.model_copy(update={"resources": resources})
     chaos = [parse_chaos(c) for c in args.chaos]
     in_trainer = [str(c) for c in chaos if c.kind in TRAINER_KINDS]
-    if in_trainer:
-        if spec.trainer is None:
-            raise SpecError(f"--chaos {', '.join(in_trainer)}: only the reference trainer ([trainer]) "
-                            "injects these")
+    if in_trainer and spec.trainer is None:
+        raise SpecError(f"--chaos {', '.join(in_trainer)}: only the reference trainer ([trainer]) "
+                        "injects these")
+    if spec.trainer is not None and (for_trainer := trainer_faults(chaos)):
         # validated again, as a stored spec will be when the reconciler reads it back
-        spec = type(spec).model_validate({**spec.model_dump(), "chaos": [*spec.chaos, *in_trainer]})
+        spec = type(spec).model_validate({**spec.model_dump(), "chaos": [*spec.chaos, *for_trainer]})
     outside = [c for c in chaos if c.kind not in TRAINER_KINDS]
     needs_hooks = any(c.kind != "corrupt-ckpt" for c in outside)
     if needs_hooks and spec.resources.launcher == "slurm" and slurm_chaos is None:  # refused before a submit

@@ -45,12 +45,17 @@ in every attempt of the run:
                       MB/s per rank (40): slow or busy storage
 
 Each action fires once per run, through the launcher, as real signals to real
-processes. An action at a later step than one that ends the attempt (a kill, a freeze,
-a hang) waits for the next attempt: with ``kill-rank@45 kill-node@48`` the node dies at
-step 48 of the attempt that resumed, even when the supervisor first hears of steps 45
-and 48 in one poll. The injector tells the reconciler nothing: the supervisor must detect the
-fault on its own. It records a ``chaos.injected`` event so that a reader (and the
-tests) can compare detection times with the moment of injection.
+processes. The reference trainer holds after the step of one that ends the attempt (up to
+5 s, in the first attempt to get there: ``hold@STEP``, trainer/faults.py), so that the
+fault lands at its step even when a busy supervisor hears of that step late; a
+``[command]`` trainer does not wait.
+
+An action at a later step than one that ends the attempt (a kill, a freeze, a hang)
+waits for the next attempt: with ``kill-rank@45 kill-node@48`` the node dies at step 48
+of the attempt that resumed, even when the supervisor first hears of steps 45 and 48 in
+one poll. The injector tells the reconciler nothing: the supervisor must detect the fault
+on its own. It records a ``chaos.injected`` event so that a reader (and the tests) can
+compare detection times with the moment of injection.
 """
 
 from __future__ import annotations
@@ -120,6 +125,13 @@ def parse_chaos(text: str) -> ChaosAction:
         raise SpecError(f"--chaos {text!r}: partition-all cuts every node; it takes no TARGET")
     return ChaosAction(kind=kind, step=step, target=int(m.group(3)) if m.group(3) else None,
                        seconds=PARTITION_S[kind] if kind in PARTITION_S and seconds is None else seconds)
+
+
+def trainer_faults(actions: list[ChaosAction]) -> list[str]:
+    """What the reference trainer is told of ``actions`` (TSUP_FAULT): the faults it
+    injects itself, and a ``hold`` at the step of each that ends the attempt from outside."""
+    holds = sorted({a.step for a in actions if a.kind in ENDS_ATTEMPT})
+    return [str(a) for a in actions if a.kind in TRAINER_KINDS] + [f"hold@{step}" for step in holds]
 
 
 class ChaosMonkey:

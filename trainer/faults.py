@@ -35,6 +35,12 @@ after its checkpoint, if one was due):
                    the background) is held to 40 MB/s per rank (SLOW_SAVE_MB_S when left
                    out): a rank whose share is written sooner waits out the rest before
                    the commit, as on slow or busy storage. In every attempt
+    hold@75        every rank waits up to HOLD_S after step 75 before the next: a drill's
+                   fault from outside (the supervisor's ``--chaos kill-node@75``, which
+                   adds it) lands at its step, not steps later or never because a busy
+                   supervisor heard of step 75 late. Once per run: the attempt that first
+                   completes step 75 holds (a marker in ``TSUP_FAULT_STATE`` names it),
+                   the attempt that resumes after the fault goes through
 
 Unset means no faults. A fault fires in whichever attempt completes STEP, so an attempt
 that resumes from a checkpoint before STEP meets it again unless TSUP_FAULT is cleared
@@ -52,12 +58,14 @@ from pathlib import Path
 
 from wire.errors import DeviceFault, UsageError
 
-_ACTIONS = ("hang", "crash", "nan", "spike", "slow", "device", "kill-in-save", "tamper-ckpt", "slow-save")
+_ACTIONS = ("hang", "crash", "nan", "spike", "slow", "device", "kill-in-save", "tamper-ckpt", "slow-save",
+            "hold")
 SPIKE_FACTOR = 8.0
-_AFTER_STEP = ("crash", "hang", "device")  # the actions after_step takes
+_AFTER_STEP = ("crash", "hang", "device", "hold")  # the actions after_step takes
 SLOW_FACTOR = 2.0
 SLOW_SAVE_MB_S = 40
 _SLOW_MARKER = "slow-node"
+HOLD_S = 5.0  # how long a hold waits for the supervisor's fault (its tick is 0.25 s)
 
 
 class InjectedFault(RuntimeError):
@@ -87,13 +95,14 @@ def _ignore(_fault: Fault, _detail: str) -> None:
 class FaultPlan:
     faults: tuple[Fault, ...] = ()
     state_dir: Path | None = None  # where a once-per-run fault leaves its marker
+    attempt: str = "1"  # TSUP_ATTEMPT: which attempt a hold's marker belongs to
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> FaultPlan:
         spec = environ.get("TSUP_FAULT", "").strip()
         plan = cls.parse(spec) if spec else cls()
         state = environ.get("TSUP_FAULT_STATE", "").strip()
-        return cls(plan.faults, Path(state)) if state else plan
+        return cls(plan.faults, Path(state) if state else None, environ.get("TSUP_ATTEMPT", "1"))
 
     def spike_fault(self, first_sample: int, global_batch: int) -> Fault | None:
         """The ``spike`` whose bad data the batch that starts at ``first_sample`` is."""
@@ -192,9 +201,33 @@ class FaultPlan:
                     report(fault, str(error))
                     raise error
                 continue
+            if fault.action == "hold":
+                if self._holds(step):
+                    print(f"chaos: holding after step {step} for up to {HOLD_S:g} s: a fault from "
+                          "outside is due at this step", flush=True)
+                    time.sleep(HOLD_S)
+                continue
             report(fault, f"rank {rank} hangs after step {step}")
             while True:  # hang: the training thread sleeps, the heartbeat thread goes on
                 time.sleep(3600)
+
+    def _holds(self, step: int) -> bool:
+        """Whether this attempt holds after ``step``: every rank of the attempt that first
+        got there does (whichever rank claimed the marker wrote its attempt in it)."""
+        if self.state_dir is None:
+            return True
+        marker = self.state_dir / f"hold@{step}"
+        if _claim(marker, self.attempt):
+            return True
+        for _ in range(50):  # the claimer writes its attempt just after creating the file
+            try:
+                text = marker.read_text()
+            except OSError:
+                return False
+            if text:
+                return text == self.attempt
+            time.sleep(0.01)
+        return False
 
 
 def _claim(marker: Path, text: str) -> bool:

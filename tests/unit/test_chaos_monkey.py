@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.chaos import ChaosMonkey, parse_chaos
+from supervisor.chaos import ChaosMonkey, parse_chaos, trainer_faults
 from supervisor.domain import AttemptState
 
 
@@ -72,6 +72,13 @@ def test_faults_at_the_same_step_fire_together() -> None:
     chaos = monkey(cluster, "kill-rank@50:1", "kill-node@50:0")
     chaos.poll()
     assert cluster.fired == [(1, "rank 1"), (1, "node n1")]
+
+
+def test_the_reference_trainer_holds_at_the_step_of_each_fault_that_ends_its_attempt_from_outside() -> None:
+    actions = [parse_chaos(c) for c in ("kill-rank@30", "nan@40", "kill-node@75", "freeze-node@75",
+                                        "partition-node@50", "corrupt-ckpt@30")]
+    assert trainer_faults(actions) == ["nan@40", "hold@30", "hold@75"]
+    assert trainer_faults([parse_chaos("partition-all@20")]) == []
 
 
 def test_a_drill_waits_out_the_precompile_pass_for_training() -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from trainer import faults
 from trainer.faults import SLOW_FACTOR, Fault, FaultPlan, InjectedFault
 from wire.errors import EXIT_DEVICE_FAULT, DeviceFault, UsageError, exit_code_for
 
@@ -47,6 +48,25 @@ def test_slow_turns_the_node_of_its_rank_slow_for_the_rest_of_the_run(tmp_path) 
     again = FaultPlan.from_env(env)
     assert again.slowdown(50, rank=1, node="c") == 1.0
     assert again.slowdown(1, rank=3, node="b") == SLOW_FACTOR
+
+
+def test_a_hold_holds_every_rank_of_the_first_attempt_at_its_step_and_no_later_attempt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """hold@75 (added for the supervisor's kill-node@75): each rank of the attempt that
+    first completes step 75 sleeps HOLD_S there, for the fault from outside to land; the
+    attempt that resumes after it goes through."""
+    slept: list[float] = []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    env = {"TSUP_FAULT": "hold@75", "TSUP_FAULT_STATE": str(tmp_path / "fired"), "TSUP_ATTEMPT": "2"}
+    first = FaultPlan.from_env(env)
+    first.after_step(74, rank=0)
+    assert slept == []
+    first.after_step(75, rank=0)
+    first.after_step(75, rank=3)  # another rank of the same attempt
+    assert slept == [faults.HOLD_S, faults.HOLD_S]
+    assert "holding after step 75" in capsys.readouterr().out
+    FaultPlan.from_env(env | {"TSUP_ATTEMPT": "3"}).after_step(75, rank=0)
+    assert slept == [faults.HOLD_S, faults.HOLD_S], "the next attempt does not hold again"
 
 
 def test_device_fails_once_with_exit_code_4(tmp_path) -> None:  # type: ignore[no-untyped-def]
