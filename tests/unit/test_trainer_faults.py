@@ -56,7 +56,7 @@ def test_a_hold_holds_every_rank_of_the_first_attempt_at_its_step_and_no_later_a
     first completes step 75 sleeps HOLD_S there, for the fault from outside to land; the
     attempt that resumes after it goes through."""
     slept: list[float] = []
-    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    monkeypatch.setattr("trainer.faults.time.sleep", slept.append)
     env = {"TSUP_FAULT": "hold@75", "TSUP_FAULT_STATE": str(tmp_path / "fired"), "TSUP_ATTEMPT": "2"}
     first = FaultPlan.from_env(env)
     first.after_step(74, rank=0)
