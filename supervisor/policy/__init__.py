@@ -79,7 +79,9 @@ its own process died with them (where the launcher watches one; elsewhere, at le
 of its processes at once: one process SIGKILLed alone, the only rank of a node, is that
 process's fault, not the node's; but a run's only node, its every rank gone with its
 agent's last will, is lost, never a hang nor a network cut: one node has no peer whose
-word could tell a cut from a death), or it fell silent while the others are heard, or its
+word could tell a cut from a death; and a node whose ranks and agent ended in the moment
+the cluster took out another node of the attempt went with that node's steps, not of its
+own failure), or it fell silent while the others are heard, or its
 device failed (an exit code its trainer declares a device fault, the reference
 trainer's 4, or a device error in its output), or a probe confirmed it bad, or it is a
 lemon (blamed in ``lemon_faults`` distinct faults within ``lemon_window_s``). The drain

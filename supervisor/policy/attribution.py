@@ -9,7 +9,11 @@ The rules (the header of supervisor/policy/__init__.py lists them all):
   watches one: ``RankObs.node_up`` False), or the cluster declared the node down
   (``RankObs.node_down``: Slurm's DOWN, the only word a node that lost its power leaves;
   its silent ranks count as vanished then), or, where nothing watches the node itself, at
-  least two of its processes (its ranks, each a process) vanished together. One process
+  least two of its processes (its ranks, each a process) vanished together. A node
+  whose only word is the end of its ranks and its agent, at the moment the cluster took
+  out or declared down another node of the attempt, is not lost: the trainer's ranks and
+  the agents are each one Slurm step across the nodes, and the other node's failure
+  ended both everywhere. One process
   killed alone (the only rank of a node, a node's torchrun with its one worker) is that
   process's fault: blamed, never drained, and so is any death on a node whose own
   process lives on. One rank's crash never drains a node;
@@ -79,6 +83,12 @@ def attribute(view: RunView, live: Attempt, ranks: Iterable[RankObs], dead: list
     failed = {n for n, rs in by.items() if n not in held and any(r.node_up is False for r in rs)}
     lost_nodes = sorted(n for n, rs in by.items() if (n in held or n in failed)
                         and node_lost(rs, dropped=n in dropped))
+    # The trainer's ranks and the node agents are each one Slurm step across the
+    # attempt's nodes: a node the cluster took out (or says is down) ends both on every
+    # node. Another node's ranks and agent that went at the same time say nothing
+    # against their own node.
+    if any(n in dropped or any(r.node_down for r in by[n]) for n in lost_nodes):
+        lost_nodes = [n for n in lost_nodes if n in dropped or not _only_its_steps_went(by[n])]
     released = sorted(n for n in by if n not in held and n not in failed)
     # What the trainer means by an exit code: only what its spec declares (view.exit_codes).
     def meaning(r: RankObs) -> ExitMeaning | None:
@@ -197,6 +207,14 @@ def node_lost(ranks: list[RankObs], *, dropped: bool = False) -> bool:
     if watched:
         return False in watched
     return len(_processes(ranks)) >= 2
+
+
+def _only_its_steps_went(ranks: list[RankObs]) -> bool:
+    """The only word against the node of ``ranks`` is the end of its ranks and its agent
+    (the steps'): the cluster does not say it is down, and no process the launcher
+    watches for the node itself was seen to die."""
+    return (not any(r.node_down for r in ranks)
+            and all(r.node_seen_at is not None for r in ranks if r.node_up is False))
 
 
 def _processes(ranks: list[RankObs]) -> set[object]:

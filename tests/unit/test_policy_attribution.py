@@ -135,6 +135,27 @@ def test_a_one_rank_node_the_cluster_took_out_of_the_allocation_is_lost() -> Non
     assert "and the cluster took it out of the allocation: node lost" in fault.summary
 
 
+def test_a_node_lost_on_the_clusters_word_does_not_take_the_node_whose_steps_it_ended_with_it() -> None:
+    """A [command] trainer on Slurm: n1 loses its power and Slurm takes it out of the
+    allocation, which ends the trainer's step and the agents' step on n2 as well: n2's
+    ranks vanish and its agent's last will arrives in the same observation. Only n1 is
+    lost; n2, which the cluster keeps and does not call down, is not drained."""
+    unknown = ProcState.UNKNOWN
+    powerless = [rank(r, unknown, node_up=True, node_seen_at=NOW - 9) for r in (0, 1)]  # no will
+    ended = [rank(r, unknown, lost=True, node_up=False, node_seen_at=NOW - 1, dead_since=NOW - 1) for r in (2, 3)]
+    ranks = [*powerless, *ended]
+    dropped_n1 = (Node(name="n1", state=NodeState.IDLE), *nodes(NodeState.ALLOCATED, NodeState.ALLOCATED)[1:])
+    effects = decide(view(run(), (attempt(),), dropped_n1), obs(*ranks, unheard=True), NOW)
+    [fault] = of(effects, RecordFault)
+    assert fault.kind is FaultKind.NODE_LOST and fault.nodes == ("n1",), fault
+    assert fault.ranks == (0, 1)
+    assert [d.node for d in of(effects, DrainNode)] == ["n1"]
+    # the cluster's word that n2 is down too: both are lost
+    down = [replace(r, node_down="Slurm set it DOWN") if r.node == "n2" else r for r in ranks]
+    [both] = of(decide(view(run(), (attempt(),), dropped_n1), obs(*down, unheard=True), NOW), RecordFault)
+    assert both.nodes == ("n1", "n2")
+
+
 def test_a_nodes_one_torchrun_killed_is_one_process_however_many_ranks_it_ran() -> None:
     """launch = "node": ranks 2 and 3 are one torchrun's; its SIGKILL is no node loss
     unless the node's own process went too."""
