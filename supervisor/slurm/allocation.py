@@ -114,6 +114,9 @@ class SlurmAllocations:
         self.prefix = prefix
         self.state_dir = state_dir
         self.options = options
+        # When each job was requeued (the state's clock): until Slurm has answered every
+        # poll since, what the supervisor knows of it is from before the requeue.
+        self._requeued_at: dict[str, float] = {}
 
     def sbatch_request(self, req: AllocationRequest, seq: int) -> SbatchRequest:
         run_id = req.run_id
@@ -128,6 +131,14 @@ class SlurmAllocations:
 
     def allocate(self, req: AllocationRequest) -> Grant:
         alloc = Alloc.load(req.info)
+        if alloc.job in self._requeued_at:
+            # An answer asked before the requeue still shows the job running on the nodes it
+            # had: requeued again on that word, the job would restart twice, the second
+            # time under the attempt that the first restart began.
+            if not self.state.answered_since(self._requeued_at[alloc.job]):
+                return Grant(nodes=(), info=req.info,
+                             note=f"job {alloc.job} requeued: waiting for squeue to say so")
+            del self._requeued_at[alloc.job]
         jobs = self.state.jobs()
         if jobs is None:
             return Grant(nodes=req.held, info=req.info, note="squeue failed; trying again")
@@ -177,6 +188,7 @@ class SlurmAllocations:
         if not reply.ok and "pending" not in reply.why:  # Slurm requeued it already (a node failed)
             log.warning("cannot requeue allocation %s: %s", job.job_id, reply.why)
             return None
+        self._requeued_at[job.job_id] = self.state.clock()
         if alloc.grow:  # the first job will ask for every node again: the growth jobs go
             self.commands.fire(["scancel", *only_of(alloc.uid), *alloc.grow])
         self.state.refresh()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from pathlib import Path
 
 from supervisor.errors import LaunchError
@@ -76,6 +77,36 @@ def test_a_job_left_with_too_few_healthy_nodes_is_requeued_its_id_kept(tmp_path:
     assert "requeued" not in json.loads(launcher.allocate(request(grant.info)).info or "")
     assert not [a for a in slurm.ran if a[0] == "sbatch"], "no new job: a new id would lose the trainer's tree"
     assert slurm.users == [None] * len(slurm.users), "as the run's user (here the daemon's own)"
+
+
+def test_a_requeued_job_is_not_requeued_again_on_an_answer_asked_before_the_requeue(tmp_path: Path) -> None:
+    """squeue is polled off the reconciler's path: the answer the next tick reads may have
+    been asked before the requeue, the job still running on the one healthy node it had.
+    Taken at its word, the job was requeued twice (on the box, under load: its restart
+    count 2, and the second requeue killed the attempt the first one's restart had begun)."""
+    launcher = launcher_on(slurm := slurm_of(squeue({"job_id": 5, "name": "first", "user_id": ME,
+                                                     "nodes": "node[1-2]"})), tmp_path)
+    slurm.answers[("scontrol",)] = ""
+    now = [100.0]
+    launcher.state.clock = lambda: now[0]
+    grant = launcher.allocate(request())
+    assert scontrols(slurm) == [["scontrol", "requeue", "5"]]
+    # The poller's answer asked a moment before the requeue (the job running on node1 and
+    # node2) arrives after it; reads get the poller's last answers, as when it runs.
+    now[0] = 99.5
+    assert launcher.state.jobs()["5"].nodes == ("node1", "node2")  # type: ignore[index]
+    now[0] = 101.0
+    launcher.state._thread = threading.current_thread()
+    again = launcher.allocate(request(grant.info))
+    assert scontrols(slurm) == [["scontrol", "requeue", "5"]], "not requeued twice"
+    assert again.nodes == () and again.note == "job 5 requeued: waiting for squeue to say so"
+    # The poller's next answers, asked after the requeue: started again on node2 and node4.
+    launcher.state._thread = None
+    slurm.answers[("squeue", "--json")] = squeue({"job_id": 5, "name": "first", "user_id": ME,
+                                                  "nodes": "node[2,4]", "restart_cnt": 1})
+    launcher.state.refresh()
+    assert launcher.allocate(request(grant.info)).nodes == ("node2", "node4")
+    assert scontrols(slurm) == [["scontrol", "requeue", "5"]]
 
 
 def test_a_held_job_is_released(tmp_path: Path) -> None:
