@@ -43,11 +43,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from supervisor import users
-from supervisor.errors import LaunchError
+from supervisor.errors import LaunchError, SpecError
 from supervisor.launchers.base import AllocationRequest, Grant, Parked
 from supervisor.slurm import parse
 from supervisor.slurm.commands import Reply, SlurmCommands
@@ -108,8 +109,9 @@ class SlurmOptions:
 
 class SlurmAllocations:
     def __init__(self, commands: SlurmCommands, state: SlurmState, *, prefix: str, state_dir: Path,
-                 options: SlurmOptions) -> None:
+                 options: SlurmOptions, before_requeue: Callable[[str], None] = lambda job: None) -> None:
         self.commands = commands
+        self.before_requeue = before_requeue  # told the job's id just before it is requeued
         self.state = state
         self.prefix = prefix
         self.state_dir = state_dir
@@ -184,6 +186,7 @@ class SlurmAllocations:
         job, which Slurm refuses for good once it resized a job (below 24.11, without
         accounting storage: its db_index is never set again), as it does to a --no-kill
         job when a node of it fails."""
+        self.before_requeue(job.job_id)
         reply = self._owners(owner, ["scontrol", "requeuehold" if hold else "requeue", job.job_id])
         if not reply.ok and "pending" not in reply.why:  # Slurm requeued it already (a node failed)
             log.warning("cannot requeue allocation %s: %s", job.job_id, reply.why)
@@ -401,6 +404,33 @@ def uid_of(owner: users.RunAs | None) -> int:
     """The uid whose jobs, steps and srun processes a launch makes: the run's user, or
     the daemon's own."""
     return owner.uid if owner is not None else os.geteuid()
+
+
+def check_partition(parts: dict[str, parse.PartitionInfo] | None, nodes: int, spares: int,
+                    name: str | None) -> None:
+    """A run of ``nodes`` and ``spares`` fits partition ``name`` (None: the cluster's
+    default) of ``parts`` (None: Slurm did not list them); SpecError, naming the key, if not."""
+    if parts is None:
+        raise SpecError("resources: cannot list Slurm's partitions (is SLURM_CONF right?)")
+    if name is None:
+        defaults = [p for p in parts.values() if p.default]
+        if not defaults:
+            raise SpecError("resources.partition: the cluster has no default partition; name one")
+        part = defaults[0]
+    elif name not in parts:
+        raise SpecError(f"resources.partition: no partition {name!r} on this cluster "
+                        f"(it has {', '.join(sorted(parts)) or 'none'})")
+    else:
+        part = parts[name]
+    if nodes > part.total_nodes:
+        raise SpecError(f"resources.nodes: {nodes} nodes asked, partition {part.name!r} has "
+                        f"{part.total_nodes}")
+    if part.max_nodes is not None and nodes > part.max_nodes:
+        raise SpecError(f"resources.nodes: {nodes} nodes asked, partition {part.name!r} allows "
+                        f"{part.max_nodes} per job")
+    if nodes + spares > part.total_nodes:
+        raise SpecError(f"resources.spares: {nodes} nodes + {spares} spare(s) exceed the "
+                        f"{part.total_nodes} nodes of partition {part.name!r}")
 
 
 def only_of(uid: int | None) -> list[str]:

@@ -48,11 +48,18 @@ import psutil
 from supervisor import user_files, users
 from supervisor.domain import ProcState
 from supervisor.domain.step import Step, rdzv_id
-from supervisor.errors import CannotExecute, LaunchError, SpecError
+from supervisor.errors import CannotExecute, LaunchError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, Parked, RankProc
 from supervisor.ports import free_port
 from supervisor.slurm import parse
-from supervisor.slurm.allocation import Alloc, SlurmAllocations, SlurmOptions, only_of, uid_of
+from supervisor.slurm.allocation import (
+    Alloc,
+    SlurmAllocations,
+    SlurmOptions,
+    check_partition,
+    only_of,
+    uid_of,
+)
 from supervisor.slurm.commands import SlurmCommands
 from supervisor.slurm.requests import StepRequest, agent_srun_argv, split_env, srun_argv, step_env
 from supervisor.slurm.srun import find_srun, rank_state, start_time_of, steps_of, task_exits
@@ -84,7 +91,7 @@ class SlurmLauncher:
         self._children: dict[int, Any] = {}
         self.standbys = SlurmStandbys(commands, self.prefix)
         self.allocations = SlurmAllocations(commands, state, prefix=self.prefix, state_dir=state_dir,
-                                            options=self.options)
+                                            options=self.options, before_requeue=self._kill_sruns_of)
 
     def answered_since(self, t: float) -> bool:
         return self.state.answered_since(t)
@@ -92,29 +99,7 @@ class SlurmLauncher:
     # --- submit-time checks ---------------------------------------------------------
 
     def check_resources(self, nodes: int, spares: int, partition: str | None) -> None:
-        parts = self.state.partitions()
-        if parts is None:
-            raise SpecError("resources: cannot list Slurm's partitions (is SLURM_CONF right?)")
-        name = partition or self.options.partition
-        if name is None:
-            defaults = [p for p in parts.values() if p.default]
-            if not defaults:
-                raise SpecError("resources.partition: the cluster has no default partition; name one")
-            part = defaults[0]
-        elif name not in parts:
-            raise SpecError(f"resources.partition: no partition {name!r} on this cluster "
-                            f"(it has {', '.join(sorted(parts)) or 'none'})")
-        else:
-            part = parts[name]
-        if nodes > part.total_nodes:
-            raise SpecError(f"resources.nodes: {nodes} nodes asked, partition {part.name!r} has "
-                            f"{part.total_nodes}")
-        if part.max_nodes is not None and nodes > part.max_nodes:
-            raise SpecError(f"resources.nodes: {nodes} nodes asked, partition {part.name!r} allows "
-                            f"{part.max_nodes} per job")
-        if nodes + spares > part.total_nodes:
-            raise SpecError(f"resources.spares: {nodes} nodes + {spares} spare(s) exceed the "
-                            f"{part.total_nodes} nodes of partition {part.name!r}")
+        check_partition(self.state.partitions(), nodes, spares, partition or self.options.partition)
 
     # --- allocations (supervisor/slurm/allocation.py) ------------------------------
 
@@ -216,6 +201,11 @@ class SlurmLauncher:
             raise LaunchError(f"cannot start srun: {e}") from e
         self._children[p.pid] = p
         return p
+
+    def _kill_sruns_of(self, job: str) -> None:
+        """``job`` is about to be requeued: its sruns here go now, by SIGKILL (see _requeued_under)."""
+        for child in [c for c in self._children.values() if c.poll() is None and f"--jobid={job}" in c.args]:
+            child.kill()
 
     def _signal_srun(self, pid: int, sig: int) -> None:
         child = self._children.get(pid)
@@ -391,8 +381,9 @@ class SlurmLauncher:
 
     def _requeued_under(self, info: dict[str, Any], part: dict[str, Any]) -> bool:
         """``part``'s job is no longer the incarnation its srun started in (a requeued job
-        numbers its steps from 0 again): pending again, at another restart count, or gone.
-        False while Slurm does not answer."""
+        numbers its steps from 0 again, and an srun that outlives its step ends it by number
+        after KillWait: the restarted job's step): pending again, at another restart count,
+        or gone. False while Slurm does not answer."""
         jobs = self.state.jobs()
         if jobs is None:
             return False

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
+import subprocess
 import threading
 from pathlib import Path
 
@@ -107,6 +109,26 @@ def test_a_requeued_job_is_not_requeued_again_on_an_answer_asked_before_the_requ
     launcher.state.refresh()
     assert launcher.allocate(request(grant.info)).nodes == ("node2", "node4")
     assert scontrols(slurm) == [["scontrol", "requeue", "5"]]
+
+
+def test_the_sruns_of_a_job_are_killed_before_it_is_requeued(tmp_path: Path) -> None:
+    """An srun that outlives its step ends it by number once KillWait has passed; the
+    requeued job numbers its steps from 0 again, so that would be the restarted job's
+    step (on the box, under load: attempt 2 killed 8 s in). Each srun of the job still
+    running here is SIGKILLed before the requeue; another job's is left alone."""
+    launcher = launcher_on(slurm := slurm_of(squeue({"job_id": 5, "name": "first", "user_id": ME,
+                                                     "nodes": "node[1-2]"})), tmp_path)
+    slurm.answers[("scontrol",)] = ""
+    mine, other = (subprocess.Popen(["sh", "-c", "sleep 60", f"--jobid={job}"]) for job in ("5", "6"))
+    try:
+        launcher._children |= {mine.pid: mine, other.pid: other}
+        launcher.allocate(request())
+        assert scontrols(slurm) == [["scontrol", "requeue", "5"]]
+        assert mine.wait(5) == -signal.SIGKILL
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_a_held_job_is_released(tmp_path: Path) -> None:
