@@ -97,7 +97,8 @@ class Watch:
                         if name.startswith("tsup-a"):
                             attempts.add(name.removeprefix("tsup-a"))
                         continue
-                    attempts.add(attempt_of(env))
+                    if (attempt := attempt_of(env)) is not None:
+                        attempts.add(attempt)
                 except psutil.Error:
                     continue
             self.samples += 1

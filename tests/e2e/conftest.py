@@ -166,13 +166,17 @@ def trainer_processes(marker: Path) -> list[psutil.Process]:
     return found
 
 
-def attempt_of(env: dict[str, str]) -> str:
+def attempt_of(env: dict[str, str]) -> str | None:
     """The attempt a process of ``trainer_processes`` belongs to, from its environment: its
-    TSUP_ATTEMPT (the reference trainer's), else the attempt directory its TSUP_MARKER names."""
+    TSUP_ATTEMPT (the reference trainer's), else the attempt directory its TSUP_MARKER names.
+    None when the environment names neither: read again after ``trainer_processes`` found
+    the process, it can be empty (a process exiting or in exec has no memory to read it
+    from) or another program's (a child that was forked, then exec'd with an environment of
+    its own): that process is no longer the attempt's."""
     if "TSUP_ATTEMPT" in env:
         return env["TSUP_ATTEMPT"]
     found = re.search(r"/attempts/(\d+)/", env.get("TSUP_MARKER", ""))
-    return found.group(1) if found else "?"
+    return found.group(1) if found else None
 
 
 def node_processes(marker: Path) -> list[psutil.Process]:
