@@ -1,5 +1,8 @@
-"""Node health probes: host, Neuron (neuron-ls, neuron-monitor, nccom-test) and NVIDIA
-(nvidia-smi, DCGM, nccl-tests); ``python -m health`` on a node.
+"""Node health probes: host, Neuron (neuron-ls, neuron-monitor, nccom-test), NVIDIA
+(nvidia-smi, DCGM, nccl-tests) and EFA (fi_info, port state and counters);
+``python -m health`` on a node. Across nodes: ``python -m health.allreduce`` under any
+launcher, and the link test's rule (``links``), which the supervisor runs on pairs of
+nodes.
 
 Stands alone: imports nothing else of the project.
 """

@@ -1,8 +1,8 @@
 """`python -m health`: probe this node; exit 0 healthy, 1 degraded, 2 unhealthy or unknown.
 
 Needs no supervisor. Runs the host checks, then the Neuron probes where ``neuron-ls``
-is installed and the NVIDIA probes where ``nvidia-smi`` is; a node with neither says so
-plainly.
+is installed, the NVIDIA probes where ``nvidia-smi`` is, and the EFA checks where
+``fi_info`` is; a node with neither accelerator says so plainly.
 ``--json`` prints the verdict (``--compact``: on one line; ``--wire``: in short tagged
 lines, as the supervisor reads it through srun), a line per finding otherwise.
 
@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from health import host, neuron, nvidia, wire
+from health import efa, host, neuron, nvidia, wire
 from health.model import Finding, Status, Verdict, verdict
 
 
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                                kernel_log=kernel_log)
     findings += nvidia.run_all(expected_gpus=args.gpus, kernel_log=kernel_log, run_dcgmi=args.dcgm,
                                run_bandwidth=args.bandwidth, min_busbw_gbps=args.min_busbw_gbps)
+    findings += efa.probe(args.instance_type, state_file=efa.state_path())
     v = verdict(findings)
     node = node_name()
     summary = _summary(v)

@@ -6,7 +6,10 @@ Run one process per GPU under torchrun (or any launcher that sets ``RANK``, ``WO
     torchrun --standalone --nproc_per_node=8 -m health.allreduce --sizes 64M,256M,1G --json
 
 Backend ``nccl`` when CUDA is available (each rank on ``cuda:LOCAL_RANK``), else ``gloo`` on
-the CPU; ``--backend`` forces one. For every size: ``--warmup`` untimed all-reduces, then
+the CPU; ``--backend`` forces one. Across nodes, a gloo rank binds to the interface its
+route to ``MASTER_ADDR`` leaves by, unless ``GLOO_SOCKET_IFNAME`` names one (gloo would
+otherwise take the address the host's name resolves to, which the other nodes may not
+reach). For every size: ``--warmup`` untimed all-reduces, then
 ``--iters`` timed ones of a float32 tensor (SUM, in place); the time of a size is the mean per
 iteration on the slowest rank (a collective ends when its last rank does). Then one checked
 all-reduce: rank r contributes r + 1 everywhere, every element must come back as n(n + 1)/2;
@@ -27,7 +30,8 @@ Rank 0 prints one JSON object with ``--json``::
                   "wrong": 0}, ...],
      "busbw_gbps_at_largest": 470.1}
 
-(or ``{"probe": "allreduce", "error": "..."}`` when the run failed), and a table otherwise.
+(or ``{"probe": "allreduce", "error": "..."}`` when the run failed), and a table otherwise;
+``health/allreduce_report.py`` reads it back (without torch, for the controller).
 ``check_allreduce`` grades that JSON the way ``health.nvidia.check_nccl_tests`` grades
 all_reduce_perf: the bus bandwidth at the LARGEST size (smaller sizes are latency-bound).
 With ``--min-busbw-gbps`` rank 0 grades its own run and exits 0 healthy, 1 degraded, 2
@@ -43,14 +47,15 @@ import json
 import math
 import os
 import re
+import socket
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, TypeGuard
+from typing import Any
 
-from health.model import EXIT_CODES, Action, Finding, Status, excerpt, probe_failed, verdict
+from health.allreduce_report import PROBE, read_report
+from health.model import EXIT_CODES, Action, Finding, Status, probe_failed, verdict
 
-PROBE = "allreduce"
 DEFAULT_SIZES = "1M,16M,64M"
 DTYPE_BYTES = 4  # float32
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -87,29 +92,11 @@ def check_allreduce(text: str, *, min_busbw_gbps: float | None = None, baseline_
     """Grade rank 0's ``--json`` output: wrong elements -> UNHEALTHY/REPLACE (corrupt data);
     busbw at the largest size under ``max(min_busbw_gbps, baseline_gbps * tolerance)`` ->
     DEGRADED; a failed, empty, truncated or inconsistent report -> UNKNOWN."""
-    doc = _last_json_object(text)
-    if isinstance(doc, str):
-        return [probe_failed(PROBE, doc)]
-    if doc.get("error"):
-        return [probe_failed(PROBE, f"the all-reduce run failed: {excerpt(str(doc['error']))}")]
-    backend, world, results = doc.get("backend"), doc.get("world_size"), doc.get("results")
-    if (not isinstance(backend, str) or not isinstance(world, int) or isinstance(world, bool)
-            or not isinstance(results, list) or not results):
-        return [probe_failed(PROBE, "not an all-reduce report (backend, world_size, results)")]
-    if world < 2:
-        return [probe_failed(PROBE, f"world_size {world}: a single rank moves nothing over a bus")]
-    rows: list[tuple[int, float, int]] = []  # bytes, busbw, wrong
-    for i, r in enumerate(results):
-        row = _row(r)
-        if isinstance(row, str):
-            return [probe_failed(PROBE, f"results[{i}] {row}: {excerpt(str(r))}")]
-        rows.append(row)
-    nbytes, busbw, _ = max(rows, key=lambda row: row[0])
-    stated = doc.get("busbw_gbps_at_largest")
-    if not (_is_num(stated) and math.isclose(float(stated), busbw, rel_tol=1e-6, abs_tol=1e-9)):
-        return [probe_failed(PROBE, f"busbw_gbps_at_largest {stated!r} is not the busbw at the largest size "
-                                    f"({busbw!r} at {nbytes} B)")]
-    where = f"{backend}, {world} ranks"
+    report = read_report(text)
+    if isinstance(report, str):
+        return [probe_failed(PROBE, report)]
+    rows, nbytes, busbw = report.rows, report.largest, report.busbw_gbps
+    where = f"{report.backend}, {report.world_size} ranks"
     bad = [(n, w) for n, _, w in rows if w]
     if bad:
         n, w = bad[0]
@@ -128,39 +115,6 @@ def check_allreduce(text: str, *, min_busbw_gbps: float | None = None, baseline_
                         evidence=f"{at}: under the floor {floor:.2f} GB/s")]
     return [Finding(probe=PROBE, status=Status.HEALTHY,
                     evidence=f"{at}: at or over the floor {floor:.2f} GB/s")]
-
-
-def _row(r: object) -> tuple[int, float, int] | str:
-    """(bytes, busbw, wrong) of one result, or what is wrong with it."""
-    if not isinstance(r, dict):
-        return "is not an object"
-    nbytes, t_us, busbw, wrong = r.get("bytes"), r.get("time_us"), r.get("busbw_gbps"), r.get("wrong", 0)
-    if not (isinstance(nbytes, int) and _is_num(t_us) and _is_num(busbw) and isinstance(wrong, int)):
-        return "lacks bytes/time_us/busbw_gbps"
-    if isinstance(nbytes, bool) or isinstance(wrong, bool):
-        return "has a boolean where a count belongs"
-    if nbytes <= 0 or float(t_us) <= 0 or float(busbw) < 0 or wrong < 0:
-        return "has a non-positive size or time"
-    return nbytes, float(busbw), wrong
-
-
-def _last_json_object(text: str) -> dict[str, Any] | str:
-    body = text.strip()
-    if not body:
-        return "the all-reduce probe printed nothing"
-    candidates = [body, *reversed([ln.strip() for ln in body.splitlines() if ln.strip().startswith("{")])]
-    for c in candidates:
-        try:
-            doc = json.loads(c)
-        except ValueError:
-            continue
-        if isinstance(doc, dict):
-            return doc
-    return f"no complete JSON object in the output (truncated?): {excerpt(body.splitlines()[-1])!r}"
-
-
-def _is_num(v: object) -> TypeGuard[int | float]:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _size(n: int) -> str:
@@ -274,6 +228,24 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_CODES[v.status]
 
 
+def interface_towards(address: str) -> str | None:
+    """The interface this host sends to ``address`` from (None: loopback, or not found).
+    Gloo otherwise binds to the address the host's name resolves to, which on many
+    clusters (and on separate network namespaces) the other nodes cannot reach."""
+    import psutil
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((address, 9))  # a datagram socket sends nothing on connect: it picks a route
+        except OSError:
+            return None
+        source = s.getsockname()[0]
+    if source.startswith("127."):
+        return None
+    return next((name for name, addrs in psutil.net_if_addrs().items()
+                 if any(a.family == socket.AF_INET and a.address == source for a in addrs)), None)
+
+
 def _run(sizes: Sequence[int], iters: int, warmup: int, backend: str, timeout_s: float) -> dict[str, Any]:
     import datetime
 
@@ -282,6 +254,10 @@ def _run(sizes: Sequence[int], iters: int, warmup: int, backend: str, timeout_s:
 
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        ifname = interface_towards(os.environ["MASTER_ADDR"])
+        if ifname is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise RuntimeError("--backend nccl needs CUDA, and torch sees no GPU")

@@ -82,8 +82,13 @@ class Verdict:
                 "findings": [f.to_json() for f in self.findings]}
 
 
+def worst(statuses: list[Status]) -> Status:
+    """The worst of ``statuses`` in the verdict rule's order (healthy for none)."""
+    return max(statuses, key=_STATUS_ORDER.index, default=Status.HEALTHY)
+
+
 def verdict(findings: list[Finding]) -> Verdict:
-    status = max((f.status for f in findings), key=_STATUS_ORDER.index, default=Status.HEALTHY)
+    status = worst([f.status for f in findings])
     unhealthy = [f.action for f in findings if f.status is Status.UNHEALTHY]
     action = max(unhealthy, key=_ACTION_ORDER.index, default=Action.NONE)
     return Verdict(status=status, action=action, findings=findings)

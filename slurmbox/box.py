@@ -18,6 +18,8 @@ the node when everything it runs is killed (a node started again comes back with
 one, as after a power loss), and a directory of the box's at /var/tmp, the node's local
 disk (``Box.var_tmp``), which stays. ``partition_node`` takes a node's
 link down (its processes live on, cut off) and ``heal_node`` brings it back;
+``throttle_node`` slows its link both ways (``tc`` token bucket) and ``unthrottle_node``
+takes that away;
 ``kill_node --power-loss`` takes the link down before it kills everything the node runs. Each box
 picks a subnet no other address of this host uses and names its bridge, links and
 namespaces after its slurmctld port; ``down`` deletes them.
@@ -312,6 +314,28 @@ def heal_node(box: Box, node: str) -> None:
     _ip("link", "set", box.link(node), "up")
 
 
+def _tc(*args: str, netns: str | None = None) -> None:
+    where = ["ip", "netns", "exec", netns] if netns else []
+    out = subprocess.run([*where, "tc", *args], capture_output=True, text=True, timeout=10, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"tc {' '.join(args)}: {out.stderr.strip() or f'exit {out.returncode}'}")
+
+
+def throttle_node(box: Box, node: str, rate: str = "4mbit") -> None:
+    """Slow the node's link to ``rate`` both ways (a token bucket, ``tc ... tbf``, on its
+    veth's end on the bridge and on its own eth0): it trains on, every collective through
+    it slow, the failure a bad cable or a degraded NIC makes."""
+    for dev, ns in ((box.link(node), None), ("eth0", box.netns(node))):
+        _tc("qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "32kbit",
+            "latency", "400ms", netns=ns)
+
+
+def unthrottle_node(box: Box, node: str) -> None:
+    for dev, ns in ((box.link(node), None), ("eth0", box.netns(node))):
+        with contextlib.suppress(RuntimeError):  # none there: nothing to take away
+            _tc("qdisc", "del", "dev", dev, "root", netns=ns)
+
+
 def network_leftovers(box: Box) -> list[str]:
     """The box's namespaces and links that still exist (none, after ``down``)."""
     names = set(_ip("-o", "link", "show").replace("@", ":").replace(" ", ":").split(":"))
@@ -599,8 +623,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("node")
     h = sub.add_parser("heal-node", help="bring a partitioned node's link back")
     h.add_argument("node")
+    t = sub.add_parser("throttle-node", help="slow a node's link both ways (tc tbf)")
+    t.add_argument("node")
+    t.add_argument("--rate", default="4mbit", help="tc's rate (default 4mbit)")
+    ut = sub.add_parser("unthrottle-node", help="take a node's throttle away")
+    ut.add_argument("node")
     e = sub.add_parser("env", help="print the export line for SLURM_CONF")
-    for p in (u, d, k, r, c, h, e):
+    for p in (u, d, k, r, c, h, t, ut, e):
         p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     args = ap.parse_args(argv)
     directory: Path = getattr(args, "dir", DEFAULT_DIR)
@@ -630,11 +659,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"slurm-box: {cut}SIGKILL to {len(killed)} process(es) of {args.node}", file=sys.stderr)
         elif args.cmd == "start-node":
             start_node(box_or_none, args.node)
-        elif args.cmd in ("partition-node", "heal-node"):
+        elif args.cmd in ("partition-node", "heal-node", "throttle-node", "unthrottle-node"):
             if args.node not in box_or_none.nodes:
                 known = ", ".join(box_or_none.nodes)
                 raise RuntimeError(f"no node {args.node!r} in the box (it has {known})")
-            (partition_node if args.cmd == "partition-node" else heal_node)(box_or_none, args.node)
+            if args.cmd == "throttle-node":
+                throttle_node(box_or_none, args.node, args.rate)
+            else:
+                {"partition-node": partition_node, "heal-node": heal_node,
+                 "unthrottle-node": unthrottle_node}[args.cmd](box_or_none, args.node)
         return 0
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         print(f"slurm-box: {e}", file=sys.stderr)

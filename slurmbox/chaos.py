@@ -2,7 +2,8 @@
 
 On a real cluster the supervisor cannot kill a node; on a box every node's slurmd and
 what it started run on this host, so ``kill-node`` is a SIGKILL to all of them, as a
-power loss would be, and ``partition-node`` takes the node's link down.
+power loss would be, ``partition-node`` takes the node's link down, and ``slow-link``
+slows it (``tc`` on its veth).
 The development entry point (``python -m slurmbox.tsup run --chaos ... --launcher slurm``,
 slurmbox/tsup.py) hands these hooks to the product's command, which imports nothing of
 the box.
@@ -20,6 +21,8 @@ import psutil
 
 from slurmbox import box as slurm_box
 from supervisor.errors import LaunchError
+
+THROTTLE = "4mbit"  # slow-link: a link at 4 Mbit/s, a bad cable or a degraded NIC
 
 
 class BoxChaos:
@@ -54,6 +57,18 @@ class BoxChaos:
         except RuntimeError as e:
             raise LaunchError(str(e)) from e
         return f"{node}'s link {'down: cut off' if cut else 'up again'} ({self.box.link(node)})"
+
+    def throttle_node(self, node: str, slow: bool) -> str:
+        if node not in self.box.nodes:
+            raise LaunchError(f"no node {node!r} in the box")
+        try:
+            if slow:
+                slurm_box.throttle_node(self.box, node, THROTTLE)
+            else:
+                slurm_box.unthrottle_node(self.box, node)
+        except RuntimeError as e:
+            raise LaunchError(str(e)) from e
+        return f"{node}'s link {f'throttled to {THROTTLE} both ways' if slow else 'at full speed again'}"
 
     def kill_rank(self, launch_info: str, rank: int, sig: int = signal.SIGKILL) -> str:
         """``sig`` to the process of ``rank`` in the attempt's step: the topmost one whose

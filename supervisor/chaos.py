@@ -12,6 +12,10 @@
     partition-all@90[/SECONDS]
                       every node of the attempt cut off for SECONDS (30) at once: the
                       network, not the nodes (a Slurm box only)
+    slow-link@20[:TARGET]
+                      slow one node's link (the last node, or the node at index TARGET) to
+                      4 Mbit/s both ways for the rest of the run: every collective waits
+                      for it, nothing fails (a Slurm box only)
     hang-rank@40      SIGSTOP one rank (the highest, or rank TARGET): the others wait for it
                       in the next collective, and no rank makes progress (a hang)
     corrupt-ckpt@50   flip 16 bytes in the middle of the largest shard of the newest
@@ -79,10 +83,11 @@ from supervisor.telemetry.view import TelemetryView
 
 log = logging.getLogger(__name__)
 
-_KINDS = ("kill-rank|kill-node|freeze-node|partition-node|partition-all|hang-rank|corrupt-ckpt|crash|nan|"
-          "spike|slow-save|slow|device|kill-in-save|tamper-ckpt")
+_KINDS = ("kill-rank|kill-node|freeze-node|partition-node|partition-all|slow-link|hang-rank|corrupt-ckpt|"
+          "crash|nan|spike|slow-save|slow|device|kill-in-save|tamper-ckpt")
 _SYNTAX = re.compile(rf"^({_KINDS})@([0-9]+)(?::([0-9]+))?(?:/([0-9]+))?$")
-ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "partition-node", "partition-all", "hang-rank",
+ChaosKind = Literal["kill-rank", "kill-node", "freeze-node", "partition-node", "partition-all", "slow-link",
+                    "hang-rank",
                     "corrupt-ckpt", "crash", "nan", "spike", "slow", "device", "kill-in-save", "tamper-ckpt",
                     "slow-save"]
 PARTITION_S = {"partition-node": 20, "partition-all": 30}  # how long a cut lasts unless /SECONDS says
@@ -111,8 +116,8 @@ def parse_chaos(text: str) -> ChaosAction:
     if m is None:
         raise SpecError(
             f"--chaos {text!r}: expected KIND@STEP[:TARGET][/SECONDS] with KIND kill-rank, kill-node, "
-            "freeze-node, partition-node, partition-all, hang-rank, corrupt-ckpt, crash, nan, spike, slow, "
-            "slow-save, device, kill-in-save or tamper-ckpt, for example kill-rank@50"
+            "freeze-node, partition-node, partition-all, slow-link, hang-rank, corrupt-ckpt, crash, nan, "
+            "spike, slow, slow-save, device, kill-in-save or tamper-ckpt, for example kill-rank@50"
         )
     kind: ChaosKind = m.group(1)  # type: ignore[assignment]
     step = int(m.group(2))
@@ -147,6 +152,7 @@ class ChaosMonkey:
         self.reconciler = reconciler
         self.checkpoint_dir = checkpoint_dir
         self.heals: list[tuple[float, str]] = []  # (time.monotonic() when due, node) of cut links
+        self.throttled: list[str] = []  # nodes whose links slow-link slowed, until the run ends
         self.ended: tuple[int, int] | None = None  # (attempt, step) of the last fault that ends its attempt
 
     def poll(self) -> None:
@@ -176,6 +182,10 @@ class ChaosMonkey:
                     what = self.hooks.kill_rank(live.launch_info, rank, sig)
                 elif action.kind in PARTITION_S:
                     what = self._partition(action, live.nodes)
+                elif action.kind == "slow-link":
+                    node = live.nodes[action.target if action.target is not None else len(live.nodes) - 1]
+                    what = self.hooks.throttle_node(node, slow=True)
+                    self.throttled.append(node)
                 else:
                     index = action.target if action.target is not None else len(live.nodes) - 1
                     node = live.nodes[index]
@@ -222,9 +232,17 @@ class ChaosMonkey:
                                        {"node": node})
 
     def heal_all(self) -> None:
-        """Bring back every link still cut (the run ended before its heal was due)."""
+        """Bring back every link still cut (the run ended before its heal was due), and
+        every slowed link to its speed."""
         self.heals = [(0.0, node) for _, node in self.heals]
         self._heal_when_due()
+        for node in self.throttled:
+            try:
+                if self.hooks is not None:
+                    self.hooks.throttle_node(node, slow=False)
+            except LaunchError as e:
+                log.warning("chaos: cannot give %s its speed back: %s", node, e)
+        self.throttled = []
 
     def _corrupt_newest_checkpoint(self) -> str:
         newest, _ = checkpoint_scan.pick(self.checkpoint_dir) if self.checkpoint_dir else (None, [])

@@ -24,9 +24,10 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from health import wire
-from health.model import RUN_FILES, Action, Finding, Status, Verdict
+from health.model import RUN_FILES, Action, Finding, Status, Verdict, verdict, worst
 from supervisor.domain import ProbeRecord
 
 CONFIRMATIONS = 2  # bad results in a row before a drain
@@ -111,17 +112,92 @@ def record(node: str, output: str | None, kind: str, run_number: int | None, at:
     try:
         if output is None:
             raise ValueError("no report from the node (the probe did not run or timed out)")
-        sent = wire.answers(output).get(node)  # else a one-line JSON verdict (--json --compact)
-        line = sent or next(ln for ln in reversed(output.splitlines()) if ln.startswith("{"))
+        line = _verdict_line(node, output)
+        if line is None:
+            raise ValueError("no JSON verdict in the output")
         doc = json.loads(line)
         status, action = str(doc["status"]), str(doc.get("action", "none"))
         if status not in ("healthy", "degraded", "unhealthy", "unknown"):
             raise ValueError(f"status {status!r}")
         findings = [f for f in doc.get("findings", []) if isinstance(f, dict)]
         reason = str(doc.get("reason", ""))
-    except (ValueError, KeyError, StopIteration, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         why = str(e) or "no JSON verdict in the output"
         return ProbeRecord(node=node, at=at, kind=kind, status="unknown", action="none",
                            reason=f"unknown: probe failed: {why}", findings=[], run_number=run_number)
     return ProbeRecord(node=node, at=at, kind=kind, status=status, action=action, reason=reason,
                        findings=findings, run_number=run_number)
+
+
+# The link test's task on each node of a pair (supervisor/slurm/nodes.py runs it): the
+# all-reduce probe, its rank Slurm's task id. Small and few messages: a 4 Mbit/s link
+# finishes it in seconds, a healthy one in well under one.
+LINK_SIZES, LINK_ITERS, LINK_WARMUP = "256K", 5, 2
+_LINK_RANKS = ('RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=0; '
+               'export RANK WORLD_SIZE LOCAL_RANK; exec "$@"')
+
+
+class HealthSpecLike(Protocol):
+    """What the link test reads of a spec's ``[health]`` (supervisor/spec.py: HealthSpec)."""
+
+    @property
+    def links(self) -> bool: ...
+    @property
+    def link_fraction(self) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LinkTest:
+    """The link test of a probe round: over ``over`` (the round's nodes and the run's
+    others, which make the baseline), a node suspect under ``fraction`` of the median."""
+
+    over: tuple[str, ...]
+    fraction: float
+
+
+def link_test(spec: HealthSpecLike, round_nodes: Sequence[str], held: Sequence[str]) -> LinkTest | None:
+    """The round's link test, when the spec asks for it and the run holds two nodes or more."""
+    over = tuple(dict.fromkeys([*held, *round_nodes]))
+    return LinkTest(over=over, fraction=spec.link_fraction) if spec.links and len(over) >= 2 else None
+
+
+def link_argv(timeout_s: float, *, interpreter: str = sys.executable) -> tuple[str, ...]:
+    """``python -m health.allreduce`` as one task of a step across nodes (MASTER_ADDR and
+    MASTER_PORT come from srun's environment): rank 0 prints its JSON report."""
+    return ("/bin/sh", "-c", _LINK_RANKS, "tsup-link", interpreter, "-m", "health.allreduce", "--json",
+            "--sizes", LINK_SIZES, "--iters", str(LINK_ITERS), "--warmup", str(LINK_WARMUP),
+            "--timeout-s", f"{timeout_s:g}")
+
+
+def with_findings(answers: dict[str, str], findings: dict[str, Finding | None]) -> dict[str, str]:
+    """Each node's answer (its probe's wire lines) with ``findings[node]`` added to its
+    verdict, as wire lines again. A finding worse than the verdict makes it (health/
+    model.py: the worst status wins, the Reason is the worst findings'); one no worse only
+    joins its findings. A node without an answer, or with one that is not a verdict, is
+    left as it is: its record says the probe failed, whatever else is known of it."""
+    out = dict(answers)
+    for node, finding in findings.items():
+        sent = _verdict_line(node, answers.get(node) or "")
+        if finding is None or sent is None:
+            continue
+        try:
+            doc = json.loads(sent)
+            status = Status(doc["status"])
+            kept = [Finding(probe=str(f["probe"]), status=Status(f["status"]), evidence=str(f["evidence"]),
+                            action=Action(f.get("action", "none"))) for f in doc["findings"]]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if worst([status, finding.status]) is status:
+            doc["findings"] = [*doc["findings"], finding.to_json()]
+        else:
+            v = verdict([*kept, finding])
+            doc |= {**v.to_json(), "reason": v.reason()}
+        out[node] = "\n".join(wire.lines(node, json.dumps(doc)))
+    return out
+
+
+def _verdict_line(node: str, output: str) -> str | None:
+    """The node's verdict in its probe's output: its wire lines put together, else a
+    one-line JSON verdict (``python -m health --json --compact``)."""
+    sent = wire.answers(output).get(node)
+    return sent or next((ln for ln in reversed(output.splitlines()) if ln.startswith("{")), None)

@@ -4,7 +4,9 @@ A probe (``python -m health`` on a node) may take a minute; the reconciler's tic
 not wait for it. A round is submitted here, runs on a worker thread through the node
 administration port, and its answers are handed back at a later tick (``finished``),
 where the decision core judges them (supervisor/policy/nodes.py). While a run's nodes
-are being probed the run launches nothing (``probing``).
+are being probed the run launches nothing (``probing``). A run's round may carry the
+link test (``node_health.LinkTest``, health/links.py): after the per-node probe, an all-reduce of
+each pair of the run's nodes, whose finding joins each judged node's verdict.
 
 The sweep probes the idle nodes and the nodes this supervisor drained, every
 ``sweep_every_s``, one round at a time; drained nodes go through the cluster's
@@ -27,6 +29,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from health import links as health_links
 from supervisor import node_health
 from supervisor.domain import TERMINAL_RUN_STATES, ProbeRoundRecord
 from supervisor.errors import NotFound
@@ -76,18 +79,19 @@ class ProbeScheduler:
 
     def submit(self, *, run_number: int | None, kind: str, nodes: list[str], argv: tuple[str, ...],
                timeout_s: float, round_: int = 1, allocation_info: str | None = None,
-               drained: Mapping[str, str] | None = None, row: int = 0, command_id: int | None = None) -> None:
+               drained: Mapping[str, str] | None = None, row: int = 0, command_id: int | None = None,
+               links: node_health.LinkTest | None = None) -> None:
         """Probe ``nodes`` (a run's, in its allocation; the sweep's idle nodes, and the
         ``drained`` ones with their Reasons; or the one node of an operator's command),
-        recorded as an open round (``row``: the open round this one asks again)."""
+        recorded as an open round (``row``: the open round this one asks again); ``links``:
+        the link test after the probe (a round asked again by ``reopen`` runs without it)."""
         row = row or self._open_row(run_number, kind, nodes, argv, timeout_s, round_)
         if run_number is None and command_id is None:
             out_of_service = dict(drained or {})
             idle = [n for n in nodes if n not in out_of_service]
             future = self._pool.submit(self._sweep, idle, out_of_service, argv, timeout_s)
         else:
-            future = self._pool.submit(self.nodes.probe, nodes, argv, allocation_info=allocation_info,
-                                       timeout_s=timeout_s)
+            future = self._pool.submit(self._probe, list(nodes), argv, allocation_info, timeout_s, links)
         with self._lock:
             self._rounds.append(ProbeRound(run_number=run_number, kind=kind, nodes=list(nodes), argv=argv,
                                            timeout_s=timeout_s, round=round_, future=future, row=row,
@@ -168,6 +172,21 @@ class ProbeScheduler:
             return False
         self._swept_at = now
         return True
+
+    def _probe(self, nodes: list[str], argv: tuple[str, ...], allocation_info: str | None, timeout_s: float,
+               link_test: node_health.LinkTest | None) -> dict[str, str]:
+        answers = self.nodes.probe(nodes, argv, allocation_info=allocation_info, timeout_s=timeout_s)
+        if link_test is None or len(link_test.over) < 2:
+            return answers
+        results = self.nodes.probe_links(link_test.over, allocation_info=allocation_info, timeout_s=timeout_s)
+        if results:
+            log.info("link test of %s: %s", ", ".join(link_test.over), "; ".join(
+                f"{r.nodes[0]}-{r.nodes[1]} " + (f"{r.busbw_gbps:.4g} GB/s" if r.busbw_gbps is not None
+                                                 else f"no figure ({r.why})") for r in results))
+        findings = health_links.judge(nodes, results, fraction=link_test.fraction)
+        if results and (cannot := health_links.unjudged(nodes, results, findings)):
+            log.warning("%s", cannot)
+        return node_health.with_findings(answers, findings)
 
     def _sweep(self, idle: list[str], drained: dict[str, str], argv: tuple[str, ...],
                timeout_s: float) -> dict[str, str]:

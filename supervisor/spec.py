@@ -100,6 +100,8 @@ class PolicySpec(BaseModel):
     straggler_margin: Annotated[float, Field(gt=0, le=100)] = 0.25
     straggler_min_s: Annotated[float, Field(ge=0, le=3600)] = 0.005
     straggler_restart: bool = False
+    slowdown_factor: Annotated[float, Field(gt=1, le=1000)] = 2.0
+    slowdown_window: Annotated[int, Field(ge=3, le=60)] = 10  # telemetry keeps 64 of rank 0's steps
     lemon_faults: Annotated[int, Field(ge=2, le=10_000)] = 3
     lemon_window_s: Annotated[float, Field(gt=0, le=365 * _DAY_S)] = _DAY_S
     drains_per_fault: Annotated[int, Field(ge=1, le=100_000)] = 2
@@ -132,6 +134,10 @@ class HealthSpec(BaseModel):
     dcgm: bool = False  # also `dcgmi diag -r 1`
     bandwidth: bool = False  # also the collective bandwidth test (nccom-test / nccl-tests)
     min_busbw_gbps: Annotated[float, Field(gt=0, le=1e5)] | None = None
+    # The link test (health/links.py), with every preflight and diagnosis of two or more
+    # nodes: a node whose best pair runs under link_fraction of the median is drained.
+    links: bool = True
+    link_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.5
 
     @model_validator(mode="before")
     @classmethod

@@ -15,6 +15,7 @@ import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from health.links import PairResult
 from supervisor.domain import ProcState
 from supervisor.errors import LaunchError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, Parked, RankProc
@@ -136,6 +137,10 @@ class ScriptedLauncher:
         raise NotImplementedError
 
     def probe_drained(self, nodes: Mapping[str, str], argv: Sequence[str], *, timeout_s: float) -> dict[str, str]:
+        raise NotImplementedError
+
+    def probe_links(self, nodes: Sequence[str], *, allocation_info: str | None,
+                    timeout_s: float) -> list[PairResult]:
         raise NotImplementedError
 
     # --- chaos ----------------------------------------------------------------------

@@ -90,6 +90,11 @@ class Policy:
     straggler_margin: float = 0.25
     straggler_min_s: float = 0.005
     straggler_restart: bool = False
+    # A run that slowed as a whole (policy/slowdown.py): rank 0's median step time over
+    # its newest slowdown_window steps over slowdown_factor times its first steps'. With
+    # [health] diagnose, stopped after its next checkpoint, its nodes probed.
+    slowdown_factor: float = 2.0
+    slowdown_window: int = 10
     # Lemons: a node blamed in lemon_faults or more distinct faults (of any run; a fault
     # repeating at the same step counts once) within lemon_window_s is drained.
     lemon_faults: int = 3

@@ -116,6 +116,10 @@ class AttemptObs:
     save_gb_s: float | None = None
     restore_gb_s: float | None = None
     recent: tuple[StepSample, ...] = ()  # rank 0's recent steps, oldest first
+    # Rank 0's step times, (step, seconds): its first ones and its newest (policy/slowdown.py).
+    first_step_times: tuple[tuple[int, float], ...] = ()
+    newest_step_times: tuple[tuple[int, float], ...] = ()
+    committed_step: int | None = None  # the newest checkpoint the attempt said it committed
     # A LAUNCHING attempt that was never recorded as started, whose processes the launcher
     # found (a daemon killed between launching and recording): all of them (``found``: the
     # ranks above are theirs), or only some (``orphans``: they wait for peers that never come).

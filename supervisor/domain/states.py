@@ -78,6 +78,7 @@ class FaultKind(StrEnum):
     ALLOCATION_ENDED = "allocation-ended"  # the cluster ended the allocation under the attempt
     WRONG_RESUME = "wrong-resume"  # a resumed trainer's first step is not after the checkpoint it was given
     CONFIG = "config"  # the trainer printed an error of its configuration that no restart can fix
+    SLOWDOWN = "slowdown"  # the whole run slowed against its own first steps (a slow link, a slow node)
 
 
 _RUN_ID = re.compile(r"^run-([1-9][0-9]{0,17})$")

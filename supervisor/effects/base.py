@@ -14,6 +14,7 @@ from supervisor.gathering.launch_specs import LaunchSpecs
 from supervisor.gathering.observed import Observed
 from supervisor.gathering.run_memory import RunMemory
 from supervisor.launchers.base import Launcher, NodeAdmin
+from supervisor.node_health import LinkTest
 from supervisor.store import SqlStore, Tx
 from supervisor.telemetry.view import TelemetryView
 
@@ -26,7 +27,8 @@ class ProbeSubmitter(Protocol):
 
     def submit(self, *, run_number: int | None, kind: str, nodes: list[str], argv: tuple[str, ...],
                timeout_s: float, round_: int = 1, allocation_info: str | None = None,
-               drained: Mapping[str, str] | None = None, command_id: int | None = None) -> None: ...
+               drained: Mapping[str, str] | None = None, command_id: int | None = None,
+               links: LinkTest | None = None) -> None: ...
 
 
 @dataclass(slots=True, kw_only=True)

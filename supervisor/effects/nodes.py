@@ -108,9 +108,11 @@ class NodeEffects(Family):
         d = self.d
         info = None
         drained: dict[str, str] = {}
+        held: list[str] = []
         with d.store.tx() as tx:
             if e.run_number is not None:
                 info = tx.get_run(e.run_number).allocation_info
+                held = [n.name for n in tx.allocation(e.run_number, drained=False)]
             else:
                 drained = {x.name: x.reason for x in tx.nodes_named(e.nodes) if x.state is NodeState.DRAINED}
         spec, run_dir = d.memory.spec(e.run_number) if e.run_number is not None else (None, None)
@@ -120,7 +122,8 @@ class NodeEffects(Family):
         needs = trainer_cmd.node_requirements(run_spec, run_dir) if run_spec and run_dir else []
         d.probes.submit(run_number=e.run_number, kind=e.kind, nodes=list(e.nodes),
                         argv=node_health.probe_argv(args, needs), timeout_s=timeout_s, round_=e.round,
-                        allocation_info=info, drained=drained)
+                        allocation_info=info, drained=drained,
+                        links=node_health.link_test(run_spec.health, e.nodes, held) if run_spec else None)
 
     def _probe_for_operator(self, e: ProbeNode) -> None:
         """``python -m health`` with its default checks, in the allocation of the run that
@@ -138,10 +141,12 @@ class NodeEffects(Family):
         d, run, spec = self.d, a.seen.run, a.seen.spec
         with d.store.tx() as tx:
             info = tx.get_run(run.number).allocation_info
+            held = [n.name for n in tx.allocation(run.number, drained=False)]
         needs = trainer_cmd.node_requirements(spec, a.seen.run_dir)
         d.probes.submit(run_number=run.number, kind=e.kind, nodes=list(e.nodes),
                         argv=node_health.probe_argv(spec.health.probe_args(), needs),
-                        timeout_s=spec.health.timeout_s, allocation_info=info)
+                        timeout_s=spec.health.timeout_s, allocation_info=info,
+                        links=node_health.link_test(spec.health, e.nodes, held))
         d.post_event(run.number, EventKind.PROBE_STARTED, f"{e.kind} probe of {', '.join(e.nodes)}",
                      {"nodes": list(e.nodes), "kind": e.kind})
 

@@ -265,10 +265,13 @@ class Observer:
         p99, samples = self.telemetry.step_time_p99(run.run_id, live.number)
         up_since = self._up_since(run, live, tele, now)
         io = self.telemetry.checkpoint_io(run.run_id)
+        first_times, newest_times = self.telemetry.step_trend(run.run_id, live.number)
         return AttemptObs(ranks=tuple(ranks), result=result, telemetry_up_since=up_since, unheard=unheard,
                           output_read=output is not None,
                           expected_first=self._expected_first(run, spec, live) if spec else None,
                           step_time_p99_s=p99, step_time_samples=samples,
+                          first_step_times=first_times, newest_step_times=newest_times,
+                          committed_step=self.telemetry.committed_step(run.run_id, live.number),
                           save_s=io.save_s, save_gb_s=io.save_gb_s, restore_gb_s=io.restore_gb_s,
                           recent=self.telemetry.recent_steps(run.run_id, live.number), found=found)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from health.links import PairResult
 from supervisor.domain import ProcState
 from supervisor.domain.step import LaunchMode
 
@@ -206,6 +207,13 @@ class NodeAdmin(Protocol):
         same Reason afterwards."""
         ...
 
+    def probe_links(self, nodes: Sequence[str], *, allocation_info: str | None,
+                    timeout_s: float) -> list[PairResult]:
+        """The link test across ``nodes`` (health/links.py): each pair's all-reduce. Empty
+        where the launcher has no links to measure (the local launcher's nodes share one
+        host). Called on a worker thread."""
+        ...
+
 
 class ChaosHooks(Protocol):
     """Fault injection for ``--chaos``: real signals to real processes."""
@@ -223,6 +231,11 @@ class ChaosHooks(Protocol):
     def partition_node(self, node: str, cut: bool) -> str:
         """Take the node's network link down (``cut``) or bring it back: its processes
         live on, cut off. Only where nodes are hosts of their own (a Slurm box)."""
+        ...
+
+    def throttle_node(self, node: str, slow: bool) -> str:
+        """Slow the node's link (``slow``) or give it its speed back: every collective
+        through it slow. Only where nodes are hosts of their own (a Slurm box)."""
         ...
 
 

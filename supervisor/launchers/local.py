@@ -38,6 +38,7 @@ from pathlib import Path
 import psutil
 
 from health.host import SHARED_HOST_ENV
+from health.links import PairResult
 from supervisor import user_files, users
 from supervisor.domain import ProcState
 from supervisor.domain.step import Step, rdzv_id
@@ -131,6 +132,10 @@ class LocalLauncher:
     def probe_drained(self, nodes: Mapping[str, str], argv: Sequence[str], *,
                       timeout_s: float) -> dict[str, str]:
         return self.probe(list(nodes), argv, allocation_info=None, timeout_s=timeout_s)
+
+    def probe_links(self, nodes: Sequence[str], *, allocation_info: str | None,
+                    timeout_s: float) -> list[PairResult]:
+        return []  # its nodes share this host's loopback: no link between them to measure
 
     def probe(self, nodes: Sequence[str], argv: Sequence[str], *, allocation_info: str | None,
               timeout_s: float) -> dict[str, str]:
@@ -416,6 +421,10 @@ class LocalLauncher:
 
     def partition_node(self, node: str, cut: bool) -> str:
         raise LaunchError("partition-node: local nodes share this host's loopback, which cannot be cut; "
+                          "use the Slurm box (scripts/slurm-box), whose nodes have links of their own")
+
+    def throttle_node(self, node: str, slow: bool) -> str:
+        raise LaunchError("slow-link: local nodes share this host's loopback, which has no link to slow; "
                           "use the Slurm box (scripts/slurm-box), whose nodes have links of their own")
 
     def _alive(self, r: RankProcess) -> bool:

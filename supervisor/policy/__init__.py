@@ -17,6 +17,8 @@ reconciler calls them). Nothing here does I/O or reads a clock (import-linter ch
     trainer_inputs.py  what the next attempt's trainer is told: its data step ({skip_to_step})
                     and the "auto" checkpoint intervals (Young/Daly from what the run measured)
     memory.py       whether the next attempt's nodes still hold the in-memory save
+    slowdown.py     a run slowed as a whole against its own first steps (a slow link): stopped
+                    after its next checkpoint so that the diagnosis probes its nodes
     nodes.py        judge_probes(), node_command(): probes, lemons' return, operators' drains and probes
     transitions.py  the table of run and attempt states; an illegal change raises
 
@@ -58,6 +60,8 @@ Run transitions (state, condition -> next state: effects):
                     the cluster ended the allocation -> RECOVERING: the attempt ends INTERRUPTED
                     a straggler with straggler_restart and a free spare
                                              -> RECOVERING:  RecordFault, StopAttempt
+                    slowed as a whole (slowdown_factor), [health] diagnose, a checkpoint
+                    since the slowdown committed -> RECOVERING: RecordFault, StopAttempt
     RUNNING on fewer nodes than the run's
                     missing nodes held, a checkpoint of its own committed
                                              -> RECOVERING:  StopAttempt INTERRUPTED (run.grow)

@@ -57,6 +57,7 @@ from supervisor.policy.recovery import (
     probes_wanted,
     set_state,
 )
+from supervisor.policy.slowdown import judge_slowdown
 from supervisor.policy.transitions import check_run
 
 _ACTIVE = frozenset({RunState.PENDING, RunState.STARTING, RunState.RUNNING, RunState.RECOVERING})
@@ -320,6 +321,8 @@ def _judge_live_attempt(
             state = set_state(state, RunState.RUNNING, f"training at step {step}", out)
     _report_transient_spikes(view, live, obs, out)
     state, live_now = judge_stragglers(view, live, obs, state, out)
+    if live_now is not None and live_now.state is not AttemptState.STOPPING:
+        state, live_now = judge_slowdown(view, live_now, obs, state, out)
     if live_now is not None and live_now.state is not AttemptState.STOPPING:
         return grow_back(view, live_now, state, out)
     return state, live_now

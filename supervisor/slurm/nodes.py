@@ -8,7 +8,9 @@
 - ``probe``: ``srun`` one probe task per node, in the run's allocation when it holds
   the nodes, else as a job of its own that must start at once;
 - ``probe_drained``: a drained node runs no job, so it is reserved, resumed, probed and
-  drained again with the same Reason.
+  drained again with the same Reason;
+- ``probe_links``: the link test (health/links.py): an all-reduce of each pair of nodes
+  in a ring, one ``srun`` of two tasks a pair, the disjoint pairs of a round at once.
 
 On SageMaker HyperPod (``hyperpod``) the cluster repairs nodes itself, on the Reason it
 reads: a node to take out is set ``State=FAIL`` with ``Reason=Action:Replace`` (or
@@ -24,15 +26,18 @@ import getpass
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
-from health import wire
+from health import links, wire
 from supervisor.errors import LaunchError
+from supervisor.node_health import link_argv
 from supervisor.slurm.allocation import Alloc, recorded
 from supervisor.slurm.commands import SlurmCommands
 from supervisor.slurm.state import SlurmState
 
 log = logging.getLogger(__name__)
 
+LINK_PORT = 29411  # the link test's rendezvous port on the first node of a pair
 HYPERPOD_REPLACE = "Action:Replace"  # the Reasons HyperPod's agent acts on
 HYPERPOD_REBOOT = "Action:Reboot"
 REASON_MAX = 256
@@ -111,6 +116,35 @@ class SlurmNodes:
                 log.warning("probe of %s: %s", ",".join(some), reply.why)
             out |= said
         return out
+
+    def probe_links(self, nodes: Sequence[str], *, allocation_info: str | None,
+                    timeout_s: float) -> list[links.PairResult]:
+        """The link test over ``nodes``: each pair of the ring an all-reduce of its own, in
+        a step of the job that holds both (a pair split across two jobs is not run), the
+        pairs of a round at once. Rank 0, whose node hosts the rendezvous, is the pair's
+        node Slurm lists first (a step's task 0 runs there)."""
+        job_of = {n: job for job, some in self._by_job(nodes, allocation_info) for n in some}
+        listed = list(self.state.nodes() or {})
+        results: list[links.PairResult] = []
+        for pairs in links.ring_rounds(nodes):
+            with ThreadPoolExecutor(max_workers=len(pairs), thread_name_prefix="link") as pool:
+                results += pool.map(lambda pair: self._pair(pair, job_of, listed, timeout_s), pairs)
+        return results
+
+    def _pair(self, pair: tuple[str, str], job_of: Mapping[str, str | None], listed: list[str],
+              timeout_s: float) -> links.PairResult:
+        job = job_of.get(pair[0])
+        if job != job_of.get(pair[1]):
+            return links.PairResult(pair, None, "its nodes are in two Slurm jobs")
+        first = min(pair, key=lambda n: listed.index(n) if n in listed else len(listed))
+        info = (self.state.nodes() or {}).get(first)
+        where = [f"--jobid={job}", "--overlap"] if job else ["--immediate=10", "--time=5"]
+        reply = self.commands.run(
+            ["srun", *where, f"--job-name={self.prefix}.links", "--nodes=2", f"--nodelist={','.join(pair)}",
+             "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+             f"--export=ALL,MASTER_ADDR={info.addr if info else first},MASTER_PORT={LINK_PORT}",
+             *link_argv(timeout_s)], timeout_s=timeout_s)
+        return links.pair_result(pair, reply.stdout, "" if reply.ok else reply.why)
 
     def _by_job(self, nodes: Sequence[str],
                 allocation_info: str | None) -> list[tuple[str | None, list[str]]]:

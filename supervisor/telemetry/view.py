@@ -70,6 +70,7 @@ _DURABLE_QUEUE_MAX = 100_000
 # 32,768 (a sort of every rank's window on every tick did not scale).
 STEP_TIMES_KEPT = 2048
 RECENT_STEPS_KEPT = 400  # rank 0's steps per attempt: the window spikes are judged on
+STEP_TREND_KEPT = 64  # rank 0's step times per attempt, its first and its newest (a slowdown)
 
 
 # Last wills received this shortly before the broker link went down came with the
@@ -105,6 +106,10 @@ class TelemetryView:
     _io: dict[str, CheckpointIo] = field(default_factory=dict)  # run -> its recent checkpoint I/O
     _recent: dict[tuple[str, int], deque[StepSample]] = field(default_factory=dict)  # rank 0's steps
     _step_times: dict[tuple[str, int], deque[float]] = field(default_factory=dict)  # every rank's, pooled
+    # rank 0's (step, seconds): the attempt's first STEP_TREND_KEPT, and its newest
+    _trend: dict[tuple[str, int], tuple[list[tuple[int, float]], deque[tuple[int, float]]]] = field(
+        default_factory=dict)
+    _committed: dict[tuple[str, int], int] = field(default_factory=dict)  # rank 0's newest commit
     _injected: set[tuple[str, int, str]] = field(default_factory=set)  # (run, attempt, chaos action)
     # Whether an attempt (run id, number) is live in the store: a verified message of one
     # this process has not heard of is acted on only if so (None: it is).
@@ -248,6 +253,8 @@ class TelemetryView:
                 self._step(rank, msg, now, _PRINTED_ALL)
             case p.CheckpointCommitted():
                 self._queue(Received(msg, now))
+                newest = self._committed.get((msg.run, msg.attempt), msg.step)
+                self._committed[(msg.run, msg.attempt)] = max(newest, msg.step)
                 whole = msg.total_s if math.isfinite(msg.total_s) else msg.duration_s
                 self._run_io(msg.run).saved(whole, msg.bytes)
             case p.CheckpointRestored():
@@ -320,6 +327,12 @@ class TelemetryView:
         if msg.rank == 0:
             if record:
                 self._queue(Received(msg, now))
+            if math.isfinite(msg.step_time_s) and msg.step_time_s > 0:
+                first, newest = self._trend.setdefault((msg.run, msg.attempt),
+                                                       ([], deque(maxlen=STEP_TREND_KEPT)))
+                if len(first) < STEP_TREND_KEPT:
+                    first.append((msg.step, msg.step_time_s))
+                newest.append((msg.step, msg.step_time_s))
             sample = StepSample(step=msg.step, loss=msg.loss,
                                 grad_norm=math.nan if msg.grad_norm is None else msg.grad_norm,
                                 first_sample=msg.first_sample)
@@ -421,6 +434,19 @@ class TelemetryView:
             return None, 0
         return times[min(len(times) - 1, math.ceil(0.99 * len(times)) - 1)], len(times)
 
+    def step_trend(self, run_id: str, attempt: int) -> tuple[tuple[tuple[int, float], ...],
+                                                             tuple[tuple[int, float], ...]]:
+        """Rank 0's step times, (step, seconds): the attempt's first ones and its newest,
+        oldest first."""
+        with self._lock:
+            first, newest = self._trend.get((run_id, attempt), ([], deque()))
+            return tuple(first), tuple(newest)
+
+    def committed_step(self, run_id: str, attempt: int) -> int | None:
+        """The step of the newest checkpoint the attempt said it committed (None: none yet)."""
+        with self._lock:
+            return self._committed.get((run_id, attempt))
+
     def recent_steps(self, run_id: str, attempt: int) -> tuple[StepSample, ...]:
         with self._lock:
             recent = tuple(self._recent.get((run_id, attempt), ()))
@@ -438,6 +464,8 @@ class TelemetryView:
             self._agents.pop((run_id, attempt), None)
             self._recent.pop((run_id, attempt), None)
             self._step_times.pop((run_id, attempt), None)
+            self._trend.pop((run_id, attempt), None)
+            self._committed.pop((run_id, attempt), None)
             self._injected = {k for k in self._injected if k[:2] != (run_id, attempt)}
             self._gate.end(run_id, attempt)
         for hook in self.on_end:

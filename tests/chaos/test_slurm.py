@@ -499,6 +499,34 @@ def test_a_node_cut_off_from_the_network_is_found_by_silence_drained_and_replace
     assert len(healed) == 1 and "node2's link up again" in healed[0][0]
 
 
+def test_a_link_slowed_mid_run_slows_the_run_which_is_stopped_at_its_checkpoint_and_the_node_probed_out(
+        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """node2's link at 4 Mbit/s from step 20 on: nothing fails, every step waits for it.
+    Rank 0's step time rises over twice its first steps' (policy/slowdown.py); after the
+    checkpoint of step 40 the attempt is stopped, the diagnosis's link test names node2,
+    which is drained, and the run resumes from step 40 on node1 and the spare."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
+    spec = spec_for_slurm(tmp_path)
+    spec.write_text(spec.read_text() + "\n[health]\ndiagnose = true\n")
+    state = tmp_path / "state"
+    proc = tsup("run", spec, "--state-dir", state, "--json", "--chaos", "slow-link@20")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    [fault] = s["faults"]
+    assert fault["kind"] == "slowdown" and fault["step"] == 40, what_happened(s, state / "runs" / "run-1")
+    assert "the whole run slowed" in fault["summary"]
+    assert s["drained_nodes"] == ["node2"]
+    first, second = s["attempt_history"]
+    assert (first["nodes"], second["nodes"], second["resume_step"]) == (["node1", "node2"], ["node1", "node3"], 40)
+    node2 = parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", "node2"))["node2"]
+    assert node2.reason.startswith("training-supervisor: probe: links: best pair node"), node2.reason
+    assert "(run-1, diagnosis)" in node2.reason
+    probes = db_rows(state, "SELECT node, kind, status FROM probes ORDER BY id")
+    assert probes.count(("node2", "diagnosis", "unhealthy")) == 2, probes
+    assert ("node1", "diagnosis", "healthy") in probes, probes
+
+
 def test_every_node_cut_off_briefly_is_the_network_nothing_is_drained_and_training_continues(
         slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every node of the attempt cut off for 8 s at step 40 (longer than the hang floor,

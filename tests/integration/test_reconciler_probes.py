@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from health.links import PairResult, ring_rounds
 from supervisor.domain import DrainBudget, Node, NodeCommandKind, NodeState, RunState
 from supervisor.errors import NotFound
 from supervisor.launchers.local import LocalLauncher
@@ -53,6 +54,8 @@ class ProbedLauncher(ScriptedLauncher):
         self.drains: list[tuple[str, str]] = []
         self.reboots: list[bool] = []  # each drain's: a reboot is the fix (HyperPod: Action:Reboot)
         self.undrained: list[str] = []
+        self.slow_links: set[str] = set()
+        self.link_tests: list[tuple[str, ...]] = []  # the nodes of each link test
 
     def _answer(self, node: str) -> str:
         queue = self.script.get(node, [])
@@ -70,6 +73,12 @@ class ProbedLauncher(ScriptedLauncher):
                       timeout_s: float) -> dict[str, str]:
         self.drained_probes.append(dict(nodes))
         return {n: self._answer(n) for n in nodes}
+
+    def probe_links(self, nodes: Sequence[str], *, allocation_info: str | None,
+                    timeout_s: float) -> list[PairResult]:
+        """Each pair of the ring at 1.2 GB/s, or at 0.5 MB/s where a node of ``slow_links`` is in it."""
+        self.link_tests.append(tuple(nodes))
+        return [PairResult(p, 0.0005 if self.slow_links & set(p) else 1.2) for r in ring_rounds(nodes) for p in r]
 
     def drain(self, node: str, reason: str, *, reboot: bool = False) -> None:
         self.drains.append((node, reason))
@@ -143,6 +152,46 @@ def test_preflight_holds_the_launch_until_the_nodes_are_judged_and_drains_a_conf
     with store.tx() as tx:
         assert tx.get_run(1).state is RunState.STARTING
         assert [p.status for p in tx.recent_probes("node-2", 5)] == ["unhealthy", "unhealthy"]
+
+
+def test_a_node_on_a_slow_link_is_named_by_the_link_test_confirmed_against_the_others_and_drained(
+        tmp_path: Path) -> None:
+    """Every node's own probe is healthy; the link test of the preflight finds node-2's
+    pairs slow against the others'. The confirmation probes node-2 alone, and its link
+    test runs over all the run's nodes again (the others are its baseline)."""
+    launcher = ProbedLauncher({})
+    launcher.slow_links = {"node-2"}
+    store, clock, rec, pool = make(tmp_path, launcher)
+    preflighted(tmp_path, store, clock, rec)
+    assert pool.finish() == 1
+    rec.tick()
+    assert pool.finish() == 1 and launcher.probed[-1] == ("node-2",)
+    rec.tick()
+    assert launcher.link_tests == [("node-1", "node-2", "node-3")] * 2
+    [(node, reason)] = launcher.drains
+    assert node == "node-2" and reason.startswith("training-supervisor: probe: links: best pair")
+    assert "0.0005 GB/s" in reason and "median of 3 nodes' best pairs, 1.2 GB/s" in reason
+    rec.tick()
+    assert [s.nodes for s in launcher.started] == [("node-1", "node-3")]
+    with store.tx() as tx:
+        assert [p.status for p in tx.recent_probes("node-1", 5)] == ["healthy"]
+
+
+def test_without_links_in_the_spec_no_link_test_runs(tmp_path: Path) -> None:
+    launcher = ProbedLauncher({})
+    launcher.slow_links = {"node-2"}
+    store, clock, rec, pool = make(tmp_path, launcher)
+    local = LocalLauncher(max_nodes=8)
+    service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
+                                launcher=local, check_trainer=False, clock=clock)
+    service.submit(parse_spec({**SPEC, "health": {"preflight": True, "links": False}}))
+    rec.tick()
+    rec.tick()
+    assert pool.finish() == 1
+    rec.tick()
+    rec.tick()
+    assert launcher.link_tests == [] and launcher.drains == []
+    assert [s.nodes for s in launcher.started] == [("node-1", "node-2")]
 
 
 @pytest.mark.parametrize(("status", "reboot"), [("unhealthy", False), ("unknown", True)])

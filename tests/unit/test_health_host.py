@@ -51,7 +51,7 @@ def test_cli_prints_json_and_exits_by_status(tmp_path: Path) -> None:
     v = json.loads(proc.stdout)
     assert v["status"] == "unhealthy" and proc.returncode == 2
     assert {f["probe"] for f in v["findings"]} == {"disk", "write_latency", "memory", "load", "leftover_trainers",
-                                                   "neuron-ls", "nvidia-smi"}
+                                                   "neuron-ls", "nvidia-smi", "fi_info"}
     assert v["node"] and "no Neuron or NVIDIA devices found" in v["summary"] and v["reason"].startswith("disk:")
 
 

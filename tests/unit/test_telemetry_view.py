@@ -142,6 +142,25 @@ def test_a_rank_whose_slot_stops_being_written_goes_silent_and_stops_progressing
         "silent for 20 s and no progress since 10.0, as if its heartbeats had stopped"
 
 
+def test_rank_zeros_step_times_keep_the_attempts_first_ones_and_its_newest_and_its_newest_commit() -> None:
+    from supervisor.telemetry.view import STEP_TREND_KEPT
+
+    v = TelemetryView()
+    for step in range(1, 2 * STEP_TREND_KEPT + 1):
+        for rank in (0, 1):  # rank 1's times are pooled for hangs, never in rank 0's trend
+            feed(v, p.StepMetrics(**H, rank=rank, step=step, loss=2.0, grad_norm=1.0, lr=0.1,
+                                  step_time_s=step / 100 + rank, tokens_per_s=1.0), float(step))
+    first, newest = v.step_trend("run-1", 1)
+    assert first == tuple((s, s / 100) for s in range(1, STEP_TREND_KEPT + 1))
+    assert newest == tuple((s, s / 100) for s in range(STEP_TREND_KEPT + 1, 2 * STEP_TREND_KEPT + 1))
+    assert v.committed_step("run-1", 1) is None
+    for step in (20, 40, 30):  # a late message never moves it back
+        feed(v, p.CheckpointCommitted(**H, rank=0, step=step, path="/c", duration_s=0.1), 200.0)
+    assert v.committed_step("run-1", 1) == 40
+    v.forget("run-1", 1)
+    assert v.step_trend("run-1", 1) == ((), ()) and v.committed_step("run-1", 1) is None
+
+
 def test_a_node_report_never_moves_a_rank_back_nor_undoes_a_last_will() -> None:
     v = TelemetryView()
     feed(v, p.StepMetrics(**H, rank=0, step=9, loss=2.0, grad_norm=1.0, lr=0.1, step_time_s=0.1,

@@ -1,0 +1,47 @@
+"""The link test on the Slurm box: an all-reduce between nodes that are separate hosts
+(network namespaces joined by a bridge), one node's link slowed by ``tc`` (health/links.py,
+supervisor/slurm/nodes.py: ``probe_links``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurmbox.box import Box, throttle_node, unthrottle_node
+from supervisor.slurm import parse
+from tests.e2e.conftest import db_rows, slurm, spec_for_slurm, summary_of, tsup
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_node_on_a_throttled_link_is_named_by_the_preflight_drained_and_never_trains(
+        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """node2's link at 4 Mbit/s both ways before submit. Its own probe finds nothing (a
+    slow link is no fault of the node's own devices); the preflight's link test finds its
+    pairs slow against the others', the confirmation finds it again, and it is drained
+    with a Reason that says the test, its figure and the others'. The run trains on node1
+    and the spare, node3, and ends with the weights of a run that never failed."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
+    spec = spec_for_slurm(tmp_path)
+    spec.write_text(spec.read_text() + "\n[health]\npreflight = true\ndiagnose = true\n")
+    throttle_node(slurm_box, "node2")
+    try:
+        proc = tsup("run", spec, "--state-dir", tmp_path / "state", "--json")
+    finally:
+        unthrottle_node(slurm_box, "node2")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    assert s["faults"] == [] and s["attempts"] == 1, "the slow node never got the trainer"
+    assert s["attempt_history"][0]["nodes"] == ["node1", "node3"]
+    assert s["drained_nodes"] == ["node2"]
+    node2 = parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", "node2"))["node2"]
+    assert "DRAIN" in node2.flags
+    assert node2.reason.startswith("training-supervisor: probe: links: best pair node"), node2.reason
+    assert "median of 3 nodes' best pairs" in node2.reason and "its link is slow" in node2.reason
+    probes = db_rows(tmp_path / "state", "SELECT node, kind, status FROM probes ORDER BY id")
+    assert probes.count(("node2", "preflight", "unhealthy")) == 2, "confirmed by a second probe"
+    assert ("node1", "preflight", "healthy") in probes and ("node3", "preflight", "healthy") in probes
+    print("\n".join(line for line in proc.stderr.splitlines() if "link test" in line))  # the figures, for the notes
