@@ -130,8 +130,11 @@ def _size(n: int) -> str:
 # the measurement (torch, imported lazily)
 
 
-def measure(sizes: Sequence[int], *, iters: int, warmup: int, backend: str) -> dict[str, Any]:
-    """Run the all-reduces on an initialised process group; every rank returns the same report."""
+def measure(sizes: Sequence[int], *, iters: int, warmup: int, backend: str,
+            budget_s: float | None = None) -> dict[str, Any]:
+    """Run the all-reduces on an initialised process group; every rank returns the same
+    report. ``budget_s``: the timed all-reduces of a size fit in about that long (fewer
+    than ``iters`` on a slow link, at least one), from one timed first."""
     import torch
     import torch.distributed as dist
 
@@ -152,11 +155,12 @@ def measure(sizes: Sequence[int], *, iters: int, warmup: int, backend: str) -> d
         sync()
         dist.all_reduce(torch.zeros(1, device=device))  # line the ranks up before the clock starts
         sync()
+        rounds = iters if budget_s is None else _rounds_in(budget_s, iters, buf, sync)
         began = time.perf_counter()
-        for _ in range(iters):
+        for _ in range(rounds):
             dist.all_reduce(buf)
         sync()
-        elapsed = torch.tensor([(time.perf_counter() - began) / iters], dtype=torch.float64, device=device)
+        elapsed = torch.tensor([(time.perf_counter() - began) / rounds], dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         seconds = float(elapsed.item())
 
@@ -164,7 +168,7 @@ def measure(sizes: Sequence[int], *, iters: int, warmup: int, backend: str) -> d
         dist.all_reduce(buf)
         wrong = int((buf != world * (world + 1) / 2).sum().item())
         dist.all_reduce(w := torch.tensor([wrong], dtype=torch.int64, device=device))
-        results.append({"bytes": nbytes, "time_us": round(seconds * 1e6, 3),
+        results.append({"bytes": nbytes, "iters": rounds, "time_us": round(seconds * 1e6, 3),
                         "algbw_gbps": algorithm_bandwidth(nbytes, seconds),
                         "busbw_gbps": bus_bandwidth(nbytes, seconds, world), "wrong": int(w.item())})
         del buf
@@ -172,6 +176,20 @@ def measure(sizes: Sequence[int], *, iters: int, warmup: int, backend: str) -> d
     return {"probe": PROBE, "backend": backend, "world_size": world, "device": device.type,
             "dtype": "float32", "iters": iters, "warmup": warmup, "results": results,
             "busbw_gbps_at_largest": largest["busbw_gbps"]}
+
+
+def _rounds_in(budget_s: float, most: int, buf: Any, sync: Any) -> int:
+    """How many all-reduces of ``buf`` fit in ``budget_s``, from one timed on every rank
+    (the slowest rank's time: every rank must run as many)."""
+    import torch
+    import torch.distributed as dist
+
+    began = time.perf_counter()
+    dist.all_reduce(buf)
+    sync()
+    once = torch.tensor([time.perf_counter() - began], dtype=torch.float64, device=buf.device)
+    dist.all_reduce(once, op=dist.ReduceOp.MAX)
+    return max(1, min(most, int(budget_s / max(float(once.item()), 1e-9))))
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -194,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                         help="auto: nccl when CUDA is available, else gloo")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout (default 300)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="fit each size's timed all-reduces in about this long (at most --iters)")
     parser.add_argument("--min-busbw-gbps", type=float, default=None,
                         help="grade the run on rank 0: exit 0 healthy, 1 degraded, 2 unhealthy/unknown")
     parser.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
@@ -210,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank = int(os.environ["RANK"])
     try:
-        report = _run(sizes, args.iters, args.warmup, args.backend, args.timeout_s)
+        report = _run(sizes, args.iters, args.warmup, args.backend, args.timeout_s, args.budget_s)
     except Exception as e:  # report it as the probe's failure, on the rank that saw it
         why = f"{type(e).__name__}: {e}"
         print(f"health.allreduce: rank {rank}: {why}", file=sys.stderr)
@@ -246,7 +266,8 @@ def interface_towards(address: str) -> str | None:
                  if any(a.family == socket.AF_INET and a.address == source for a in addrs)), None)
 
 
-def _run(sizes: Sequence[int], iters: int, warmup: int, backend: str, timeout_s: float) -> dict[str, Any]:
+def _run(sizes: Sequence[int], iters: int, warmup: int, backend: str, timeout_s: float,
+         budget_s: float | None) -> dict[str, Any]:
     import datetime
 
     import torch
@@ -265,7 +286,7 @@ def _run(sizes: Sequence[int], iters: int, warmup: int, backend: str, timeout_s:
     dist.init_process_group(backend=backend, init_method="env://",
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        return measure(sizes, iters=iters, warmup=warmup, backend=backend)
+        return measure(sizes, iters=iters, warmup=warmup, backend=backend, budget_s=budget_s)
     finally:
         dist.destroy_process_group()
 

@@ -130,9 +130,10 @@ def record(node: str, output: str | None, kind: str, run_number: int | None, at:
 
 
 # The link test's task on each node of a pair (supervisor/slurm/nodes.py runs it): the
-# all-reduce probe, its rank Slurm's task id. Small and few messages: a 4 Mbit/s link
-# finishes it in seconds, a healthy one in well under one.
-LINK_SIZES, LINK_ITERS, LINK_WARMUP = "256K", 5, 2
+# all-reduce probe, its rank Slurm's task id. 1 MiB messages, as many as fit in a second
+# (up to 50): a healthy link's figure is the mean of many, and a 4 Mbit/s link finishes
+# in seconds (two warm-up rounds, one to time, one timed).
+LINK_SIZES, LINK_ITERS, LINK_WARMUP, LINK_BUDGET_S = "1M", 50, 2, 1.0
 _LINK_RANKS = ('RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=0; '
                'export RANK WORLD_SIZE LOCAL_RANK; exec "$@"')
 
@@ -166,7 +167,7 @@ def link_argv(timeout_s: float, *, interpreter: str = sys.executable) -> tuple[s
     MASTER_PORT come from srun's environment): rank 0 prints its JSON report."""
     return ("/bin/sh", "-c", _LINK_RANKS, "tsup-link", interpreter, "-m", "health.allreduce", "--json",
             "--sizes", LINK_SIZES, "--iters", str(LINK_ITERS), "--warmup", str(LINK_WARMUP),
-            "--timeout-s", f"{timeout_s:g}")
+            "--budget-s", f"{LINK_BUDGET_S:g}", "--timeout-s", f"{timeout_s:g}")
 
 
 def with_findings(answers: dict[str, str], findings: dict[str, Finding | None]) -> dict[str, str]:

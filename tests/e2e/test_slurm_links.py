@@ -44,4 +44,3 @@ def test_a_node_on_a_throttled_link_is_named_by_the_preflight_drained_and_never_
     probes = db_rows(tmp_path / "state", "SELECT node, kind, status FROM probes ORDER BY id")
     assert probes.count(("node2", "preflight", "unhealthy")) == 2, "confirmed by a second probe"
     assert ("node1", "preflight", "healthy") in probes and ("node3", "preflight", "healthy") in probes
-    print("\n".join(line for line in proc.stderr.splitlines() if "link test" in line))  # the figures, for the notes

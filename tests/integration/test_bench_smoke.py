@@ -382,3 +382,18 @@ def test_gpu_recovery_bench_runs_the_supervisor_through_two_faults_on_this_cpu()
     # steps may end before any is. What is there has the keys the figures need.
     assert all(set(s) == {"warm_s", "device", "device_ready_s"} for s in report["standby"]), report["standby"]
     assert report["train"]["step_time_s"] > 0 and report["state_bytes_per_rank"] > 30_000_000
+
+
+@pytest.mark.box
+def test_link_test_bench_names_only_the_throttled_node_on_the_slurm_box() -> None:
+    """One clean trial and one with the last node's link throttled, on a fresh box."""
+    require_root("the Slurm box (network namespaces)")
+    require("Slurm (slurmctld, slurmd, munge, slurm-client)", slurm_installed())
+    report = run_bench("link_test.py", "--nodes", 3, "--trials", 1, "--throttled", 1, timeout_s=300)
+    assert_keys(report, "nodes rate measured clean throttled", "link_test")
+    clean, throttled = report["clean"], report["throttled"]
+    # A clean trial's verdict is the benchmark's figure (false_verdicts), not asserted here:
+    # under the suite's load its pairs are noisier than on a quiet box.
+    assert clean["trials"] == 1 and len(clean["each"][0]["pairs"]) == 3, clean
+    assert throttled["correct"] == 1 and throttled["each"][0]["named"] == ["node3"], throttled
+    assert clean["seconds"]["median"] > 0 and clean["busbw_gbps"]["min"] > throttled["busbw_gbps"]["min"]
