@@ -174,12 +174,20 @@ def with_findings(answers: dict[str, str], findings: dict[str, Finding | None]) 
     """Each node's answer (its probe's wire lines) with ``findings[node]`` added to its
     verdict, as wire lines again. A finding worse than the verdict makes it (health/
     model.py: the worst status wins, the Reason is the worst findings'); one no worse only
-    joins its findings. A node without an answer, or with one that is not a verdict, is
-    left as it is: its record says the probe failed, whatever else is known of it."""
+    joins its findings. A node that gave no verdict (a node cut off answers nothing) gets
+    one of the finding and the probe's failure, so that the finding, not only the silence,
+    is its Reason when it is the worse."""
     out = dict(answers)
     for node, finding in findings.items():
+        if finding is None:
+            continue
         sent = _verdict_line(node, answers.get(node) or "")
-        if finding is None or sent is None:
+        if sent is None:
+            silent = Finding(probe="probe", status=Status.UNKNOWN,
+                             evidence="unknown: probe failed: no report from the node")
+            v = verdict([silent, finding])
+            doc = {"node": node, **v.to_json(), "reason": v.reason(), "summary": ""}
+            out[node] = "\n".join(wire.lines(node, json.dumps(doc)))
             continue
         try:
             doc = json.loads(sent)

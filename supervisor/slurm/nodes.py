@@ -32,7 +32,7 @@ from health import links, wire
 from supervisor.errors import LaunchError
 from supervisor.node_health import link_argv
 from supervisor.slurm.allocation import Alloc, recorded
-from supervisor.slurm.commands import SlurmCommands
+from supervisor.slurm.commands import Reply, SlurmCommands
 from supervisor.slurm.state import SlurmState
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,15 @@ def slurm_reason(text: str) -> str:
     if len(flat) > REASON_MAX:
         flat = flat[:REASON_MAX - 3].rstrip() + "..."
     return flat or "(no reason given)"
+
+
+def _short_why(reply: Reply) -> str:
+    """Why a pair's step failed, in a line a drain Reason can quote: srun's own error
+    (which names the node it could not reach) over the tasks' warnings, else the last
+    line it printed, else the reply's reason (a timeout)."""
+    lines = [ln.strip() for ln in reply.stderr.splitlines() if ln.strip()]
+    said = next((ln for ln in lines if ln.startswith("srun: error:")), lines[-1] if lines else reply.why)
+    return said[:160]
 
 
 class SlurmNodes:
@@ -144,7 +153,7 @@ class SlurmNodes:
              "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
              f"--export=ALL,MASTER_ADDR={info.addr if info else first},MASTER_PORT={LINK_PORT}",
              *link_argv(timeout_s)], timeout_s=timeout_s)
-        return links.pair_result(pair, reply.stdout, "" if reply.ok else reply.why)
+        return links.pair_result(pair, reply.stdout, "" if reply.ok else _short_why(reply))
 
     def _by_job(self, nodes: Sequence[str],
                 allocation_info: str | None) -> list[tuple[str | None, list[str]]]:

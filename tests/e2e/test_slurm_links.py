@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from slurmbox.box import Box, throttle_node, unthrottle_node
+from slurmbox.box import Box, heal_node, partition_node, set_slurmd_timeout, throttle_node, unthrottle_node
 from supervisor.slurm import parse
 from tests.e2e.conftest import db_rows, slurm, spec_for_slurm, summary_of, tsup
 
@@ -44,3 +44,32 @@ def test_a_node_on_a_throttled_link_is_named_by_the_preflight_drained_and_never_
     probes = db_rows(tmp_path / "state", "SELECT node, kind, status FROM probes ORDER BY id")
     assert probes.count(("node2", "preflight", "unhealthy")) == 2, "confirmed by a second probe"
     assert ("node1", "preflight", "healthy") in probes and ("node3", "preflight", "healthy") in probes
+
+
+def test_a_node_cut_off_at_preflight_is_named_by_the_link_test_and_drained_never_a_hang(
+        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """node2's link down before submit, and Slurm slow to notice (SlurmdTimeout 300 s, its
+    default): Slurm still allocates node2. The preflight's own probe hears nothing from
+    node2, and its link test completes no pair with it while node1 and node3 complete
+    theirs: node2 is named ("reaches no peer"), confirmed, and drained; nothing waits past
+    the probe's timeout, and node1 and node3, which answered, are not blamed. The run
+    trains on them and ends with the weights of a run that never failed."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
+    set_slurmd_timeout(slurm_box, 300)
+    spec = spec_for_slurm(tmp_path)
+    spec.write_text(spec.read_text() + "\n[health]\npreflight = true\ntimeout_s = 30\n")
+    partition_node(slurm_box, "node2")
+    try:
+        proc = tsup("run", spec, "--state-dir", tmp_path / "state", "--json")
+    finally:
+        heal_node(slurm_box, "node2")
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    assert s["attempt_history"][-1]["nodes"] == ["node1", "node3"] and s["drained_nodes"] == ["node2"]
+    node2 = parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", "node2"))["node2"]
+    assert node2.reason.startswith("training-supervisor: probe: links: no all-reduce with node1, node3"), \
+        node2.reason
+    probes = db_rows(tmp_path / "state", "SELECT node, kind, status FROM probes ORDER BY id")
+    assert ("node2", "preflight", "unhealthy") in probes
+    assert [p for p in probes if p[0] != "node2" and p[2] != "healthy"] == [], probes

@@ -128,8 +128,11 @@ def test_a_link_finding_joins_the_nodes_verdict_and_the_worst_status_wins() -> N
     r = node_health.record("n2", out["n2"], "preflight", 1, 0.0)
     assert (r.status, r.reason) == ("unhealthy", "links: best pair n1-n2 0.0005 GB/s: slow")
     assert [f["probe"] for f in r.findings] == ["disk", "links"]
-    assert out["n3"] == answers["n3"], "no verdict to join: its record says the probe failed"
-    assert node_health.record("n3", out["n3"], "preflight", 1, 0.0).status == "unknown"
+    silent = node_health.record("n3", out["n3"], "preflight", 1, 0.0)
+    assert (silent.status, silent.reason) == ("unhealthy", "links: best pair n1-n2 0.0005 GB/s: slow"), \
+        "no verdict of its own: the link finding, the worse, is its Reason"
+    assert [f["status"] for f in silent.findings] == ["unknown", "unhealthy"]
+    assert "n4" not in out, "nothing known of it: nothing made up"
     assert node_health.with_findings(answers, {"n2": None}) == answers
 
 
@@ -166,3 +169,18 @@ def test_the_link_task_takes_its_rank_from_slurm() -> None:
 def test_every_pair_of_three_nodes_is_in_the_ring() -> None:
     assert {frozenset(p) for r in ring_rounds(["a", "b", "c"]) for p in r} == \
         {frozenset(p) for p in combinations("abc", 2)}
+
+
+def test_a_failed_pairs_reason_is_sruns_own_error_not_the_tasks_warnings() -> None:
+    from supervisor.slurm.commands import Reply
+    from supervisor.slurm.nodes import _short_why
+
+    stderr = ("[W1204 17:06:30.68 socket.cpp:207] [c10d] The hostname of the client socket cannot be retrieved.\n"
+              "srun: error: Task launch for StepId=1.1 failed on node node2: Communication connection failure\n"
+              "srun: error: Application launch failed: Communication connection failure\n")
+    failed = Reply(("srun",), False, "", stderr, "exit 233: ...")
+    assert _short_why(failed) == ("srun: error: Task launch for StepId=1.1 failed on node node2: "
+                                  "Communication connection failure")
+    assert _short_why(Reply(("srun",), False, "", "", "timed out after 30 s")) == "timed out after 30 s"
+    assert _short_why(Reply(("srun",), False, "", "torch: boom\nRuntimeError: gloo\n", "exit 1")) == \
+        "RuntimeError: gloo"
