@@ -56,7 +56,7 @@ def _job(commands: SlurmCommands, nodes: int, timeout_s: float = 60) -> str:
 
 def trial(box: Any, throttle: str | None, rate: str, timeout_s: float) -> dict[str, Any]:
     cluster = slurm_cluster(slurm_conf=str(box.conf), state_dir=Path(box.dir) / "state")
-    commands = SlurmCommands(slurm_conf=str(box.conf))
+    commands = cluster.commands
     job = _job(commands, len(box.nodes))
     info = Alloc(job=job, seq=1).dump()
     try:

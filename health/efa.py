@@ -45,6 +45,7 @@ EFA_DEVICES = {"p4d.24xlarge": 4, "p4de.24xlarge": 4, "p5.48xlarge": 32, "trn1.3
 ERROR_COUNTERS = ("rx_drops", "retrans_timeout_events", "unresponsive_remote_events",
                   "impaired_remote_conn_events")
 _NO_DATA = re.compile(r"fi_getinfo:\s*-61\b")
+READING_MAX = 1 << 20  # bytes of the last reading read back: far more than 32 devices' counters
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +61,8 @@ class Port:
 
 
 def parse_fi_info(text: str) -> set[str] | str:
-    """The EFA devices ``fi_info -p efa`` lists, or why it lists none ("" when it said
-    plainly that there is no EFA device)."""
+    """The EFA devices ``fi_info -p efa`` lists (none, when it said plainly that there is
+    no EFA device: ``fi_getinfo: -61``), or why its output lists none."""
     if _NO_DATA.search(text):
         return set()
     devices: set[str] = set()
@@ -174,20 +175,21 @@ def state_path() -> Path:
 
 def _last(path: Path | None) -> dict[str, dict[str, int]]:
     """The last reading, when ``path`` is this user's own regular file (/var/tmp is
-    anyone's: a file another user put there is not read)."""
+    anyone's: a file another user put there is not read, a FIFO does not block the open,
+    and no more than READING_MAX bytes are read)."""
     if path is None:
         return {}
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return {}
-    with os.fdopen(fd) as f:
+    with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
             return {}
         try:
-            doc = json.load(f)
-        except ValueError:
+            doc = json.loads(f.read(READING_MAX))
+        except (OSError, ValueError):
             return {}
     if not isinstance(doc, dict):
         return {}

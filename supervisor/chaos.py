@@ -183,12 +183,11 @@ class ChaosMonkey:
                 elif action.kind in PARTITION_S:
                     what = self._partition(action, live.nodes)
                 elif action.kind == "slow-link":
-                    node = live.nodes[action.target if action.target is not None else len(live.nodes) - 1]
+                    node = _target_node(action, live.nodes)
                     what = self.hooks.throttle_node(node, slow=True)
                     self.throttled.append(node)
                 else:
-                    index = action.target if action.target is not None else len(live.nodes) - 1
-                    node = live.nodes[index]
+                    node = _target_node(action, live.nodes)
                     what = (self.hooks.kill_node(live.launch_info, node) if action.kind == "kill-node"
                             else self.hooks.freeze_node(live.launch_info, node))
             except (LaunchError, IndexError, OSError) as e:
@@ -209,10 +208,7 @@ class ChaosMonkey:
 
     def _partition(self, action: ChaosAction, nodes: tuple[str, ...]) -> str:
         assert self.hooks is not None and action.seconds is not None
-        if action.kind == "partition-all":
-            cut = list(nodes)
-        else:
-            cut = [nodes[action.target if action.target is not None else len(nodes) - 1]]
+        cut = list(nodes) if action.kind == "partition-all" else [_target_node(action, nodes)]
         said = [self.hooks.partition_node(node, cut=True) for node in cut]
         self.heals += [(time.monotonic() + action.seconds, node) for node in cut]
         return f"{'; '.join(said)}; healed in {action.seconds} s"
@@ -258,6 +254,11 @@ class ChaosMonkey:
             f.seek(middle)
             f.write(flipped)
         return f"flipped {len(flipped)} bytes at offset {middle} of {shard}, its size unchanged"
+
+
+def _target_node(action: ChaosAction, nodes: tuple[str, ...]) -> str:
+    """The node an action hits: the attempt's node at index TARGET, else its last."""
+    return nodes[action.target if action.target is not None else len(nodes) - 1]
 
 
 def _ranks_per_node(store: SqlStore, run_number: int) -> int:

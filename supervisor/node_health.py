@@ -24,7 +24,6 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from health import wire
 from health.model import RUN_FILES, Action, Finding, Status, Verdict, verdict, worst
@@ -138,15 +137,6 @@ _LINK_RANKS = ('RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=0; '
                'export RANK WORLD_SIZE LOCAL_RANK; exec "$@"')
 
 
-class HealthSpecLike(Protocol):
-    """What the link test reads of a spec's ``[health]`` (supervisor/spec.py: HealthSpec)."""
-
-    @property
-    def links(self) -> bool: ...
-    @property
-    def link_fraction(self) -> float: ...
-
-
 @dataclass(frozen=True, slots=True)
 class LinkTest:
     """The link test of a probe round: over ``over`` (the round's nodes and the run's
@@ -156,10 +146,12 @@ class LinkTest:
     fraction: float
 
 
-def link_test(spec: HealthSpecLike, round_nodes: Sequence[str], held: Sequence[str]) -> LinkTest | None:
-    """The round's link test, when the spec asks for it and the run holds two nodes or more."""
+def link_test(wanted: bool, fraction: float, round_nodes: Sequence[str],
+              held: Sequence[str]) -> LinkTest | None:
+    """The round's link test, when the spec asks for it (``[health] links``, its
+    ``link_fraction``) and the run holds two nodes or more."""
     over = tuple(dict.fromkeys([*held, *round_nodes]))
-    return LinkTest(over=over, fraction=spec.link_fraction) if spec.links and len(over) >= 2 else None
+    return LinkTest(over=over, fraction=fraction) if wanted and len(over) >= 2 else None
 
 
 def link_argv(timeout_s: float, *, interpreter: str = sys.executable) -> tuple[str, ...]:

@@ -176,7 +176,7 @@ class ProbeScheduler:
     def _probe(self, nodes: list[str], argv: tuple[str, ...], allocation_info: str | None, timeout_s: float,
                link_test: node_health.LinkTest | None) -> dict[str, str]:
         answers = self.nodes.probe(nodes, argv, allocation_info=allocation_info, timeout_s=timeout_s)
-        if link_test is None or len(link_test.over) < 2:
+        if link_test is None:
             return answers
         results = self.nodes.probe_links(link_test.over, allocation_info=allocation_info, timeout_s=timeout_s)
         if results:

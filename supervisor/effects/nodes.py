@@ -123,7 +123,8 @@ class NodeEffects(Family):
         d.probes.submit(run_number=e.run_number, kind=e.kind, nodes=list(e.nodes),
                         argv=node_health.probe_argv(args, needs), timeout_s=timeout_s, round_=e.round,
                         allocation_info=info, drained=drained,
-                        links=node_health.link_test(run_spec.health, e.nodes, held) if run_spec else None)
+                        links=node_health.link_test(run_spec.health.links, run_spec.health.link_fraction,
+                                                    e.nodes, held) if run_spec else None)
 
     def _probe_for_operator(self, e: ProbeNode) -> None:
         """``python -m health`` with its default checks, in the allocation of the run that
@@ -146,7 +147,8 @@ class NodeEffects(Family):
         d.probes.submit(run_number=run.number, kind=e.kind, nodes=list(e.nodes),
                         argv=node_health.probe_argv(spec.health.probe_args(), needs),
                         timeout_s=spec.health.timeout_s, allocation_info=info,
-                        links=node_health.link_test(spec.health, e.nodes, held))
+                        links=node_health.link_test(spec.health.links, spec.health.link_fraction,
+                                                    e.nodes, held))
         d.post_event(run.number, EventKind.PROBE_STARTED, f"{e.kind} probe of {', '.join(e.nodes)}",
                      {"nodes": list(e.nodes), "kind": e.kind})
 

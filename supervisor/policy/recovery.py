@@ -356,14 +356,21 @@ def judge_stragglers(view: RunView, live: Attempt, obs: AttemptObs, state: RunSt
     step = max((r.last_step for r in obs.ranks), default=live.resume_step)
     summary = (f"{', '.join(slow_nodes)} straggling (ranks {numbers_text(s.rank for s in found)}): "
                "restarting without it (straggler_restart)")
-    out.append(RecordFault(kind=FaultKind.STRAGGLER, attempt=live.number, ranks=tuple(s.rank for s in found),
-                           nodes=tuple(slow_nodes), summary=summary, step=step))
-    out.append(Emit(kind=EventKind.FAULT_DETECTED, message=f"{FaultKind.STRAGGLER}: {summary}",
-                    data={"attempt": live.number, "step": step, "nodes": slow_nodes}))
-    out.append(StopAttempt(number=live.number, outcome=AttemptOutcome.FAILED,
-                           reason=f"{FaultKind.STRAGGLER}: {summary}", force=True))
-    state = set_state(state, RunState.RECOVERING, f"{FaultKind.STRAGGLER}: {summary}", out)
-    return state, replace(live, state=AttemptState.STOPPING)
+    fault = RecordFault(kind=FaultKind.STRAGGLER, attempt=live.number, ranks=tuple(s.rank for s in found),
+                        nodes=tuple(slow_nodes), summary=summary, step=step)
+    return stop_for(fault, {"nodes": slow_nodes}, live, state, out)
+
+
+def stop_for(fault: RecordFault, data: dict[str, object], live: Attempt, state: RunState,
+             out: list[Effect]) -> tuple[RunState, Attempt]:
+    """Record ``fault``, a slow attempt's rather than a death's, and stop the attempt so
+    that the next one recovers from it (``data``: the event's, beside attempt and step)."""
+    said = f"{fault.kind}: {fault.summary}"
+    out.append(fault)
+    out.append(Emit(kind=EventKind.FAULT_DETECTED, message=said,
+                    data={"attempt": live.number, "step": fault.step, **data}))
+    out.append(StopAttempt(number=live.number, outcome=AttemptOutcome.FAILED, reason=said, force=True))
+    return set_state(state, RunState.RECOVERING, said, out), replace(live, state=AttemptState.STOPPING)
 
 
 def _spares_for(view: RunView, in_use: Iterable[str], leaving: set[str]) -> bool:

@@ -12,14 +12,15 @@ that ran over that.
 What is done (``judge_slowdown``), only where a probe can find the cause
 (``[health] diagnose``, whose diagnosis runs the link test; otherwise nothing is done):
 once the attempt says it committed a checkpoint at or after that step (telemetry), it is
-stopped. The
-diagnosis probes its nodes (recovery.py: ``probes_wanted``), a node the probe names is
-drained, and the next attempt resumes from that checkpoint on the others and a spare.
+stopped. The diagnosis probes its nodes (recovery.py: ``probes_wanted``), a node the
+probe names is drained, and the next attempt resumes from that checkpoint on the others
+and a spare.
 
 The cost of the decision: one restart (the resume, as long as the run's own restarts
 measured: seconds onto warm spares, minutes for a cold start) and the probe (a few
 seconds a pair of nodes), against the rest of the run at ``slowdown_factor`` times its
-step time or worse. No step is lost: the stop comes just after a checkpoint committed.
+step time or worse. Little is lost: the stop comes at the tick after a checkpoint
+committed, so only the steps of that tick are trained again.
 A probe that names no one leaves the same nodes, and the next attempt measures its own
 first steps (slow too): a slowdown the nodes do not explain (the data, a shared
 filesystem, another tenant's traffic) costs one restart, never a loop of them.
@@ -28,24 +29,19 @@ filesystem, another tenant's traffic) costs one restart, never a loop of them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from statistics import median
 
 from supervisor.domain import (
     Attempt,
     AttemptObs,
-    AttemptOutcome,
-    AttemptState,
     Effect,
-    Emit,
     FaultKind,
     RecordFault,
     RunState,
     RunView,
-    StopAttempt,
 )
-from supervisor.domain.events import EventKind
-from supervisor.policy.recovery import set_state
+from supervisor.policy.recovery import stop_for
 
 WARMUP_STEPS = 3  # an attempt's first steps: compiling, first collectives; never its baseline
 
@@ -90,12 +86,6 @@ def judge_slowdown(view: RunView, live: Attempt, obs: AttemptObs, state: RunStat
         return state, live
     summary = (f"the whole run slowed: {found.summary(policy.slowdown_window)}; stopped after the checkpoint "
                f"of step {committed} to probe its nodes")
-    out.append(RecordFault(kind=FaultKind.SLOWDOWN, attempt=live.number, ranks=(), nodes=(), summary=summary,
-                           step=committed))
-    out.append(Emit(kind=EventKind.FAULT_DETECTED, message=f"{FaultKind.SLOWDOWN}: {summary}",
-                    data={"attempt": live.number, "step": committed, "baseline_s": found.baseline_s,
-                          "recent_s": found.recent_s}))
-    out.append(StopAttempt(number=live.number, outcome=AttemptOutcome.FAILED,
-                           reason=f"{FaultKind.SLOWDOWN}: {summary}", force=True))
-    state = set_state(state, RunState.RECOVERING, f"{FaultKind.SLOWDOWN}: {summary}", out)
-    return state, replace(live, state=AttemptState.STOPPING)
+    fault = RecordFault(kind=FaultKind.SLOWDOWN, attempt=live.number, ranks=(), nodes=(), summary=summary,
+                        step=committed)
+    return stop_for(fault, {"baseline_s": found.baseline_s, "recent_s": found.recent_s}, live, state, out)

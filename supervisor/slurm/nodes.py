@@ -10,7 +10,8 @@
 - ``probe_drained``: a drained node runs no job, so it is reserved, resumed, probed and
   drained again with the same Reason;
 - ``probe_links``: the link test (health/links.py): an all-reduce of each pair of nodes
-  in a ring, one ``srun`` of two tasks a pair, the disjoint pairs of a round at once.
+  in a ring, one ``srun`` of two tasks a pair, the disjoint pairs of a round at once
+  (up to ``LINK_PAIRS_AT_ONCE``).
 
 On SageMaker HyperPod (``hyperpod``) the cluster repairs nodes itself, on the Reason it
 reads: a node to take out is set ``State=FAIL`` with ``Reason=Action:Replace`` (or
@@ -33,11 +34,13 @@ from supervisor.errors import LaunchError
 from supervisor.node_health import link_argv
 from supervisor.slurm.allocation import Alloc, recorded
 from supervisor.slurm.commands import Reply, SlurmCommands
+from supervisor.slurm.parse import NodeInfo
 from supervisor.slurm.state import SlurmState
 
 log = logging.getLogger(__name__)
 
 LINK_PORT = 29411  # the link test's rendezvous port on the first node of a pair
+LINK_PAIRS_AT_ONCE = 32  # sruns of a round in flight together: slurmctld serves them all
 HYPERPOD_REPLACE = "Action:Replace"  # the Reasons HyperPod's agent acts on
 HYPERPOD_REBOOT = "Action:Reboot"
 REASON_MAX = 256
@@ -133,20 +136,22 @@ class SlurmNodes:
         pairs of a round at once. Rank 0, whose node hosts the rendezvous, is the pair's
         node Slurm lists first (a step's task 0 runs there)."""
         job_of = {n: job for job, some in self._by_job(nodes, allocation_info) for n in some}
-        listed = list(self.state.nodes() or {})
+        table = self.state.nodes() or {}
+        place = {name: i for i, name in enumerate(table)}  # Slurm's node order
         results: list[links.PairResult] = []
         for pairs in links.ring_rounds(nodes):
-            with ThreadPoolExecutor(max_workers=len(pairs), thread_name_prefix="link") as pool:
-                results += pool.map(lambda pair: self._pair(pair, job_of, listed, timeout_s), pairs)
+            with ThreadPoolExecutor(max_workers=min(len(pairs), LINK_PAIRS_AT_ONCE),
+                                    thread_name_prefix="link") as pool:
+                results += pool.map(lambda pair: self._pair(pair, job_of, table, place, timeout_s), pairs)
         return results
 
-    def _pair(self, pair: tuple[str, str], job_of: Mapping[str, str | None], listed: list[str],
-              timeout_s: float) -> links.PairResult:
+    def _pair(self, pair: tuple[str, str], job_of: Mapping[str, str | None], table: Mapping[str, NodeInfo],
+              place: Mapping[str, int], timeout_s: float) -> links.PairResult:
         job = job_of.get(pair[0])
         if job != job_of.get(pair[1]):
             return links.PairResult(pair, None, "its nodes are in two Slurm jobs")
-        first = min(pair, key=lambda n: listed.index(n) if n in listed else len(listed))
-        info = (self.state.nodes() or {}).get(first)
+        first = min(pair, key=lambda n: place.get(n, len(place)))
+        info = table.get(first)
         where = [f"--jobid={job}", "--overlap"] if job else ["--immediate=10", "--time=5"]
         reply = self.commands.run(
             ["srun", *where, f"--job-name={self.prefix}.links", "--nodes=2", f"--nodelist={','.join(pair)}",

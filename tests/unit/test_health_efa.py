@@ -121,6 +121,9 @@ def test_a_reading_that_is_not_this_users_own_file_is_not_read(tmp_path: Path) -
     if os.geteuid() == 0:
         os.chown(real, 65534, 65534)
         assert efa._last(real) == {}, "another user's file is not read"
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    assert efa._last(fifo) == {}, "a FIFO neither blocks the probe nor is read"
 
 
 def test_a_node_without_fi_info_has_no_efa(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -151,10 +151,10 @@ def test_the_link_test_needs_two_nodes_and_the_specs_word() -> None:
     from supervisor.spec import HealthSpec
 
     on, off = HealthSpec(preflight=True), HealthSpec(preflight=True, links=False)
-    test = node_health.link_test(on, ["node3"], ["node1", "node2", "node3"])
+    test = node_health.link_test(on.links, on.link_fraction, ["node3"], ["node1", "node2", "node3"])
     assert test is not None and test.over == ("node1", "node2", "node3") and test.fraction == 0.5
-    assert node_health.link_test(on, ["node1"], ["node1"]) is None
-    assert node_health.link_test(off, ["node1", "node2"], ["node1", "node2"]) is None
+    assert node_health.link_test(on.links, on.link_fraction, ["node1"], ["node1"]) is None
+    assert node_health.link_test(off.links, off.link_fraction, ["node1", "node2"], ["node1", "node2"]) is None
     with pytest.raises(ValueError, match="link_fraction"):
         HealthSpec(link_fraction=1.5)
 
