@@ -299,12 +299,14 @@ def slurm_installed() -> bool:
         shutil.which("sinfo") and shutil.which("srun"))
 
 
-def a_slurm_box(nodes: int) -> Iterator[Any]:
+def a_slurm_box(nodes: int, keep_logs: Path) -> Iterator[Any]:
     """A real Slurm cluster of ``nodes`` nodes on this host (scripts/slurm-box), stopped by
     pid.
 
     A fresh box per test: tests kill nodes and drain them. Its directory is short (unix
-    socket paths are limited to 108 bytes) and removed afterwards. While it is up, the
+    socket paths are limited to 108 bytes) and removed afterwards, its logs (slurmctld's,
+    each slurmd's, munge's) copied to ``keep_logs`` first: what Slurm did in a failed
+    scenario stays beside the test's own files. While it is up, the
     probes a daemon of the test runs on its nodes are told that they share this host
     (health/host.py: the host's load and trainers are not one node's).
     """
@@ -323,19 +325,21 @@ def a_slurm_box(nodes: int) -> Iterator[Any]:
             yield box
     finally:
         slurm_box_mod.down(directory)
+        if (directory / "log").is_dir():
+            shutil.copytree(directory / "log", keep_logs, dirs_exist_ok=True)
         shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture
-def slurm_box() -> Iterator[Any]:
-    """A box of three nodes."""
-    yield from a_slurm_box(3)
+def slurm_box(tmp_path: Path) -> Iterator[Any]:
+    """A box of three nodes; its logs kept in the test's ``slurm-box-logs``."""
+    yield from a_slurm_box(3, tmp_path / "slurm-box-logs")
 
 
 @pytest.fixture
-def slurm_box4() -> Iterator[Any]:
+def slurm_box4(tmp_path: Path) -> Iterator[Any]:
     """A box of four nodes: a run of two and its spare, and a node to spare for a requeue."""
-    yield from a_slurm_box(4)
+    yield from a_slurm_box(4, tmp_path / "slurm-box-logs")
 
 
 # --- the chaos suite: a rotating subset in `make test`, every scenario in `make chaos` ---

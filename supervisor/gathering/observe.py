@@ -1,20 +1,18 @@
 """Observe: what the reconciler sees of each run this tick.
 
-It reads the store, asks the launcher what the live attempt's processes are doing and
-what the run's allocation holds, reads the telemetry view and scans the checkpoint
-directory (as the run's user), and hands the decision core one ``RunView`` and one
-``AttemptObs`` per run. It changes nothing outside the daemon: what it learnt that must
-be kept (the allocation the cluster granted, the checkpoints it found, how far a
-trainer's logs were read) goes to the effects as ``Facts``, recorded with the decision.
+It reads the store, asks the launcher about the live attempt's processes and the run's
+allocation, reads the telemetry view and scans the checkpoint directory (as the run's
+user), and hands the decision core one ``RunView`` and one ``AttemptObs`` per run. It
+changes nothing outside the daemon: what must be kept (the allocation granted, the
+checkpoints found, how far a trainer's logs were read) goes to the effects as ``Facts``.
 It evaluates no rule: what its findings mean is policy/'s (``resumes.expected_first``,
 ``quiet.progress_at`` and ``command_result``, ``memory.newest_resumable``,
-``grants.grant_changes``, ``detection.heard_again_at``).
+``grants.grant_changes``, ``detection.heard_again_at``, ``recovery.unreadable_checkpoints``).
 
-It reads the telemetry view and writes nothing to it: what the view must know first (the
-live attempt's world size, what a [command] trainer printed) the feed tells it before
-observe runs (feed.py), and observe is handed what that found. It writes only the run's
-memory (run_memory.py): what it saw between ticks (a rank's first death, the allocation
-last seen, the spikes said, ...), rebuilt after a restart.
+It writes nothing to the telemetry view (what the view must know first, the feed tells it
+before observe runs: feed.py), only to the run's memory (run_memory.py): what it saw
+between ticks (a rank's first death, the allocation last seen, the spikes said, ...),
+rebuilt after a restart.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ from supervisor.domain import (
     AttemptState,
     CheckpointRef,
     Command,
-    FaultRecord,
+    FaultKind,
     Measured,
     NodeState,
     ProcState,
@@ -105,7 +103,7 @@ class Observer:
         """The run as seen now: ``history`` is ``history_of``'s this tick, ``fed`` what
         feeding the telemetry view found (feed.py)."""
         spec, run_dir = self.memory.spec(run.number)
-        attempts, faults = tuple(history.attempts), tuple(history.faults)
+        attempts, faults, live = tuple(history.attempts), tuple(history.faults), history.live
         with self.store.tx() as tx:
             # The nodes it drained matter only where the cluster still grants them (read
             # below, by name); each tick reading all of them would grow with the run.
@@ -114,12 +112,9 @@ class Observer:
             stragglers = tuple(StragglerReport(attempt=s.attempt, rank=s.rank, node=s.node)
                                for s in tx.list_stragglers(run.number))
             data_skips = tuple(tx.list_data_skips(run.number))
-        live = history.live
+            # Only a live attempt can have a fault that blames a node.
+            cluster_faults = tuple(tx.faults_since(now - run.policy.lemon_window_s)) if live else ()
         self.memory.keep_live(run.number, live.number if live else None)
-        cluster_faults: tuple[FaultRecord, ...] = ()
-        if live is not None:  # only a live attempt can have a fault that blames a node
-            with self.store.tx() as tx:
-                cluster_faults = tuple(tx.faults_since(now - run.policy.lemon_window_s))
         facts = Facts(output_offsets=fed.offsets_to_keep)
         obs = self._observe_attempt(run, spec if isinstance(spec, RunSpec) else None, run_dir, live, now,
                                     fed.output) if live else None
@@ -149,15 +144,18 @@ class Observer:
         # only what the pass saved: no checkpoint of the run's (supervisor/runfiles/precompile.py).
         aside = precompile.aside(attempts) if precompiles and live is None else None
         if isinstance(spec, RunSpec) and (may_launch or shrunk) and aside is None:
-            before, unreadable = resume_before(attempts, faults), unreadable_checkpoints(faults, attempts)
-            newest = self._newest_checkpoint(spec, run_dir, facts, before, unreadable)
-            # Each said once (an event of the effects'), not at every tick that finds it again.
-            facts.out_of_range = [p for p in facts.out_of_range
-                                  if self.memory.note_out_of_range(run.number, p)]
             with self.store.tx() as tx:
                 memory_saves = tx.list_memory_checkpoints(run.number)
                 measured = Measured(stats=tuple(tx.attempt_stats(run.number).values()), memory_saves_s=tuple(
                     m.duration_s for m in memory_saves if m.duration_s is not None))
+                unreadable = {f.step for f in faults if f.kind is FaultKind.CHECKPOINT}
+                saved_by = tx.committed_by(run.number, unreadable)  # saved again since?
+            before = resume_before(attempts, faults)
+            newest = self._newest_checkpoint(spec, run_dir, facts, before,
+                                             unreadable_checkpoints(faults, attempts, saved_by=saved_by))
+            # Each said once (an event of the effects'), not at every tick that finds it again.
+            facts.out_of_range = [p for p in facts.out_of_range
+                                  if self.memory.note_out_of_range(run.number, p)]
             newest_memory = newest_resumable(memory_saves, attempts, newest, before,
                                              unreadable_checkpoints(faults, attempts, memory=True))
         precompile_due = None
@@ -283,9 +281,8 @@ class Observer:
         up = self.telemetry.flowing_since(now)
         heard = max((t.last_seen_at for t in tele.values() if t.last_seen_at is not None), default=None)
         memory = self.memory.attempt(run.number, live.number)
-        before = memory.heard
         if heard is not None:
-            memory.back_at = heard_again_at(before, heard, memory.back_at)
+            memory.back_at = heard_again_at(memory.heard, heard, memory.back_at)
             memory.heard = heard
         back = memory.back_at
         return up if up is None or back is None else max(up, back)

@@ -265,6 +265,12 @@ def _find_hang(view: RunView, live: Attempt, obs: AttemptObs, now: float, step: 
     comes back the clock starts again from the moment it did: a broker outage is never a
     hang. The fault names the ranks that stalled first (``stalled_first``) and their
     nodes, and drains nothing: a stalled rank is no evidence against its node.
+
+    A verdict needs a word heard after the limit passed (a heartbeat, a node report, its
+    agent's): the broker hands the daemon its messages in the order it got them, so such a
+    word means any progress sent before it has been heard too. A loaded daemon or broker
+    hears late, and what it has not heard yet is no stall. With no word at all, the verdict
+    comes ``silence_timeout_s`` later.
     """
     if obs.telemetry_up_since is None or live.started_at is None:
         return None
@@ -278,6 +284,8 @@ def _find_hang(view: RunView, live: Attempt, obs: AttemptObs, now: float, step: 
     idle_s = now - since
     if idle_s <= limit_s or _node_going_silent(view, obs, now) or _all_cut_off(view, obs, now):
         return None
+    if not _heard_since(obs, since + limit_s) and idle_s <= limit_s + view.run.policy.silence_timeout_s:
+        return None  # nothing heard since the limit passed: the word of progress may be on its way
     first = stalled_first(obs.ranks)
     nodes = tuple(sorted({r.node for r in first}))
     who = f"; stalled first: ranks {ranks_text(first)} on {', '.join(nodes)}" if first else ""
@@ -285,6 +293,11 @@ def _find_hang(view: RunView, live: Attempt, obs: AttemptObs, now: float, step: 
         kind=FaultKind.HANG, attempt=live.number, ranks=tuple(r.rank for r in first), nodes=nodes, step=step,
         summary=f"no step progress for {idle_s:.0f} s ({what} {limit_s:.0f} s), last step {step}{who}",
     ))
+
+
+def _heard_since(obs: AttemptObs, t: float) -> bool:
+    """Some rank of the attempt (or its node's agent) was heard after ``t``."""
+    return any(r.heard_at is not None and r.heard_at > t for r in obs.ranks)
 
 
 STALL_GAP_S = 5.0  # a rank unheard this much longer than the most recently heard one stalled first

@@ -16,7 +16,7 @@ comes back (detection.spike_rolled_back).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from supervisor.domain import (
@@ -248,15 +248,22 @@ def _recorded_now(view: RunView, out: list[Effect], now: float) -> list[FaultRec
 
 
 def unreadable_checkpoints(faults: Iterable[FaultRecord], attempts: Iterable[Attempt] = (), *,
-                           memory: bool = False) -> frozenset[int]:
+                           memory: bool = False, saved_by: Mapping[int, int] | None = None) -> frozenset[int]:
     """Steps of the run's checkpoints that a trainer could not read (exit code 3), or that
     did not hold what was saved: never resumed from again, though their markers say
     complete. Each tier's own: a failed restore of an attempt that resumed from the memory
     tier rules out memory saves of that step (``memory``), never the persistent
-    checkpoint of the same step, and the other way round."""
+    checkpoint of the same step, and the other way round.
+
+    A later attempt that trains past the step again saves it again: a new checkpoint,
+    which a resume may use. ``saved_by`` (step: the attempt that last committed it, from
+    the store) says which were; a step committed by an attempt after the one that failed
+    to read it is ruled out no longer."""
     from_memory = {a.number for a in attempts if is_memory_resume(a.resume_from)}
+    saved_by = saved_by or {}
     return frozenset(f.step for f in faults
-                     if f.kind is FaultKind.CHECKPOINT and (f.attempt in from_memory) == memory)
+                     if f.kind is FaultKind.CHECKPOINT and (f.attempt in from_memory) == memory
+                     and (memory or saved_by.get(f.step, 0) <= f.attempt))
 
 
 def is_memory_resume(resume_from: str | None) -> bool:

@@ -52,6 +52,14 @@ class HistoryQueries:
         )
         return True
 
+    def committed_by(self, run_number: int, steps: Collection[int]) -> dict[int, int]:
+        """The attempt that last committed each complete checkpoint at ``steps`` (none
+        asked: no query)."""
+        if not steps:
+            return {}
+        return {c.step: c.attempt for c in self.list_checkpoints(run_number, steps=steps)
+                if c.complete and c.attempt is not None}
+
     def list_checkpoints(self, run_number: int, newest: int | None = None,
                          steps: Collection[int] | None = None) -> list[CheckpointRecord]:
         """The run's checkpoints in step order: all, the ``newest`` few, or those at ``steps``."""

@@ -364,6 +364,16 @@ def test_checkpoints_are_listed_whole_newest_first_few_or_at_given_steps(store: 
             (20, 10.0), (70, 35.0)]
 
 
+def test_a_checkpoint_saved_again_names_the_attempt_that_committed_it_last(store: SqlStore, tmp_path: Path) -> None:
+    number = new_run(store, tmp_path)
+    with store.tx() as tx:
+        for attempt, step in ((1, 20), (1, 40), (4, 40)):
+            tx.record_checkpoint(number, step=step, path=f"/c/{step}", complete=True, duration_s=1.0,
+                                 attempt=attempt, now=float(attempt))
+        assert tx.committed_by(number, {40, 60}) == {40: 4}
+        assert tx.committed_by(number, set()) == {}
+
+
 def test_memory_checkpoints_are_recorded_once_and_only_the_newest_are_kept(store: SqlStore, tmp_path: Path) -> None:
     from supervisor.store.history import MEMORY_CHECKPOINTS_KEPT
 

@@ -91,8 +91,8 @@ def cmd(kind: CommandKind) -> Command:
 
 
 def timed(p99: float, samples: int = 50, **kw: object) -> AttemptObs:
-    """Every rank stuck at step 50 since NOW - 100, heard until just now."""
-    ranks = tuple(rank(i, progress_at=NOW - 100, last_seen_at=NOW - 0.5) for i in range(4))
+    """Every rank stuck at step 50 since NOW - 100, heard this tick (its heartbeats flow)."""
+    ranks = tuple(rank(i, progress_at=NOW - 100, last_seen_at=NOW) for i in range(4))
     return obs(*ranks, step_time_p99_s=p99, step_time_samples=samples, **kw)
 
 

@@ -19,9 +19,26 @@ from tests.unit.policy_world import NOW, attempt, hang_after, obs, of, rank, run
 
 
 def test_no_progress_beyond_the_hang_timeout_is_a_hang() -> None:
-    o = obs(*(rank(i, progress_at=NOW - 61, phase="train") for i in range(4)))
+    o = obs(*(rank(i, progress_at=NOW - 61, phase="train", last_seen_at=NOW) for i in range(4)))
     [fault] = of(decide(view(run(), (attempt(),)), o, NOW), RecordFault)
     assert fault.kind is FaultKind.HANG and "61 s" in fault.summary
+
+
+def test_a_hang_needs_a_word_heard_after_the_limit_passed() -> None:
+    """A loaded daemon or broker hears late: the heartbeats since the limit passed (and
+    any word of progress before them) are still on their way. Without a word heard after
+    the limit there is no verdict, until ``silence_timeout_s`` more has passed."""
+    silence = run().policy.silence_timeout_s
+
+    def hang(idle_s: float, heard_ago_s: float) -> bool:
+        o = obs(*(rank(i, progress_at=NOW - idle_s, phase="train", last_seen_at=NOW - heard_ago_s)
+                  for i in range(4)))
+        return bool(of(decide(view(run(), (attempt(),)), o, NOW), RecordFault))
+
+    assert hang(61, heard_ago_s=0.5), "heard 0.5 s after the 60 s limit passed"
+    assert not hang(61, heard_ago_s=1.5), "last heard before the limit passed"
+    assert not hang(60 + silence - 1, heard_ago_s=silence)
+    assert hang(60 + silence + 1, heard_ago_s=silence + 2), "nothing heard at all: later, still a hang"
 
 
 def test_progress_within_the_timeout_is_not_a_hang() -> None:
@@ -46,7 +63,7 @@ def test_checkpoint_phase_gets_the_longer_allowance() -> None:
 
 def test_startup_without_a_first_step_uses_the_startup_timeout() -> None:
     live = attempt(first_step_at=None, started_at=NOW - 301)
-    o = obs(*(rank(i, last_step=0, progress_at=None, phase="init") for i in range(4)))
+    o = obs(*(rank(i, last_step=0, progress_at=None, phase="init", last_seen_at=NOW) for i in range(4)))
     [fault] = of(decide(view(run(RunState.STARTING), (live,)), o, NOW), RecordFault)
     assert fault.kind is FaultKind.HANG and "startup" in fault.summary
 

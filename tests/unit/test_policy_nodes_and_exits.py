@@ -230,7 +230,7 @@ def test_a_declared_table_of_its_own_gives_a_code_its_meaning() -> None:
     assert finish.state is RunState.FAILED and "configuration error (exit code 7)" in finish.reason
 
 
-def test_exit_code_3_blames_the_checkpoint_not_a_node_and_it_is_never_used_again() -> None:
+def test_exit_code_3_blames_the_checkpoint_not_a_node_and_it_is_not_used_again_until_saved_again() -> None:
     live = attempt(resume_from="/ck/step_00000060", resume_step=60)
     o = obs(*(rank(i, ProcState.EXITED, exit_code=3, reported_exit_code=3,
                    reported_reason="CheckpointUnreadable: ...") for i in range(4)))
@@ -242,6 +242,11 @@ def test_exit_code_3_blames_the_checkpoint_not_a_node_and_it_is_never_used_again
     recorded = FaultRecord(id=1, run_number=7, attempt=1, kind=fault.kind, ranks=fault.ranks, nodes=(),
                            step=60, summary="", detected_at=NOW, recovered_at=None)
     assert unreadable_checkpoints([recorded]) == {60}
+    # A later attempt that trains past step 60 again commits a new checkpoint there: a
+    # resume may use it. The unreadable one's own writer, or no commit on record, may not.
+    assert unreadable_checkpoints([recorded], saved_by={60: 2}) == frozenset()
+    assert unreadable_checkpoints([recorded], saved_by={60: 1}) == {60}
+    assert unreadable_checkpoints([recorded], saved_by={40: 3}) == {60}
 
 
 def test_exit_code_5_stops_the_run_for_want_of_checkpoint_storage_and_blames_no_node() -> None:

@@ -19,9 +19,9 @@ LIVE = attempt(started_at=NOW - 300_000, first_step_at=NOW - 290_000)
 
 def observed(phase: str = "train", *, phase_bytes: int = 0, p99: float | None = 0.44, samples: int = 50,
              **io: float | None) -> AttemptObs:
-    """Every rank in ``phase`` since NOW - 100_000, stuck at step 50, heard just now."""
+    """Every rank in ``phase`` since NOW - 100_000, stuck at step 50, heard this tick."""
     ranks = tuple(rank(i, phase=phase, phase_at=NOW - 100_000, phase_bytes=phase_bytes, progress_at=NOW - 100_000,
-                       last_seen_at=NOW - 0.5) for i in range(4))
+                       last_seen_at=NOW) for i in range(4))
     return obs(*ranks, step_time_p99_s=p99, step_time_samples=samples if p99 is not None else 0,
                telemetry_up_since=NOW - 300_000, **io)
 
