@@ -53,6 +53,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 # its silence while its peers are heard, or lost on Slurm's word that it is DOWN.
 POWER_LOST = ("training-supervisor: node silent, no heartbeat from its agent or any rank for ",
               "training-supervisor: node lost, all its ranks vanished at once, and the cluster says the node is down")
+# The fault's own words for such a loss: its silence, Slurm's DOWN, or Slurm taking the node
+# out of the job (a --no-kill job's failed node), whichever the daemon heard first.
+POWER_LOST_SAID = ("silent for ", "the cluster says the node is down", "the cluster took it out of the allocation")
 
 
 def test_kill_node_drains_it_and_resumes_on_the_spare_in_the_same_allocation(
@@ -178,10 +181,14 @@ def test_a_run_shrunk_on_the_box_grows_back_through_a_second_allocation(
     and once attempt 2 has committed a checkpoint of its own the run grows back. Attempt 3 runs on
     node1 (the first job) and node3 (the growth job), a step in each, from that checkpoint
     resharded from 2 to 4 ranks, and ends with the fault-free loss up to rounding; both jobs
-    are given back."""
+    are given back.
+
+    The growth has until attempt 2's last save before step 80: saves every 10 steps, and
+    node1 computing at half speed from step 28 (``slow@28:0``, which changes no number),
+    widen that window, which a loaded host's Slurm took whole to start the growth job."""
     slurm(slurm_box, "scontrol", "update", "NodeName=node3", "State=DRAIN", "Reason=operator: memory upgrade")
     spec = spec_for_slurm(tmp_path)
-    spec.write_text(spec.read_text().replace("spares = 1", "spares = 0")
+    spec.write_text(spec.read_text().replace("spares = 1", "spares = 0").replace("every_steps = 20", "every_steps = 10")
                     .replace("[policy]", "[policy]\nshrink_after_s = 0.5"))
     state = tmp_path / "state"
 
@@ -194,13 +201,14 @@ def test_a_run_shrunk_on_the_box_grows_back_through_a_second_allocation(
         slurm(slurm_box, "scontrol", "update", "NodeName=node3", "State=RESUME")
 
     s, text = run_acting_meanwhile(slurm_box, tmp_path, ["-v", "run", str(spec), "--state-dir", str(state),
-                                                         "--json", "--chaos", "kill-node@27"], return_node3)
+                                                         "--json", "--chaos", "kill-node@27", "--chaos",
+                                                         "slow@28:0"], return_node3)
     assert s["state"] == "SUCCEEDED" and s["final_step"] == 80, text[-3000:]
     assert [(f["kind"], f["nodes"]) for f in s["faults"]] == [("node-lost", ["node2"])], what_happened(
         s, state / "runs" / "run-1")
     assert [a["nodes"] for a in s["attempt_history"]] == [["node1", "node2"], ["node1"], ["node1", "node3"]]
     grown_from = s["attempt_history"][2]["resume_step"]
-    assert grown_from in (40, 60), "from a checkpoint the shrunk attempt committed"
+    assert grown_from in (30, 40, 50, 60, 70), "from a checkpoint the shrunk attempt committed"
     [grow] = db_rows(state, "SELECT message FROM events WHERE kind = 'run.grow'")
     assert "growing back to 2 nodes: node3 joined the 1 of attempt 2" in grow[0]
     infos = [json.loads(i) for (i,) in db_rows(state, "SELECT launch_info FROM attempts ORDER BY number")]
@@ -619,8 +627,7 @@ def test_a_train_sh_job_recovers_from_a_killed_rank_its_first_nodes_loss_and_a_h
     killed, lost, hung = s["faults"]
     assert killed["kind"] == "rank-exit" and 3 in killed["ranks"], killed
     assert (lost["kind"], lost["nodes"]) == ("node-lost", ["node1"]), lost
-    assert lost["summary"].startswith("node node1 silent for ") or "the cluster says the node is down" in \
-        lost["summary"], lost["summary"]  # a power loss: no last will
+    assert any(said in lost["summary"] for said in POWER_LOST_SAID), lost["summary"]  # a power loss: no last will
     assert hung["kind"] == "hang" and "adaptive hang timeout" in hung["summary"], hung
     assert s["drained_nodes"] == ["node1"]
     history = s["attempt_history"]
