@@ -3,9 +3,10 @@
 A per-node probe sends no byte between two nodes, yet a slow or dead link is where large
 runs lose time: it crashes nothing, it makes every rank wait at every collective. So
 the link test runs an all-reduce across nodes (``python -m health.allreduce``: gloo on
-CPU nodes, NCCL on GPU ones; ``nccom-test`` across Trainium nodes) and compares the nodes
-with each other, never with an absolute figure: bus bandwidth differs per instance type
-and per cluster, and a node is slow only against its peers.
+CPU nodes, NCCL on GPU ones; nccl-tests' ``all_reduce_perf`` across GPU nodes;
+``nccom-test`` across Trainium nodes: ``TOOLS``) and compares the nodes with each other,
+never with an absolute figure: bus bandwidth differs per instance type and per cluster,
+and a node is slow only against its peers.
 
 **Pairs first** (``ring_rounds``): each node with its neighbours in a ring of the nodes,
 so that every node is in two pairs (one, with two nodes). The pairs of a round share no
@@ -36,9 +37,16 @@ from dataclasses import dataclass
 
 from health.allreduce_report import read_report
 from health.model import Finding, Status
+from health.neuron.nccom import nccom_busbw
+from health.nvidia.nccl_tests import nccl_busbw
 
 PROBE = "links"
 FRACTION = 0.5  # a node under half the cluster's median is suspect
+# The tools a pair's all-reduce can run (supervisor/node_health.py: pair_step says how):
+# torch's (gloo on CPU nodes, NCCL on GPU ones), nccl-tests' all_reduce_perf across two
+# GPU nodes, nccom-test's multi-node form across two Trainium nodes.
+ALLREDUCE, NCCL_TESTS, NCCOM_TEST = "allreduce", "nccl-tests", "nccom-test"
+TOOLS = (ALLREDUCE, NCCL_TESTS, NCCOM_TEST)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,15 +58,28 @@ class PairResult:
     why: str = ""  # when busbw_gbps is None: the tool's words, a timeout, ...
 
 
-def pair_result(nodes: tuple[str, str], output: str | None, failed: str = "") -> PairResult:
-    """A pair's result from rank 0's output (``python -m health.allreduce --json``);
+def pair_result(nodes: tuple[str, str], output: str | None, failed: str = "", *,
+                tool: str = ALLREDUCE) -> PairResult:
+    """A pair's result from the output of ``tool`` (one of ``TOOLS``; its rank 0's);
     ``failed``: why the run itself failed (a timeout, srun's error), when it did."""
-    report = read_report(output or "")
+    figure = _figure(tool, output or "")
+    if isinstance(figure, str):
+        return PairResult(nodes, None, "; ".join(w for w in (failed, figure) if w))
+    return PairResult(nodes, figure)
+
+
+def _figure(tool: str, output: str) -> float | str:
+    """The pair's bus bandwidth in GB/s from ``tool``'s output, or why there is none."""
+    if tool == NCCL_TESTS:
+        return nccl_busbw(output)
+    if tool == NCCOM_TEST:
+        return nccom_busbw(output)
+    report = read_report(output)
     if isinstance(report, str):
-        return PairResult(nodes, None, "; ".join(w for w in (failed, report) if w))
+        return report
     if report.wrong:
-        return PairResult(nodes, None, f"{report.wrong} wrong elements after the all-reduce: corrupt data")
-    return PairResult(nodes, report.busbw_gbps)
+        return f"{report.wrong} wrong elements after the all-reduce: corrupt data"
+    return report.busbw_gbps
 
 
 def ring_rounds(nodes: Sequence[str]) -> list[list[tuple[str, str]]]:

@@ -106,8 +106,10 @@ _GUARD = (
 )
 
 
-def record(node: str, output: str | None, kind: str, run_number: int | None, at: float) -> ProbeRecord:
-    """A node's answer as a record; no answer, or one that is not a verdict, is "unknown"."""
+def record(node: str, output: str | None, kind: str, run_number: int | None, at: float, *,
+           link_gbps: float | None = None) -> ProbeRecord:
+    """A node's answer as a record; no answer, or one that is not a verdict, is "unknown".
+    ``link_gbps``: its figure in the round's link test, kept either way."""
     try:
         if output is None:
             raise ValueError("no report from the node (the probe did not run or timed out)")
@@ -123,43 +125,10 @@ def record(node: str, output: str | None, kind: str, run_number: int | None, at:
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         why = str(e) or "no JSON verdict in the output"
         return ProbeRecord(node=node, at=at, kind=kind, status="unknown", action="none",
-                           reason=f"unknown: probe failed: {why}", findings=[], run_number=run_number)
+                           reason=f"unknown: probe failed: {why}", findings=[], run_number=run_number,
+                           link_gbps=link_gbps)
     return ProbeRecord(node=node, at=at, kind=kind, status=status, action=action, reason=reason,
-                       findings=findings, run_number=run_number)
-
-
-# The link test's task on each node of a pair (supervisor/slurm/nodes.py runs it): the
-# all-reduce probe, its rank Slurm's task id. 1 MiB messages, as many as fit in a second
-# (up to 50): a healthy link's figure is the mean of many, and a 4 Mbit/s link finishes
-# in seconds (two warm-up rounds, one to time, one timed).
-LINK_SIZES, LINK_ITERS, LINK_WARMUP, LINK_BUDGET_S = "1M", 50, 2, 1.0
-_LINK_RANKS = ('RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=0; '
-               'export RANK WORLD_SIZE LOCAL_RANK; exec "$@"')
-
-
-@dataclass(frozen=True, slots=True)
-class LinkTest:
-    """The link test of a probe round: over ``over`` (the round's nodes and the run's
-    others, which make the baseline), a node suspect under ``fraction`` of the median."""
-
-    over: tuple[str, ...]
-    fraction: float
-
-
-def link_test(wanted: bool, fraction: float, round_nodes: Sequence[str],
-              held: Sequence[str]) -> LinkTest | None:
-    """The round's link test, when the spec asks for it (``[health] links``, its
-    ``link_fraction``) and the run holds two nodes or more."""
-    over = tuple(dict.fromkeys([*held, *round_nodes]))
-    return LinkTest(over=over, fraction=fraction) if wanted and len(over) >= 2 else None
-
-
-def link_argv(timeout_s: float, *, interpreter: str = sys.executable) -> tuple[str, ...]:
-    """``python -m health.allreduce`` as one task of a step across nodes (MASTER_ADDR and
-    MASTER_PORT come from srun's environment): rank 0 prints its JSON report."""
-    return ("/bin/sh", "-c", _LINK_RANKS, "tsup-link", interpreter, "-m", "health.allreduce", "--json",
-            "--sizes", LINK_SIZES, "--iters", str(LINK_ITERS), "--warmup", str(LINK_WARMUP),
-            "--budget-s", f"{LINK_BUDGET_S:g}", "--timeout-s", f"{timeout_s:g}")
+                       findings=findings, run_number=run_number, link_gbps=link_gbps)
 
 
 def with_findings(answers: dict[str, str], findings: dict[str, Finding | None]) -> dict[str, str]:

@@ -5,7 +5,7 @@ not wait for it. A round is submitted here, runs on a worker thread through the 
 administration port, and its answers are handed back at a later tick (``finished``),
 where the decision core judges them (supervisor/policy/nodes.py). While a run's nodes
 are being probed the run launches nothing (``probing``). A run's round may carry the
-link test (``node_health.LinkTest``, health/links.py): after the per-node probe, an all-reduce of
+link test (``link_steps.LinkTest``, health/links.py): after the per-node probe, an all-reduce of
 each pair of the run's nodes, whose finding joins each judged node's verdict.
 
 The sweep probes the idle nodes and the nodes this supervisor drained, every
@@ -34,9 +34,29 @@ from supervisor import node_health
 from supervisor.domain import TERMINAL_RUN_STATES, ProbeRoundRecord
 from supervisor.errors import NotFound
 from supervisor.launchers.base import NodeAdmin
+from supervisor.link_steps import LinkTest
 from supervisor.store import SqlStore
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Answers:
+    """What a round's workers found: each node's answer (its probe's wire lines), and
+    each node's figure in the round's link test (its best pair, GB/s), measured by the
+    daemon itself, never read from a node's own words."""
+
+    by_node: dict[str, str]
+    link_gbps: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A round whose probes are done: every node's answer (None: none came) and figure."""
+
+    round: ProbeRound
+    answers: dict[str, str | None]
+    link_gbps: dict[str, float]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -47,7 +67,7 @@ class ProbeRound:
     argv: tuple[str, ...]
     timeout_s: float
     round: int
-    future: Future[dict[str, str]] = field(repr=False)
+    future: Future[Answers] = field(repr=False)
     row: int = 0  # its row in the store's probe_rounds (0: none kept)
     command_id: int | None = None  # an operator's probe: its command
 
@@ -80,7 +100,7 @@ class ProbeScheduler:
     def submit(self, *, run_number: int | None, kind: str, nodes: list[str], argv: tuple[str, ...],
                timeout_s: float, round_: int = 1, allocation_info: str | None = None,
                drained: Mapping[str, str] | None = None, row: int = 0, command_id: int | None = None,
-               links: node_health.LinkTest | None = None) -> None:
+               links: LinkTest | None = None) -> None:
         """Probe ``nodes`` (a run's, in its allocation; the sweep's idle nodes, and the
         ``drained`` ones with their Reasons; or the one node of an operator's command),
         recorded as an open round (``row``: the open round this one asks again); ``links``:
@@ -148,9 +168,9 @@ class ProbeScheduler:
             with self.store.tx() as tx:
                 tx.end_probe_round(row, self.clock())
 
-    def finished(self) -> list[tuple[ProbeRound, dict[str, str | None]]]:
+    def finished(self) -> list[Finished]:
         """Rounds whose probes are done, each with every node's answer (None: no answer)."""
-        out: list[tuple[ProbeRound, dict[str, str | None]]] = []
+        out: list[Finished] = []
         with self._lock:
             ended = [r for r in self._rounds if r.future.done()]
             self._rounds = [r for r in self._rounds if r not in ended]
@@ -159,8 +179,9 @@ class ProbeScheduler:
                 answers = r.future.result()
             except Exception as e:  # an adapter that raised: every node of the round gave no answer
                 log.error("%s probe of %s failed: %s", r.kind, ", ".join(r.nodes), e)
-                answers = {}
-            out.append((r, {n: answers.get(n) for n in r.nodes}))
+                answers = Answers({})
+            out.append(Finished(r, {n: answers.by_node.get(n) for n in r.nodes},
+                                {n: g for n, g in answers.link_gbps.items() if n in r.nodes}))
         return out
 
     def sweep_due(self, now: float) -> bool:
@@ -174,11 +195,11 @@ class ProbeScheduler:
         return True
 
     def _probe(self, nodes: list[str], argv: tuple[str, ...], allocation_info: str | None, timeout_s: float,
-               link_test: node_health.LinkTest | None) -> dict[str, str]:
+               link_test: LinkTest | None) -> Answers:
         answers = self.nodes.probe(nodes, argv, allocation_info=allocation_info, timeout_s=timeout_s)
         if link_test is None:
-            return answers
-        results = self.nodes.probe_links(link_test.over, allocation_info=allocation_info, timeout_s=timeout_s)
+            return Answers(answers)
+        results = self.nodes.probe_links(link_test, allocation_info=allocation_info, timeout_s=timeout_s)
         if results:
             log.info("link test of %s: %s", ", ".join(link_test.over), "; ".join(
                 f"{r.nodes[0]}-{r.nodes[1]} " + (f"{r.busbw_gbps:.4g} GB/s" if r.busbw_gbps is not None
@@ -186,13 +207,14 @@ class ProbeScheduler:
         findings = health_links.judge(nodes, results, fraction=link_test.fraction)
         if results and (cannot := health_links.unjudged(nodes, results, findings)):
             log.warning("%s", cannot)
-        return node_health.with_findings(answers, findings)
+        figures = {n: gbps for n, (gbps, _) in health_links.figures(results).items()}
+        return Answers(node_health.with_findings(answers, findings), figures)
 
     def _sweep(self, idle: list[str], drained: dict[str, str], argv: tuple[str, ...],
-               timeout_s: float) -> dict[str, str]:
+               timeout_s: float) -> Answers:
         out: dict[str, str] = {}
         if idle:
             out.update(self.nodes.probe(idle, argv, allocation_info=None, timeout_s=timeout_s))
         if drained:
             out.update(self.nodes.probe_drained(drained, argv, timeout_s=timeout_s))
-        return out
+        return Answers(out)

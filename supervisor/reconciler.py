@@ -149,14 +149,15 @@ class Reconciler:
         self.effects.post_event(run_number, kind, message, data)
 
     def _judge_probes(self, now: float) -> None:
-        for r, answers in self.probes.finished():
+        for done in self.probes.finished():
+            r = done.round
             with self.store.tx() as tx:
                 known = {x.name: x for x in tx.list_nodes()}
                 history = {n: tx.recent_probes(n, max(node_health.CONFIRMATIONS, self.config.return_after))
                            for n in r.nodes}
-            judged = judge_probes(kind=r.kind, run_number=r.run_number, round_=r.round, answers=answers,
+            judged = judge_probes(kind=r.kind, run_number=r.run_number, round_=r.round, answers=done.answers,
                                   known=known, history=history, return_after=self.config.return_after,
-                                  now=now, command_id=r.command_id)
+                                  now=now, command_id=r.command_id, link_gbps=done.link_gbps)
             self.effects.apply_nodes(judged, now)
             self.probes.done(r)
 

@@ -114,8 +114,14 @@ def nodes_table(nodes: Sequence[NodeView]) -> str:
     def probe(n: NodeView) -> str:
         return f"{n.last_probe.status} ({n.last_probe.kind})" if n.last_probe else "-"
 
-    return table([("NODE", "STATE", "RUN", "LAST PROBE", "REASON")]
-                 + [(n.name, n.state, n.run_id or "-", probe(n), n.reason) for n in nodes])
+    def link(n: NodeView) -> str:
+        """Its newest link-test figure against its own median (the drift over weeks)."""
+        if n.link is None:
+            return "-"
+        return f"{n.link.newest_gbps:.3g} GB/s (median of {n.link.samples}: {n.link.median_gbps:.3g})"
+
+    return table([("NODE", "STATE", "RUN", "LAST PROBE", "LINK", "REASON")]
+                 + [(n.name, n.state, n.run_id or "-", probe(n), link(n), n.reason) for n in nodes])
 
 
 def event_line(e: EventView, t0: float | None = None) -> str:

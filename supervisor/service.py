@@ -185,7 +185,8 @@ class SupervisorService:
 
     def nodes(self) -> list[NodeView]:
         with self.store.tx() as tx:
-            return [node_view(n, next(iter(tx.recent_probes(n.name, 1)), None)) for n in tx.list_nodes()]
+            return [node_view(n, next(iter(tx.recent_probes(n.name, 1)), None), tx.link_figures(n.name))
+                    for n in tx.list_nodes()]
 
     def checkpoints(self, run_id: str, newest: int = 100) -> list[CheckpointView]:
         """The run's ``newest`` checkpoints (by step), oldest of them first."""

@@ -138,6 +138,12 @@ class HealthSpec(BaseModel):
     # nodes: a node whose best pair runs under link_fraction of the median is drained.
     links: bool = True
     link_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.5
+    # With preflight: a node the run holds idle (a spare) whose newest probe is older than
+    # this is probed while the run trains, so that it joins proven (0: never).
+    spare_probe_every_s: Annotated[float, Field(ge=0, le=30 * _DAY_S)] = 1800.0
+    # The tool each pair runs (supervisor/link_steps.py); None: the one of the accelerator
+    # the other keys name (pair_tool).
+    link_tool: Literal["allreduce", "nccl-tests", "nccom-test"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -147,6 +153,17 @@ class HealthSpec(BaseModel):
                              "own (instance_type, neuron_devices, gpus, min_free_gib, dcgm, bandwidth, "
                              "min_busbw_gbps)")
         return data
+
+    def pair_tool(self) -> str:
+        """The link test's tool: ``link_tool``; else nccom-test on Trainium (``neuron_devices``,
+        or a trn* ``instance_type``), nccl-tests on NVIDIA GPUs (``gpus``, or a p* or g*
+        one), python -m health.allreduce elsewhere."""
+        family = (self.instance_type or "").split(".")[0]
+        if self.link_tool is not None:
+            return self.link_tool
+        if self.neuron_devices or family.startswith("trn"):
+            return "nccom-test"
+        return "nccl-tests" if self.gpus or family.startswith(("p", "g")) else "allreduce"
 
     def probe_args(self) -> tuple[str, ...]:
         """The options of ``python -m health`` these keys stand for."""

@@ -6,6 +6,9 @@ and the same thing.
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
+
 from pydantic import BaseModel
 
 from supervisor.domain import (
@@ -137,12 +140,23 @@ class ProbeView(BaseModel):
     run_id: str | None
 
 
+class LinkFigure(BaseModel):
+    """A node's figures in link tests (its best pair's bus bandwidth): the newest, and the
+    median of its newest ``samples`` (its own baseline: a drift over weeks shows as the
+    newest under it)."""
+
+    newest_gbps: float
+    median_gbps: float
+    samples: int
+
+
 class NodeView(BaseModel):
     name: str
     state: str
     reason: str
     run_id: str | None
     last_probe: ProbeView | None = None
+    link: LinkFigure | None = None  # None: never in a link test that gave it a figure
 
 
 class CommandAccepted(BaseModel):
@@ -224,7 +238,10 @@ def probe_view(p: ProbeRecord) -> ProbeView:
                      findings=p.findings, run_id=f"run-{p.run_number}" if p.run_number is not None else None)
 
 
-def node_view(n: Node, last_probe: ProbeRecord | None = None) -> NodeView:
+def node_view(n: Node, last_probe: ProbeRecord | None = None, link_figures: Sequence[float] = ()) -> NodeView:
+    """``link_figures``: the node's newest link-test figures, newest first."""
+    link = LinkFigure(newest_gbps=link_figures[0], median_gbps=statistics.median(link_figures),
+                      samples=len(link_figures)) if link_figures else None
     return NodeView(name=n.name, state=n.state.value, reason=n.reason,
                     run_id=f"run-{n.run_number}" if n.run_number is not None else None,
-                    last_probe=probe_view(last_probe) if last_probe else None)
+                    last_probe=probe_view(last_probe) if last_probe else None, link=link)

@@ -20,6 +20,7 @@ from supervisor.domain import ProcState
 from supervisor.errors import LaunchError
 from supervisor.launchers.base import AllocationRequest, Grant, LaunchSpec, Parked, RankProc
 from supervisor.launchers.local import LocalLauncher
+from supervisor.link_steps import LinkTest
 
 
 @dataclass
@@ -139,7 +140,7 @@ class ScriptedLauncher:
     def probe_drained(self, nodes: Mapping[str, str], argv: Sequence[str], *, timeout_s: float) -> dict[str, str]:
         raise NotImplementedError
 
-    def probe_links(self, nodes: Sequence[str], *, allocation_info: str | None,
+    def probe_links(self, test: LinkTest, *, allocation_info: str | None,
                     timeout_s: float) -> list[PairResult]:
         raise NotImplementedError
 

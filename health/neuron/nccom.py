@@ -52,6 +52,19 @@ def check_nccom_test(text: str, *, min_busbw_gbps: float | None = None, baseline
     return [Finding(probe="nccom-test", status=Status.HEALTHY, evidence=f"{at}; floor {floor:.2f} GB/s")]
 
 
+def nccom_busbw(text: str) -> float | str:
+    """The bus bandwidth (GB/s) at the largest size of an nccom-test run that passed
+    (``check_nccom_test``'s), or why there is none: the link test's figure for a pair of
+    Trainium nodes (health/links.py; the multi-node form, ``-N 2 --hosts``)."""
+    [finding] = check_nccom_test(text)
+    if finding.status is not Status.HEALTHY:
+        return finding.evidence
+    body = text.strip()
+    rows = _nccom_rows_json(body) if body[0] == "{" else _nccom_rows_text(body)
+    assert not isinstance(rows, str)  # check_nccom_test read them
+    return max(rows)[1]
+
+
 def _nccom_rows_text(body: str) -> list[tuple[int, float]] | str:
     lines = body.splitlines()
     header_at = next((i for i, ln in enumerate(lines) if "size(B)" in ln and "busbw" in ln), None)

@@ -83,6 +83,22 @@ def check_nccl_tests(text: str, *, min_busbw_gbps: float | None = None, baseline
     return [Finding(probe=probe, status=_H, evidence=f"{at}: at or over the floor {floor:.2f} GB/s")]
 
 
+def nccl_busbw(text: str) -> float | str:
+    """The bus bandwidth (GB/s) at the largest size of a run that passed, the lower of its
+    out-of-place and in-place figures (``check_nccl_tests``'s); or why there is none: the
+    run failed, returned wrong data or was cut off. The link test's figure for a pair
+    (health/links.py), from the output of its rank 0 (``srun --mpi=pmix``: one task a
+    GPU, one process prints)."""
+    [finding] = check_nccl_tests(text)
+    if finding.status is not _H:
+        return finding.evidence
+    lines = [_NCCL_PREFIX.sub("", ln, count=1).rstrip() for ln in text.splitlines()]
+    rows = _nccl_rows(lines)
+    assert not isinstance(rows, str)  # check_nccl_tests read them
+    largest = max(r.size for r in rows)
+    return min(b for r in rows if r.size == largest for b in r.busbw)
+
+
 def _nccl_rows(lines: list[str]) -> list[_NcclRow] | str:
     header: list[str] | None = None
     rows: list[_NcclRow] = []

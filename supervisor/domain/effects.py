@@ -191,7 +191,7 @@ class ProbeNodes:
     their results are in (``RunView.probing``)."""
 
     nodes: tuple[str, ...]
-    kind: str  # "preflight": newly allocated; "diagnosis": after a failed attempt
+    kind: str  # "preflight": newly allocated; "diagnosis": after a failed attempt; "spare": idle, stale
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -166,6 +166,11 @@ class RunView:
     cluster_faults: tuple[FaultRecord, ...] = ()
     preflight: bool = False  # probe nodes newly allocated before launching on them ([health] preflight)
     newly_allocated: tuple[str, ...] = ()  # nodes the run got since the last tick
+    # While an attempt lives: the nodes the run holds outside it (its spares), each with
+    # when it was last probed (None: never); and how old a spare's probe may get
+    # ([health] spare_probe_every_s; 0: no spare is probed while idle).
+    spares_probed_at: tuple[tuple[str, float | None], ...] = ()
+    spare_probe_every_s: float = 0.0
     spikes_said: frozenset[int] = frozenset()  # first steps of the live attempt's short spikes, reported
     # False while the cluster's controller does not answer: nothing that needs it is decided.
     cluster_answering: bool = True

@@ -117,6 +117,7 @@ class ProbeRecord:
     reason: str
     findings: list[dict[str, str]]
     run_number: int | None = None
+    link_gbps: float | None = None  # its best pair in the round's link test (None: none ran, or no figure)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

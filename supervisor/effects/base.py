@@ -14,7 +14,7 @@ from supervisor.gathering.launch_specs import LaunchSpecs
 from supervisor.gathering.observed import Observed
 from supervisor.gathering.run_memory import RunMemory
 from supervisor.launchers.base import Launcher, NodeAdmin
-from supervisor.node_health import LinkTest
+from supervisor.link_steps import LinkTest
 from supervisor.store import SqlStore, Tx
 from supervisor.telemetry.view import TelemetryView
 

@@ -20,6 +20,7 @@ drain is never held.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import assert_never, get_args
 
 from supervisor import node_health
@@ -37,6 +38,7 @@ from supervisor.domain import (
 from supervisor.domain.events import EventKind
 from supervisor.effects.base import Acting, Deps, Family, Recording
 from supervisor.errors import LaunchError
+from supervisor.link_steps import LinkTest, link_test
 from supervisor.policy.nodes import DRAINED_BY_US
 from supervisor.runfiles import trainer_cmd
 from supervisor.spec import RunSpec
@@ -123,8 +125,7 @@ class NodeEffects(Family):
         d.probes.submit(run_number=e.run_number, kind=e.kind, nodes=list(e.nodes),
                         argv=node_health.probe_argv(args, needs), timeout_s=timeout_s, round_=e.round,
                         allocation_info=info, drained=drained,
-                        links=node_health.link_test(run_spec.health.links, run_spec.health.link_fraction,
-                                                    e.nodes, held) if run_spec else None)
+                        links=links_of(run_spec, e.kind, e.nodes, held) if run_spec else None)
 
     def _probe_for_operator(self, e: ProbeNode) -> None:
         """``python -m health`` with its default checks, in the allocation of the run that
@@ -147,8 +148,7 @@ class NodeEffects(Family):
         d.probes.submit(run_number=run.number, kind=e.kind, nodes=list(e.nodes),
                         argv=node_health.probe_argv(spec.health.probe_args(), needs),
                         timeout_s=spec.health.timeout_s, allocation_info=info,
-                        links=node_health.link_test(spec.health.links, spec.health.link_fraction,
-                                                    e.nodes, held))
+                        links=links_of(spec, e.kind, e.nodes, held))
         d.post_event(run.number, EventKind.PROBE_STARTED, f"{e.kind} probe of {', '.join(e.nodes)}",
                      {"nodes": list(e.nodes), "kind": e.kind})
 
@@ -212,3 +212,11 @@ class NodeIntents:
                     tx.add_event(node.run_number if node else None, EventKind.node_failed(verb),
                                  f"{error}; sending it again until the cluster shows it",
                                  {"node": it.node, "sent": it.sent + 1}, now)
+
+
+def links_of(spec: RunSpec, kind: str, nodes: Sequence[str], held: Sequence[str]) -> LinkTest | None:
+    """The link test a probe round of ``nodes`` runs for a run of ``spec`` holding ``held``;
+    none for an idle spare's (``kind`` "spare": the others' links are busy training)."""
+    h = spec.health
+    return link_test(h.links and kind != "spare", h.link_fraction, nodes, held, tool=h.pair_tool(),
+                     tasks_per_node=spec.resources.ranks_per_node)

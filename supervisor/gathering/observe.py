@@ -112,6 +112,7 @@ class Observer:
             stragglers = tuple(StragglerReport(attempt=s.attempt, rank=s.rank, node=s.node)
                                for s in tx.list_stragglers(run.number))
             data_skips = tuple(tx.list_data_skips(run.number))
+            spares = tx.spares_probed_at(run.number, live.nodes) if live else ()
             # Only a live attempt can have a fault that blames a node.
             cluster_faults = tuple(tx.faults_since(now - run.policy.lemon_window_s)) if live else ()
         self.memory.keep_live(run.number, live.number if live else None)
@@ -169,7 +170,7 @@ class Observer:
             open_faults=open_faults, faults=faults, probing=self.probing(run.number), stragglers=stragglers,
             cluster_faults=cluster_faults, newly_allocated=self.memory.newly_allocated(
                 run.number, tuple(x.name for x in allocation if x.state is NodeState.ALLOCATED)),
-            spikes_said=self._spikes_said(run, live) if live else frozenset(),
+            spikes_said=self._spikes_said(run, live) if live else frozenset(), spares_probed_at=spares,
             cluster_answering=answering, spec_error=spec if isinstance(spec, str) else None,
             precompile_due=precompile_due, precompile_aside=aside, data_skips=data_skips, measured=measured,
             **(of_spec(spec) if isinstance(spec, RunSpec) else {}))

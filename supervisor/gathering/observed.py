@@ -42,5 +42,6 @@ def of_spec(spec: RunSpec) -> dict[str, Any]:
     """What decide() sees of the run's spec (RunView's fields)."""
     auto = (TIER_PERSISTENT,) * spec.auto_checkpoints + (TIER_MEMORY,) * spec.auto_memory_checkpoints
     return {"diagnose": spec.health.diagnose, "preflight": spec.health.preflight,
+            "spare_probe_every_s": spec.health.spare_probe_every_s,
             "exit_codes": spec.exit_meanings, "data_skip_unit": spec.data_skip_unit,
             "resume_advice": trainer_cmd.resume_advice(spec), "auto_tiers": auto}

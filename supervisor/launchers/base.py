@@ -33,6 +33,7 @@ from typing import Protocol
 from health.links import PairResult
 from supervisor.domain import ProcState
 from supervisor.domain.step import LaunchMode
+from supervisor.link_steps import LinkTest
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -207,9 +208,9 @@ class NodeAdmin(Protocol):
         same Reason afterwards."""
         ...
 
-    def probe_links(self, nodes: Sequence[str], *, allocation_info: str | None,
+    def probe_links(self, test: LinkTest, *, allocation_info: str | None,
                     timeout_s: float) -> list[PairResult]:
-        """The link test across ``nodes`` (health/links.py): each pair's all-reduce. Empty
+        """The link test over ``test.over`` (health/links.py): each pair's all-reduce. Empty
         where the launcher has no links to measure (the local launcher's nodes share one
         host). Called on a worker thread."""
         ...

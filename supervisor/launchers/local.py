@@ -60,6 +60,7 @@ from supervisor.launchers.local_record import (
     warm_ranks,
 )
 from supervisor.launchers.standby import StandbyPool, assignment_for
+from supervisor.link_steps import LinkTest
 from supervisor.ports import free_port
 from wire import NODE_AGENT_ENV
 
@@ -133,7 +134,7 @@ class LocalLauncher:
                       timeout_s: float) -> dict[str, str]:
         return self.probe(list(nodes), argv, allocation_info=None, timeout_s=timeout_s)
 
-    def probe_links(self, nodes: Sequence[str], *, allocation_info: str | None,
+    def probe_links(self, test: LinkTest, *, allocation_info: str | None,
                     timeout_s: float) -> list[PairResult]:
         return []  # its nodes share this host's loopback: no link between them to measure
 

@@ -54,6 +54,7 @@ from supervisor.policy.recovery import (
     grow_back,
     judge_stragglers,
     launch,
+    probe_idle_spares,
     probes_wanted,
     set_state,
 )
@@ -324,6 +325,8 @@ def _judge_live_attempt(
     if live_now is not None and live_now.state is not AttemptState.STOPPING:
         state, live_now = judge_slowdown(view, live_now, obs, state, out)
     if live_now is not None and live_now.state is not AttemptState.STOPPING:
+        if live_now.state is AttemptState.RUNNING:
+            probe_idle_spares(view, now, out)
         return grow_back(view, live_now, state, out)
     return state, live_now
 

@@ -48,14 +48,18 @@ DRAINED_BY_US = "training-supervisor:"  # how every drain Reason this supervisor
 
 def judge_probes(*, kind: str, run_number: int | None, round_: int, answers: Mapping[str, str | None],
                  known: Mapping[str, Node], history: Mapping[str, Sequence[ProbeRecord]], return_after: int,
-                 now: float, command_id: int | None = None) -> list[NodeEffect | Emit]:
+                 now: float, command_id: int | None = None,
+                 link_gbps: Mapping[str, float] | None = None) -> list[NodeEffect | Emit]:
     """One finished round of probes of ``answers``' nodes (None: the node gave no answer).
     ``history``: each node's earlier results, newest first. ``command_id``: the round is
-    an operator's probe (``ProbeNode``), which only reports."""
+    an operator's probe (``ProbeNode``), which only reports. ``link_gbps``: each node's
+    figure in the round's link test, kept with its result."""
     out: list[NodeEffect | Emit] = []
     again: list[str] = []
     sweep = run_number is None
-    records = {n: node_health.record(n, answer, kind, run_number, now) for n, answer in answers.items()}
+    figures = link_gbps or {}
+    records = {n: node_health.record(n, answer, kind, run_number, now, link_gbps=figures.get(n))
+               for n, answer in answers.items()}
     if command_id is not None:
         for node, record in records.items():
             out += [RecordProbe(record=record), _said(kind, node, record, run_number)]

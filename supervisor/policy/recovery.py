@@ -342,6 +342,21 @@ def probes_wanted(view: RunView, drained_now: set[str], out: list[Effect]) -> bo
     return asked or bool(suspects)
 
 
+def probe_idle_spares(view: RunView, now: float, out: list[Effect]) -> None:
+    """With ``[health] preflight``, while an attempt trains: the run's spares whose newest
+    probe is older than ``spare_probe_every_s`` (or that were never probed) are probed
+    now, while idle, so that one that joins after a fault joins proven, at no cost then.
+    One round at a time (none while the run's nodes are being probed). Without the link
+    test: the others' links are busy training. Its cost: a fault that lands while a spare
+    is probed waits for that probe's end (seconds) before the next attempt launches."""
+    every = view.spare_probe_every_s
+    if not view.preflight or every <= 0 or view.probing:
+        return
+    stale = tuple(n for n, at in view.spares_probed_at if at is None or now - at >= every)
+    if stale:
+        out.append(ProbeNodes(nodes=stale, kind="spare"))
+
+
 def judge_stragglers(view: RunView, live: Attempt, obs: AttemptObs, state: RunState,
                      out: list[Effect]) -> tuple[RunState, Attempt | None]:
     """Report each new straggler once per attempt; with ``straggler_restart`` and a free

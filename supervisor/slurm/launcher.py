@@ -403,12 +403,14 @@ class SlurmLauncher:
         if info.get("record"):
             (self.state_dir / "slurm" / Path(info["record"]).name).unlink(missing_ok=True)
         for part in steps_of(info):
-            pid = int(part["srun_pid"])
             if self._requeued_under(info, part):  # it would signal the next incarnation's step
-                self._signal_srun(pid, signal.SIGKILL)
-            child = self._children.get(pid)
-            if child is not None and child.poll() is not None:
-                del self._children[pid]
+                self._signal_srun(int(part["srun_pid"]), signal.SIGKILL)
+        # An srun is dropped only once it has exited: one still waiting out its step (a
+        # SIGTERM'd agents' srun waits KillWait + 2 s, then ends its step by number) must
+        # stay where a requeue meanwhile finds it (_kill_sruns_of), or it ends the
+        # restarted job's step of that number.
+        for pid in [pid for pid, child in self._children.items() if child.poll() is not None]:
+            del self._children[pid]
 
     def _stop_agents(self, info: dict[str, Any]) -> None:
         """The attempt is over: its node agents go (SIGTERM through our srun, which passes it
@@ -421,7 +423,6 @@ class SlurmLauncher:
         for agents in info.get("agents") or [{"job": info["job"], "pid": info.get("agent_pid", 0)}]:
             quietly = self._requeued_under(info, agents)
             self._signal_srun(int(agents["pid"]), signal.SIGKILL if quietly else signal.SIGTERM)
-            self._children.pop(int(agents["pid"]), None)
             step = _own_step(steps, agents["job"], name, info.get("uid"))
             if step is not None:
                 self.commands.fire(["scancel", *only_of(info.get("uid")), f"{step.job_id}.{step.step_id}"])

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from health import links, wire
 from supervisor.errors import LaunchError
-from supervisor.node_health import link_argv
+from supervisor.link_steps import LinkTest, pair_step
 from supervisor.slurm.allocation import Alloc, recorded
 from supervisor.slurm.commands import Reply, SlurmCommands
 from supervisor.slurm.parse import NodeInfo
@@ -39,7 +39,6 @@ from supervisor.slurm.state import SlurmState
 
 log = logging.getLogger(__name__)
 
-LINK_PORT = 29411  # the link test's rendezvous port on the first node of a pair
 LINK_PAIRS_AT_ONCE = 32  # sruns of a round in flight together: slurmctld serves them all
 HYPERPOD_REPLACE = "Action:Replace"  # the Reasons HyperPod's agent acts on
 HYPERPOD_REBOOT = "Action:Reboot"
@@ -129,36 +128,40 @@ class SlurmNodes:
             out |= said
         return out
 
-    def probe_links(self, nodes: Sequence[str], *, allocation_info: str | None,
+    def probe_links(self, test: LinkTest, *, allocation_info: str | None,
                     timeout_s: float) -> list[links.PairResult]:
-        """The link test over ``nodes``: each pair of the ring an all-reduce of its own, in
-        a step of the job that holds both (a pair split across two jobs is not run), the
-        pairs of a round at once. Rank 0, whose node hosts the rendezvous, is the pair's
-        node Slurm lists first (a step's task 0 runs there)."""
-        job_of = {n: job for job, some in self._by_job(nodes, allocation_info) for n in some}
+        """The link test over ``test.over``: each pair of the ring an all-reduce of its own
+        (``link_steps.pair_step``: the tool and its form), in a step of the job that holds
+        both (a pair split across two jobs is not run), the pairs of a round at once. The
+        rendezvous is on the pair's node Slurm lists first (a step's task 0 runs there)."""
+        job_of = {n: job for job, some in self._by_job(test.over, allocation_info) for n in some}
         table = self.state.nodes() or {}
         place = {name: i for i, name in enumerate(table)}  # Slurm's node order
         results: list[links.PairResult] = []
-        for pairs in links.ring_rounds(nodes):
+        for pairs in links.ring_rounds(test.over):
             with ThreadPoolExecutor(max_workers=min(len(pairs), LINK_PAIRS_AT_ONCE),
                                     thread_name_prefix="link") as pool:
-                results += pool.map(lambda pair: self._pair(pair, job_of, table, place, timeout_s), pairs)
+                results += pool.map(lambda p: self._pair(test, p, job_of, table, place, timeout_s), pairs)
         return results
 
-    def _pair(self, pair: tuple[str, str], job_of: Mapping[str, str | None], table: Mapping[str, NodeInfo],
-              place: Mapping[str, int], timeout_s: float) -> links.PairResult:
+    def _pair(self, test: LinkTest, pair: tuple[str, str], job_of: Mapping[str, str | None],
+              table: Mapping[str, NodeInfo], place: Mapping[str, int], timeout_s: float) -> links.PairResult:
         job = job_of.get(pair[0])
         if job != job_of.get(pair[1]):
             return links.PairResult(pair, None, "its nodes are in two Slurm jobs")
-        first = min(pair, key=lambda n: place.get(n, len(place)))
-        info = table.get(first)
+        ordered = tuple(sorted(pair, key=lambda n: place.get(n, len(place))))
+        addrs = tuple(info.addr if (info := table.get(n)) else n for n in ordered)
+        step = pair_step(test, (ordered[0], ordered[1]), (addrs[0], addrs[1]), timeout_s)
         where = [f"--jobid={job}", "--overlap"] if job else ["--immediate=10", "--time=5"]
+        per_node = step.tasks_per_node
         reply = self.commands.run(
-            ["srun", *where, f"--job-name={self.prefix}.links", "--nodes=2", f"--nodelist={','.join(pair)}",
-             "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-             f"--export=ALL,MASTER_ADDR={info.addr if info else first},MASTER_PORT={LINK_PORT}",
-             *link_argv(timeout_s)], timeout_s=timeout_s)
-        return links.pair_result(pair, reply.stdout, "" if reply.ok else _short_why(reply))
+            ["srun", *where, f"--job-name={self.prefix}.links", f"--nodes={len(step.nodes)}",
+             f"--nodelist={','.join(step.nodes)}", f"--ntasks={len(step.nodes) * per_node}",
+             f"--ntasks-per-node={per_node}",
+             *([f"--mpi={step.mpi}"] if step.mpi else []), "--kill-on-bad-exit=1",
+             "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in step.env)]), *step.argv],
+            timeout_s=timeout_s)
+        return links.pair_result(pair, reply.stdout, "" if reply.ok else _short_why(reply), tool=test.tool)
 
     def _by_job(self, nodes: Sequence[str],
                 allocation_info: str | None) -> list[tuple[str | None, list[str]]]:

@@ -227,6 +227,11 @@ def _v16(conn: Connection) -> None:
     next(i for i in attempts.indexes if i.name == "attempts_unreleased").create(conn, checkfirst=True)
 
 
+def _v17(conn: Connection) -> None:
+    """Each probe's figure in its round's link test (a node's drift over weeks)."""
+    _add_columns(conn, "probes", {"link_gbps": "FLOAT"})
+
+
 MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11,
-                                                  _v12, _v13, _v14, _v15, _v16]
+                                                  _v12, _v13, _v14, _v15, _v16, _v17]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -21,6 +21,8 @@ from supervisor.policy.transitions import check_node
 from supervisor.store import schema as t
 from supervisor.store.rows import intent_of, new_id, node_of
 
+LINK_FIGURES_KEPT = 20  # a node's newest link-test figures its baseline is the median of
+
 
 class NodeQueries:
     c: Connection
@@ -58,6 +60,18 @@ class NodeQueries:
             q = q.where(t.nodes.c.state != NodeState.DRAINED.value)
         return [node_of(r) for r in self.c.execute(q.order_by(t.nodes.c.name))]
 
+    def spares_probed_at(self, run_number: int,
+                         busy: Collection[str]) -> tuple[tuple[str, float | None], ...]:
+        """The nodes the run holds outside ``busy`` (its live attempt's), each with when it
+        was last probed (None: never): one indexed look-up a spare."""
+        newest = (select(t.probes.c.at).where(t.probes.c.node == t.nodes.c.name)
+                  .order_by(t.probes.c.id.desc()).limit(1).correlate(t.nodes).scalar_subquery())
+        q = (select(t.nodes.c.name, newest)
+             .where(t.nodes.c.run_number == run_number, t.nodes.c.state == NodeState.ALLOCATED.value,
+                    t.nodes.c.name.not_in(sorted(busy)))
+             .order_by(t.nodes.c.name))
+        return tuple((str(name), at) for name, at in self.c.execute(q))
+
     def nodes_named(self, names: Collection[str]) -> list[Node]:
         """The records of those of ``names`` the store knows."""
         q = select(t.nodes).where(t.nodes.c.name.in_(sorted(names))).order_by(t.nodes.c.name)
@@ -80,7 +94,7 @@ class NodeQueries:
     def add_probe(self, p: ProbeRecord) -> None:
         self.c.execute(insert(t.probes).values(
             node=p.node, at=p.at, kind=p.kind, status=p.status, action=p.action, reason=p.reason,
-            findings=json.dumps(p.findings), run_number=p.run_number))
+            findings=json.dumps(p.findings), run_number=p.run_number, link_gbps=p.link_gbps))
 
     def probe_counts(self) -> dict[str, int]:
         """How many probes ended with each status, over all time."""
@@ -91,8 +105,15 @@ class NodeQueries:
         """The node's newest probes, newest first."""
         q = select(t.probes).where(t.probes.c.node == node).order_by(t.probes.c.id.desc()).limit(limit)
         return [ProbeRecord(node=r.node, at=r.at, kind=r.kind, status=r.status, action=r.action,
-                            reason=r.reason, findings=json.loads(r.findings), run_number=r.run_number)
+                            reason=r.reason, findings=json.loads(r.findings), run_number=r.run_number,
+                            link_gbps=r.link_gbps)
                 for r in self.c.execute(q)]
+
+    def link_figures(self, node: str, limit: int = LINK_FIGURES_KEPT) -> list[float]:
+        """The node's newest figures in link tests (GB/s), newest first: its baseline."""
+        q = (select(t.probes.c.link_gbps).where(t.probes.c.node == node, t.probes.c.link_gbps.is_not(None))
+             .order_by(t.probes.c.id.desc()).limit(limit))
+        return [float(g) for (g,) in self.c.execute(q)]
 
     # --- rounds of probes ------------------------------------------------------------
 

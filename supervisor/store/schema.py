@@ -107,6 +107,7 @@ probes = Table(
     Column("reason", Text, nullable=False),
     Column("findings", Text, nullable=False),  # JSON list of health.model.Finding
     Column("run_number", Integer, ForeignKey("runs.number")),
+    Column("link_gbps", Float),  # the node's best pair in the round's link test, GB/s
     Index("probes_by_node", "node", "id"),
 )
 

@@ -321,7 +321,7 @@ def test_sigkill_of_the_daemon_readopts_the_slurm_job_and_step(
 
 def test_a_slurmctld_crash_and_restart_mid_run_costs_no_restart(
         slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, state: Path) -> None:
-    """slurmctld is SIGKILLed at step 60 and started again 15 s later from its saved
+    """slurmctld is SIGKILLed at step 40 and started again 15 s later from its saved
     state. The job step trains on meanwhile (slurmstepd does not need the controller)
     and finishes while the controller is still down; squeue fails for those seconds
     (or, with --json, answers "no jobs" and an error), which is no evidence against the
@@ -330,7 +330,7 @@ def test_a_slurmctld_crash_and_restart_mid_run_costs_no_restart(
     daemon = slurm_serve(state, free_port(), slurm_box)
     try:
         run_id = daemon.ctl_json("submit", str(spec_for_slurm(tmp_path)))["run_id"]
-        wait_for(lambda: (daemon.read("status", run_id)["step"] or 0) >= 60, 180, "step 60")
+        wait_for(lambda: (daemon.read("status", run_id)["step"] or 0) >= 40, 180, "step 40")
         os.kill(slurm_box.ctld_pid, signal.SIGKILL)
         down_at = time.time()
         time.sleep(15)

@@ -16,6 +16,7 @@ from health.links import PairResult, ring_rounds
 from supervisor.domain import DrainBudget, Node, NodeCommandKind, NodeState, RunState
 from supervisor.errors import NotFound
 from supervisor.launchers.local import LocalLauncher
+from supervisor.link_steps import LinkTest
 from supervisor.reconciler import Reconciler, ReconcilerConfig
 from supervisor.service import SupervisorService
 from supervisor.spec import parse_spec
@@ -74,11 +75,11 @@ class ProbedLauncher(ScriptedLauncher):
         self.drained_probes.append(dict(nodes))
         return {n: self._answer(n) for n in nodes}
 
-    def probe_links(self, nodes: Sequence[str], *, allocation_info: str | None,
+    def probe_links(self, test: LinkTest, *, allocation_info: str | None,
                     timeout_s: float) -> list[PairResult]:
         """Each pair of the ring at 1.2 GB/s, or at 0.5 MB/s where a node of ``slow_links`` is in it."""
-        self.link_tests.append(tuple(nodes))
-        return [PairResult(p, 0.0005 if self.slow_links & set(p) else 1.2) for r in ring_rounds(nodes) for p in r]
+        self.link_tests.append(test.over)
+        return [PairResult(p, 0.0005 if self.slow_links & set(p) else 1.2) for r in ring_rounds(test.over) for p in r]
 
     def drain(self, node: str, reason: str, *, reboot: bool = False) -> None:
         self.drains.append((node, reason))
@@ -175,6 +176,15 @@ def test_a_node_on_a_slow_link_is_named_by_the_link_test_confirmed_against_the_o
     assert [s.nodes for s in launcher.started] == [("node-1", "node-3")]
     with store.tx() as tx:
         assert [p.status for p in tx.recent_probes("node-1", 5)] == ["healthy"]
+        # Each node's figure in each round (its best pair) is kept with its result: the
+        # nodes that were probed, newest first.
+        assert [p.link_gbps for p in tx.recent_probes("node-2", 5)] == [0.0005, 0.0005]
+        assert tx.link_figures("node-1") == [1.2] and tx.link_figures("node-2") == [0.0005, 0.0005]
+    service = SupervisorService(store, tmp_path / "runs", allow_root_runs=True, mqtt_url="mqtt://127.0.0.1:1",
+                                launcher=LocalLauncher(max_nodes=8), check_trainer=False, clock=clock)
+    link = {n.name: n.link for n in service.nodes()}
+    assert link["node-2"] is not None and (link["node-2"].newest_gbps, link["node-2"].samples) == (0.0005, 2)
+    assert link["node-1"] is not None and link["node-1"].median_gbps == 1.2
 
 
 def test_without_links_in_the_spec_no_link_test_runs(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from supervisor.domain import (
     NodeCommandKind,
     NodeState,
     Policy,
+    ProbeRecord,
     RunState,
 )
 from supervisor.errors import NotFound, StoreError
@@ -403,3 +404,18 @@ def test_a_node_record_changes_only_as_the_node_table_allows(store: SqlStore, tm
         assert tx.list_events(None, 0, 10) == []
         tx.put_node(Node(name="n1", state=NodeState.IDLE), 3.0)  # returned to service, then a run's
         tx.put_node(Node(name="n1", state=NodeState.ALLOCATED, run_number=run), 4.0)
+
+
+def test_a_runs_spares_are_listed_with_their_newest_probe_and_link_figures_newest_first(
+        store: SqlStore, tmp_path: Path) -> None:
+    number = new_run(store, tmp_path)
+    with store.tx() as tx:
+        for name in ("n1", "n2", "n3", "n4"):
+            tx.put_node(Node(name=name, state=NodeState.ALLOCATED, run_number=number), 1.0)
+        tx.put_node(Node(name="n5", state=NodeState.DRAINED, reason="x", run_number=number), 1.0)
+        for at, node, gbps in ((5.0, "n3", 0.5), (9.0, "n3", None), (7.0, "n1", 0.4), (8.0, "n3", 0.3)):
+            tx.add_probe(ProbeRecord(node=node, at=at, kind="preflight", status="healthy", action="none",
+                                     reason="", findings=[], run_number=number, link_gbps=gbps))
+        assert tx.spares_probed_at(number, ("n1", "n2")) == (("n3", 8.0), ("n4", None)), "newest by order"
+        assert tx.link_figures("n3") == [0.3, 0.5] and tx.link_figures("n2") == []
+        assert tx.recent_probes("n1", 1)[0].link_gbps == 0.4

@@ -124,3 +124,16 @@ def test_every_command_takes_json(tmp_path: Path) -> None:
     for name, p in sub.choices.items():  # type: ignore[attr-defined]
         if name != "completion":
             assert "--json" in {o for a in p._actions for o in a.option_strings}, name
+
+
+def test_the_nodes_table_shows_each_nodes_newest_link_figure_against_its_own_median() -> None:
+    from supervisor import report
+    from supervisor.domain import Node, NodeState
+    from supervisor.views import node_view
+
+    drifting = node_view(Node(name="node2", state=NodeState.IDLE), link_figures=[0.21, 0.5, 0.52, 0.49])
+    never = node_view(Node(name="node3", state=NodeState.IDLE))
+    assert drifting.link is not None and (drifting.link.newest_gbps, drifting.link.samples) == (0.21, 4)
+    lines = report.nodes_table([drifting, never]).splitlines()
+    assert "LINK" in lines[0]
+    assert "0.21 GB/s (median of 4: 0.495)" in lines[1] and " - " in lines[2]

@@ -1,5 +1,7 @@
-"""The link test's pure parts (health/links.py): the ring's pairs, and which node a slow
-or dead pair names; and how its finding joins a node's verdict (supervisor/node_health.py)."""
+"""The link test's pure parts (health/links.py): the ring's pairs, each tool's figure for a
+pair (from the tools' real multi-node outputs), and which node a slow or dead pair names;
+how each tool runs a pair (supervisor/link_steps.py); and how its finding joins a node's
+verdict (supervisor/node_health.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from health import links, wire
-from health.links import PairResult, judge, pair_result, ring_rounds
+from health.links import ALLREDUCE, NCCL_TESTS, NCCOM_TEST, PairResult, judge, pair_result, ring_rounds
 from health.model import Finding, Status
-from supervisor import node_health
+from supervisor import link_steps, node_health
+from tests.conftest import REPO
+
+FIXTURES = REPO / "tests" / "fixtures" / "health"
 
 FAST, SLOW = 1.2, 0.0005  # GB/s: a veth pair, and one end throttled to 4 Mbit/s
 
@@ -151,19 +156,82 @@ def test_the_link_test_needs_two_nodes_and_the_specs_word() -> None:
     from supervisor.spec import HealthSpec
 
     on, off = HealthSpec(preflight=True), HealthSpec(preflight=True, links=False)
-    test = node_health.link_test(on.links, on.link_fraction, ["node3"], ["node1", "node2", "node3"])
+    test = link_steps.link_test(on.links, on.link_fraction, ["node3"], ["node1", "node2", "node3"])
     assert test is not None and test.over == ("node1", "node2", "node3") and test.fraction == 0.5
-    assert node_health.link_test(on.links, on.link_fraction, ["node1"], ["node1"]) is None
-    assert node_health.link_test(off.links, off.link_fraction, ["node1", "node2"], ["node1", "node2"]) is None
+    assert link_steps.link_test(on.links, on.link_fraction, ["node1"], ["node1"]) is None
+    assert link_steps.link_test(off.links, off.link_fraction, ["node1", "node2"], ["node1", "node2"]) is None
     with pytest.raises(ValueError, match="link_fraction"):
         HealthSpec(link_fraction=1.5)
 
 
+def test_the_pair_tool_follows_the_accelerator_the_spec_names_unless_it_names_a_tool() -> None:
+    from supervisor.spec import HealthSpec
+
+    assert HealthSpec().pair_tool() == ALLREDUCE
+    assert HealthSpec(gpus=8).pair_tool() == NCCL_TESTS
+    assert HealthSpec(neuron_devices=16).pair_tool() == NCCOM_TEST
+    assert HealthSpec(instance_type="trn1.32xlarge").pair_tool() == NCCOM_TEST
+    assert HealthSpec(instance_type="p5.48xlarge").pair_tool() == NCCL_TESTS
+    assert HealthSpec(gpus=8, link_tool="allreduce").pair_tool() == ALLREDUCE  # torch's NCCL, no nccl-tests
+    with pytest.raises(ValueError, match="link_tool"):
+        HealthSpec(link_tool="iperf")
+
+
+def test_a_rounds_link_test_takes_the_runs_tool_and_ranks_a_node_and_an_idle_spares_has_none() -> None:
+    from supervisor.effects.nodes import links_of
+    from supervisor.spec import parse_spec
+
+    spec = parse_spec({"name": "p5", "resources": {"nodes": 2, "ranks_per_node": 8, "spares": 1},
+                       "trainer": {"model": "tiny", "steps": 10}, "health": {"preflight": True, "gpus": 8}})
+    test = links_of(spec, "preflight", ["n3"], ["n1", "n2", "n3"])
+    assert test == link_steps.LinkTest(over=("n1", "n2", "n3"), fraction=0.5, tool=NCCL_TESTS, tasks_per_node=8)
+    assert links_of(spec, "spare", ["n3"], ["n1", "n2", "n3"]) is None
+
+
 def test_the_link_task_takes_its_rank_from_slurm() -> None:
-    argv = node_health.link_argv(30, interpreter="/opt/tsup/bin/python")
+    argv = link_steps.link_argv(30, interpreter="/opt/tsup/bin/python")
     assert argv[:2] == ("/bin/sh", "-c") and "RANK=$SLURM_PROCID" in argv[2]
     assert argv[4:7] == ("/opt/tsup/bin/python", "-m", "health.allreduce") and "--json" in argv
     assert argv[argv.index("--timeout-s") + 1] == "30"
+
+
+def test_each_tool_runs_a_pair_in_the_form_its_users_run_it() -> None:
+    pair, addrs = ("node1", "node2"), ("10.0.0.1", "10.0.0.2")
+
+    def step(tool: str, per_node: int = 1) -> link_steps.PairStep:
+        test = link_steps.LinkTest(over=pair, fraction=0.5, tool=tool, tasks_per_node=per_node)
+        return link_steps.pair_step(test, pair, addrs, 30, interpreter="/opt/tsup/bin/python")
+
+    torch = step(ALLREDUCE, 8)  # one process a node, whatever the ranks a node
+    assert (torch.nodes, torch.tasks_per_node, torch.mpi) == (pair, 1, None)
+    assert dict(torch.env) == {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": str(link_steps.LINK_PORT)}
+    nccl = step(NCCL_TESTS, 8)  # one task a GPU on both nodes, wired by PMIx; one GPU a task
+    assert (nccl.nodes, nccl.tasks_per_node, nccl.mpi, nccl.env) == (pair, 8, "pmix", ())
+    assert nccl.argv[0] == "all_reduce_perf" and nccl.argv[nccl.argv.index("-g") + 1] == "1"
+    assert nccl.argv[nccl.argv.index("-c") + 1] == "1", "results checked"
+    neuron = step(NCCOM_TEST, 32)  # started once on the first node, which reaches the second
+    assert (neuron.nodes, neuron.tasks_per_node) == (("node1",), 1)
+    assert dict(neuron.env) == {"NEURON_RT_ROOT_COMM_ID": f"10.0.0.1:{link_steps.LINK_PORT}"}
+    argv = neuron.argv
+    assert argv[0] == "nccom-test" and argv[argv.index("-r") + 1] == "64" and argv[argv.index("-N") + 1] == "2"
+    assert argv[-4:] == ("allr", "--hosts", "127.0.0.1", "10.0.0.2")
+
+
+def test_a_pairs_figure_from_each_tools_real_multi_node_output() -> None:
+    """nccl-tests across two p5 (awsome-distributed-training's rows), nccom-test across
+    two trn1 (nccom-test.rst's example): the bus bandwidth at the largest size, the lower
+    of out-of-place and in-place; a failed run gives no figure and says why."""
+    nccl = (FIXTURES / "nvidia" / "nccl-tests_all_reduce_perf_2xp5_verbatim_rows.txt").read_text()
+    assert pair_result(("a", "b"), nccl, tool=NCCL_TESTS) == PairResult(("a", "b"), 487.09)
+    neuron = (FIXTURES / "neuron" / "nccom-test_allr_2node_64rank_fp32_sweep.txt").read_text()
+    assert pair_result(("a", "b"), neuron, tool=NCCOM_TEST) == PairResult(("a", "b"), 47.09)
+    driver = (FIXTURES / "neuron" / "nccom-test_fail_driver.txt").read_text()
+    failed = pair_result(("a", "b"), driver, "exit code 1", tool=NCCOM_TEST)
+    assert failed.busbw_gbps is None and failed.why.startswith("exit code 1; nccom-test failed: Neuron DKMS")
+    cut = "\n".join(nccl.splitlines()[:-3]).replace("      0\n", "     12\n", 1)  # a row with wrong results
+    wrong = pair_result(("a", "b"), cut, tool=NCCL_TESTS)
+    assert wrong.busbw_gbps is None and "#wrong=12" in wrong.why
+    assert pair_result(("a", "b"), nccl, tool=ALLREDUCE).busbw_gbps is None, "each tool's output is its own"
 
 
 def test_every_pair_of_three_nodes_is_in_the_ring() -> None:

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from supervisor.domain import (
     AllocateNodes,
+    Attempt,
     AttemptOutcome,
     AttemptState,
     CheckpointRef,
@@ -23,6 +24,7 @@ from supervisor.domain import (
     RecordFault,
     ReleaseNodes,
     RunState,
+    RunView,
     SetRunState,
     StartAttempt,
     TrainerResult,
@@ -166,6 +168,26 @@ def test_with_diagnose_a_failed_attempts_held_nodes_are_probed_before_any_relaun
     assert of(effects, EndAttempt)
     assert of(effects, ProbeNodes) == [ProbeNodes(nodes=("n1", "n2"), kind="diagnosis")]
     assert not of(effects, StartAttempt)
+
+
+def test_a_spare_not_probed_for_a_while_is_probed_while_the_run_trains_without_the_link_test() -> None:
+    """With preflight, a spare whose newest probe is older than spare_probe_every_s (or
+    that was never probed) is probed while idle: it joins proven after a fault."""
+    every = 1800.0
+    base = replace(view(run(), (attempt(),)), preflight=True, spare_probe_every_s=every)
+
+    def asked(v: RunView, live: Attempt | None = None) -> list[ProbeNodes]:
+        return of(decide(replace(v, attempts=(live or attempt(),)), obs(), NOW), ProbeNodes)
+
+    assert asked(replace(base, spares_probed_at=(("n3", None), ("n4", NOW - every), ("n5", NOW - 60)))) == [
+        ProbeNodes(nodes=("n3", "n4"), kind="spare")]
+    fresh = replace(base, spares_probed_at=(("n3", NOW - 60),))
+    assert asked(fresh) == []
+    never = replace(base, spares_probed_at=(("n3", None),))
+    assert asked(replace(never, probing=True)) == [], "one round at a time"
+    assert asked(replace(never, preflight=False)) == []
+    assert asked(replace(never, spare_probe_every_s=0.0)) == []
+    assert asked(never, attempt(state=AttemptState.LAUNCHING, first_step_at=None)) == [], "only while it trains"
 
 
 def test_a_node_drained_in_the_same_tick_or_no_longer_held_is_not_diagnosed() -> None:

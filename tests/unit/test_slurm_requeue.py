@@ -365,3 +365,35 @@ def test_the_node_agents_srun_of_a_requeued_job_is_killed_quietly_when_its_attem
         finally:
             agents.kill()
             agents.wait()
+
+
+def test_an_agents_srun_still_waiting_after_its_attempt_was_let_go_is_killed_by_the_next_requeue(
+        tmp_path: Path) -> None:
+    """Seen on the box under load: the agents' srun, sent SIGTERM as its attempt was let go
+    (its job not requeued yet), waits KillWait + 2 s for its step, then ends step 5.0 by
+    number. The supervisor requeued the job 60 ms after the SIGTERM, and the restarted
+    job's agents were step 5.0: 7 s after the requeue they were cancelled, and the next
+    attempt's node was judged lost. A let-go srun that has not exited stays where the
+    requeue finds it (``before_requeue``), which SIGKILLs it first."""
+    import signal as signals
+    import subprocess
+    import sys
+
+    same = squeue({"job_id": 5, "name": "first", "user_id": ME, "restart_cnt": 0})
+    launcher = launcher_on(slurm_of(same), tmp_path)
+    srun = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                             "signal.SIG_IGN); print(flush=True); time.sleep(60)", "--jobid=5"],
+                            stdout=subprocess.PIPE)
+    assert srun.stdout is not None and srun.stdout.readline()  # its SIGTERM handler is set
+    launcher._children[srun.pid] = srun  # what start() keeps of the srun it started
+    info = json.dumps({"job": "5", "step": "s", "uid": ME, "restarts": 0, "srun_pid": 0, "srun_ct": 0.0,
+                       "ranks": [[0, "node1"]], "log": str(tmp_path / "l"), "agent_step": "s.agent",
+                       "agents": [{"job": "5", "pid": srun.pid}]})
+    try:
+        launcher.forget(info)  # SIGTERM: it waits out its step
+        assert srun.poll() is None
+        launcher._kill_sruns_of("5")  # the allocation's before_requeue
+        assert srun.wait(10) == -signals.SIGKILL
+    finally:
+        srun.kill()
+        srun.wait()
