@@ -4,6 +4,7 @@ supervisor/slurm/nodes.py: ``probe_links``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,28 @@ import pytest
 
 from slurmbox.box import Box, heal_node, partition_node, set_slurmd_timeout, throttle_node, unthrottle_node
 from supervisor.slurm import parse
+from supervisor.slurm.parse import NodeInfo
 from tests.e2e.conftest import db_rows, slurm, spec_for_slurm, summary_of, tsup
 
 pytestmark = pytest.mark.e2e
+
+
+def run_with_node2_broken(box: Box, tmp_path: Path, health: str, fault_free: dict[str, Any],
+                          break_: Callable[[], None], mend: Callable[[], None]) -> tuple[dict[str, Any], NodeInfo]:
+    """The example on the box with ``[health]`` ``health``, node2 broken (``break_``) from
+    before the submit to the run's end (``mend``): the run's summary, once it succeeded with
+    the fault-free weights, and node2 as Slurm has it then."""
+    spec = spec_for_slurm(tmp_path)
+    spec.write_text(spec.read_text() + "\n[health]\n" + health)
+    break_()
+    try:
+        proc = tsup("run", spec, "--state-dir", tmp_path / "state", "--json")
+    finally:
+        mend()
+    s = summary_of(proc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    return s, parse.parse_nodes(slurm(box, "scontrol", "-o", "show", "node", "node2"))["node2"]
 
 
 def test_a_node_on_a_throttled_link_is_named_by_the_preflight_drained_and_never_trains(
@@ -22,28 +42,24 @@ def test_a_node_on_a_throttled_link_is_named_by_the_preflight_drained_and_never_
     slow link is no fault of the node's own devices); the preflight's link test finds its
     pairs slow against the others', the confirmation finds it again, and it is drained
     with a Reason that says the test, its figure and the others'. The run trains on node1
-    and the spare, node3, and ends with the weights of a run that never failed."""
+    and the spare, node3, and ends with the weights of a run that never failed. Each
+    node's figure is kept with its probe result."""
     monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
-    spec = spec_for_slurm(tmp_path)
-    spec.write_text(spec.read_text() + "\n[health]\npreflight = true\ndiagnose = true\n")
-    throttle_node(slurm_box, "node2")
-    try:
-        proc = tsup("run", spec, "--state-dir", tmp_path / "state", "--json")
-    finally:
-        unthrottle_node(slurm_box, "node2")
-    s = summary_of(proc)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    s, node2 = run_with_node2_broken(slurm_box, tmp_path, "preflight = true\ndiagnose = true\n", fault_free,
+                                     lambda: throttle_node(slurm_box, "node2"),
+                                     lambda: unthrottle_node(slurm_box, "node2"))
     assert s["faults"] == [] and s["attempts"] == 1, "the slow node never got the trainer"
     assert s["attempt_history"][0]["nodes"] == ["node1", "node3"]
     assert s["drained_nodes"] == ["node2"]
-    node2 = parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", "node2"))["node2"]
     assert "DRAIN" in node2.flags
     assert node2.reason.startswith("training-supervisor: probe: links: best pair node"), node2.reason
     assert "median of 3 nodes' best pairs" in node2.reason and "its link is slow" in node2.reason
     probes = db_rows(tmp_path / "state", "SELECT node, kind, status FROM probes ORDER BY id")
     assert probes.count(("node2", "preflight", "unhealthy")) == 2, "confirmed by a second probe"
     assert ("node1", "preflight", "healthy") in probes and ("node3", "preflight", "healthy") in probes
+    figures = db_rows(tmp_path / "state", "SELECT node, link_gbps FROM probes WHERE link_gbps IS NOT NULL")
+    slow = [g for n, g in figures if n == "node2"]
+    assert len(slow) == 2 and max(slow) < 0.5 * min(g for n, g in figures if n != "node2"), figures
 
 
 def test_a_node_cut_off_at_preflight_is_named_by_the_link_test_and_drained_never_a_hang(
@@ -56,18 +72,10 @@ def test_a_node_cut_off_at_preflight_is_named_by_the_link_test_and_drained_never
     trains on them and ends with the weights of a run that never failed."""
     monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
     set_slurmd_timeout(slurm_box, 300)
-    spec = spec_for_slurm(tmp_path)
-    spec.write_text(spec.read_text() + "\n[health]\npreflight = true\ntimeout_s = 30\n")
-    partition_node(slurm_box, "node2")
-    try:
-        proc = tsup("run", spec, "--state-dir", tmp_path / "state", "--json")
-    finally:
-        heal_node(slurm_box, "node2")
-    s = summary_of(proc)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
+    s, node2 = run_with_node2_broken(slurm_box, tmp_path, "preflight = true\ntimeout_s = 30\n", fault_free,
+                                     lambda: partition_node(slurm_box, "node2"),
+                                     lambda: heal_node(slurm_box, "node2"))
     assert s["attempt_history"][-1]["nodes"] == ["node1", "node3"] and s["drained_nodes"] == ["node2"]
-    node2 = parse.parse_nodes(slurm(slurm_box, "scontrol", "-o", "show", "node", "node2"))["node2"]
     assert node2.reason.startswith("training-supervisor: probe: links: no all-reduce with node1, node3"), \
         node2.reason
     probes = db_rows(tmp_path / "state", "SELECT node, kind, status FROM probes ORDER BY id")

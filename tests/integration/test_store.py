@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import sqlite3
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -190,14 +191,21 @@ def test_faults_and_nodes(store: SqlStore, tmp_path: Path) -> None:
         assert tx.finished_runs_holding_resources() == {number}
 
 
-def test_a_version_3_database_gains_the_event_kind_and_fault_time_indexes(store: SqlStore) -> None:
+def reopened_as(store: SqlStore, sql: str) -> SqlStore:
+    """``store`` closed, made an older database by ``sql`` (run by sqlite3 itself), and
+    opened again: the migrations since have run."""
     store.close()
     conn = sqlite3.connect(store.path)
-    conn.executescript("DROP INDEX events_by_run_kind; DROP INDEX faults_by_time; UPDATE schema_version SET version = 3;")
+    conn.executescript(sql)
     conn.close()
     again = SqlStore(store.path)
     again.open()
-    again.close()
+    return again
+
+
+def test_a_version_3_database_gains_the_event_kind_and_fault_time_indexes(store: SqlStore) -> None:
+    reopened_as(store, "DROP INDEX events_by_run_kind; DROP INDEX faults_by_time; "
+                       "UPDATE schema_version SET version = 3;").close()
     conn = sqlite3.connect(store.path)
     names = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert {"events_by_run_kind", "faults_by_time"} <= names
@@ -244,17 +252,27 @@ def test_a_version_15_database_lets_go_of_its_ended_attempts_once(store: SqlStor
         for n, state in ((1, AttemptState.ENDED), (2, AttemptState.RUNNING)):
             tx.add_attempt(Attempt(run_number=number, number=n, state=state, nodes=("a",), resume_from=None,
                                    resume_step=0, created_at=1.0, launch_info="{}"))
-    store.close()
-    conn = sqlite3.connect(store.path)
-    conn.executescript("DROP INDEX attempts_unreleased; ALTER TABLE attempts DROP COLUMN released_at; "
-                       "UPDATE schema_version SET version = 15;")
-    conn.close()
-    again = SqlStore(store.path)
-    again.open()
+    again = reopened_as(store, "DROP INDEX attempts_unreleased; ALTER TABLE attempts DROP COLUMN released_at; "
+                               "UPDATE schema_version SET version = 15;")
     with again.tx() as tx:
         assert [(a.number, a.state) for _, a in tx.unreleased_attempts()] == [(1, AttemptState.ENDED)]
         tx.released(number, 1, 5.0)
         assert tx.unreleased_attempts() == []
+    again.close()
+
+
+def test_a_version_16_database_keeps_its_probes_and_gains_their_link_figures(store: SqlStore,
+                                                                             tmp_path: Path) -> None:
+    number = new_run(store, tmp_path)
+    with store.tx() as tx:
+        tx.add_probe(ProbeRecord(node="n1", at=1.0, kind="preflight", status="healthy", action="none", reason="",
+                                 findings=[], run_number=number))
+    again = reopened_as(store, "ALTER TABLE probes DROP COLUMN link_gbps; UPDATE schema_version SET version = 16;")
+    with again.tx() as tx:
+        [old] = tx.recent_probes("n1")
+        assert (old.status, old.link_gbps) == ("healthy", None)
+        tx.add_probe(replace(old, at=2.0, link_gbps=0.4))
+        assert tx.link_figures("n1") == [0.4]
     again.close()
 
 
@@ -333,13 +351,9 @@ def test_a_version_6_database_gains_stats_and_a_curve_from_the_steps_it_kept(sto
         tx.add_fault(number, attempt=1, kind=FaultKind.RANK_EXIT, ranks=[0], nodes=["n"], step=1999,
                      summary="x",
                      now=1999.5)
-    store.close()
-    conn = sqlite3.connect(store.path)
-    conn.executescript("DROP TABLE attempt_stats; DROP TABLE loss_curve; UPDATE runs SET curve_seq = 0, "
-                       "curve_stride = 1; UPDATE faults SET last_step_at = NULL; UPDATE schema_version SET version = 6;")
-    conn.close()
-    again = SqlStore(store.path)
-    again.open()
+    again = reopened_as(store, "DROP TABLE attempt_stats; DROP TABLE loss_curve; UPDATE runs SET curve_seq = 0, "
+                               "curve_stride = 1; UPDATE faults SET last_step_at = NULL; "
+                               "UPDATE schema_version SET version = 6;")
     with again.tx() as tx:
         stats = tx.attempt_stats(number)
         assert (stats[1].steps, stats[1].first_step, stats[1].last_step, stats[1].step_time_s) == (1999, 1,

@@ -16,6 +16,7 @@ from supervisor.errors import LaunchError
 from supervisor.launchers.base import AllocationRequest, LaunchSpec
 from supervisor.slurm import parse
 from supervisor.slurm.commands import Reply
+from supervisor.slurm.launcher import SlurmLauncher
 from tests.unit.test_slurm_security import ME, fixture, launcher_on, slurm_of, squeue
 
 # The scripted node table: node1 is down, node2 up, node3 drained; node4 is in no table (usable).
@@ -341,6 +342,15 @@ def test_a_stop_after_slurm_requeued_the_job_kills_the_old_srun_quietly(tmp_path
             p.wait()
 
 
+def agents_srun_of_job_5(launcher: SlurmLauncher, srun: subprocess.Popen[bytes], tmp_path: Path) -> str:
+    """``srun`` as the node agents' srun of an attempt in job 5 (kept as start() keeps it),
+    and that attempt's launch_info."""
+    launcher._children[srun.pid] = srun
+    return json.dumps({"job": "5", "step": "s", "uid": ME, "restarts": 0, "srun_pid": 0, "srun_ct": 0.0,
+                       "ranks": [[0, "node1"]], "log": str(tmp_path / "l"), "agent_step": "s.agent",
+                       "agents": [{"job": "5", "pid": srun.pid}]})
+
+
 def test_the_node_agents_srun_of_a_requeued_job_is_killed_quietly_when_its_attempt_is_let_go(
         tmp_path: Path) -> None:
     """The same for the agents' step (seen on the box under load: the agents' srun, sent
@@ -355,10 +365,7 @@ def test_the_node_agents_srun_of_a_requeued_job_is_killed_quietly_when_its_attem
     for jobs, signal_seen in ((same, -15), (waiting, -9)):
         launcher = launcher_on(slurm_of(jobs), tmp_path)
         agents = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        launcher._children[agents.pid] = agents  # what start() keeps of the srun it started
-        info = json.dumps({"job": "5", "step": "s", "uid": ME, "restarts": 0, "srun_pid": 0, "srun_ct": 0.0,
-                           "ranks": [[0, "node1"]], "log": str(tmp_path / "l"), "agent_step": "s.agent",
-                           "agents": [{"job": "5", "pid": agents.pid}]})
+        info = agents_srun_of_job_5(launcher, agents, tmp_path)
         try:
             launcher.forget(info)
             assert agents.wait(10) == signal_seen, jobs
@@ -385,10 +392,7 @@ def test_an_agents_srun_still_waiting_after_its_attempt_was_let_go_is_killed_by_
                              "signal.SIG_IGN); print(flush=True); time.sleep(60)", "--jobid=5"],
                             stdout=subprocess.PIPE)
     assert srun.stdout is not None and srun.stdout.readline()  # its SIGTERM handler is set
-    launcher._children[srun.pid] = srun  # what start() keeps of the srun it started
-    info = json.dumps({"job": "5", "step": "s", "uid": ME, "restarts": 0, "srun_pid": 0, "srun_ct": 0.0,
-                       "ranks": [[0, "node1"]], "log": str(tmp_path / "l"), "agent_step": "s.agent",
-                       "agents": [{"job": "5", "pid": srun.pid}]})
+    info = agents_srun_of_job_5(launcher, srun, tmp_path)
     try:
         launcher.forget(info)  # SIGTERM: it waits out its step
         assert srun.poll() is None
