@@ -321,7 +321,12 @@ def test_a_stop_after_slurm_requeued_the_job_kills_the_old_srun_quietly(tmp_path
     from supervisor.launchers.local_record import start_time_of
 
     def srun() -> subprocess.Popen[bytes]:
-        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        """A stand-in srun, once it runs its own program: a signal sent between fork and
+        exec goes to the parent's handler, and exec forgets it (seen under load)."""
+        p = subprocess.Popen([sys.executable, "-c", "print(flush=True); import time; time.sleep(60)"],
+                             stdout=subprocess.PIPE)
+        assert p.stdout is not None and p.stdout.readline()
+        return p
 
     def info(p: subprocess.Popen[bytes]) -> str:
         return json.dumps({"job": "5", "step": "s", "uid": ME, "restarts": 0, "srun_pid": p.pid,
