@@ -321,10 +321,14 @@ def test_a_stop_after_slurm_requeued_the_job_kills_the_old_srun_quietly(tmp_path
     from supervisor.launchers.local_record import start_time_of
 
     def srun() -> subprocess.Popen[bytes]:
-        """A stand-in srun, once it runs its own program: a signal sent between fork and
-        exec goes to the parent's handler, and exec forgets it (seen under load)."""
-        p = subprocess.Popen([sys.executable, "-c", "print(flush=True); import time; time.sleep(60)"],
-                             stdout=subprocess.PIPE)
+        """A stand-in srun that, as srun does, takes SIGINT whatever the signal mask it
+        inherits (a worker of the suite may hold SIGINT blocked: its child then sleeps on
+        through both), signalled once it runs its own program (a signal sent between fork
+        and exec goes to the parent's handler, and exec forgets it)."""
+        p = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                              "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+                              "signal.signal(signal.SIGINT, signal.default_int_handler); "
+                              "print(flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
         assert p.stdout is not None and p.stdout.readline()
         return p
 
