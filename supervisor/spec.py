@@ -154,6 +154,10 @@ class HealthSpec(BaseModel):
                              "min_busbw_gbps)")
         return data
 
+    def probes_idle_spares(self) -> bool:
+        """Whether a run's idle spares are probed while it trains (``spare_probe_every_s``)."""
+        return self.preflight and self.spare_probe_every_s > 0
+
     def pair_tool(self) -> str:
         """The link test's tool: ``link_tool``; else nccom-test on Trainium (``neuron_devices``,
         or a trn* ``instance_type``), nccl-tests on NVIDIA GPUs (``gpus``, or a p* or g*

@@ -103,7 +103,9 @@ class Observer:
         """The run as seen now: ``history`` is ``history_of``'s this tick, ``fed`` what
         feeding the telemetry view found (feed.py)."""
         spec, run_dir = self.memory.spec(run.number)
+        run_spec = spec if isinstance(spec, RunSpec) else None  # None: it no longer validates
         attempts, faults, live = tuple(history.attempts), tuple(history.faults), history.live
+        probes_spares = run_spec is not None and run_spec.health.probes_idle_spares()  # spares: last probes
         with self.store.tx() as tx:
             # The nodes it drained matter only where the cluster still grants them (read
             # below, by name); each tick reading all of them would grow with the run.
@@ -112,13 +114,12 @@ class Observer:
             stragglers = tuple(StragglerReport(attempt=s.attempt, rank=s.rank, node=s.node)
                                for s in tx.list_stragglers(run.number))
             data_skips = tuple(tx.list_data_skips(run.number))
-            spares = tx.spares_probed_at(run.number, live.nodes) if live else ()
+            spares = tx.spares_probed_at(run.number, live.nodes) if live and probes_spares else ()
             # Only a live attempt can have a fault that blames a node.
             cluster_faults = tuple(tx.faults_since(now - run.policy.lemon_window_s)) if live else ()
         self.memory.keep_live(run.number, live.number if live else None)
         facts = Facts(output_offsets=fed.offsets_to_keep)
-        obs = self._observe_attempt(run, spec if isinstance(spec, RunSpec) else None, run_dir, live, now,
-                                    fed.output) if live else None
+        obs = self._observe_attempt(run, run_spec, run_dir, live, now, fed.output) if live else None
         # The allocation as the cluster has it; after a death, only an answer given since
         # then may say whether the cluster took the nodes away (then no node is to blame).
         first_death = min((r.dead_since for r in obs.ranks if r.dead_since is not None), default=None) \
@@ -174,8 +175,7 @@ class Observer:
             cluster_answering=answering, spec_error=spec if isinstance(spec, str) else None,
             precompile_due=precompile_due, precompile_aside=aside, data_skips=data_skips, measured=measured,
             **(of_spec(spec) if isinstance(spec, RunSpec) else {}))
-        return Observed(run=run, spec=spec if isinstance(spec, RunSpec) else None, run_dir=run_dir, view=view,
-                        obs=obs, facts=facts)
+        return Observed(run=run, spec=run_spec, run_dir=run_dir, view=view, obs=obs, facts=facts)
 
     def _newest_checkpoint(self, spec: RunSpec, run_dir: Path, facts: Facts, before_step: int | None,
                            exclude: frozenset[int]) -> CheckpointRef | None:
