@@ -94,6 +94,19 @@ def leftover_trainers(*, shared: bool = False) -> Finding:
     the reference trainer's (``python -m trainer``), and any process of an attempt (its
     environment names one), where this probe may read the environment (as root, or the
     run's user)."""
+    left = trainer_pids()
+    more = f" and {len(left) - 10} more" if len(left) > 10 else ""
+    evidence = (f"{len(left)} trainer process(es) running: pids {', '.join(map(str, left[:10]))}{more}"
+                if left else "no trainer process running")
+    if shared:
+        return Finding(probe="leftover_trainers", status=Status.HEALTHY,
+                       evidence=f"{evidence}: {_NOT_JUDGED}")
+    return Finding(probe="leftover_trainers", status=Status.DEGRADED if left else Status.HEALTHY,
+                   evidence=evidence)
+
+
+def trainer_pids() -> list[int]:
+    """The pids ``leftover_trainers`` counts, in pid order (its evidence names ten)."""
     left = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         if p.info["pid"] == os.getpid():
@@ -101,13 +114,7 @@ def leftover_trainers(*, shared: bool = False) -> Finding:
         cmdline = p.info["cmdline"] or []
         if cmdline[1:3] == ["-m", "trainer"] or _of_an_attempt(p):
             left.append(p.info["pid"])
-    evidence = (f"{len(left)} trainer process(es) running: pids {', '.join(map(str, left[:10]))}" if left
-                else "no trainer process running")
-    if shared:
-        return Finding(probe="leftover_trainers", status=Status.HEALTHY,
-                       evidence=f"{evidence}: {_NOT_JUDGED}")
-    return Finding(probe="leftover_trainers", status=Status.DEGRADED if left else Status.HEALTHY,
-                   evidence=evidence)
+    return left
 
 
 def _of_an_attempt(p: psutil.Process) -> bool:
