@@ -2,7 +2,8 @@
 
 Needs no supervisor. Runs the host checks, then the Neuron probes where ``neuron-ls``
 is installed, the NVIDIA probes where ``nvidia-smi`` is, and the EFA checks where
-``fi_info`` is; a node with neither accelerator says so plainly.
+``fi_info`` is; a node with neither accelerator says so plainly. ``--broker`` also proves
+the run's MQTT broker answers from this node (health/broker.py).
 ``--json`` prints the verdict (``--compact``: on one line; ``--wire``: in short tagged
 lines, as the supervisor reads it through srun), a line per finding otherwise.
 
@@ -22,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from health import efa, host, neuron, nvidia, wire
+from health import broker, efa, host, neuron, nvidia, wire
 from health.model import Finding, Status, Verdict, verdict
 
 
@@ -56,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--require", type=Path, action="append", default=[], metavar="PATH",
                         help="a file or directory a run needs on this node (its command, its working "
                              "directory): unhealthy when missing (repeatable)")
+    parser.add_argument("--broker", default=None, metavar="URL",
+                        help="mqtt://HOST:PORT or mqtts://HOST:PORT: the MQTT broker the ranks will be told; "
+                             "unhealthy when it does not answer from this node (no login in the URL)")
+    parser.add_argument("--broker-ca", type=Path, default=None, metavar="FILE",
+                        help="with an mqtts:// --broker: the CA the ranks are told (absent: the system's)")
     parser.add_argument("--shared-host", action="store_true",
                         help="this node shares its host with other nodes (simulated nodes, a Slurm box): "
                              "report the host's load and trainer processes, do not judge them "
@@ -74,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         host.leftover_trainers(shared=shared),
         *host.required(args.require),
     ]
+    if args.broker:
+        findings.append(broker.probe(args.broker, ca_file=args.broker_ca))
     kernel_log = _read(args.kernel_log, findings) if args.kernel_log else None
     findings += neuron.run_all(expected_devices=args.neuron_devices, instance_type=args.instance_type,
                                min_busbw_gbps=args.min_busbw_gbps, run_bandwidth=args.bandwidth,

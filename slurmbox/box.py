@@ -336,6 +336,25 @@ def unthrottle_node(box: Box, node: str) -> None:
             _tc("qdisc", "del", "dev", dev, "root", netns=ns)
 
 
+def block_port(box: Box, node: str, port: int) -> None:
+    """Drop the node's outgoing TCP to ``port`` (an nftables rule in its namespace): the
+    security group that lets Slurm through but not one service. Its own table, gone with
+    the namespace."""
+    ns = f"--net={NETNS_DIR / box.netns(node)}"
+    rules = f"table inet tsup-box {{\n chain out {{\n type filter hook output priority 0;\n tcp dport {port} drop\n }}\n}}\n"
+    out = subprocess.run(["nsenter", ns, "nft", "-f", "-"], input=rules, capture_output=True, text=True,
+                         timeout=10, check=False)
+    if out.returncode != 0:
+        why = out.stderr.strip() or f"exit {out.returncode}"
+        raise RuntimeError(f"nft (block port {port} on {node}): {why}")
+
+
+def unblock_port(box: Box, node: str) -> None:
+    ns = f"--net={NETNS_DIR / box.netns(node)}"
+    subprocess.run(["nsenter", ns, "nft", "delete", "table", "inet", "tsup-box"], capture_output=True,
+                   timeout=10, check=False)
+
+
 def network_leftovers(box: Box) -> list[str]:
     """The box's namespaces and links that still exist (none, after ``down``)."""
     names = set(_ip("-o", "link", "show").replace("@", ":").replace(" ", ":").split(":"))

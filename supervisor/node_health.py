@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from health import wire
-from health.model import RUN_FILES, Action, Finding, Status, Verdict, verdict, worst
+from health.model import BROKER, RUN_FILES, Action, Finding, Status, Verdict, verdict, worst
 from supervisor.domain import ProbeRecord
 
 CONFIRMATIONS = 2  # bad results in a row before a drain
@@ -59,14 +59,23 @@ def _unhealthy(r: ProbeRecord) -> set[str | None]:
     return {f.get("probe") for f in r.findings if f.get("status") == "unhealthy"}
 
 
-def run_files_missing(r: ProbeRecord) -> bool:
-    """``r`` says the run's own files are missing there (``--require``)."""
-    return RUN_FILES in _unhealthy(r)
+# Faults a probe finds that are not the node's own when every node probed has them: the
+# run's own files missing (its script deleted, a wrong path: the run's fault), the broker
+# unreachable (down, or the controller's firewall: the cluster's). On some nodes only,
+# they are those nodes' (a node's mount missing, its security group).
+SHARED_CAUSES = (RUN_FILES, BROKER)
 
 
-def run_files_only(r: ProbeRecord) -> bool:
-    """``r`` is unhealthy only because the run's own files are missing there (``--require``)."""
-    return r.status == "unhealthy" and _unhealthy(r) == {RUN_FILES}
+def shared_faults(records: Sequence[ProbeRecord]) -> frozenset[str]:
+    """The ``SHARED_CAUSES`` every one of ``records`` is unhealthy for (none: empty)."""
+    if not records:
+        return frozenset()
+    return frozenset(c for c in SHARED_CAUSES if all(c in _unhealthy(r) for r in records))
+
+
+def only_for(r: ProbeRecord, causes: frozenset[str]) -> bool:
+    """``r`` is unhealthy for ``causes`` and nothing else."""
+    return r.status == "unhealthy" and bool(causes) and _unhealthy(r) <= causes
 
 
 def may_return(statuses_newest_first: Sequence[str], clean_in_a_row: int) -> bool:

@@ -119,7 +119,8 @@ class NodeEffects(Family):
                 drained = {x.name: x.reason for x in tx.nodes_named(e.nodes) if x.state is NodeState.DRAINED}
         spec, run_dir = d.memory.spec(e.run_number) if e.run_number is not None else (None, None)
         run_spec = spec if isinstance(spec, RunSpec) else None
-        args = run_spec.health.probe_args() if run_spec else d.probes.sweep_args
+        args = (*run_spec.health.probe_args(), *d.launch_specs.broker_probe_args()) if run_spec \
+            else d.probes.sweep_args
         timeout_s = run_spec.health.timeout_s if run_spec else d.probes.sweep_timeout_s
         needs = trainer_cmd.node_requirements(run_spec, run_dir) if run_spec and run_dir else []
         d.probes.submit(run_number=e.run_number, kind=e.kind, nodes=list(e.nodes),
@@ -146,7 +147,8 @@ class NodeEffects(Family):
             held = [n.name for n in tx.allocation(run.number, drained=False)]
         needs = trainer_cmd.node_requirements(spec, a.seen.run_dir)
         d.probes.submit(run_number=run.number, kind=e.kind, nodes=list(e.nodes),
-                        argv=node_health.probe_argv(spec.health.probe_args(), needs),
+                        argv=node_health.probe_argv((*spec.health.probe_args(),
+                                                     *d.launch_specs.broker_probe_args()), needs),
                         timeout_s=spec.health.timeout_s, allocation_info=info,
                         links=links_of(spec, e.kind, e.nodes, held))
         d.post_event(run.number, EventKind.PROBE_STARTED, f"{e.kind} probe of {', '.join(e.nodes)}",

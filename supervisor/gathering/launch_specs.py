@@ -10,7 +10,7 @@ from supervisor.launchers.base import LaunchSpec
 from supervisor.runfiles import trainer_cmd
 from supervisor.spec import RunSpec
 from supervisor.telemetry.view import TelemetryView
-from wire import KEY_ENV, PASSWORD_ENV, USERNAME_ENV, attempt_key, attempt_login
+from wire import KEY_ENV, PASSWORD_ENV, USERNAME_ENV, attempt_key, attempt_login, parse_broker_url
 
 
 class LaunchSpecs:
@@ -22,6 +22,16 @@ class LaunchSpecs:
         self.telemetry = telemetry
         self.mqtt_url = mqtt_url
         self.mqtt_ca_file = mqtt_ca_file
+
+    def broker_probe_args(self) -> tuple[str, ...]:
+        """The options of ``python -m health`` that prove, from each node, the broker its
+        ranks will be told (health/broker.py); its address only, never a login."""
+        if not self.mqtt_url:
+            return ()
+        b = parse_broker_url(self.mqtt_url)
+        host = f"[{b.host}]" if ":" in b.host else b.host
+        ca = ("--broker-ca", str(self.mqtt_ca_file)) if b.tls and self.mqtt_ca_file is not None else ()
+        return ("--broker", f"{'mqtts' if b.tls else 'mqtt'}://{host}:{b.port}", *ca)
 
     def of(self, run: Run, spec: RunSpec, run_dir: Path, a: Attempt,
            skip_to_step: int | None = None) -> LaunchSpec:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from health.model import BROKER, RUN_FILES
 from supervisor import node_health
 from supervisor.domain import (
     CommandHandled,
@@ -66,21 +67,31 @@ def judge_probes(*, kind: str, run_number: int | None, round_: int, answers: Map
         results = [f"{r.status} (action: {r.action})" + (f": {r.reason}" if r.reason else "")
                    for r in records.values()]
         return [*out, CommandHandled(command_id=command_id, result="; ".join(results) or "no answer")]
-    # The run's own files missing on every node it probed: the run's fault (its script
-    # deleted, a wrong path), not its nodes'. None is drained for it (a node with a fault
-    # of its own besides is, for that); the launch fails and the run's budget ends it.
-    runs_fault = not sweep and bool(records) and all(map(node_health.run_files_missing, records.values()))
-    if runs_fault:
+    # A fault every node of a run's round shares (node_health.SHARED_CAUSES) is not a node's:
+    # none is drained, or probed again, for it (a node with a fault of its own besides is,
+    # for that). The run's own files missing: the launch fails and the run's budget ends it.
+    # The broker unreachable from all of them: the run trains on, its nodes' loss found by
+    # the cluster's own timeout. Judged in a round's first pass only: a confirmation probes
+    # again just the nodes with faults of their own, where "every node" would be one node.
+    shared = node_health.shared_faults(list(records.values())) if not sweep and round_ == 1 else frozenset()
+    if RUN_FILES in shared:
         missing = next(iter(records.values())).reason
         out.append(Emit(kind=EventKind.PROBE_RUN_FILES, run_number=run_number, message=(
             f"{kind} probe: the run's own files are missing on every node it probed ({missing}): the run's "
             "fault, not its nodes': none is drained for it"), data={"nodes": sorted(records)}))
+    if BROKER in shared:
+        out.append(Emit(kind=EventKind.PROBE_BROKER, run_number=run_number, message=(
+            f"{kind} probe: the MQTT broker answers none of the nodes it probed: the broker's or the "
+            "controller's network's fault, not theirs: none is drained for it; no telemetry will be "
+            "heard from them until it does"), data={"nodes": sorted(records)}))
     for node, record in records.items():
         out.append(RecordProbe(record=record))
         recent = [record, *history.get(node, ())]
         statuses, reasons = [p.status for p in recent], [p.reason for p in recent]
         verdict = node_health.judge(statuses, reasons)
         out.append(_said(kind, node, record, run_number))
+        if node_health.only_for(record, shared):
+            continue  # the round's shared fault (above): not this node's
         current = known.get(node)
         if sweep and (current is None or current.state is NodeState.ALLOCATED):
             continue  # taken by a run while the sweep probed it: that run's probes judge it
@@ -91,7 +102,7 @@ def judge_probes(*, kind: str, run_number: int | None, round_: int, answers: Map
                     f"node {node} returned to service: {return_after} clean probes in a row "
                     f"(drained for: {current.reason})")))
             continue
-        if verdict.drain and not (runs_fault and node_health.run_files_only(record)):
+        if verdict.drain:
             where = f"{run_id_of(run_number)}, {kind}" if run_number is not None else kind
             reason = f"{DRAINED_BY_US} probe: {verdict.reason[:200]} ({where})"
             # A node whose probe could not tell (unknown: it hung, timed out, found no tool)

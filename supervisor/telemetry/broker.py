@@ -29,8 +29,10 @@ bound), a last will the account could not publish (or retain) itself, and an att
 that is not live in the store. A CONNECT longer than ``MAX_CONNECT_BYTES`` is refused at
 its header. A refusal's log line names the login escaped and cut short, and an address
 gets at most ``REFUSALS_LOGGED`` of them every ``REFUSAL_WINDOW_S`` (then one line with
-how many more there were). Nothing cuts an address off: on a shared node, that would
-let one tenant keep another's ranks out. A CONNECT must come within ``CONNECT_WITHIN_S``.
+how many more there were). A node's probe of the broker (health/broker.py: client id
+``tsup-probe``, no login) is refused like any stranger, and logged at debug only.
+Nothing cuts an address off: on a shared node, that would let one tenant keep another's
+ranks out. A CONNECT must come within ``CONNECT_WITHIN_S``.
 A packet longer than ``MAX_PACKET_BYTES`` (the supervisor's own excepted) ends its
 connection as its header announces it, before its body is read (``PacketLimit``). A
 retained message is kept only from the supervisor on its presence topic and its fences;
@@ -53,6 +55,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from health.broker import PROBE_CLIENT_ID
 from supervisor.errors import SupervisorError
 from supervisor.logs import printable
 from supervisor.ports import free_port
@@ -150,8 +153,11 @@ async def _admit(broker: Any, reader: Any, writer: Any, address: str, port: int)
     why = access.refusal(account, client_id=session.client_id, clean_session=session.clean_session,
                          will=will, holder=holder)
     if why is not None:
-        who = _shown(session.username or "anonymous")
-        _log_refusal(access, address, port, f"refused {who!r}: {_shown(why)}")
+        if session.client_id == PROBE_CLIENT_ID and session.username is None:
+            log.debug("embedded broker: %s:%d: a node's probe, answered", address, port)  # health/broker.py
+        else:
+            who = _shown(session.username or "anonymous")
+            _log_refusal(access, address, port, f"refused {who!r}: {_shown(why)}")
         with contextlib.suppress(Exception):
             async with asyncio.timeout(5):
                 await ConnackPacket.build(0, NOT_AUTHORIZED).to_stream(writer)

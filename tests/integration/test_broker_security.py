@@ -553,3 +553,21 @@ def test_a_connecting_client_is_not_handed_the_retained_messages_of_other_client
         assert other["received"] == [], other
     finally:
         agent.close()
+
+
+def test_a_nodes_probe_is_answered_and_refused_without_a_warning_a_strangers_connect_is_not(
+        running: Running, caplog: pytest.LogCaptureFixture) -> None:
+    """The preflight proves the broker from each node with a CONNECT without a login
+    (health/broker.py): the broker answers it (CONNACK 5), and logs it at debug, not as the
+    refusal a stranger's CONNECT is."""
+    from health import broker
+
+    caplog.set_level("DEBUG", logger="supervisor.telemetry.broker")
+    found = broker.probe(f"mqtt://127.0.0.1:{running.port}")
+    assert found.status.value == "healthy" and "refused: not authorized" in found.evidence, found
+    wait_for(lambda: "a node's probe, answered" in caplog.text, 5, "the probe's debug line")
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and "refused" in r.getMessage()]
+    [stranger] = attack(running.port, {"client_id": "tsup-probe-x", "linger": 0.1})
+    assert stranger["refused"]
+    wait_for(lambda: any(r.levelname == "WARNING" and "refused 'anonymous'" in r.getMessage()
+                         for r in caplog.records), 5, "the stranger's refusal logged")

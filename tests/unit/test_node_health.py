@@ -90,7 +90,7 @@ def test_the_runs_own_files_missing_on_every_node_drain_none_and_on_one_node_dra
 
     def judged(answers: dict[str, str | None]) -> list[object]:
         history = {n: [node_health.record(n, answers[n], "diagnosis", 1, 0.0)] for n in answers}
-        return list(judge_probes(kind="diagnosis", run_number=1, round_=2, answers=answers, known={},
+        return list(judge_probes(kind="diagnosis", run_number=1, round_=1, answers=answers, known={},
                                  history=history, return_after=0, now=1.0))
 
     gone = {f"n{i}": _answer(f"n{i}", ("run-files", "unhealthy"), ("disk", "healthy")) for i in range(8)}
@@ -102,6 +102,34 @@ def test_the_runs_own_files_missing_on_every_node_drain_none_and_on_one_node_dra
     assert [e.node for e in judged(one) if isinstance(e, DrainNode)] == ["n7"]
     also_ecc = {**gone, "n3": _answer("n3", ("run-files", "unhealthy"), ("neuron-monitor", "unhealthy"))}
     assert [e.node for e in judged(also_ecc) if isinstance(e, DrainNode)] == ["n3"], "its ECC error is its own"
+
+
+def test_a_broker_unreachable_from_one_node_drains_it_and_from_every_node_drains_none() -> None:
+    """A node whose security group blocks the broker's port would train with no telemetry
+    heard: drained, as any confirmed fault. The broker answering none of them is the
+    broker's or the controller's fault: said once, nobody drained. (A confirmation round
+    that held the one bad node shared by all, its first version, let the node train.)"""
+    from supervisor.domain import DrainNode, Emit, ProbeAgain
+    from supervisor.policy.nodes import judge_probes
+
+    def judged(answers: dict[str, str | None], round_: int = 1, seen: int = 1) -> list[object]:
+        history = {n: [node_health.record(n, answers[n], "preflight", 1, 0.0)] * (seen - 1) for n in answers}
+        return list(judge_probes(kind="preflight", run_number=1, round_=round_, answers=answers, known={},
+                                 history=history, return_after=0, now=1.0))
+
+    blocked = {n: _answer(n, ("broker", "unhealthy"), ("disk", "healthy")) for n in ("n1", "n2", "n3")}
+    fine = {n: _answer(n, ("broker", "healthy")) for n in ("n1", "n3")}
+    out = judged({**fine, "n2": blocked["n2"]})
+    assert [e.nodes for e in out if isinstance(e, ProbeAgain)] == [("n2",)], "confirmed first"
+    assert not [e for e in out if isinstance(e, Emit) and e.kind == "probe.broker"]
+    # The confirmation probes n2 alone: "every node it probed" is n2, and still its own fault.
+    assert [e.node for e in judged({"n2": blocked["n2"]}, round_=2, seen=2) if isinstance(e, DrainNode)] == ["n2"]
+    out = judged(dict(blocked), seen=2)
+    assert not [e for e in out if isinstance(e, DrainNode | ProbeAgain)], "nobody drained, nobody probed again"
+    said = [e for e in out if isinstance(e, Emit) and e.kind == "probe.broker"]
+    assert len(said) == 1 and "none is drained for it" in said[0].message
+    also_ecc = {**blocked, "n3": _answer("n3", ("broker", "unhealthy"), ("neuron-monitor", "unhealthy"))}
+    assert [e.node for e in judged(also_ecc, seen=2) if isinstance(e, DrainNode)] == ["n3"], "its ECC error is its own"
 
 
 def test_an_operators_probe_reports_to_its_command_and_drains_nothing_however_bad() -> None:
