@@ -341,7 +341,8 @@ def block_port(box: Box, node: str, port: int) -> None:
     security group that lets Slurm through but not one service. Its own table, gone with
     the namespace."""
     ns = f"--net={NETNS_DIR / box.netns(node)}"
-    rules = f"table inet tsup-box {{\n chain out {{\n type filter hook output priority 0;\n tcp dport {port} drop\n }}\n}}\n"
+    rules = (f"table inet tsup-box {{\n  chain out {{\n    type filter hook output priority 0;\n"
+             f"    tcp dport {port} drop\n  }}\n}}\n")
     out = subprocess.run(["nsenter", ns, "nft", "-f", "-"], input=rules, capture_output=True, text=True,
                          timeout=10, check=False)
     if out.returncode != 0:

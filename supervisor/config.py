@@ -46,6 +46,12 @@ override that again (``cli.py``). Every error names the key and where it came fr
     api_token_file = "/etc/training-supervisor/api-token"  # absent: <state_dir>/api-token
     tls_cert = "/etc/training-supervisor/tls.crt"          # both: the API speaks HTTPS
     tls_key = "/etc/training-supervisor/tls.key"
+
+    [[notify]]                                   # webhooks (supervisor/webhooks.py), any number
+    name = "oncall"
+    url_file = "/etc/training-supervisor/oncall-webhook"
+    format = "slack"                             # or "json"
+    kinds = ["run.failed", "node.drained"]
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from supervisor.errors import SpecError
 from supervisor.telemetry.broker import check_bind
+from supervisor.webhooks import Webhook
 from wire import check_cluster_id, parse_broker_url
 
 ENV_PREFIX = "TSUP_"
@@ -118,6 +125,15 @@ class ServiceConfig(BaseModel):
     # per-attempt stats, the loss curve, runs, attempts, faults and checkpoints never are).
     retention_metrics_days: Annotated[float, Field(gt=0, le=3650)] = 14.0
     retention_events_days: Annotated[float, Field(gt=0, le=3650)] = 90.0
+    notify: list[Webhook] = []  # [[notify]] tables: webhooks
+
+    @field_validator("notify")
+    @classmethod
+    def _names(cls, v: list[Webhook]) -> list[Webhook]:
+        names = [h.name for h in v]
+        if len(set(names)) != len(names):
+            raise ValueError("two [[notify]] tables with one name: each keeps its own place in the event log")
+        return v
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServiceConfig:

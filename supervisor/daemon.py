@@ -21,6 +21,7 @@ Root tasks, created here and nowhere else:
     telemetry    the MQTT link (trainer telemetry in, supervisor events out)
     outbox       publishes recorded events, and ended attempts' fences, on MQTT
                  (supervisor/telemetry/outbox.py)
+    webhooks     POST notices to the [[notify]] webhooks (supervisor/webhooks.py)
     api          the HTTP API (uvicorn), when a port is configured
 """
 
@@ -78,6 +79,7 @@ from supervisor.token_file import (
     ensure_token,
 )
 from supervisor.views import DaemonHealth
+from supervisor.webhooks import Webhook, Webhooks
 from wire import parse_broker_url
 
 log = logging.getLogger(__name__)
@@ -128,6 +130,7 @@ class DaemonSettings:
     tls_cert: Path | None = None  # both set: the API speaks HTTPS
     tls_key: Path | None = None
     retention: Retention = field(default_factory=Retention)
+    notify: tuple[Webhook, ...] = ()  # webhooks (supervisor/webhooks.py)
 
     @property
     def token_file(self) -> Path:
@@ -180,6 +183,7 @@ class Daemon:
         # The reconciler's tick runs here, never on the event loop (supervisor/reconciler.py).
         self._tick_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reconciler")
         self.broker = EmbeddedBroker(settings.state_dir) if settings.mqtt_url is None else None
+        self.webhooks = Webhooks(self.store, list(settings.notify), self.cluster_id)
         self.api_url: str | None = None
         self._lock: StateDirLock | None = None
         self._last_tick_at: float | None = None  # time.monotonic() of the last good tick
@@ -204,6 +208,7 @@ class Daemon:
         try:
             self.store.open()
             self._record_start()
+            self.webhooks.start()
             self._load_replay_marks()
             await self._open_telemetry()
             st = self.settings
@@ -372,6 +377,7 @@ class Daemon:
             "telemetry": self.link.run(),
             "outbox": self.outbox.publish_forever(),
             "pulse": self.link.pulse_forever(),
+            "webhooks": self.webhooks.deliver_forever(),
         }
         if self._api_socket is not None:
             roots["api"] = self._serve_api(self._api_socket)

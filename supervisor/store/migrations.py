@@ -30,6 +30,7 @@ from supervisor.store.schema import (
     metadata,
     metrics,
     node_intents,
+    notify_cursors,
     probe_rounds,
     probes,
     stragglers,
@@ -232,6 +233,11 @@ def _v17(conn: Connection) -> None:
     _add_columns(conn, "probes", {"link_gbps": "FLOAT"})
 
 
+def _v18(conn: Connection) -> None:
+    """How far each webhook has delivered the event log."""
+    notify_cursors.create(conn, checkfirst=True)
+
+
 MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11,
-                                                  _v12, _v13, _v14, _v15, _v16, _v17]
+                                                  _v12, _v13, _v14, _v15, _v16, _v17, _v18]
 SCHEMA_VERSION = len(MIGRATIONS)

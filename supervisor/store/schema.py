@@ -218,6 +218,15 @@ outbox = Table(
     Column("event_id", Integer, ForeignKey("events.id"), primary_key=True),
 )
 
+# How far each webhook of the daemon's [[notify]] has delivered the event log
+# (supervisor/webhooks.py): the newest event id it sent or passed over.
+notify_cursors = Table(
+    "notify_cursors",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("event_id", Integer, nullable=False),
+)
+
 # Operators' commands, queued by the API and carried out by the reconciler: to a run
 # (run_number set) or to a node (node set, with the operator's reason).
 commands = Table(

@@ -163,6 +163,21 @@ class TelemetryQueries:
                                                               t.events.c.kind == kind)
         return int(self.c.execute(q).scalar_one())
 
+    def notify_cursor(self, name: str) -> int | None:
+        """The newest event id webhook ``name`` delivered or passed over (None: never started)."""
+        q = select(t.notify_cursors.c.event_id).where(t.notify_cursors.c.name == name)
+        found = self.c.execute(q).scalar_one_or_none()
+        return None if found is None else int(found)
+
+    def set_notify_cursor(self, name: str, event_id: int) -> None:
+        c = t.notify_cursors.c
+        done = self.c.execute(update(t.notify_cursors).where(c.name == name).values(event_id=event_id))
+        if done.rowcount == 0:
+            self.c.execute(insert(t.notify_cursors).values(name=name, event_id=event_id))
+
+    def newest_event_id(self) -> int:
+        return int(self.c.execute(select(func.max(t.events.c.id))).scalar_one() or 0)
+
     def unpublished_events(self, limit: int = 100) -> list[EventRecord]:
         q = (
             select(t.events)

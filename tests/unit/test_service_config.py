@@ -154,14 +154,17 @@ def test_the_example_config_names_every_key_and_loads(tmp_path: Path) -> None:
     from tests.conftest import REPO
 
     text = (REPO / "systemd" / "config.example.toml").read_text()
-    settings = [line.lstrip("# ") for line in text.splitlines() if " = " in line.split("#  ")[0]]
-    named = {line.split(" =", 1)[0] for line in settings}
+    settings = [line.lstrip("# ") for line in text.splitlines()
+                if " = " in line.split("#  ")[0] or line.lstrip("# ").startswith("[[")]
+    named = {line.split(" =", 1)[0] for line in settings} | {line.strip("[]") for line in settings
+                                                             if line.startswith("[[")}
     assert set(ServiceConfig.model_fields) - named == set()
     assert load_service_config(write(tmp_path, text), {}).launcher == "slurm"
     # An external broker (mqtt_url) and the embedded one's mqtt_bind exclude each other.
     every = "\n".join(line.split(" #", 1)[0] for line in settings if not line.startswith("mqtt_url"))
     config = load_service_config(write(tmp_path, every), {})
     assert config.slurm_bin_dir == Path("/opt/slurm/bin") and config.mqtt_ca_file is not None
+    assert [h.name for h in config.notify] == ["oncall"], "the tables come last: their keys are theirs"
 
 
 def test_slurms_commands_run_from_slurm_bin_dir_also_behind_sudo(tmp_path: Path) -> None:
