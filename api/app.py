@@ -5,9 +5,11 @@ Handlers are plain functions (FastAPI runs them in its thread pool) over
 ``_ERROR_STATUS``. Every error body is ``{"error": <kind>, "detail": <message>}``
 (FastAPI's own 422 for a malformed request keeps its list of problems as ``detail``).
 
-Access (api/auth.py): every write needs the daemon's API token; every read that or its
-read-only token. ``/healthz`` and the status page's HTML are open. Bodies are limited to
-``max_body_bytes``.
+Access (api/auth.py, supervisor/people.py): every write needs the daemon's API token or
+a person's; every read any token. A person's token reads and acts on that person's runs
+only (403 for another's), lists only theirs, and neither reads /metrics nor commands a
+node; an operator's is the API token's equal. ``/healthz`` and the status page's HTML
+are open. Bodies are limited to ``max_body_bytes``.
 
     GET  /healthz                       is the reconciler ticking (503 when stalled)
     GET  /metrics                       Prometheus (supervisor/metrics.py)
@@ -46,10 +48,12 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.auth import TokenAuth
+from supervisor import people
 from supervisor.domain import TERMINAL_RUN_STATES, CommandKind, NodeCommandKind
-from supervisor.errors import Conflict, NotFound, SpecError, StateDirLocked, SupervisorError
+from supervisor.errors import Conflict, Forbidden, NotFound, SpecError, StateDirLocked, SupervisorError
 from supervisor.goodput import Goodput
 from supervisor.metrics import SupervisorMetrics
+from supervisor.people import Caller
 from supervisor.service import SupervisorService
 from supervisor.spec import parse_spec
 from supervisor.token_file import ApiTokens
@@ -75,6 +79,7 @@ _STREAM_KEEPALIVE_S = 15.0
 _STREAM_BATCH = 500
 _ERROR_STATUS: dict[type[SupervisorError], int] = {
     NotFound: 404,
+    Forbidden: 403,
     Conflict: 409,
     StateDirLocked: 409,
     SpecError: 422,
@@ -102,7 +107,7 @@ class CommandResult(BaseModel):
 def daemon_app(service: SupervisorService, tokens: ApiTokens, metrics: SupervisorMetrics) -> FastAPI:
     """The app the daemon serves (supervisor/daemon.py, ApiFactory)."""
     auth = TokenAuth(tokens.token, tokens.token_file, read_token=tokens.read_token,
-                     read_token_file=tokens.read_token_file)
+                     read_token_file=tokens.read_token_file, people=service.person)
     return create_app(service, auth, metrics)
 
 
@@ -110,8 +115,24 @@ def create_app(service: SupervisorService, auth: TokenAuth, metrics: SupervisorM
                *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="training-supervisor", version="1", summary="Keeps training runs training")
     app.add_middleware(BodyLimit, limit=max_body_bytes)
-    read, write = [Depends(auth.read)], [Depends(auth.write)]
+    read = [Depends(auth.read)]
     page = STATUS_PAGE.read_text()
+
+    def run_reader(run_id: RunId, caller: Caller = Depends(auth.read)) -> Caller:  # noqa: B008
+        people.may_see(caller, run_id, service.owner(run_id))
+        return caller
+
+    def run_writer(run_id: RunId, caller: Caller = Depends(auth.write)) -> Caller:  # noqa: B008
+        people.may_see(caller, run_id, service.owner(run_id))
+        return caller
+
+    def operator_reader(caller: Caller = Depends(auth.read)) -> None:  # noqa: B008
+        people.operators_only(caller, "this")
+
+    def operator_writer(caller: Caller = Depends(auth.write)) -> None:  # noqa: B008
+        people.operators_only(caller, "a node's command")
+
+    see, act = [Depends(run_reader)], [Depends(run_writer)]
 
     @app.exception_handler(SupervisorError)
     async def _domain_error(_request: Request, exc: SupervisorError) -> JSONResponse:
@@ -128,7 +149,7 @@ def create_app(service: SupervisorService, auth: TokenAuth, metrics: SupervisorM
         health = service.health()
         return JSONResponse(health.model_dump(), status_code=200 if health.ok else 503)
 
-    @app.get("/metrics", dependencies=read, response_class=Response,
+    @app.get("/metrics", dependencies=[Depends(operator_reader)], response_class=Response,
              responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -137,19 +158,20 @@ def create_app(service: SupervisorService, auth: TokenAuth, metrics: SupervisorM
     def status_page() -> HTMLResponse:
         return HTMLResponse(page)
 
-    @app.get("/v1/runs", dependencies=read)
-    def list_runs() -> list[RunSummary]:
-        return service.list_runs()
+    @app.get("/v1/runs")
+    def list_runs(caller: Caller = Depends(auth.read)) -> list[RunSummary]:  # noqa: B008
+        return service.list_runs(None if caller.operator else caller.user)
 
-    @app.post("/v1/runs", status_code=201, dependencies=write)
-    def submit(body: SubmitRequest) -> RunSummary:
-        return service.submit(parse_spec(body.spec, "spec"))
+    @app.post("/v1/runs", status_code=201)
+    def submit(body: SubmitRequest, caller: Caller = Depends(auth.write)) -> RunSummary:  # noqa: B008
+        spec = parse_spec(body.spec, "spec")
+        return service.submit(spec.model_copy(update={"user": people.submitter(caller, spec.user)}))
 
-    @app.get("/v1/runs/{run_id}", dependencies=read)
+    @app.get("/v1/runs/{run_id}", dependencies=see)
     def get_run(run_id: RunId) -> RunDetail:
         return service.get_run(run_id)
 
-    @app.get("/v1/runs/{run_id}/events", dependencies=read)
+    @app.get("/v1/runs/{run_id}/events", dependencies=see)
     def run_events(
         run_id: RunId,
         after: Annotated[int, Query(ge=0, le=MAX_ID, description="only events with a larger id")] = 0,
@@ -157,7 +179,7 @@ def create_app(service: SupervisorService, auth: TokenAuth, metrics: SupervisorM
     ) -> list[EventView]:
         return service.events(run_id, after, limit)
 
-    @app.get("/v1/runs/{run_id}/events/stream", dependencies=read, response_class=StreamingResponse,
+    @app.get("/v1/runs/{run_id}/events/stream", dependencies=see, response_class=StreamingResponse,
              responses={200: {"content": {"text/event-stream": {}},
                               "description": "one `data:` line per event (EventView JSON), `id:` its id; "
                                              "`event: end` once the run has ended"}})
@@ -173,16 +195,16 @@ def create_app(service: SupervisorService, auth: TokenAuth, metrics: SupervisorM
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.get("/v1/runs/{run_id}/checkpoints", dependencies=read)
+    @app.get("/v1/runs/{run_id}/checkpoints", dependencies=see)
     def checkpoints(run_id: RunId,
                     newest: Annotated[int, Query(ge=1, le=100_000)] = 100) -> list[CheckpointView]:
         return service.checkpoints(run_id, newest)
 
-    @app.get("/v1/runs/{run_id}/goodput", dependencies=read)
+    @app.get("/v1/runs/{run_id}/goodput", dependencies=see)
     def goodput(run_id: RunId) -> Goodput:
         return service.goodput(run_id)
 
-    @app.get("/v1/runs/{run_id}/logs", dependencies=read,
+    @app.get("/v1/runs/{run_id}/logs", dependencies=see,
              responses={404: {"description": "no such run, attempt, node of it, or log"}})
     def logs(
         run_id: RunId,
@@ -197,7 +219,7 @@ def create_app(service: SupervisorService, auth: TokenAuth, metrics: SupervisorM
             raise SpecError("give rank or node, not both")
         return service.logs(run_id, attempt=attempt, rank=rank, node=node, offset=offset, max_bytes=max_bytes)
 
-    @app.get("/v1/runs/{run_id}/metrics", dependencies=read)
+    @app.get("/v1/runs/{run_id}/metrics", dependencies=see)
     def step_metrics(
         run_id: RunId, max_points: Annotated[int, Query(ge=2, le=100_000)] = 1000,
     ) -> list[StepMetricView]:
@@ -212,10 +234,10 @@ def create_app(service: SupervisorService, auth: TokenAuth, metrics: SupervisorM
 
     for kind in CommandKind:
         if kind is not CommandKind.RESUME:
-            app.post(f"/v1/runs/{{run_id}}/{kind.value}", status_code=202, dependencies=write,
+            app.post(f"/v1/runs/{{run_id}}/{kind.value}", status_code=202, dependencies=act,
                      summary=f"{kind.value.capitalize()} a run")(run_command(kind))
 
-    @app.post("/v1/runs/{run_id}/resume", status_code=202, dependencies=write, summary="Resume a run",
+    @app.post("/v1/runs/{run_id}/resume", status_code=202, dependencies=act, summary="Resume a run",
               responses={404: {"description": "no such run, or no complete checkpoint of from_step"},
                          409: {"description": "it would fail again: nothing the job reads changed"}})
     def resume_run(
@@ -229,25 +251,33 @@ def create_app(service: SupervisorService, auth: TokenAuth, metrics: SupervisorM
     ) -> CommandAccepted:
         return service.request(run_id, CommandKind.RESUME, from_step, force)
 
-    @app.get("/v1/commands/{command_id}", dependencies=read)
-    def command_result(command_id: Annotated[int, Path(ge=1, le=MAX_ID)]) -> CommandResult:
+    @app.get("/v1/commands/{command_id}")
+    def command_result(command_id: Annotated[int, Path(ge=1, le=MAX_ID)],
+                       caller: Caller = Depends(auth.read)) -> CommandResult:  # noqa: B008
+        run_id, owner = service.command_owner(command_id)
+        if run_id is None:
+            people.operators_only(caller, "a node's command")
+        else:
+            people.may_see(caller, run_id, owner)
         return CommandResult(command_id=command_id, result=service.command_result(command_id))
 
     @app.get("/v1/nodes", dependencies=read)
     def nodes() -> list[NodeView]:
         return service.nodes()
 
-    @app.post("/v1/nodes/{name}/drain", status_code=202, dependencies=write,
+    nodes_act = [Depends(operator_writer)]
+
+    @app.post("/v1/nodes/{name}/drain", status_code=202, dependencies=nodes_act,
               summary="Take a node out of service (a running attempt trains on; the next leaves it out)")
     def drain(name: NodeName, body: DrainRequest) -> CommandAccepted:
         return service.request_node(name, NodeCommandKind.DRAIN, body.reason)
 
-    @app.post("/v1/nodes/{name}/undrain", status_code=202, dependencies=write,
+    @app.post("/v1/nodes/{name}/undrain", status_code=202, dependencies=nodes_act,
               summary="Return a drained node to service")
     def undrain(name: NodeName, body: Annotated[UndrainRequest | None, Body()] = None) -> CommandAccepted:
         return service.request_node(name, NodeCommandKind.UNDRAIN, body.reason if body else "")
 
-    @app.post("/v1/nodes/{name}/probe", status_code=202, dependencies=write,
+    @app.post("/v1/nodes/{name}/probe", status_code=202, dependencies=nodes_act,
               summary="Probe a node (python -m health on it): queued while another round probes it; "
                       "its result is the command's, its findings the node's last probe")
     def probe(name: NodeName) -> CommandAccepted:

@@ -20,9 +20,10 @@
 Every command takes --json (one JSON document; with events --follow, one object per
 line). The daemon's address: --url, else $TSUP_URL, else the config file's ``url``,
 else http://127.0.0.1:8470. Every command but completion needs a token: writes the
-daemon's API token, reads that or its read-only token. The token is --token-file's,
+daemon's API token or your own, reads any token. The token is --token-file's,
 else $TSUP_API_TOKEN (the token itself), else $TSUP_API_TOKEN_FILE's, else the config
-file's ``token_file``'s, else the first readable of api-token and then api-read-token in
+file's ``token_file``'s, else your own ~/.config/training-supervisor/token (refused when
+others may read it), else the first readable of api-token and then api-read-token in
 /var/lib/training-supervisor and in the default state directory. The config file is $TSUP_CTL_CONFIG or
 ~/.config/training-supervisor/supervisorctl.toml (keys: url, token_file, ca_file; a CA
 bundle for an HTTPS daemon with its own certificate; also $TSUP_CA_FILE).

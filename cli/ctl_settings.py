@@ -68,6 +68,14 @@ def token_of(args: argparse.Namespace, env: Mapping[str, str],
             return read_token(Path(explicit)), str(explicit)
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot use the API token file {explicit}: {e}") from e
+    # A person's own (training-supervisor token issue): refused, not used, when others may read it.
+    own = config_home(env) / "training-supervisor" / "token"
+    try:
+        return read_token(own, check_mode=True, what="personal API token"), str(own)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot use your token file: {e}") from e
     # An operator's own: the API token; a watcher's: the read-only one.
     candidates = [SYSTEM_TOKEN_FILE, default_state_dir() / TOKEN_FILE_NAME,
                   SYSTEM_READ_TOKEN_FILE, default_state_dir() / READ_TOKEN_FILE_NAME]

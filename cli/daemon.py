@@ -3,8 +3,10 @@
     training-supervisor run SPEC.toml [--state-dir DIR] [--chaos KIND@STEP ...] [--json]
     training-supervisor serve [--state-dir DIR] [--api-bind HOST:PORT] [--mqtt-url URL]
     training-supervisor advise --nodes N --checkpoint-s S [--step-time-s S] [--json]
+    training-supervisor token issue|revoke|list [USER] [--operator] [--json]
 
-`advise` prints the Young/Daly checkpoint interval for a job (supervisor/planning.py).
+`advise` prints the Young/Daly checkpoint interval for a job (supervisor/planning.py);
+`token` issues people their own API tokens (cli/tokens.py).
 
 Exit codes: 0 the run succeeded (run), a clean shutdown (serve), or advice printed
 (advise); 1 the run failed or was cancelled, or the daemon stopped on an error; 2 bad
@@ -31,6 +33,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from api.app import daemon_app
+from cli import tokens
 from supervisor import logs, planning, report
 from supervisor.chaos import TRAINER_KINDS, ChaosAction, ChaosMonkey, parse_chaos, trainer_faults
 from supervisor.config import ServiceConfig, default_state_dir, load_service_config, parse_bind
@@ -65,6 +68,8 @@ def main(argv: list[str] | None = None, *, slurm_chaos: SlurmChaos | None = None
             return asyncio.run(_run(args, slurm_chaos))
         if args.command == "advise":
             return _advise(args)
+        if args.command == "token":
+            return tokens.run(args)
         return asyncio.run(_serve(args))
     except (SpecError, StateDirLocked) as e:
         print(f"training-supervisor: {e}", file=sys.stderr)
@@ -110,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="the cluster's interruption rate (default: Llama 3's, 419 in 54 days on 2,048 "
                              "nodes)")
     advise.add_argument("--json", action="store_true", help="print one JSON object")
+    tokens.add_parser(sub)
 
     serve = sub.add_parser(
         "serve", help="run the daemon until SIGTERM",

@@ -4,6 +4,8 @@
     ├── SpecError                   a run spec, config file or command-line flag is invalid
     │                               (names the key), or names a user the run may not execute as
     ├── NotFound                    an unknown run, node or command
+    ├── Forbidden                   a person's token asked for another's run, or an
+    │                               operator's act (supervisor/people.py)
     ├── Conflict                    a change the current state forbids
     ├── StateDirLocked              another daemon holds the state directory
     ├── StoreError                  the database is unusable (schema too new, corrupt, not open)
@@ -40,6 +42,10 @@ class NotFound(SupervisorError):
 
 
 class Conflict(SupervisorError):
+    pass
+
+
+class Forbidden(SupervisorError):
     pass
 
 

@@ -22,14 +22,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from supervisor import users
+from supervisor import people, users
 from supervisor.domain import (
     AttemptStats,
     CommandKind,
     FaultKind,
     NodeCommandKind,
+    Person,
     RunState,
     parse_run_id,
+    run_id_of,
 )
 from supervisor.domain.events import EventKind
 from supervisor.errors import CannotExecute, Conflict, NotFound, SpecError
@@ -135,10 +137,31 @@ class SupervisorService:
                             "scripts/install-controller again (the unit's ReadWritePaths)")
         return spec.model_copy(update={"user": user.name})
 
-    def list_runs(self) -> list[RunSummary]:
+    def list_runs(self, owner: str | None = None) -> list[RunSummary]:
+        """Every run, or ``owner``'s only (the runs that execute as that account)."""
         with self.store.tx() as tx:
-            return [run_summary(r, tx.list_attempts(r.number),
-                                tx.newest_stats(r.number)) for r in tx.list_runs()]
+            runs = [r for r in tx.list_runs()
+                    if owner is None or _spec_user(tx.run_spec_and_dir(r.number)[0]) == owner]
+            return [run_summary(r, tx.list_attempts(r.number), tx.newest_stats(r.number)) for r in runs]
+
+    def owner(self, run_id: str) -> str | None:
+        """The account ``run_id`` executes as (None: the daemon's own); NotFound."""
+        number = _number(run_id)
+        with self.store.tx() as tx:
+            return _spec_user(tx.run_spec_and_dir(number)[0])
+
+    def command_owner(self, command_id: int) -> tuple[str | None, str | None]:
+        """(the run a command is about, its owner); (None, None) for a node's command."""
+        with self.store.tx() as tx:
+            number = tx.command_run_number(command_id)
+            if number is None:
+                return None, None
+            return run_id_of(number), _spec_user(tx.run_spec_and_dir(number)[0])
+
+    def person(self, token: str) -> Person | None:
+        """Whose token ``token`` is (supervisor/people.py), None: nobody's."""
+        with self.store.tx() as tx:
+            return tx.person_by_token_hash(people.token_hash(token))
 
     def summary(self, run_id: str) -> RunSummary:
         """A run's state and progress, without the goodput accounting: cheap to poll."""

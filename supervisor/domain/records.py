@@ -177,6 +177,15 @@ class NodeCommand:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Person:
+    """Someone who holds a token of their own (supervisor/people.py): a Unix account."""
+
+    user: str
+    operator: bool  # acts on every run and node; otherwise on their own runs only
+    issued_at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EventRecord:
     """One event of the audit log (published on MQTT through the outbox)."""
 

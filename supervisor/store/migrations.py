@@ -31,6 +31,7 @@ from supervisor.store.schema import (
     metrics,
     node_intents,
     notify_cursors,
+    people,
     probe_rounds,
     probes,
     stragglers,
@@ -234,8 +235,9 @@ def _v17(conn: Connection) -> None:
 
 
 def _v18(conn: Connection) -> None:
-    """How far each webhook has delivered the event log."""
+    """How far each webhook has delivered the event log; people's API tokens."""
     notify_cursors.create(conn, checkfirst=True)
+    people.create(conn, checkfirst=True)
 
 
 MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11,

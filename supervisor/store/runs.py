@@ -161,3 +161,9 @@ class RunQueries:
         return row.result  # type: ignore[no-any-return]
 
 
+    def command_run_number(self, command_id: int) -> int | None:
+        """The run a command is about (None: a node's); NotFound for no such command."""
+        row = self.c.execute(select(t.commands.c.run_number).where(t.commands.c.id == command_id)).first()
+        if row is None:
+            raise NotFound(f"no such command: {command_id}")
+        return None if row.run_number is None else int(row.run_number)

@@ -227,6 +227,17 @@ notify_cursors = Table(
     Column("event_id", Integer, nullable=False),
 )
 
+# People's API tokens (supervisor/people.py): a token per person, bound to a Unix account,
+# kept as its SHA-256 only (the token itself is in the person's own file).
+people = Table(
+    "people",
+    metadata,
+    Column("user", String(32), primary_key=True),
+    Column("token_sha256", String(64), nullable=False, unique=True),
+    Column("operator", Integer, nullable=False, default=0),  # acts on every run and node
+    Column("issued_at", Float, nullable=False),
+)
+
 # Operators' commands, queued by the API and carried out by the reconciler: to a run
 # (run_number set) or to a node (node set, with the operator's reason).
 commands = Table(

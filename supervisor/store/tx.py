@@ -6,11 +6,12 @@ from sqlalchemy import Connection
 
 from supervisor.store.history import HistoryQueries
 from supervisor.store.nodes import NodeQueries
+from supervisor.store.people import PeopleQueries
 from supervisor.store.runs import RunQueries
 from supervisor.store.telemetry import TelemetryQueries
 
 
-class Tx(RunQueries, NodeQueries, HistoryQueries, TelemetryQueries):
+class Tx(RunQueries, NodeQueries, HistoryQueries, TelemetryQueries, PeopleQueries):
     """Every query and write, inside one transaction (``SqlStore.tx()``)."""
 
     def __init__(self, conn: Connection) -> None:

@@ -141,7 +141,7 @@ def test_every_write_needs_the_token_even_from_this_host(client: TestClient, met
     assert "Authorization: Bearer" in r.json()["detail"] and r.headers["www-authenticate"] == "Bearer"
     wrong = anonymous.request(method, path, json={"spec": SPEC}, headers={"Authorization": "Bearer " + "x" * 43})
     assert wrong.status_code == 403 and wrong.json() == {"error": "Forbidden",
-                                                         "detail": "the API token is not this daemon's"}
+                                                         "detail": "the API token is not this daemon's, nor a person's it issued"}
     assert anonymous.request(method, path, headers={"Authorization": f"Basic {TOKEN}"}).status_code == 401
     assert client.get("/v1/runs").json() == [], "nothing was written"
 
