@@ -68,6 +68,10 @@ def run_detail(d: RunDetail) -> str:
         lines.append(f"  checkpoints: {len(complete)}{shown} complete, newest at step {complete[-1].step}")
     if d.goodput.ettr is not None:
         lines.append(f"  goodput:  {goodput_line(d.goodput)}")
+    if d.tensorboard:
+        lines.append(f"  curves:   tensorboard --logdir {d.tensorboard}")
+    if d.curves_url:
+        lines.append(f"  curves:   {d.curves_url}")
     if d.model_digest:
         lines.append(f"  model digest: {d.model_digest}")
     return "\n".join(lines)

@@ -186,7 +186,10 @@ class SupervisorService:
             stragglers = [StragglerView(attempt=x.attempt, rank=x.rank, node=x.node, busy_s=x.busy_s,
                                         typical_s=x.typical_s) for x in tx.list_stragglers(number)]
             transient_spikes = tx.count_events(number, EventKind.SPIKE_TRANSIENT)
+            spec_text, run_dir = tx.run_spec_and_dir(number)
         summary = run_summary(run, attempts, _newest(stats))
+        tensorboard, curves_url = self._curves(run.run_id, spec_text, run_dir,
+                                               run.allocation_info or run.parked_allocation)
         return RunDetail(
             **summary.model_dump(), model_digest=run.model_digest, final_step=run.final_step,
             started_at=run.started_at, nodes=run.nodes, ranks_per_node=run.ranks_per_node,
@@ -197,7 +200,16 @@ class SupervisorService:
             stragglers=stragglers, transient_spikes=transient_spikes,
             memory_checkpoint=MemoryCheckpointView(**asdict(memory[0])) if memory else None,
             standbys=dict(self._standbys().get(run.run_id, {})),
+            tensorboard=tensorboard, curves_url=curves_url,
         )
+
+    def _curves(self, run_id: str, spec_text: str, run_dir: Path,
+                allocation: str | None) -> tuple[str | None, str | None]:
+        try:
+            spec = spec_from_json(spec_text)
+        except SpecError:
+            return None, None  # a spec this daemon's version no longer reads: nothing to point at
+        return trainer_cmd.curves(spec, run_id, run_dir, self.launcher.job_of(allocation))
 
     def events(self, run_id: str | None, after_id: int = 0, limit: int = 1000) -> list[EventView]:
         number = _number(run_id) if run_id is not None else None

@@ -21,6 +21,11 @@
     mqtt_url = "mqtt://127.0.0.1:1883"   # absent: the daemon's broker (embedded by default)
     aggregate = "rank"     # or "node": one message per node, not per rank (reference trainer)
 
+    [curves]               # the run's own curves, shown by status, the page and the API
+    tensorboard = "{checkpoint_dir}/{job_id}"   # a TensorBoard logdir (absent: the
+                           # reference trainer's; NxD Training's per-job one for "nemo")
+    url = "https://wandb.ai/team/llama/runs/{run_id}"   # W&B, MLflow, any link
+
 The trainer table itself is checked by the trainer (``python -m trainer --check-config``,
 see supervisor/runfiles/trainer_cmd.py), so that the daemon never imports torch.
 """
@@ -203,6 +208,29 @@ class TelemetrySpec(BaseModel):
 # (supervisor/planning.py, policy.failures_per_node_day), each tier from its own cost.
 AUTO = "auto"
 
+class CurvesSpec(BaseModel):
+    """Where people see the run's own curves: a TensorBoard logdir and a link (W&B, MLflow).
+    Placeholders: {run_id}, {run_dir}, {checkpoint_dir}, {job_id} (the Slurm job the run's
+    nodes are in; a value that needs it is shown once the run has one)."""
+
+    model_config = MODEL_CONFIG
+    tensorboard: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    url: Annotated[str, Field(pattern=r"^https?://[^\s]+$", max_length=4096)] | None = None
+
+    @field_validator("tensorboard", "url")
+    @classmethod
+    def _placeholders(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                v.format(run_id="", run_dir="", checkpoint_dir="", job_id="")
+            except KeyError as e:
+                raise ValueError(f"{{{e.args[0]}}} is no placeholder (they are {{run_id}}, {{run_dir}}, "
+                                 "{checkpoint_dir}, {job_id})") from None
+            except (IndexError, ValueError) as e:
+                raise ValueError(f"not a template: {e} (a brace itself is written twice)") from None
+        return v
+
+
 class RunSpec(BaseModel):
     model_config = MODEL_CONFIG
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
@@ -215,6 +243,7 @@ class RunSpec(BaseModel):
     policy: PolicySpec = PolicySpec()
     telemetry: TelemetrySpec = TelemetrySpec()
     health: HealthSpec = HealthSpec()
+    curves: CurvesSpec = CurvesSpec()
     # Trainer-side faults for chaos drills (``--chaos crash@25``), handed to the reference
     # trainer as TSUP_FAULT in every attempt (trainer/faults.py).
     chaos: list[Annotated[str, Field(pattern=r"^[a-z][a-z-]*@[0-9]+(:[0-9]+)?$")]] = []

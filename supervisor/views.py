@@ -118,6 +118,8 @@ class RunDetail(RunSummary):
     ettr: float | None
     stragglers: list[StragglerView]
     transient_spikes: int  # loss or grad-norm spikes too short to act on (counted, not acted on)
+    tensorboard: str | None = None  # the run's TensorBoard logdir ([curves]; trainer_cmd.curves)
+    curves_url: str | None = None  # a link to its curves elsewhere (W&B, MLflow)
 
 
 class EventView(BaseModel):

@@ -66,6 +66,9 @@ class ScriptedLauncher:
     def check_resources(self, nodes: int, spares: int, partition: str | None) -> None:
         LocalLauncher(max_nodes=8).check_resources(nodes, spares, partition)
 
+    def job_of(self, info: str | None) -> str | None:
+        return None
+
     def answered_since(self, t: float) -> bool:
         return True
 

@@ -130,6 +130,11 @@ class Launcher(Protocol):
         """At submit time: raise SpecError when the cluster can never give this."""
         ...
 
+    def job_of(self, info: str | None) -> str | None:
+        """The cluster's job id of an allocation (``Grant.info``), as the trainers see it
+        ($SLURM_JOB_ID); None where there is none."""
+        ...
+
     def answered_since(self, t: float) -> bool:
         """Whether what the adapter knows of the cluster was learnt at or after ``t`` (wall
         clock): False while its controller does not answer, and the supervisor then decides

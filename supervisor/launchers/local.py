@@ -102,6 +102,9 @@ class LocalLauncher:
         return Grant(nodes=req.held + tuple(names), info=None,
                      note=f"at most {self.max_nodes} local nodes" if short else "")
 
+    def job_of(self, info: str | None) -> str | None:
+        return None  # simulated nodes are in no job
+
     def answered_since(self, t: float) -> bool:
         return True  # this machine is the whole cluster, and always answers
 

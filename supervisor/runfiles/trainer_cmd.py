@@ -53,6 +53,27 @@ def checkpoint_layout(spec: RunSpec) -> str | None:
     return "nxd" if spec.neuron_backend else "tsup"
 
 
+def curves(spec: RunSpec, run_id: str, run_dir: Path, job_id: str | None) -> tuple[str | None, str | None]:
+    """Where the run's own curves are: (a TensorBoard logdir, a link), from the spec's
+    [curves]; absent, the reference trainer's TensorBoard directory, or NxD Training's
+    per-job one (exp_manager's log directory, its version named after $SLURM_JOB_ID) for
+    the "nemo" layout. A value that needs ``{job_id}`` is None until the run has a job."""
+    tensorboard = spec.curves.tensorboard
+    if tensorboard is None and spec.trainer is not None:
+        output = spec.trainer.get("output_dir", str(run_dir / "output"))
+        tensorboard = str(spec.trainer.get("tensorboard_dir") or Path(output) / "tensorboard")
+    elif tensorboard is None and spec.command is not None and spec.command.checkpoint_layout == "nemo":
+        tensorboard = "{checkpoint_dir}/{job_id}"
+    names = {"run_id": run_id, "run_dir": str(run_dir), "checkpoint_dir": str(checkpoint_dir(spec, run_dir))}
+
+    def filled(template: str | None) -> str | None:
+        if template is None or (job_id is None and "{job_id}" in template):
+            return None
+        return template.format(**names, job_id=job_id or "")
+
+    return filled(tensorboard), filled(spec.curves.url)
+
+
 def result_path(spec: RunSpec, run_dir: Path) -> Path | None:
     """Where the reference trainer writes its result; None for a [command] trainer."""
     if spec.trainer is None:

@@ -93,6 +93,9 @@ class SlurmLauncher:
         self.allocations = SlurmAllocations(commands, state, prefix=self.prefix, state_dir=state_dir,
                                             options=self.options, before_requeue=self._kill_sruns_of)
 
+    def job_of(self, info: str | None) -> str | None:
+        return Alloc.load(info).job
+
     def answered_since(self, t: float) -> bool:
         return self.state.answered_since(t)
 

@@ -306,3 +306,21 @@ def test_metrics_for_prometheus(tmp_path: Path) -> None:
     assert "tsup_reconcile_tick_seconds_count 1.0" in text and "tsup_mqtt_connected 1.0" in text
     assert 'tsup_standby_processes{node="local-1",run_id="run-1"} 2.0' in text
     assert 'tsup_standby_processes{node="local-3",run_id="run-1"} 1.0' in text
+
+
+def test_a_runs_curves_are_pointed_at_by_its_detail_and_its_status_text(client: TestClient, tmp_path: Path) -> None:
+    """[curves]: the reference trainer's TensorBoard directory unless the spec names one,
+    and a link with its placeholders filled, in the API's detail and `supervisorctl status`."""
+    from supervisor.report import run_detail
+    from supervisor.views import RunDetail
+
+    spec = {**SPEC, "trainer": {"steps": 5, "output_dir": str(tmp_path / "out")},
+            "curves": {"url": "https://wandb.example/team/llama/runs/{run_id}"}}
+    run_id = client.post("/v1/runs", json={"spec": spec}).json()["run_id"]
+    d = client.get(f"/v1/runs/{run_id}").json()
+    assert d["tensorboard"] == str(tmp_path / "out" / "tensorboard")
+    assert d["curves_url"] == f"https://wandb.example/team/llama/runs/{run_id}"
+    text = run_detail(RunDetail.model_validate(d))
+    assert f"curves:   tensorboard --logdir {tmp_path / 'out' / 'tensorboard'}" in text
+    bad = client.post("/v1/runs", json={"spec": {**SPEC, "curves": {"tensorboard": "/tb/{jobid}"}}})
+    assert bad.status_code == 422 and "{jobid} is no placeholder" in bad.json()["detail"], bad.json()
