@@ -222,6 +222,7 @@ def serve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> tupl
         retention=Retention(metrics_days=config.retention_metrics_days,
                             events_days=config.retention_events_days),
         tls_cert=config.tls_cert, tls_key=config.tls_key, notify=tuple(config.notify),
+        node_python=str(config.node_python or sys.executable),
     )
     return settings, config.log_format
 

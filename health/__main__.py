@@ -35,7 +35,8 @@ def node_name() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m health", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint-dir", type=Path, default=Path.cwd(),
-                        help="the filesystem checkpoints are written to (default: the current directory)")
+                        help="the filesystem checkpoints are written to (default: the current directory); "
+                             "one not made yet is measured at its nearest existing parent")
     parser.add_argument("--min-free-gib", type=float, default=10.0,
                         help="unhealthy below this much free space (default 10)")
     parser.add_argument("--instance-type", default=None,
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--require", type=Path, action="append", default=[], metavar="PATH",
                         help="a file or directory a run needs on this node (its command, its working "
                              "directory): unhealthy when missing (repeatable)")
+    parser.add_argument("--run-user", default=None, metavar="NAME",
+                        help="the account a run executes as: unhealthy when this node does not know it")
     parser.add_argument("--broker", default=None, metavar="URL",
                         help="mqtt://HOST:PORT or mqtts://HOST:PORT: the MQTT broker the ranks will be told; "
                              "unhealthy when it does not answer from this node (no login in the URL)")
@@ -71,15 +74,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     shared = args.shared_host or os.environ.get(host.SHARED_HOST_ENV) == "1"
+    place = host.nearest_existing(args.checkpoint_dir)
     findings = [
-        host.disk(args.checkpoint_dir, min_free_gib=args.min_free_gib,
-                  degraded_free_gib=max(args.min_free_gib, 50.0)),
-        host.write_latency(args.checkpoint_dir),
+        host.disk(place, min_free_gib=args.min_free_gib, degraded_free_gib=max(args.min_free_gib, 50.0)),
+        host.write_latency(place, runs=args.run_user is not None,
+                           ahead=args.checkpoint_dir if place != args.checkpoint_dir else None),
         host.memory(),
         host.load(shared=shared),
         host.leftover_trainers(shared=shared),
         *host.required(args.require),
     ]
+    if args.run_user:
+        findings.append(host.run_user(args.run_user))
     if args.broker:
         findings.append(broker.probe(args.broker, ca_file=args.broker_ca))
     kernel_log = _read(args.kernel_log, findings) if args.kernel_log else None

@@ -12,14 +12,16 @@ those two findings are reported, not judged.
 
 from __future__ import annotations
 
+import errno
 import os
+import pwd
 import secrets
 import time
 from pathlib import Path
 
 import psutil
 
-from health.model import RUN_FILES, Finding, Status
+from health.model import RUN_FILES, RUN_USER, Finding, Status
 
 
 def disk(path: Path, *, min_free_gib: float = 10.0, degraded_free_gib: float = 50.0) -> Finding:
@@ -34,10 +36,23 @@ def disk(path: Path, *, min_free_gib: float = 10.0, degraded_free_gib: float = 5
                    evidence=f"{path}: {free_gib:.1f} GiB free of {usage.total / 2**30:.1f} GiB")
 
 
-def write_latency(path: Path, *, max_ms: float = 500.0, size_bytes: int = 1 << 20) -> Finding:
+def nearest_existing(path: Path) -> Path:
+    """``path``, or where it will be made: its nearest existing ancestor (a run's checkpoint
+    directory does not exist before its first save)."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def write_latency(path: Path, *, max_ms: float = 500.0, size_bytes: int = 1 << 20,
+                  runs: bool = False, ahead: Path | None = None) -> Finding:
     """Write and fsync 1 MiB where checkpoints go: a slow or hung filesystem shows here.
     The file is new, under a name nobody can guess, never through a link (O_EXCL,
-    O_NOFOLLOW): the directory may be a user's, and the probe may run as root."""
+    O_NOFOLLOW): the directory may be a user's, and the probe may run as root.
+
+    ``runs``: a run's probe, as its user: a refusal to write there is the run's own (its
+    checkpoint directory, the same on every node), not the node's. ``ahead``: the
+    checkpoint directory ``path`` stands for until it exists."""
     probe_file = path / f".tsup-health-{os.getpid()}-{secrets.token_hex(8)}"
     created = False
     try:
@@ -50,14 +65,24 @@ def write_latency(path: Path, *, max_ms: float = 500.0, size_bytes: int = 1 << 2
             os.fsync(f.fileno())
         elapsed_ms = (time.perf_counter() - began) * 1000
     except OSError as e:
+        refused = e.errno in (errno.EACCES, errno.EPERM) and runs
+        if refused and ahead is not None:
+            return Finding(probe="write_latency", status=Status.DEGRADED, evidence=(
+                f"{ahead} does not exist yet, and {path}, where it will be, is not writable here: "
+                "not measured"))
+        if refused:
+            return Finding(probe=RUN_FILES, status=Status.UNHEALTHY, evidence=(
+                f"{path}: the run's checkpoint directory is not writable by uid {os.geteuid()}: "
+                f"{e.strerror}"))
         return Finding(probe="write_latency", status=Status.UNHEALTHY,
                        evidence=f"{path}: cannot write: {e.strerror}")
     finally:
         if created:
             probe_file.unlink(missing_ok=True)
     status = Status.DEGRADED if elapsed_ms > max_ms else Status.HEALTHY
+    where = f"{ahead} does not exist yet; at {path}" if ahead is not None else str(path)
     return Finding(probe="write_latency", status=status,
-                   evidence=f"{path}: 1 MiB written and synced in {elapsed_ms:.1f} ms "
+                   evidence=f"{where}: 1 MiB written and synced in {elapsed_ms:.1f} ms "
                             f"(limit {max_ms:.0f} ms)")
 
 
@@ -123,6 +148,20 @@ def _of_an_attempt(p: psutil.Process) -> bool:
     except (psutil.Error, OSError):  # another user's, or gone
         return False
     return bool(env.get(_ATTEMPT_ENV)) and not env.get(_NODE_PROCESS_ENV)
+
+
+def run_user(name: str) -> Finding:
+    """The account a run executes as, known on this node: Slurm starts a job's processes
+    with the submitter's uid, and a node that cannot resolve it fails every launch."""
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        return Finding(probe=RUN_USER, status=Status.UNHEALTHY, evidence=(
+            f"the run's user {name} does not exist on this node: nothing of the run can start here as "
+            f"{name} (create the account on every node, on HyperPod in the cluster's lifecycle scripts, or "
+            "set the daemon's run_as to an account the nodes have)"))
+    return Finding(probe=RUN_USER, status=Status.HEALTHY,
+                   evidence=f"the run's user {name} is uid {pw.pw_uid} here")
 
 
 def required(paths: list[Path]) -> list[Finding]:

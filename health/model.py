@@ -40,6 +40,7 @@ EXIT_CODES = {Status.HEALTHY: 0, Status.DEGRADED: 1, Status.UNHEALTHY: 2, Status
 
 RUN_FILES = "run-files"  # the probe name of the run's own files' findings (host.required)
 BROKER = "broker"  # the probe name of the broker's finding, as the node reaches it (broker.probe)
+RUN_USER = "run-user"  # the probe name of the run's account's finding (host.run_user)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -350,12 +350,6 @@ def block_port(box: Box, node: str, port: int) -> None:
         raise RuntimeError(f"nft (block port {port} on {node}): {why}")
 
 
-def unblock_port(box: Box, node: str) -> None:
-    ns = f"--net={NETNS_DIR / box.netns(node)}"
-    subprocess.run(["nsenter", ns, "nft", "delete", "table", "inet", "tsup-box"], capture_output=True,
-                   timeout=10, check=False)
-
-
 def network_leftovers(box: Box) -> list[str]:
     """The box's namespaces and links that still exist (none, after ``down``)."""
     names = set(_ip("-o", "link", "show").replace("@", ":").replace(" ", ":").split(":"))

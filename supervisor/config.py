@@ -35,6 +35,9 @@ override that again (``cli.py``). Every error names the key and where it came fr
     launcher = "slurm"                           # or "local" (simulated nodes)
     slurm_conf = "/etc/slurm/slurm.conf"         # absent: SLURM_CONF or Slurm's default
     slurm_bin_dir = "/opt/slurm/bin"             # Slurm's commands (absent: on PATH)
+    node_python = "/fsx/training-supervisor/node/bin/python"  # the node side's interpreter
+                                                 # on every node: probes, agents (absent:
+                                                 # the daemon's own, at the same path)
     tick_s = 0.25                                # reconcile period
     sweep_every_s = 900                          # probe idle and drained nodes; 0: never
     sweep_args = ["--instance-type", "trn1.32xlarge"]
@@ -108,6 +111,7 @@ class ServiceConfig(BaseModel):
     launcher: Literal["local", "slurm"] = "local"
     slurm_conf: str | None = None
     slurm_bin_dir: Path | None = None
+    node_python: Path | None = None  # the node programs' interpreter on every node (None: the daemon's)
     tick_s: Annotated[float, Field(gt=0, le=60)] = 0.25
     sweep_every_s: Annotated[float, Field(ge=0, le=30 * 86_400)] = 900.0
     sweep_args: list[Annotated[str, Field(max_length=200)]] = []
@@ -159,7 +163,7 @@ class ServiceConfig(BaseModel):
             parse_broker_url(v)
         return v
 
-    @field_validator("slurm_bin_dir")
+    @field_validator("slurm_bin_dir", "node_python")
     @classmethod
     def _absolute(cls, v: Path | None) -> Path | None:
         if v is not None and not v.is_absolute():

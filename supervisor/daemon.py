@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -99,9 +100,7 @@ _REPLAY_MARKS_EVERY_S = 5.0
 class DaemonSettings:
     state_dir: Path
     mqtt_url: str | None = None  # None: start the embedded broker
-    # Where the embedded broker listens (None: the address the cluster's nodes reach this
-    # host by; loopback for the local launcher) and the URL ranks are told (None: the
-    # broker's own). See supervisor/telemetry/broker.py.
+    # Where the embedded broker listens, what ranks are told (None: supervisor/telemetry/broker.py's rule)
     mqtt_bind: str | None = None
     mqtt_advertise_url: str | None = None
     mqtt_ca_file: Path | None = None  # a CA bundle for an mqtts:// broker (None: the system's)
@@ -131,6 +130,7 @@ class DaemonSettings:
     tls_key: Path | None = None
     retention: Retention = field(default_factory=Retention)
     notify: tuple[Webhook, ...] = ()  # webhooks (supervisor/webhooks.py)
+    node_python: str = sys.executable  # the node programs' interpreter on every node (probes, agents)
 
     @property
     def token_file(self) -> Path:
@@ -161,7 +161,7 @@ def make_cluster(settings: DaemonSettings) -> Cluster:
     if settings.launcher == "slurm":
         slurm = slurm_cluster(slurm_conf=settings.slurm_conf, state_dir=settings.state_dir,
                               admin_prefix=settings.slurm_admin_prefix, hyperpod=settings.hyperpod,
-                              bin_dir=settings.slurm_bin_dir)
+                              bin_dir=settings.slurm_bin_dir, node_python=settings.node_python)
         return Cluster(slurm.launcher, slurm.nodes, slurm=slurm)
     local = LocalLauncher(max_nodes=settings.max_local_nodes)
     return Cluster(local, local, chaos=local)
@@ -215,8 +215,8 @@ class Daemon:
             config = ReconcilerConfig(mqtt_url=self.mqtt_url, mqtt_ca_file=st.mqtt_ca_file,
                                       sweep_every_s=st.sweep_every_s,
                                       sweep_args=st.sweep_args, return_after=st.return_after,
-                                      drain_budget=st.drain_budget,
-                                      retention=st.retention)
+                                      drain_budget=st.drain_budget, retention=st.retention,
+                                      node_python=st.node_python)
             self.reconciler = Reconciler(self.store, self.telemetry, config, launcher=self.launcher,
                                          nodes=self.cluster.nodes, clock=self.clock)
             self.service = SupervisorService(

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from health import wire
-from health.model import BROKER, RUN_FILES, Action, Finding, Status, Verdict, verdict, worst
+from health.model import BROKER, RUN_FILES, RUN_USER, Action, Finding, Status, Verdict, verdict, worst
 from supervisor.domain import ProbeRecord
 
 CONFIRMATIONS = 2  # bad results in a row before a drain
@@ -60,10 +60,11 @@ def _unhealthy(r: ProbeRecord) -> set[str | None]:
 
 
 # Faults a probe finds that are not the node's own when every node probed has them: the
-# run's own files missing (its script deleted, a wrong path: the run's fault), the broker
-# unreachable (down, or the controller's firewall: the cluster's). On some nodes only,
-# they are those nodes' (a node's mount missing, its security group).
-SHARED_CAUSES = (RUN_FILES, BROKER)
+# run's own files missing (its script deleted, a wrong path: the run's fault), its user
+# unknown (a user no node has), the broker unreachable (down, or the controller's
+# firewall: the cluster's). On some nodes only, they are those nodes' (a mount missing,
+# a replacement whose lifecycle script did not create the account, a security group).
+SHARED_CAUSES = (RUN_FILES, RUN_USER, BROKER)
 
 
 def shared_faults(records: Sequence[ProbeRecord]) -> frozenset[str]:
@@ -102,7 +103,10 @@ def probe_argv(extra: Sequence[str] = (), require: Sequence[str] = (), *,
                  "there at the same path (scripts/install-node)")])
     doc = json.dumps({"node": _NODE, **missing.to_json(), "reason": missing.reason(), "summary": ""})
     answer = "\n".join(wire.lines(_NODE, doc))
-    probe = (exe, "-m", "health", "--wire", *extra, *(a for path in require for a in ("--require", path)))
+    # -I: isolated from the environment and the user's site-packages (a probe in a run's job
+    # runs as the job's owner: supervisor/slurm/nodes.py).
+    needs = (a for path in require for a in ("--require", path))
+    probe = (exe, "-I", "-m", "health", "--wire", *extra, *needs)
     return ("/bin/sh", "-c", _GUARD, "tsup-probe-guard", answer, *probe)
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -85,6 +86,7 @@ class ReconcilerConfig:
     retention: Retention = field(default_factory=Retention)
     # The daemon's one budget for the drains it makes of its own accord (supervisor/effects/nodes.py).
     drain_budget: DrainBudget = field(default_factory=DrainBudget)
+    node_python: str = sys.executable  # the supervisor's node programs' interpreter on the nodes
 
 
 class Reconciler:
@@ -101,7 +103,8 @@ class Reconciler:
         # alone write it, the effects read a run's spec from it (run_memory.py).
         self.memory = RunMemory(store)
         self.feed = Feed(telemetry, self.memory)
-        launch_specs = LaunchSpecs(telemetry, mqtt_url=config.mqtt_url, mqtt_ca_file=config.mqtt_ca_file)
+        launch_specs = LaunchSpecs(telemetry, mqtt_url=config.mqtt_url, mqtt_ca_file=config.mqtt_ca_file,
+                                   node_python=config.node_python)
         self.observer = Observer(store, launcher, telemetry, self.memory, launch_specs,
                                  probing=self.probes.probing, clock=clock)
         self.effects = Effects(Deps(store=store, launcher=launcher, nodes=nodes, telemetry=telemetry,
@@ -171,7 +174,8 @@ class Reconciler:
                      or (x.state is NodeState.DRAINED and x.reason.startswith(DRAINED_BY_US))]
         if nodes:
             self.probes.submit(run_number=None, kind="sweep", nodes=[x.name for x in nodes],
-                               argv=node_health.probe_argv(self.config.sweep_args),
+                               argv=node_health.probe_argv(self.config.sweep_args,
+                                                           interpreter=self.config.node_python),
                                timeout_s=self.config.sweep_timeout_s,
                                drained={x.name: x.reason for x in nodes if x.state is NodeState.DRAINED})
 

@@ -63,6 +63,7 @@ class EventKind(StrEnum):
     PROBE_UNKNOWN = "probe.unknown"
     PROBE_RUN_FILES = "probe.run_files"  # the run's own files missing on all its nodes: its fault
     PROBE_BROKER = "probe.broker"  # the broker answers none of the nodes probed: not theirs
+    PROBE_RUN_USER = "probe.run_user"  # the run's user exists on none of its nodes: its fault
     # Operators, drills, the daemon.
     COMMAND_ACCEPTED = "command.accepted"
     COMMAND_REJECTED = "command.rejected"

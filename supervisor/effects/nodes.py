@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import assert_never, get_args
 
 from supervisor import node_health
@@ -119,12 +120,12 @@ class NodeEffects(Family):
                 drained = {x.name: x.reason for x in tx.nodes_named(e.nodes) if x.state is NodeState.DRAINED}
         spec, run_dir = d.memory.spec(e.run_number) if e.run_number is not None else (None, None)
         run_spec = spec if isinstance(spec, RunSpec) else None
-        args = (*run_spec.health.probe_args(), *d.launch_specs.broker_probe_args()) if run_spec \
-            else d.probes.sweep_args
+        args = self._run_probe_args(run_spec, run_dir) if run_spec and run_dir else d.probes.sweep_args
         timeout_s = run_spec.health.timeout_s if run_spec else d.probes.sweep_timeout_s
         needs = trainer_cmd.node_requirements(run_spec, run_dir) if run_spec and run_dir else []
         d.probes.submit(run_number=e.run_number, kind=e.kind, nodes=list(e.nodes),
-                        argv=node_health.probe_argv(args, needs), timeout_s=timeout_s, round_=e.round,
+                        argv=node_health.probe_argv(args, needs, interpreter=d.launch_specs.node_python),
+                        timeout_s=timeout_s, round_=e.round,
                         allocation_info=info, drained=drained,
                         links=links_of(run_spec, e.kind, e.nodes, held) if run_spec else None)
 
@@ -135,8 +136,17 @@ class NodeEffects(Family):
         with d.store.tx() as tx:
             info = tx.get_run(e.run_number).allocation_info if e.run_number is not None else None
         d.probes.submit(run_number=e.run_number, kind=node_health.MANUAL, nodes=[e.node],
-                        argv=node_health.probe_argv(), timeout_s=MANUAL_TIMEOUT_S, allocation_info=info,
+                        argv=node_health.probe_argv(interpreter=d.launch_specs.node_python),
+                        timeout_s=MANUAL_TIMEOUT_S, allocation_info=info,
                         command_id=e.command_id)
+
+    def _run_probe_args(self, spec: RunSpec, run_dir: Path) -> tuple[str, ...]:
+        """A run's probe: its [health] keys, its checkpoint directory, the broker its ranks
+        will be told, the account they execute as (each proven on the node: health/host.py,
+        health/broker.py)."""
+        user = ("--run-user", spec.user) if spec.user else ()
+        checkpoints = ("--checkpoint-dir", str(trainer_cmd.checkpoint_dir(spec, run_dir)))
+        return (*spec.health.probe_args(), *checkpoints, *self.d.launch_specs.broker_probe_args(), *user)
 
     def _probe_for_run(self, a: Acting, e: ProbeNodes) -> None:
         if a.seen is None or a.seen.spec is None:
@@ -147,8 +157,8 @@ class NodeEffects(Family):
             held = [n.name for n in tx.allocation(run.number, drained=False)]
         needs = trainer_cmd.node_requirements(spec, a.seen.run_dir)
         d.probes.submit(run_number=run.number, kind=e.kind, nodes=list(e.nodes),
-                        argv=node_health.probe_argv((*spec.health.probe_args(),
-                                                     *d.launch_specs.broker_probe_args()), needs),
+                        argv=node_health.probe_argv(self._run_probe_args(spec, a.seen.run_dir), needs,
+                                                    interpreter=d.launch_specs.node_python),
                         timeout_s=spec.health.timeout_s, allocation_info=info,
                         links=links_of(spec, e.kind, e.nodes, held))
         d.post_event(run.number, EventKind.PROBE_STARTED, f"{e.kind} probe of {', '.join(e.nodes)}",

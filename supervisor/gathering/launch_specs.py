@@ -3,6 +3,7 @@ for both (a ``LaunchSpec``)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from supervisor.domain import Attempt, Run
@@ -18,10 +19,11 @@ class LaunchSpecs:
     telemetry settings its ranks get (the broker, and the attempt's own key and login)."""
 
     def __init__(self, telemetry: TelemetryView, *, mqtt_url: str | None,
-                 mqtt_ca_file: Path | None = None) -> None:
+                 mqtt_ca_file: Path | None = None, node_python: str = sys.executable) -> None:
         self.telemetry = telemetry
         self.mqtt_url = mqtt_url
         self.mqtt_ca_file = mqtt_ca_file
+        self.node_python = node_python  # the supervisor's node programs' interpreter on the nodes
 
     def broker_probe_args(self) -> tuple[str, ...]:
         """The options of ``python -m health`` that prove, from each node, the broker its
@@ -41,6 +43,8 @@ class LaunchSpecs:
         data_step = a.resume_step + 1 if skip_to_step is None else skip_to_step
         env = {**trainer_cmd.attempt_env(spec, run_dir, data_step, precompile=a.precompile is not None),
                **trainer_cmd.attempt_ids(run.run_id, a.number)}
+        if "TSUP_PYTHON" in env:  # the compile cache's sync runs on the node (trainer_cmd)
+            env["TSUP_PYTHON"] = self.node_python
         if self.mqtt_url:
             env["TSUP_MQTT_URL"] = self.mqtt_url
             env["TSUP_CLUSTER"] = self.telemetry.cluster

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from health.model import BROKER, RUN_FILES
+from health.model import BROKER, RUN_FILES, RUN_USER
 from supervisor import node_health
 from supervisor.domain import (
     CommandHandled,
@@ -79,6 +79,10 @@ def judge_probes(*, kind: str, run_number: int | None, round_: int, answers: Map
         out.append(Emit(kind=EventKind.PROBE_RUN_FILES, run_number=run_number, message=(
             f"{kind} probe: the run's own files are missing on every node it probed ({missing}): the run's "
             "fault, not its nodes': none is drained for it"), data={"nodes": sorted(records)}))
+    if RUN_USER in shared:
+        out.append(Emit(kind=EventKind.PROBE_RUN_USER, run_number=run_number, message=(
+            f"{kind} probe: the run's user exists on none of the nodes it probed: the run's fault (or the "
+            "cluster's accounts'), not its nodes': none is drained for it"), data={"nodes": sorted(records)}))
     if BROKER in shared:
         out.append(Emit(kind=EventKind.PROBE_BROKER, run_number=run_number, message=(
             f"{kind} probe: the MQTT broker answers none of the nodes it probed: the broker's or the "

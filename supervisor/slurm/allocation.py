@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pwd
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -398,6 +399,18 @@ class SlurmAllocations:
             return True
         log.warning("cannot give back allocation %s yet: %s", job, reply.why)
         return False
+
+
+def job_owner(info: str | None) -> users.RunAs | None:
+    """Who the run's job belongs to, to start a step in it as (Slurm lets nobody else, root
+    included); None: the daemon itself (its own job, none recorded, an owner gone)."""
+    uid = Alloc.load(info).uid
+    if uid is None or uid == os.geteuid():
+        return None
+    try:
+        return users.lookup(pwd.getpwuid(uid).pw_name)
+    except (KeyError, SpecError):
+        return None
 
 
 def uid_of(owner: users.RunAs | None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +23,10 @@ class SlurmCluster:
 
 def slurm_cluster(*, slurm_conf: str | None, state_dir: Path, poll_interval_s: float = 0.5,
                   options: SlurmOptions | None = None, admin_prefix: tuple[str, ...] = (),
-                  hyperpod: bool = False, bin_dir: Path | None = None) -> SlurmCluster:
+                  hyperpod: bool = False, bin_dir: Path | None = None,
+                  node_python: str = sys.executable) -> SlurmCluster:
     commands = SlurmCommands(slurm_conf=slurm_conf, admin_prefix=admin_prefix, bin_dir=bin_dir)
     state = SlurmState(commands, poll_interval_s=poll_interval_s)
-    launcher = SlurmLauncher(commands, state, state_dir=state_dir, options=options)
-    return SlurmCluster(commands, state, launcher,
-                        SlurmNodes(commands, state, prefix=launcher.prefix, hyperpod=hyperpod))
+    launcher = SlurmLauncher(commands, state, state_dir=state_dir, options=options, node_python=node_python)
+    return SlurmCluster(commands, state, launcher, SlurmNodes(commands, state, prefix=launcher.prefix,
+                                                              hyperpod=hyperpod, node_python=node_python))

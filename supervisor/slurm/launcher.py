@@ -82,8 +82,9 @@ class SlurmLauncher:
     kind = "slurm"
 
     def __init__(self, commands: SlurmCommands, state: SlurmState, *, state_dir: Path,
-                 options: SlurmOptions | None = None) -> None:
+                 options: SlurmOptions | None = None, node_python: str = sys.executable) -> None:
         self.commands = commands
+        self.node_python = node_python  # the node agents' interpreter on the nodes
         self.state = state
         self.options = options or SlurmOptions()
         self.state_dir = state_dir
@@ -253,7 +254,7 @@ class SlurmLauncher:
             log_path = spec.log_dir / ("srun-agent.log" if len(parts) == 1
                                        else f"srun-agent-{req.job_id}.log")
             try:
-                p = self.commands.start_step(agent_srun_argv(req, sys.executable), env=env | part.env,
+                p = self.commands.start_step(agent_srun_argv(req, self.node_python), env=env | part.env,
                                              log_path=log_path, user=run_as, log_base=spec.log_base)
             except (OSError, ValueError) as e:
                 log.warning("%s: cannot start the node agents: %s", req.step_name, e)

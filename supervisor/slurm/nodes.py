@@ -26,16 +26,18 @@ from __future__ import annotations
 import getpass
 import logging
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from health import links, wire
 from supervisor.errors import LaunchError
 from supervisor.link_steps import LinkTest, pair_step
-from supervisor.slurm.allocation import Alloc, recorded
+from supervisor.slurm.allocation import Alloc, job_owner, recorded
 from supervisor.slurm.commands import Reply, SlurmCommands
 from supervisor.slurm.parse import NodeInfo
 from supervisor.slurm.state import SlurmState
+from supervisor.users import RunAs
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +71,9 @@ def _short_why(reply: Reply) -> str:
 
 class SlurmNodes:
     def __init__(self, commands: SlurmCommands, state: SlurmState, *, prefix: str,
-                 hyperpod: bool = False) -> None:
+                 hyperpod: bool = False, node_python: str = sys.executable) -> None:
         self.commands = commands
+        self.node_python = node_python  # the link test's interpreter on the nodes
         self.state = state
         self.prefix = prefix  # job and reservation names: the daemon's own (launcher.prefix_for)
         self.hyperpod = hyperpod
@@ -120,7 +123,7 @@ class SlurmNodes:
             reply = self.commands.run(
                 ["srun", *where, f"--job-name={self.prefix}.probe", f"--nodes={len(some)}",
                  f"--nodelist={','.join(some)}", "--ntasks-per-node=1", "--kill-on-bad-exit=0", *argv],
-                timeout_s=timeout_s)
+                timeout_s=timeout_s, user=job_owner(allocation_info) if job else None)
             # srun exits non-zero when a probe says "unhealthy" (exit 2): read the output anyway.
             said = {node: text for node, text in wire.answers(reply.stdout).items() if node in some}
             if not reply.ok and not said:
@@ -141,17 +144,20 @@ class SlurmNodes:
         for pairs in links.ring_rounds(test.over):
             with ThreadPoolExecutor(max_workers=min(len(pairs), LINK_PAIRS_AT_ONCE),
                                     thread_name_prefix="link") as pool:
-                results += pool.map(lambda p: self._pair(test, p, job_of, table, place, timeout_s), pairs)
+                results += pool.map(lambda p: self._pair(test, p, job_of, table, place, timeout_s,
+                                                         job_owner(allocation_info)), pairs)
         return results
 
     def _pair(self, test: LinkTest, pair: tuple[str, str], job_of: Mapping[str, str | None],
-              table: Mapping[str, NodeInfo], place: Mapping[str, int], timeout_s: float) -> links.PairResult:
+              table: Mapping[str, NodeInfo], place: Mapping[str, int], timeout_s: float,
+              owner: RunAs | None) -> links.PairResult:
         job = job_of.get(pair[0])
         if job != job_of.get(pair[1]):
             return links.PairResult(pair, None, "its nodes are in two Slurm jobs")
         ordered = tuple(sorted(pair, key=lambda n: place.get(n, len(place))))
         addrs = tuple(info.addr if (info := table.get(n)) else n for n in ordered)
-        step = pair_step(test, (ordered[0], ordered[1]), (addrs[0], addrs[1]), timeout_s)
+        step = pair_step(test, (ordered[0], ordered[1]), (addrs[0], addrs[1]), timeout_s,
+                         interpreter=self.node_python)
         where = [f"--jobid={job}", "--overlap"] if job else ["--immediate=10", "--time=5"]
         per_node = step.tasks_per_node
         reply = self.commands.run(
@@ -160,7 +166,7 @@ class SlurmNodes:
              f"--ntasks-per-node={per_node}",
              *([f"--mpi={step.mpi}"] if step.mpi else []), "--kill-on-bad-exit=1",
              "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in step.env)]), *step.argv],
-            timeout_s=timeout_s)
+            timeout_s=timeout_s, user=owner if job else None)
         return links.pair_result(pair, reply.stdout, "" if reply.ok else _short_why(reply), tool=test.tool)
 
     def _by_job(self, nodes: Sequence[str],

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from slurmbox import box as box_mod
@@ -36,8 +37,8 @@ from supervisor import users
 from supervisor.slurm import parse
 from tests.chaos.test_slurm import train_sh_spec
 from tests.conftest import REPO, free_port, require, require_root, wait_for
-from tests.e2e.conftest import assert_same_weights, command_spec, ctl, port_open, slurm
-from tests.e2e.test_least_privilege import gone
+from tests.e2e.conftest import assert_same_weights, command_spec, ctl, db_rows, port_open, slurm
+from tests.e2e.test_least_privilege import gone, remove_user, system_user
 
 pytestmark = pytest.mark.e2e
 
@@ -187,3 +188,105 @@ def test_the_readme_install_on_the_multi_host_box(
             daemon.wait(30)
         except subprocess.TimeoutExpired:
             daemon.kill()
+
+
+HP_USER = "tsup-hp"  # the run user, as HyperPod's "ubuntu": an account every node has
+
+
+def test_the_hyperpod_profile_on_the_multi_host_box(
+        slurm_box4: Box, place: Path, tmp_path: Path, fsdp_never_failed: dict[str, Any]) -> None:
+    """README "On HyperPod": the node side from one venv on the shared file system, made
+    once (install-node --venv: the checkout's path and the `node` extra, no torch), each
+    node only checked with it; a root daemon whose runs execute as run_as; the broker's
+    port pinned (mqtt_bind) and dropped on node2 alone, as a security group would. The
+    preflight names node2 (the broker, from the node), it never trains; the link test,
+    which cannot import torch from the slim venv, blames no node; a node killed mid-run
+    gives way to the spare, and the run ends with the weights of a run that never failed."""
+    box = slurm_box4
+    fsx, shared, state, etc = place / "fsx", place / "shared", place / "state", place / "etc"
+    node_venv = fsx / "training-supervisor" / "node"
+    fsx.mkdir()
+    person = system_user(HP_USER, place)
+    try:
+        made = subprocess.run([str(REPO / "scripts" / "install-node"), "--venv", str(node_venv)], timeout=300,
+                              capture_output=True, text=True, check=False,
+                              env={**os.environ, "PYTHON": "/usr/bin/python3"})
+        assert made.returncode == 0 and "ready" in made.stdout, made.stdout + made.stderr
+        assert not list(node_venv.glob("lib/python*/site-packages/torch")), "the node side needs no torch"
+        broker_port, port = free_port(), free_port()
+        config = place / "hyperpod.toml"
+        config.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in {
+            "state_dir": str(state), "api_bind": f"127.0.0.1:{port}", "launcher": "slurm", "tick_s": 0.25,
+            "sweep_every_s": 0, "shared_dir": str(shared), "checkpoint_roots": [str(fsx)],
+            "slurm_conf": str(box.conf), "hyperpod": True, "run_as": HP_USER,
+            "node_python": str(node_venv / "bin" / "python"),
+            "mqtt_bind": f"{box.controller_addr}:{broker_port}"}.items()))
+        done = subprocess.run([str(REPO / "scripts" / "install-controller"), "--config", str(config), "--user",
+                               "root", "--etc", str(etc), "--no-start"], capture_output=True, text=True,
+                              timeout=600, check=False)
+        assert done.returncode == 0 and "root's own (Slurm's operator)" in done.stdout, done.stdout + done.stderr
+        unit = etc / "systemd" / "system" / "training-supervisor.service"
+        assert unit_settings(unit)["User"] == ["root"]
+        for node in box.nodes:  # nothing installed on a node: each one checked with the shared venv
+            done = subprocess.run(["nsenter", f"--net={NETNS_DIR / box.netns(node)}", "env", f"SLURMD_NODENAME={node}",
+                                   str(REPO / "scripts" / "install-node"), "--check", "--venv", str(node_venv),
+                                   "--run-user", HP_USER], capture_output=True, text=True, timeout=300, check=False)
+            assert done.returncode == 0 and f"install-node ({node}): ready" in done.stdout, done.stdout + done.stderr
+            assert f"the run's user {HP_USER} is uid {person.uid} here" in done.stdout
+
+        os.chown(fsx, person.uid, person.gid)  # the run's user keeps its checkpoints there
+        with (etc / "training-supervisor" / "environment").open("a") as f:
+            f.write(f"SLURM_CONF={box.conf}\n")
+        box_mod.block_port(box, "node2", broker_port)
+        log = place / "daemon.log"
+        daemon = start_as_the_unit(unit, log)
+        try:
+            wait_for(lambda: port_open(port) or daemon.poll() is not None, 60, "the API to listen")
+            assert daemon.poll() is None, log.read_text()
+            url, token = f"http://127.0.0.1:{port}", {"TSUP_API_TOKEN_FILE": str(state / "api-token")}
+
+            def supervisorctl(*args: str) -> Any:
+                proc = ctl(url, "--json", *args, extra_env=token)
+                assert proc.returncode == 0, proc.stderr + log.read_text()[-3000:]
+                return json.loads(proc.stdout)
+
+            spec = train_sh_spec(tmp_path)
+            text = spec.read_text().replace('"{run_dir}/checkpoints"', json.dumps(str(fsx / "ck")))
+            spec.write_text(text + "[health]\npreflight = true\ntimeout_s = 30\n")
+            run_id = supervisorctl("submit", str(spec))["run_id"]
+            try:
+                status = wait_for(lambda: (d := supervisorctl("status", run_id))["step"] and d["step"] >= 15 and d,
+                                  300, "step 15 on the box")
+            except AssertionError:
+                events = ctl(url, "events", run_id, extra_env=token).stdout
+                raise AssertionError(f"{events[-6000:]}\n{log.read_text()[-4000:]}") from None
+            first = status["attempt_history"][-1]["nodes"]
+            assert "node2" not in first, first
+            nodes = {n["name"]: n for n in supervisorctl("nodes")}
+            assert nodes["node2"]["state"] == "DRAINED", nodes["node2"]
+            assert f":{broker_port} from this node: no connection in 5 s" in nodes["node2"]["reason"], nodes["node2"]
+            probes = db_rows(state, "SELECT node, kind, status FROM probes ORDER BY id")
+            assert probes.count(("node2", "preflight", "unhealthy")) == 2, "confirmed by a second probe"
+            assert [p for p in probes if p[0] != "node2" and p[2] != "healthy"] == [], probes
+            agents = [p for p in psutil.process_iter(["cmdline", "uids"])
+                      if (p.info["cmdline"] or [])[1:3] == ["-m", "node.agent"]]
+            assert agents and {p.info["cmdline"][0] for p in agents} == {str(node_venv / "bin" / "python")}
+            ranks = [p for p in psutil.process_iter(["environ", "uids"]) if (p.info["environ"] or {}).get(
+                "TSUP_RUN_ID") == run_id and (p.info["environ"] or {}).get("RANK") is not None]
+            assert ranks and {p.info["uids"].real for p in ranks} == {person.uid}, "the run executes as run_as"
+
+            victim = first[1]
+            assert box_mod.kill_node(box, victim)
+            final = wait_for(lambda: (d := supervisorctl("status", run_id))["state"] in ("SUCCEEDED", "FAILED")
+                             and d, 400, "the run to end", interval_s=1.0)
+            assert final["state"] == "SUCCEEDED", final
+            assert final["attempts"] >= 2 and all("node2" not in a["nodes"] for a in final["attempt_history"])
+            assert_same_weights(shared / "runs" / "run-1" / "final.pt", fsdp_never_failed)
+        finally:
+            daemon.terminate()
+            try:
+                daemon.wait(30)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+    finally:
+        remove_user(person)

@@ -1,29 +1,17 @@
-"""The network as the preflight finds it on the Slurm box, whose nodes are separate hosts
-(network namespaces joined by a bridge): the link test, an all-reduce between nodes, with
-one node's link slowed by ``tc`` or down (health/links.py, supervisor/slurm/nodes.py:
-``probe_links``); and the broker, proven from each node, with one node's way to it
-blocked by nftables (health/broker.py)."""
+"""The link test on the Slurm box: an all-reduce between nodes that are separate hosts
+(network namespaces joined by a bridge), one node's link slowed by ``tc`` or down
+(health/links.py, supervisor/slurm/nodes.py: ``probe_links``). The broker proven from
+each node, with one node's way to it blocked by nftables: tests/e2e/test_install.py."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from slurmbox.box import (
-    Box,
-    block_port,
-    heal_node,
-    partition_node,
-    set_slurmd_timeout,
-    throttle_node,
-    unblock_port,
-    unthrottle_node,
-)
-from supervisor.ports import free_port
+from slurmbox.box import Box, heal_node, partition_node, set_slurmd_timeout, throttle_node, unthrottle_node
 from supervisor.slurm import parse
 from supervisor.slurm.parse import NodeInfo
 from tests.e2e.conftest import db_rows, slurm, spec_for_slurm, summary_of, tsup
@@ -95,27 +83,3 @@ def test_a_node_cut_off_at_preflight_is_named_by_the_link_test_and_drained_never
     assert ("node2", "preflight", "unhealthy") in probes
     assert [p for p in probes if p[0] != "node2" and p[2] != "healthy"] == [], probes
 
-
-def test_a_node_that_cannot_reach_the_broker_is_named_by_the_preflight_and_never_trains(
-        slurm_box: Box, fault_free: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """node2's outgoing TCP to the broker's port dropped (a security group that lets Slurm
-    through but not the broker): Slurm, srun and the link test reach it as ever, so only a
-    probe that connects from the node to the broker, as its ranks will, finds that it would
-    train with nothing heard. Named, confirmed, drained with the address and why; the run
-    trains on node1 and the spare and ends with the weights of a run that never failed."""
-    monkeypatch.setenv("SLURM_CONF", str(slurm_box.conf))
-    port = free_port()
-    (tmp_path / "state").mkdir()
-    (tmp_path / "state" / "broker.json").write_text(json.dumps({"port": port}))  # where it will listen
-    s, node2 = run_with_node2_broken(slurm_box, tmp_path, "preflight = true\ntimeout_s = 30\n", fault_free,
-                                     lambda: block_port(slurm_box, "node2", port),
-                                     lambda: unblock_port(slurm_box, "node2"))
-    assert s["faults"] == [] and s["attempts"] == 1, "node2 never got the trainer"
-    assert s["attempt_history"][0]["nodes"] == ["node1", "node3"] and s["drained_nodes"] == ["node2"]
-    assert "DRAIN" in node2.flags
-    assert node2.reason.startswith("training-supervisor: probe: broker: cannot reach the broker mqtt://"), \
-        node2.reason
-    assert f":{port} from this node: no connection in 5 s" in node2.reason, node2.reason
-    probes = db_rows(tmp_path / "state", "SELECT node, kind, status FROM probes ORDER BY id")
-    assert probes.count(("node2", "preflight", "unhealthy")) == 2, "confirmed by a second probe"
-    assert [p for p in probes if p[0] != "node2" and p[2] != "healthy"] == [], probes

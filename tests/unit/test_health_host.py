@@ -159,3 +159,9 @@ def test_the_leftover_evidence_names_ten_pids_and_counts_the_rest(monkeypatch: p
     assert found.status is Status.DEGRADED
     assert found.evidence == ("12 trainer process(es) running: pids 100, 101, 102, 103, 104, 105, 106, 107,"
                               " 108, 109 and 2 more")
+
+
+def test_the_runs_user_is_known_here_or_the_node_cannot_start_its_processes() -> None:
+    assert host.run_user("root").status is Status.HEALTHY and "uid 0" in host.run_user("root").evidence
+    missing = host.run_user("tsup-nobody-here")
+    assert missing.status is Status.UNHEALTHY and "does not exist on this node" in missing.evidence

@@ -159,3 +159,22 @@ def test_an_operators_probe_of_a_node_another_round_probes_waits_in_the_queue() 
     assert node_command(cmd, node, probing=True) == []
     assert node_command(cmd, node) == [ProbeNode(node="n1", run_number=4, command_id=3)]
     assert [type(e).__name__ for e in node_command(cmd, None)] == ["CommandHandled", "Emit"], "no such node"
+
+
+def test_a_run_user_missing_on_one_node_drains_it_and_on_every_node_none() -> None:
+    """A replacement whose lifecycle script did not create the account cannot start the
+    run's processes: drained. No node knowing the user is the run's or the accounts' fault."""
+    from supervisor.domain import DrainNode, Emit
+    from supervisor.policy.nodes import judge_probes
+
+    def judged(answers: dict[str, str | None]) -> list[object]:
+        history = {n: [node_health.record(n, answers[n], "preflight", 1, 0.0)] for n in answers}
+        return list(judge_probes(kind="preflight", run_number=1, round_=1, answers=answers, known={},
+                                 history=history, return_after=0, now=1.0))
+
+    unknown = {n: _answer(n, ("run-user", "unhealthy")) for n in ("n1", "n2")}
+    known = _answer("n1", ("run-user", "healthy"))
+    assert [e.node for e in judged({"n1": known, "n2": unknown["n2"]}) if isinstance(e, DrainNode)] == ["n2"]
+    out = judged(dict(unknown))
+    assert not [e for e in out if isinstance(e, DrainNode)]
+    assert [e.kind for e in out if isinstance(e, Emit) and e.kind.startswith("probe.run")] == ["probe.run_user"]
