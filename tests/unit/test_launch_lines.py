@@ -90,7 +90,8 @@ def test_p5_step_is_the_users_torchrun_of_8_ranks_per_node(tmp_path: Path) -> No
     srun = plan["srun"]
     assert {"--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "-l"} <= set(srun)
     argv = trainer_part(srun)
-    assert argv[:6] == ["torchrun", "--nproc_per_node=8", "--nnodes=4", "--rdzv_id=run-N.a1",
+    torchrun = "/fsx/awsome-distributed-training/3.test_cases/pytorch/FSDP/env/bin/torchrun"
+    assert argv[:6] == [torchrun, "--nproc_per_node=8", "--nnodes=4", "--rdzv_id=run-N.a1",
                         "--rdzv_backend=c10d", "--rdzv_endpoint=<address of the first node>:<port>"]
     assert argv[6].endswith("3.test_cases/pytorch/FSDP/src/train.py")
     env = plan["srun_env"]
@@ -239,3 +240,15 @@ def test_an_nxd_training_example_is_the_seeds_job_line_for_line(example: str, se
             assert {"--ntasks-per-node=1", f"--chdir={TRAIN_SH_DIR}"} <= set(srun)
         else:
             raise AssertionError(f"a line of the seed this test does not check: {line!r}")
+
+
+def test_the_p5_examples_torchrun_is_the_test_cases_venvs_and_the_preflight_checks_it(tmp_path: Path) -> None:
+    """Under the unit's PATH no venv is activated: a bare `torchrun` was not found and the
+    first launch failed "cannot execute", with nothing said earlier."""
+    from supervisor.runfiles import trainer_cmd
+    from supervisor.spec import load_spec
+
+    spec = load_spec(P5)
+    assert spec.health.preflight
+    assert trainer_cmd.node_requirements(spec, tmp_path) == [
+        "/fsx/awsome-distributed-training/3.test_cases/pytorch/FSDP/env/bin/torchrun"]
