@@ -183,7 +183,8 @@ AGENT_MODULE = "node.agent"
 def agent_srun_argv(req: StepRequest, python: str) -> list[str]:
     """The attempt's node agents (node/agent.py) as a step of their own: one task on
     each of the attempt's nodes, overlapping the trainer's step, run by ``python`` (the
-    daemon's interpreter, at the same path on every node), output in ``agent-<task>.log``."""
+    config's node_python, else the daemon's interpreter at the same path on every node),
+    output in ``agent-<task>.log``."""
     return [
         "srun", f"--jobid={req.job_id}", f"--job-name={req.step_name}", f"--nodes={len(req.nodes)}",
         f"--nodelist={','.join(req.nodes)}", f"--ntasks={len(req.nodes)}", "--ntasks-per-node=1",

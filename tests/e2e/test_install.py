@@ -268,11 +268,13 @@ def test_the_hyperpod_profile_on_the_multi_host_box(
             probes = db_rows(state, "SELECT node, kind, status FROM probes ORDER BY id")
             assert probes.count(("node2", "preflight", "unhealthy")) == 2, "confirmed by a second probe"
             assert [p for p in probes if p[0] != "node2" and p[2] != "healthy"] == [], probes
-            agents = [p for p in psutil.process_iter(["cmdline", "uids"])
-                      if (p.info["cmdline"] or [])[1:3] == ["-m", "node.agent"]]
+            ours = str(shared / "runs" / run_id)  # other tests' daemons and agents share this host
+            agents = [p for p in psutil.process_iter(["cmdline", "environ"])
+                      if (p.info["cmdline"] or [])[1:3] == ["-m", "node.agent"]
+                      and (p.info["environ"] or {}).get("TSUP_MARKER", "").startswith(ours)]
             assert agents and {p.info["cmdline"][0] for p in agents} == {str(node_venv / "bin" / "python")}
             ranks = [p for p in psutil.process_iter(["environ", "uids"]) if (p.info["environ"] or {}).get(
-                "TSUP_RUN_ID") == run_id and (p.info["environ"] or {}).get("RANK") is not None]
+                "TSUP_MARKER", "").startswith(ours) and (p.info["environ"] or {}).get("RANK") is not None]
             assert ranks and {p.info["uids"].real for p in ranks} == {person.uid}, "the run executes as run_as"
 
             victim = first[1]

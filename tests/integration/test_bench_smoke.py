@@ -397,3 +397,10 @@ def test_link_test_bench_names_only_the_throttled_node_on_the_slurm_box() -> Non
     assert clean["trials"] == 1 and len(clean["each"][0]["pairs"]) == 3, clean
     assert throttled["correct"] == 1 and throttled["each"][0]["named"] == ["node3"], throttled
     assert clean["seconds"]["median"] > 0 and clean["busbw_gbps"]["min"] > throttled["busbw_gbps"]["min"]
+
+
+def test_webhooks_bench_says_each_notices_latency_and_the_cost_of_an_outage() -> None:
+    report = run_bench("webhooks.py", "--events", 5, "--outage-s", 0.5, timeout_s=120)
+    assert_keys(report, "events outage_s latency_ms backlog_delivered_s_after_return lost twice", "top level")
+    assert_keys(report["latency_ms"], "p50 p99 max", "latency_ms")
+    assert report["events"] == 5 and report["lost"] == 0 and report["twice"] == 0
