@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -54,7 +55,7 @@ class StepLog:
 
             tqdm.write(line)
         else:
-            print(line, flush=True)
+            print_line(line)
 
     def step(self, step: int, s: StepStats) -> None:
         if not self._is_main:
@@ -70,7 +71,7 @@ class StepLog:
             self._bar.set_postfix_str(numbers)
         elif (step % self._config.log_every_steps == 0 or step == self._config.steps
               or math.isfinite(s.val_loss)):
-            print(f"step {step}/{self._config.steps} {numbers}", flush=True)
+            print_line(f"step {step}/{self._config.steps} {numbers}")
         if self._writer is None and self._board is not None:
             # Opened at the attempt's first step: points an earlier attempt wrote from this
             # step on (redone after a resume) are purged, so each step has one point.
@@ -103,3 +104,15 @@ def _tensorboard_writer(directory: Path, purge_step: int) -> Any:
 
 def _percent(value: float) -> str:
     return f"{value:.2%}" if math.isfinite(value) else "n/a"
+
+
+_OUT = threading.Lock()
+
+
+def print_line(text: str) -> None:
+    """One whole line on stdout. print() writes the text and its newline apart, so a
+    background save's line could land between a step's text and its newline, and a
+    reader of the log (the daemon, a bench) would find neither line."""
+    with _OUT:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()

@@ -43,7 +43,7 @@ from trainer.persist import PersistentSaves
 from trainer.restore import restore
 from trainer.result import StepStats, TrainResult
 from trainer.telemetry import Telemetry
-from trainer.tracking import StepLog
+from trainer.tracking import StepLog, print_line
 from wire import TIER_MEMORY, Phase
 from wire.errors import EXIT_OK, exit_code_for
 from wire.files import RESULT_FILE
@@ -448,7 +448,7 @@ class _Runner:
         if key in self._injected:
             return
         self._injected.add(key)
-        print(f"chaos: {fault} fired at step {step} on rank {self.ctx.rank}: {detail}", flush=True)
+        print_line(f"chaos: {fault} fired at step {step} on rank {self.ctx.rank}: {detail}")
         self.telemetry.fault_injected(action=str(fault), step=step, detail=detail)
 
     def _say(self, line: str) -> None:
