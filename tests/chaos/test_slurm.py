@@ -259,7 +259,10 @@ def test_an_allocation_ended_by_slurm_is_replaced_and_the_run_resumes(
                                                       str(state), "--json"], scancel_at_step_45)
     [job] = cancelled
     assert s["state"] == "SUCCEEDED" and s["model_digest"] == fault_free["model_digest"]
-    assert s["attempts"] == 2 and s["attempt_history"][1]["resume_step"] == 40
+    # From the newest checkpoint the first attempt committed: step 40 as a rule, 60 where a
+    # loaded host let it train past step 60 before the scancel landed (seen in `make chaos`).
+    [(newest,)] = db_rows(state, "SELECT max(step) FROM checkpoints WHERE attempt = 1 AND complete")
+    assert s["attempts"] == 2 and newest >= 40 and s["attempt_history"][1]["resume_step"] == newest, (newest, s)
     infos = [json.loads(i) for (i,) in db_rows(state, "SELECT launch_info FROM attempts ORDER BY number")]
     assert infos[0]["job"] == job and infos[1]["job"] == job, "the same job for the second attempt"
     again = parse.parse_key_values(slurm(slurm_box, "scontrol", "-o", "show", "job", job))
