@@ -24,7 +24,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,25 @@ def start_as_the_unit(unit: Path, log: Path) -> subprocess.Popen[bytes]:
                              *writable], stdout=log.open("ab"), stderr=subprocess.STDOUT, env=environment)
 
 
+def stop_the_unit(daemon: subprocess.Popen[bytes]) -> None:
+    daemon.terminate()
+    try:
+        daemon.wait(30)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+
+
+def unit_ctl(url: str, token: dict[str, str], log: Path) -> Callable[..., Any]:
+    """`supervisorctl --json ARGS` against the installed daemon, its JSON; a failure shows
+    the daemon's log."""
+    def supervisorctl(*args: str) -> Any:
+        proc = ctl(url, "--json", *args, extra_env=token)
+        assert proc.returncode == 0, proc.stderr + log.read_text()[-3000:]
+        return json.loads(proc.stdout)
+
+    return supervisorctl
+
+
 def test_the_readme_install_on_the_multi_host_box(
         slurm_box: Box, place: Path, tmp_path: Path, fsdp_never_failed: dict[str, Any]) -> None:
     state, shared, fsx, etc = place / "state", place / "shared", place / "fsx", place / "etc"
@@ -142,10 +161,7 @@ def test_the_readme_install_on_the_multi_host_box(
         token = {"TSUP_API_TOKEN_FILE": str(state / "api-token")}
         url = f"http://127.0.0.1:{port}"
 
-        def supervisorctl(*args: str) -> Any:
-            proc = ctl(url, "--json", *args, extra_env=token)
-            assert proc.returncode == 0, proc.stderr + log.read_text()[-3000:]
-            return json.loads(proc.stdout)
+        supervisorctl = unit_ctl(url, token, log)
 
         elsewhere = place / "elsewhere"  # the run's user may write it; the unit keeps the daemon out
         elsewhere.mkdir()
@@ -183,11 +199,7 @@ def test_the_readme_install_on_the_multi_host_box(
         assert final["attempt_history"][-1]["resume_step"] == 20
         assert_same_weights(shared / "runs" / "run-1" / "final.pt", fsdp_never_failed)
     finally:
-        daemon.terminate()
-        try:
-            daemon.wait(30)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
+        stop_the_unit(daemon)
 
 
 HP_USER = "tsup-hp"  # the run user, as HyperPod's "ubuntu": an account every node has
@@ -245,10 +257,7 @@ def test_the_hyperpod_profile_on_the_multi_host_box(
             assert daemon.poll() is None, log.read_text()
             url, token = f"http://127.0.0.1:{port}", {"TSUP_API_TOKEN_FILE": str(state / "api-token")}
 
-            def supervisorctl(*args: str) -> Any:
-                proc = ctl(url, "--json", *args, extra_env=token)
-                assert proc.returncode == 0, proc.stderr + log.read_text()[-3000:]
-                return json.loads(proc.stdout)
+            supervisorctl = unit_ctl(url, token, log)
 
             spec = train_sh_spec(tmp_path)
             text = spec.read_text().replace('"{run_dir}/checkpoints"', json.dumps(str(fsx / "ck")))
@@ -285,10 +294,6 @@ def test_the_hyperpod_profile_on_the_multi_host_box(
             assert final["attempts"] >= 2 and all("node2" not in a["nodes"] for a in final["attempt_history"])
             assert_same_weights(shared / "runs" / "run-1" / "final.pt", fsdp_never_failed)
         finally:
-            daemon.terminate()
-            try:
-                daemon.wait(30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
+            stop_the_unit(daemon)
     finally:
         remove_user(person)
